@@ -1,0 +1,47 @@
+"""shardops: explicit tensor parallelism for JAX.
+
+Column- and row-parallel dense layers written by hand inside ``jax.shard_map``, with every
+collective spelled out, and verified against the unsharded layer.
+"""
+
+from shardops import testing
+from shardops._axes import DATA_AXIS, MODEL_AXIS
+from shardops._hlo import KINDS as COLLECTIVE_KINDS
+from shardops._hlo import Collective, collectives, hlo_collectives
+from shardops._kernels import column_parallel_dense_kernel, row_parallel_dense_kernel
+from shardops._layers import (
+    DenseSpecs,
+    column_parallel_dense,
+    column_parallel_specs,
+    row_parallel_dense,
+    row_parallel_specs,
+)
+from shardops._mesh import axis_size, make_mesh
+from shardops._params import dense, init_dense, shard_params
+from shardops._precision import BFLOAT16, FLOAT32, MIXED_BFLOAT16, Precision
+
+__all__ = [
+    "BFLOAT16",
+    "COLLECTIVE_KINDS",
+    "DATA_AXIS",
+    "FLOAT32",
+    "MIXED_BFLOAT16",
+    "MODEL_AXIS",
+    "Collective",
+    "DenseSpecs",
+    "Precision",
+    "axis_size",
+    "collectives",
+    "column_parallel_dense",
+    "column_parallel_dense_kernel",
+    "column_parallel_specs",
+    "dense",
+    "hlo_collectives",
+    "init_dense",
+    "make_mesh",
+    "row_parallel_dense",
+    "row_parallel_dense_kernel",
+    "row_parallel_specs",
+    "shard_params",
+    "testing",
+]

@@ -1,0 +1,127 @@
+"""Building meshes and checking that arrays divide over them.
+
+All sharding arithmetic of shardops (axis sizes, divisibility, PartitionSpec entries) lives in
+this module, so that every layer reports a bad layout with the same words.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
+
+_AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+
+
+def make_mesh(
+    axis_sizes: Mapping[str, int],
+    *,
+    axis_types: str = "auto",
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """Build a device mesh from named axis sizes, e.g. ``{"data": 4, "model": 2}``.
+
+    Arguments:
+        axis_sizes: mesh axis name → size, major axis first. The product is the number of
+            devices used; it may be smaller than the number available (the first ones are used).
+        axis_types: ``"auto"`` (default) or ``"explicit"``, applied to every axis. shardops'
+            layers accept both. On an ``"auto"`` mesh, an input laid out differently from what a
+            layer expects is moved into place by XLA at the layer boundary; on an
+            ``"explicit"`` mesh (``jax.make_mesh``'s default since JAX 0.8) that is an error
+            naming the fix.
+        devices: the devices to use, defaulting to ``jax.devices()``.
+
+    Returns:
+        A ``jax.sharding.Mesh`` whose ``devices`` array has shape ``tuple(axis_sizes.values())``.
+    """
+    if not isinstance(axis_sizes, Mapping) or not axis_sizes:
+        raise TypeError(
+            f"axis_sizes must be a non-empty mapping of axis name to size, e.g. "
+            f"{{'data': 4, 'model': 2}}; got {axis_sizes!r}"
+        )
+    for name, size in axis_sizes.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"mesh axis names must be non-empty strings; got {name!r}")
+        if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
+            raise ValueError(f"mesh axis {name!r} must have a positive integer size; got {size!r}")
+    if axis_types not in _AXIS_TYPES:
+        raise ValueError(f"axis_types must be one of {sorted(_AXIS_TYPES)}; got {axis_types!r}")
+
+    available = list(jax.devices() if devices is None else devices)
+    needed = math.prod(axis_sizes.values())
+    if needed > len(available):
+        sizes = " × ".join(f"{n}={s}" for n, s in axis_sizes.items())
+        platform = available[0].platform if available else "none"
+        raise ValueError(
+            f"mesh ({sizes}) needs {needed} devices but only {len(available)} are available "
+            f"(platform {platform}). Use smaller axis sizes, or on CPU simulate devices by "
+            f"setting XLA_FLAGS=--xla_force_host_platform_device_count={needed} (or "
+            f"jax.config.update('jax_num_cpu_devices', {needed})) before JAX initialises."
+        )
+    grid = np.array(available[:needed], dtype=object).reshape(tuple(axis_sizes.values()))
+    kind = _AXIS_TYPES[axis_types]
+    return Mesh(grid, tuple(axis_sizes), axis_types=(kind,) * len(axis_sizes))
+
+
+def axis_size(mesh: Mesh, axis_name: str | None, *, argument: str = "axis_name") -> int:
+    """Size of mesh axis ``axis_name`` (1 for ``None``), with an error naming the mesh's axes."""
+    if axis_name is None:
+        return 1
+    if axis_name not in mesh.shape:
+        raise ValueError(
+            f"{argument}={axis_name!r} is not an axis of the mesh; the mesh has axes "
+            f"{tuple(mesh.axis_names)} with sizes {dict(mesh.shape)}. Pass one of those names, "
+            f"or build the mesh with shardops.make_mesh({{..., {axis_name!r}: size}})."
+        )
+    return mesh.shape[axis_name]
+
+
+def spec_entry(*axis_names: str | None) -> str | tuple[str, ...] | None:
+    """One PartitionSpec entry for a dimension split over ``axis_names`` (major first).
+
+    ``None`` names are dropped: ``spec_entry(None, "model") == "model"``,
+    ``spec_entry("data", "model") == ("data", "model")``, ``spec_entry(None) is None``.
+    """
+    names = tuple(n for n in axis_names if n is not None)
+    if not names:
+        return None
+    return names[0] if len(names) == 1 else names
+
+
+def check_divisible(
+    *, argument: str, dim: int, dim_name: str, size: int, mesh: Mesh, axes: Sequence[str | None]
+) -> None:
+    """Raise a ``ValueError`` unless ``size`` divides evenly over the product of ``axes``."""
+    names = tuple(a for a in axes if a is not None)
+    parts = math.prod(mesh.shape[a] for a in names)
+    if size % parts:
+        over = " × ".join(f"{a!r} (size {mesh.shape[a]})" for a in names)
+        multiple = f"a multiple of {parts}"
+        raise ValueError(
+            f"{argument} dim {dim} ({dim_name}) = {size} is not divisible by mesh axis {over}"
+            f"{f' = {parts}' if len(names) > 1 else ''}; choose {multiple} or a mesh whose "
+            f"{'axes divide' if len(names) > 1 else 'axis divides'} {size}. Uneven shapes "
+            f"(padding) are not supported yet."
+        )
+
+
+def normalized_spec(spec: P, ndim: int) -> tuple[tuple[str, ...], ...]:
+    """A PartitionSpec as one tuple of axis names per dimension, padded to ``ndim``.
+
+    ``P("data")`` and ``P(("data",), None)`` both become ``(("data",), ())`` for ndim 2, so
+    specs that mean the same layout compare equal.
+    """
+    entries = list(spec) + [None] * (ndim - len(spec))
+    out = []
+    for entry in entries:
+        if entry is None:
+            out.append(())
+        elif isinstance(entry, tuple):
+            out.append(tuple(entry))
+        else:
+            out.append((entry,))
+    return tuple(out)
