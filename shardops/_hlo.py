@@ -1,14 +1,14 @@
 """Reading the collectives of a compiled program from its HLO text.
 
-``collectives(fn, *args, mesh=mesh)`` compiles ``fn`` and returns one ``Collective`` per
+``collectives(mesh, fn, *args)`` compiles ``fn`` and returns one ``Collective`` per
 collective op: its kind, result shapes and dtype, the mesh axes its replica groups span, and its
 bytes. It parses:
 
 - tuple-shaped collectives with many operands (XLA combines them; long tuples carry
   ``/*index=N*/`` comments);
 - async ``-start``/``-done`` pairs, counted once (with the ``-done``'s result shapes);
-- explicit (``{{0,1},{2,3}}``) and iota (``[4,2]<=[8]``, ``[2,4]<=[4,2]T(1,0)``) replica groups,
-  in logical device ids (positions in ``mesh.devices.flat``), including non-contiguous groups
+- explicit (``{{0,1},{2,3}}``), iota (``[4,2]<=[8]``, ``[2,4]<=[4,2]T(1,0)``) and mesh-axes
+  (``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}``, sub-axes included) replica groups, in logical device ids (positions in ``mesh.devices.flat``), including non-contiguous groups
   such as ``data`` = {0,2,4,6} on a 4×2 mesh.
 
 ``bytes`` is the size V of the full tensor(s) the collective reduces or assembles: the result
@@ -82,12 +82,24 @@ class Collective:
         return tuple(d for d, _ in self.shapes)
 
 
-def collectives(fn, *args, mesh: Mesh, **kwargs) -> list[Collective]:
-    """Compile ``fn(*args, **kwargs)`` (a jitted function, or any callable) and list its collectives."""
+def collectives(mesh: Mesh, fn, /, *args, **kwargs) -> list[Collective]:
+    """List the collectives of ``fn(*args, **kwargs)`` compiled over ``mesh``.
+
+    ``fn`` is a callable (jitted or not; it is lowered with the arguments and compiled), a
+    ``jax.stages.Lowered`` or a ``jax.stages.Compiled``.
+    """
     import jax
 
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    return hlo_collectives(jitted.lower(*args, **kwargs).compile().as_text(), mesh)
+    if isinstance(fn, jax.stages.Lowered):
+        fn = fn.compile()
+    if not isinstance(fn, jax.stages.Compiled):
+        if not callable(fn):
+            raise TypeError(
+                f"collectives: fn must be a callable, Lowered or Compiled; got {type(fn).__name__}"
+            )
+        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+        fn = jitted.lower(*args, **kwargs).compile()
+    return hlo_collectives(fn.as_text(), mesh)
 
 
 def hlo_collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
@@ -139,14 +151,12 @@ def _collective(kind: str, type_text: str, attrs: str, mesh: Mesh) -> Collective
 
 
 def _replica_groups(attrs: str, n_devices: int) -> list[tuple[int, ...]]:
-    iota = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)
+    mesh_axes = _MESH_GROUPS.search(attrs)
+    if mesh_axes:
+        return _mesh_axes_groups(mesh_axes)
+    iota = re.search(r"replica_groups=(\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?)", attrs)
     if iota:
-        group_shape = [int(v) for v in iota[1].split(",")]
-        reshape = [int(v) for v in iota[2].split(",")]
-        ids = np.arange(math.prod(reshape)).reshape(reshape)
-        if iota[3]:
-            ids = ids.transpose([int(v) for v in iota[3].split(",")])
-        return [tuple(int(i) for i in g) for g in ids.reshape(group_shape)]
+        return [tuple(int(i) for i in g) for g in _iota(iota[1])]
     explicit = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", attrs)
     if explicit and explicit[1]:
         return [
@@ -154,6 +164,57 @@ def _replica_groups(attrs: str, n_devices: int) -> list[tuple[int, ...]]:
             for g in re.findall(r"\{([0-9,]*)\}", explicit[1])
         ]
     return [tuple(range(n_devices))]  # replica_groups={} or absent: one group of all devices
+
+
+# Shardy-style groups: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, optionally with
+# ", device_ids=(...)" after the mesh and sub-axes written 'axis_0':(pre_size)size.
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?"
+    r"\s*\{(?P<group>[^}]*)\}"
+)
+
+
+def _iota(text: str) -> np.ndarray:
+    """``[4,2]<=[8]`` or ``[2,4]<=[4,2]T(1,0)``: iota(reshape) transposed, then reshaped."""
+    m = re.fullmatch(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text.strip())
+    if not m:
+        raise ValueError(f"cannot parse iota device list {text!r}")
+    shape = [int(v) for v in m[1].split(",")]
+    reshape = [int(v) for v in m[2].split(",")]
+    ids = np.arange(math.prod(reshape)).reshape(reshape)
+    if m[3]:
+        ids = ids.transpose([int(v) for v in m[3].split(",")])
+    return ids.reshape(shape)
+
+
+def _mesh_axes_groups(m: re.Match) -> list[tuple[int, ...]]:
+    names, sizes = [], []
+    for entry in m["axes"].split(","):
+        name, size = entry.rsplit("=", 1)
+        names.append(name.strip().strip("'\""))
+        sizes.append(int(size))
+    if m["ids"]:
+        ids = m["ids"]
+        flat = _iota(ids).ravel() if "<=" in ids else [int(v) for v in re.findall(r"\d+", ids)]
+        device_ids = np.asarray(flat).reshape(sizes)
+    else:
+        device_ids = np.arange(math.prod(sizes)).reshape(sizes)
+    # Each grouped (sub-)axis is a digit of a device's mesh coordinate: devices that agree on
+    # every other digit form one group. A sub-axis (pre_size)size of an axis of size n is the
+    # digit (coord // (n // (pre_size*size))) % size.
+    grouped = []
+    for ref in filter(None, (r.strip() for r in m["group"].split(","))):
+        sub = re.fullmatch(r"['\"]?([^'\":]+)['\"]?(?::\((\d+)\)(\d+))?", ref)
+        axis = names.index(sub[1])
+        pre, size = (int(sub[2]), int(sub[3])) if sub[2] else (1, sizes[axis])
+        grouped.append((axis, sizes[axis] // (pre * size), size))
+    groups: dict[tuple, list[int]] = {}
+    for coord in np.ndindex(*sizes):
+        key = list(coord)
+        for axis, post, size in grouped:
+            key[axis] -= (coord[axis] // post % size) * post  # drop this digit
+        groups.setdefault(tuple(key), []).append(int(device_ids[coord]))
+    return [tuple(g) for g in groups.values()]
 
 
 def _permute_pairs(attrs: str) -> list[tuple[int, int]]:

@@ -11,7 +11,7 @@ result with an exact float64 reference and allow, elementwise,
 
 where ``A`` is the same product on absolute values (``Σ_k |x_k||w_k|``), ``eps`` is the machine
 epsilon (2u) of a dtype, ``accum`` the accumulation dtype and ``out`` the dtype the result is
-stored in. Reasoning: any summation order of K products satisfies
+stored in (the compute dtype). Reasoning: any summation order of K products satisfies
 ``|fl(Σ) − Σ| ≤ γ_K · Σ|terms| ≈ K·u·A`` (Higham, *Accuracy and Stability of Numerical
 Algorithms*, §3.1); the bias and the cross-device psum add at most two more terms; rounding the
 result (and, under bfloat16, a partial sum before its reduction) to ``out`` costs at most
@@ -28,15 +28,20 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from shardops._precision import Precision
 
 
-def error_bound(abs_terms, k: int, precision: Precision, out_dtype=None) -> np.ndarray:
-    """The elementwise bound above for a K-term contraction whose absolute sum is ``abs_terms``."""
-    accum = np.finfo(precision.accum_dtype).eps
-    out = np.finfo(np.dtype(out_dtype or precision.compute_dtype)).eps
+def error_bound(abs_terms, k: int, precision: Precision) -> np.ndarray:
+    """The elementwise bound above for a K-term contraction whose absolute sum is ``abs_terms``.
+
+    ``out`` is the compute dtype: the coarsest rounding on any path, forward or backward (a
+    float32 parameter's gradient under ``MIXED_BFLOAT16`` passes through bfloat16).
+    """
+    accum = float(jnp.finfo(precision.accum_dtype).eps)
+    out = float(jnp.finfo(precision.compute_dtype).eps)
     return ((k + 2) * accum + 2 * out) * np.asarray(abs_terms, np.float64) + np.finfo(
         np.float64
     ).tiny
@@ -75,7 +80,6 @@ def dense_reference(x, w, b, ct, precision: Precision) -> DenseReference:
     F = w64.shape[1]
     y = x64 @ w64 + (0 if b64 is None else b64)
     abs_y = ax @ aw + (0 if b64 is None else np.abs(b64))
-    param = precision.param_dtype
     return DenseReference(
         y=y,
         dx=ct64 @ w64.T,
@@ -83,8 +87,8 @@ def dense_reference(x, w, b, ct, precision: Precision) -> DenseReference:
         db=None if b is None else ct64.sum(0),
         bound_y=error_bound(abs_y, D + 1, precision),
         bound_dx=error_bound(act @ aw.T, F, precision),
-        bound_dw=error_bound(ax.T @ act, B, precision, out_dtype=param),
-        bound_db=None if b is None else error_bound(act.sum(0), B, precision, out_dtype=param),
+        bound_dw=error_bound(ax.T @ act, B, precision),
+        bound_db=None if b is None else error_bound(act.sum(0), B, precision),
     )
 
 

@@ -1,0 +1,119 @@
+"""Shared checks: run a sharded dense layer and compare forward and gradients with float64.
+
+Used by the parametrized tests, the hypothesis properties and the mutation tests, so that a
+mutant is judged by exactly the checks the suite runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+import shardops
+from shardops import _layers
+from shardops.testing import dense_reference, worst_ratio
+
+# policy name → (max |err| / bound, max |err|, where)
+WORST: dict[str, tuple[float, float, str]] = {}
+
+SPECS = {"column": shardops.column_parallel_specs, "row": shardops.row_parallel_specs}
+POLICIES = {p.name: p for p in (shardops.FLOAT32, shardops.BFLOAT16, shardops.MIXED_BFLOAT16)}
+COLUMN_OPTIONS = [
+    {"gather_input": gi, "gather_output": go} for gi in (False, True) for go in (False, True)
+]
+ROW_OPTIONS = [
+    {"input_is_parallel": par, "reduce": red, "scatter_dimension": dim}
+    for par in (True, False)
+    for red, dim in (("psum", 0), ("psum_scatter", 0), ("psum_scatter", 1))
+]
+
+
+def mesh_for(shape: tuple[int, ...]):
+    """(model,) or (data, model) sizes → a mesh and the batch axis to use on it."""
+    if len(shape) == 1:
+        return shardops.make_mesh({shardops.MODEL_AXIS: shape[0]}), None
+    data, model = shape
+    mesh = shardops.make_mesh({shardops.DATA_AXIS: data, shardops.MODEL_AXIS: model})
+    return mesh, shardops.DATA_AXIS
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "mesh", "options", "precision"))
+def sharded_forward_and_grads(x, w, b, ct, *, layer, mesh, options, precision):
+    """``y`` and ``d sum(ct·y) / d(x, w, b)`` through the sharded layer, in one program."""
+    fn = getattr(_layers, f"{layer}_parallel_dense")  # looked up at trace time (mutation tests)
+
+    def loss(x, w, b):
+        y = fn(x, w, b, mesh=mesh, precision=precision, **dict(options))
+        return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
+
+    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, b)
+    return y, grads
+
+
+def random_inputs(
+    rng: np.random.Generator, layer: str, batch: int, d_in: int, d_out: int, precision
+):
+    x = rng.standard_normal((batch, d_in)).astype(precision.compute_dtype)
+    w = rng.standard_normal((d_in, d_out)).astype(precision.param_dtype)
+    b = rng.standard_normal((d_out,)).astype(precision.param_dtype)
+    ct = rng.standard_normal((batch, d_out)).astype(precision.compute_dtype)
+    return x, w, b, ct
+
+
+def check_dense(
+    layer: str,
+    mesh_shape: tuple[int, ...],
+    options: dict,
+    precision,
+    *,
+    batch: int,
+    d_in: int,
+    d_out: int,
+    seed: int = 0,
+    use_bias: bool = True,
+) -> float:
+    """Assert forward and gradients of a sharded layer are within the bound; return the worst ratio."""
+    mesh, batch_axis = mesh_for(mesh_shape)
+    opts = dict(options, batch_axis=batch_axis)
+    specs = SPECS[layer](**opts)
+    x, w, b, ct = random_inputs(np.random.default_rng(seed), layer, batch, d_in, d_out, precision)
+    ref = dense_reference(x, w, b if use_bias else None, ct, precision)
+
+    def place(a, spec):
+        return jax.device_put(a, NamedSharding(mesh, spec))
+
+    y, (dx, dw, db) = sharded_forward_and_grads(
+        place(x, specs.x),
+        place(w, specs.w),
+        place(b, specs.b) if use_bias else None,
+        place(ct, specs.y),
+        layer=layer,
+        mesh=mesh,
+        options=tuple(sorted(opts.items())),
+        precision=precision,
+    )
+    assert y.dtype == precision.compute_dtype, (y.dtype, precision)
+    assert dw.dtype == precision.param_dtype and dx.dtype == precision.compute_dtype
+    results = [("y", y, ref.y, ref.bound_y), ("dx", dx, ref.dx, ref.bound_dx)]
+    results.append(("dw", dw, ref.dw, ref.bound_dw))
+    if use_bias:
+        results.append(("db", db, ref.db, ref.bound_db))
+    worst = 0.0
+    where = f"{layer} {mesh_shape} {options} B={batch} in={d_in} out={d_out}"
+    for name, got, want, bound in results:
+        got = np.asarray(got, np.float64)
+        assert got.shape == want.shape, (name, got.shape, want.shape)
+        ratio = worst_ratio(got, want, bound)
+        abs_err = float(np.max(np.abs(got - want)))
+        if ratio > WORST.get(precision.name, (-1.0,))[0]:
+            WORST[precision.name] = (ratio, abs_err, f"{name}: {where}")
+        assert ratio <= 1.0, (
+            f"{name} of {where} under {precision.name}: max |err| = {abs_err:.3e} exceeds the "
+            f"bound by {ratio:.2f}×"
+        )
+        worst = max(worst, ratio)
+    return worst

@@ -1,0 +1,48 @@
+"""Test harness: 8 simulated CPU devices for the whole suite, hypothesis profiles, error report.
+
+The device count must be set before JAX initialises its backend, so it happens here, at import,
+before any test module imports jax.
+"""
+
+import os
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+_flag = "--xla_force_host_platform_device_count=8"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+
+import jax  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+# CI profile (the default): derandomized so a failure reproduces, no deadline because the first
+# example of a shape compiles, and at least 200 examples per property.
+settings.register_profile(
+    "ci",
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("quick", parent=settings.get_profile("ci"), max_examples=20)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config):
+    n = len(jax.devices())
+    if n != 8:
+        raise RuntimeError(f"the suite needs 8 simulated CPU devices; JAX started with {n}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    from _dense_checks import WORST
+
+    if not WORST:
+        return
+    terminalreporter.section("worst errors against the float64 reference")
+    for policy, (ratio, abs_err, where) in sorted(WORST.items()):
+        terminalreporter.write_line(
+            f"{policy:>15}: max |err| = {abs_err:.3e}; max |err|/bound = {ratio:.3e} ({where})"
+        )
