@@ -16,7 +16,7 @@ from shardops._layers import (
     row_parallel_dense,
     row_parallel_specs,
 )
-from shardops._mesh import axis_size, make_mesh
+from shardops._mesh import axis_size, check_divisible, make_mesh, spec_entry
 from shardops._params import dense, init_dense, shard_params
 from shardops._precision import BFLOAT16, FLOAT32, MIXED_BFLOAT16, Precision
 
@@ -31,6 +31,7 @@ __all__ = [
     "DenseSpecs",
     "Precision",
     "axis_size",
+    "check_divisible",
     "collectives",
     "column_parallel_dense",
     "column_parallel_dense_kernel",
@@ -43,5 +44,6 @@ __all__ = [
     "row_parallel_dense_kernel",
     "row_parallel_specs",
     "shard_params",
+    "spec_entry",
     "testing",
 ]

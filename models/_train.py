@@ -1,0 +1,288 @@
+"""One entry point: ``build(strategy, mesh, ...)`` → sharded state, train step and eval step.
+
+Every strategy shares this step; it differs only in its per-device ``forward`` (which holds its
+collectives) and its PartitionSpecs. The step runs entirely inside one ``jax.shard_map``:
+
+    local_loss = Σ −one_hot·log_softmax(logits) / (B_global · C)   # this device's share
+    loss, grads = value_and_grad(local_loss)                       # grads already reduced*
+    loss = psum(loss, batch axes)                                  # the global loss (4 bytes)
+    params, opt_state = optax update on local shards
+
+*Each strategy's forward materialises its parameters with an explicit collective whose transpose
+reduces the gradient: ``pcast`` to varying (→ AllReduce over data), ``all_gather`` (→
+ReduceScatter), or the TP kernels' own. No further ``psum`` of the gradients is needed, and one
+would double-count. The loss is divided by the *global* batch, so the local shares sum to the
+seed's mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import shardops
+from models import dp, fsdp, fsdp_tp, ref, tp, two_d
+from models._layout import COLUMN, gather_tree, opt_state_specs, shard_tree, tp_plan
+from models._mlp import SEED_SIZES, check_sizes, cross_entropy_sum, init_mlp
+
+STRATEGIES = {m.NAME: m for m in (ref, dp, tp, two_d, fsdp, fsdp_tp)}
+"""Strategy name → module with AXES, BATCH_AXES, param_specs, forward, collective_budget."""
+
+INIT_LR = 1.0
+DECAY_RATE = 0.95
+DECAY_STEPS = 5
+
+
+def seed_schedule(
+    steps_per_epoch: int, *, init_lr=INIT_LR, decay_rate=DECAY_RATE, decay_steps=DECAY_STEPS
+) -> optax.Schedule:
+    """The seed's ``lr = init_lr · decay_rate^(epoch / decay_steps)``, constant within an epoch.
+
+    As an optax staircase decay: one transition per epoch, each by ``decay_rate^(1/decay_steps)``.
+    """
+    if steps_per_epoch < 1:
+        raise ValueError(f"steps_per_epoch must be ≥ 1; got {steps_per_epoch}")
+    return optax.exponential_decay(
+        init_lr,
+        transition_steps=steps_per_epoch,
+        decay_rate=decay_rate ** (1 / decay_steps),
+        staircase=True,
+    )
+
+
+def seed_sgd(steps_per_epoch: int, **schedule_kwargs) -> optax.GradientTransformation:
+    """The seed's optimizer: plain SGD with ``seed_schedule``."""
+    return optax.sgd(seed_schedule(steps_per_epoch, **schedule_kwargs))
+
+
+class TrainState(NamedTuple):
+    params: list[dict[str, jax.Array]]
+    opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What ``build`` returns. Arrays go in and out laid out by the specs below."""
+
+    strategy: str
+    mesh: Mesh | None
+    sizes: tuple[int, ...]
+    optimizer: optax.GradientTransformation
+    remat: bool
+    param_specs: Any
+    """PartitionSpec tree of the params (None for ``ref``)."""
+    opt_specs: Any
+    """PartitionSpec tree of the optimizer state, sharded like the params."""
+    batch_spec: P
+    step: Callable
+    """``(state, x, y) → (state, loss)``, not jitted: for ``lax.scan`` inside your own jit."""
+    train_step: Callable
+    """``step`` jitted, donating ``state``. Every jitted function checks the batch shape when
+    it traces, so a bad batch is a ValueError, not an XLA error."""
+    loss_and_grads: Callable
+    """``(params, x, y) → (loss, grads)``, jitted; ``grads`` laid out like the params."""
+    evaluate: Callable
+    """``(params, x, y) → (loss, accuracy)``, jitted, global over the batch."""
+
+    def init(self, key: jax.Array) -> TrainState:
+        """The reference init (``init_mlp``) sharded onto the mesh, with a fresh optimizer state."""
+        return self.shard(init_mlp(key, self.sizes))
+
+    def shard(self, params) -> TrainState:
+        """Place a full (reference) param tree for this strategy, with a fresh optimizer state.
+
+        The state gets buffers of its own (the train step donates them), so ``params`` stays valid.
+        """
+        params = jax.device_get(params)  # host copies: never alias the caller's buffers
+        opt_state = self.optimizer.init(params)
+        if self.mesh is None:
+            return TrainState(jax.device_put(params), jax.device_put(opt_state))
+        return TrainState(
+            shard_tree(params, self.mesh, self.param_specs),
+            shard_tree(opt_state, self.mesh, self.opt_specs),
+        )
+
+    def gather(self, tree):
+        """Full host (numpy) copies of a sharded tree: lossless inverse of ``shard``."""
+        return gather_tree(tree)
+
+    def place_batch(self, x, y):
+        """Put a global batch on the mesh, split as the strategy's step expects."""
+        self.check_batch(x, y)
+        if self.mesh is None:
+            return jnp.asarray(x), jnp.asarray(y)
+        return shard_tree((x, y), self.mesh, (self.batch_spec, self.batch_spec))
+
+    def check_batch(self, x, y) -> None:
+        if x.ndim != 2 or x.shape[1] != self.sizes[0]:
+            raise ValueError(f"x must have shape (batch, {self.sizes[0]}); got {tuple(x.shape)}")
+        if tuple(y.shape) != (x.shape[0], self.sizes[-1]):
+            raise ValueError(
+                f"labels must be one-hot of shape ({x.shape[0]}, {self.sizes[-1]}); got "
+                f"{tuple(y.shape)}"
+            )
+        batch_axes = STRATEGIES[self.strategy].BATCH_AXES
+        if batch_axes:
+            shardops.check_divisible(
+                argument="x",
+                dim=0,
+                dim_name="batch",
+                size=x.shape[0],
+                mesh=self.mesh,
+                axes=batch_axes,
+            )
+
+    def collective_budget(self, batch: int) -> dict:
+        """Expected bytes per (collective, mesh axes) of one train step (see each strategy)."""
+        module = STRATEGIES[self.strategy]
+        return module.collective_budget(self.sizes, batch, self.mesh, remat=self.remat)
+
+
+def build(
+    strategy: str,
+    mesh: Mesh | None = None,
+    *,
+    optimizer: optax.GradientTransformation,
+    sizes: Sequence[int] = SEED_SIZES,
+    remat: bool = False,
+) -> Setup:
+    """Train step, eval step and sharding for ``strategy`` on ``mesh``.
+
+    Arguments:
+        strategy: one of ``STRATEGIES``: ``ref`` (no mesh), ``dp``, ``tp``, ``2d``, ``fsdp``,
+            ``fsdp_tp``. Mesh axes a strategy does not use hold replicas.
+        mesh: a mesh with the axes the strategy needs (``shardops.make_mesh``).
+        optimizer: an optax optimizer, e.g. ``seed_sgd(steps_per_epoch)`` or ``optax.adam(1e-3)``.
+        sizes: layer widths, input first, classes last.
+        remat: ``fsdp``/``fsdp_tp`` only: re-gather weights in the backward pass.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+    module = STRATEGIES[strategy]
+    sizes = check_sizes(sizes)
+    if remat and strategy not in ("fsdp", "fsdp_tp"):
+        raise ValueError(
+            f"remat re-gathers FSDP weights: it applies to fsdp and fsdp_tp, not {strategy!r}"
+        )
+    if strategy == "ref":
+        mesh = None
+    else:
+        _check_mesh(strategy, module, mesh, sizes)
+    specs = module.param_specs(sizes, mesh)
+    opt_specs = None if mesh is None else opt_state_specs(optimizer, sizes, specs)
+    batch_spec = P(shardops.spec_entry(*module.BATCH_AXES))
+    body = _Body(module, specs, optimizer, remat)
+
+    if mesh is None:
+        step, loss_and_grads, evaluate = body.step, body.loss_and_grads, body.evaluate
+    else:
+
+        def smap(fn, in_specs, out_specs):
+            return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+        state_specs = TrainState(specs, opt_specs)
+        step = smap(body.step, (state_specs, batch_spec, batch_spec), (state_specs, P()))
+        loss_and_grads = smap(body.loss_and_grads, (specs, batch_spec, batch_spec), (P(), specs))
+        evaluate = smap(body.evaluate, (specs, batch_spec, batch_spec), (P(), P()))
+
+    setup = Setup(
+        strategy=strategy,
+        mesh=mesh,
+        sizes=sizes,
+        optimizer=optimizer,
+        remat=remat,
+        param_specs=specs,
+        opt_specs=opt_specs,
+        batch_spec=batch_spec,
+        step=step,
+        train_step=None,
+        loss_and_grads=None,
+        evaluate=None,
+    )
+
+    def checked(fn):
+        def run(state_or_params, x, y):
+            setup.check_batch(x, y)
+            return fn(state_or_params, x, y)
+
+        return run
+
+    # XLA:CPU expands optimization barriers before a late CSE pass, which then merges remat's
+    # backward re-gather into the forward gather (keeping the full weights alive after all).
+    # With remat, keep the barriers for these programs; other programs are unaffected.
+    options = {"xla_disable_hlo_passes": "cse_barrier_expander"} if remat else None
+    return dataclasses.replace(
+        setup,
+        train_step=jax.jit(checked(step), donate_argnums=0, compiler_options=options),
+        loss_and_grads=jax.jit(checked(loss_and_grads), compiler_options=options),
+        evaluate=jax.jit(checked(evaluate), compiler_options=options),
+    )
+
+
+class _Body:
+    """The per-device step, eval and gradient functions shared by every strategy."""
+
+    def __init__(self, module, specs, optimizer, remat):
+        self.module, self.specs, self.optimizer, self.remat = module, specs, optimizer, remat
+        self.batch_axes = module.BATCH_AXES
+
+    def _global_batch(self, local: int) -> int:
+        return local * math.prod(lax.axis_size(a) for a in self.batch_axes)
+
+    def local_loss(self, params, x, y):
+        logits = self.module.forward(params, x, self.specs, remat=self.remat)  # (b, C)
+        # This device's share of the global mean over B_global · C.
+        return cross_entropy_sum(logits, y) / (self._global_batch(x.shape[0]) * y.shape[-1])
+
+    def loss_and_grads(self, params, x, y):
+        loss, grads = jax.value_and_grad(self.local_loss)(params, x, y)
+        if self.batch_axes:
+            loss = lax.psum(loss, self.batch_axes)  # the global loss: AllReduce of one f32
+        return loss, grads
+
+    def step(self, state: TrainState, x, y):
+        loss, grads = self.loss_and_grads(state.params, x, y)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        return TrainState(optax.apply_updates(state.params, updates), opt_state), loss
+
+    def evaluate(self, params, x, y):
+        logits = self.module.forward(params, x, self.specs)  # (b, C)
+        loss_sum = cross_entropy_sum(logits, y)
+        correct = jnp.sum(jnp.argmax(logits, -1) == jnp.argmax(y, -1)).astype(jnp.float32)
+        if self.batch_axes:
+            loss_sum, correct = lax.psum((loss_sum, correct), self.batch_axes)
+        n = self._global_batch(x.shape[0])
+        return loss_sum / (n * y.shape[-1]), correct / n
+
+
+def _check_mesh(strategy: str, module, mesh, sizes) -> None:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"strategy {strategy!r} needs a jax.sharding.Mesh with axes {module.AXES} (see "
+            f"shardops.make_mesh); got {type(mesh).__name__}"
+        )
+    missing = [a for a in module.AXES if a not in mesh.shape]
+    if missing:
+        raise ValueError(
+            f"strategy {strategy!r} needs mesh axes {module.AXES}, but the mesh has "
+            f"{tuple(mesh.axis_names)} (missing {tuple(missing)}); build it with "
+            f"shardops.make_mesh({{{', '.join(f'{a!r}: n' for a in module.AXES)}}})"
+        )
+    if shardops.MODEL_AXIS in module.AXES:
+        p = mesh.shape[shardops.MODEL_AXIS]
+        for i, kind in enumerate(tp_plan(len(sizes) - 1)):
+            if kind == COLUMN and sizes[i + 1] % p:
+                raise ValueError(
+                    f"sizes[{i + 1}] = {sizes[i + 1]} (the output width of layer {i}, "
+                    f"column-parallel under {strategy!r}) is not divisible by mesh axis "
+                    f"'model' (size {p}); choose a multiple of {p} or a smaller 'model' axis"
+                )
