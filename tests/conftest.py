@@ -38,11 +38,20 @@ def pytest_configure(config):
 
 def pytest_terminal_summary(terminalreporter):
     from _dense_checks import WORST
+    from _model_checks import TRAJECTORY_ERRORS
 
-    if not WORST:
-        return
-    terminalreporter.section("worst errors against the float64 reference")
-    for policy, (ratio, abs_err, where) in sorted(WORST.items()):
+    if WORST:
+        terminalreporter.section("layers: worst errors against the float64 reference")
+        for policy, (ratio, abs_err, where) in sorted(WORST.items()):
+            terminalreporter.write_line(
+                f"{policy:>15}: max |err| = {abs_err:.3e}; max |err|/bound = {ratio:.3e} ({where})"
+            )
+    if TRAJECTORY_ERRORS:
+        terminalreporter.section("models: 5-step trajectories, max |sharded − reference|")
         terminalreporter.write_line(
-            f"{policy:>15}: max |err| = {abs_err:.3e}; max |err|/bound = {ratio:.3e} ({where})"
+            f"{'strategy':>8} {'mesh':>5} {'opt':>5} {'loss':>9} {'grads':>9} {'params':>9}"
         )
+        for (strategy, mesh, opt), e in sorted(TRAJECTORY_ERRORS.items()):
+            terminalreporter.write_line(
+                f"{strategy:>8} {mesh:>5} {opt:>5} {e['loss']:9.2e} {e['grads']:9.2e} {e['params']:9.2e}"
+            )

@@ -1,0 +1,179 @@
+"""Every strategy on every mesh trains exactly like the unsharded MLP."""
+
+import collections
+import itertools
+
+import jax
+import numpy as np
+import optax
+import pytest
+from _model_checks import batches, check_trajectory, mesh_for
+
+import models
+import shardops
+
+# 1-axis meshes for the one-axis strategies, and every 2-axis factorisation of 8 for all.
+TWO_AXIS = [{"data": d, "model": 8 // d} for d in (1, 2, 4, 8)]
+CASES = (
+    [("ref", None)]
+    + [(s, {"data": n}) for s in ("dp", "fsdp") for n in (1, 2, 4, 8)]
+    + [("tp", {"model": n}) for n in (1, 2, 4, 8)]
+    + [(s, m) for s in ("dp", "tp", "2d", "fsdp", "fsdp_tp") for m in TWO_AXIS]
+)
+SIZES = (48, 64, 24, 10)  # 3 layers: a column/row pair and an odd, replicated last layer
+
+
+def _id(case):
+    strategy, mesh = case
+    return f"{strategy}-{'x'.join(map(str, mesh.values())) if mesh else 'none'}"
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_five_steps_equal_the_reference(case, opt_name):
+    strategy, mesh_shape = case
+    check_trajectory(strategy, mesh_shape, opt_name, sizes=SIZES, batch=32)
+
+
+@pytest.mark.parametrize("strategy", ["2d", "fsdp_tp"])
+def test_seed_mlp_on_the_seed_mesh(strategy):
+    """The seed's 784-512-10 on 4×2, at the seed's LR 1.0."""
+    check_trajectory(strategy, {"data": 4, "model": 2}, "sgd", sizes=models.SEED_SIZES, batch=64)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp_tp"])
+def test_remat_trains_the_same(strategy):
+    check_trajectory(strategy, {"data": 2, "model": 4} if strategy == "fsdp_tp" else {"data": 4},
+                     "sgd", sizes=SIZES, batch=32, remat=True)  # fmt: skip
+
+
+def compiled_budget(setup, batch):
+    state = setup.init(jax.random.key(0))
+    xs, ys = batches(setup.sizes, batch)
+    xb, yb = setup.place_batch(xs[0], ys[0])
+    out = collections.Counter()
+    for c in shardops.collectives(setup.mesh, setup.train_step, state, xb, yb):
+        assert c.axes is not None, c
+        if c.bytes:
+            out[(c.kind, c.axes)] += c.bytes
+    return dict(out)
+
+
+BUDGET_CASES = (
+    [
+        ("dp", {"data": 8}, False),
+        ("tp", {"model": 8}, False),
+        ("fsdp", {"data": 8}, False),
+        ("fsdp", {"data": 4}, True),
+    ]
+    + [(s, m, False) for s in ("2d", "fsdp_tp") for m in TWO_AXIS]
+    + [("fsdp_tp", {"data": 2, "model": 4}, True)]
+)
+
+
+@pytest.mark.parametrize("sizes", [models.SEED_SIZES, (64, 32, 32, 16)], ids=str)
+@pytest.mark.parametrize(("strategy", "mesh_shape", "remat"), BUDGET_CASES, ids=str)
+def test_compiled_collectives_match_the_budget(strategy, mesh_shape, remat, sizes):
+    setup = models.build(
+        strategy, mesh_for(mesh_shape), optimizer=optax.sgd(1.0), sizes=sizes, remat=remat
+    )
+    assert compiled_budget(setup, 64) == setup.collective_budget(64)
+
+
+def test_tp_seed_budget_has_no_backward_all_reduce():
+    """784-512-10 under tp: one forward AllReduce of the logits [B, 10] and nothing else."""
+    setup = models.build("tp", mesh_for({"model": 4}), optimizer=optax.sgd(1.0))
+    assert compiled_budget(setup, 64) == {("all-reduce", ("model",)): 64 * 10 * 4}
+
+
+def test_fsdp_has_no_full_gradient_all_reduce():
+    setup = models.build("fsdp", mesh_for({"data": 8}), optimizer=optax.sgd(1.0))
+    budget = compiled_budget(setup, 64)
+    # Only b2[10] (not divisible by 8) and the loss are all-reduced: 10 + 1 floats.
+    assert budget[("all-reduce", ("data",))] == (10 + 1) * 4
+    assert (
+        budget[("all-gather", ("data",))]
+        == budget[("reduce-scatter", ("data",))]
+        == (784 * 512 + 512 + 512 * 10) * 4
+    )
+
+
+def test_remat_regathers_weights_in_the_backward_pass():
+    mesh = mesh_for({"data": 4})
+    plain = compiled_budget(models.build("fsdp", mesh, optimizer=optax.sgd(1.0)), 64)
+    remat = compiled_budget(models.build("fsdp", mesh, optimizer=optax.sgd(1.0), remat=True), 64)
+    # The second layer's weight w[512, 10] is gathered again for dx; the first layer's is not
+    # needed (its input is the data), nor are the biases.
+    assert remat[("all-gather", ("data",))] - plain[("all-gather", ("data",))] == 512 * 10 * 4
+
+
+@pytest.mark.parametrize(
+    ("strategy", "mesh_shape"), [("fsdp", {"data": 8}), ("fsdp_tp", {"data": 4, "model": 2})]
+)
+def test_fsdp_devices_hold_a_shard_of_params_and_optimizer_state(strategy, mesh_shape):
+    mesh = mesh_for(mesh_shape)
+    setup = models.build(strategy, mesh, optimizer=optax.adam(1e-3))
+    state = setup.init(jax.random.key(0))
+    n = mesh.devices.size
+    full = sum(4 * w * h + 4 * h for w, h in itertools.pairwise(models.SEED_SIZES))
+    replicated = 4 * 10  # b2[10] divides over neither 8 devices nor data=4 (documented rule)
+    for tree in (state.params, state.opt_state[0].mu, state.opt_state[0].nu):
+        per_device = collections.Counter()
+        for leaf in jax.tree.leaves(tree):
+            for shard in leaf.addressable_shards:
+                per_device[shard.device] += shard.data.size * 4
+        assert len(per_device) == n
+        assert set(per_device.values()) == {(full - replicated) // n + replicated}
+
+
+@pytest.mark.parametrize("strategy", sorted(models.STRATEGIES))
+def test_shard_then_gather_is_lossless(strategy):
+    mesh = None if strategy == "ref" else mesh_for({"data": 4, "model": 2})
+    setup = models.build(strategy, mesh, optimizer=optax.adam(1e-3))
+    params = models.init_mlp(jax.random.key(3))
+    state = setup.shard(params)
+    back = setup.gather(state.params)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    if mesh is not None:
+        specs = jax.tree.leaves(
+            setup.param_specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)
+        )
+        shardings = [leaf.sharding.spec for leaf in jax.tree.leaves(state.params)]
+        assert specs == shardings
+
+
+def test_the_seed_schedule_is_constant_within_an_epoch():
+    schedule = models.seed_schedule(steps_per_epoch=10)
+    got = [float(schedule(step)) for step in (0, 9, 10, 19, 50, 199)]
+    want = [1.0 * 0.95 ** (epoch / 5) for epoch in (0, 0, 1, 1, 5, 19)]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_bad_strategy_inputs():
+    sgd = optax.sgd(1.0)
+    with pytest.raises(ValueError, match=r"unknown strategy 'zero3'; choose one of \['2d', 'dp'"):
+        models.build("zero3", mesh_for({"data": 8}), optimizer=sgd)
+    with pytest.raises(
+        ValueError,
+        match=r"strategy '2d' needs mesh axes \('data', 'model'\), but the mesh has \('data',\) \(missing \('model',\)\)",
+    ):
+        models.build("2d", mesh_for({"data": 8}), optimizer=sgd)
+    with pytest.raises(
+        ValueError,
+        match=r"sizes\[1\] = 30 \(the output width of layer 0, column-parallel under 'tp'\) is not divisible by mesh axis 'model' \(size 4\)",
+    ):
+        models.build("tp", mesh_for({"model": 4}), optimizer=sgd, sizes=(784, 30, 10))
+    with pytest.raises(TypeError, match="strategy 'dp' needs a jax.sharding.Mesh"):
+        models.build("dp", None, optimizer=sgd)
+    with pytest.raises(ValueError, match="remat re-gathers FSDP weights"):
+        models.build("dp", mesh_for({"data": 8}), optimizer=sgd, remat=True)
+    setup = models.build("dp", mesh_for({"data": 8}), optimizer=sgd)
+    xs, ys = batches(models.SEED_SIZES, 12)
+    with pytest.raises(
+        ValueError, match=r"x dim 0 \(batch\) = 12 is not divisible by mesh axis 'data' \(size 8\)"
+    ):
+        setup.place_batch(xs[0], ys[0])
+    state = setup.init(jax.random.key(0))
+    with pytest.raises(ValueError, match=r"x dim 0 \(batch\) = 12 is not divisible"):
+        setup.train_step(state, xs[0], ys[0])
