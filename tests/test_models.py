@@ -177,3 +177,16 @@ def test_bad_strategy_inputs():
     state = setup.init(jax.random.key(0))
     with pytest.raises(ValueError, match=r"x dim 0 \(batch\) = 12 is not divisible"):
         setup.train_step(state, xs[0], ys[0])
+
+
+@pytest.mark.parametrize("strategy", ["2d", "fsdp_tp"])
+def test_explicit_meshes_work_too(strategy):
+    mesh = shardops.make_mesh({"data": 4, "model": 2}, axis_types="explicit")
+    setup = models.build(strategy, mesh, optimizer=optax.sgd(1.0), sizes=SIZES)
+    state = setup.init(jax.random.key(0))
+    xs, ys = batches(SIZES, 32)
+    state, loss = setup.train_step(state, *setup.place_batch(xs[0], ys[0]))
+    auto = models.build(strategy, mesh_for({"data": 4, "model": 2}), optimizer=optax.sgd(1.0), sizes=SIZES)
+    auto_state, auto_loss = auto.train_step(auto.init(jax.random.key(0)), *auto.place_batch(xs[0], ys[0]))
+    assert float(loss) == float(auto_loss)
+    np.testing.assert_array_equal(setup.gather(state.params)[0]["w"], auto.gather(auto_state.params)[0]["w"])
