@@ -92,6 +92,8 @@ class Setup:
     """``(params, x, y) → (loss, grads)``, jitted; ``grads`` laid out like the params."""
     evaluate: Callable
     """``(params, x, y) → (loss, accuracy)``, jitted, global over the batch."""
+    logits: Callable
+    """``(params, x) → logits[B, C]``, jitted, laid out like the batch."""
 
     def init(self, key: jax.Array) -> TrainState:
         """The reference init (``init_mlp``) sharded onto the mesh, with a fresh optimizer state."""
@@ -115,17 +117,26 @@ class Setup:
         """Full host (numpy) copies of a sharded tree: lossless inverse of ``shard``."""
         return gather_tree(tree)
 
-    def place_batch(self, x, y):
-        """Put a global batch on the mesh, split as the strategy's step expects."""
-        self.check_batch(x, y)
-        if self.mesh is None:
-            return jnp.asarray(x), jnp.asarray(y)
-        return shard_tree((x, y), self.mesh, (self.batch_spec, self.batch_spec))
+    @property
+    def batch_multiple(self) -> int:
+        """Every batch size must be a multiple of this (the devices the batch is split over)."""
+        axes = STRATEGIES[self.strategy].BATCH_AXES
+        return math.prod(self.mesh.shape[a] for a in axes) if axes else 1
 
-    def check_batch(self, x, y) -> None:
+    def place_batch(self, x, y=None):
+        """Put a global batch ``(x, y)`` (or ``x`` alone) on the mesh, split as the steps expect."""
+        self.check_batch(x, y)
+        arrays = (x,) if y is None else (x, y)
+        if self.mesh is None:
+            placed = tuple(jax.device_put(a) for a in arrays)
+        else:
+            placed = shard_tree(arrays, self.mesh, (self.batch_spec,) * len(arrays))
+        return placed if y is not None else placed[0]
+
+    def check_batch(self, x, y=None) -> None:
         if x.ndim != 2 or x.shape[1] != self.sizes[0]:
             raise ValueError(f"x must have shape (batch, {self.sizes[0]}); got {tuple(x.shape)}")
-        if tuple(y.shape) != (x.shape[0], self.sizes[-1]):
+        if y is not None and tuple(y.shape) != (x.shape[0], self.sizes[-1]):
             raise ValueError(
                 f"labels must be one-hot of shape ({x.shape[0]}, {self.sizes[-1]}); got "
                 f"{tuple(y.shape)}"
@@ -184,6 +195,7 @@ def build(
 
     if mesh is None:
         step, loss_and_grads, evaluate = body.step, body.loss_and_grads, body.evaluate
+        logits = body.logits
     else:
 
         def smap(fn, in_specs, out_specs):
@@ -193,6 +205,7 @@ def build(
         step = smap(body.step, (state_specs, batch_spec, batch_spec), (state_specs, P()))
         loss_and_grads = smap(body.loss_and_grads, (specs, batch_spec, batch_spec), (P(), specs))
         evaluate = smap(body.evaluate, (specs, batch_spec, batch_spec), (P(), P()))
+        logits = smap(body.logits, (specs, batch_spec), batch_spec)
 
     setup = Setup(
         strategy=strategy,
@@ -207,12 +220,13 @@ def build(
         train_step=None,
         loss_and_grads=None,
         evaluate=None,
+        logits=None,
     )
 
     def checked(fn):
-        def run(state_or_params, x, y):
-            setup.check_batch(x, y)
-            return fn(state_or_params, x, y)
+        def run(state_or_params, x, *y):
+            setup.check_batch(x, *y)
+            return fn(state_or_params, x, *y)
 
         return run
 
@@ -225,6 +239,7 @@ def build(
         train_step=jax.jit(checked(step), donate_argnums=0, compiler_options=options),
         loss_and_grads=jax.jit(checked(loss_and_grads), compiler_options=options),
         evaluate=jax.jit(checked(evaluate), compiler_options=options),
+        logits=jax.jit(checked(logits), compiler_options=options),
     )
 
 
@@ -253,6 +268,9 @@ class _Body:
         loss, grads = self.loss_and_grads(state.params, x, y)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         return TrainState(optax.apply_updates(state.params, updates), opt_state), loss
+
+    def logits(self, params, x):
+        return self.module.forward(params, x, self.specs)  # (b, C)
 
     def evaluate(self, params, x, y):
         logits = self.module.forward(params, x, self.specs)  # (b, C)

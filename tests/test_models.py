@@ -186,7 +186,13 @@ def test_explicit_meshes_work_too(strategy):
     state = setup.init(jax.random.key(0))
     xs, ys = batches(SIZES, 32)
     state, loss = setup.train_step(state, *setup.place_batch(xs[0], ys[0]))
-    auto = models.build(strategy, mesh_for({"data": 4, "model": 2}), optimizer=optax.sgd(1.0), sizes=SIZES)
-    auto_state, auto_loss = auto.train_step(auto.init(jax.random.key(0)), *auto.place_batch(xs[0], ys[0]))
+    auto = models.build(
+        strategy, mesh_for({"data": 4, "model": 2}), optimizer=optax.sgd(1.0), sizes=SIZES
+    )
+    auto_state, auto_loss = auto.train_step(
+        auto.init(jax.random.key(0)), *auto.place_batch(xs[0], ys[0])
+    )
     assert float(loss) == float(auto_loss)
-    np.testing.assert_array_equal(setup.gather(state.params)[0]["w"], auto.gather(auto_state.params)[0]["w"])
+    np.testing.assert_array_equal(
+        setup.gather(state.params)[0]["w"], auto.gather(auto_state.params)[0]["w"]
+    )
