@@ -3,8 +3,9 @@
     python examples/mlp_data_parallel.py                  # shardops' dp strategy (shard_map)
     python examples/mlp_data_parallel.py --with-pmap      # and jax.pmap alongside: same numbers
 
-``--with-pmap`` trains a second copy through ``jax.pmap``, the seed's own tool (parameters
-replicated by stacking, gradients reduced with an explicit ``lax.psum``), on identical batches,
+``--with-pmap`` trains a second copy through ``jax.pmap``, the seed's own tool
+(``models/pmap.py``: parameters replicated by stacking, gradients reduced with an explicit
+``lax.psum``), on identical batches,
 and prints how far the two runs are apart after every epoch. On a machine without an
 accelerator the script simulates 8 CPU devices itself (XLA_FLAGS, set before JAX starts).
 """
@@ -21,32 +22,12 @@ import time
 
 import jax
 import numpy as np
-import optax
-from jax import lax
 
 import models
 import shardops
-from models import data, training
+from models import data, pmap, training
 
 N_DEVICES = 8
-
-
-def pmap_train_step(optimizer, devices):
-    """The seed's pmap step: per-device gradients of this device's share of the global mean,
-    summed over the ``batch`` axis with an explicit psum (pmap's parameters are per-device
-    copies, so nothing is reduced for us)."""
-
-    def step(params, opt_state, x, y):  # x: (B/8, 784), params: this device's copy
-        def local_loss(p):
-            logits = models.mlp_forward(p, x)  # (B/8, 10)
-            return models.cross_entropy_sum(logits, y) / (x.shape[0] * N_DEVICES * y.shape[-1])
-
-        loss, grads = jax.value_and_grad(local_loss)(params)
-        grads = lax.psum(grads, "batch")  # AllReduce of every gradient
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, lax.psum(loss, "batch")
-
-    return jax.pmap(step, axis_name="batch", devices=devices, donate_argnums=(0, 1))
 
 
 def main(argv=None):
@@ -76,12 +57,9 @@ def main(argv=None):
     )
 
     if args.with_pmap:
-        pmap_step = pmap_train_step(optimizer, devices[:N_DEVICES])
-
-        def replicate(tree):  # one copy per device, stacked on a leading axis
-            return jax.tree.map(lambda a: np.stack([np.asarray(a)] * N_DEVICES), tree)
-
-        p_params, p_opt = replicate(params), replicate(optimizer.init(params))
+        pmap_step = pmap.pmap_train_step(optimizer, devices[:N_DEVICES])
+        p_params = pmap.replicate(params, N_DEVICES)
+        p_opt = pmap.replicate(optimizer.init(params), N_DEVICES)
 
     for epoch in range(args.epochs):
         start = time.perf_counter()
@@ -92,8 +70,9 @@ def main(argv=None):
             state, loss = setup.train_step(state, *setup.place_batch(x, y))
             inflight.add(loss)
             if args.with_pmap:  # the same batch as (8, B/8, ...) for pmap
-                xs, ys = (a.reshape(N_DEVICES, -1, a.shape[-1]) for a in (x, y))
-                p_params, p_opt, p_loss = pmap_step(p_params, p_opt, xs, ys)
+                p_params, p_opt, p_loss = pmap_step(
+                    p_params, p_opt, pmap.split_batch(x, N_DEVICES), pmap.split_batch(y, N_DEVICES)
+                )
                 inflight.add(p_loss)
         inflight.drain()
         seconds = time.perf_counter() - start

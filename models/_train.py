@@ -153,9 +153,18 @@ class Setup:
             )
 
     def collective_budget(self, batch: int) -> dict:
-        """Expected bytes per (collective, mesh axes) of one train step (see each strategy)."""
+        """Expected bytes V per (collective, mesh axes) of one train step (see each strategy)."""
         module = STRATEGIES[self.strategy]
         return module.collective_budget(self.sizes, batch, self.mesh, remat=self.remat)
+
+    def cost_model(self, batch: int) -> dict[tuple[str, ...], float]:
+        """The analytic bytes each device sends per step over each mesh axis: the ring formulas
+        (``shardops.ring_bytes``) applied to ``collective_budget``."""
+        out: dict[tuple[str, ...], float] = {}
+        for (kind, axes), nbytes in self.collective_budget(batch).items():
+            n = math.prod(self.mesh.shape[a] for a in axes)
+            out[axes] = out.get(axes, 0.0) + shardops.ring_bytes(kind, nbytes, n)
+        return out
 
 
 def build(

@@ -7,7 +7,7 @@ collective spelled out, and verified against the unsharded layer.
 from shardops import testing
 from shardops._axes import DATA_AXIS, MODEL_AXIS
 from shardops._hlo import KINDS as COLLECTIVE_KINDS
-from shardops._hlo import Collective, collectives, hlo_collectives
+from shardops._hlo import Collective, collectives, hlo_collectives, lowered_collectives
 from shardops._kernels import column_parallel_dense_kernel, row_parallel_dense_kernel
 from shardops._layers import (
     DenseSpecs,
@@ -16,6 +16,7 @@ from shardops._layers import (
     row_parallel_dense,
     row_parallel_specs,
 )
+from shardops._ledger import Ledger, ledger, ring_bytes
 from shardops._mesh import axis_size, check_divisible, make_mesh, spec_entry
 from shardops._params import dense, init_dense, shard_params
 from shardops._precision import BFLOAT16, FLOAT32, MIXED_BFLOAT16, Precision
@@ -29,6 +30,7 @@ __all__ = [
     "MODEL_AXIS",
     "Collective",
     "DenseSpecs",
+    "Ledger",
     "Precision",
     "axis_size",
     "check_divisible",
@@ -39,7 +41,10 @@ __all__ = [
     "dense",
     "hlo_collectives",
     "init_dense",
+    "ledger",
+    "lowered_collectives",
     "make_mesh",
+    "ring_bytes",
     "row_parallel_dense",
     "row_parallel_dense_kernel",
     "row_parallel_specs",

@@ -128,9 +128,20 @@ def _collective(kind: str, type_text: str, attrs: str, mesh: Mesh) -> Collective
         for dtype, dims in _ARRAY.findall(re.sub(r"/\*.*?\*/", "", type_text))
     )
     if kind == "collective-permute":
-        axes, group_size = _axes_of_pairs(_permute_pairs(attrs), mesh)
+        groups = None
+        pairs = _permute_pairs(attrs)
     else:
-        groups = _replica_groups(attrs, mesh.devices.size)
+        groups, pairs = _replica_groups(attrs, mesh.devices.size), None
+    op_name = _OP_NAME.search(attrs)
+    return make_collective(kind, shapes, mesh, groups=groups, pairs=pairs,
+                           op_name=op_name[1] if op_name else "")  # fmt: skip
+
+
+def make_collective(kind, shapes, mesh: Mesh, *, groups=None, pairs=None, op_name="") -> Collective:
+    """A ``Collective`` from its result shapes and its replica groups (or permute pairs)."""
+    if kind == "collective-permute":
+        axes, group_size = _axes_of_pairs(pairs, mesh)
+    else:
         axes, group_size = _axes_of_groups(groups, mesh), max(len(g) for g in groups)
     result_bytes = sum(_DTYPE_BYTES[d] * math.prod(s) for d, s in shapes)
     if group_size <= 1:
@@ -139,15 +150,61 @@ def _collective(kind: str, type_text: str, attrs: str, mesh: Mesh) -> Collective
         nbytes = result_bytes * group_size
     else:
         nbytes = result_bytes
-    op_name = _OP_NAME.search(attrs)
     return Collective(
-        kind=kind,
-        shapes=shapes,
-        axes=axes,
-        group_size=group_size,
-        bytes=nbytes,
-        op_name=op_name[1] if op_name else "",
-    )
+        kind=kind, shapes=tuple(shapes), axes=axes, group_size=group_size, bytes=nbytes,
+        op_name=op_name,
+    )  # fmt: skip
+
+
+# --- the lowered (StableHLO) module: what the program asked for, before XLA combines or
+# promotes anything. E.g.
+#   %2 = "stablehlo.all_reduce"(%1) <{..., replica_groups = dense<[[0, 2], [1, 3]]> : tensor<2x2xi64>,
+#   ...}> ({ ...region... }) : (tensor<4x4xbf16>) -> tensor<4x4xbf16>
+_STABLEHLO_KINDS = {
+    "all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
+    "collective_permute": "collective-permute", "all_to_all": "all-to-all",
+}  # fmt: skip
+_STABLEHLO_OP = re.compile(r'"stablehlo\.(' + "|".join(_STABLEHLO_KINDS) + r')"\(')
+_STABLEHLO_SIGNATURE = re.compile(r"\)\s*->\s*(\((?:[^()]|\([^()]*\))*\)|tensor<[^>]*>)")
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z][a-z0-9]*)>")
+_DENSE = re.compile(r"= dense<(.*?)> : tensor<([0-9x]+)xi64>")
+_MLIR_DTYPES = {"i1": "pred", "i8": "s8", "i16": "s16", "i32": "s32", "i64": "s64",
+                "ui8": "u8", "ui16": "u16", "ui32": "u32", "ui64": "u64"}  # fmt: skip
+
+
+def lowered_collectives(stablehlo_text: str, mesh: Mesh) -> list[Collective]:
+    """The collectives of a lowered (StableHLO) module, in the dtypes the program asked for."""
+    found = []
+    for m in _STABLEHLO_OP.finditer(stablehlo_text):
+        rest = stablehlo_text[m.end() :]
+        signature = _STABLEHLO_SIGNATURE.search(rest)
+        attrs = rest[: signature.start()] if signature else rest
+        shapes = tuple(
+            (_MLIR_DTYPES.get(dtype, dtype), tuple(int(d) for d in dims.split("x") if d))
+            for dims, dtype in _TENSOR.findall(signature[1] if signature else "")
+        )
+        kind = _STABLEHLO_KINDS[m[1]]
+        table = _dense(
+            attrs, "source_target_pairs" if kind == "collective-permute" else "replica_groups"
+        )
+        if kind == "collective-permute":
+            found.append(make_collective(kind, shapes, mesh, pairs=[tuple(p) for p in table]))
+        else:
+            groups = [tuple(g) for g in table] if table is not None and table.size else None
+            found.append(make_collective(kind, shapes, mesh,
+                                         groups=groups or [tuple(range(mesh.devices.size))]))  # fmt: skip
+    return found
+
+
+def _dense(attrs: str, name: str):
+    m = re.search(re.escape(name) + r"\s*" + _DENSE.pattern, attrs)
+    if not m:
+        return None
+    shape = tuple(int(d) for d in m[2].split("x"))
+    values = [int(v) for v in re.findall(r"-?\d+", m[1])]
+    if len(values) == 1 and math.prod(shape) != 1:  # a splat: dense<0> : tensor<8x1xi64>
+        values = values * math.prod(shape)
+    return np.array(values, dtype=np.int64).reshape(shape)
 
 
 def _replica_groups(attrs: str, n_devices: int) -> list[tuple[int, ...]]:

@@ -1,0 +1,168 @@
+"""The communication ledger: hand-built programs, dtype promotion, strategies against their
+analytic model, and bad input."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import models
+import shardops
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return shardops.make_mesh({"data": 4, "model": 2})
+
+
+def ledger_of(mesh, body, in_specs, out_specs, *args):
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    return shardops.ledger(mesh, fn, *args)
+
+
+X = jnp.ones((16, 8))  # f32: 512 bytes
+
+
+@pytest.mark.parametrize(
+    ("body", "in_spec", "out_spec", "kind", "axes", "nbytes", "ring"),
+    [
+        # psum over data of x[4, 8] (each device's block): V = 128, AllReduce sends 2V(N−1)/N.
+        (
+            lambda x: lax.psum(x, "data"),
+            P("data"),
+            P(),
+            "all-reduce",
+            ("data",),
+            128,
+            2 * 128 * 3 / 4,
+        ),
+        # all_gather over model of x[8, 8] → x[16, 8]: V = 512, sends V(N−1)/N.
+        (
+            lambda x: lax.all_gather(x, "model", tiled=True),
+            P("model"),
+            P("model"),
+            "all-gather",
+            ("model",),
+            512,
+            256,
+        ),
+        # psum_scatter over data of x[16, 4]: V is the full 256 bytes, not the shard.
+        (
+            lambda x: lax.psum_scatter(x, "data", tiled=True),
+            P(None, "model"),
+            P("data", "model"),
+            "reduce-scatter",
+            ("data",),
+            256,
+            192,
+        ),
+        # ppermute along data of x[4, 8]: each device sends its 128 bytes.
+        (
+            lambda x: lax.ppermute(x, "data", [(i, (i + 1) % 4) for i in range(4)]),
+            P("data"),
+            P("data"),
+            "collective-permute",
+            ("data",),
+            128,
+            128,
+        ),
+    ],
+    ids=["psum", "all_gather", "psum_scatter", "ppermute"],
+)
+def test_hand_built_programs(mesh, body, in_spec, out_spec, kind, axes, nbytes, ring):
+    led = ledger_of(mesh, body, in_spec, out_spec, X)
+    assert led.totals() == {(kind, axes): nbytes}
+    assert led.totals(requested=True) == {(kind, axes): nbytes}
+    assert led.ring_bytes() == {axes: pytest.approx(ring)}
+    assert led.per_axis() == {axes: nbytes} and led.per_kind() == {kind: nbytes}
+
+
+def test_bf16_promotion_is_reported(mesh):
+    led = ledger_of(mesh, lambda x: lax.psum(x, "data"), P("data"), P(), X.astype(jnp.bfloat16))
+    asked = led.totals(requested=True)[("all-reduce", ("data",))]
+    moved = led.totals()[("all-reduce", ("data",))]
+    assert asked == 64  # bf16[4, 8]
+    assert moved in (64, 128)  # XLA:CPU runs bf16 all-reduces in f32
+    assert led.requested[0].dtypes == ("bf16",)
+    if moved == 128:
+        assert led.promoted() == {"all-reduce": (64, 128)}
+        assert "asked for 64" in str(led)
+
+
+def test_table_and_data(mesh):
+    led = ledger_of(mesh, lambda x: lax.psum(x, "data"), P("data"), P(), X)
+    text = str(led)
+    assert "all-reduce" in text and "total" in text and "data" in text
+    data = led.as_dict()
+    assert data["totals"] == {"all-reduce data": 128}
+    assert data["collectives"][0]["shapes"] == [[4, 8]]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "mesh_shape", "remat"),
+    [("dp", {"data": 8}, False), ("tp", {"model": 8}, False), ("2d", {"data": 4, "model": 2}, False),
+     ("2d", {"data": 2, "model": 4}, False), ("fsdp", {"data": 8}, False), ("fsdp", {"data": 4}, True),
+     ("fsdp_tp", {"data": 4, "model": 2}, False), ("fsdp_tp", {"data": 2, "model": 4}, True)],
+)  # fmt: skip
+def test_each_strategy_moves_what_its_model_says(strategy, mesh_shape, remat):
+    mesh = shardops.make_mesh(mesh_shape)
+    setup = models.build(strategy, mesh, optimizer=optax.adam(1e-3), remat=remat)
+    state = setup.init(jax.random.key(0))
+    x = np.zeros((256, 784), np.float32)
+    y = np.eye(10, dtype=np.float32)[np.zeros(256, int)]
+    led = shardops.ledger(mesh, setup.train_step, state, *setup.place_batch(x, y))
+    assert led.totals() == setup.collective_budget(256)
+    model = setup.cost_model(256)
+    assert led.ring_bytes().keys() == model.keys()
+    for axes, sent in led.ring_bytes().items():
+        assert sent == pytest.approx(model[axes], rel=1e-12)
+
+
+def test_a_function_that_does_not_compile(mesh):
+    def bad(x):
+        return x @ jnp.ones((3, 3))  # (16, 8) @ (3, 3)
+
+    with pytest.raises(ValueError, match=r"ledger: could not lower and compile 'bad'.*TypeError"):
+        shardops.ledger(mesh, bad, X)
+
+
+def test_a_mesh_that_does_not_match(mesh):
+    fn = jax.jit(
+        jax.shard_map(
+            lambda x: lax.psum(x, "model"),
+            mesh=mesh,
+            in_specs=P("data", "model"),
+            out_specs=P("data"),
+        )
+    )
+    with pytest.raises(ValueError, match=r"runs on 8 devices but the mesh \{'data': 4\} has 4"):
+        shardops.ledger(shardops.make_mesh({"data": 4}), fn, X)
+    with pytest.raises(ValueError, match=r"match no set of the mesh's axes \('a', 'b'\)"):
+        shardops.ledger(shardops.make_mesh({"a": 2, "b": 4}), fn, X)
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        shardops.ledger({"data": 4}, fn, X)
+
+
+def test_benchmark_quick_mode_runs_end_to_end(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "strategies.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((tmp_path / "strategies.json").read_text())
+    for block in results["models"].values():
+        assert len(block["rows"]) == 6
+        for row in block["rows"]:
+            assert row["ring_bytes_shardops"] == pytest.approx(row["ring_bytes_model"])
+            assert row["step_ms"]["shardops"] > 0 and row["state_bytes_per_device"] > 0
+    assert "| strategy | mesh |" in (tmp_path / "strategies.md").read_text()
