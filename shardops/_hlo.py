@@ -244,6 +244,21 @@ def _iota(text: str) -> np.ndarray:
     return ids.reshape(shape)
 
 
+def _device_ids(text: str) -> np.ndarray:
+    """A mesh's device list: ``[4,2]T(1,0)`` (iota over [4,2], transposed), ``[8]<=[2,4]T(1,0)``
+    or explicit ids."""
+    compact = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
+    if compact:
+        dims = [int(v) for v in compact[1].split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if compact[2]:
+            ids = ids.transpose([int(v) for v in compact[2].split(",")])
+        return ids.ravel()
+    if "<=" in text:
+        return _iota(text).ravel()
+    return np.array([int(v) for v in re.findall(r"\d+", text)])
+
+
 def _mesh_axes_groups(m: re.Match) -> list[tuple[int, ...]]:
     names, sizes = [], []
     for entry in m["axes"].split(","):
@@ -251,9 +266,7 @@ def _mesh_axes_groups(m: re.Match) -> list[tuple[int, ...]]:
         names.append(name.strip().strip("'\""))
         sizes.append(int(size))
     if m["ids"]:
-        ids = m["ids"]
-        flat = _iota(ids).ravel() if "<=" in ids else [int(v) for v in re.findall(r"\d+", ids)]
-        device_ids = np.asarray(flat).reshape(sizes)
+        device_ids = _device_ids(m["ids"].strip()).reshape(sizes)
     else:
         device_ids = np.arange(math.prod(sizes)).reshape(sizes)
     # Each grouped (sub-)axis is a digit of a device's mesh coordinate: devices that agree on

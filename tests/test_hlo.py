@@ -84,6 +84,18 @@ def test_mesh_axes_groups_and_sub_axes(mesh):
     assert c.group_size == 2 and c.axes is None  # a sub-axis is no whole mesh axis
 
 
+def test_mesh_axes_groups_with_a_device_order(mesh):
+    # GSPMD's form: the mesh (1, 2, 4) holds devices iota([4, 2]).T, i.e. 0,2,4,6,1,3,5,7; the
+    # group over axis_2 (size 4) is therefore {0,2,4,6} and {1,3,5,7}: the data axis.
+    (c,) = parse(
+        mesh,
+        "%a = (pred[64,1]{1,0}, pred[64,1]{1,0}) all-to-all(%x, %y), channel_id=6, "
+        "replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) "
+        "{'axis_2'}, metadata={op_name=\"jit(step)/select_n\"}",
+    )
+    assert c.kind == "all-to-all" and c.axes == ("data",) and c.group_size == 4 and c.bytes == 128
+
+
 def test_single_device_groups_move_nothing():
     mesh = shardops.make_mesh({"data": 8, "model": 1})
     line = (
