@@ -113,6 +113,9 @@ def main(argv=None):
     print(f"Model: MLP {'-'.join(map(str, sizes))}, strategy {args.strategy} on {mesh_text}, "
           f"{steps_per_epoch} steps of {args.batch_size} per epoch")  # fmt: skip
 
+    def place(x, y):
+        return setup.place_batch(x, y), (ref.place_batch(x, y) if ref is not None else None)
+
     history = []
     for epoch in range(args.epochs):
         batches = training.epoch_batches(dataset.train_images, dataset.train_labels,
@@ -120,12 +123,11 @@ def main(argv=None):
         start = time.perf_counter()
         with Progress(epoch, steps_per_epoch) as progress:
             inflight = training.StepsInFlight()
-            for step, (x, y) in enumerate(training.staged(setup, batches)):
-                state, loss = setup.train_step(state, x, y)
+            for step, placed in enumerate(training.staged(place, batches)):
+                state, loss = setup.train_step(state, *placed[0])
                 inflight.add(loss)
-                if ref is not None:  # the same batch, unsharded
-                    ref_state, ref_loss = ref.train_step(ref_state, *ref.place_batch(
-                        np.asarray(x), np.asarray(y)))  # fmt: skip
+                if ref is not None:  # the same host batch, placed for the unsharded run
+                    ref_state, ref_loss = ref.train_step(ref_state, *placed[1])
                     inflight.add(ref_loss)
                 progress.update(step + 1, loss)
             inflight.drain()

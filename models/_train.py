@@ -134,23 +134,7 @@ class Setup:
         return placed if y is not None else placed[0]
 
     def check_batch(self, x, y=None) -> None:
-        if x.ndim != 2 or x.shape[1] != self.sizes[0]:
-            raise ValueError(f"x must have shape (batch, {self.sizes[0]}); got {tuple(x.shape)}")
-        if y is not None and tuple(y.shape) != (x.shape[0], self.sizes[-1]):
-            raise ValueError(
-                f"labels must be one-hot of shape ({x.shape[0]}, {self.sizes[-1]}); got "
-                f"{tuple(y.shape)}"
-            )
-        batch_axes = STRATEGIES[self.strategy].BATCH_AXES
-        if batch_axes:
-            shardops.check_divisible(
-                argument="x",
-                dim=0,
-                dim_name="batch",
-                size=x.shape[0],
-                mesh=self.mesh,
-                axes=batch_axes,
-            )
+        check_batch(STRATEGIES[self.strategy], self.mesh, self.sizes, x, y)
 
     def collective_budget(self, batch: int) -> dict:
         """Expected bytes V per (collective, mesh axes) of one train step (see each strategy)."""
@@ -216,7 +200,18 @@ def build(
         evaluate = smap(body.evaluate, (specs, batch_spec, batch_spec), (P(), P()))
         logits = smap(body.logits, (specs, batch_spec), batch_spec)
 
-    setup = Setup(
+    def checked(fn):  # shapes are static: a bad batch fails when the function traces
+        def run(state_or_params, x, *y):
+            check_batch(module, mesh, sizes, x, *y)
+            return fn(state_or_params, x, *y)
+
+        return run
+
+    # XLA:CPU expands optimization barriers before a late CSE pass, which then merges remat's
+    # backward re-gather into the forward gather (keeping the full weights alive after all).
+    # With remat, keep the barriers for these programs; other programs are unaffected.
+    options = {"xla_disable_hlo_passes": "cse_barrier_expander"} if remat else None
+    return Setup(
         strategy=strategy,
         mesh=mesh,
         sizes=sizes,
@@ -226,30 +221,26 @@ def build(
         opt_specs=opt_specs,
         batch_spec=batch_spec,
         step=step,
-        train_step=None,
-        loss_and_grads=None,
-        evaluate=None,
-        logits=None,
-    )
-
-    def checked(fn):
-        def run(state_or_params, x, *y):
-            setup.check_batch(x, *y)
-            return fn(state_or_params, x, *y)
-
-        return run
-
-    # XLA:CPU expands optimization barriers before a late CSE pass, which then merges remat's
-    # backward re-gather into the forward gather (keeping the full weights alive after all).
-    # With remat, keep the barriers for these programs; other programs are unaffected.
-    options = {"xla_disable_hlo_passes": "cse_barrier_expander"} if remat else None
-    return dataclasses.replace(
-        setup,
         train_step=jax.jit(checked(step), donate_argnums=0, compiler_options=options),
         loss_and_grads=jax.jit(checked(loss_and_grads), compiler_options=options),
         evaluate=jax.jit(checked(evaluate), compiler_options=options),
         logits=jax.jit(checked(logits), compiler_options=options),
     )
+
+
+def check_batch(module, mesh, sizes, x, y=None) -> None:
+    """A global batch ``x[B, sizes[0]]`` (and one-hot ``y[B, sizes[-1]]``) that splits evenly."""
+    if x.ndim != 2 or x.shape[1] != sizes[0]:
+        raise ValueError(f"x must have shape (batch, {sizes[0]}); got {tuple(x.shape)}")
+    if y is not None and tuple(y.shape) != (x.shape[0], sizes[-1]):
+        raise ValueError(
+            f"labels must be one-hot of shape ({x.shape[0]}, {sizes[-1]}); got {tuple(y.shape)}"
+        )
+    if module.BATCH_AXES:
+        shardops.check_divisible(
+            argument="x", dim=0, dim_name="batch", size=x.shape[0], mesh=mesh,
+            axes=module.BATCH_AXES,
+        )  # fmt: skip
 
 
 class _Body:

@@ -182,12 +182,18 @@ def _check_local_shapes(x, w, b, op: str) -> None:
             f"{op}: expected x[B, D] and w[D, F] of rank 2; got x{tuple(x.shape)} and "
             f"w{tuple(w.shape)}"
         )
-    if x.shape[1] != w.shape[0]:
+    check_dense_shapes(op, x.shape, w.shape, None if b is None else b.shape, scope="local ")
+
+
+def check_dense_shapes(op: str, x_shape, w_shape, b_shape, *, scope: str = "") -> None:
+    """``x[B, D] · w[D, F] + b[F]``: inner dimensions agree and the bias matches, no broadcast."""
+    if x_shape[1] != w_shape[0]:
         raise ValueError(
-            f"{op}: inner dimensions differ: local x has {x.shape[1]} features but the local "
-            f"w has {w.shape[0]} rows"
+            f"{op}: inner dimensions differ: {scope}x{tuple(x_shape)} has {x_shape[1]} features "
+            f"but {scope}w{tuple(w_shape)} has {w_shape[0]} rows"
         )
-    if b is not None and tuple(b.shape) != (w.shape[1],):
+    if b_shape is not None and tuple(b_shape) != (w_shape[1],):
         raise ValueError(
-            f"{op}: local bias has shape {tuple(b.shape)}, expected ({w.shape[1]},) to match w"
+            f"{op}: {scope}b must have shape ({w_shape[1]},) to match {scope}w{tuple(w_shape)}; "
+            f"got {tuple(b_shape)}. No broadcasting is done."
         )

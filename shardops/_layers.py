@@ -262,16 +262,8 @@ def _check_dense_args(op: str, x, w, b, precision: Precision) -> None:
                 f"{op}: {name} must have rank {rank} ({meaning}); got {got}. Flatten leading "
                 f"dims first, e.g. x.reshape(-1, x.shape[-1])."
             )
-    if x.shape[1] != w.shape[0]:
-        raise ValueError(
-            f"{op}: inner dimensions differ: x{tuple(x.shape)} has {x.shape[1]} features but "
-            f"w{tuple(w.shape)} has {w.shape[0]} rows"
-        )
-    if b is not None and tuple(getattr(b, "shape", ())) != (w.shape[1],):
-        raise ValueError(
-            f"{op}: b must have shape ({w.shape[1]},) to match w{tuple(w.shape)}; got "
-            f"{tuple(getattr(b, 'shape', ()))}. No broadcasting is done."
-        )
+    b_shape = None if b is None else tuple(getattr(b, "shape", ()))
+    _kernels.check_dense_shapes(op, x.shape, w.shape, b_shape)
     precision.check_activation("x", x.dtype)
     precision.check_param("w", w.dtype)
     if b is not None:

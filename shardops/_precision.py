@@ -61,22 +61,18 @@ class Precision:
 
     def check_param(self, argument: str, dtype) -> None:
         """Raise ``TypeError`` unless a parameter has this policy's ``param_dtype``."""
-        if np.dtype(dtype) != self.param_dtype:
-            raise TypeError(
-                f"{argument} has dtype {np.dtype(dtype).name} but precision policy {self.name} "
-                f"stores parameters in {self.param_dtype.name}; cast it with "
-                f"{argument}.astype(jnp.{self.param_dtype.name}) or pick the policy that "
-                f"matches your parameters."
-            )
+        self._check(argument, dtype, self.param_dtype, "stores parameters in", "parameters")
 
     def check_activation(self, argument: str, dtype) -> None:
         """Raise ``TypeError`` unless an activation has this policy's ``compute_dtype``."""
-        if np.dtype(dtype) != self.compute_dtype:
+        self._check(argument, dtype, self.compute_dtype, "computes in", "activations")
+
+    def _check(self, argument, dtype, expected, verb, what) -> None:
+        if np.dtype(dtype) != expected:
             raise TypeError(
                 f"{argument} has dtype {np.dtype(dtype).name} but precision policy {self.name} "
-                f"computes in {self.compute_dtype.name}; cast it with "
-                f"{argument}.astype(jnp.{self.compute_dtype.name}) or pick the policy that "
-                f"matches your activations."
+                f"{verb} {expected.name}; cast it with {argument}.astype(jnp.{expected.name}) "
+                f"or pick the policy that matches your {what}."
             )
 
     def matmul(self, x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
