@@ -18,6 +18,7 @@ seed's mean.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -136,6 +137,18 @@ class Setup:
     def check_batch(self, x, y=None) -> None:
         check_batch(STRATEGIES[self.strategy], self.mesh, self.sizes, x, y)
 
+    def weight_layouts(self) -> dict:
+        """Layer name → (global weight shape, PartitionSpec): the input of
+        ``shardops.layout_png`` for drawing this strategy's weight tiling."""
+        if self.mesh is None:
+            raise ValueError("the ref strategy has no mesh to draw")
+        return {
+            f"layer {i} w": ((m, n), spec["w"])
+            for i, ((m, n), spec) in enumerate(
+                zip(itertools.pairwise(self.sizes), self.param_specs, strict=True)
+            )
+        }
+
     def collective_budget(self, batch: int) -> dict:
         """Expected bytes V per (collective, mesh axes) of one train step (see each strategy)."""
         module = STRATEGIES[self.strategy]
@@ -211,6 +224,10 @@ def build(
     # backward re-gather into the forward gather (keeping the full weights alive after all).
     # With remat, keep the barriers for these programs; other programs are unaffected.
     options = {"xla_disable_hlo_passes": "cse_barrier_expander"} if remat else None
+
+    def jit(fn, name, **kwargs):
+        return _DeviceChecked(jax.jit(checked(fn), compiler_options=options, **kwargs), mesh, name)
+
     return Setup(
         strategy=strategy,
         mesh=mesh,
@@ -221,11 +238,27 @@ def build(
         opt_specs=opt_specs,
         batch_spec=batch_spec,
         step=step,
-        train_step=jax.jit(checked(step), donate_argnums=0, compiler_options=options),
-        loss_and_grads=jax.jit(checked(loss_and_grads), compiler_options=options),
-        evaluate=jax.jit(checked(evaluate), compiler_options=options),
-        logits=jax.jit(checked(logits), compiler_options=options),
+        train_step=jit(step, "train_step", donate_argnums=0),
+        loss_and_grads=jit(loss_and_grads, "loss_and_grads"),
+        evaluate=jit(evaluate, "evaluate"),
+        logits=jit(logits, "logits"),
     )
+
+
+class _DeviceChecked:
+    """A jitted function that first checks its concrete arguments live on the setup's mesh
+    (``shardops.check_devices``), so a misplaced batch is a shardops error, not XLA's."""
+
+    def __init__(self, jitted, mesh, name):
+        self.jitted, self.mesh, self.name = jitted, mesh, name
+
+    def __call__(self, state_or_params, x, *y):
+        if self.mesh is not None:
+            shardops.check_devices(self.mesh, self.name, state=state_or_params, x=x, y=y)
+        return self.jitted(state_or_params, x, *y)
+
+    def lower(self, *args, **kwargs):
+        return self.jitted.lower(*args, **kwargs)
 
 
 def check_batch(module, mesh, sizes, x, y=None) -> None:

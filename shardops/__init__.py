@@ -6,6 +6,8 @@ collective spelled out, and verified against the unsharded layer.
 
 from shardops import testing
 from shardops._axes import DATA_AXIS, MODEL_AXIS
+from shardops._devices import DeviceMismatchError, check_devices
+from shardops._explain import explain
 from shardops._hlo import KINDS as COLLECTIVE_KINDS
 from shardops._hlo import Collective, collectives, hlo_collectives, lowered_collectives
 from shardops._kernels import column_parallel_dense_kernel, row_parallel_dense_kernel
@@ -20,6 +22,15 @@ from shardops._ledger import Ledger, ledger, ring_bytes
 from shardops._mesh import axis_size, check_divisible, make_mesh, spec_entry
 from shardops._params import dense, init_dense, shard_params
 from shardops._precision import BFLOAT16, FLOAT32, MIXED_BFLOAT16, Precision
+from shardops._views import (
+    LeafLayout,
+    grid_sharding,
+    layout_png,
+    layout_table,
+    layouts,
+    show_layout,
+    tiles_of,
+)
 
 __all__ = [
     "BFLOAT16",
@@ -30,17 +41,25 @@ __all__ = [
     "MODEL_AXIS",
     "Collective",
     "DenseSpecs",
+    "DeviceMismatchError",
+    "LeafLayout",
     "Ledger",
     "Precision",
     "axis_size",
+    "check_devices",
     "check_divisible",
     "collectives",
     "column_parallel_dense",
     "column_parallel_dense_kernel",
     "column_parallel_specs",
     "dense",
+    "explain",
+    "grid_sharding",
     "hlo_collectives",
     "init_dense",
+    "layout_png",
+    "layout_table",
+    "layouts",
     "ledger",
     "lowered_collectives",
     "make_mesh",
@@ -49,6 +68,8 @@ __all__ = [
     "row_parallel_dense_kernel",
     "row_parallel_specs",
     "shard_params",
+    "show_layout",
     "spec_entry",
     "testing",
+    "tiles_of",
 ]

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardops import _kernels
 from shardops._axes import MODEL_AXIS
+from shardops._devices import check_devices
 from shardops._mesh import axis_size, check_divisible, normalized_spec, spec_entry
 from shardops._precision import FLOAT32, Precision
 
@@ -215,6 +216,7 @@ def _run(op: str, kernel, mesh: Mesh, specs: DenseSpecs, x, w, b):
     if b is not None:
         args.append(b)
         in_specs.append(specs.b)
+    check_devices(mesh, op, **dict(zip(("x", "w", "b"), args, strict=False)))
     for name, arg, spec in zip(("x", "w", "b"), args, in_specs, strict=False):
         _check_explicit_layout(op, name, arg, spec, mesh)
     with jax.named_scope(f"shardops.{op}"):

@@ -1,0 +1,93 @@
+"""``explain``: which collective runs where, and why, in plain words, read from the ledger."""
+
+from __future__ import annotations
+
+import re
+
+from jax.sharding import Mesh
+
+from shardops._axes import MODEL_AXIS
+from shardops._hlo import Collective
+from shardops._ledger import ledger
+
+JAX_NAMES = {
+    "all-reduce": "psum",
+    "all-gather": "all_gather",
+    "reduce-scatter": "psum_scatter",
+    "collective-permute": "ppermute",
+    "all-to-all": "all_to_all",
+}
+
+
+def explain(mesh: Mesh, fn, /, *args, **kwargs) -> list[str]:
+    """One sentence per collective of the compiled ``fn(*args)``: layer, collective, mesh axis,
+    tensor, bytes, and the reason. Layers are recognised by their ``named_scope`` and their
+    collectives over ``MODEL_AXIS``; everything else is explained by kind and pass. E.g.
+
+        row_parallel_dense: psum over 'model' of f32[64,10] (2.5 KiB), because the contraction
+        dim is split over 'model' (each device holds partial sums y{U_model})
+    """
+    return [sentence(c) for c in ledger(mesh, fn, *args, **kwargs).collectives if c.bytes]
+
+
+def sentence(c: Collective) -> str:
+    layers = sorted(set(re.findall(r"shardops\.(\w+)", c.op_name)))
+    backward = "transpose" in c.op_name
+    where = ", ".join(layers) if layers else ("backward pass" if backward else "forward pass")
+    axes = " × ".join(repr(a) for a in c.axes)
+    if len(c.shapes) > 2:
+        what = f"{len(c.shapes)} tensors"
+    else:
+        what = ", ".join(f"{d}[{','.join(map(str, s))}]" for d, s in c.shapes)
+    return (
+        f"{where}: {JAX_NAMES[c.kind]} over {axes} of {what} ({_size(c.bytes)}), because "
+        f"{_reason(c, layers, backward)}"
+    )
+
+
+def _reason(c: Collective, layers: list[str], backward: bool) -> str:
+    axis = " × ".join(repr(a) for a in c.axes)
+    rank = max(len(s) for _, s in c.shapes) if c.shapes else 0
+    kind = c.kind
+    if MODEL_AXIS not in c.axes:
+        layers = []  # the layers' own collectives run over their weight axis (the default name)
+    if layers == ["row_parallel_dense"]:
+        if not backward and kind == "all-reduce":
+            return (
+                f"the contraction dim is split over {axis} (each device holds partial sums y{{U}})"
+            )
+        if not backward and kind == "reduce-scatter":
+            return f"the contraction dim is split over {axis} and the output is kept split: partial sums are reduced and scattered"
+        if backward and kind == "all-gather":
+            return "it is the transpose of the forward psum_scatter: each device needs all of dy"
+        if backward and kind == "all-reduce" and rank == 1:
+            return f"the bias is replicated but the output is split over {axis}: its gradient is summed"
+        if backward and kind == "all-reduce":
+            return f"the replicated input was sliced over {axis}: each device's zero-padded dx is summed"
+    if layers == ["column_parallel_dense"]:
+        if backward and kind == "all-reduce":
+            return f"x is replicated over {axis} but each device multiplies it by its own columns of w: the partial dx are summed (Megatron's f)"
+        if backward and kind == "reduce-scatter":
+            return f"it is the transpose of the sequence-parallel gather: dx partial sums are reduced and split back over {axis}"
+        if kind == "all-gather" and "invariant" in c.op_name:
+            return f"gather_output asks for the full y, whose columns are split over {axis}"
+        if kind == "all-gather":
+            return f"the input's batch dim is split over {axis} (sequence parallelism) and the layer needs all of it"
+    if kind == "all-reduce" and rank == 0 and len(c.shapes) == 1:
+        return f"each device computed a partial sum from its shard along {axis} (a loss, a metric, a dot product): the partial sums are added"
+    if backward and kind == "all-reduce":
+        return f"parameters replicated over {axis} meet a batch split over {axis}: their gradients are summed"
+    if kind == "all-gather" and not backward:
+        return f"weights stored split over {axis} (FSDP) are gathered just before use"
+    if kind == "all-gather":
+        return f"weights stored split over {axis} are gathered again for the backward pass (remat)"
+    if kind == "reduce-scatter" and backward:
+        return f"it is the transpose of the weights' all_gather: gradients are summed and each device keeps its shard over {axis}"
+    return f"the program moves data between devices along {axis}"
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
