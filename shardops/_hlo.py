@@ -86,20 +86,26 @@ def collectives(mesh: Mesh, fn, /, *args, **kwargs) -> list[Collective]:
     """List the collectives of ``fn(*args, **kwargs)`` compiled over ``mesh``.
 
     ``fn`` is a callable (jitted or not; it is lowered with the arguments and compiled), a
-    ``jax.stages.Lowered`` or a ``jax.stages.Compiled``.
+    ``jax.stages.Lowered`` or a ``jax.stages.Compiled``. ``shardops.ledger`` gives the same
+    collectives with totals, ring bytes and the dtypes the program asked for.
     """
     import jax
 
     if isinstance(fn, jax.stages.Lowered):
         fn = fn.compile()
     if not isinstance(fn, jax.stages.Compiled):
-        if not callable(fn):
-            raise TypeError(
-                f"collectives: fn must be a callable, Lowered or Compiled; got {type(fn).__name__}"
-            )
-        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-        fn = jitted.lower(*args, **kwargs).compile()
+        fn = lower(fn, *args, **kwargs).compile()
     return hlo_collectives(fn.as_text(), mesh)
+
+
+def lower(fn, /, *args, **kwargs):
+    """``fn`` (jitted or not) lowered with these arguments."""
+    import jax
+
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable, Lowered or Compiled; got {type(fn).__name__}")
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    return jitted.lower(*args, **kwargs)
 
 
 def hlo_collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:

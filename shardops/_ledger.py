@@ -20,7 +20,7 @@ from collections import Counter
 
 from jax.sharding import Mesh
 
-from shardops._hlo import Collective, hlo_collectives, lowered_collectives
+from shardops._hlo import Collective, hlo_collectives, lower, lowered_collectives
 
 
 def ring_bytes(kind: str, nbytes: int, group_size: int) -> float:
@@ -133,15 +133,12 @@ class Ledger:
 
 def ledger(mesh: Mesh, fn, /, *args, **kwargs) -> Ledger:
     """Compile ``fn(*args, **kwargs)`` (a callable, jitted or not) and return its ``Ledger``."""
-    import jax
-
     if not isinstance(mesh, Mesh):
         raise TypeError(f"ledger: mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
     if not callable(fn):
         raise TypeError(f"ledger: fn must be callable; got {type(fn).__name__}")
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     try:
-        lowered = jitted.lower(*args, **kwargs)
+        lowered = lower(fn, *args, **kwargs)
         compiled = lowered.compile()
     except Exception as e:
         raise ValueError(
