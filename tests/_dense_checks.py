@@ -54,9 +54,7 @@ def sharded_forward_and_grads(x, w, b, ct, *, layer, mesh, options, precision):
     return y, grads
 
 
-def random_inputs(
-    rng: np.random.Generator, layer: str, batch: int, d_in: int, d_out: int, precision
-):
+def random_inputs(rng: np.random.Generator, batch: int, d_in: int, d_out: int, precision):
     x = rng.standard_normal((batch, d_in)).astype(precision.compute_dtype)
     w = rng.standard_normal((d_in, d_out)).astype(precision.param_dtype)
     b = rng.standard_normal((d_out,)).astype(precision.param_dtype)
@@ -80,7 +78,7 @@ def check_dense(
     mesh, batch_axis = mesh_for(mesh_shape)
     opts = dict(options, batch_axis=batch_axis)
     specs = SPECS[layer](**opts)
-    x, w, b, ct = random_inputs(np.random.default_rng(seed), layer, batch, d_in, d_out, precision)
+    x, w, b, ct = random_inputs(np.random.default_rng(seed), batch, d_in, d_out, precision)
     ref = dense_reference(x, w, b if use_bias else None, ct, precision)
 
     def place(a, spec):

@@ -5,6 +5,7 @@ so compiled programs are reused across examples; the sharded forward and gradien
 jitted program (``sharded_forward_and_grads``) and the float64 reference in numpy.
 """
 
+import pytest
 from _dense_checks import COLUMN_OPTIONS, POLICIES, ROW_OPTIONS, check_dense
 from hypothesis import given
 from hypothesis import strategies as st
@@ -17,9 +18,13 @@ BATCH = st.sampled_from([8, 16, 32])
 FEATURES = st.sampled_from([8, 64, 256, 512])
 
 
+OPTIONS = {"column": COLUMN_OPTIONS, "row": ROW_OPTIONS}
+
+
+@pytest.mark.parametrize("layer", sorted(OPTIONS))  # one property per layer, 200 examples each
 @given(
+    data=st.data(),
     mesh_shape=st.sampled_from(MESHES),
-    options=st.sampled_from(COLUMN_OPTIONS),
     policy=st.sampled_from(sorted(POLICIES)),
     batch=BATCH,
     d_in=FEATURES,
@@ -27,29 +32,11 @@ FEATURES = st.sampled_from([8, 64, 256, 512])
     use_bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_column_parallel_equals_reference(
-    mesh_shape, options, policy, batch, d_in, d_out, use_bias, seed
+def test_sharded_layer_equals_reference(
+    layer, data, mesh_shape, policy, batch, d_in, d_out, use_bias, seed
 ):
+    options = data.draw(st.sampled_from(OPTIONS[layer]), label="options")
     check_dense(
-        "column", mesh_shape, options, POLICIES[policy],
-        batch=batch, d_in=d_in, d_out=d_out, seed=seed, use_bias=use_bias,
-    )  # fmt: skip
-
-
-@given(
-    mesh_shape=st.sampled_from(MESHES),
-    options=st.sampled_from(ROW_OPTIONS),
-    policy=st.sampled_from(sorted(POLICIES)),
-    batch=BATCH,
-    d_in=FEATURES,
-    d_out=FEATURES,
-    use_bias=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
-def test_row_parallel_equals_reference(
-    mesh_shape, options, policy, batch, d_in, d_out, use_bias, seed
-):
-    check_dense(
-        "row", mesh_shape, options, POLICIES[policy],
+        layer, mesh_shape, options, POLICIES[policy],
         batch=batch, d_in=d_in, d_out=d_out, seed=seed, use_bias=use_bias,
     )  # fmt: skip
