@@ -1,11 +1,13 @@
 """A tour of shardings with today's JAX: the seed's first half, step by step.
 
-    python examples/sharding_tour.py [--png PATH]
+    python examples/sharding_tour.py                   # the tour, in the terminal only
+    python examples/sharding_tour.py --png tiles.png   # and the weight-tile picture in tiles.png
 
 1. split a vector across devices, 2. a dot product of two sharded vectors with its psum,
 3. vmap over a sharded batch, 4. the incompatible-devices mistake, caught and explained,
-5. a model's layout in the terminal and as a PNG. On a machine without an accelerator the
-script simulates 8 CPU devices itself (XLA_FLAGS, set before JAX starts).
+5. a model's layout in the terminal and, with ``--png PATH``, as a picture (nothing is written
+without it). On a machine without an accelerator the script simulates 8 CPU devices itself
+(XLA_FLAGS, set before JAX starts).
 """
 
 import os
@@ -34,7 +36,7 @@ def section(title):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--png", default="sharding_tour.png", help="where to save the layout picture")
+    p.add_argument("--png", metavar="PATH", help="also save the weight tiles as a PNG at PATH")
     args = p.parse_args(argv)
     devices = jax.devices() if len(jax.devices()) >= 8 else jax.devices("cpu")
     mesh = shardops.make_mesh({"data": 4, "model": 2}, devices=devices)
@@ -80,7 +82,7 @@ def main(argv=None):
     except shardops.DeviceMismatchError as e:
         print(f"caught: {e}")
 
-    section("5. A model's layout, in the terminal and as a picture")
+    section("5. A model's layout, in the terminal (and as a picture with --png PATH)")
     setup = models.build("fsdp_tp", mesh, optimizer=optax.sgd(1.0))
     state = setup.init(jax.random.key(0))
     shardops.show_layout(state.params, title="fsdp_tp parameters on data=4 × model=2", grids=False)
@@ -89,12 +91,16 @@ def main(argv=None):
         for k, v in models.build("2d", mesh, optimizer=optax.sgd(1.0)).weight_layouts().items()
     }
     weights.update({f"fsdp_tp {k}": v for k, v in setup.weight_layouts().items()})
-    drawn = shardops.layout_png(
-        args.png, weights, mesh, title="2d vs fsdp_tp weight tiles on data=4 × model=2"
-    )
-    for name, tiles in drawn.items():
+    for name, (shape, spec) in weights.items():
+        tiles = shardops.tiles_of(shape, NamedSharding(mesh, spec))  # {block: device ids}
         print(f"  {name}: {len(tiles)} tiles, each on {len(next(iter(tiles.values())))} device(s)")
-    print(f"saved {args.png}")
+    if args.png:
+        shardops.layout_png(
+            args.png, weights, mesh, title="2d vs fsdp_tp weight tiles on data=4 × model=2"
+        )
+        print(f"saved {args.png}")
+    else:
+        print("  (no picture written; `--png PATH` saves these tiles as a PNG)")
 
 
 if __name__ == "__main__":

@@ -1,21 +1,17 @@
-"""The data module: IDX reading and every bad-file case, tfds offline, the offline fallback."""
+"""The data module: IDX reading and every bad-file case, tfds offline, the offline fallback, and
+the pipeline from generated IDX files to epoch batches (images with their own labels)."""
 
-import gzip
 import socket
 import time
 
 import numpy as np
 import pytest
+from _data_checks import check_epochs, check_split_files, write_idx
 
 from models import data
 
-
-def write_idx(path, array, *, magic=None, gz=False, cut=0, extra=b""):
-    header = magic if magic is not None else bytes([0, 0, 8, array.ndim])
-    header += b"".join(int(d).to_bytes(4, "big") for d in array.shape)
-    raw = header + array.astype(np.uint8).tobytes() + extra
-    raw = raw[: len(raw) - cut] if cut else raw
-    path.write_bytes(gzip.compress(raw) if gz else raw)
+# 50 train examples: batch sizes that divide 50 and ones that leave 1, 2 or 15 behind.
+N_TRAIN = 50
 
 
 def make_idx_dir(tmp_path, n_train=12, n_test=6, gz=True, **overrides):
@@ -174,3 +170,21 @@ def test_epoch_order_is_seeded_and_a_permutation():
 def test_unknown_dataset():
     with pytest.raises(ValueError, match="unknown dataset 'cifar'"):
         data.load("cifar")
+
+
+@pytest.mark.parametrize(("n_train", "n_test"), [(N_TRAIN, 20), (20, 20)])
+@pytest.mark.parametrize("gz", [True, False])
+def test_test_split_comes_from_the_t10k_files(tmp_path, n_train, n_test, gz):
+    check_split_files(tmp_path, n_train, n_test, gz=gz)
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 10, 16, 25, N_TRAIN])
+def test_every_example_once_per_epoch_with_its_own_label(tmp_path, batch_size):
+    check_epochs(tmp_path, N_TRAIN, batch_size, epochs=3)
+
+
+@pytest.mark.parametrize("batch_size", [7, 16, 35])
+def test_last_partial_batch_is_dropped_and_reshuffled(tmp_path, batch_size):
+    """floor(N/B) batches; the N mod B at the end of the order are dropped, and every example is
+    seen within a few epochs (35 drops 15 of 50 per epoch)."""
+    check_epochs(tmp_path, N_TRAIN, batch_size, epochs=6)

@@ -177,12 +177,16 @@ def test_grid_sharding_errors():
         shardops.grid_sharding([["a"]])
 
 
+def run_tour(*args, cwd):
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "sharding_tour.py"), *args],
+                          capture_output=True, text=True, timeout=300, cwd=cwd)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
 def test_sharding_tour_reads_like_a_tutorial(tmp_path):
     png = tmp_path / "tour.png"
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "sharding_tour.py"), "--png", str(png)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
+    out = run_tour("--png", str(png), cwd=ROOT)
     for line in (
         "device 1: [2.0, 3.0]",
         "v · ones = 120.0 (expected 120.0)",
@@ -194,3 +198,10 @@ def test_sharding_tour_reads_like_a_tutorial(tmp_path):
     ):
         assert line in out, out
     assert png.stat().st_size > 10_000
+    assert f"saved {png}" in out
+
+
+def test_sharding_tour_writes_no_picture_unasked(tmp_path):
+    out = run_tour(cwd=tmp_path)
+    assert "no picture written; `--png PATH` saves these tiles as a PNG" in out, out
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,126 @@
+"""Checks of the data pipeline on generated IDX files, shared by tests/test_data.py and its
+mutation module (tests/test_data_mutations.py), so that the mutants face the suite's own checks.
+
+Every generated image encodes its split and index (pixel 0: index mod 256, pixel 1: index div
+256, pixel 2: the split's tag, the rest a pattern of both), and its label is a function of the
+same two, so each example found in a batch can be traced back to its row in the IDX files.
+"""
+
+import gzip
+
+import numpy as np
+
+from models import data, training
+
+SPLIT_TAGS = {"train": 1, "test": 2}
+SPLIT_STEMS = {"train": "train", "test": "t10k"}
+
+
+def write_idx(path, array, *, magic=None, gz=False, cut=0, extra=b""):
+    header = magic if magic is not None else bytes([0, 0, 8, array.ndim])
+    header += b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    raw = header + array.astype(np.uint8).tobytes() + extra
+    raw = raw[: len(raw) - cut] if cut else raw
+    path.write_bytes(gzip.compress(raw) if gz else raw)
+
+
+def example_pixels(split: str, index: np.ndarray) -> np.ndarray:
+    """uint8 images ``[n, 28, 28]`` of the examples ``index`` of ``split``: unique per example."""
+    index = np.asarray(index)
+    tag = SPLIT_TAGS[split]
+    k = np.arange(28 * 28)
+    pixels = (index[:, None] * 31 + k * 7 + tag * 101) % 256  # (n, 784)
+    pixels[:, 0], pixels[:, 1], pixels[:, 2] = index % 256, index // 256, tag
+    return pixels.astype(np.uint8).reshape(-1, 28, 28)
+
+
+def example_classes(split: str, index: np.ndarray) -> np.ndarray:
+    """The class of each example ``index`` of ``split``: neighbours and splits differ."""
+    return ((7 * np.asarray(index) + 3 * SPLIT_TAGS[split]) % data.NUM_CLASSES).astype(np.uint8)
+
+
+def write_indexed_idx_dir(path, n_train: int, n_test: int, *, gz: bool = False) -> None:
+    """The four IDX files of a data folder whose examples encode their split and index."""
+    for split, n in (("train", n_train), ("test", n_test)):
+        stem = SPLIT_STEMS[split]
+        suffix = ".gz" if gz else ""
+        write_idx(
+            path / f"{stem}-images-idx3-ubyte{suffix}", example_pixels(split, np.arange(n)), gz=gz
+        )
+        write_idx(
+            path / f"{stem}-labels-idx1-ubyte{suffix}", example_classes(split, np.arange(n)), gz=gz
+        )
+
+
+def index_of(images: np.ndarray) -> np.ndarray:
+    """The example index encoded in each float image ``[n, 784]``."""
+    pixels = np.rint(images[:, :2].astype(np.float64) * 255).astype(np.int64)  # (n, 2)
+    return pixels[:, 0] + 256 * pixels[:, 1]
+
+
+def check_examples(images, labels, split: str, index) -> None:
+    """``images``/``labels`` are exactly the examples ``index`` of ``split``'s files: images
+    float32 ``pixel / 255`` in [0, 1], labels float32 one-hot of the example's class."""
+    index = np.asarray(index)
+    assert images.dtype == np.float32 and labels.dtype == np.float32, (images.dtype, labels.dtype)
+    assert images.shape == (len(index), 784), (images.shape, len(index))
+    assert labels.shape == (len(index), data.NUM_CLASSES), (labels.shape, len(index))
+    assert images.min(initial=0.0) >= 0.0 and images.max(initial=1.0) <= 1.0
+    pixels = example_pixels(split, index).reshape(len(index), -1)
+    # float64 then float32 rounds like the float32 division (double rounding is exact for /).
+    expected = (pixels.astype(np.float64) / 255).astype(np.float32)
+    np.testing.assert_array_equal(images, expected, err_msg=f"{split} images")
+    one_hot = np.eye(data.NUM_CLASSES, dtype=np.float32)[example_classes(split, index)]
+    np.testing.assert_array_equal(labels, one_hot, err_msg=f"{split} labels")
+
+
+def check_split_files(tmp_path, n_train: int, n_test: int, *, gz: bool = False) -> None:
+    """``load_idx_dir`` gives the train files' examples as train and the t10k files' as test."""
+    write_indexed_idx_dir(tmp_path, n_train, n_test, gz=gz)
+    ds = data.load_idx_dir(tmp_path)
+    check_examples(ds.train_images, ds.train_labels, "train", np.arange(n_train))
+    check_examples(ds.test_images, ds.test_labels, "test", np.arange(n_test))
+
+
+def epoch_indices(ds, batch_size: int, *, seed: int, epoch: int) -> list[np.ndarray]:
+    """The example indices of each batch of one epoch, each batch checked against the files."""
+    batches = training.epoch_batches(
+        ds.train_images, ds.train_labels, batch_size, seed=seed, epoch=epoch
+    )
+    indices = []
+    for images, labels in batches:
+        index = index_of(images)
+        check_examples(images, labels, "train", index)  # each image with its own label
+        indices.append(index)
+    return indices
+
+
+def check_epochs(tmp_path, n: int, batch_size: int, *, epochs: int, seed: int = 0) -> None:
+    """Each epoch holds ``n // batch_size`` full batches of distinct examples, paired with their
+    labels, in ``epoch_order``; the ``n % batch_size`` left at the end of the order are dropped.
+    The order is seeded, differs between consecutive epochs, and over ``epochs`` epochs every
+    example is seen."""
+    assert 0 < batch_size <= n, "the check needs at least one full batch"
+    write_indexed_idx_dir(tmp_path, n, 5)
+    ds = data.load_idx_dir(tmp_path)
+    full = n // batch_size
+    seen = set()
+    orders = []
+    for epoch in range(epochs):
+        batches = epoch_indices(ds, batch_size, seed=seed, epoch=epoch)
+        assert len(batches) == full, f"epoch {epoch}: {len(batches)} batches, expected {full}"
+        order = np.concatenate(batches)
+        assert len(set(order.tolist())) == len(order), f"epoch {epoch}: an example repeats"
+        planned = data.epoch_order(n, seed, epoch)
+        np.testing.assert_array_equal(order, planned[: full * batch_size], err_msg=f"epoch {epoch}")
+        dropped = set(range(n)) - set(order.tolist())
+        assert dropped == set(planned[full * batch_size :].tolist()), f"epoch {epoch}: {dropped}"
+        again = epoch_indices(ds, batch_size, seed=seed, epoch=epoch)
+        np.testing.assert_array_equal(np.concatenate(again), order, err_msg="same seed, new order")
+        other_seed = epoch_indices(ds, batch_size, seed=seed + 1, epoch=epoch)
+        assert not np.array_equal(order, np.concatenate(other_seed)), "the seed is ignored"
+        seen |= set(order.tolist())
+        orders.append(order)
+    for epoch in range(1, epochs):
+        assert not np.array_equal(orders[epoch - 1], orders[epoch]), f"epoch {epoch} repeats"
+    assert seen == set(range(n)), f"never seen in {epochs} epochs: {set(range(n)) - seen}"

@@ -1,0 +1,122 @@
+"""Mutation check for the data pipeline: bugs injected into copies of models/data.py and
+models/training.py are caught by the suite's own checks (tests/_data_checks.py).
+
+Each mutant replaces one exact line of the real source (the test fails if that line is gone, so
+mutants cannot drift from the code), is loaded as a module, and its function is swapped in for
+the real one. The check that tests/test_data.py runs must then fail.
+"""
+
+import inspect
+import sys
+import types
+
+import pytest
+from _data_checks import check_epochs, check_split_files
+
+from models import data, training
+
+SOURCES = {data: inspect.getsource(data), training: inspect.getsource(training)}
+SWAPPED = {data: "load_idx_dir", training: "epoch_batches"}
+PATHS = "    paths = {key: _find(data_dir, stem) for key, stem in IDX_FILES.items()}\n"
+ONE_HOT = "    return np.eye(NUM_CLASSES, dtype=np.float32)[labels]  # (N, 10)\n"
+IMAGES = (
+    "    return images.reshape(len(images), -1).astype(np.float32) / 255.0  # (N, 784) in [0, 1]\n"
+)
+ORDER = "    order = epoch_order(len(images), seed, epoch)\n"
+RANGE = "    for start in range(0, len(order) - batch_size + 1, batch_size):\n"
+YIELD = "        yield images[idx], labels[idx]\n"
+
+
+def splits(tmp_path):  # as test_test_split_comes_from_the_t10k_files
+    for n_train, n_test in [(20, 20), (50, 20)]:  # equal counts first: the content must differ
+        (tmp_path / str(n_train)).mkdir()
+        check_split_files(tmp_path / str(n_train), n_train, n_test, gz=True)
+
+
+def pairing(tmp_path):  # as test_every_example_once_per_epoch_with_its_own_label
+    check_epochs(tmp_path, 50, 16, epochs=3)
+
+
+def partial_batch(tmp_path):  # as test_last_partial_batch_is_dropped_and_reshuffled
+    check_epochs(tmp_path, 50, 35, epochs=6)
+
+
+# name: (module, line, its replacement, the check that catches it)
+MUTANTS = {
+    # The test split read from the training files (same counts, so no DataError gives it away).
+    "test_split_reads_train_files": (
+        data,
+        PATHS,
+        PATHS.replace("_find(data_dir, stem)", '_find(data_dir, stem.replace("t10k", "train"))'),
+        splits,
+    ),
+    "test_images_from_train_split": (
+        data,
+        '        test_images=arrays["test"][0],\n',
+        '        test_images=arrays["train"][0],\n',
+        splits,
+    ),
+    # The one-hot one class off: class c marks column c + 1 (class 9 marks nothing).
+    "one_hot_off_by_one_class": (
+        data,
+        ONE_HOT,
+        ONE_HOT.replace("dtype=", "k=1, dtype="),
+        splits,
+    ),
+    "pixels_divided_by_256": (data, IMAGES, IMAGES.replace("255.0", "256.0"), splits),
+    "labels_shuffled_apart_from_images": (
+        training,
+        YIELD,
+        YIELD.replace("labels[idx]", "labels[np.roll(idx, 1)]"),
+        pairing,
+    ),
+    "epoch_drops_a_full_batch": (
+        training,
+        RANGE,
+        RANGE.replace("- batch_size + 1", "- 2 * batch_size + 1"),
+        partial_batch,
+    ),
+    # Every epoch in epoch 0's order: the same examples are dropped every time.
+    "same_order_every_epoch": (training, ORDER, ORDER.replace("epoch)", "0)"), partial_batch),
+}
+
+
+def mutant_module(module, old: str, new: str) -> types.ModuleType:
+    source = SOURCES[module]
+    assert source.count(old) == 1, (
+        f"mutated line not found exactly once in {module.__name__}: {old!r}"
+    )
+    mutant = types.ModuleType(f"{module.__name__}_mutant")
+    mutant.__file__ = module.__file__  # data.py finds its sample folder from it
+    sys.modules[mutant.__name__] = mutant  # dataclasses look their module up
+    exec(
+        compile(source.replace(old, new), f"<mutant of {module.__file__}>", "exec"), mutant.__dict__
+    )
+    return mutant
+
+
+@pytest.fixture
+def swap_in(monkeypatch):
+    """Load a mutant of ``module`` and put its function in place of the real one."""
+
+    def swap_in(module, old, new):
+        mutant = mutant_module(module, old, new)
+        monkeypatch.setattr(module, SWAPPED[module], getattr(mutant, SWAPPED[module]))
+
+    return swap_in
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_unmutated_copy_passes(tmp_path, swap_in, name):
+    """The harness itself does not cause failures: the same copy without the mutation passes."""
+    module, old, _, check = MUTANTS[name]
+    swap_in(module, old, old)
+    check(tmp_path)
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_mutant_is_caught(tmp_path, swap_in, name):
+    module, old, new, check = MUTANTS[name]
+    swap_in(module, old, new)
+    with pytest.raises(AssertionError):
+        check(tmp_path)
