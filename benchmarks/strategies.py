@@ -13,7 +13,10 @@ for each strategy × mesh, it measures in one process:
 - GSPMD: the same unsharded train step under plain ``jax.jit`` with the same NamedShardings on
   the parameters, optimizer state and batch: what a user would write instead of shardops.
 - collective bytes per step from the compiled programs (``shardops.ledger``), as ring bytes per
-  device per mesh axis, next to the analytic model (``Setup.cost_model``).
+  device per mesh axis, next to the analytic model (``Setup.cost_model``). Both columns apply the
+  same ring formulas (``shardops.ring_bytes``), so their agreement checks the bytes V of each
+  collective, not the formulas; tests/test_ledger.py pins the formulas, and each strategy's V
+  and ring bytes, to numbers worked out by hand.
 - per-device bytes of parameters + optimizer state (from the shard shapes), and the compiled
   temp memory of both programs.
 
@@ -132,6 +135,8 @@ def bench_case(strategy, mesh_shape, sizes, batch, *, steps, warmup, rng):
     shard_state = runs["shardops"][1]
     shard_ledger = shardops.ledger(mesh, setup.train_step, shard_state, xs, ys)
     gspmd_ledger = shardops.ledger(mesh, gspmd, runs["gspmd"][1], xs, ys)
+    # The same shardops.ring_bytes turns both the ledger's V (compiled HLO) and the model's V
+    # (the strategy's collective_budget) into ring bytes: agreement checks V, not the formulas.
     model_bytes = setup.cost_model(batch)
     row = {
         "strategy": strategy,
