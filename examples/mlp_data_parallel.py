@@ -76,8 +76,8 @@ def main(argv=None):
                 inflight.add(p_loss)
         inflight.drain()
         seconds = time.perf_counter() - start
-        _, test_acc = training.seed_metrics(
-            training.dataset_logits(setup, state.params, dataset.test_images), dataset.test_labels
+        _, test_acc = training.dataset_metrics(
+            setup, state.params, dataset.test_images, dataset.test_labels
         )
         print(f"Epoch {epoch} in {seconds:.2f} sec: test accuracy {test_acc:.4f} (shard_map dp)")
         if args.with_pmap:

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 import optax
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -92,19 +91,19 @@ def param_shapes(sizes: Sequence[int]) -> list[dict[str, tuple[int, ...]]]:
     return [{"w": (m, n), "b": (n,)} for m, n in itertools.pairwise(sizes)]
 
 
-def gather_over_data(leaf: jax.Array, spec: P) -> jax.Array:
-    """The stored leaf as the computation needs it, with the collective whose transpose reduces
-    its gradient over ``data``:
+def gather_over_data(leaf: jax.Array, spec: P, accum_dtype=np.float32) -> jax.Array:
+    """The stored leaf as the computation needs it, in ``accum_dtype``, with the collective
+    whose transpose reduces its gradient over ``data`` (in ``accum_dtype``):
 
-    - split over ``data``: AllGather now (FSDP's just-in-time gather); autodiff transposes it
-      into the ReduceScatter of the gradient;
+    - split over ``data``: AllGather now, in the leaf's own dtype (FSDP's just-in-time gather);
+      its backward is the ReduceScatter of the gradient;
     - replicated over ``data``: ``pcast`` to varying (no communication); its transpose is the
       AllReduce of the gradient over ``data`` (data parallelism).
     """
     for dim, entry in enumerate(spec):
         if DATA_AXIS in _names(entry):
-            return lax.all_gather(leaf, DATA_AXIS, axis=dim, tiled=True)
-    return lax.pcast(leaf, DATA_AXIS, to="varying")
+            return shardops.gather_to_region(leaf, DATA_AXIS, dim, accum_dtype)
+    return shardops.copy_to_region(leaf, DATA_AXIS, accum_dtype)
 
 
 def opt_state_specs(optimizer: optax.GradientTransformation, sizes, specs):
@@ -145,12 +144,15 @@ def add(budget: dict, kind: str, axes: tuple[str, ...], nbytes: int, mesh: Mesh)
         budget[(kind, axes)] = budget.get((kind, axes), 0) + nbytes
 
 
-def data_axis_budget(specs, sizes, mesh: Mesh, *, remat: bool = False) -> dict:
-    """Per leaf, with V its bytes after the ``data`` gather (its ``model`` shard):
-    split over data → AllGather V forward + ReduceScatter V of the gradient; replicated over
-    data → AllReduce V of the gradient. With remat, the backward gathers again each weight it
-    needs: ``w`` of every layer whose input needs a gradient (all but the first; biases are not
-    needed). Plus the loss: AllReduce of one f32 over data."""
+def data_axis_budget(
+    specs, sizes, mesh: Mesh, *, remat: bool = False, param_bytes: int = F32
+) -> dict:
+    """Per leaf, with V its bytes after the ``data`` gather (its ``model`` shard) in float32:
+    split over data → AllGather forward in the param dtype (V · param_bytes / 4) + ReduceScatter
+    V of the float32 gradient; replicated over data → AllReduce V of the float32 gradient. With
+    remat, the backward gathers again each weight it needs: ``w`` of every layer whose input
+    needs a gradient (all but the first; biases are not needed). Plus the loss: AllReduce of one
+    f32 over data."""
     budget: dict = {}
     for i, (layer_specs, shapes) in enumerate(zip(specs, param_shapes(sizes), strict=True)):
         for k, spec in layer_specs.items():
@@ -161,7 +163,8 @@ def data_axis_budget(specs, sizes, mesh: Mesh, *, remat: bool = False) -> dict:
             v = math.prod(shapes[k]) // model_split * F32
             if any(DATA_AXIS in _names(e) for e in entries):
                 regather = remat and k == "w" and i > 0
-                add(budget, AG, (DATA_AXIS,), v * (2 if regather else 1), mesh)
+                gathered = v // F32 * param_bytes
+                add(budget, AG, (DATA_AXIS,), gathered * (2 if regather else 1), mesh)
                 add(budget, RS, (DATA_AXIS,), v, mesh)
             else:
                 add(budget, AR, (DATA_AXIS,), v, mesh)

@@ -8,6 +8,10 @@ collectives) and its PartitionSpecs. The step runs entirely inside one ``jax.sha
     loss = psum(loss, batch axes)                                  # the global loss (4 bytes)
     params, opt_state = optax update on local shards
 
+Under a ``precision`` policy the batch is cast to the compute dtype inside the step, matmuls
+accumulate in float32, every gradient reduction runs in float32 and the loss and metrics are
+computed from float32 logits (``shardops.testing.dtype_flow_violations`` checks all of it).
+
 *Each strategy's forward materialises its parameters with an explicit collective whose transpose
 reduces the gradient: ``pcast`` to varying (→ AllReduce over data), ``all_gather`` (→
 ReduceScatter), or the TP kernels' own. No further ``psum`` of the gradients is needed, and one
@@ -70,6 +74,28 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
+class Metrics(NamedTuple):
+    """Evaluation sums over the labelled rows of a global batch. A row whose label is all zeros
+    is padding (how ``models.training.dataset_metrics`` evens out the last chunk of a set) and
+    counts nowhere. Sums, not means, so that chunks of a set add up exactly."""
+
+    loss_sum: jax.Array
+    """Σ over labelled rows of ``-Σ_c one_hot · log_softmax / C`` (float32): the seed's loss × count."""
+    correct: jax.Array
+    """Labelled rows whose arg-max logit is the label (int32)."""
+    count: jax.Array
+    """Labelled rows (int32)."""
+
+    @property
+    def loss(self):
+        """The seed's loss ``-mean(one_hot · log_softmax)`` over the labelled rows."""
+        return self.loss_sum / self.count
+
+    @property
+    def accuracy(self):
+        return self.correct / self.count
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """What ``build`` returns. Arrays go in and out laid out by the specs below."""
@@ -79,6 +105,7 @@ class Setup:
     sizes: tuple[int, ...]
     optimizer: optax.GradientTransformation
     remat: bool
+    precision: shardops.Precision
     param_specs: Any
     """PartitionSpec tree of the params (None for ``ref``)."""
     opt_specs: Any
@@ -92,19 +119,25 @@ class Setup:
     loss_and_grads: Callable
     """``(params, x, y) → (loss, grads)``, jitted; ``grads`` laid out like the params."""
     evaluate: Callable
-    """``(params, x, y) → (loss, accuracy)``, jitted, global over the batch."""
+    """``(params, x, y) → Metrics`` (loss and accuracy sums and the row count), jitted, global
+    over the batch; all-zero label rows are padding and count nowhere."""
     logits: Callable
     """``(params, x) → logits[B, C]``, jitted, laid out like the batch."""
 
     def init(self, key: jax.Array) -> TrainState:
-        """The reference init (``init_mlp``) sharded onto the mesh, with a fresh optimizer state."""
-        return self.shard(init_mlp(key, self.sizes))
+        """The reference init (``init_mlp``, in the policy's param dtype) sharded onto the mesh,
+        with a fresh optimizer state."""
+        return self.shard(init_mlp(key, self.sizes, dtype=self.precision.param_dtype))
 
     def shard(self, params) -> TrainState:
         """Place a full (reference) param tree for this strategy, with a fresh optimizer state.
 
         The state gets buffers of its own (the train step donates them), so ``params`` stays valid.
+        Leaves must be in the policy's param dtype (``init_mlp(..., dtype=...)``).
         """
+        for i, layer in enumerate(params):
+            for name, leaf in layer.items():
+                self.precision.check_param(f"params[{i}][{name!r}]", leaf.dtype)
         params = jax.device_get(params)  # host copies: never alias the caller's buffers
         opt_state = self.optimizer.init(params)
         if self.mesh is None:
@@ -152,7 +185,9 @@ class Setup:
     def collective_budget(self, batch: int) -> dict:
         """Expected bytes V per (collective, mesh axes) of one train step (see each strategy)."""
         module = STRATEGIES[self.strategy]
-        return module.collective_budget(self.sizes, batch, self.mesh, remat=self.remat)
+        return module.collective_budget(
+            self.sizes, batch, self.mesh, remat=self.remat, precision=self.precision
+        )
 
     def cost_model(self, batch: int) -> dict[tuple[str, ...], float]:
         """The analytic bytes each device sends per step over each mesh axis: the ring formulas
@@ -171,6 +206,7 @@ def build(
     optimizer: optax.GradientTransformation,
     sizes: Sequence[int] = SEED_SIZES,
     remat: bool = False,
+    precision: shardops.Precision = shardops.FLOAT32,
 ) -> Setup:
     """Train step, eval step and sharding for ``strategy`` on ``mesh``.
 
@@ -181,6 +217,9 @@ def build(
         optimizer: an optax optimizer, e.g. ``seed_sgd(steps_per_epoch)`` or ``optax.adam(1e-3)``.
         sizes: layer widths, input first, classes last.
         remat: ``fsdp``/``fsdp_tp`` only: re-gather weights in the backward pass.
+        precision: ``shardops.FLOAT32``, ``MIXED_BFLOAT16`` (float32 params and optimizer,
+            bfloat16 matmuls and activations) or ``BFLOAT16`` (bfloat16 params too). Matmuls
+            accumulate, and gradients are reduced, in float32 under all three.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
@@ -190,6 +229,11 @@ def build(
         raise ValueError(
             f"remat re-gathers FSDP weights: it applies to fsdp and fsdp_tp, not {strategy!r}"
         )
+    if not isinstance(precision, shardops.Precision):
+        raise TypeError(
+            f"precision must be a shardops.Precision (FLOAT32, BFLOAT16 or MIXED_BFLOAT16); "
+            f"got {precision!r}"
+        )
     if strategy == "ref":
         mesh = None
     else:
@@ -197,7 +241,7 @@ def build(
     specs = module.param_specs(sizes, mesh)
     opt_specs = None if mesh is None else opt_state_specs(optimizer, sizes, specs)
     batch_spec = P(shardops.spec_entry(*module.BATCH_AXES))
-    body = _Body(module, specs, optimizer, remat)
+    body = _Body(module, specs, optimizer, remat, precision)
 
     if mesh is None:
         step, loss_and_grads, evaluate = body.step, body.loss_and_grads, body.evaluate
@@ -210,7 +254,7 @@ def build(
         state_specs = TrainState(specs, opt_specs)
         step = smap(body.step, (state_specs, batch_spec, batch_spec), (state_specs, P()))
         loss_and_grads = smap(body.loss_and_grads, (specs, batch_spec, batch_spec), (P(), specs))
-        evaluate = smap(body.evaluate, (specs, batch_spec, batch_spec), (P(), P()))
+        evaluate = smap(body.evaluate, (specs, batch_spec, batch_spec), Metrics(P(), P(), P()))
         logits = smap(body.logits, (specs, batch_spec), batch_spec)
 
     def checked(fn):  # shapes are static: a bad batch fails when the function traces
@@ -234,6 +278,7 @@ def build(
         sizes=sizes,
         optimizer=optimizer,
         remat=remat,
+        precision=precision,
         param_specs=specs,
         opt_specs=opt_specs,
         batch_spec=batch_spec,
@@ -279,15 +324,19 @@ def check_batch(module, mesh, sizes, x, y=None) -> None:
 class _Body:
     """The per-device step, eval and gradient functions shared by every strategy."""
 
-    def __init__(self, module, specs, optimizer, remat):
+    def __init__(self, module, specs, optimizer, remat, precision):
         self.module, self.specs, self.optimizer, self.remat = module, specs, optimizer, remat
+        self.precision = precision
         self.batch_axes = module.BATCH_AXES
+
+    def forward(self, params, x, *, remat=False):
+        return self.module.forward(params, x, self.specs, remat=remat, precision=self.precision)
 
     def _global_batch(self, local: int) -> int:
         return local * math.prod(lax.axis_size(a) for a in self.batch_axes)
 
     def local_loss(self, params, x, y):
-        logits = self.module.forward(params, x, self.specs, remat=self.remat)  # (b, C)
+        logits = self.forward(params, x, remat=self.remat)  # (b, C)
         # This device's share of the global mean over B_global · C.
         return cross_entropy_sum(logits, y) / (self._global_batch(x.shape[0]) * y.shape[-1])
 
@@ -303,16 +352,18 @@ class _Body:
         return TrainState(optax.apply_updates(state.params, updates), opt_state), loss
 
     def logits(self, params, x):
-        return self.module.forward(params, x, self.specs)  # (b, C)
+        return self.forward(params, x)  # (b, C)
 
     def evaluate(self, params, x, y):
-        logits = self.module.forward(params, x, self.specs)  # (b, C)
-        loss_sum = cross_entropy_sum(logits, y)
-        correct = jnp.sum(jnp.argmax(logits, -1) == jnp.argmax(y, -1)).astype(jnp.float32)
-        if self.batch_axes:
-            loss_sum, correct = lax.psum((loss_sum, correct), self.batch_axes)
-        n = self._global_batch(x.shape[0])
-        return loss_sum / (n * y.shape[-1]), correct / n
+        logits = self.forward(params, x)  # (b, C)
+        labelled = jnp.sum(y, -1) > 0  # (b,): all-zero labels are padding
+        loss_sum = cross_entropy_sum(logits, y) / y.shape[-1]  # padding rows add 0
+        hits = (jnp.argmax(logits, -1) == jnp.argmax(y, -1)) & labelled  # (b,)
+        correct = jnp.sum(hits, dtype=jnp.int32)
+        count = jnp.sum(labelled, dtype=jnp.int32)
+        if self.batch_axes:  # this device's sums → the global batch's: AllReduce of 3 scalars
+            loss_sum, correct, count = lax.psum((loss_sum, correct, count), self.batch_axes)
+        return Metrics(loss_sum, correct, count)
 
 
 def _check_mesh(strategy: str, module, mesh, sizes) -> None:

@@ -11,7 +11,7 @@ import jax
 
 from models._layout import data_axis_budget, gather_over_data, replicated_specs, with_fsdp
 from models._mlp import dense_layer, mlp_apply
-from shardops import DATA_AXIS
+from shardops import DATA_AXIS, FLOAT32
 
 NAME = "fsdp"
 AXES = (DATA_AXIS,)
@@ -28,18 +28,24 @@ def gathered(fn, spec, *, remat):
     With ``remat`` the gather is not saved for the backward pass: ``jax.checkpoint`` reruns it.
     """
 
-    def apply(layer, x):
-        return fn(jax.tree.map(gather_over_data, layer, spec), x)
+    def apply(layer, x, precision):
+        accum = precision.accum_dtype
+        return fn(
+            jax.tree.map(lambda p, s: gather_over_data(p, s, accum), layer, spec), x, precision
+        )
 
-    return jax.checkpoint(apply) if remat else apply
+    return jax.checkpoint(apply, static_argnums=(2,)) if remat else apply
 
 
-def forward(params, x, specs, *, remat=False):
+def forward(params, x, specs, *, remat=False, precision=FLOAT32):
     layer_fns = [gathered(dense_layer, spec, remat=remat) for spec in specs]
-    return mlp_apply(layer_fns, params, x)  # (B/N, C)
+    return mlp_apply(layer_fns, params, x, precision)  # (B/N, C)
 
 
-def collective_budget(sizes, batch, mesh, *, remat=False):
+def collective_budget(sizes, batch, mesh, *, remat=False, precision=FLOAT32):
     # AllGather(data) of each split leaf (twice with remat) and ReduceScatter of its gradient;
     # AllReduce(data) of the replicated leaves' gradients and of the loss.
-    return data_axis_budget(param_specs(sizes, mesh), sizes, mesh, remat=remat)
+    param_bytes = precision.param_dtype.itemsize  # the gather moves params in their own dtype
+    return data_axis_budget(
+        param_specs(sizes, mesh), sizes, mesh, remat=remat, param_bytes=param_bytes
+    )

@@ -1,6 +1,7 @@
 """ref: the unsharded step, for comparison. One device, no mesh, no collectives."""
 
 from models._mlp import mlp_forward
+from shardops import FLOAT32
 
 NAME = "ref"
 AXES: tuple[str, ...] = ()
@@ -11,9 +12,9 @@ def param_specs(sizes, mesh):
     return None
 
 
-def forward(params, x, specs, *, remat=False):
-    return mlp_forward(params, x)  # (B, C)
+def forward(params, x, specs, *, remat=False, precision=FLOAT32):
+    return mlp_forward(params, x, precision)  # (B, C)
 
 
-def collective_budget(sizes, batch, mesh, *, remat=False):
+def collective_budget(sizes, batch, mesh, *, remat=False, precision=FLOAT32):
     return {}

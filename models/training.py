@@ -1,5 +1,8 @@
 """Loop helpers for the examples: bounded steps in flight, staged batches, whole-set metrics.
 
+Whole-set metrics come from the strategy's own ``Setup.evaluate`` (sums over a padded chunk,
+reduced over the mesh), so what the examples print is what the sharded model computes.
+
 The hang trap: with 8 simulated devices on few cores, dispatching many steps that contain
 collectives without waiting can deadlock XLA:CPU's collectives. ``StepsInFlight`` waits for the
 oldest step once more than ``limit`` are queued, so every training loop stays bounded.
@@ -77,11 +80,33 @@ def dataset_logits(setup, params, images: np.ndarray, chunk: int = 2000) -> np.n
     return np.concatenate([np.asarray(logits)[:n] for logits, n in out])
 
 
-def seed_metrics(logits: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
-    """The seed's loss ``-mean(one_hot · log_softmax)`` and accuracy, in float64 on the host."""
-    logits = logits.astype(np.float64)
-    shifted = logits - logits.max(-1, keepdims=True)
-    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-    loss = -np.mean(labels * log_probs)
-    accuracy = np.mean(np.argmax(logits, -1) == np.argmax(labels, -1))
-    return float(loss), float(accuracy)
+def dataset_metrics(
+    setup, params, images: np.ndarray, labels: np.ndarray, chunk: int = 2000
+) -> tuple[float, float]:
+    """The seed's loss and the accuracy of a whole set, from ``setup.evaluate`` on chunks.
+
+    Every example counts exactly once: the last chunk is padded to split evenly over the mesh
+    with rows whose label is all zeros, which ``evaluate`` leaves out. The per-chunk sums are
+    added on the host (loss in float64, counts as integers).
+    """
+    if len(images) != len(labels):
+        raise ValueError(f"{len(images)} images but {len(labels)} labels")
+    multiple = setup.batch_multiple
+    chunk = max(multiple, chunk - chunk % multiple)
+    inflight, sums = StepsInFlight(), []
+    for start in range(0, len(images), chunk):
+        x, y = images[start : start + chunk], labels[start : start + chunk]
+        pad = (-len(x)) % multiple
+        if pad:
+            x = np.concatenate([x, np.zeros((pad, x.shape[1]), x.dtype)])
+            y = np.concatenate([y, np.zeros((pad, y.shape[1]), y.dtype)])
+        metrics = setup.evaluate(params, *setup.place_batch(x, y))
+        inflight.add(metrics)
+        sums.append(metrics)
+    inflight.drain()
+    loss_sum = sum(float(m.loss_sum) for m in sums)
+    correct = sum(int(m.correct) for m in sums)
+    count = sum(int(m.count) for m in sums)
+    if count != len(images):
+        raise AssertionError(f"evaluated {count} examples of {len(images)}")  # internal invariant
+    return loss_sum / count, correct / count

@@ -19,6 +19,7 @@ from shardops._layers import (
     row_parallel_specs,
 )
 from shardops._ledger import Ledger, ledger, ring_bytes
+from shardops._mappings import copy_to_region, gather_to_region
 from shardops._mesh import axis_size, check_divisible, make_mesh, spec_entry
 from shardops._params import dense, init_dense, shard_params
 from shardops._precision import BFLOAT16, FLOAT32, MIXED_BFLOAT16, Precision
@@ -52,8 +53,10 @@ __all__ = [
     "column_parallel_dense",
     "column_parallel_dense_kernel",
     "column_parallel_specs",
+    "copy_to_region",
     "dense",
     "explain",
+    "gather_to_region",
     "grid_sharding",
     "hlo_collectives",
     "init_dense",

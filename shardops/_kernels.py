@@ -15,6 +15,7 @@ import jax
 from jax import lax
 
 from shardops._axes import MODEL_AXIS
+from shardops._mappings import copy_to_region, gather_to_region
 from shardops._precision import FLOAT32, Precision
 
 REDUCTIONS = ("psum", "psum_scatter")
@@ -53,13 +54,14 @@ def column_parallel_dense_kernel(
     _bound_axis_size(axis_name, "column_parallel_dense_kernel")
     _check_sharded_over(w, axis_name, "w", "column_parallel_dense_kernel")
     _check_local_shapes(x, w, b, "column_parallel_dense_kernel")
+    accum = precision.accum_dtype
     if gather_input:
-        # x_block[B/p, D] → x[B, D]; its transpose reduce-scatters dx.
-        x = lax.all_gather(x, axis_name, axis=0, tiled=True)  # x[B, D]
+        # x_block[B/p, D] → x[B, D]; backward: ReduceScatter of dx in accum_dtype.
+        x = gather_to_region(x, axis_name, 0, accum)  # x[B, D] in accum
     else:
         _check_replicated_over(x, axis_name, "x", "column_parallel_dense_kernel")
-        # Megatron's "f": identity forward; its transpose is the AllReduce of dx over model.
-        x = lax.pcast(x, axis_name, to="varying")  # x[B, D]
+        # Megatron's "f": identity forward; backward: AllReduce of dx over model in accum_dtype.
+        x = copy_to_region(x, axis_name, accum)  # x[B, D] in accum
     y_block = precision.finish(precision.matmul(x, w), b)  # y[B, F/p]
     if gather_output:
         # invariant output: its cotangent is replicated, so the transpose is a local slice.
@@ -112,8 +114,8 @@ def row_parallel_dense_kernel(
                 f"row_parallel_dense_kernel: replicated x[B, F] has F={x.shape[1]} but the "
                 f"weight shard has {f_local} rows × {p} devices on {axis_name!r} = {f_local * p}"
             )
-        # Its transpose all-reduces the zero-padded dx[B, F] over model.
-        x = lax.pcast(x, axis_name, to="varying")  # x[B, F]
+        # Its transpose all-reduces the zero-padded dx[B, F] over model, in accum_dtype.
+        x = copy_to_region(x, axis_name, precision.accum_dtype)  # x[B, F] in accum
         start = lax.axis_index(axis_name) * f_local
         x = lax.dynamic_slice_in_dim(x, start, f_local, axis=1)  # x_block[B, F/p]
     _check_local_shapes(x, w, None, "row_parallel_dense_kernel")
@@ -133,8 +135,8 @@ def row_parallel_dense_kernel(
             y_partial, axis_name, scatter_dimension=scatter_dimension, tiled=True
         )  # y[B/p, D] or y[B, D/p]
         if b is not None and scatter_dimension == 0:
-            # b[D] is replicated but y is a batch shard: db all-reduces over model.
-            b = lax.pcast(b, axis_name, to="varying")
+            # b[D] is replicated but y is a batch shard: db all-reduces over model (in accum).
+            b = copy_to_region(b, axis_name, precision.accum_dtype)  # b[D] in accum
     if b is not None and b.shape != y.shape[-1:]:
         raise ValueError(
             f"row_parallel_dense_kernel: local bias has shape {b.shape} but the reduced output "

@@ -14,12 +14,21 @@ activations ``x`` and outputs ``y`` are in ``compute_dtype``, the matmul accumul
 ``accum_dtype``, and partial sums of a split contraction are reduced in ``accum_dtype`` before
 the single cast back (so ``psum`` of a row-parallel layer carries float32 under bfloat16; XLA's
 CPU backend would promote a bf16 all-reduce to f32 anyway).
+
+The backward pass keeps the same discipline. ``matmul`` has a custom VJP: its cotangents
+``dx = g · wᵀ`` and ``dw = xᵀ · g`` are again compute-dtype products accumulated in
+``accum_dtype``, and are returned in ``accum_dtype`` whenever the primal input was (kernels pass
+``x`` in ``accum_dtype`` where its gradient is reduced across devices), so no partial sum is
+rounded to bfloat16 before a reduction. Plain autodiff would round ``dx`` to bfloat16 first and
+reduce it in bfloat16. Every output is rounded to its own dtype exactly once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -76,19 +85,66 @@ class Precision:
             )
 
     def matmul(self, x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
-        """``x[..., K] · w[K, N]`` in ``compute_dtype``, accumulated and returned in ``accum_dtype``."""
-        return jnp.matmul(
-            x,
-            w.astype(self.compute_dtype),
-            precision=self.matmul_precision,
-            preferred_element_type=self.accum_dtype,
-        )
+        """``x[..., K] · w[K, N]`` in ``compute_dtype``, accumulated and returned in ``accum_dtype``.
+
+        ``x`` may come in ``compute_dtype`` or ``accum_dtype`` (cast here; its cotangent keeps
+        that dtype, so an ``accum_dtype`` input gets an unrounded ``dx``). The backward products
+        are computed like the forward one (see the module docstring).
+        """
+        return _matmul(self.compute_dtype, self.accum_dtype, self.matmul_precision, x, w)
 
     def finish(self, y_acc: jnp.ndarray, b: jnp.ndarray | None) -> jnp.ndarray:
         """Add the bias in ``accum_dtype`` and cast once to ``compute_dtype``."""
         if b is not None:
             y_acc = y_acc + b.astype(self.accum_dtype)
         return y_acc.astype(self.compute_dtype)
+
+
+def _dot(a, b, contract, compute, accum, precision):
+    """``a · b`` contracting ``contract`` dims, operands cast to ``compute``, result in ``accum``."""
+    return lax.dot_general(
+        a.astype(compute),
+        b.astype(compute),
+        (contract, ((), ())),
+        precision=precision,
+        preferred_element_type=accum,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _matmul(compute, accum, precision, x, w):
+    return _dot(x, w, ((x.ndim - 1,), (0,)), compute, accum, precision)  # y[..., N] in accum
+
+
+def _matmul_fwd(compute, accum, precision, x, w):
+    x_c, w_c = x.astype(compute), w.astype(compute)  # residuals in compute_dtype
+    y = _dot(x_c, w_c, ((x.ndim - 1,), (0,)), compute, accum, precision)
+    # Empty slices of x and w carry their dtypes and varying mesh axes into the backward pass.
+    return y, (x_c, w_c, x.reshape(-1)[:0], w.reshape(-1)[:0])
+
+
+def _matmul_bwd(compute, accum, precision, residuals, g):
+    x_c, w_c, x_kind, w_kind = residuals
+    lead = tuple(range(x_c.ndim - 1))
+    dx = _dot(g, w_c, ((g.ndim - 1,), (1,)), compute, accum, precision)  # dx[..., K] in accum
+    dw = _dot(x_c, g, (lead, lead), compute, accum, precision)  # dw[K, N] in accum
+    # Where w (or x) is invariant over a mesh axis its cotangent varies over, reduce it, in
+    # accum_dtype (what autodiff does by itself for ordinary ops: the gradient trap).
+    dx, dw = _reduce_to(dx, x_kind), _reduce_to(dw, w_kind)
+    return dx.astype(x_kind.dtype), dw.astype(w_kind.dtype)
+
+
+def _reduce_to(ct, primal):
+    extra = _varying(ct) - _varying(primal)
+    return lax.psum(ct, tuple(sorted(extra))) if extra else ct
+
+
+def _varying(x) -> frozenset:
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", ()))
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 _DEFINED = {

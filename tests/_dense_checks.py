@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 
 import shardops
 from shardops import _layers
-from shardops.testing import dense_reference, worst_ratio
+from shardops.testing import dense_reference, dtype_flow, dtype_flow_violations, worst_ratio
 
 # policy name → (max |err| / bound, max |err|, where)
 WORST: dict[str, tuple[float, float, str]] = {}
@@ -117,3 +117,19 @@ def check_dense(
     if worst > WORST.get(precision.name, (-1.0,))[0]:
         WORST[precision.name] = (worst, worst_abs, f"{worst_name}: {where}")
     return worst
+
+
+def check_dtype_flow(layer: str, mesh_shape: tuple[int, ...], options: dict, precision) -> None:
+    """Assert the jaxpr of the layer's forward and gradients follows ``precision``: one forward
+    and two backward matmuls in compute dtype accumulating in accum dtype, every sum in accum."""
+    mesh, batch_axis = mesh_for(mesh_shape)
+    opts = dict(options, batch_axis=batch_axis)
+    specs = SPECS[layer](**opts)
+    x, w, b, ct = random_inputs(np.random.default_rng(0), 32, 64, 32, precision)
+    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in
+            ((x, specs.x), (w, specs.w), (b, specs.b), (ct, specs.y))]  # fmt: skip
+    kwargs = dict(layer=layer, mesh=mesh, options=tuple(sorted(opts.items())), precision=precision)
+    problems = dtype_flow_violations(sharded_forward_and_grads, *args, policy=precision, **kwargs)
+    assert not problems, "\n".join(problems)
+    flow = dtype_flow(sharded_forward_and_grads, *args, **kwargs)
+    assert sum(name == "dot_general" for name, *_ in flow) == 3, flow  # y, dx, dw

@@ -105,3 +105,31 @@ def check_trajectory(
     old = TRAJECTORY_ERRORS.get(key, {})
     TRAJECTORY_ERRORS[key] = {k: max(v, old.get(k, 0.0)) for k, v in errors.items()}
     return errors
+
+
+def check_evaluation(strategy, mesh_shape, *, sizes, batch, pad: int = 0, build=models.build):
+    """``setup.evaluate`` on one batch equals the unsharded model's metrics on the same batch:
+    the accuracy (as a count) exactly, the loss within 1e-6. With ``pad``, that many extra
+    rows (random images, all-zero labels) are appended and must count nowhere."""
+    params = models.init_mlp(jax.random.key(1), sizes, scale=0.1)
+    xs, ys = batches(sizes, batch, seed=7)
+    x, y = xs[0], ys[0]
+    # The independent reference: the plain unsharded functions, on the unpadded batch.
+    ref_loss = float(models.loss(params, x, y))
+    ref_correct = int(np.sum(np.argmax(models.mlp_forward(params, x), -1) == np.argmax(y, -1)))
+    assert 0 < ref_correct < batch, "a batch whose accuracy is 0 or 1 cannot show a bad count"
+    if pad:
+        rng = np.random.default_rng(8)
+        x = np.concatenate([x, rng.random((pad, x.shape[1]), dtype=np.float32)])
+        y = np.concatenate([y, np.zeros((pad, y.shape[1]), np.float32)])
+    setup = build(strategy, mesh_for(mesh_shape), optimizer=optax.sgd(1.0), sizes=sizes)
+    metrics = setup.evaluate(setup.shard(params).params, *setup.place_batch(x, y))
+    where = f"{strategy} on {mesh_shape}, batch {batch} + {pad} padding rows"
+    assert int(metrics.count) == batch, f"{where}: counted {int(metrics.count)} rows"
+    assert int(metrics.correct) == ref_correct, (
+        f"{where}: {int(metrics.correct)} correct, the unsharded model has {ref_correct}"
+    )
+    assert float(metrics.accuracy) == ref_correct / batch
+    assert abs(float(metrics.loss) - ref_loss) <= 1e-6, (
+        f"{where}: loss {float(metrics.loss)!r}, the unsharded model's {ref_loss!r}"
+    )

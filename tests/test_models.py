@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _model_checks import batches, check_trajectory, mesh_for
+from _model_checks import batches, check_evaluation, check_trajectory, mesh_for
 
 import models
 import shardops
@@ -33,6 +33,14 @@ def _id(case):
 def test_five_steps_equal_the_reference(case, opt_name):
     strategy, mesh_shape = case
     check_trajectory(strategy, mesh_shape, opt_name, sizes=SIZES, batch=32)
+
+
+@pytest.mark.parametrize("pad", [0, 8], ids=["full", "padded"])
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_evaluate_equals_the_unsharded_metrics(case, pad):
+    """Loss and accuracy of every strategy on every mesh, against the plain unsharded model."""
+    strategy, mesh_shape = case
+    check_evaluation(strategy, mesh_shape, sizes=SIZES, batch=64, pad=pad)
 
 
 @pytest.mark.parametrize("strategy", ["2d", "fsdp_tp"])

@@ -7,7 +7,7 @@ import types
 
 import jax
 import pytest
-from _model_checks import check_trajectory
+from _model_checks import check_evaluation, check_trajectory
 
 from models import _train
 
@@ -62,4 +62,67 @@ def test_mutant_is_caught(name, case):
     build = mutant_build(*MUTANTS[name])
     with pytest.raises(AssertionError):
         check_trajectory(*case, "sgd", sizes=SIZES, batch=32, build=build)
+    jax.clear_caches()
+
+
+EVAL_REDUCE = (
+    "            loss_sum, correct, count = lax.psum((loss_sum, correct, count), self.batch_axes)\n"
+)
+EVAL_MUTANTS = {
+    # The global sums of loss and hits divided by this device's row count: off by the shards.
+    "eval_count_not_reduced": (
+        EVAL_REDUCE,
+        EVAL_REDUCE.replace(
+            "correct, count = lax.psum((loss_sum, correct, count)",
+            "correct = lax.psum((loss_sum, correct)",
+        ),
+    ),
+    # Per-shard sums combined with the wrong collective.
+    "eval_reduced_with_pmax": (EVAL_REDUCE, EVAL_REDUCE.replace("lax.psum", "lax.pmax")),
+    "eval_reduced_with_pmean": (EVAL_REDUCE, EVAL_REDUCE.replace("lax.psum", "lax.pmean")),
+    # Padding rows counted as examples, or their (arbitrary) predictions as hits.
+    "eval_counts_padding_rows": (
+        "        count = jnp.sum(labelled, dtype=jnp.int32)\n",
+        "        count = jnp.asarray(x.shape[0], jnp.int32)\n",
+    ),
+    "eval_hits_include_padding": (
+        "        hits = (jnp.argmax(logits, -1) == jnp.argmax(y, -1)) & labelled  # (b,)\n",
+        "        hits = jnp.argmax(logits, -1) == jnp.argmax(y, -1)  # (b,)\n",
+    ),
+    # The loss mean taken over rows and classes of the local batch (the seed's formula, per shard).
+    "eval_loss_not_divided_by_classes": (
+        "        loss_sum = cross_entropy_sum(logits, y) / y.shape[-1]  # padding rows add 0\n",
+        "        loss_sum = cross_entropy_sum(logits, y)  # padding rows add 0\n",
+    ),
+}
+EVAL_CASES = [
+    ("dp", {"data": 4}),
+    ("2d", {"data": 2, "model": 4}),
+    ("fsdp_tp", {"data": 4, "model": 2}),
+    ("tp", {"model": 8}),
+]
+# tp replicates the batch: it has no batch reduction to get wrong.
+EVAL_PAIRS = [
+    (name, case)
+    for name in EVAL_MUTANTS
+    for case in EVAL_CASES
+    if not (case[0] == "tp" and ("count_not" in name or "reduced_with" in name))
+]
+
+
+@pytest.mark.parametrize("case", EVAL_CASES, ids=lambda c: c[0])
+def test_unmutated_copy_evaluates_alike(case):
+    build = mutant_build(EVAL_REDUCE, EVAL_REDUCE)
+    check_evaluation(*case, sizes=SIZES, batch=64, pad=8, build=build)
+
+
+@pytest.mark.parametrize(
+    ("name", "case"), EVAL_PAIRS, ids=lambda v: v if isinstance(v, str) else v[0]
+)
+def test_evaluation_mutant_is_caught(name, case):
+    build = mutant_build(*EVAL_MUTANTS[name])
+    with pytest.raises((AssertionError, ValueError)) as caught:
+        check_evaluation(*case, sizes=SIZES, batch=64, pad=8, build=build)
+    if isinstance(caught.value, ValueError):  # only check_vma's trace-time verdict counts
+        assert "out_specs" in str(caught.value), caught.value
     jax.clear_caches()

@@ -4,9 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _dense_checks import COLUMN_OPTIONS, ROW_OPTIONS, check_dtype_flow
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
 import shardops
 from shardops import BFLOAT16, FLOAT32, MIXED_BFLOAT16, Precision
+from shardops.testing import dtype_flow, dtype_flow_violations
 
 
 def test_defined_policies():
@@ -32,13 +36,72 @@ def test_undefined_combinations_are_errors(dtypes):
 def test_bf16_matmul_accumulates_in_f32():
     x = jnp.ones((2, 4096), jnp.bfloat16)
     w = jnp.full((4096, 1), 1.0 + 2.0**-7, jnp.bfloat16)  # exact in bf16
-    jaxpr = jax.make_jaxpr(lambda x, w: shardops.dense(x, w, precision=BFLOAT16))(x, w)
-    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
-    assert dots[0].params["preferred_element_type"] == jnp.float32
+    flow = dtype_flow(lambda x, w: shardops.dense(x, w, precision=BFLOAT16), x, w)
+    assert [(n, i, o) for n, i, o, *_ in flow] == [
+        ("dot_general", (np.dtype(jnp.bfloat16),) * 2, (np.dtype(np.float32),))
+    ]
     y = shardops.dense(x, w, precision=BFLOAT16)
     assert y.dtype == jnp.bfloat16
     # 4096 · (1 + 2^-7) = 4128, exact in bf16; a bf16 accumulator stalls at 256 + ... long before.
     assert float(y[0, 0]) == 4128.0
+
+
+POLICIES = [FLOAT32, BFLOAT16, MIXED_BFLOAT16]
+
+
+@pytest.mark.parametrize("precision", POLICIES, ids=lambda p: p.name)
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 4)], ids=str)
+@pytest.mark.parametrize(
+    ("layer", "options"),
+    [("column", o) for o in COLUMN_OPTIONS] + [("row", o) for o in ROW_OPTIONS],
+    ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={w}" for k, w in v.items()),
+)
+def test_layers_follow_the_dtype_flow_of_their_policy(layer, options, mesh_shape, precision):
+    """Forward and backward: matmuls in compute dtype into accum dtype, every reduction (the
+    row psum, psum_scatter, and autodiff's dx/db all-reduces and reduce-scatters) in accum."""
+    check_dtype_flow(layer, mesh_shape, options, precision)
+
+
+def test_dtype_flow_checker_sees_each_kind_of_violation():
+    x16, w16 = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 2), jnp.bfloat16)
+    x32, w32 = x16.astype(jnp.float32), w16.astype(jnp.float32)
+
+    def violations(fn, *args, precision):
+        return "\n".join(dtype_flow_violations(fn, *args, policy=precision))
+
+    # A float32 weight left un-cast under the mixed policy.
+    assert "operands (bfloat16, float32)" in violations(
+        lambda x, w: jnp.matmul(x, w, preferred_element_type=jnp.float32),
+        x16, w32, precision=MIXED_BFLOAT16,
+    )  # fmt: skip
+    # bf16 accumulation.
+    assert "accumulates into (bfloat16)" in violations(jnp.matmul, x16, w16, precision=BFLOAT16)
+    # A float32 matmul at default precision (TF32 on GPU).
+    assert "needs Precision.HIGHEST" in violations(jnp.matmul, x32, w32, precision=FLOAT32)
+    assert not violations(
+        lambda x, w: jnp.matmul(x, w, precision="highest"), x32, w32, precision=FLOAT32
+    )
+    # A reduction in bf16, across devices (autodiff's, inside shard_map) and local.
+    mesh = shardops.make_mesh({"model": 4})
+    col = shardops.column_parallel_specs()
+
+    def bf16_dx_all_reduce(x, w):
+        def body(x, w):  # Megatron's "f" applied to the bf16 activation: dx reduced in bf16
+            y = lax.pcast(x, "model", to="varying") @ w.astype(jnp.bfloat16)
+            return lax.psum(y.astype(jnp.float32).sum(), "model")
+
+        f = jax.shard_map(body, mesh=mesh, in_specs=(col.x, col.w), out_specs=P())
+        return jax.grad(f)(x, w)
+
+    text = violations(bf16_dx_all_reduce, x16, jnp.ones((8, 8), jnp.bfloat16), precision=BFLOAT16)
+    assert "psum_invariant" in text and "sums (bfloat16)" in text
+
+    def bf16_sum(x, w):  # jnp.sum upcasts bf16 by itself; a raw lax reduction does not
+        y = shardops.dense(x, w, precision=BFLOAT16)
+        return lax.reduce(y, np.array(0, jnp.bfloat16), lax.add, (0, 1))
+
+    assert "reduce_sum at" in violations(bf16_sum, x16, w16, precision=BFLOAT16)
+    assert "no dot_general" in violations(lambda x: x.sum(), x32, precision=FLOAT32)
 
 
 @pytest.mark.parametrize("layer", ["column", "row"])
