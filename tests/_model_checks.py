@@ -6,12 +6,15 @@ does not go through ``models._train``, so a bug there (or a mutant of it) cannot
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import optax
 
 import models
 import shardops
+from shardops.testing import dtype_flow_violations
 
 STEPS = 5
 # f32 tolerances. Sharding only reorders sums: observed differences are ~2e-7 (see the note), and
@@ -41,9 +44,11 @@ def batches(sizes, batch: int, seed: int = 0):
     return xs, ys
 
 
-def reference_trajectory(params, xs, ys, opt):
+def reference_trajectory(params, xs, ys, opt, precision=shardops.FLOAT32):
     """Losses, gradients and final params of the unsharded MLP, straight from ``models.loss``."""
-    value_and_grad = jax.jit(jax.value_and_grad(models.loss))
+    value_and_grad = jax.jit(
+        jax.value_and_grad(functools.partial(models.loss, precision=precision))
+    )
     opt_state = opt.init(params)
     losses, grads = [], []
     for x, y in zip(xs, ys, strict=True):
@@ -75,15 +80,36 @@ def max_diff(a, b) -> float:
 
 
 def check_trajectory(
-    strategy, mesh_shape, opt_name, *, sizes, batch, scale=0.1, build=models.build, remat=False
+    strategy,
+    mesh_shape,
+    opt_name,
+    *,
+    sizes,
+    batch,
+    scale=0.1,
+    build=models.build,
+    remat=False,
+    precision=shardops.FLOAT32,
 ) -> dict:
-    """Assert loss, gradients and params of 5 steps equal the reference; return the errors."""
+    """Assert loss, gradients and params of 5 steps equal the reference; return the errors.
+
+    Under the bf16 policies the reference is the unsharded model under the same policy: every
+    product is exact and every sum is in float32 on both sides, so the only difference is still
+    the float32 summation order, and each result is rounded once (so the same tolerances hold).
+    """
     tol = TOL[opt_name]
-    params = models.init_mlp(jax.random.key(0), sizes, scale=scale)
+    params = models.init_mlp(jax.random.key(0), sizes, scale=scale, dtype=precision.param_dtype)
     xs, ys = batches(sizes, batch)
-    ref_losses, ref_grads, ref_params = reference_trajectory(params, xs, ys, optimizer(opt_name))
+    ref_losses, ref_grads, ref_params = reference_trajectory(
+        params, xs, ys, optimizer(opt_name), precision
+    )
     setup = build(
-        strategy, mesh_for(mesh_shape), optimizer=optimizer(opt_name), sizes=sizes, remat=remat
+        strategy,
+        mesh_for(mesh_shape),
+        optimizer=optimizer(opt_name),
+        sizes=sizes,
+        remat=remat,
+        precision=precision,
     )
     losses, grads, final = sharded_trajectory(setup, params, xs, ys)
     errors = {
@@ -91,7 +117,7 @@ def check_trajectory(
         "grads": max(max_diff(g, r) for g, r in zip(grads, ref_grads, strict=True)),
         "params": max_diff(final, ref_params),
     }
-    where = f"{strategy} on {mesh_shape} with {opt_name}"
+    where = f"{strategy} on {mesh_shape} with {opt_name} under {precision.name}"
     for k, err in errors.items():
         assert err <= tol[k], f"{where}: max |{k} − reference| = {err:.3e} > {tol[k]:.0e}"
     for i, (start, end) in enumerate(zip(params, ref_params, strict=True)):
@@ -102,6 +128,8 @@ def check_trajectory(
                 f"see a zeroed or doubled gradient; use larger inputs or init"
             )
     key = (strategy, "x".join(map(str, mesh_shape.values())) if mesh_shape else "-", opt_name)
+    if precision != shardops.FLOAT32:
+        key = (*key[:2], f"{opt_name}/{precision.name[:5].lower()}")
     old = TRAJECTORY_ERRORS.get(key, {})
     TRAJECTORY_ERRORS[key] = {k: max(v, old.get(k, 0.0)) for k, v in errors.items()}
     return errors
@@ -133,3 +161,15 @@ def check_evaluation(strategy, mesh_shape, *, sizes, batch, pad: int = 0, build=
     assert abs(float(metrics.loss) - ref_loss) <= 1e-6, (
         f"{where}: loss {float(metrics.loss)!r}, the unsharded model's {ref_loss!r}"
     )
+
+
+def check_dtype_flow(strategy, mesh_shape, precision, *, sizes, remat=False, build=models.build):
+    """The train step's jaxpr follows ``precision`` (``dtype_flow_violations`` finds nothing)."""
+    setup = build(strategy, mesh_for(mesh_shape), optimizer=optax.adam(1e-3), sizes=sizes,
+                  remat=remat, precision=precision)  # fmt: skip
+    state = setup.init(jax.random.key(0))
+    xs, ys = batches(sizes, 32)
+    args = (state, *setup.place_batch(xs[0], ys[0]))
+    problems = dtype_flow_violations(setup.step, *args, policy=precision)
+    assert not problems, f"{strategy} on {mesh_shape}:\n" + "\n".join(problems)
+    return setup, args

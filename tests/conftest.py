@@ -49,9 +49,9 @@ def pytest_terminal_summary(terminalreporter):
     if TRAJECTORY_ERRORS:
         terminalreporter.section("models: 5-step trajectories, max |sharded − reference|")
         terminalreporter.write_line(
-            f"{'strategy':>8} {'mesh':>5} {'opt':>5} {'loss':>9} {'grads':>9} {'params':>9}"
+            f"{'strategy':>8} {'mesh':>5} {'opt':>10} {'loss':>9} {'grads':>9} {'params':>9}"
         )
         for (strategy, mesh, opt), e in sorted(TRAJECTORY_ERRORS.items()):
             terminalreporter.write_line(
-                f"{strategy:>8} {mesh:>5} {opt:>5} {e['loss']:9.2e} {e['grads']:9.2e} {e['params']:9.2e}"
+                f"{strategy:>8} {mesh:>5} {opt:>10} {e['loss']:9.2e} {e['grads']:9.2e} {e['params']:9.2e}"
             )

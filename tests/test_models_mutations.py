@@ -7,9 +7,10 @@ import types
 
 import jax
 import pytest
-from _model_checks import check_evaluation, check_trajectory
+from _model_checks import check_dtype_flow, check_evaluation, check_trajectory
 
-from models import _train
+import shardops
+from models import _layout, _mlp, _train
 
 SOURCE = inspect.getsource(_train)
 GRADS = "        loss, grads = jax.value_and_grad(self.local_loss)(params, x, y)\n"
@@ -125,4 +126,68 @@ def test_evaluation_mutant_is_caught(name, case):
         check_evaluation(*case, sizes=SIZES, batch=64, pad=8, build=build)
     if isinstance(caught.value, ValueError):  # only check_vma's trace-time verdict counts
         assert "out_specs" in str(caught.value), caught.value
+    jax.clear_caches()
+
+
+# Precision mutants of the strategies' shared helpers: the mutated function (from a copy of its
+# module with one line replaced) is swapped into every module that imported it by name.
+BF16, MIXED = shardops.BFLOAT16, shardops.MIXED_BFLOAT16
+HELPER_MUTANTS = {
+    # dp/2d: the replicated weight made varying in bf16, so autodiff all-reduces bf16 gradients.
+    "data_gradient_all_reduced_in_bf16": (
+        _layout, "gather_over_data", ("models.dp", "models.two_d", "models.fsdp"),
+        "    return shardops.copy_to_region(leaf, DATA_AXIS, accum_dtype)\n",
+        "    return jax.lax.pcast(leaf, DATA_AXIS, to='varying')\n",
+        "flow", ("2d", {"data": 4, "model": 2}, BF16),
+    ),
+    # fsdp: the plain all_gather, whose transpose reduce-scatters bf16 gradients.
+    "data_gradient_reduce_scattered_in_bf16": (
+        _layout, "gather_over_data", ("models.dp", "models.two_d", "models.fsdp"),
+        "            return shardops.gather_to_region(leaf, DATA_AXIS, dim, accum_dtype)\n",
+        "            return jax.lax.all_gather(leaf, DATA_AXIS, axis=dim, tiled=True)\n",
+        "flow", ("fsdp_tp", {"data": 2, "model": 4}, BF16),
+    ),
+    # The loss computed from bf16 logits (log_softmax in bf16) under the mixed policy.
+    "loss_from_bf16_logits": (
+        _mlp, "cross_entropy_sum", ("models._train",),
+        "    return -jnp.sum(labels * jax.nn.log_softmax(logits.astype(jnp.float32)))\n",
+        "    return -jnp.sum(labels * jax.nn.log_softmax(logits))\n",
+        "trajectory", ("dp", {"data": 4}, MIXED),
+    ),
+}  # fmt: skip
+
+
+def swap_helper(monkeypatch, module, name, importers, old, new):
+    source = inspect.getsource(module)
+    assert source.count(old) == 1, f"not found once in {module.__name__}: {old!r}"
+    mutant = types.ModuleType(module.__name__ + "_mutant")
+    exec(
+        compile(source.replace(old, new), f"<mutant of {module.__name__}>", "exec"), mutant.__dict__
+    )
+    for importer in importers:
+        monkeypatch.setattr(sys.modules[importer], name, getattr(mutant, name))
+    jax.clear_caches()
+
+
+def helper_check(check, case):
+    strategy, mesh_shape, precision = case
+    if check == "flow":
+        check_dtype_flow(strategy, mesh_shape, precision, sizes=SIZES)
+    else:
+        check_trajectory(strategy, mesh_shape, "sgd", sizes=SIZES, batch=32, precision=precision)
+
+
+@pytest.mark.parametrize("name", HELPER_MUTANTS)
+def test_unmutated_helper_copy_passes(monkeypatch, name):
+    module, fn, importers, old, _, check, case = HELPER_MUTANTS[name]
+    swap_helper(monkeypatch, module, fn, importers, old, old)
+    helper_check(check, case)
+
+
+@pytest.mark.parametrize("name", HELPER_MUTANTS)
+def test_helper_mutant_is_caught(monkeypatch, name):
+    module, fn, importers, old, new, check, case = HELPER_MUTANTS[name]
+    swap_helper(monkeypatch, module, fn, importers, old, new)
+    with pytest.raises(AssertionError):
+        helper_check(check, case)
     jax.clear_caches()
