@@ -16,7 +16,6 @@ from models._mlp import (
     init_mlp,
     loss,
     mlp_forward,
-    predict,
 )
 from models._train import (
     DECAY_RATE,
@@ -49,7 +48,6 @@ __all__ = [
     "init_mlp",
     "loss",
     "mlp_forward",
-    "predict",
     "seed_schedule",
     "seed_sgd",
     "shard_tree",

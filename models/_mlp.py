@@ -69,11 +69,6 @@ def mlp_forward(params: Params, x: jax.Array, precision: Precision = FLOAT32) ->
     return mlp_apply([dense_layer] * len(params), params, x, precision)
 
 
-def predict(params: Params, x: jax.Array, precision: Precision = FLOAT32) -> jax.Array:
-    """The seed's ``predict``: log-probabilities ``[B, C]`` (float32)."""
-    return jax.nn.log_softmax(mlp_forward(params, x, precision).astype(jnp.float32))
-
-
 def cross_entropy_sum(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """``-Σ one_hot · log_softmax(logits)`` over batch and classes (the seed's loss × B·C), in
     float32 whatever the logits' dtype. Rows whose label is all zeros (padding) add nothing."""

@@ -48,7 +48,8 @@ def column_parallel_dense_kernel(
         ``gather_output``: AllGather ``y[B, F_model] → y[B, F]``.
         backward: ``dx[B, D]{U_model}`` is reduced only if ``x`` needs a gradient: AllReduce
         (Megatron's "f" operator, the transpose of ``pcast`` to varying), or ReduceScatter to
-        ``dx[B_model, D]`` with ``gather_input``. ``dw`` and ``db`` are local. The backward of
+        ``dx[B_model, D]`` with ``gather_input``, in ``accum_dtype`` either way (``_mappings``),
+        then cast to ``x``'s dtype once. ``dw`` and ``db`` are local. The backward of
         ``gather_output`` is a local slice (the gathered ``y`` is invariant, so is its cotangent).
     """
     _bound_axis_size(axis_name, "column_parallel_dense_kernel")
@@ -97,10 +98,11 @@ def row_parallel_dense_kernel(
         (V(p−1)/p).
         backward: ``psum``: none (its transpose only marks the cotangent varying).
         ``psum_scatter``: AllGather of ``dy``; with ``scatter_dimension=0`` also an AllReduce of
-        the replicated bias' gradient ``db[D]``.
+        the replicated bias' gradient ``db[D]`` (in ``accum_dtype``).
         ``input_is_parallel=False``: the slice's transpose zero-pads ``dx`` to ``[B, F]`` and
-        AllReduces it, 2·B·F(p−1)/p per device: twice the bytes of the AllGather that an
-        already-parallel input would need. Prefer feeding a column-parallel output.
+        AllReduces it in ``accum_dtype``, 2·B·F(p−1)/p per device: twice the bytes of the
+        AllGather that an already-parallel input would need. Prefer feeding a column-parallel
+        output.
     """
     p = _bound_axis_size(axis_name, "row_parallel_dense_kernel")
     _check_sharded_over(w, axis_name, "w", "row_parallel_dense_kernel")

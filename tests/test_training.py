@@ -1,0 +1,42 @@
+"""Whole-set metrics as the examples print them: ``dataset_metrics`` (chunks padded to split
+evenly, summed from each strategy's own ``evaluate``) equals the unsharded model on the full set."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from _model_checks import mesh_for
+
+import models
+from models import training
+
+SIZES = (48, 64, 24, 10)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "mesh_shape"),
+    [("ref", None), ("dp", {"data": 8}), ("tp", {"model": 8}), ("2d", {"data": 4, "model": 2}),
+     ("fsdp", {"data": 8}), ("fsdp_tp", {"data": 2, "model": 4})],
+    ids=str,
+)  # fmt: skip
+def test_dataset_metrics_equal_the_unsharded_model_on_the_whole_set(strategy, mesh_shape):
+    rng = np.random.default_rng(3)
+    n = 101  # prime: the last chunk is padded on every mesh
+    images = rng.random((n, SIZES[0]), dtype=np.float32)
+    labels = np.eye(SIZES[-1], dtype=np.float32)[rng.integers(0, SIZES[-1], n)]
+    params = models.init_mlp(jax.random.key(2), SIZES, scale=0.1)
+    setup = models.build(strategy, mesh_for(mesh_shape), optimizer=optax.sgd(1.0), sizes=SIZES)
+    loss, accuracy = training.dataset_metrics(
+        setup, setup.shard(params).params, images, labels, chunk=40
+    )
+    ref_loss = float(models.loss(params, images, labels))
+    ref_correct = int(np.sum(np.argmax(models.mlp_forward(params, images), -1) == labels.argmax(1)))
+    assert 0 < ref_correct < n
+    assert accuracy == ref_correct / n
+    assert abs(loss - ref_loss) <= 1e-6, (loss, ref_loss)
+
+
+def test_dataset_metrics_refuse_unpaired_arrays():
+    setup = models.build("ref", optimizer=optax.sgd(1.0), sizes=SIZES)
+    with pytest.raises(ValueError, match="10 images but 9 labels"):
+        training.dataset_metrics(setup, None, np.zeros((10, 48)), np.zeros((9, 10)))
