@@ -21,7 +21,7 @@ from shardops._layers import (
 from shardops._ledger import Ledger, ledger, ring_bytes
 from shardops._mappings import copy_to_region, gather_to_region
 from shardops._mesh import axis_size, check_divisible, make_mesh, spec_entry
-from shardops._params import dense, init_dense, shard_params
+from shardops._params import dense, init_dense, pad_params, padded_size, shard_params, unpad
 from shardops._precision import BFLOAT16, FLOAT32, MIXED_BFLOAT16, Precision
 from shardops._views import (
     LeafLayout,
@@ -66,6 +66,8 @@ __all__ = [
     "ledger",
     "lowered_collectives",
     "make_mesh",
+    "pad_params",
+    "padded_size",
     "ring_bytes",
     "row_parallel_dense",
     "row_parallel_dense_kernel",
@@ -75,4 +77,5 @@ __all__ = [
     "spec_entry",
     "testing",
     "tiles_of",
+    "unpad",
 ]

@@ -12,6 +12,7 @@ Notation (the JAX scaling book): ``w[D, F_model]`` is split over mesh axis ``mod
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from shardops._axes import MODEL_AXIS
@@ -28,45 +29,59 @@ def column_parallel_dense_kernel(
     *,
     axis_name: str = MODEL_AXIS,
     gather_input: bool = False,
+    gather_dimension: int = 0,
     gather_output: bool = False,
+    out_features: int | None = None,
     precision: Precision = FLOAT32,
 ):
-    """Column-parallel dense on local blocks: ``x[B, D] · w[D, F_model] + b[F_model] → y[B, F_model]``.
+    """Column-parallel dense on local blocks: ``x[..., D] · w[D, F_model] + b[F_model] → y[..., F_model]``.
 
     Arguments (local blocks, ``p`` = size of ``axis_name``):
-        x: ``x[B, D]`` replicated over ``axis_name``; with ``gather_input``, the batch shard
-            ``x[B/p, D]`` (sequence parallelism).
+        x: ``x[..., D]`` (any leading dims, e.g. ``x[B, S, D]``) replicated over ``axis_name``;
+            with ``gather_input``, split along ``gather_dimension`` (sequence parallelism:
+            ``x[B, S/p, D]`` with ``gather_dimension=1``).
         w: the weight shard ``w[D, F/p]``.
         b: the bias shard ``b[F/p]``, or ``None``.
-        gather_output: return the full ``y[B, F]``, replicated over ``axis_name``.
+        gather_output: return the full ``y[..., F]``, replicated over ``axis_name``.
+        out_features: the logical F when the stored F is padded to a multiple of p
+            (``shardops.pad_params``): the padded output columns are zero, and
+            ``gather_output`` returns ``y[..., out_features]``.
 
     Returns:
-        ``y[B, F/p]``, or ``y[B, F]`` with ``gather_output``.
+        ``y[..., F/p]`` in compute dtype, or ``y[..., F]`` with ``gather_output``.
 
     Communication over ``axis_name``:
-        forward: none. ``gather_input``: AllGather ``x[B_model, D] → x[B, D]``.
-        ``gather_output``: AllGather ``y[B, F_model] → y[B, F]``.
-        backward: ``dx[B, D]{U_model}`` is reduced only if ``x`` needs a gradient: AllReduce
+        forward: none. ``gather_input``: AllGather ``x[.., S_model, .., D] → x[.., S, .., D]``
+        (in compute dtype). ``gather_output``: AllGather ``y[..., F_model] → y[..., F]``.
+        backward: ``dx[..., D]{U_model}`` is reduced only if ``x`` needs a gradient: AllReduce
         (Megatron's "f" operator, the transpose of ``pcast`` to varying), or ReduceScatter to
-        ``dx[B_model, D]`` with ``gather_input``, in ``accum_dtype`` either way (``_mappings``),
-        then cast to ``x``'s dtype once. ``dw`` and ``db`` are local. The backward of
-        ``gather_output`` is a local slice (the gathered ``y`` is invariant, so is its cotangent).
+        ``dx[.., S_model, .., D]`` with ``gather_input``, in ``accum_dtype`` either way
+        (``_mappings``), then cast to ``x``'s dtype once. ``dw`` and ``db`` are local. The
+        backward of ``gather_output`` is a local slice (the gathered ``y`` is invariant, so is
+        its cotangent).
     """
-    _bound_axis_size(axis_name, "column_parallel_dense_kernel")
-    _check_sharded_over(w, axis_name, "w", "column_parallel_dense_kernel")
-    _check_local_shapes(x, w, b, "column_parallel_dense_kernel")
+    op = "column_parallel_dense_kernel"
+    p = _bound_axis_size(axis_name, op)
+    _check_sharded_over(w, axis_name, "w", op)
+    _check_local_shapes(x, w, b, op)
     accum = precision.accum_dtype
     if gather_input:
-        # x_block[B/p, D] → x[B, D]; backward: ReduceScatter of dx in accum_dtype.
-        x = gather_to_region(x, axis_name, 0, accum)  # x[B, D] in accum
+        gather_dimension = _check_dim(gather_dimension, x.ndim - 1, "gather_dimension", op)
+        # x_block[.., S/p, .., D] → x[.., S, .., D]; backward: ReduceScatter of dx in accum_dtype.
+        x = gather_to_region(x, axis_name, gather_dimension, accum)  # x[..., D] in accum
     else:
-        _check_replicated_over(x, axis_name, "x", "column_parallel_dense_kernel")
+        _check_replicated_over(x, axis_name, "x", op)
         # Megatron's "f": identity forward; backward: AllReduce of dx over model in accum_dtype.
-        x = copy_to_region(x, axis_name, accum)  # x[B, D] in accum
-    y_block = precision.finish(precision.matmul(x, w), b)  # y[B, F/p]
+        x = copy_to_region(x, axis_name, accum)  # x[..., D] in accum
+    y_block = precision.finish(precision.matmul(x, w), b)  # y[..., F/p]
+    f_local = w.shape[1]
+    if out_features is not None and out_features < f_local * p:
+        # Padded columns (global index ≥ out_features) are zero, whatever their weights hold.
+        y_block = y_block * _valid_columns(axis_name, f_local, out_features, y_block.dtype)
     if gather_output:
         # invariant output: its cotangent is replicated, so the transpose is a local slice.
-        return lax.all_gather(y_block, axis_name, axis=1, tiled=True, to="invarying")  # y[B, F]
+        y = lax.all_gather(y_block, axis_name, axis=y_block.ndim - 1, tiled=True, to="invarying")
+        return y if out_features is None else y[..., :out_features]  # y[..., F]
     return y_block
 
 
@@ -77,74 +92,97 @@ def row_parallel_dense_kernel(
     *,
     axis_name: str = MODEL_AXIS,
     input_is_parallel: bool = True,
+    in_features: int | None = None,
     reduce: str = "psum",
     scatter_dimension: int = 0,
     precision: Precision = FLOAT32,
 ):
-    """Row-parallel dense on local blocks: ``x[B, F_model] · w[F_model, D] → y[B, D]{U_model}``, then reduce.
+    """Row-parallel dense on local blocks: ``x[..., F_model] · w[F_model, D] → y[..., D]{U_model}``, then reduce.
 
     Arguments (local blocks, ``p`` = size of ``axis_name``):
-        x: ``x[B, F/p]`` (``input_is_parallel``, e.g. a column-parallel layer's output), or the
-            replicated ``x[B, F]``, which is sliced locally with ``axis_index``.
+        x: ``x[..., F/p]`` (``input_is_parallel``, e.g. a column-parallel layer's output), or the
+            replicated ``x[..., F]``, which is sliced locally with ``axis_index``.
         w: the weight shard ``w[F/p, D]``.
-        b: ``b[D]`` replicated, or the shard ``b[D/p]`` when ``reduce="psum_scatter"`` with
-            ``scatter_dimension=1``; or ``None``. It is added exactly once, after the reduction.
-        reduce: ``"psum"`` → ``y[B, D]`` replicated; ``"psum_scatter"`` → ``y[B/p, D]``
-            (``scatter_dimension=0``, sequence parallelism) or ``y[B, D/p]`` (``=1``).
+        b: ``b[D]`` replicated, or the shard ``b[D/p]`` when ``reduce="psum_scatter"`` along the
+            last (feature) dimension; or ``None``. It is added exactly once, after the reduction.
+        in_features: the logical F when the stored F is padded to a multiple of p: the padded
+            input columns are masked to zero, so neither they nor the padded weight rows reach
+            the output or receive a gradient.
+        reduce: ``"psum"`` → ``y[..., D]`` replicated; ``"psum_scatter"`` → ``y`` split along
+            ``scatter_dimension``: the batch (0), the sequence (``y[B, S_model, D]``, 1 of a
+            rank-3 ``y``), or the features (the last dim, ``y[..., D_model]``).
 
-    Communication over ``axis_name`` (V = bytes of ``y[B, D]`` in ``accum_dtype``):
+    Communication over ``axis_name`` (V = bytes of ``y[..., D]`` in ``accum_dtype``):
         forward: ``psum``: AllReduce ``y{U_model} → y`` (2V(p−1)/p per device on a ring).
-        ``psum_scatter``: ReduceScatter ``y{U_model} → y[B_model, D]`` or ``y[B, D_model]``
-        (V(p−1)/p).
+        ``psum_scatter``: ReduceScatter ``y{U_model} → y[.., S_model, .., D]`` or
+        ``y[..., D_model]`` (V(p−1)/p).
         backward: ``psum``: none (its transpose only marks the cotangent varying).
-        ``psum_scatter``: AllGather of ``dy``; with ``scatter_dimension=0`` also an AllReduce of
-        the replicated bias' gradient ``db[D]`` (in ``accum_dtype``).
-        ``input_is_parallel=False``: the slice's transpose zero-pads ``dx`` to ``[B, F]`` and
-        AllReduces it in ``accum_dtype``, 2·B·F(p−1)/p per device: twice the bytes of the
+        ``psum_scatter``: AllGather of ``dy``; along a non-feature dim also an AllReduce of the
+        replicated bias' gradient ``db[D]`` (in ``accum_dtype``).
+        ``input_is_parallel=False``: the slice's transpose zero-pads ``dx`` to ``[..., F]`` and
+        AllReduces it in ``accum_dtype``, 2·|x|·(p−1)/p per device: twice the bytes of the
         AllGather that an already-parallel input would need. Prefer feeding a column-parallel
         output.
     """
-    p = _bound_axis_size(axis_name, "row_parallel_dense_kernel")
-    _check_sharded_over(w, axis_name, "w", "row_parallel_dense_kernel")
+    op = "row_parallel_dense_kernel"
+    p = _bound_axis_size(axis_name, op)
+    _check_sharded_over(w, axis_name, "w", op)
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {REDUCTIONS}; got {reduce!r}")
+    f_local = w.shape[0]
     if not input_is_parallel:
-        _check_replicated_over(x, axis_name, "x", "row_parallel_dense_kernel")
-        f_local = w.shape[0]
-        if x.ndim == 2 and x.shape[1] != f_local * p:
+        _check_replicated_over(x, axis_name, "x", op)
+        logical = f_local * p if in_features is None else in_features
+        if x.ndim >= 2 and x.shape[-1] not in (f_local * p, logical):
             raise ValueError(
-                f"row_parallel_dense_kernel: replicated x[B, F] has F={x.shape[1]} but the "
-                f"weight shard has {f_local} rows × {p} devices on {axis_name!r} = {f_local * p}"
+                f"{op}: replicated x[..., F] has F={x.shape[-1]} but the weight shard has "
+                f"{f_local} rows × {p} devices on {axis_name!r} = {f_local * p}"
             )
-        # Its transpose all-reduces the zero-padded dx[B, F] over model, in accum_dtype.
-        x = copy_to_region(x, axis_name, precision.accum_dtype)  # x[B, F] in accum
+        # Its transpose all-reduces the zero-padded dx[..., F] over model, in accum_dtype.
+        x = copy_to_region(x, axis_name, precision.accum_dtype)  # x[..., F] in accum
+        if x.shape[-1] < f_local * p:  # the logical F: pad to the stored (padded) F
+            pad = [(0, 0)] * (x.ndim - 1) + [(0, f_local * p - x.shape[-1])]
+            x = jnp.pad(x, pad)  # x[..., F_padded]
         start = lax.axis_index(axis_name) * f_local
-        x = lax.dynamic_slice_in_dim(x, start, f_local, axis=1)  # x_block[B, F/p]
-    _check_local_shapes(x, w, None, "row_parallel_dense_kernel")
+        x = lax.dynamic_slice_in_dim(x, start, f_local, axis=x.ndim - 1)  # x_block[..., F/p]
+    _check_local_shapes(x, w, None, op)
+    if in_features is not None and in_features < f_local * p:
+        x = x * _valid_columns(axis_name, f_local, in_features, x.dtype)  # padding → 0
     y_partial = precision.matmul(x, w)  # y[B, D]{U_model}
     if reduce == "psum":
         y = lax.psum(y_partial, axis_name)  # y[B, D]
     else:
-        if scatter_dimension not in (0, 1):
-            raise ValueError(f"scatter_dimension must be 0 or 1; got {scatter_dimension!r}")
+        scatter_dimension = _check_dim(scatter_dimension, y_partial.ndim, "scatter_dimension", op)
         if y_partial.shape[scatter_dimension] % p:
             raise ValueError(
-                f"row_parallel_dense_kernel: output dim {scatter_dimension} = "
+                f"{op}: output dim {scatter_dimension} = "
                 f"{y_partial.shape[scatter_dimension]} is not divisible by mesh axis "
                 f"{axis_name!r} (size {p}), so psum_scatter cannot split it"
             )
         y = lax.psum_scatter(
             y_partial, axis_name, scatter_dimension=scatter_dimension, tiled=True
-        )  # y[B/p, D] or y[B, D/p]
-        if b is not None and scatter_dimension == 0:
-            # b[D] is replicated but y is a batch shard: db all-reduces over model (in accum).
+        )  # y[.., S/p, .., D] or y[..., D/p]
+        if b is not None and scatter_dimension != y.ndim - 1:
+            # b[D] is replicated but y is a batch/sequence shard: db all-reduces over model.
             b = copy_to_region(b, axis_name, precision.accum_dtype)  # b[D] in accum
     if b is not None and b.shape != y.shape[-1:]:
         raise ValueError(
-            f"row_parallel_dense_kernel: local bias has shape {b.shape} but the reduced output "
-            f"has {y.shape[-1]} features; with psum_scatter over features pass the bias shard"
+            f"{op}: local bias has shape {b.shape} but the reduced output has {y.shape[-1]} "
+            f"features; with psum_scatter over features pass the bias shard"
         )
     return precision.finish(y, b)  # bias exactly once, after the reduction
+
+
+def _valid_columns(axis_name: str, f_local: int, logical: int, dtype):
+    """``mask[F/p]``: 1 where this device's column (global index ``i·F/p + j``) is < ``logical``."""
+    index = lax.axis_index(axis_name) * f_local + jnp.arange(f_local)  # (F/p,)
+    return (index < logical).astype(dtype)
+
+
+def _check_dim(dim: int, ndim: int, argument: str, op: str) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
+        raise ValueError(f"{op}: {argument} must be a dim of the {ndim} allowed; got {dim!r}")
+    return dim % ndim
 
 
 def _bound_axis_size(axis_name: str, op: str) -> int:
@@ -181,19 +219,19 @@ def _check_replicated_over(x, axis_name: str, argument: str, op: str) -> None:
 
 
 def _check_local_shapes(x, w, b, op: str) -> None:
-    if x.ndim != 2 or w.ndim != 2:
+    if x.ndim < 2 or w.ndim != 2:
         raise ValueError(
-            f"{op}: expected x[B, D] and w[D, F] of rank 2; got x{tuple(x.shape)} and "
-            f"w{tuple(w.shape)}"
+            f"{op}: expected x[..., D] of rank ≥ 2 and w[D, F] of rank 2; got x{tuple(x.shape)} "
+            f"and w{tuple(w.shape)}"
         )
     check_dense_shapes(op, x.shape, w.shape, None if b is None else b.shape, scope="local ")
 
 
 def check_dense_shapes(op: str, x_shape, w_shape, b_shape, *, scope: str = "") -> None:
-    """``x[B, D] · w[D, F] + b[F]``: inner dimensions agree and the bias matches, no broadcast."""
-    if x_shape[1] != w_shape[0]:
+    """``x[..., D] · w[D, F] + b[F]``: inner dimensions agree and the bias matches, no broadcast."""
+    if x_shape[-1] != w_shape[0]:
         raise ValueError(
-            f"{op}: inner dimensions differ: {scope}x{tuple(x_shape)} has {x_shape[1]} features "
+            f"{op}: inner dimensions differ: {scope}x{tuple(x_shape)} has {x_shape[-1]} features "
             f"but {scope}w{tuple(w_shape)} has {w_shape[0]} rows"
         )
     if b_shape is not None and tuple(b_shape) != (w_shape[1],):

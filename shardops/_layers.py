@@ -15,6 +15,7 @@ import functools
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -44,20 +45,24 @@ def column_parallel_specs(
     axis_name: str = MODEL_AXIS,
     batch_axis: str | None = None,
     gather_input: bool = False,
+    gather_dimension: int = 0,
     gather_output: bool = False,
+    ndim: int = 2,
 ) -> DenseSpecs:
-    """Layout of ``column_parallel_dense``: ``x[B_batch, D] · w[D, F_model] + b[F_model]``.
+    """Layout of ``column_parallel_dense``: ``x[B_batch, ..., D] · w[D, F_model] + b[F_model]``.
 
-    ``gather_input`` takes ``x[B_(batch,model), D]``; ``gather_output`` returns ``y[B_batch, F]``.
+    ``gather_input`` takes ``x`` split over ``axis_name`` along ``gather_dimension`` too (minor
+    to ``batch_axis`` on dim 0: ``x[B_(batch,model), D]``; the sequence: ``x[B_batch, S_model,
+    D]``); ``gather_output`` returns ``y[B_batch, ..., F]``. ``ndim`` is the rank of ``x``.
     """
-    x_rows = spec_entry(batch_axis, axis_name) if gather_input else spec_entry(batch_axis)
-    y_cols = None if gather_output else axis_name
-    return DenseSpecs(
-        x=P(x_rows, None),
-        w=P(None, axis_name),
-        b=P(axis_name),
-        y=P(spec_entry(batch_axis), y_cols),
-    )
+    _check_rank(ndim)
+    x = [spec_entry(batch_axis)] + [None] * (ndim - 1)
+    if gather_input:
+        g = _normalized_dim(gather_dimension, ndim - 1, "gather_dimension")
+        x[g] = spec_entry(*((batch_axis,) if g == 0 else ()), axis_name)
+    y = [spec_entry(batch_axis)] + [None] * (ndim - 1)
+    y[-1] = None if gather_output else axis_name
+    return DenseSpecs(x=P(*x), w=P(None, axis_name), b=P(axis_name), y=P(*y))
 
 
 def row_parallel_specs(
@@ -67,26 +72,27 @@ def row_parallel_specs(
     input_is_parallel: bool = True,
     reduce: str = "psum",
     scatter_dimension: int = 0,
+    ndim: int = 2,
 ) -> DenseSpecs:
-    """Layout of ``row_parallel_dense``: ``x[B_batch, F_model] · w[F_model, D] → y[B_batch, D]{U_model}``.
+    """Layout of ``row_parallel_dense``: ``x[B_batch, ..., F_model] · w[F_model, D] → y[B_batch, ..., D]{U_model}``.
 
-    ``reduce="psum"`` gives ``y[B_batch, D]``; ``"psum_scatter"`` gives ``y[B_(batch,model), D]``
-    (``scatter_dimension=0``) or ``y[B_batch, D_model]`` with bias ``b[D_model]`` (``=1``).
+    ``reduce="psum"`` gives ``y[B_batch, ..., D]``; ``"psum_scatter"`` splits ``y`` over
+    ``axis_name`` along ``scatter_dimension``: ``y[B_(batch,model), D]`` (0), ``y[B_batch,
+    S_model, D]`` (the sequence of a rank-3 ``y``), or ``y[..., D_model]`` with bias
+    ``b[D_model]`` (the last dim). ``ndim`` is the rank of ``x``.
     """
-    _check_reduce(reduce, scatter_dimension)
-    rows = spec_entry(batch_axis)
-    scatter = reduce == "psum_scatter"
-    if scatter and scatter_dimension == 0:
-        y = P(spec_entry(batch_axis, axis_name), None)
-    elif scatter:
-        y = P(rows, axis_name)
-    else:
-        y = P(rows, None)
+    _check_reduce(reduce, scatter_dimension, ndim)
+    rows = [spec_entry(batch_axis)] + [None] * (ndim - 1)
+    x = list(rows)
+    x[-1] = axis_name if input_is_parallel else None
+    y = list(rows)
+    scatter_features = False
+    if reduce == "psum_scatter":
+        d = scatter_dimension % ndim
+        scatter_features = d == ndim - 1
+        y[d] = spec_entry(*((batch_axis,) if d == 0 else ()), axis_name)
     return DenseSpecs(
-        x=P(rows, axis_name if input_is_parallel else None),
-        w=P(axis_name, None),
-        b=P(axis_name) if scatter and scatter_dimension == 1 else P(None),
-        y=y,
+        x=P(*x), w=P(axis_name, None), b=P(axis_name) if scatter_features else P(None), y=P(*y)
     )
 
 
@@ -99,46 +105,62 @@ def column_parallel_dense(
     axis_name: str = MODEL_AXIS,
     batch_axis: str | None = None,
     gather_input: bool = False,
+    gather_dimension: int = 0,
     gather_output: bool = False,
+    out_features: int | None = None,
     precision: Precision = FLOAT32,
 ):
-    """Column-parallel dense layer on global arrays: ``x[B, D] · w[D, F_model] + b[F_model] → y[B, F_model]``.
+    """Column-parallel dense layer on global arrays: ``x[B, ..., D] · w[D, F_model] + b[F_model] → y[B, ..., F_model]``.
 
     Arguments:
-        x: ``x[B, D]`` in ``precision.compute_dtype``; replicated over ``axis_name`` and split
-            over ``batch_axis`` (if given) along B. With ``gather_input``, B is split over
-            ``(batch_axis, axis_name)`` and gathered first (sequence parallelism).
-        w: ``w[D, F]`` in ``precision.param_dtype``, split over ``axis_name`` along F.
+        x: ``x[B, ..., D]`` (rank ≥ 2, e.g. ``x[B, S, D]``) in ``precision.compute_dtype``;
+            replicated over ``axis_name`` and split over ``batch_axis`` (if given) along B. With
+            ``gather_input``, also split over ``axis_name`` along ``gather_dimension`` (0: the
+            batch; 1 of ``x[B, S, D]``: the sequence) and gathered first (sequence parallelism).
+        w: ``w[D, F]`` in ``precision.param_dtype``, split over ``axis_name`` along F. F must
+            divide by the axis size: pad it (``shardops.pad_params``) and pass ``out_features``.
         b: ``b[F]`` or ``None``.
         mesh: the mesh (Auto or Explicit axes).
-        gather_output: return ``y[B, F]`` replicated over ``axis_name`` instead of ``y[B, F_model]``.
+        gather_output: return ``y[B, ..., F]`` replicated over ``axis_name``.
+        out_features: the logical F of a padded ``w``: padded output columns are zero, and
+            ``gather_output`` returns ``y[..., out_features]``.
 
     Returns:
-        ``y[B, F]`` in ``precision.compute_dtype``, laid out as ``column_parallel_specs(...).y``.
+        ``y[B, ..., F]`` in ``precision.compute_dtype``, laid out as ``column_parallel_specs(...).y``.
 
     Communication: see ``column_parallel_dense_kernel``. Forward none (plus the requested
-    gathers); backward one AllReduce of ``dx[B, D]`` over ``axis_name`` when ``x`` needs a
+    gathers); backward one AllReduce of ``dx[B, ..., D]`` over ``axis_name`` when ``x`` needs a
     gradient.
     """
+    op = "column_parallel_dense"
+    _check_axes(mesh, axis_name, batch_axis)
+    _check_dense_args(op, x, w, b, precision)
     specs = column_parallel_specs(
         axis_name=axis_name,
         batch_axis=batch_axis,
         gather_input=gather_input,
+        gather_dimension=gather_dimension,
         gather_output=gather_output,
+        ndim=x.ndim,
     )
-    op = "column_parallel_dense"
-    _check_axes(mesh, axis_name, batch_axis)
-    _check_dense_args(op, x, w, b, precision)
-    rows = (batch_axis, axis_name) if gather_input else (batch_axis,)
-    check_divisible(argument="x", dim=0, dim_name="batch", size=x.shape[0], mesh=mesh, axes=rows)
     check_divisible(
-        argument="w", dim=1, dim_name="out features", size=w.shape[1], mesh=mesh, axes=(axis_name,)
+        argument="x", dim=0, dim_name="batch", size=x.shape[0], mesh=mesh, axes=(batch_axis,)
+    )
+    if gather_input:
+        g = gather_dimension % (x.ndim - 1)
+        axes = (batch_axis, axis_name) if g == 0 else (axis_name,)
+        name = "batch" if g == 0 else "sequence"
+        check_divisible(argument="x", dim=g, dim_name=name, size=x.shape[g], mesh=mesh, axes=axes)
+    _check_padded(
+        op, "w", 1, "out features", w.shape[1], out_features, "out_features", mesh, axis_name
     )
     kernel = functools.partial(
         _kernels.column_parallel_dense_kernel,
         axis_name=axis_name,
         gather_input=gather_input,
+        gather_dimension=gather_dimension,
         gather_output=gather_output,
+        out_features=out_features,
         precision=precision,
     )
     return _run(op, kernel, mesh, specs, x, w, b)
@@ -153,61 +175,79 @@ def row_parallel_dense(
     axis_name: str = MODEL_AXIS,
     batch_axis: str | None = None,
     input_is_parallel: bool = True,
+    in_features: int | None = None,
     reduce: str = "psum",
     scatter_dimension: int = 0,
     precision: Precision = FLOAT32,
 ):
-    """Row-parallel dense layer on global arrays: ``x[B, F_model] · w[F_model, D] → y[B, D]{U_model}`` → reduce, + b.
+    """Row-parallel dense layer on global arrays: ``x[B, ..., F_model] · w[F_model, D] → y[B, ..., D]{U_model}`` → reduce, + b.
 
     Arguments:
-        x: ``x[B, F]`` in ``precision.compute_dtype``, split over ``axis_name`` along F
-            (``input_is_parallel=True``, the output of ``column_parallel_dense``) or replicated
-            over it (``False``: each device slices its block locally). B is split over
-            ``batch_axis`` if given.
-        w: ``w[F, D]`` in ``precision.param_dtype``, split over ``axis_name`` along F.
+        x: ``x[B, ..., F]`` (rank ≥ 2) in ``precision.compute_dtype``, split over ``axis_name``
+            along F (``input_is_parallel=True``, the output of ``column_parallel_dense``) or
+            replicated over it (``False``: each device slices its block locally). B is split
+            over ``batch_axis`` if given.
+        w: ``w[F, D]`` in ``precision.param_dtype``, split over ``axis_name`` along F (padded to
+            a multiple of the axis size if needed: pass ``in_features``).
         b: ``b[D]`` or ``None``; added once, after the reduction.
-        reduce: ``"psum"`` → ``y[B, D]`` replicated over ``axis_name``; ``"psum_scatter"`` →
-            ``y`` split over ``axis_name`` along ``scatter_dimension`` (0: batch, 1: features).
+        in_features: the logical F of a padded ``w``: padded input columns are masked to zero.
+        reduce: ``"psum"`` → ``y[B, ..., D]`` replicated over ``axis_name``; ``"psum_scatter"``
+            → ``y`` split over ``axis_name`` along ``scatter_dimension`` (0: batch, 1 of a
+            rank-3 ``y``: sequence, last: features).
 
     Returns:
-        ``y[B, D]`` in ``precision.compute_dtype``, laid out as ``row_parallel_specs(...).y``.
+        ``y[B, ..., D]`` in ``precision.compute_dtype``, laid out as ``row_parallel_specs(...).y``.
 
-    Communication: see ``row_parallel_dense_kernel``. ``psum``: one AllReduce of ``y[B, D]``
+    Communication: see ``row_parallel_dense_kernel``. ``psum``: one AllReduce of ``y[B, ..., D]``
     forward and none backward (for ``x``, ``w`` and ``b``).
     """
+    op = "row_parallel_dense"
+    _check_axes(mesh, axis_name, batch_axis)
+    _check_dense_args(op, x, w, b, precision, replicated_f=not input_is_parallel)
     specs = row_parallel_specs(
         axis_name=axis_name,
         batch_axis=batch_axis,
         input_is_parallel=input_is_parallel,
         reduce=reduce,
         scatter_dimension=scatter_dimension,
+        ndim=x.ndim,
     )
-    op = "row_parallel_dense"
-    _check_axes(mesh, axis_name, batch_axis)
-    _check_dense_args(op, x, w, b, precision)
-    scatter = reduce == "psum_scatter"
-    rows = (batch_axis, axis_name) if scatter and scatter_dimension == 0 else (batch_axis,)
-    check_divisible(argument="x", dim=0, dim_name="batch", size=x.shape[0], mesh=mesh, axes=rows)
     check_divisible(
-        argument="w", dim=0, dim_name="in features", size=w.shape[0], mesh=mesh, axes=(axis_name,)
+        argument="x", dim=0, dim_name="batch", size=x.shape[0], mesh=mesh, axes=(batch_axis,)
     )
-    if scatter and scatter_dimension == 1:
-        check_divisible(
-            argument="w",
-            dim=1,
-            dim_name="out features",
-            size=w.shape[1],
-            mesh=mesh,
-            axes=(axis_name,),
+    _check_padded(
+        op, "w", 0, "in features", w.shape[0], in_features, "in_features", mesh, axis_name
+    )
+    if input_is_parallel and x.shape[-1] != w.shape[0]:
+        raise ValueError(
+            f"{op}: inner dimensions differ: x{tuple(x.shape)} has {x.shape[-1]} features but "
+            f"w{tuple(w.shape)} has {w.shape[0]} rows"
         )
+    if reduce == "psum_scatter":
+        d = scatter_dimension % x.ndim
+        names = {0: "batch", x.ndim - 1: "out features"}
+        size = w.shape[1] if d == x.ndim - 1 else x.shape[d]
+        axes = (batch_axis, axis_name) if d == 0 else (axis_name,)
+        arg, dim = ("w", 1) if d == x.ndim - 1 else ("x", d)
+        check_divisible(argument=arg, dim=dim, dim_name=names.get(d, "sequence"), size=size,
+                        mesh=mesh, axes=axes)  # fmt: skip
     kernel = functools.partial(
         _kernels.row_parallel_dense_kernel,
         axis_name=axis_name,
         input_is_parallel=input_is_parallel,
+        in_features=in_features,
         reduce=reduce,
         scatter_dimension=scatter_dimension,
         precision=precision,
     )
+    if not input_is_parallel and x.shape[-1] != w.shape[0]:  # a logical-width replicated x
+        if x.shape[-1] != in_features:
+            raise ValueError(
+                f"{op}: inner dimensions differ: x{tuple(x.shape)} has {x.shape[-1]} features "
+                f"but w{tuple(w.shape)} has {w.shape[0]} rows (and in_features={in_features}); "
+                f"for a padded w pass in_features={x.shape[-1]}"
+            )
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, w.shape[0] - x.shape[-1])])
     return _run(op, kernel, mesh, specs, x, w, b)
 
 
@@ -225,15 +265,46 @@ def _run(op: str, kernel, mesh: Mesh, specs: DenseSpecs, x, w, b):
         )(*args)
 
 
-def _check_reduce(reduce: str, scatter_dimension: int) -> None:
+def _check_reduce(reduce: str, scatter_dimension: int, ndim: int = 2) -> None:
     if reduce not in _kernels.REDUCTIONS:
         raise ValueError(
             f"reduce must be one of {_kernels.REDUCTIONS}; got {reduce!r}. 'psum' gives a "
             f"replicated output, 'psum_scatter' one split along scatter_dimension."
         )
-    if scatter_dimension not in (0, 1):
+    _check_rank(ndim)
+    _normalized_dim(scatter_dimension, ndim, "scatter_dimension")
+
+
+def _check_rank(ndim: int) -> None:
+    if isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 2:
+        raise ValueError(f"ndim (the rank of x) must be an int ≥ 2 (x[B, ..., D]); got {ndim!r}")
+
+
+def _normalized_dim(dim: int, ndim: int, argument: str) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
         raise ValueError(
-            f"scatter_dimension must be 0 (batch) or 1 (features); got {scatter_dimension!r}"
+            f"{argument} must be one of the {ndim} dims it may split (0 = batch, "
+            f"{'1 = sequence of x[B, S, D], ' if ndim > 2 else ''}-1 = last); got {dim!r}"
+        )
+    return dim % ndim
+
+
+def _check_padded(op, argument, dim, dim_name, size, logical, logical_name, mesh, axis_name):
+    """``size`` (the stored dim) must divide by the axis; ``logical`` (if given) ≤ ``size``."""
+    p = axis_size(mesh, axis_name)
+    if logical is not None and (
+        isinstance(logical, bool) or not isinstance(logical, int) or not 0 < logical <= size
+    ):
+        raise ValueError(
+            f"{op}: {logical_name}={logical!r} must be an int in 1..{size} ({argument} dim "
+            f"{dim}, {dim_name}, holds {size} including padding)"
+        )
+    if size % p:
+        padded = -(-size // p) * p
+        raise ValueError(
+            f"{op}: {argument} dim {dim} ({dim_name}) = {size} is not divisible by mesh axis "
+            f"{axis_name!r} (size {p}). Pad it to {padded} with shardops.pad_params (or "
+            f"shard_params(..., pad=True)) and pass {logical_name}={logical or size}."
         )
 
 
@@ -251,21 +322,22 @@ def _check_axes(mesh: Mesh, axis_name: str, batch_axis: str | None) -> None:
         )
 
 
-def _check_dense_args(op: str, x, w, b, precision: Precision) -> None:
+def _check_dense_args(op: str, x, w, b, precision: Precision, *, replicated_f=False) -> None:
     if not isinstance(precision, Precision):
         raise TypeError(
             f"{op}: precision must be a shardops.Precision (FLOAT32, BFLOAT16 or "
             f"MIXED_BFLOAT16); got {precision!r}"
         )
-    for name, arg, rank, meaning in (("x", x, 2, "x[B, D]"), ("w", w, 2, "w[D, F]")):
-        if not hasattr(arg, "shape") or len(arg.shape) != rank:
+    for name, arg, ok, meaning in (("x", x, lambda r: r >= 2, "rank ≥ 2 (x[B, ..., D])"),
+                                   ("w", w, lambda r: r == 2, "rank 2 (w[D, F])")):  # fmt: skip
+        if not hasattr(arg, "shape") or not ok(len(arg.shape)):
             got = f"shape {tuple(arg.shape)}" if hasattr(arg, "shape") else type(arg).__name__
-            raise ValueError(
-                f"{op}: {name} must have rank {rank} ({meaning}); got {got}. Flatten leading "
-                f"dims first, e.g. x.reshape(-1, x.shape[-1])."
-            )
+            raise ValueError(f"{op}: {name} must have {meaning}; got {got}")
     b_shape = None if b is None else tuple(getattr(b, "shape", ()))
-    _kernels.check_dense_shapes(op, x.shape, w.shape, b_shape)
+    # A replicated row input may have the logical (unpadded) F; the layer checks it against
+    # in_features. Everything else must match the stored shapes.
+    x_shape = (*x.shape[:-1], w.shape[0]) if replicated_f else x.shape
+    _kernels.check_dense_shapes(op, x_shape, w.shape, b_shape)
     precision.check_activation("x", x.dtype)
     precision.check_param("w", w.dtype)
     if b is not None:

@@ -93,7 +93,14 @@ def spec_entry(*axis_names: str | None) -> str | tuple[str, ...] | None:
 
 
 def check_divisible(
-    *, argument: str, dim: int, dim_name: str, size: int, mesh: Mesh, axes: Sequence[str | None]
+    *,
+    argument: str,
+    dim: int,
+    dim_name: str,
+    size: int,
+    mesh: Mesh,
+    axes: Sequence[str | None],
+    hint: str = "",
 ) -> None:
     """Raise a ``ValueError`` unless ``size`` divides evenly over the product of ``axes``."""
     names = tuple(a for a in axes if a is not None)
@@ -104,8 +111,7 @@ def check_divisible(
         raise ValueError(
             f"{argument} dim {dim} ({dim_name}) = {size} is not divisible by mesh axis {over}"
             f"{f' = {parts}' if len(names) > 1 else ''}; choose {multiple} or a mesh whose "
-            f"{'axes divide' if len(names) > 1 else 'axis divides'} {size}. Uneven shapes "
-            f"(padding) are not supported yet."
+            f"{'axes divide' if len(names) > 1 else 'axis divides'} {size}{hint}"
         )
 
 

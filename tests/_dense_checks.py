@@ -30,6 +30,16 @@ ROW_OPTIONS = [
     for par in (True, False)
     for red, dim in (("psum", 0), ("psum_scatter", 0), ("psum_scatter", 1))
 ]
+# Sequence parallelism on x[B, S, ..., D]: gather and scatter along S (dim 1), or scatter the
+# features (the last dim).
+COLUMN_SEQ_OPTIONS = [
+    {"gather_input": True, "gather_dimension": 1, "gather_output": go} for go in (False, True)
+]
+ROW_SEQ_OPTIONS = [
+    {"input_is_parallel": par, "reduce": "psum_scatter", "scatter_dimension": dim}
+    for par in (True, False)
+    for dim in (1, -1)
+]
 
 
 def mesh_for(shape: tuple[int, ...]):
@@ -54,11 +64,12 @@ def sharded_forward_and_grads(x, w, b, ct, *, layer, mesh, options, precision):
     return y, grads
 
 
-def random_inputs(rng: np.random.Generator, batch: int, d_in: int, d_out: int, precision):
-    x = rng.standard_normal((batch, d_in)).astype(precision.compute_dtype)
+def random_inputs(rng: np.random.Generator, batch, d_in: int, d_out: int, precision):
+    lead = tuple(batch) if isinstance(batch, tuple) else (batch,)
+    x = rng.standard_normal((*lead, d_in)).astype(precision.compute_dtype)
     w = rng.standard_normal((d_in, d_out)).astype(precision.param_dtype)
     b = rng.standard_normal((d_out,)).astype(precision.param_dtype)
-    ct = rng.standard_normal((batch, d_out)).astype(precision.compute_dtype)
+    ct = rng.standard_normal((*lead, d_out)).astype(precision.compute_dtype)
     return x, w, b, ct
 
 
@@ -71,24 +82,52 @@ def check_dense(
     batch: int,
     d_in: int,
     d_out: int,
+    extra: tuple[int, ...] = (),
     seed: int = 0,
     use_bias: bool = True,
 ) -> float:
-    """Assert forward and gradients of a sharded layer are within the bound; return the worst ratio."""
+    """Assert forward and gradients of a sharded layer are within the bound; return the worst ratio.
+
+    ``extra`` adds dims after the batch (``extra=(S,)``: ``x[B, S, D]``). A ``d_out`` (column) or ``d_in`` (row) that the
+    model axis does not divide is padded (``shardops.pad_params``) and passed as the logical
+    ``out_features`` / ``in_features``: the logical part must equal the reference, and every
+    padded output, input gradient and parameter gradient must be exactly zero, with garbage in
+    the padded columns of ``x`` and of the cotangent to prove the masking.
+    """
     mesh, batch_axis = mesh_for(mesh_shape)
+    p = mesh_shape[-1]
+    lead = (batch, *extra)
     opts = dict(options, batch_axis=batch_axis)
-    specs = SPECS[layer](**opts)
-    x, w, b, ct = random_inputs(np.random.default_rng(seed), batch, d_in, d_out, precision)
-    ref = dense_reference(x, w, b if use_bias else None, ct, precision)
+    specs = SPECS[layer](**opts, ndim=len(lead) + 1)
+    rng = np.random.default_rng(seed)
+    x, w, b, ct = random_inputs(rng, lead, d_in, d_out, precision)
+    ref = dense_reference(
+        x.reshape(-1, d_in), w, b if use_bias else None, ct.reshape(-1, d_out), precision
+    )
+    # Padding: the stored (padded) widths, and garbage where only masking keeps it out.
+    col, row = layer == "column", layer == "row"
+    pad_out = shardops.padded_size(d_out, p) - d_out if col else 0
+    pad_in = shardops.padded_size(d_in, p) - d_in if row else 0
+    w_s = np.pad(w, ((0, pad_in), (0, pad_out)))
+    b_s = np.pad(b, (0, pad_out))
+    x_s, ct_s = x, ct
+    if pad_out:
+        opts["out_features"] = d_out
+        if not opts.get("gather_output"):
+            ct_s = np.concatenate([ct, random_inputs(rng, lead, 1, pad_out, precision)[3]], -1)
+    if pad_in:
+        opts["in_features"] = d_in
+        if opts.get("input_is_parallel", True):
+            x_s = np.concatenate([x, random_inputs(rng, lead, 1, pad_in, precision)[3]], -1)
 
     def place(a, spec):
         return jax.device_put(a, NamedSharding(mesh, spec))
 
     y, (dx, dw, db) = sharded_forward_and_grads(
-        place(x, specs.x),
-        place(w, specs.w),
-        place(b, specs.b) if use_bias else None,
-        place(ct, specs.y),
+        place(x_s, specs.x),
+        place(w_s, specs.w),
+        place(b_s, specs.b) if use_bias else None,
+        place(ct_s, specs.y),
         layer=layer,
         mesh=mesh,
         options=tuple(sorted(opts.items())),
@@ -96,14 +135,23 @@ def check_dense(
     )
     assert y.dtype == precision.compute_dtype, (y.dtype, precision)
     assert dw.dtype == precision.param_dtype and dx.dtype == precision.compute_dtype
-    results = [("y", y, ref.y, ref.bound_y), ("dx", dx, ref.dx, ref.bound_dx)]
-    results.append(("dw", dw, ref.dw, ref.bound_dw))
+    y, dx, dw = (np.asarray(a, np.float64) for a in (y, dx, dw))
+    db = None if db is None else np.asarray(db, np.float64)
+    where = f"{layer} {mesh_shape} {options} lead={lead} in={d_in} out={d_out}"
+    for name, padded in (("y", y[..., d_out:]), ("dx", dx[..., d_in:]), ("dw", dw[d_in:, d_out:]),
+                         ("dw", dw[:, d_out:]), ("dw", dw[d_in:]),
+                         ("db", None if db is None else db[d_out:])):  # fmt: skip
+        if padded is not None and padded.size:
+            assert not np.any(padded), f"padding leaked into {name} of {where}"
+    results = [
+        ("y", y[..., :d_out].reshape(-1, d_out), ref.y, ref.bound_y),
+        ("dx", dx[..., :d_in].reshape(-1, d_in), ref.dx, ref.bound_dx),
+        ("dw", dw[:d_in, :d_out], ref.dw, ref.bound_dw),
+    ]
     if use_bias:
-        results.append(("db", db, ref.db, ref.bound_db))
+        results.append(("db", db[:d_out], ref.db, ref.bound_db))
     worst, worst_abs, worst_name = 0.0, 0.0, ""
-    where = f"{layer} {mesh_shape} {options} B={batch} in={d_in} out={d_out}"
     for name, got, want, bound in results:
-        got = np.asarray(got, np.float64)
         assert got.shape == want.shape, (name, got.shape, want.shape)
         ratio = worst_ratio(got, want, bound)
         abs_err = float(np.max(np.abs(got - want)))

@@ -14,7 +14,7 @@ def mesh():
 def test_out_features_not_divisible(mesh):
     with pytest.raises(
         ValueError,
-        match=r"w dim 1 \(out features\) = 30 is not divisible by mesh axis 'model' \(size 4\); choose a multiple of 4",
+        match=r"w dim 1 \(out features\) = 30 is not divisible by mesh axis 'model' \(size 4\)\. Pad it to 32 with shardops\.pad_params .* and pass out_features=30",
     ):
         shardops.column_parallel_dense(jnp.ones((8, 16)), jnp.ones((16, 30)), mesh=mesh)
 
@@ -79,12 +79,7 @@ def test_mismatched_inner_dimensions(mesh, layer):
 @pytest.mark.parametrize(
     ("x_shape", "w_shape", "match"),
     [
-        (
-            (2, 8, 16),
-            (16, 32),
-            r"x must have rank 2 \(x\[B, D\]\); got shape \(2, 8, 16\).*reshape",
-        ),
-        ((16,), (16, 32), r"x must have rank 2"),
+        ((16,), (16, 32), r"x must have rank ≥ 2 \(x\[B, \.\.\., D\]\); got shape \(16,\)"),
         ((8, 16), (16, 32, 1), r"w must have rank 2 \(w\[D, F\]\)"),
     ],
 )
@@ -110,7 +105,7 @@ def test_bad_reduce_options(mesh):
     ):
         shardops.row_parallel_dense(x, w, mesh=mesh, reduce="sum")
     with pytest.raises(
-        ValueError, match="scatter_dimension must be 0 .batch. or 1 .features.; got 2"
+        ValueError, match=r"scatter_dimension must be one of the 2 dims it may split \(0 = batch, -1 = last\); got 2"
     ):
         shardops.row_parallel_dense(x, w, mesh=mesh, reduce="psum_scatter", scatter_dimension=2)
 

@@ -74,15 +74,15 @@ MUTANTS = {
     ),
     # Megatron's "f" applied to the bf16 activation: autodiff all-reduces dx in bf16.
     "dx_all_reduced_in_bf16": (
-        "x = copy_to_region(x, axis_name, accum)  # x[B, D] in accum",
+        "x = copy_to_region(x, axis_name, accum)  # x[..., D] in accum",
         "x = lax.pcast(x, axis_name, to='varying')  # x[B, D]",
         "",
         ("column", {}, BF16),
     ),
     # The sequence-parallel gather's transpose (a reduce-scatter of dx) in bf16.
     "dx_reduce_scattered_in_bf16": (
-        "x = gather_to_region(x, axis_name, 0, accum)  # x[B, D] in accum",
-        "x = lax.all_gather(x, axis_name, axis=0, tiled=True)  # x[B, D]",
+        "x = gather_to_region(x, axis_name, gather_dimension, accum)  # x[..., D] in accum",
+        "x = lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True)  # x[..., D]",
         "",
         ("column", {"gather_input": True}, BF16),
     ),
@@ -173,8 +173,8 @@ def test_precision_mutant_is_caught(swap_precision, name):
 # all-reduced in full and sliced), so only the communication budget can see it: the backward
 # reduce-scatter of dx[B, D] becomes an all-reduce, twice the bytes.
 INVARIANT_GATHER = (
-    "x = gather_to_region(x, axis_name, 0, accum)  # x[B, D] in accum",
-    "x = lax.all_gather(x, axis_name, axis=0, tiled=True, to='invarying').astype(accum)  # x[B, D]",
+    "x = gather_to_region(x, axis_name, gather_dimension, accum)  # x[..., D] in accum",
+    "x = lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True, to='invarying').astype(accum)",
     "",
 )
 
