@@ -249,8 +249,8 @@ def _check_local(op: str, logits, labels, vocab_size, axis_name: str) -> tuple[i
             f"layer {op.removesuffix('_kernel')} on global arrays; keep check_vma=True."
         )
     if labels is not None:
-        _check_labels(op, labels, logits.shape, scope="local ")
         _kernels._check_replicated_over(labels, axis_name, "labels", op)
+        _check_labels(op, labels, logits.shape, scope="local ")
     v_local = logits.shape[-1]
     return v_local, _check_vocab_size(op, vocab_size, v_local * p, "the logits' vocabulary")
 

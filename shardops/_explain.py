@@ -72,7 +72,7 @@ def _reason(c: Collective, layers: list[str], backward: bool) -> str:
         if kind == "all-gather" and "invariant" in c.op_name:
             return f"gather_output asks for the full y, whose columns are split over {axis}"
         if kind == "all-gather":
-            return f"the input's batch dim is split over {axis} (sequence parallelism) and the layer needs all of it"
+            return f"the input is split over {axis} along its batch or sequence dim (sequence parallelism) and the layer needs all of it"
     if kind == "all-reduce" and rank == 0 and len(c.shapes) == 1:
         return f"each device computed a partial sum from its shard along {axis} (a loss, a metric, a dot product): the partial sums are added"
     if backward and kind == "all-reduce":

@@ -11,6 +11,8 @@ Notation (the JAX scaling book): ``w[D, F_model]`` is split over mesh axis ``mod
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -22,6 +24,22 @@ from shardops._precision import FLOAT32, Precision
 REDUCTIONS = ("psum", "psum_scatter")
 
 
+def _scoped(layer: str):
+    """Run the kernel under ``jax.named_scope("shardops.<layer>")``, so that profiles, the ledger
+    and ``explain`` name its collectives also when it is called from a user's own shard_map."""
+
+    def wrap(kernel):
+        @functools.wraps(kernel)
+        def scoped(*args, **kwargs):
+            with jax.named_scope(f"shardops.{layer}"):
+                return kernel(*args, **kwargs)
+
+        return scoped
+
+    return wrap
+
+
+@_scoped("column_parallel_dense")
 def column_parallel_dense_kernel(
     x,
     w,
@@ -85,6 +103,7 @@ def column_parallel_dense_kernel(
     return y_block
 
 
+@_scoped("row_parallel_dense")
 def row_parallel_dense_kernel(
     x,
     w,
