@@ -6,7 +6,21 @@ collective spelled out, and verified against the unsharded layer.
 
 from shardops import testing
 from shardops._axes import DATA_AXIS, MODEL_AXIS
+from shardops._cross_entropy import (
+    CrossEntropySpecs,
+    vocab_parallel_argmax,
+    vocab_parallel_argmax_kernel,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_cross_entropy_kernel,
+    vocab_parallel_cross_entropy_specs,
+)
 from shardops._devices import DeviceMismatchError, check_devices
+from shardops._embedding import (
+    EmbeddingSpecs,
+    vocab_parallel_embedding,
+    vocab_parallel_embedding_kernel,
+    vocab_parallel_embedding_specs,
+)
 from shardops._explain import explain
 from shardops._hlo import KINDS as COLLECTIVE_KINDS
 from shardops._hlo import Collective, collectives, hlo_collectives, lowered_collectives
@@ -41,8 +55,10 @@ __all__ = [
     "MIXED_BFLOAT16",
     "MODEL_AXIS",
     "Collective",
+    "CrossEntropySpecs",
     "DenseSpecs",
     "DeviceMismatchError",
+    "EmbeddingSpecs",
     "LeafLayout",
     "Ledger",
     "Precision",
@@ -78,4 +94,12 @@ __all__ = [
     "testing",
     "tiles_of",
     "unpad",
+    "vocab_parallel_argmax",
+    "vocab_parallel_argmax_kernel",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_cross_entropy_kernel",
+    "vocab_parallel_cross_entropy_specs",
+    "vocab_parallel_embedding",
+    "vocab_parallel_embedding_kernel",
+    "vocab_parallel_embedding_specs",
 ]

@@ -33,9 +33,10 @@ from jax.sharding import PartitionSpec as P
 from shardops import _kernels
 from shardops._axes import MODEL_AXIS
 from shardops._devices import check_devices
-from shardops._embedding import _check_in_range, _check_precision, _check_vocab_size, padded_size
+from shardops._embedding import _check_in_range, _check_precision, _check_vocab_size
 from shardops._layers import _check_axes, _check_explicit_layout
 from shardops._mesh import axis_size, check_divisible, spec_entry
+from shardops._params import padded_size
 from shardops._precision import FLOAT32, Precision
 
 
@@ -93,10 +94,11 @@ def vocab_parallel_cross_entropy_kernel(
         target logit (its loss is ``log Σ exp(l − m)``).
     """
     op = "vocab_parallel_cross_entropy_kernel"
-    v_local, vocab_size = _check_local(op, logits, labels, vocab_size, axis_name)
+    v_local, vocab_size = _check_local(op, logits, labels, vocab_size, axis_name)  # V/p, V
     logits = logits.astype(precision.accum_dtype)  # [..., V/p] in accum
     start = lax.axis_index(axis_name) * v_local  # first vocabulary id of this block
-    logits = jnp.where(start + jnp.arange(v_local) < vocab_size, logits, -jnp.inf)  # [..., V/p], padding −∞
+    real = start + jnp.arange(v_local) < vocab_size  # [V/p]: not padding
+    logits = jnp.where(real, logits, -jnp.inf)  # [..., V/p], padding −∞
     local_max = jnp.max(logits, axis=-1)  # [...]
     global_max = lax.pmax(lax.stop_gradient(local_max), axis_name)  # [...]
     shifted = logits - global_max[..., None]  # [..., V/p], ≤ 0
@@ -121,11 +123,12 @@ def vocab_parallel_argmax_kernel(
     AllReduce(min) of the candidate indices (int32); not differentiable (no backward).
     """
     op = "vocab_parallel_argmax_kernel"
-    v_local, vocab_size = _check_local(op, logits, None, vocab_size, axis_name)
-    p = lax.axis_size(axis_name)
+    v_local, vocab_size = _check_local(op, logits, None, vocab_size, axis_name)  # V/p, V
+    p = lax.axis_size(axis_name)  # devices on axis_name
     logits = logits.astype(jnp.float32)  # [..., V/p], exact for every float dtype we accept
     start = lax.axis_index(axis_name) * v_local  # first vocabulary id of this block
-    logits = jnp.where(start + jnp.arange(v_local) < vocab_size, logits, -jnp.inf)  # [..., V/p], padding never wins
+    real = start + jnp.arange(v_local) < vocab_size  # [V/p]: not padding
+    logits = jnp.where(real, logits, -jnp.inf)  # [..., V/p], padding never wins
     local_max = jnp.max(logits, axis=-1)  # [...]
     global_max = lax.pmax(local_max, axis_name)  # [...]
     local_index = (jnp.argmax(logits, axis=-1) + start).astype(jnp.int32)  # [...]
@@ -235,9 +238,7 @@ def _check_local(op: str, logits, labels, vocab_size, axis_name: str) -> tuple[i
     """Kernel-side checks; returns ``(V/p, vocab_size)``."""
     p = _kernels._bound_axis_size(axis_name, op)
     if not jnp.issubdtype(logits.dtype, jnp.floating):
-        raise TypeError(
-            f"{op}: logits must be floating; got dtype {np.dtype(logits.dtype).name}"
-        )
+        raise TypeError(f"{op}: logits must be floating; got dtype {np.dtype(logits.dtype).name}")
     if logits.ndim < 1:
         raise ValueError(f"{op}: logits must have a vocabulary dim (logits[..., V/p])")
     if axis_name not in _kernels._varying_axes(logits):

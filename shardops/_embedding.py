@@ -6,9 +6,9 @@ other ids get a zero vector, and one ``psum`` over ``model`` (or a ``psum_scatte
 sequence parallelism) assembles ``x[B, S, D]``: every id is found on exactly one device.
 
 An uneven vocabulary (50257 tokens on 2 devices, Megatron-LM issue 1754) is stored padded with
-zero rows to a multiple of p (``pad_vocab``, ``shard_embedding(pad=True)``) and the layer is
-told the logical ``vocab_size``: ids ≥ ``vocab_size`` are never looked up, so the padding rows
-get exactly zero gradient.
+zero rows to a multiple of p (``shard_params`` does it by default, or ``pad_params``) and the
+layer is told the logical ``vocab_size``: ids ≥ ``vocab_size`` are never looked up, so the
+padding rows get exactly zero gradient.
 
 Notation (the JAX scaling book): ``table[V_model, D]`` is split over ``model`` along V;
 ``x[B, S, D]{U_model}`` holds partial sums not yet reduced over ``model``; ``p`` is the size of
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from shardops import _kernels
@@ -32,6 +32,7 @@ from shardops._axes import MODEL_AXIS
 from shardops._devices import check_devices
 from shardops._layers import _check_axes, _check_explicit_layout
 from shardops._mesh import axis_size, check_divisible, spec_entry
+from shardops._params import padded_size
 from shardops._precision import FLOAT32, Precision, _reduce_to
 
 SEQUENCE_DIM = 1
@@ -72,40 +73,6 @@ def vocab_parallel_embedding_specs(
     if reduce == "psum_scatter":
         x_dims[scatter_dimension] = spec_entry(token_dims[scatter_dimension], axis_name)
     return EmbeddingSpecs(ids=P(*token_dims), table=P(axis_name, None), x=P(*x_dims))
-
-
-def padded_size(n: int, p: int) -> int:
-    """The smallest multiple of ``p`` that is ≥ ``n``: ``padded_size(50257, 2) == 50258``."""
-    for name, value in (("n", n), ("p", p)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-            raise ValueError(f"padded_size: {name} must be a positive int; got {value!r}")
-    return -(-int(n) // int(p)) * int(p)
-
-
-def pad_vocab(table, mesh: Mesh, *, axis_name: str = MODEL_AXIS):
-    """``table[V, D]`` with zero rows appended to ``padded_size(V, p)`` rows (p = size of ``axis_name``).
-
-    Pass the logical ``vocab_size=V`` to the layers: the padding rows are never looked up and
-    their gradient is exactly zero. Rows already divisible by p are returned unchanged.
-    """
-    _check_table_rank("pad_vocab", table)
-    rows, p = table.shape[0], axis_size(mesh, axis_name)
-    extra = padded_size(rows, p) - rows
-    return table if not extra else jnp.pad(jnp.asarray(table), ((0, extra), (0, 0)))
-
-
-def shard_embedding(table, mesh: Mesh, *, axis_name: str = MODEL_AXIS, pad: bool = False):
-    """Place a full ``table[V, D]`` on ``mesh``, split over ``axis_name`` along the vocabulary.
-
-    With ``pad=True`` an indivisible V is first padded with zero rows (``pad_vocab``); pass
-    ``vocab_size=V`` to the layer. With ``pad=False`` it is an error naming the fix.
-    """
-    _check_table_rank("shard_embedding", table)
-    if pad:
-        table = pad_vocab(table, mesh, axis_name=axis_name)
-    _check_vocab_divisible("shard_embedding", table.shape[0], mesh, axis_name, pad_hint="pad=True")
-    spec = vocab_parallel_embedding_specs(axis_name=axis_name).table
-    return jax.device_put(table, NamedSharding(mesh, spec))
 
 
 def vocab_parallel_embedding_kernel(
@@ -149,7 +116,7 @@ def vocab_parallel_embedding_kernel(
     _kernels._check_sharded_over(table, axis_name, "table", op)
     _check_ids_dtype(op, ids)
     _kernels._check_replicated_over(ids, axis_name, "ids", op)
-    v_local = table.shape[0]
+    v_local = table.shape[0]  # V/p rows here
     vocab_size = _check_vocab_size(op, vocab_size, v_local * p, "table dim 0 (vocabulary)")
     _check_reduce(reduce, scatter_dimension, ids.ndim)
     if reduce == "psum_scatter" and ids.shape[scatter_dimension] % p:
@@ -173,7 +140,13 @@ def vocab_parallel_embedding_kernel(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _lookup_rows(accum_dtype, table, rows, found):
-    """``table[rows]`` in ``accum_dtype``, zero where not ``found``: ``[..., D]``."""
+    """``table[rows]`` in ``accum_dtype``, zero where not ``found``: ``[..., D]``.
+
+    A custom VJP because autodiff of a gather in the table's dtype would scatter-add the
+    gradient in that dtype (bfloat16 under ``BFLOAT16``), rounding every repeated token's sum;
+    here ``dtable`` is accumulated (and, over a batch axis, all-reduced) in ``accum_dtype`` and
+    rounded once. The forward gathers in the table's dtype (no float32 copy of the table).
+    """
     x = jnp.take(table, rows, axis=0, mode="clip").astype(accum_dtype)  # [..., D]
     return jnp.where(found[..., None], x, 0)  # [..., D]
 
@@ -216,8 +189,9 @@ def vocab_parallel_embedding(
             ``[0, vocab_size)``; under ``jit`` they cannot be, and an id outside gets a zero
             vector (and gives no gradient).
         table: ``table[V, D]`` in ``precision.param_dtype``, split over ``axis_name`` along V;
-            V must divide by the axis size: pad it (``shard_embedding(..., pad=True)`` or
-            ``pad_vocab``) and pass ``vocab_size``.
+            V must divide by the axis size: pad it with zero rows
+            (``shard_params({"table": table}, mesh, specs.params)`` does, or ``pad_params``) and
+            pass ``vocab_size``.
         vocab_size: the logical vocabulary (≤ V); the rows from ``vocab_size`` on are padding,
             never looked up, and their gradient is zero. Default: V.
         reduce: ``"psum"`` → ``x[B, S, D]`` replicated over ``axis_name``; ``"psum_scatter"``
@@ -243,7 +217,7 @@ def vocab_parallel_embedding(
     _check_table_rank(op, table)
     precision.check_param("table", table.dtype)
     p = axis_size(mesh, axis_name)
-    _check_vocab_divisible(op, table.shape[0], mesh, axis_name, pad_hint="vocab_size")
+    _check_vocab_divisible(op, table.shape[0], mesh, axis_name)
     vocab_size = _check_vocab_size(op, vocab_size, table.shape[0], "table dim 0 (vocabulary)")
     specs = vocab_parallel_embedding_specs(
         ids_ndim=ids.ndim,
@@ -335,18 +309,14 @@ def _check_reduce(reduce: str, scatter_dimension: int, ids_ndim: int) -> None:
         )
 
 
-def _check_vocab_divisible(op: str, rows: int, mesh: Mesh, axis_name: str, *, pad_hint) -> None:
+def _check_vocab_divisible(op: str, rows: int, mesh: Mesh, axis_name: str) -> None:
     p = axis_size(mesh, axis_name)
     if rows % p:
-        fix = (
-            f"pass pad=True to pad it with zero rows to {padded_size(rows, p)}"
-            if pad_hint == "pad=True"
-            else f"pad it with zero rows to {padded_size(rows, p)} (shardops.pad_vocab, or "
-            f"shardops.shard_embedding(table, mesh, pad=True)) and pass vocab_size={rows}"
-        )
         raise ValueError(
             f"{op}: table dim 0 (vocabulary) = {rows} is not divisible by mesh axis "
-            f"{axis_name!r} (size {p}); {fix}."
+            f"{axis_name!r} (size {p}); pad it with zero rows to {padded_size(rows, p)} "
+            f"(shardops.shard_params({{'table': table}}, mesh, specs.params) does by default, or "
+            f"shardops.pad_params) and pass vocab_size={rows}."
         )
 
 
@@ -368,7 +338,11 @@ def _check_vocab_size(op: str, vocab_size, stored: int, what: str) -> int:
 def _check_in_range(op: str, argument: str, values, vocab_size: int, under_jit: str) -> None:
     """Concrete ``values`` must lie in ``[0, vocab_size)``; tracers (inside ``jit``) cannot be
     checked, and ``under_jit`` says what happens to one outside."""
-    if isinstance(values, jax.core.Tracer) or not values.size:
+    if (
+        isinstance(values, jax.core.Tracer)
+        or not values.size
+        or not getattr(values, "is_fully_addressable", True)  # other hosts hold parts of it
+    ):
         return
     host = np.asarray(values)  # concrete: closed over by a jit, or eager
     lo, hi = int(host.min()), int(host.max())

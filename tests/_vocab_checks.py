@@ -44,7 +44,9 @@ roundings), subtracts ``ct`` at the label (one) and casts to the logits' dtype (
 The last term is underflow: XLA:CPU flushes subnormal results to zero, so ``e_j`` (scaled by
 ``ct/S``, |ct/S| ≤ |ct|), the product and the cast (bfloat16 has float32's exponent range) can
 each lose up to the smallest normal float32, 1.2e-38. It matters only where p_j < 1e-37 (logits
-spread over ~85 and more), and it is 30 orders of magnitude below any bug. Padded columns must be exactly 0. The argmax is compared exactly (first index of the maximum,
+spread over ~85 and more), and it is 30 orders of magnitude below any bug.
+
+Padded columns must be exactly 0. The argmax is compared exactly (first index of the maximum,
 as ``np.argmax``; padded columns excluded).
 """
 
@@ -59,7 +61,8 @@ from _dense_checks import mesh_for
 from jax.sharding import NamedSharding
 
 from shardops import _cross_entropy, _embedding
-from shardops.testing import SUMS, _subjaxprs, error_bound, worst_ratio
+from shardops._params import padded_size
+from shardops.testing import SUMS, _subjaxprs, dtype_flow, error_bound, worst_ratio
 
 # (kind, policy name) → (max |err| / bound, max |err|, where); for the report.
 WORST: dict[tuple[str, str], tuple[float, float, str]] = {}
@@ -93,7 +96,9 @@ def _check_within(name: str, got, want, bound, where: str) -> tuple[float, float
     assert got.shape == want.shape, (name, got.shape, want.shape)
     ratio = worst_ratio(got, want, bound)
     abs_err = float(np.max(np.abs(got - want))) if got.size else 0.0
-    assert ratio <= 1.0, f"{name} of {where}: max |err| = {abs_err:.3e} exceeds the bound by {ratio:.2f}×"
+    assert ratio <= 1.0, (
+        f"{name} of {where}: max |err| = {abs_err:.3e} exceeds the bound by {ratio:.2f}×"
+    )
     return ratio, abs_err
 
 
@@ -118,12 +123,12 @@ def embedding_inputs(rng, ids_shape, vocab_size, d, p, precision, *, out_of_rang
     size), a table padded with zero rows to a multiple of ``p``, and a cotangent."""
     ids = rng.integers(0, vocab_size, ids_shape).astype(np.int32)
     if out_of_range:  # under jit these are not checked: a zero vector, no gradient
-        bad = [-3, vocab_size, _embedding.padded_size(vocab_size, p) + 5, -1]
+        bad = [-3, vocab_size, padded_size(vocab_size, p) + 5, -1]
         flat = ids.reshape(-1)
         where = rng.choice(flat.size, size=min(flat.size, 8), replace=False)
         flat[where] = np.resize(bad, where.size)
     table = rng.standard_normal((vocab_size, d)).astype(precision.param_dtype)
-    extra = _embedding.padded_size(vocab_size, p) - vocab_size
+    extra = padded_size(vocab_size, p) - vocab_size
     table = np.concatenate([table, np.zeros((extra, d), table.dtype)])
     ct = rng.standard_normal((*ids_shape, d)).astype(precision.compute_dtype)
     return ids, table, ct
@@ -193,7 +198,9 @@ def check_embedding(
     rx, ax = _check_within("x", x, x_ref, bound_x, where)
     np.testing.assert_array_equal(np.asarray(x), x_rounded, err_msg=f"x not bit-exact: {where}")
     rd, ad = _check_within("dtable", dtable, dt_ref, bound_dt, where)
-    assert not np.any(np.asarray(dtable, np.float64)[vocab_size:]), f"padding rows got a gradient: {where}"
+    assert not np.any(np.asarray(dtable, np.float64)[vocab_size:]), (
+        f"padding rows got a gradient: {where}"
+    )
     _record("embedding x", precision, rx, ax, where)
     _record("embedding dtable", precision, rd, ad, where)
     return max(rx, rd)
@@ -219,7 +226,7 @@ def cross_entropy_forward_and_grads(logits, labels, ct, *, mesh, batch_axis, voc
 
 def cross_entropy_inputs(rng, lead, vocab_size, p, precision, *, scale=1.0, bad_labels=False):
     """logits[*lead, V_padded] (N(0, scale²), padded columns PAD_LOGIT), labels, cotangent."""
-    v_pad = _embedding.padded_size(vocab_size, p)
+    v_pad = padded_size(vocab_size, p)
     logits = scale * rng.standard_normal((*lead, v_pad))
     logits[..., vocab_size:] = PAD_LOGIT
     logits = logits.astype(precision.compute_dtype)
@@ -245,7 +252,9 @@ def cross_entropy_reference(logits, labels, ct, vocab_size):
     big_s = e.sum(-1)
     prob = e / big_s[..., None]
     valid = (labels >= 0) & (labels < vocab_size)
-    s_t = np.where(valid, np.take_along_axis(s, np.clip(labels, 0, vocab_size - 1)[..., None], -1)[..., 0], 0.0)
+    s_t = np.where(
+        valid, np.take_along_axis(s, np.clip(labels, 0, vocab_size - 1)[..., None], -1)[..., 0], 0.0
+    )
     loss = np.log(big_s) - s_t
     onehot = (np.arange(vocab_size) == labels[..., None]) & valid[..., None]
     ct64 = np.asarray(ct, np.float64)[..., None]
@@ -253,9 +262,11 @@ def cross_entropy_reference(logits, labels, ct, vocab_size):
     spread = (prob * np.abs(s)).sum(-1)
     v = vocab_size
     bound_loss = F32_EPS * ((v + 2) + spread + np.abs(s_t) + np.abs(np.log(big_s)) + np.abs(loss))
-    bound_grad = F32_EPS * np.abs(ct64) * prob * ((v + 2) + spread[..., None] + np.abs(s)) + (
-        F32_EPS + out_eps
-    ) * np.abs(grad) + (np.abs(ct64) + 2) * F32_TINY
+    bound_grad = (
+        F32_EPS * np.abs(ct64) * prob * ((v + 2) + spread[..., None] + np.abs(s))
+        + (F32_EPS + out_eps) * np.abs(grad)
+        + (np.abs(ct64) + 2) * F32_TINY
+    )
     pad = np.zeros((*grad.shape[:-1], v_pad - v))
     tiny = np.finfo(np.float64).tiny
     return (
@@ -284,7 +295,13 @@ def check_cross_entropy(
     )
     rng = np.random.default_rng(seed)
     logits, labels, ct = cross_entropy_inputs(
-        rng, lead, vocab_size, _model_size(mesh_shape), precision, scale=scale, bad_labels=bad_labels
+        rng,
+        lead,
+        vocab_size,
+        _model_size(mesh_shape),
+        precision,
+        scale=scale,
+        bad_labels=bad_labels,
     )
     loss_ref, grad_ref, argmax_ref, bound_loss, bound_grad = cross_entropy_reference(
         logits, labels, ct, vocab_size
@@ -303,10 +320,14 @@ def check_cross_entropy(
         precision=precision,
     )
     where = f"cross-entropy {mesh_shape} logits{(*lead, logits.shape[-1])} V={vocab_size} scale={scale} {precision.name}"
-    assert loss.dtype == np.float32 and dlogits.dtype == precision.compute_dtype, where
+    assert loss.dtype == np.float32 and dlogits.dtype == precision.compute_dtype, (
+        f"dtypes: loss {loss.dtype} (want float32), dlogits {dlogits.dtype}: {where}"
+    )
     rl, al = _check_within("loss", loss, loss_ref, bound_loss, where)
     rg, ag = _check_within("dlogits", dlogits, grad_ref, bound_grad, where)
-    assert not np.any(np.asarray(dlogits, np.float64)[..., vocab_size:]), f"padding got a gradient: {where}"
+    assert not np.any(np.asarray(dlogits, np.float64)[..., vocab_size:]), (
+        f"padding got a gradient: {where}"
+    )
     np.testing.assert_array_equal(np.asarray(index), argmax_ref, err_msg=f"argmax of {where}")
     assert index.dtype == np.int32, where
     _record("cross-entropy loss", precision, rl, al, where)
@@ -314,21 +335,39 @@ def check_cross_entropy(
     return max(rl, rg)
 
 
+def check_argmax_ties() -> None:
+    """Ties across devices go to the first index, as ``np.argmax``; padding never wins."""
+    mesh = mesh_for((4,))[0]
+    logits = np.zeros((3, 12), np.float32)
+    logits[1, [2, 7, 11]] = 5.0  # the max on devices 0, 2 and 3 (11 is padding): index 2
+    logits[2, [10, 5]] = 3.0  # on devices 3 and 1: index 5
+    logits[0, 11] = 9.0  # only padding (vocab_size=11) beats the zeros of row 0: index 0
+    got = _cross_entropy.vocab_parallel_argmax(logits, mesh=mesh, vocab_size=11)
+    np.testing.assert_array_equal(got, [0, 2, 5])
+    assert got.dtype == np.int32
+
+
 # --- dtype flow -------------------------------------------------------------------------------
 
-REDUCTIONS = (*SUMS, "scatter-add", "pmax", "reduce_max")
+MAXIMA_AND_SCATTERS = ("scatter-add", "pmax", "reduce_max")  # not listed by testing.dtype_flow
 
 
 def reductions(fn, *args, **kwargs) -> list[tuple[str, tuple[np.dtype, ...], str]]:
-    """``(primitive, floating operand dtypes, where)`` of every sum, scatter-add and max in the
-    jaxpr of ``fn`` (nested jaxprs included). ``testing.dtype_flow`` needs a matmul, which these
-    layers do not have, and does not list scatter-adds."""
+    """``(primitive, floating operand dtypes, where)`` of every sum (``testing.dtype_flow``:
+    psum, psum_invariant, reduce-scatter, reduce_sum, …), scatter-add and max in the jaxpr of
+    ``fn``, nested jaxprs included. (``dtype_flow_violations`` needs a matmul, which these
+    layers do not have; ``dtype_flow`` does not list scatter-adds, which sum the table's
+    gradient.)"""
+    out = [
+        (name, tuple(d for d in ins if jnp.issubdtype(d, jnp.floating)), where)
+        for name, ins, _, _, where in dtype_flow(fn, *args, **kwargs)
+        if name in SUMS
+    ]
     closed = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
-    out: list = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name in REDUCTIONS:
+            if eqn.primitive.name in MAXIMA_AND_SCATTERS:
                 floats = tuple(
                     np.dtype(v.aval.dtype)
                     for v in eqn.invars
@@ -346,7 +385,9 @@ def check_reductions_in_accum(found, precision, required) -> None:
     """Every reduction sums floats in the accumulation dtype, and each ``required`` primitive
     occurs (so the check cannot pass vacuously)."""
     accum = np.dtype(precision.accum_dtype)
-    bad = [f"{name} at {where}: {dts}" for name, dts, where in found if any(d != accum for d in dts)]
+    bad = [
+        f"{name} at {where}: {dts}" for name, dts, where in found if any(d != accum for d in dts)
+    ]
     assert not bad, f"reductions not in {accum.name} under {precision.name}:\n" + "\n".join(bad)
     names = {name for name, *_ in found}
     assert set(required) <= names, (required, names)

@@ -39,12 +39,20 @@ def pytest_configure(config):
 def pytest_terminal_summary(terminalreporter):
     from _dense_checks import WORST
     from _model_checks import TRAJECTORY_ERRORS
+    from _vocab_checks import WORST as VOCAB_WORST
 
     if WORST:
         terminalreporter.section("layers: worst errors against the float64 reference")
         for policy, (ratio, abs_err, where) in sorted(WORST.items()):
             terminalreporter.write_line(
                 f"{policy:>15}: max |err| = {abs_err:.3e}; max |err|/bound = {ratio:.3e} ({where})"
+            )
+    if VOCAB_WORST:
+        terminalreporter.section("vocab-parallel layers: worst errors against float64")
+        for (kind, policy), (ratio, abs_err, where) in sorted(VOCAB_WORST.items()):
+            terminalreporter.write_line(
+                f"{kind:>14} {policy:>15}: max |err| = {abs_err:.3e}; max |err|/bound = "
+                f"{ratio:.3e} ({where})"
             )
     if TRAJECTORY_ERRORS:
         terminalreporter.section("models: 5-step trajectories, max |sharded − reference|")

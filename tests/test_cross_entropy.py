@@ -13,6 +13,7 @@ import pytest
 from _dense_checks import POLICIES
 from _vocab_checks import (
     MESHES,
+    check_argmax_ties,
     check_cross_entropy,
     check_cross_entropy_dtype_flow,
     cross_entropy_reference,
@@ -29,7 +30,7 @@ from shardops._cross_entropy import (
     vocab_parallel_cross_entropy_kernel,
     vocab_parallel_cross_entropy_specs,
 )
-from shardops._embedding import shard_embedding, vocab_parallel_embedding
+from shardops._embedding import vocab_parallel_embedding, vocab_parallel_embedding_specs
 
 POLICY_LIST = [POLICIES[n] for n in sorted(POLICIES)]
 # A second shape for every mesh, alternating: logits[B, V] with 10 classes (padded to 12 on 4
@@ -70,14 +71,7 @@ def test_out_of_range_labels_under_jit_add_no_target_logit(mesh_shape):
 
 
 def test_argmax_takes_the_first_maximum_across_devices():
-    mesh = shardops.make_mesh({"model": 4})
-    logits = np.zeros((3, 12), np.float32)
-    logits[1, [2, 7, 11]] = 5.0  # the max on devices 0, 2 and 3: index 2
-    logits[2, [10, 5]] = 3.0  # devices 3 and 1: index 5
-    logits[:, 11] = np.where(np.arange(3) == 0, 9.0, logits[:, 11])  # padding (vocab_size=11)
-    got = vocab_parallel_argmax(logits, mesh=mesh, vocab_size=11)
-    np.testing.assert_array_equal(got, [0, 2, 5])
-    assert got.dtype == np.int32
+    check_argmax_ties()
 
 
 def test_kernel_in_a_user_shard_map():
@@ -88,7 +82,7 @@ def test_kernel_in_a_user_shard_map():
     labels = rng.integers(0, 14, (4,)).astype(np.int32)
     body = jax.jit(
         jax.shard_map(
-            lambda l, y: vocab_parallel_cross_entropy_kernel(l, y, vocab_size=14),
+            lambda z, y: vocab_parallel_cross_entropy_kernel(z, y, vocab_size=14),
             mesh=mesh,
             in_specs=(specs.logits, specs.labels),
             out_specs=specs.loss,
@@ -134,7 +128,8 @@ def test_embedding_tied_head_and_loss_compose():
     vocab, d, b, s = 50, 16, 8, 4
     rng = np.random.default_rng(0)
     table_np = (rng.standard_normal((vocab, d)) * 0.5).astype(np.float32)
-    table = shard_embedding(table_np, mesh, pad=True)
+    specs = vocab_parallel_embedding_specs(batch_axis="data")
+    table = shardops.shard_params({"table": table_np}, mesh, specs.params)["table"]  # 52 rows
     ids_np = rng.integers(0, vocab, (b, s))
     labels_np = rng.integers(0, vocab, (b * s,)).astype(np.int32)
     ids = jax.device_put(ids_np, NamedSharding(mesh, P("data")))
@@ -142,7 +137,9 @@ def test_embedding_tied_head_and_loss_compose():
 
     def loss(table, ids, labels):
         x = vocab_parallel_embedding(ids, table, mesh=mesh, vocab_size=vocab, batch_axis="data")
-        logits = shardops.column_parallel_dense(x.reshape(b * s, d), table.T, mesh=mesh, batch_axis="data")
+        logits = shardops.column_parallel_dense(
+            x.reshape(b * s, d), table.T, mesh=mesh, batch_axis="data"
+        )
         per_token = vocab_parallel_cross_entropy(
             logits, labels, mesh=mesh, vocab_size=vocab, batch_axis="data"
         )
@@ -159,10 +156,6 @@ def test_embedding_tied_head_and_loss_compose():
     np.testing.assert_allclose(value, want, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(grad)[:vocab], want_grad, atol=1e-7)
     assert not np.asarray(grad)[vocab:].any()
-    problems = shardops.testing.dtype_flow_violations(
-        loss, table, ids, labels, policy=shardops.FLOAT32
-    )
-    assert not problems, problems
     # Forward, over model: the embedding's x[4, 4, 16] (1,024 B) and the loss's three [16]
     # values (192 B). Backward: the head's dx[16, 16] (1,024 B) over model; over data, the two
     # halves of the tied table's gradient, dtable[13, 16] and dw[16, 13] (832 B each), and the
@@ -172,6 +165,26 @@ def test_embedding_tied_head_and_loss_compose():
         ("all-reduce", ("model",)): 1024 + 192 + 1024,
         ("all-reduce", ("data",)): 2 * 832 + 4,
     }
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_embedding_tied_head_and_loss_follow_the_policy(policy):
+    """The composed step has matmuls, so ``dtype_flow_violations`` applies: every matmul in the
+    compute dtype accumulating in f32, every sum (both layers' psums, the head's dx all-reduce,
+    the data-parallel gradient reduction) in f32."""
+    precision = POLICIES[policy]
+    mesh = shardops.make_mesh({"data": 2, "model": 4})
+    table = jnp.ones((52, 16), precision.param_dtype)
+    ids, labels = jnp.zeros((8, 4), jnp.int32), jnp.zeros((32,), jnp.int32)
+
+    def loss(table):
+        kw = dict(mesh=mesh, batch_axis="data", precision=precision)
+        x = vocab_parallel_embedding(ids, table, vocab_size=50, **kw)
+        logits = shardops.column_parallel_dense(x.reshape(32, 16), table.T, **kw)
+        return jnp.mean(vocab_parallel_cross_entropy(logits, labels, vocab_size=50, **kw))
+
+    problems = shardops.testing.dtype_flow_violations(jax.grad(loss), table, policy=precision)
+    assert not problems, "\n".join(problems)
 
 
 # --- compiled collectives -----------------------------------------------------------------
@@ -188,7 +201,9 @@ def _ledgers(mesh_axes, *, vocab=VOCAB, precision=shardops.FLOAT32):
     """Moved bytes of (forward, forward + backward, argmax); asserts each program asked for
     the same (float32 and int32, nothing for XLA to promote)."""
     mesh = shardops.make_mesh(
-        {"data": mesh_axes[0], "model": mesh_axes[1]} if len(mesh_axes) == 2 else {"model": mesh_axes[0]}
+        {"data": mesh_axes[0], "model": mesh_axes[1]}
+        if len(mesh_axes) == 2
+        else {"model": mesh_axes[0]}
     )
     batch_axis = "data" if len(mesh_axes) == 2 else None
     specs = vocab_parallel_cross_entropy_specs(batch_axis=batch_axis)
@@ -242,9 +257,9 @@ def test_compiled_hlo_names_the_layers():
     mesh = shardops.make_mesh({"model": 4})
     logits, labels = jnp.ones((2, 8)), jnp.zeros((2,), jnp.int32)
     ce = shardops.collectives(
-        mesh, lambda l, y: vocab_parallel_cross_entropy(l, y, mesh=mesh), logits, labels
+        mesh, lambda z, y: vocab_parallel_cross_entropy(z, y, mesh=mesh), logits, labels
     )
-    am = shardops.collectives(mesh, lambda l: vocab_parallel_argmax(l, mesh=mesh), logits)
+    am = shardops.collectives(mesh, lambda z: vocab_parallel_argmax(z, mesh=mesh), logits)
     assert ce and all("shardops.vocab_parallel_cross_entropy" in c.op_name for c in ce)
     assert am and all("shardops.vocab_parallel_argmax" in c.op_name for c in am)
 
@@ -276,7 +291,9 @@ def test_labels_of_the_wrong_shape(mesh):
 
 
 def test_labels_of_the_wrong_dtype(mesh):
-    with pytest.raises(TypeError, match=r"labels must be integer class ids; got dtype float32.*one-hot"):
+    with pytest.raises(
+        TypeError, match=r"labels must be integer class ids; got dtype float32.*one-hot"
+    ):
         _ce(mesh, jnp.ones((4, 8)), jnp.zeros((4,)))
 
 
@@ -317,12 +334,17 @@ def test_logits_of_rank_one(mesh):
 
 
 def test_batch_not_divisible(mesh):
-    with pytest.raises(ValueError, match=r"logits dim 0 \(batch\) = 3 is not divisible by mesh axis 'data' \(size 2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"logits dim 0 \(batch\) = 3 is not divisible by mesh axis 'data' \(size 2\)",
+    ):
         _ce(mesh, jnp.ones((3, 8)), jnp.zeros((3,), jnp.int32), batch_axis="data")
 
 
 def test_argmax_vocab_not_divisible(mesh):
-    with pytest.raises(ValueError, match=r"vocab_parallel_argmax: logits dim 1 \(vocabulary\) = 10"):
+    with pytest.raises(
+        ValueError, match=r"vocab_parallel_argmax: logits dim 1 \(vocabulary\) = 10"
+    ):
         vocab_parallel_argmax(jnp.ones((4, 10)), mesh=mesh)
 
 

@@ -23,9 +23,6 @@ from jax.sharding import PartitionSpec as P
 
 import shardops
 from shardops._embedding import (
-    pad_vocab,
-    padded_size,
-    shard_embedding,
     vocab_parallel_embedding,
     vocab_parallel_embedding_kernel,
     vocab_parallel_embedding_specs,
@@ -36,6 +33,12 @@ SCATTER_OPTIONS = EMBEDDING_OPTIONS[1:]
 # A second shape for every mesh: ids[B, S, K] of rank 3, and 13 tokens, which 2, 4 and 8 do not
 # divide (on 8 devices the last block is all padding).
 SIDE = dict(ids_shape=(8, 8, 2), vocab_size=13, d=8)
+
+
+def shard_table(table, mesh):
+    """The full table placed as the layer needs it, zero-padded to a multiple of 'model'."""
+    specs = vocab_parallel_embedding_specs()
+    return shardops.shard_params({"table": table}, mesh, specs.params)["table"]
 
 
 def _ids(mesh_shape):
@@ -82,7 +85,7 @@ def test_out_of_range_ids_under_jit_get_a_zero_vector_and_no_gradient(mesh_shape
 def test_padding_rows_are_never_looked_up_even_if_they_hold_garbage():
     mesh = shardops.make_mesh({"model": 4})
     table = np.arange(50 * 4, dtype=np.float32).reshape(50, 4)
-    padded = shard_embedding(table, mesh, pad=True)
+    padded = shard_table(table, mesh)
     assert padded.shape == (52, 4) and padded.sharding.spec == P("model", None)
     garbage = jax.device_put(padded.at[50:].set(1e6), padded.sharding)
     ids = jnp.array([[0, 49, 13, 26]])
@@ -97,15 +100,22 @@ def test_padding_rows_are_never_looked_up_even_if_they_hold_garbage():
     np.testing.assert_array_equal(grad[[0, 49, 13, 26]], 1.0)
 
 
-def test_pad_vocab_and_padded_size():
+def test_shard_params_pads_the_vocabulary():
+    """The layer's specs drive shard_params, which zero-pads the vocabulary (50257 tokens on 2
+    devices: 50258 rows, Megatron-LM issue 1754); with pad=False it is an error."""
     mesh = shardops.make_mesh({"data": 2, "model": 4})
-    assert padded_size(50257, 2) == 50258 and padded_size(50, 4) == 52 and padded_size(8, 8) == 8
-    table = np.ones((10, 3), np.float32)
-    out = pad_vocab(table, mesh)
+    assert shardops.padded_size(50257, 2) == 50258 and shardops.padded_size(50, 4) == 52
+    out = shard_table(np.ones((10, 3), np.float32), mesh)
     assert out.shape == (12, 3) and not np.asarray(out)[10:].any()
-    assert pad_vocab(np.ones((8, 3)), mesh).shape == (8, 3)  # already divisible: unchanged
-    with pytest.raises(ValueError, match="padded_size: p must be a positive int; got 0"):
-        padded_size(10, 0)
+    assert out.sharding.spec == vocab_parallel_embedding_specs().table
+    assert shard_table(np.ones((8, 3)), mesh).shape == (8, 3)  # already divisible: unchanged
+    with pytest.raises(
+        ValueError,
+        match=r"params\['table'\] dim 0 \(split\) = 10 is not divisible by mesh axis 'model' \(size 4\).*pad=True",
+    ):
+        shardops.shard_params(
+            {"table": np.ones((10, 3))}, mesh, vocab_parallel_embedding_specs().params, pad=False
+        )
 
 
 def test_kernel_in_a_user_shard_map():
@@ -148,12 +158,15 @@ def test_explicit_mesh():
     specs = vocab_parallel_embedding_specs(batch_axis="data")
     table = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
     ids = np.random.default_rng(1).integers(0, 16, (4, 8))
-    t = shard_embedding(table, mesh)
+    t = shard_table(table, mesh)
     i = jax.device_put(ids, NamedSharding(mesh, specs.ids))
     x = vocab_parallel_embedding(i, t, mesh=mesh, batch_axis="data")
     np.testing.assert_array_equal(x, table[ids])
     assert x.sharding.spec == specs.x
-    with pytest.raises(ValueError, match=r"table is laid out as P\(None, None\) but this layer needs P\(.model., None\).*jax.sharding.reshard"):
+    with pytest.raises(
+        ValueError,
+        match=r"table is laid out as P\(None, None\) but this layer needs P\(.model., None\).*jax.sharding.reshard",
+    ):
         replicated = jax.device_put(table, NamedSharding(mesh, P()))
         vocab_parallel_embedding(i, replicated, mesh=mesh, batch_axis="data")
 
@@ -177,7 +190,7 @@ def _budgets(mesh_axes, options, *, vocab=V, precision=shardops.FLOAT32):
     specs = vocab_parallel_embedding_specs(batch_axis=batch_axis, **options)
     rng = np.random.default_rng(0)
     table = rng.standard_normal((vocab, D)).astype(precision.param_dtype)
-    table = shard_embedding(table, mesh, pad=True)
+    table = shard_table(table, mesh)
     ids = jax.device_put(rng.integers(0, vocab, (B, S)), NamedSharding(mesh, specs.ids))
     kw = dict(mesh=mesh, vocab_size=vocab, batch_axis=batch_axis, precision=precision, **options)
 
@@ -271,13 +284,15 @@ def mesh():
 
 
 def test_non_integer_ids(mesh):
-    with pytest.raises(TypeError, match=r"ids must be integer token ids; got dtype float32.*astype"):
+    with pytest.raises(
+        TypeError, match=r"ids must be integer token ids; got dtype float32.*astype"
+    ):
         vocab_parallel_embedding(jnp.zeros((2, 4)), jnp.ones((8, 4)), mesh=mesh)
 
 
 @pytest.mark.parametrize("bad", [-1, 50])
 def test_ids_out_of_range(mesh, bad):
-    table = shard_embedding(np.ones((50, 4), np.float32), mesh, pad=True)
+    table = shard_table(np.ones((50, 4), np.float32), mesh)
     ids = jnp.array([[0, 3, bad, 7]])
     with pytest.raises(
         ValueError,
@@ -287,17 +302,13 @@ def test_ids_out_of_range(mesh, bad):
 
 
 def test_vocab_not_divisible(mesh):
-    table = np.ones((50, 4), np.float32)
     with pytest.raises(
         ValueError,
-        match=r"vocab_parallel_embedding: table dim 0 \(vocabulary\) = 50 is not divisible by mesh axis 'model' \(size 4\); pad it with zero rows to 52 .*vocab_size=50",
+        match=r"vocab_parallel_embedding: table dim 0 \(vocabulary\) = 50 is not divisible by mesh axis 'model' \(size 4\); pad it with zero rows to 52 .*shard_params.*vocab_size=50",
     ):
-        vocab_parallel_embedding(jnp.zeros((2, 4), jnp.int32), table, mesh=mesh)
-    with pytest.raises(
-        ValueError,
-        match=r"shard_embedding: table dim 0 \(vocabulary\) = 50 is not divisible by mesh axis 'model' \(size 4\); pass pad=True",
-    ):
-        shard_embedding(table, mesh)
+        vocab_parallel_embedding(
+            jnp.zeros((2, 4), jnp.int32), np.ones((50, 4), np.float32), mesh=mesh
+        )
 
 
 def test_vocab_size_larger_than_the_table(mesh):
@@ -346,7 +357,9 @@ def test_sequence_not_divisible_under_sequence_parallelism(mesh):
 
 
 def test_batch_not_divisible(mesh):
-    with pytest.raises(ValueError, match=r"ids dim 0 \(batch\) = 3 is not divisible by mesh axis 'data' \(size 2\)"):
+    with pytest.raises(
+        ValueError, match=r"ids dim 0 \(batch\) = 3 is not divisible by mesh axis 'data' \(size 2\)"
+    ):
         vocab_parallel_embedding(
             jnp.zeros((3, 4), jnp.int32), jnp.ones((8, 4)), mesh=mesh, batch_axis="data"
         )
@@ -386,4 +399,3 @@ def test_embedding_property(mesh_shape, policy, option, case, out_of_range, seed
         out_of_range=out_of_range,
         **CASES[case],
     )
-
