@@ -5,6 +5,13 @@ collective spelled out, and verified against the unsharded layer.
 """
 
 from shardops import testing
+from shardops._attention import (
+    AttentionSpecs,
+    attention_specs,
+    head_parallel_attention,
+    head_parallel_attention_kernel,
+    init_attention,
+)
 from shardops._axes import DATA_AXIS, MODEL_AXIS
 from shardops._cross_entropy import (
     CrossEntropySpecs,
@@ -35,6 +42,7 @@ from shardops._layers import (
 from shardops._ledger import Ledger, ledger, ring_bytes
 from shardops._mappings import copy_to_region, gather_to_region
 from shardops._mesh import axis_size, check_divisible, make_mesh, spec_entry
+from shardops._norms import layer_norm, rms_norm
 from shardops._params import dense, init_dense, pad_params, padded_size, shard_params, unpad
 from shardops._precision import BFLOAT16, FLOAT32, MIXED_BFLOAT16, Precision
 from shardops._views import (
@@ -54,6 +62,7 @@ __all__ = [
     "FLOAT32",
     "MIXED_BFLOAT16",
     "MODEL_AXIS",
+    "AttentionSpecs",
     "Collective",
     "CrossEntropySpecs",
     "DenseSpecs",
@@ -62,6 +71,7 @@ __all__ = [
     "LeafLayout",
     "Ledger",
     "Precision",
+    "attention_specs",
     "axis_size",
     "check_devices",
     "check_divisible",
@@ -74,8 +84,12 @@ __all__ = [
     "explain",
     "gather_to_region",
     "grid_sharding",
+    "head_parallel_attention",
+    "head_parallel_attention_kernel",
     "hlo_collectives",
+    "init_attention",
     "init_dense",
+    "layer_norm",
     "layout_png",
     "layout_table",
     "layouts",
@@ -85,6 +99,7 @@ __all__ = [
     "pad_params",
     "padded_size",
     "ring_bytes",
+    "rms_norm",
     "row_parallel_dense",
     "row_parallel_dense_kernel",
     "row_parallel_specs",

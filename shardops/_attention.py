@@ -151,7 +151,7 @@ def head_parallel_attention_kernel(
         ``y[B, S, D]`` in ``precision.compute_dtype``, replicated over ``axis_name``; with
         ``sequence_parallel`` the shard ``y[B, S/p, D]``.
 
-    Communication over ``axis_name`` (V = bytes of ``x[B, S, D]`` = of ``y``, in ``accum_dtype``):
+    Communication over ``axis_name``:
         forward: one AllReduce ``y[B, S, D]{U_model} → y`` in ``accum_dtype`` (Megatron's "g").
         ``sequence_parallel``: AllGather ``x[B, S_model, D] → x[B, S, D]`` (in ``x``'s dtype)
         and ReduceScatter ``y{U_model} → y[B, S_model, D]`` instead.
@@ -201,7 +201,8 @@ def head_parallel_attention_kernel(
 
 def _project(x, w, b, heads: int, precision: Precision):
     """``x[B, S, D] · w[D, (H/p)·hd] + b → [B·H/p, S, hd]`` in ``accum_dtype``, one row per
-    (example, local head): the attention products are batched over that leading dim.
+    (example, local head): the attention products are batched over that one leading dim
+    (XLA:CPU cannot run some layouts of a bf16 product with two batch dims, ``[B, H/p]``).
 
     Column ``h·hd + d`` of the local ``w`` is dim ``d`` of local head ``h``.
     """
@@ -223,6 +224,7 @@ def _product(spec: str, a, b, precision: Precision):
 
 
 def _einsum_of(spec, a, b, compute, accum, matmul_precision):
+    """``einsum(spec, a, b)``: operands cast to ``compute``, accumulated in ``accum``."""
     return jnp.einsum(
         spec,
         a.astype(compute),
@@ -358,13 +360,15 @@ def _check_args(op: str, x, params, num_heads, causal, precision) -> None:
             f"A single sequence is x[None]; a batch of vectors is x[:, None, :]."
         )
     _check_param_names(op, params)
-    shapes = {name: tuple(getattr(a, "shape", ())) for name, a in params.items()}
+    for name, arg in params.items():
+        if not hasattr(arg, "shape") or not hasattr(arg, "dtype"):
+            raise TypeError(f"{op}: params[{name!r}] must be an array; got {type(arg).__name__}")
+    shapes = {name: tuple(a.shape) for name, a in params.items()}
     d_model = x.shape[-1]
     wq = shapes["wq"]
     if len(wq) != 2 or wq[0] != d_model:
         raise ValueError(
-            f"{op}: wq must have shape (D, H·hd) with D = x's features = {d_model}; got "
-            f"wq{wq}"
+            f"{op}: wq must have shape (D, H·hd) with D = x's features = {d_model}; got wq{wq}"
         )
     inner = wq[1]
     if inner % num_heads:

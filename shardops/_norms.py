@@ -65,7 +65,7 @@ def rms_norm(x, scale, eps: float = 1e-6):
         ``layer_norm``.
     """
     _check(x, {"scale": scale}, eps, "rms_norm")
-    x32 = x.astype(STATS_DTYPE)  # x[..., D] in f32
+    x32 = x.astype(STATS_DTYPE)  # x[..., D] in f32, squared below
     mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)  # [..., 1]
     y = x32 * lax.rsqrt(mean_square + eps)  # x̂[..., D]
     return _affine(y, scale, None).astype(x.dtype)  # y[..., D], one rounding

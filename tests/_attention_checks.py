@@ -37,13 +37,20 @@ that hold for *any* data, with ``eps`` the machine epsilon (2u) of float32 (``ac
   zero where the interval cannot straddle a rounding boundary (then the kernel must match the
   rounded reference *bit for bit*), one ulp or more where it can.
 
-Nothing is tuned: the constants are the ones above. The bound is tight where a bug hides. Under
-float32 it is ~K·eps relative to the magnitudes (about 1e-5 of an O(1) error that a missing or
-extra psum, wrong heads or a shifted mask make). Under bfloat16 most outputs must equal the
-rounded reference exactly, so an extra rounding (a bf16 partial sum before the psum, a
-cotangent rounded before its reduction) changes values that no propagated error excuses. The
-policy's own roundings are part of the reference, so a kernel that rounds where the policy
-does not, or skips a rounding the policy makes, fails here (and ``dtype_flow_violations``).
+Nothing is tuned: the constants are the ones above. How tight it is, measured over the suite:
+under float32 the worst ``|err|/bound`` is ~0.015, the bound is 1e-4 to 1e-2 of the values
+(loosest for gradients through the softmax backward, whose terms cancel), and the bugs it must
+catch (wrong heads, a shifted mask, a missing or extra psum, a bias counted p times) move the
+results by O(1): the mutants exceed it 3·10³ to 2·10⁴ times. Under bfloat16 a third to a half of
+the outputs ``y`` must equal the rounded reference bit for bit, and the rest may be the
+neighbouring bf16 value that their rounding interval allows (an ``|err|/bound`` of exactly 1).
+An extra rounding (a bf16 partial sum before the psum, ``dx`` reduced in bf16) changes values
+that had to match exactly, and fails. The policy's own roundings are part of the reference, so
+a kernel that rounds where the policy does not, or skips a rounding it makes, fails here too.
+
+Norms (``norm_reference``): the same rules, with elementwise ``plus``/``times``, row sums and
+``rsqrt`` (XLA:CPU: within 1.7 ulps, 2 allowed), applied to layer norm and RMS norm in the order
+autodiff runs them.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 import shardops
-from shardops import _attention
+from shardops import _attention, _norms
 from shardops.testing import dtype_flow, dtype_flow_violations
 
 # Looked up at trace time, so the mutation tests can swap in a mutant module.
@@ -89,6 +96,14 @@ class Bounded:
     def map(self, fn) -> Bounded:
         """A layout change (reshape, transpose): applied to both, no arithmetic."""
         return Bounded(fn(self.v), fn(self.e))
+
+
+def ratio_to_bound(have, want: Bounded) -> np.ndarray:
+    """``|have − v| / e`` elementwise: ≤ 1 within the bound; ``inf`` where the bound is zero
+    (the value had to match exactly) and it does not; ``nan`` where ``have`` is not finite."""
+    err = np.abs(np.asarray(have, np.float64) - want.v)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return np.where(err == 0, 0.0, err / want.e)
 
 
 def exact(a) -> Bounded:
@@ -228,9 +243,7 @@ def attention_reference(x, params, ct, *, num_heads, causal, precision) -> dict[
     dk = product("bhqk,bhqd->bhkd", ds, qc)
     grads = {n: merged(t) for n, t in (("q", dq), ("k", dk), ("v", dv))}  # [B, S, H·hd] accum
     grads_c = {n: rounded(t, compute) for n, t in grads.items()}
-    out["x"] = rounded(
-        products("bsf,df->bsd", [(grads_c[n], w[f"w{n}"]) for n in "qkv"]), compute
-    )
+    out["x"] = rounded(products("bsf,df->bsd", [(grads_c[n], w[f"w{n}"]) for n in "qkv"]), compute)
     for n in "qkv":
         out[f"w{n}"] = rounded(product("bsd,bsf->df", xs, grads_c[n]), param)
         if f"b{n}" in p:
@@ -269,8 +282,12 @@ def sharded_forward_and_grads(
     return y, grads
 
 
-def random_inputs(rng, batch, seq, d_model, num_heads, head_dim, precision, use_bias=True):
-    """``x[B, S, D]``, full params (weights ~ N(0, 1/fan_in): O(1) scores) and ``ct[B, S, D]``."""
+def random_inputs(
+    rng, batch, seq, d_model, num_heads, head_dim, precision, use_bias=True, temperature=1.0
+):
+    """``x[B, S, D]``, full params and ``ct[B, S, D]``. Weights ~ N(0, 1/fan_in), so scores are
+    O(1); ``temperature`` scales wq and wk by its square root: scores × temperature (peaked or
+    flat attention)."""
     inner = num_heads * head_dim
     x = rng.standard_normal((batch, seq, d_model)).astype(precision.compute_dtype)
     shapes = {"wq": (d_model, inner), "wk": (d_model, inner), "wv": (d_model, inner),
@@ -282,6 +299,8 @@ def random_inputs(rng, batch, seq, d_model, num_heads, head_dim, precision, use_
     if use_bias:
         for n, size in (("bq", inner), ("bk", inner), ("bv", inner), ("bo", d_model)):
             params[n] = (0.5 * rng.standard_normal(size)).astype(precision.param_dtype)
+    for n in ("wq", "wk"):
+        params[n] = (params[n].astype(np.float64) * math.sqrt(temperature)).astype(params[n].dtype)
     ct = rng.standard_normal((batch, seq, d_model)).astype(precision.compute_dtype)
     return x, params, ct
 
@@ -305,13 +324,14 @@ def check_attention(
     causal: bool = False,
     sequence_parallel: bool = False,
     use_bias: bool = True,
+    temperature: float = 1.0,
     seed: int = 0,
 ) -> float:
     """Assert forward and every gradient are within the bound; return the worst ratio."""
     mesh, batch_axis = mesh_for(mesh_shape)
     rng = np.random.default_rng(seed)
     x, params, ct = random_inputs(rng, batch, seq, d_model, num_heads, head_dim, precision,
-                                  use_bias)  # fmt: skip
+                                  use_bias, temperature)  # fmt: skip
     ref = attention_reference(x, params, ct, num_heads=num_heads, causal=causal,
                               precision=precision)  # fmt: skip
     y, (dx, dparams) = sharded_forward_and_grads(
@@ -325,19 +345,26 @@ def check_attention(
     assert sorted(got) == sorted(ref), (sorted(got), sorted(ref))
     where = (
         f"mesh {mesh_shape} B={batch} S={seq} D={d_model} H={num_heads} hd={head_dim} "
-        f"causal={causal} sp={sequence_parallel} bias={use_bias}"
+        f"causal={causal} sp={sequence_parallel} bias={use_bias} T={temperature} seed={seed}"
     )
     worst, worst_abs, worst_name = 0.0, 0.0, ""
     for name, want in ref.items():
         have = np.asarray(got[name], np.float64)
         assert have.shape == want.v.shape, (name, have.shape, want.v.shape)
         err = np.abs(have - want.v)
-        ratio = float(np.max(err / (want.e + np.finfo(np.float64).tiny)))
-        assert ratio <= 1.0, (
-            f"{'d' if name != 'y' else ''}{name} of {where} under {precision.name}: max |err| = "
-            f"{err.max():.3e} exceeds the bound by {ratio:.3g}× (at "
-            f"{np.unravel_index(np.argmax(err / (want.e + 1e-300)), err.shape)})"
-        )
+        ratios = ratio_to_bound(have, want)
+        ratio = float(np.max(ratios))
+        if not ratio <= 1.0:
+            at = np.unravel_index(np.argmax(np.nan_to_num(ratios, nan=np.inf)), err.shape)
+            if want.e[at] == 0:
+                how = f"at {at} the bound is 0: it had to equal the rounded reference exactly"
+            else:
+                how = f"{ratio:.3g}× the bound at {at}"
+            raise AssertionError(
+                f"{'d' if name != 'y' else ''}{name} of {where} under {precision.name}: max "
+                f"|err| = {err.max():.3e}; {how} ({int(np.sum(~(ratios <= 1)))} of {err.size} "
+                f"elements outside the bound)"
+            )
         if ratio > worst:
             worst, worst_abs, worst_name = ratio, float(err.max()), name
     if worst > WORST.get(precision.name, (-1.0,))[0]:
@@ -369,3 +396,154 @@ def requested_and_compiled(mesh_shape, precision, *, sequence_parallel, causal=T
     led = shardops.ledger(mesh, functools.partial(sharded_forward_and_grads, **kwargs), *args)
     return led.totals(requested=True), led.totals()
 
+
+# --- norms on sequence-parallel activations ---------------------------------------------------
+
+norms = _norms  # looked up at call time (mutation tests)
+NORM_PARAMS = {"layer_norm": ("scale", "bias"), "rms_norm": ("scale",)}
+NORM_WORST: dict[str, float] = {}  # kind → max |err| / bound of passing checks
+
+
+def norm_forward_and_grads(kind: str, x, ct, *params):
+    """``y = norm(x, *params)`` and the gradients of ``sum(ct · y)`` w.r.t. ``x`` and each param,
+    taken where this runs: inside a ``shard_map`` body, the local shard's sum."""
+    fn = getattr(norms, kind)
+
+    def loss(x, *params):
+        y = fn(x, *params)
+        return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
+
+    argnums = tuple(range(1 + len(params)))
+    (_, y), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(x, *params)
+    return (y, *grads)
+
+
+def norm_inputs(rng, kind, batch, seq, d, precision, *, tiled_over=1):
+    """``x[B, S, D]``, ``ct`` in compute dtype and the params in param dtype. ``tiled_over=p``
+    repeats one sequence block p times along S, so every device's shard is the same."""
+    block = (batch, seq // tiled_over, d)
+    x = np.tile(rng.standard_normal(block) * 2 + 1, (1, tiled_over, 1))
+    ct = np.tile(rng.standard_normal(block), (1, tiled_over, 1))
+    params = [rng.standard_normal(d).astype(precision.param_dtype) for _ in NORM_PARAMS[kind]]
+    return x.astype(precision.compute_dtype), ct.astype(precision.compute_dtype), params
+
+
+def sequence_parallel_norm(kind, mesh_shape, x, ct, params, *, check_vma=True):
+    """The norm and its gradients inside one ``shard_map`` over ``x[B_data, S_model, D]`` with
+    replicated params (``P()``), next to the same body run unsharded."""
+    mesh, batch_axis = mesh_for(mesh_shape)
+    x_spec = jax.sharding.PartitionSpec(batch_axis, shardops.MODEL_AXIS, None)
+    replicated = jax.sharding.PartitionSpec()
+    body = functools.partial(norm_forward_and_grads, kind)
+    n = len(params)
+    sharded = jax.shard_map(
+        body, mesh=mesh, in_specs=(x_spec, x_spec, *[replicated] * n),
+        out_specs=(x_spec, x_spec, *[replicated] * n), check_vma=check_vma,
+    )  # fmt: skip
+    args = (jax.device_put(x, NamedSharding(mesh, x_spec)),
+            jax.device_put(ct, NamedSharding(mesh, x_spec)),
+            *[jax.device_put(p, NamedSharding(mesh, replicated)) for p in params])  # fmt: skip
+    got = jax.jit(sharded)(*args)
+    want = jax.jit(body)(x, ct, *params)  # unsharded: one device, the whole sequence
+    return [np.asarray(a, np.float64) for a in got], [np.asarray(a, np.float64) for a in want]
+
+
+def plus(a: Bounded, b: Bounded) -> Bounded:
+    """``a + b`` in float32 (broadcasting)."""
+    v = a.v + b.v
+    e = a.e + b.e
+    return Bounded(v, e + EPS * (np.abs(v) + e))
+
+
+def times(a: Bounded, b: Bounded) -> Bounded:
+    """``a · b`` in float32 (broadcasting)."""
+    return Bounded(a.v * b.v, a.e * np.abs(b.v) + a.mag * b.e + EPS * a.mag * b.mag)
+
+
+def row_sum(a: Bounded) -> Bounded:
+    """A float32 sum over the last dim, keeping it (size 1)."""
+    n = a.v.shape[-1]
+    s = a.v.sum(-1, keepdims=True)
+    return Bounded(s, a.e.sum(-1, keepdims=True) + (n + 1) * EPS * a.mag.sum(-1, keepdims=True))
+
+
+def row_mean(a: Bounded) -> Bounded:
+    return scaled(row_sum(a), 1.0 / a.v.shape[-1])
+
+
+def rsqrt_and_slope(t: Bounded) -> tuple[Bounded, Bounded]:
+    """``t^(−1/2)`` and ``t^(−3/2)`` (``rsqrt(t)/t``, its derivative's factor) in float32:
+    both decrease, so the worst perturbation is at ``t − e``; XLA:CPU's rsqrt was measured
+    within 1.7 ulps, we allow 2 (2·eps), and the division one more rounding."""
+    low = t.v - t.e
+    assert np.all(low > 0), "rsqrt of a value the bound cannot keep positive"
+    r = t.v**-0.5
+    r_e = (low**-0.5 - r) + 2 * EPS * low**-0.5
+    slope = t.v**-1.5
+    slope_e = (low**-1.5 - slope) + 3 * EPS * low**-1.5
+    return Bounded(r, r_e), Bounded(slope, slope_e)
+
+
+def norm_reference(kind, x, ct, params, precision, eps) -> dict[str, Bounded]:
+    """Exact (float64) ``y`` and gradients of ``sum(ct · norm(x))``, each with its bound: the
+    rules above applied to the kernel's float32 operations in the order autodiff runs them
+    (rsqrt's derivative is ``−½·rsqrt(t)/t``, square's ``2x``, mean's transpose ``g/D``)."""
+    compute, param = precision.compute_dtype, precision.param_dtype
+    xs, g = exact(x), exact(ct)
+    p = [exact(a) for a in params]
+    d = x.shape[-1]
+    if kind == "layer_norm":
+        mean = row_mean(xs)
+        c = plus(xs, Bounded(-mean.v, mean.e))  # x − mean
+    else:
+        c = xs
+    t = plus(row_mean(times(c, c)), exact(np.float32(eps)))  # var (or mean square) + eps
+    r, slope = rsqrt_and_slope(t)
+    x_hat = times(c, r)
+    y = times(x_hat, p[0])
+    if kind == "layer_norm":
+        y = plus(y, p[1])
+    out = {"y": rounded(y, compute), "scale": rounded(total(times(g, x_hat), (0, 1)), param)}
+    if kind == "layer_norm":
+        out["bias"] = rounded(total(g, (0, 1)), param)
+    # Backward, as autodiff runs it.
+    g_hat = times(g, p[0])
+    g_c = times(g_hat, r)
+    g_t = scaled(times(row_sum(times(g_hat, c)), slope), 0.5)  # −½·Σ(g_hat·c)·t^(−3/2), sign
+    g_t = Bounded(-g_t.v, g_t.e)
+    g_sq = scaled(g_t, 1.0 / d)  # mean's transpose
+    g_c = plus(g_c, scaled(times(g_sq, c), 2.0))  # square's derivative 2c
+    if kind == "layer_norm":
+        g_mean = scaled(row_sum(g_c), 1.0 / d)
+        g_c = plus(g_c, Bounded(-g_mean.v, g_mean.e))
+    out["x"] = rounded(g_c, compute)
+    return out
+
+
+def check_sequence_parallel_norm(kind, mesh_shape, precision, *, check_vma=True, seed=0,
+                                 batch=8, seq=16, d=32, tiled_over=1):  # fmt: skip
+    """Assert the norm inside a ``shard_map`` over ``x[B_data, S_model, D]`` (params ``P()``),
+    and the same body unsharded, both equal the float64 reference within its bound: ``y``,
+    ``dx`` and the parameter gradients (summed over every row of every device); and that every
+    sum in its jaxpr, forward and backward, runs in float32."""
+    eps = 1e-5 if kind == "layer_norm" else 1e-6  # the functions' defaults
+    x, ct, params = norm_inputs(np.random.default_rng(seed), kind, batch, seq, d, precision,
+                                tiled_over=tiled_over)  # fmt: skip
+    got, unsharded = sequence_parallel_norm(kind, mesh_shape, x, ct, params, check_vma=check_vma)
+    ref = norm_reference(kind, x, ct, params, precision, eps)
+    names = ("y", "x", *NORM_PARAMS[kind])
+    for run, values in (("sharded", got), ("unsharded", unsharded)):
+        for name, have in zip(names, values, strict=True):
+            want = ref[name]
+            err = np.abs(have - want.v)
+            ratio = float(np.max(ratio_to_bound(have, want)))
+            assert ratio <= 1.0, (
+                f"{'d' if name != 'y' else ''}{name} of {run} {kind} on {mesh_shape} "
+                f"(check_vma={check_vma}) under {precision.name}: max |err| = {err.max():.3e}, "
+                f"{ratio:.3g}× the bound"
+            )
+            NORM_WORST[kind] = max(NORM_WORST.get(kind, 0.0), ratio)
+    sums = dtype_flow(functools.partial(norm_forward_and_grads, kind), x, ct, *params)
+    assert sums and all(d == np.float32 for _, ins, *_ in sums for d in ins), (
+        f"{kind}: statistics and gradient sums must run in float32: {[s[:2] for s in sums]}"
+    )

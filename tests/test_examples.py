@@ -62,12 +62,35 @@ def test_mlp_data_parallel_pmap_gives_the_same_numbers():
     assert len(accs) == 2 and accs[0] == accs[1], out
 
 
-def test_custom_model_agrees_with_its_unsharded_version():
-    out = run("custom_model.py")
-    forward = float(re.search(r"forward: +max \|sharded − unsharded\| = (\S+)", out)[1])
-    grads = float(re.search(r"gradients: max \|sharded − unsharded\| = (\S+)", out)[1])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_custom_gpt_agrees_with_its_unsharded_twin(sequence_parallel):
+    out = run("custom_model.py", *(["--sequence-parallel"] if sequence_parallel else []))
+    forward = float(re.search(r"forward: +max \|sharded − unsharded\| logits = (\S+)", out)[1])
+    grads = float(re.search(r"gradients: max \|sharded − unsharded\| = ([^;]+);", out)[1])
+    padding = float(re.search(r"on the vocabulary padding: (\S+)", out)[1])
     params = float(re.search(r"SGD steps: .* max \|Δparam\| = (\S+)", out)[1])
-    assert forward <= 1e-5 and grads <= 1e-6 and params <= 1e-6, out
-    # One psum per block forward and one dx all-reduce per block backward, over model.
-    assert out.count("forward: all-reduce over 'model'") == 2
-    assert out.count("backward: all-reduce over 'model'") == 2
+    assert forward <= 1e-5 and grads <= 2e-6 and params <= 1e-6, out
+    assert padding == 0.0, out  # the padded vocabulary rows/columns get exactly no gradient
+
+    def line(where, kind, count, layer):
+        return re.search(rf"{where} +{kind} +over 'model' +{count} × +[\d,]+ bytes +← {layer}$", out,
+                         flags=re.M)  # fmt: skip
+
+    # Megatron's counts for 2 blocks: one forward collective per attention block and per MLP.
+    if not sequence_parallel:
+        assert line("forward", "all-reduce", 1, "vocab_parallel_embedding"), out
+        assert line("forward", "all-reduce", 2, "head_parallel_attention"), out
+        assert line("forward", "all-reduce", 2, "row_parallel_dense"), out
+        assert line("backward", "all-reduce", 2, "head_parallel_attention"), out
+        assert line("backward", "all-reduce", 3, "column_parallel_dense"), out  # 2 MLPs + head
+    else:
+        assert line("forward", "reduce-scatter", 1, "vocab_parallel_embedding"), out
+        assert line("forward", "all-gather", 2, "head_parallel_attention"), out
+        assert line("forward", "reduce-scatter", 2, "head_parallel_attention"), out
+        assert line("forward", "reduce-scatter", 2, "row_parallel_dense"), out
+        assert line("backward", "reduce-scatter", 3, "column_parallel_dense"), out
+        assert "gradients of the norms" in out, out
+    assert (
+        "vocab_parallel_cross_entropy" in out
+        and "all-gather over 'model'" not in out.split("vocab_parallel_cross_entropy")[0][-80:]
+    )
