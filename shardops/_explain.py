@@ -39,8 +39,11 @@ def sentence(c: Collective) -> str:
         what = f"{len(c.shapes)} tensors"
     else:
         what = ", ".join(f"{d}[{','.join(map(str, s))}]" for d, s in c.shapes)
+    name = JAX_NAMES[c.kind]
+    if c.kind == "all-reduce":  # HLO names the kind, the scope names max/min reductions
+        name = next((n for n in ("pmax", "pmin") if n in c.op_name.split("/")[-1]), name)
     return (
-        f"{where}: {JAX_NAMES[c.kind]} over {axes} of {what} ({_size(c.bytes)}), because "
+        f"{where}: {name} over {axes} of {what} ({_size(c.bytes)}), because "
         f"{_reason(c, layers, backward)}"
     )
 
@@ -73,10 +76,35 @@ def _reason(c: Collective, layers: list[str], backward: bool) -> str:
             return f"gather_output asks for the full y, whose columns are split over {axis}"
         if kind == "all-gather":
             return f"the input is split over {axis} along its batch or sequence dim (sequence parallelism) and the layer needs all of it"
+    if layers == ["vocab_parallel_embedding"]:
+        if not backward and kind in ("all-reduce", "reduce-scatter"):
+            kept = (
+                "" if kind == "all-reduce" else ", and the result is kept split along the sequence"
+            )
+            return f"the table's rows are split over {axis}: each device looks up only the ids in its rows (zeros elsewhere), and the partial embeddings are summed{kept}"
+        if backward and kind == "all-gather":
+            return "it is the transpose of the forward psum_scatter: each device needs all of dx"
+    if layers == ["vocab_parallel_cross_entropy"] or layers == ["vocab_parallel_argmax"]:
+        return f"the vocabulary is split over {axis}: the row max and the sums of exp and of the target logit are combined across devices, so the logits are never gathered"
+    if layers == ["head_parallel_attention"]:
+        if not backward and kind == "all-reduce":
+            return f"the heads are split over {axis}: the output projection's partial sums y{{U}} are reduced"
+        if not backward and kind == "reduce-scatter":
+            return f"the heads are split over {axis}: the output projection's partial sums are reduced and scattered along the sequence"
+        if not backward and kind == "all-gather":
+            return f"the input is split along the sequence over {axis} (sequence parallelism) and every head needs all of it"
+        if backward and kind == "all-reduce" and rank == 1:
+            return f"the output bias is replicated but the output is split over {axis}: its gradient is summed"
+        if backward and kind == "all-reduce":
+            return f"x is replicated over {axis} but each device projects it with its own heads: the partial dx are summed"
+        if backward and kind == "reduce-scatter":
+            return f"it is the transpose of the sequence-parallel gather: dx partial sums are reduced and split back over {axis}"
+        if backward and kind == "all-gather":
+            return "it is the transpose of the forward psum_scatter: each device needs all of dy"
     if kind == "all-reduce" and rank == 0 and len(c.shapes) == 1:
         return f"each device computed a partial sum from its shard along {axis} (a loss, a metric, a dot product): the partial sums are added"
     if backward and kind == "all-reduce":
-        return f"parameters replicated over {axis} meet a batch split over {axis}: their gradients are summed"
+        return f"parameters replicated over {axis} meet activations split over {axis} (a batch or sequence shard): their gradients are summed"
     if kind == "all-gather" and not backward:
         return f"weights stored split over {axis} (FSDP) are gathered just before use"
     if kind == "all-gather":

@@ -205,3 +205,40 @@ def test_sharding_tour_writes_no_picture_unasked(tmp_path):
     out = run_tour(cwd=tmp_path)
     assert "no picture written; `--png PATH` saves these tiles as a PNG" in out, out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_explain_names_the_transformer_layers():
+    """Embedding → attention → tied logits → loss: each layer's collectives, in its own words."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    mesh = shardops.make_mesh({"data": 2, "model": 4})
+    emb = shardops.vocab_parallel_embedding_specs(batch_axis="data")
+    attn = shardops.attention_specs(batch_axis="data")
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = shardops.shard_params(
+        {"table": jax.random.normal(k1, (32, 16)), "attn": shardops.init_attention(k2, 16, 4, 4)},
+        mesh, {"table": emb.params["table"], "attn": attn.params},
+    )  # fmt: skip
+    ids = jax.device_put(jnp.arange(64).reshape(4, 16) % 32, NamedSharding(mesh, emb.ids))
+
+    def loss(params, ids):
+        x = shardops.vocab_parallel_embedding(ids, params["table"], mesh=mesh, batch_axis="data")
+        x = shardops.head_parallel_attention(x, params["attn"], mesh=mesh, num_heads=4,
+                                             batch_axis="data", causal=True)  # fmt: skip
+        logits = shardops.column_parallel_dense(x, params["table"].T, mesh=mesh, batch_axis="data")
+        return shardops.vocab_parallel_cross_entropy(
+            logits, ids, mesh=mesh, batch_axis="data"
+        ).mean()
+
+    text = "\n".join(shardops.explain(mesh, jax.jit(jax.grad(loss)), params, ids))
+    for phrase in (
+        "vocab_parallel_embedding: psum over 'model'",
+        "each device looks up only the ids in its rows",
+        "head_parallel_attention: psum over 'model'",
+        "the heads are split over 'model'",
+        "each device projects it with its own heads",
+        "vocab_parallel_cross_entropy: pmax over 'model'",
+        "so the logits are never gathered",
+    ):
+        assert phrase in text, text
