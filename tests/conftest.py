@@ -39,6 +39,8 @@ def pytest_configure(config):
 def pytest_terminal_summary(terminalreporter):
     from _dense_checks import WORST
     from _model_checks import TRAJECTORY_ERRORS
+    from _attention_checks import NORM_WORST
+    from _attention_checks import WORST as ATTENTION_WORST
     from _vocab_checks import WORST as VOCAB_WORST
 
     if WORST:
@@ -54,6 +56,14 @@ def pytest_terminal_summary(terminalreporter):
                 f"{kind:>14} {policy:>15}: max |err| = {abs_err:.3e}; max |err|/bound = "
                 f"{ratio:.3e} ({where})"
             )
+    if ATTENTION_WORST or NORM_WORST:
+        terminalreporter.section("attention and norms: worst errors against float64")
+        for policy, (ratio, abs_err, where) in sorted(ATTENTION_WORST.items()):
+            terminalreporter.write_line(
+                f"{policy:>15}: max |err| = {abs_err:.3e}; max |err|/bound = {ratio:.3e} ({where})"
+            )
+        for kind, ratio in sorted(NORM_WORST.items()):
+            terminalreporter.write_line(f"{kind:>15}: max |err|/bound = {ratio:.3e}")
     if TRAJECTORY_ERRORS:
         terminalreporter.section("models: 5-step trajectories, max |sharded − reference|")
         terminalreporter.write_line(
