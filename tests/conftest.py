@@ -37,10 +37,10 @@ def pytest_configure(config):
 
 
 def pytest_terminal_summary(terminalreporter):
-    from _dense_checks import WORST
-    from _model_checks import TRAJECTORY_ERRORS
     from _attention_checks import NORM_WORST
     from _attention_checks import WORST as ATTENTION_WORST
+    from _dense_checks import WORST
+    from _model_checks import TRAJECTORY_ERRORS
     from _vocab_checks import WORST as VOCAB_WORST
 
     if WORST:

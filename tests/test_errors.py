@@ -105,7 +105,8 @@ def test_bad_reduce_options(mesh):
     ):
         shardops.row_parallel_dense(x, w, mesh=mesh, reduce="sum")
     with pytest.raises(
-        ValueError, match=r"scatter_dimension must be one of the 2 dims it may split \(0 = batch, -1 = last\); got 2"
+        ValueError,
+        match=r"scatter_dimension must be one of the 2 dims it may split \(0 = batch, -1 = last\); got 2",
     ):
         shardops.row_parallel_dense(x, w, mesh=mesh, reduce="psum_scatter", scatter_dimension=2)
 
