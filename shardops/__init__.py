@@ -4,7 +4,7 @@ Column- and row-parallel dense layers written by hand inside ``jax.shard_map``, 
 collective spelled out, and verified against the unsharded layer.
 """
 
-from shardops import testing
+from shardops import hlo, testing
 from shardops._attention import (
     AttentionSpecs,
     attention_specs,
@@ -29,8 +29,7 @@ from shardops._embedding import (
     vocab_parallel_embedding_specs,
 )
 from shardops._explain import explain
-from shardops._hlo import KINDS as COLLECTIVE_KINDS
-from shardops._hlo import Collective, collectives, hlo_collectives, lowered_collectives
+from shardops._hlo import collectives
 from shardops._kernels import column_parallel_dense_kernel, row_parallel_dense_kernel
 from shardops._layers import (
     DenseSpecs,
@@ -57,13 +56,11 @@ from shardops._views import (
 
 __all__ = [
     "BFLOAT16",
-    "COLLECTIVE_KINDS",
     "DATA_AXIS",
     "FLOAT32",
     "MIXED_BFLOAT16",
     "MODEL_AXIS",
     "AttentionSpecs",
-    "Collective",
     "CrossEntropySpecs",
     "DenseSpecs",
     "DeviceMismatchError",
@@ -86,7 +83,7 @@ __all__ = [
     "grid_sharding",
     "head_parallel_attention",
     "head_parallel_attention_kernel",
-    "hlo_collectives",
+    "hlo",
     "init_attention",
     "init_dense",
     "layer_norm",
@@ -94,7 +91,6 @@ __all__ = [
     "layout_table",
     "layouts",
     "ledger",
-    "lowered_collectives",
     "make_mesh",
     "pad_params",
     "padded_size",

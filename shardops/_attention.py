@@ -41,8 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardops import _kernels
 from shardops._axes import MODEL_AXIS
-from shardops._devices import check_devices
-from shardops._layers import _check_axes, _check_explicit_layout
+from shardops._layers import _check_axes, run_layer
 from shardops._mappings import copy_to_region, gather_to_region
 from shardops._mesh import axis_size, check_divisible, spec_entry
 from shardops._params import init_dense
@@ -321,10 +320,6 @@ def head_parallel_attention(
         axis_name=axis_name, batch_axis=batch_axis, sequence_parallel=sequence_parallel
     )
     param_specs = {name: specs.params[name] for name in params}
-    check_devices(mesh, op, x=x, params=params)
-    _check_explicit_layout(op, "x", x, specs.x, mesh)
-    for name, arg in params.items():
-        _check_explicit_layout(op, f"params[{name!r}]", arg, param_specs[name], mesh)
     kernel = functools.partial(
         head_parallel_attention_kernel,
         num_heads=num_heads,
@@ -333,10 +328,8 @@ def head_parallel_attention(
         sequence_parallel=sequence_parallel,
         precision=precision,
     )
-    with jax.named_scope(f"shardops.{op}"):
-        return jax.shard_map(
-            kernel, mesh=mesh, in_specs=(specs.x, param_specs), out_specs=specs.y, check_vma=True
-        )(x, params)
+    args, in_specs = {"x": x, "params": params}, {"x": specs.x, "params": param_specs}
+    return run_layer(op, kernel, mesh, args, in_specs, specs.y)
 
 
 # --- checks -----------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -32,9 +31,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardops import _kernels
 from shardops._axes import MODEL_AXIS
-from shardops._devices import check_devices
 from shardops._embedding import _check_in_range, _check_precision, _check_vocab_size
-from shardops._layers import _check_axes, _check_explicit_layout
+from shardops._layers import _check_axes, run_layer
 from shardops._mesh import axis_size, check_divisible, spec_entry
 from shardops._params import padded_size
 from shardops._precision import FLOAT32, Precision
@@ -173,23 +171,15 @@ def vocab_parallel_cross_entropy(
         raise TypeError(f"{op}: labels must be an integer array; got {type(labels).__name__}")
     _check_labels(op, labels, logits.shape)
     _check_in_range(op, "labels", labels, vocab_size, "a label outside adds no target logit")
-    check_devices(mesh, op, logits=logits, labels=labels)
-    _check_explicit_layout(op, "logits", logits, specs.logits, mesh)
-    _check_explicit_layout(op, "labels", labels, specs.labels, mesh)
     kernel = functools.partial(
         vocab_parallel_cross_entropy_kernel,
         vocab_size=vocab_size,
         axis_name=axis_name,
         precision=precision,
     )
-    with jax.named_scope(f"shardops.{op}"):
-        return jax.shard_map(
-            kernel,
-            mesh=mesh,
-            in_specs=(specs.logits, specs.labels),
-            out_specs=specs.loss,
-            check_vma=True,
-        )(logits, labels)
+    args = {"logits": logits, "labels": labels}
+    in_specs = {"logits": specs.logits, "labels": specs.labels}
+    return run_layer(op, kernel, mesh, args, in_specs, specs.loss)
 
 
 def vocab_parallel_argmax(
@@ -212,15 +202,10 @@ def vocab_parallel_argmax(
     """
     op = "vocab_parallel_argmax"
     specs, vocab_size = _check_layer_args(op, logits, vocab_size, mesh, axis_name, batch_axis)
-    check_devices(mesh, op, logits=logits)
-    _check_explicit_layout(op, "logits", logits, specs.logits, mesh)
     kernel = functools.partial(
         vocab_parallel_argmax_kernel, vocab_size=vocab_size, axis_name=axis_name
     )
-    with jax.named_scope(f"shardops.{op}"):
-        return jax.shard_map(
-            kernel, mesh=mesh, in_specs=(specs.logits,), out_specs=specs.loss, check_vma=True
-        )(logits)
+    return run_layer(op, kernel, mesh, {"logits": logits}, {"logits": specs.logits}, specs.loss)
 
 
 # --- checks -----------------------------------------------------------------------------------

@@ -29,8 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardops import _kernels
 from shardops._axes import MODEL_AXIS
-from shardops._devices import check_devices
-from shardops._layers import _check_axes, _check_explicit_layout
+from shardops._layers import _check_axes, run_layer
 from shardops._mesh import axis_size, check_divisible, spec_entry
 from shardops._params import padded_size
 from shardops._precision import FLOAT32, Precision, _reduce_to
@@ -242,9 +241,6 @@ def vocab_parallel_embedding(
                 f"reduce='psum'."
             )
     _check_in_range(op, "ids", ids, vocab_size, "an id outside gets a zero vector")
-    check_devices(mesh, op, ids=ids, table=table)
-    _check_explicit_layout(op, "ids", ids, specs.ids, mesh)
-    _check_explicit_layout(op, "table", table, specs.table, mesh)
     kernel = functools.partial(
         vocab_parallel_embedding_kernel,
         vocab_size=vocab_size,
@@ -253,10 +249,8 @@ def vocab_parallel_embedding(
         scatter_dimension=scatter_dimension,
         precision=precision,
     )
-    with jax.named_scope(f"shardops.{op}"):
-        return jax.shard_map(
-            kernel, mesh=mesh, in_specs=(specs.ids, specs.table), out_specs=specs.x, check_vma=True
-        )(ids, table)
+    args = {"ids": ids, "table": table}
+    return run_layer(op, kernel, mesh, args, {"ids": specs.ids, "table": specs.table}, specs.x)
 
 
 # --- checks -----------------------------------------------------------------------------------

@@ -252,17 +252,34 @@ def row_parallel_dense(
 
 
 def _run(op: str, kernel, mesh: Mesh, specs: DenseSpecs, x, w, b):
-    args, in_specs = [x, w], [specs.x, specs.w]
+    args, in_specs = {"x": x, "w": w}, {"x": specs.x, "w": specs.w}
     if b is not None:
-        args.append(b)
-        in_specs.append(specs.b)
-    check_devices(mesh, op, **dict(zip(("x", "w", "b"), args, strict=False)))
-    for name, arg, spec in zip(("x", "w", "b"), args, in_specs, strict=False):
-        _check_explicit_layout(op, name, arg, spec, mesh)
+        args["b"], in_specs["b"] = b, specs.b
+    return run_layer(op, kernel, mesh, args, in_specs, specs.y)
+
+
+def run_layer(op: str, kernel, mesh: Mesh, args: dict, in_specs: dict, out_specs):
+    """``kernel(*args.values())`` under ``jax.shard_map`` (``check_vma=True``) inside
+    ``jax.named_scope("shardops.<op>")``, the way every shardops layer runs its kernel.
+
+    First, every argument (and every leaf of a dict argument) must live on ``mesh``'s devices
+    (``check_devices``) and, on Explicit mesh axes, be laid out as its spec says.
+    """
+    check_devices(mesh, op, **args)
+    for name, arg in args.items():
+        spec = in_specs[name]
+        leaves = arg.items() if isinstance(arg, dict) else [(None, arg)]
+        for key, leaf in leaves:
+            where = name if key is None else f"{name}[{key!r}]"
+            _check_explicit_layout(op, where, leaf, spec if key is None else spec[key], mesh)
     with jax.named_scope(f"shardops.{op}"):
         return jax.shard_map(
-            kernel, mesh=mesh, in_specs=tuple(in_specs), out_specs=specs.y, check_vma=True
-        )(*args)
+            kernel,
+            mesh=mesh,
+            in_specs=tuple(in_specs[name] for name in args),
+            out_specs=out_specs,
+            check_vma=True,
+        )(*args.values())
 
 
 def _check_reduce(reduce: str, scatter_dimension: int, ndim: int = 2) -> None:

@@ -15,7 +15,7 @@ def mesh():
 
 
 def parse(mesh, *lines):
-    return shardops.hlo_collectives("\n".join(lines), mesh)
+    return shardops.hlo.hlo_collectives("\n".join(lines), mesh)
 
 
 def test_tuple_all_reduce_with_index_comments(mesh):

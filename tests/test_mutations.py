@@ -86,6 +86,21 @@ MUTANTS = {
         "",
         ("column", {"gather_input": True}, BF16),
     ),
+    # Uneven widths: the mask of padded columns removed. Padded weights are zero, so outputs stay
+    # right; the garbage in the padded input columns (row) or cotangent columns (column) then
+    # reaches the padded weights' gradient, which must be exactly zero.
+    "row_padding_not_masked": (
+        "        x = x * _valid_columns(axis_name, f_local, in_features, x.dtype)  # padding → 0",
+        "        x = x  # padding → 0",
+        "",
+        ("row", {}, F32, {"d_in": 250}),
+    ),
+    "column_padding_not_masked": (
+        "        y_block = y_block * _valid_columns(axis_name, f_local, out_features, y_block.dtype)",
+        "        y_block = y_block",
+        "",
+        ("column", {}, F32, {"d_out": 62}),
+    ),
 }
 
 # Mutants of shardops/_precision.py: Precision's matmul (and its full-precision flag) are
@@ -133,9 +148,10 @@ def swap_kernels(monkeypatch):
     jax.clear_caches()
 
 
-def suite_check(layer, options, precision=F32):
+def suite_check(layer, options, precision=F32, dims=None):
+    dims = {"d_in": 256, "d_out": 64, **(dims or {})}
     for mesh_shape in [(4,), (2, 4)]:
-        check_dense(layer, mesh_shape, options, precision, batch=16, d_in=256, d_out=64)
+        check_dense(layer, mesh_shape, options, precision, batch=16, **dims)
     check_dtype_flow(layer, (2, 4), options, precision)
 
 
@@ -191,16 +207,16 @@ def test_costlier_backward_is_caught_by_the_collective_budget(swap_kernels):
 @pytest.mark.parametrize("name", MUTANTS)
 def test_unmutated_copy_passes(swap_kernels, name):
     """The harness itself does not cause failures: the same copy without the mutation passes."""
-    old, _, extra, (layer, options, precision) = MUTANTS[name]
+    old, _, extra, (layer, options, precision, *dims) = MUTANTS[name]
     swap_kernels(load_kernels(old, old, extra))
-    suite_check(layer, options, precision)
+    suite_check(layer, options, precision, *dims)
 
 
 @pytest.mark.parametrize("name", MUTANTS)
 def test_mutant_is_caught(swap_kernels, name):
-    old, new, extra, (layer, options, precision) = MUTANTS[name]
+    old, new, extra, (layer, options, precision, *dims) = MUTANTS[name]
     swap_kernels(load_kernels(old, new, extra))
     with pytest.raises((AssertionError, ValueError)) as caught:
-        suite_check(layer, options, precision)
+        suite_check(layer, options, precision, *dims)
     if isinstance(caught.value, ValueError):  # only check_vma's trace-time verdict counts
         assert "out_specs" in str(caught.value) or "vma" in str(caught.value), caught.value

@@ -1,0 +1,11 @@
+"""Diagnostics: the compiled-HLO and lowered-module readers behind ``shardops.collectives``,
+``shardops.ledger`` and ``shardops.explain``, for tools of your own.
+
+    from shardops import hlo
+    hlo.hlo_collectives(compiled.as_text(), mesh)      # [Collective(kind, axes, shapes, bytes, …)]
+    hlo.lowered_collectives(lowered.as_text(), mesh)   # what the program asked for
+"""
+
+from shardops._hlo import KINDS, Collective, hlo_collectives, lowered_collectives
+
+__all__ = ["KINDS", "Collective", "hlo_collectives", "lowered_collectives"]
