@@ -23,3 +23,25 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     x = namespace["x"]
     p1, p2 = namespace["p1"], namespace["p2"]
     assert f(x, p1["w"], p1["b"], p2["w"], p2["b"]).shape == (256, 10)
+
+
+def test_readme_transformer_example_starts_at_log_v_and_pads_cleanly(tmp_path, monkeypatch):
+    """The README's transformer snippet: at a near-zero init the loss is log(50), and the padded
+    table rows (50, 51) get exactly zero gradient."""
+    import math
+
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+                if "tmesh" in b]  # fmt: skip
+    namespace: dict = {}
+    exec(compile(block, str(README), "exec"), namespace)
+    import jax
+
+    ids = namespace["tids"]
+    loss, grads = jax.value_and_grad(namespace["lm_loss"])(
+        namespace["tparams"], ids, (ids + 1) % 50
+    )
+    assert abs(float(loss) - math.log(50)) < 0.01
+    assert not np.any(np.asarray(grads["table"])[50:]) and np.any(np.asarray(grads["table"])[:50])
