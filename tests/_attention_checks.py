@@ -62,6 +62,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _dense_checks import mesh_for
 from jax.sharding import NamedSharding
 
 import shardops
@@ -252,15 +253,6 @@ def attention_reference(x, params, ct, *, num_heads, causal, precision) -> dict[
 
 
 # --- running the sharded layer ----------------------------------------------------------------
-
-
-def mesh_for(shape: tuple[int, ...]):
-    """(model,) or (data, model) sizes → a mesh and the batch axis to use on it."""
-    if len(shape) == 1:
-        return shardops.make_mesh({shardops.MODEL_AXIS: shape[0]}), None
-    data, model = shape
-    mesh = shardops.make_mesh({shardops.DATA_AXIS: data, shardops.MODEL_AXIS: model})
-    return mesh, shardops.DATA_AXIS
 
 
 @functools.partial(

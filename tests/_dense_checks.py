@@ -20,6 +20,13 @@ from shardops.testing import dense_reference, dtype_flow, dtype_flow_violations,
 # policy name → (max |err| / bound, max |err|, where)
 WORST: dict[str, tuple[float, float, str]] = {}
 
+# 1, 2, 4 and 8 devices on a model axis alone, and every 2-axis factorisation of 8 (data, model).
+MESHES = [(1,), (2,), (4,), (8,), (1, 8), (2, 4), (4, 2), (8, 1)]
+# Every factorisation of 1–8 devices, for the hypothesis properties.
+ALL_MESHES = [
+    (1,), (2,), (4,), (8,),
+    (1, 2), (2, 1), (1, 4), (2, 2), (4, 1), (1, 8), (2, 4), (4, 2), (8, 1),
+]  # fmt: skip
 SPECS = {"column": shardops.column_parallel_specs, "row": shardops.row_parallel_specs}
 POLICIES = {p.name: p for p in (shardops.FLOAT32, shardops.BFLOAT16, shardops.MIXED_BFLOAT16)}
 COLUMN_OPTIONS = [

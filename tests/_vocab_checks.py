@@ -57,7 +57,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _dense_checks import mesh_for
+from _dense_checks import ALL_MESHES, mesh_for
 from jax.sharding import NamedSharding
 
 from shardops import _cross_entropy, _embedding
@@ -67,10 +67,7 @@ from shardops.testing import SUMS, _subjaxprs, dtype_flow, error_bound, worst_ra
 # (kind, policy name) → (max |err| / bound, max |err|, where); for the report.
 WORST: dict[tuple[str, str], tuple[float, float, str]] = {}
 
-MESHES = [
-    (1,), (2,), (4,), (8,),
-    (1, 2), (2, 1), (1, 4), (2, 2), (4, 1), (1, 8), (2, 4), (4, 2), (8, 1),
-]  # fmt: skip
+MESHES = ALL_MESHES
 EMBEDDING_OPTIONS = [
     {"reduce": "psum"},
     {"reduce": "psum_scatter", "scatter_dimension": 1},

@@ -15,6 +15,7 @@ from _attention_checks import (
     check_attention_dtype_flow,
     requested_and_compiled,
 )
+from _dense_checks import MESHES
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
@@ -29,7 +30,6 @@ from shardops._attention import (
     init_attention,
 )
 
-MESHES = [(1,), (2,), (4,), (8,), (1, 8), (2, 4), (4, 2), (8, 1)]  # (model,) or (data, model)
 F32, BF16 = shardops.FLOAT32, shardops.BFLOAT16
 
 

@@ -123,7 +123,8 @@ def test_shipped_sample_is_real_and_balanced():
 
 
 def test_tfds_data_source_offline_with_mock_data():
-    tfds = pytest.importorskip("tensorflow_datasets")
+    import tensorflow_datasets as tfds  # installed by the [test] extra; never skipped
+
     with tfds.testing.mock_data(num_examples=24):
         ds = data.load_tfds("mnist")
     assert ds.train_images.shape == (24, 784) and ds.test_labels.shape == (24, 10)
@@ -135,7 +136,8 @@ def test_tfds_data_source_offline_with_mock_data():
 
 
 def test_load_uses_prepared_tfds_data(monkeypatch):
-    tfds = pytest.importorskip("tensorflow_datasets")
+    import tensorflow_datasets as tfds  # installed by the [test] extra; never skipped
+
     monkeypatch.setattr(data, "tfds_prepared", lambda name, data_dir=None: True)
     monkeypatch.setattr(data, "host_reachable", lambda **_: pytest.fail("no network check needed"))
     with tfds.testing.mock_data(num_examples=16):

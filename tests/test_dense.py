@@ -1,12 +1,9 @@
 """Every kernel option, on every mesh, equals the float64 reference: forward and gradients."""
 
 import pytest
-from _dense_checks import COLUMN_OPTIONS, POLICIES, ROW_OPTIONS, check_dense
+from _dense_checks import COLUMN_OPTIONS, MESHES, POLICIES, ROW_OPTIONS, check_dense
 
 import shardops
-
-# 1, 2, 4 and 8 devices on a model axis alone, and every 2-axis factorisation of 8 (data, model).
-MESHES = [(1,), (2,), (4,), (8,), (1, 8), (2, 4), (4, 2), (8, 1)]
 
 
 def _id(options):

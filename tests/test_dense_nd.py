@@ -9,6 +9,7 @@ import pytest
 from _dense_checks import (
     COLUMN_OPTIONS,
     COLUMN_SEQ_OPTIONS,
+    MESHES,
     POLICIES,
     ROW_OPTIONS,
     ROW_SEQ_OPTIONS,
@@ -17,7 +18,6 @@ from _dense_checks import (
 
 import shardops
 
-MESHES = [(1,), (2,), (4,), (8,), (1, 8), (2, 4), (4, 2), (8, 1)]
 LAYER_OPTIONS = (
     [("column", o) for o in COLUMN_OPTIONS + COLUMN_SEQ_OPTIONS]
     + [("row", o) for o in ROW_OPTIONS + ROW_SEQ_OPTIONS]

@@ -9,6 +9,7 @@ the float64 reference in numpy.
 
 import pytest
 from _dense_checks import (
+    ALL_MESHES,
     COLUMN_OPTIONS,
     COLUMN_SEQ_OPTIONS,
     POLICIES,
@@ -19,10 +20,7 @@ from _dense_checks import (
 from hypothesis import given
 from hypothesis import strategies as st
 
-MESHES = [
-    (1,), (2,), (4,), (8,),
-    (1, 2), (2, 1), (1, 4), (2, 2), (4, 1), (1, 8), (2, 4), (4, 2), (8, 1),
-]  # fmt: skip
+MESHES = ALL_MESHES
 BATCH = st.sampled_from([8, 16, 32])
 FEATURES = st.sampled_from([8, 64, 256, 512])
 UNEVEN = st.sampled_from([10, 100])  # the split width of a layer: padded to the model axis

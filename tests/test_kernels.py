@@ -71,6 +71,7 @@ def test_kernel_rejects_an_unsharded_weight_and_check_vma_false():
         ValueError, match="w must be the local shard of a weight split over mesh axis 'model'"
     ):
         replicated_w(x, w)
+    # check_vma=False on purpose: the kernel must refuse to run without it.
     no_vma = jax.shard_map(
         shardops.column_parallel_dense_kernel,
         mesh=mesh,

@@ -19,13 +19,13 @@ from _attention_checks import (
     norm_inputs,
     sequence_parallel_norm,
 )
+from _dense_checks import MESHES
 from jax.sharding import PartitionSpec as P
 
 import shardops
 from shardops._norms import layer_norm, rms_norm
 from shardops.testing import dtype_flow
 
-MESHES = [(1,), (2,), (4,), (8,), (1, 8), (2, 4), (4, 2), (8, 1)]
 KINDS = sorted(NORM_PARAMS)
 
 
@@ -82,6 +82,8 @@ def test_without_check_vma_the_partials_sum_to_the_gradient():
         return d_scale[None], d_bias[None]  # [1, D] per device
 
     x_spec = P(None, "model", None)
+    # check_vma=False on purpose: it returns each device's unreduced partial gradient, to show
+    # that the partials sum to the true gradient (the reduction check_vma inserts).
     stacked = jax.jit(jax.shard_map(partials, mesh=mesh, in_specs=(x_spec, x_spec, P(), P()),
                                     out_specs=(P("model"), P("model")), check_vma=False))  # fmt: skip
     d_scale, d_bias = (np.asarray(a, np.float64) for a in stacked(x, ct, scale, bias))
