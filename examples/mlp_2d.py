@@ -32,15 +32,15 @@ import time
 import jax
 import numpy as np
 import optax
+import shardops_models as models
+from shardops_models import loop, mnist
 
-import models
 import shardops
-from models import data, training
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--strategy", default="2d", choices=sorted(models.STRATEGIES))
+    p.add_argument("--strategy", default="2d", choices=models.strategies_for(models.Mlp()))
     p.add_argument("--mesh", default="4x2", help="data×model sizes, e.g. 4x2, 8x1, 1x8")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=128)
@@ -51,7 +51,7 @@ def parse_args(argv=None):
                    help="sgd: the seed's schedule; adam: optax.adam(--lr)")  # fmt: skip
     p.add_argument("--init-scale", type=float, default=models.INIT_SCALE)
     p.add_argument("--hidden", type=int, nargs="*", default=[512], help="hidden widths")
-    p.add_argument("--dataset", default="mnist", choices=data.DATASETS)
+    p.add_argument("--dataset", default="mnist", choices=mnist.DATASETS)
     p.add_argument("--data-dir", help="folder with the four IDX files (MNIST or Fashion-MNIST)")
     p.add_argument("--train-size", type=int, help="use only the first N training images")
     p.add_argument("--seed", type=int, default=0)
@@ -83,7 +83,7 @@ def make_mesh(spec: str, strategy: str):
 
 def main(argv=None):
     args = parse_args(argv)
-    dataset = data.load(args.dataset, args.data_dir)
+    dataset = mnist.load(args.dataset, args.data_dir)
     if args.train_size:
         dataset = dataset.take_train(args.train_size)
     print(f"Images: {len(dataset.train_images):,} train / {len(dataset.test_images):,} test, "
@@ -118,12 +118,12 @@ def main(argv=None):
 
     history = []
     for epoch in range(args.epochs):
-        batches = training.epoch_batches(dataset.train_images, dataset.train_labels,
+        batches = loop.epoch_batches(dataset.train_images, dataset.train_labels,
                                          args.batch_size, seed=args.seed, epoch=epoch)  # fmt: skip
         start = time.perf_counter()
         with Progress(epoch, steps_per_epoch) as progress:
-            inflight = training.StepsInFlight()
-            for step, placed in enumerate(training.staged(place, batches)):
+            inflight = loop.StepsInFlight()
+            for step, placed in enumerate(loop.staged(place, batches)):
                 state, loss = setup.train_step(state, *placed[0])
                 inflight.add(loss)
                 if ref is not None:  # the same host batch, placed for the unsharded run
@@ -156,7 +156,7 @@ def main(argv=None):
         print(f"Plot: {args.plot}")
     if args.metrics_json:
         test_predictions = np.argmax(
-            training.dataset_logits(setup, state.params, dataset.test_images), -1
+            loop.dataset_logits(setup, state.params, dataset.test_images), -1
         )
         with open(args.metrics_json, "w") as f:
             json.dump({"args": vars(args), "history": history, "summary": summary,
@@ -166,9 +166,9 @@ def main(argv=None):
 
 def evaluate(setup, params, dataset) -> dict:
     """Loss and accuracy of both splits, computed by the strategy's own sharded eval step."""
-    train_loss, train_acc = training.dataset_metrics(
+    train_loss, train_acc = loop.dataset_metrics(
         setup, params, dataset.train_images, dataset.train_labels)  # fmt: skip
-    test_loss, test_acc = training.dataset_metrics(
+    test_loss, test_acc = loop.dataset_metrics(
         setup, params, dataset.test_images, dataset.test_labels)  # fmt: skip
     return {"train_loss": train_loss, "train_accuracy": train_acc,
             "test_loss": test_loss, "test_accuracy": test_acc}  # fmt: skip
@@ -181,7 +181,7 @@ def compare(setup, state, ref, ref_state, history, test_images) -> dict:
     max_param = max(float(np.max(np.abs(a - b))) for a, b in zip(sharded, unsharded, strict=True))
     max_acc = max(abs(row[k] - row[f"ref_{k}"]) for row in history
                   for k in ("train_accuracy", "test_accuracy"))  # fmt: skip
-    predictions = [np.argmax(training.dataset_logits(s, st.params, test_images), -1)
+    predictions = [np.argmax(loop.dataset_logits(s, st.params, test_images), -1)
                    for s, st in ((setup, state), (ref, ref_state))]  # fmt: skip
     return {"max_param_diff": max_param, "max_accuracy_diff": max_acc,
             "prediction_disagreement": float(np.mean(predictions[0] != predictions[1]))}  # fmt: skip

@@ -22,10 +22,10 @@ import time
 
 import jax
 import numpy as np
+import shardops_models as models
+from shardops_models import loop, mnist, pmap
 
-import models
 import shardops
-from models import data, pmap, training
 
 N_DEVICES = 8
 
@@ -34,14 +34,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--dataset", default="mnist", choices=data.DATASETS)
+    p.add_argument("--dataset", default="mnist", choices=mnist.DATASETS)
     p.add_argument("--data-dir")
     p.add_argument("--train-size", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--with-pmap", action="store_true")
     args = p.parse_args(argv)
 
-    dataset = data.load(args.dataset, args.data_dir)
+    dataset = mnist.load(args.dataset, args.data_dir)
     if args.train_size:
         dataset = dataset.take_train(args.train_size)
     devices = jax.devices() if len(jax.devices()) >= N_DEVICES else jax.devices("cpu")
@@ -63,8 +63,8 @@ def main(argv=None):
 
     for epoch in range(args.epochs):
         start = time.perf_counter()
-        inflight = training.StepsInFlight()
-        batches = training.epoch_batches(dataset.train_images, dataset.train_labels,
+        inflight = loop.StepsInFlight()
+        batches = loop.epoch_batches(dataset.train_images, dataset.train_labels,
                                          args.batch_size, seed=args.seed, epoch=epoch)  # fmt: skip
         for x, y in batches:
             state, loss = setup.train_step(state, *setup.place_batch(x, y))
@@ -76,7 +76,7 @@ def main(argv=None):
                 inflight.add(p_loss)
         inflight.drain()
         seconds = time.perf_counter() - start
-        _, test_acc = training.dataset_metrics(
+        _, test_acc = loop.dataset_metrics(
             setup, state.params, dataset.test_images, dataset.test_labels
         )
         print(f"Epoch {epoch} in {seconds:.2f} sec: test accuracy {test_acc:.4f} (shard_map dp)")

@@ -22,11 +22,11 @@ import argparse
 import jax
 import jax.numpy as jnp
 import optax
+import shardops_models as models
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import models
 import shardops
 
 

@@ -22,25 +22,34 @@ seed's mean.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from shardops_models._mlp import SEED_SIZES
+from shardops_models.mlp import Mlp
+from shardops_models.parallel import (
+    AR,
+    STRATEGIES,
+    Parallel,
+    Recorder,
+    Strategy,
+    data_axis_budget,
+    local_shape,
+    merge,
+    strategy_named,
+    wrap,
+)
+from shardops_models.plan import HEAD, VOCAB, leaf_roles, model_specs, names, replicated, with_fsdp
 
 import shardops
-from models import dp, fsdp, fsdp_tp, ref, tp, two_d
-from models._layout import COLUMN, gather_tree, opt_state_specs, shard_tree, tp_plan
-from models._mlp import SEED_SIZES, check_sizes, cross_entropy_sum, init_mlp
-
-STRATEGIES = {m.NAME: m for m in (ref, dp, tp, two_d, fsdp, fsdp_tp)}
-"""Strategy name → module with AXES, BATCH_AXES, param_specs, forward, collective_budget."""
 
 INIT_LR = 1.0
 DECAY_RATE = 0.95
@@ -70,25 +79,25 @@ def seed_sgd(steps_per_epoch: int, **schedule_kwargs) -> optax.GradientTransform
 
 
 class TrainState(NamedTuple):
-    params: list[dict[str, jax.Array]]
+    params: Any
     opt_state: Any
 
 
 class Metrics(NamedTuple):
-    """Evaluation sums over the labelled rows of a global batch. A row whose label is all zeros
-    is padding (how ``models.training.dataset_metrics`` evens out the last chunk of a set) and
-    counts nowhere. Sums, not means, so that chunks of a set add up exactly."""
+    """Evaluation sums over the labelled targets of a global batch (rows of the MLP, positions
+    of the GPT). A padding target (an all-zero one-hot row; a ``PAD_LABEL`` token) counts
+    nowhere. Sums, not means, so that chunks of a set add up exactly."""
 
     loss_sum: jax.Array
-    """Σ over labelled rows of ``-Σ_c one_hot · log_softmax / C`` (float32): the seed's loss × count."""
+    """Σ over labelled targets of the model's loss (float32): the mean loss × count."""
     correct: jax.Array
-    """Labelled rows whose arg-max logit is the label (int32)."""
+    """Labelled targets whose arg-max logit is the label (int32)."""
     count: jax.Array
-    """Labelled rows (int32)."""
+    """Labelled targets (int32)."""
 
     @property
     def loss(self):
-        """The seed's loss ``-mean(one_hot · log_softmax)`` over the labelled rows."""
+        """The mean loss over the labelled targets (the seed's loss for the MLP)."""
         return self.loss_sum / self.count
 
     @property
@@ -102,7 +111,10 @@ class Setup:
 
     strategy: str
     mesh: Mesh | None
-    sizes: tuple[int, ...]
+    model: Any
+    """The model (``models.Mlp``, ``models.Gpt`` or your own): init, plan, apply, loss."""
+    plan: Any
+    """The plan in use: the tensor-parallel role of every parameter (``models.plan``)."""
     optimizer: optax.GradientTransformation
     remat: bool
     precision: shardops.Precision
@@ -119,25 +131,34 @@ class Setup:
     loss_and_grads: Callable
     """``(params, x, y) → (loss, grads)``, jitted; ``grads`` laid out like the params."""
     evaluate: Callable
-    """``(params, x, y) → Metrics`` (loss and accuracy sums and the row count), jitted, global
-    over the batch; all-zero label rows are padding and count nowhere."""
+    """``(params, x, y) → Metrics`` (loss and accuracy sums and the target count), jitted,
+    global over the batch; padding targets count nowhere."""
     logits: Callable
-    """``(params, x) → logits[B, C]``, jitted, laid out like the batch."""
+    """``(params, x) → logits``, jitted, laid out like the batch (the full vocabulary or
+    classes: a strategy that splits them gathers the logits at the end)."""
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The MLP's layer widths."""
+        return self.model.sizes
+
+    @property
+    def parallel(self) -> Strategy:
+        return STRATEGIES[self.strategy]
 
     def init(self, key: jax.Array) -> TrainState:
-        """The reference init (``init_mlp``, in the policy's param dtype) sharded onto the mesh,
+        """The model's reference init (in the policy's param dtype) sharded onto the mesh,
         with a fresh optimizer state."""
-        return self.shard(init_mlp(key, self.sizes, dtype=self.precision.param_dtype))
+        return self.shard(self.model.init(key, dtype=self.precision.param_dtype))
 
     def shard(self, params) -> TrainState:
         """Place a full (reference) param tree for this strategy, with a fresh optimizer state.
 
         The state gets buffers of its own (the train step donates them), so ``params`` stays valid.
-        Leaves must be in the policy's param dtype (``init_mlp(..., dtype=...)``).
+        Leaves must be in the policy's param dtype (``model.init(key, dtype=...)``).
         """
-        for i, layer in enumerate(params):
-            for name, leaf in layer.items():
-                self.precision.check_param(f"params[{i}][{name!r}]", leaf.dtype)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+            self.precision.check_param(f"params{jax.tree_util.keystr(path)}", leaf.dtype)
         params = jax.device_get(params)  # host copies: never alias the caller's buffers
         opt_state = self.optimizer.init(params)
         if self.mesh is None:
@@ -154,7 +175,7 @@ class Setup:
     @property
     def batch_multiple(self) -> int:
         """Every batch size must be a multiple of this (the devices the batch is split over)."""
-        axes = STRATEGIES[self.strategy].BATCH_AXES
+        axes = self.parallel.batch_axes
         return math.prod(self.mesh.shape[a] for a in axes) if axes else 1
 
     def place_batch(self, x, y=None):
@@ -168,32 +189,36 @@ class Setup:
         return placed if y is not None else placed[0]
 
     def check_batch(self, x, y=None) -> None:
-        check_batch(STRATEGIES[self.strategy], self.mesh, self.sizes, x, y)
+        _check_batch(self.model, self.parallel, self.mesh, x, y)
 
     def weight_layouts(self) -> dict:
-        """Layer name → (global weight shape, PartitionSpec): the input of
+        """Weight name → (global shape, PartitionSpec) of every matrix: the input of
         ``shardops.layout_png`` for drawing this strategy's weight tiling."""
         if self.mesh is None:
             raise ValueError("the ref strategy has no mesh to draw")
-        return {
-            f"layer {i} w": ((m, n), spec["w"])
-            for i, ((m, n), spec) in enumerate(
-                zip(itertools.pairwise(self.sizes), self.param_specs, strict=True)
-            )
-        }
+        shapes = jax.eval_shape(self.model.init, jax.random.key(0))
+        out = {}
+        for (path, leaf), spec in zip(
+            jax.tree_util.tree_leaves_with_path(shapes), _spec_leaves(self.param_specs),
+            strict=True,
+        ):  # fmt: skip
+            if leaf.ndim == 2:
+                out[_layout_name(path)] = (tuple(leaf.shape), spec)
+        return out
 
-    def collective_budget(self, batch: int) -> dict:
-        """Expected bytes V per (collective, mesh axes) of one train step (see each strategy)."""
-        module = STRATEGIES[self.strategy]
-        return module.collective_budget(
-            self.sizes, batch, self.mesh, remat=self.remat, precision=self.precision
-        )
+    def collective_budget(self, batch: int, seq: int | None = None) -> dict:
+        """Expected bytes V per (collective, mesh axes) of one train step on a global batch
+        of ``batch`` examples (of ``seq`` tokens for a sequence model; default its context),
+        derived from the plan and the shapes: each layer's kernel's collectives on this
+        device's shapes (``models.parallel.Recorder``), the data axis's gathers and gradient
+        reductions per leaf (``data_axis_budget``) and the AllReduce of the loss."""
+        return collective_budget(self, batch, seq)
 
-    def cost_model(self, batch: int) -> dict[tuple[str, ...], float]:
+    def cost_model(self, batch: int, seq: int | None = None) -> dict[tuple[str, ...], float]:
         """The analytic bytes each device sends per step over each mesh axis: the ring formulas
         (``shardops.ring_bytes``) applied to ``collective_budget``."""
         out: dict[tuple[str, ...], float] = {}
-        for (kind, axes), nbytes in self.collective_budget(batch).items():
+        for (kind, axes), nbytes in self.collective_budget(batch, seq).items():
             n = math.prod(self.mesh.shape[a] for a in axes)
             out[axes] = out.get(axes, 0.0) + shardops.ring_bytes(kind, nbytes, n)
         return out
@@ -204,44 +229,62 @@ def build(
     mesh: Mesh | None = None,
     *,
     optimizer: optax.GradientTransformation,
-    sizes: Sequence[int] = SEED_SIZES,
+    model=None,
+    sizes: Sequence[int] | None = None,
+    plan=None,
     remat: bool = False,
     precision: shardops.Precision = shardops.FLOAT32,
 ) -> Setup:
-    """Train step, eval step and sharding for ``strategy`` on ``mesh``.
+    """Train step, eval step and sharding of ``model`` under ``strategy`` on ``mesh``.
 
     Arguments:
-        strategy: one of ``STRATEGIES``: ``ref`` (no mesh), ``dp``, ``tp``, ``2d``, ``fsdp``,
-            ``fsdp_tp``. Mesh axes a strategy does not use hold replicas.
+        strategy: one of ``STRATEGIES``: ``ref`` (no mesh), ``dp``, ``fsdp``, ``tp``, ``sp``,
+            ``2d`` (dp × tp), ``fsdp_tp``, ``dp_sp``, ``fsdp_sp``. Mesh axes a strategy does
+            not use hold replicas.
         mesh: a mesh with the axes the strategy needs (``shardops.make_mesh``).
         optimizer: an optax optimizer, e.g. ``seed_sgd(steps_per_epoch)`` or ``optax.adam(1e-3)``.
-        sizes: layer widths, input first, classes last.
-        remat: ``fsdp``/``fsdp_tp`` only: re-gather weights in the backward pass.
+        model: ``models.Mlp(sizes)`` (the default), ``models.Gpt(...)``, or any object with
+            ``init``, ``plan``, ``apply``, ``loss_sum``, ``metrics`` and ``check_batch``.
+        sizes: the MLP's layer widths, input first, classes last (shorthand for
+            ``model=Mlp(sizes)``).
+        plan: the tensor-parallel role of every parameter (a prefix of the parameter tree;
+            ``models.plan``); default ``model.plan()``.
+        remat: strategies with fsdp only: re-gather each stage's weights in the backward pass.
         precision: ``shardops.FLOAT32``, ``MIXED_BFLOAT16`` (float32 params and optimizer,
             bfloat16 matmuls and activations) or ``BFLOAT16`` (bfloat16 params too). Matmuls
             accumulate, and gradients are reduced, in float32 under all three.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
-    module = STRATEGIES[strategy]
-    sizes = check_sizes(sizes)
-    if remat and strategy not in ("fsdp", "fsdp_tp"):
+    parallel = strategy_named(strategy)
+    if model is None:
+        model = Mlp(SEED_SIZES if sizes is None else sizes)
+    elif sizes is not None:
+        raise ValueError("pass either model= or sizes= (the MLP's widths), not both")
+    if remat and parallel.data != "fsdp":
         raise ValueError(
-            f"remat re-gathers FSDP weights: it applies to fsdp and fsdp_tp, not {strategy!r}"
+            f"remat re-gathers FSDP weights: it applies to strategies with fsdp, not "
+            f"{parallel.name!r}"
         )
     if not isinstance(precision, shardops.Precision):
         raise TypeError(
             f"precision must be a shardops.Precision (FLOAT32, BFLOAT16 or MIXED_BFLOAT16); "
             f"got {precision!r}"
         )
-    if strategy == "ref":
+    if parallel.model == "sp" and not getattr(model, "sequence", False):
+        raise ValueError(
+            f"strategy {parallel.name!r} splits activations along the sequence; {model.name} "
+            f"has no sequence dimension. Use the same strategy with tp instead of sp."
+        )
+    shapes = _shapes(model)
+    plan = model.plan() if plan is None else plan
+    roles = leaf_roles(plan, shapes)
+    if parallel.name == "ref":
         mesh = None
     else:
-        _check_mesh(strategy, module, mesh, sizes)
-    specs = module.param_specs(sizes, mesh)
-    opt_specs = None if mesh is None else opt_state_specs(optimizer, sizes, specs)
-    batch_spec = P(shardops.spec_entry(*module.BATCH_AXES))
-    body = _Body(module, specs, optimizer, remat, precision)
+        _check_mesh(parallel, mesh, model, roles, shapes)
+    specs = _param_specs(parallel, roles, shapes, mesh)
+    opt_specs = None if mesh is None else opt_state_specs(optimizer, model, specs)
+    batch_spec = P(shardops.spec_entry(*parallel.batch_axes))
+    body = _Body(model, parallel, roles, specs, optimizer, remat, precision)
 
     if mesh is None:
         step, loss_and_grads, evaluate = body.step, body.loss_and_grads, body.evaluate
@@ -259,7 +302,7 @@ def build(
 
     def checked(fn):  # shapes are static: a bad batch fails when the function traces
         def run(state_or_params, x, *y):
-            check_batch(module, mesh, sizes, x, *y)
+            _check_batch(model, parallel, mesh, x, *y)
             return fn(state_or_params, x, *y)
 
         return run
@@ -273,9 +316,10 @@ def build(
         return _DeviceChecked(jax.jit(checked(fn), compiler_options=options, **kwargs), mesh, name)
 
     return Setup(
-        strategy=strategy,
+        strategy=parallel.name,
         mesh=mesh,
-        sizes=sizes,
+        model=model,
+        plan=plan,
         optimizer=optimizer,
         remat=remat,
         precision=precision,
@@ -306,39 +350,110 @@ class _DeviceChecked:
         return self.jitted.lower(*args, **kwargs)
 
 
-def check_batch(module, mesh, sizes, x, y=None) -> None:
-    """A global batch ``x[B, sizes[0]]`` (and one-hot ``y[B, sizes[-1]]``) that splits evenly."""
-    if x.ndim != 2 or x.shape[1] != sizes[0]:
-        raise ValueError(f"x must have shape (batch, {sizes[0]}); got {tuple(x.shape)}")
-    if y is not None and tuple(y.shape) != (x.shape[0], sizes[-1]):
-        raise ValueError(
-            f"labels must be one-hot of shape ({x.shape[0]}, {sizes[-1]}); got {tuple(y.shape)}"
-        )
-    if module.BATCH_AXES:
+def _check_batch(model, parallel: Strategy, mesh, x, y=None) -> None:
+    """The model's own shape check, then a batch (and, under sp, a sequence) that splits."""
+    model.check_batch(x, y)
+    if parallel.batch_axes:
         shardops.check_divisible(
             argument="x", dim=0, dim_name="batch", size=x.shape[0], mesh=mesh,
-            axes=module.BATCH_AXES,
+            axes=parallel.batch_axes,
+        )  # fmt: skip
+    if parallel.model == "sp":
+        shardops.check_divisible(
+            argument="x", dim=1, dim_name="sequence", size=x.shape[1], mesh=mesh,
+            axes=(shardops.MODEL_AXIS,),
         )  # fmt: skip
 
 
+def _shapes(model):
+    """The parameter tree's global shapes (tuples), from ``model.init`` traced abstractly."""
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    return jax.tree.map(lambda a: tuple(a.shape), abstract)
+
+
+def _param_specs(parallel: Strategy, roles, shapes, mesh):
+    if mesh is None:
+        return None
+    if parallel.model:
+        specs = model_specs(roles, shapes)
+    else:
+        specs = jax.tree.map(replicated, shapes, is_leaf=_is_shape)
+    if parallel.data == "fsdp":
+        specs = with_fsdp(specs, shapes, mesh)
+    return specs
+
+
+def _spec_leaves(specs):
+    return jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def _layout_name(path) -> str:
+    """``layer 0 w`` for the MLP's ``[0]['w']``; the key path otherwise."""
+    keys = jax.tree_util.keystr(path)
+    if len(path) == 2 and hasattr(path[0], "idx") and hasattr(path[1], "key"):
+        return f"layer {path[0].idx} {path[1].key}"
+    return keys
+
+
+def opt_state_specs(optimizer: optax.GradientTransformation, model, specs):
+    """PartitionSpecs of ``optimizer``'s state: param-shaped leaves like the params, others P()."""
+    state = jax.eval_shape(optimizer.init, jax.eval_shape(model.init, jax.random.key(0)))
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, spec: spec,
+        state,
+        specs,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def shard_tree(tree, mesh: Mesh, specs):
+    """Place a tree of full arrays on ``mesh`` with ``specs`` (a matching tree of PartitionSpecs)."""
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P)
+    )
+    return jax.device_put(tree, shardings)
+
+
+def gather_tree(tree):
+    """Full host copies (numpy) of a sharded tree: the inverse of ``shard_tree``, bit for bit."""
+    return jax.device_get(tree)
+
+
 class _Body:
-    """The per-device step, eval and gradient functions shared by every strategy."""
+    """The per-device step, eval and gradient functions shared by every strategy and model.
 
-    def __init__(self, module, specs, optimizer, remat, precision):
-        self.module, self.specs, self.optimizer, self.remat = module, specs, optimizer, remat
-        self.precision = precision
-        self.batch_axes = module.BATCH_AXES
+    ``local_loss`` is this device's share of the global mean: the model's loss summed over its
+    targets, divided by the *global* number of targets, so that the shares add up to the mean
+    and the gradients, reduced by the strategy's own collectives, are the mean's.
+    """
 
-    def forward(self, params, x, *, remat=False):
-        return self.module.forward(params, x, self.specs, remat=remat, precision=self.precision)
+    def __init__(self, model, parallel, roles, specs, optimizer, remat, precision):
+        self.model, self.parallel, self.optimizer = model, parallel, optimizer
+        self.roles, self.precision = roles, precision
+        self.specs = specs if specs is not None else jax.tree.map(lambda _: P(), roles)
+        self.batch_axes = parallel.batch_axes
+        self.ctx = Parallel(parallel, precision, remat)
+        self.eval_ctx = Parallel(parallel, precision, remat=False)
+
+    def _inputs(self, x):
+        # Features enter in compute dtype; token ids stay integers.
+        return (
+            x.astype(self.precision.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        )
+
+    def forward(self, ctx, params, x):
+        tree = wrap(params, self.roles, self.specs)
+        return tree, self.model.apply(ctx, tree, self._inputs(x))
 
     def _global_batch(self, local: int) -> int:
         return local * math.prod(lax.axis_size(a) for a in self.batch_axes)
 
     def local_loss(self, params, x, y):
-        logits = self.forward(params, x, remat=self.remat)  # (b, C)
-        # This device's share of the global mean over B_global · C.
-        return cross_entropy_sum(logits, y) / (self._global_batch(x.shape[0]) * y.shape[-1])
+        tree, logits = self.forward(self.ctx, params, x)
+        targets = self._global_batch(y.shape[0]) * math.prod(y.shape[1:])
+        return self.model.loss_sum(self.ctx, tree, logits, y) / targets
 
     def loss_and_grads(self, params, x, y):
         loss, grads = jax.value_and_grad(self.local_loss)(params, x, y)
@@ -352,39 +467,125 @@ class _Body:
         return TrainState(optax.apply_updates(state.params, updates), opt_state), loss
 
     def logits(self, params, x):
-        return self.forward(params, x)  # (b, C)
+        tree, logits = self.forward(self.eval_ctx, params, x)
+        if self.parallel.model and _output_split(self.model, tree, self.eval_ctx):
+            # logits[b, ..., V_model] → the full vocabulary, for a caller outside the mesh
+            logits = lax.all_gather(logits, shardops.MODEL_AXIS, axis=logits.ndim - 1,
+                                    tiled=True, to="invarying")  # fmt: skip
+        return logits
 
     def evaluate(self, params, x, y):
-        logits = self.forward(params, x)  # (b, C)
-        labelled = jnp.sum(y, -1) > 0  # (b,): all-zero labels are padding
-        loss_sum = cross_entropy_sum(logits, y) / y.shape[-1]  # padding rows add 0
-        hits = (jnp.argmax(logits, -1) == jnp.argmax(y, -1)) & labelled  # (b,)
-        correct = jnp.sum(hits, dtype=jnp.int32)
-        count = jnp.sum(labelled, dtype=jnp.int32)
+        tree, logits = self.forward(self.eval_ctx, params, x)
+        sums = self.model.metrics(self.eval_ctx, tree, logits, y)
         if self.batch_axes:  # this device's sums → the global batch's: AllReduce of 3 scalars
-            loss_sum, correct, count = lax.psum((loss_sum, correct, count), self.batch_axes)
-        return Metrics(loss_sum, correct, count)
+            sums = lax.psum(sums, self.batch_axes)
+        return Metrics(*sums)
 
 
-def _check_mesh(strategy: str, module, mesh, sizes) -> None:
+def _output_split(model, tree, ctx) -> bool:
+    head = getattr(model, "output_layer", None)
+    return head is not None and ctx.is_split(head(tree))
+
+
+def collective_budget(setup: Setup, batch: int, seq: int | None) -> dict:
+    if setup.mesh is None:
+        return {}
+    parallel, mesh_shape = setup.parallel, dict(setup.mesh.shape)
+    model, precision = setup.model, setup.precision
+    shapes = _shapes(model)
+    roles = leaf_roles(setup.plan, shapes)
+    specs = setup.param_specs
+    data = mesh_shape[shardops.DATA_AXIS] if parallel.batch_axes else 1
+    if batch % data:
+        raise ValueError(f"batch {batch} does not split over data ({data} devices)")
+    x, y = model_batch(model, batch // data, seq)
+    # Each parameter as a layer sees it: gathered over data, split over model.
+    local = jax.tree.map(
+        lambda shape, spec: jax.ShapeDtypeStruct(
+            local_shape(shape, spec, mesh_shape, (shardops.MODEL_AXIS,)), precision.accum_dtype
+        ),
+        shapes, specs, is_leaf=_is_shape,
+    )  # fmt: skip
+    recorded = []
+
+    def run(params, x, y):
+        inputs = x.astype(precision.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        recorder = Recorder(parallel, precision, mesh_shape, inputs, remat=setup.remat)
+        tree = wrap(params, roles, specs)
+        logits = model.apply(recorder, tree, inputs)
+        model.loss_sum(recorder, tree, logits, y)
+        recorded.append(recorder)
+        return jnp.zeros(())
+
+    jax.eval_shape(run, local, x, y)
+    recorder = recorded[0]
+    budget = dict(recorder.budget)
+    if parallel.data:
+        budget = merge(budget, data_axis_budget(
+            specs, shapes, mesh_shape, reads=recorder.reads, remat=setup.remat,
+            param_bytes=np.dtype(precision.param_dtype).itemsize if parallel.data == "fsdp" else 4,
+        ))  # fmt: skip
+        if mesh_shape[shardops.DATA_AXIS] > 1:  # the loss: AllReduce of one f32 over data
+            key = (AR, (shardops.DATA_AXIS,))
+            budget[key] = budget.get(key, 0) + 4
+    return budget
+
+
+def model_batch(model, batch: int, seq: int | None):
+    """Abstract ``(x, y)`` of one batch: the MLP's ``x[b, D], y[b, C]``; a sequence model's
+    ``ids[b, S], labels[b, S]`` (S: ``seq`` or the model's context)."""
+    if getattr(model, "sequence", False):
+        s = model.context if seq is None else seq
+        ids = jax.ShapeDtypeStruct((batch, s), jnp.int32)
+        return ids, ids
+    sizes = model.sizes
+    return (jax.ShapeDtypeStruct((batch, sizes[0]), jnp.float32),
+            jax.ShapeDtypeStruct((batch, sizes[-1]), jnp.float32))  # fmt: skip
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def _check_mesh(parallel: Strategy, mesh, model, roles, shapes) -> None:
+    strategy = parallel.name
     if not isinstance(mesh, Mesh):
         raise TypeError(
-            f"strategy {strategy!r} needs a jax.sharding.Mesh with axes {module.AXES} (see "
+            f"strategy {strategy!r} needs a jax.sharding.Mesh with axes {parallel.axes} (see "
             f"shardops.make_mesh); got {type(mesh).__name__}"
         )
-    missing = [a for a in module.AXES if a not in mesh.shape]
+    missing = [a for a in parallel.axes if a not in mesh.shape]
     if missing:
         raise ValueError(
-            f"strategy {strategy!r} needs mesh axes {module.AXES}, but the mesh has "
+            f"strategy {strategy!r} needs mesh axes {parallel.axes}, but the mesh has "
             f"{tuple(mesh.axis_names)} (missing {tuple(missing)}); build it with "
-            f"shardops.make_mesh({{{', '.join(f'{a!r}: n' for a in module.AXES)}}})"
+            f"shardops.make_mesh({{{', '.join(f'{a!r}: n' for a in parallel.axes)}}})"
         )
-    if shardops.MODEL_AXIS in module.AXES:
-        p = mesh.shape[shardops.MODEL_AXIS]
-        for i, kind in enumerate(tp_plan(len(sizes) - 1)):
-            if kind == COLUMN and sizes[i + 1] % p:
-                raise ValueError(
-                    f"sizes[{i + 1}] = {sizes[i + 1]} (the output width of layer {i}, "
-                    f"column-parallel under {strategy!r}) is not divisible by mesh axis "
-                    f"'model' (size {p}); choose a multiple of {p} or a smaller 'model' axis"
+    if not parallel.model:
+        return
+    p = mesh.shape[shardops.MODEL_AXIS]
+    specs = model_specs(roles, shapes)
+    for (path, shape), spec, role in zip(
+        jax.tree_util.tree_leaves_with_path(shapes, is_leaf=_is_shape), _spec_leaves(specs),
+        jax.tree.leaves(roles), strict=True,
+    ):  # fmt: skip
+        for dim, entry in enumerate(spec):
+            if names(entry) and shape[dim] % p:
+                what = (
+                    "vocabulary"
+                    if role == VOCAB
+                    else "heads × head_dim"
+                    if role == HEAD
+                    else "features"
                 )
+                raise ValueError(
+                    f"params{jax.tree_util.keystr(path)} dim {dim} ({what}) = {shape[dim]} is "
+                    f"not divisible by mesh axis 'model' (size {p}); the plan makes it {role}. "
+                    f"Choose a multiple of {p}, a smaller 'model' axis, or role 'replicated'"
+                )
+    heads = getattr(model, "num_heads", None)
+    if heads is not None and HEAD in jax.tree.leaves(roles) and heads % p:
+        raise ValueError(
+            f"num_heads = {heads} is not divisible by mesh axis 'model' (size {p}); each "
+            f"device must hold whole heads. Choose num_heads a multiple of {p}."
+        )

@@ -11,8 +11,7 @@ import jax
 import numpy as np
 import optax
 from jax import lax
-
-from models._mlp import cross_entropy_sum, mlp_forward
+from shardops_models._mlp import cross_entropy_sum, mlp_forward
 
 AXIS = "batch"
 

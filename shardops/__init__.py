@@ -7,6 +7,7 @@ collective spelled out, and verified against the unsharded layer.
 from shardops import hlo, testing
 from shardops._attention import (
     AttentionSpecs,
+    attention,
     attention_specs,
     head_parallel_attention,
     head_parallel_attention_kernel,
@@ -68,6 +69,7 @@ __all__ = [
     "LeafLayout",
     "Ledger",
     "Precision",
+    "attention",
     "attention_specs",
     "axis_size",
     "check_devices",

@@ -171,6 +171,23 @@ def head_parallel_attention_kernel(
     else:
         # Megatron's "f" once for Q, K, V: identity forward, one AllReduce of dx backward.
         x = copy_to_region(x, axis_name, accum)  # x[B, S, D] in accum
+    y_partial = _attend(x, params, heads, head_dim, causal, precision)  # y[B, S, D]{U_model}
+    bo = params.get("bo")
+    if sequence_parallel:
+        y = lax.psum_scatter(
+            y_partial, axis_name, scatter_dimension=SEQUENCE_DIM, tiled=True
+        )  # y[B, S/p, D] in accum
+        if bo is not None:
+            # bo[D] is replicated but y is a sequence shard: dbo is all-reduced over model.
+            bo = copy_to_region(bo, axis_name, accum)  # bo[D] in accum
+    else:
+        y = lax.psum(y_partial, axis_name)  # y[B, S, D] in accum
+    return precision.finish(y, bo)  # + bo once, after the reduction; y in compute dtype
+
+
+def _attend(x, params, heads: int, head_dim: int, causal: bool, precision: Precision):
+    """The local heads' attention and output projection: ``x[B, S, D]`` → ``y[B, S, D]``, in
+    ``accum_dtype``, a partial sum over heads when the heads are split (``y{U_model}``)."""
     batch, seq, _ = x.shape
     q = _project(x, params["wq"], params.get("bq"), heads, precision)  # q[B·H/p, S, hd]
     k = _project(x, params["wk"], params.get("bk"), heads, precision)  # k[B·H/p, S, hd]
@@ -184,18 +201,21 @@ def head_parallel_attention_kernel(
     o = _product("nqk,nkd->nqd", probs, v, precision)  # o[B·H/p, S, hd] in accum
     o = o.reshape(batch, heads, seq, head_dim).transpose(0, 2, 1, 3)  # o[B, S, H/p, hd]
     o = o.reshape(batch, seq, heads * head_dim)  # o[B, S, (H/p)·hd]: the row-parallel input
-    y_partial = precision.matmul(o, params["wo"])  # y[B, S, D]{U_model} in accum
-    bo = params.get("bo")
-    if sequence_parallel:
-        y = lax.psum_scatter(
-            y_partial, axis_name, scatter_dimension=SEQUENCE_DIM, tiled=True
-        )  # y[B, S/p, D] in accum
-        if bo is not None:
-            # bo[D] is replicated but y is a sequence shard: dbo is all-reduced over model.
-            bo = copy_to_region(bo, axis_name, accum)  # bo[D] in accum
-    else:
-        y = lax.psum(y_partial, axis_name)  # y[B, S, D] in accum
-    return precision.finish(y, bo)  # + bo once, after the reduction; y in compute dtype
+    return precision.matmul(o, params["wo"])  # y[B, S, D] in accum
+
+
+def attention(x, params, *, num_heads: int, causal: bool = False, precision: Precision = FLOAT32):
+    """Unsharded multi-head self-attention: ``x[B, S, D] → y[B, S, D]``, no collectives.
+
+    The same computation (and precision discipline) as ``head_parallel_attention_kernel`` with
+    every head on one device: the reference it is checked against, and the attention of a
+    strategy that does not split heads. ``params`` as ``init_attention`` makes them.
+    """
+    _check_args("attention", x, params, num_heads, causal, precision, dtypes=False)
+    head_dim = params["wq"].shape[1] // num_heads
+    x = x.astype(precision.accum_dtype)  # x[B, S, D] in accum, as the kernel's region entry
+    y = _attend(x, params, num_heads, head_dim, causal, precision)  # y[B, S, D] in accum
+    return precision.finish(y, params.get("bo"))  # y in compute dtype
 
 
 def _project(x, w, b, heads: int, precision: Precision):
@@ -335,8 +355,9 @@ def head_parallel_attention(
 # --- checks -----------------------------------------------------------------------------------
 
 
-def _check_args(op: str, x, params, num_heads, causal, precision) -> None:
-    """Global shapes, dtypes and names, before anything is traced."""
+def _check_args(op: str, x, params, num_heads, causal, precision, *, dtypes=True) -> None:
+    """Global shapes, dtypes (unless ``dtypes=False``: params may arrive in ``accum_dtype``,
+    as a strategy's gathers give them) and names, before anything is traced."""
     if not isinstance(precision, Precision):
         raise TypeError(
             f"{op}: precision must be a shardops.Precision (FLOAT32, BFLOAT16 or "
@@ -379,9 +400,10 @@ def _check_args(op: str, x, params, num_heads, causal, precision) -> None:
                 f"means head_dim={head_dim} and D={d_model}, so {name} must be {want}. Q, K and "
                 f"V use the same heads × head_dim; wo maps them back to D."
             )
-    precision.check_activation("x", x.dtype)
-    for name, arg in params.items():
-        precision.check_param(f"params[{name!r}]", arg.dtype)
+    if dtypes:
+        precision.check_activation("x", x.dtype)
+        for name, arg in params.items():
+            precision.check_param(f"params[{name!r}]", arg.dtype)
 
 
 def _check_param_names(op: str, params) -> None:

@@ -9,8 +9,7 @@ same two, so each example found in a batch can be traced back to its row in the 
 import gzip
 
 import numpy as np
-
-from models import data, training
+from shardops_models import loop, mnist
 
 SPLIT_TAGS = {"train": 1, "test": 2}
 SPLIT_STEMS = {"train": "train", "test": "t10k"}
@@ -36,7 +35,7 @@ def example_pixels(split: str, index: np.ndarray) -> np.ndarray:
 
 def example_classes(split: str, index: np.ndarray) -> np.ndarray:
     """The class of each example ``index`` of ``split``: neighbours and splits differ."""
-    return ((7 * np.asarray(index) + 3 * SPLIT_TAGS[split]) % data.NUM_CLASSES).astype(np.uint8)
+    return ((7 * np.asarray(index) + 3 * SPLIT_TAGS[split]) % mnist.NUM_CLASSES).astype(np.uint8)
 
 
 def write_indexed_idx_dir(path, n_train: int, n_test: int, *, gz: bool = False) -> None:
@@ -64,27 +63,27 @@ def check_examples(images, labels, split: str, index) -> None:
     index = np.asarray(index)
     assert images.dtype == np.float32 and labels.dtype == np.float32, (images.dtype, labels.dtype)
     assert images.shape == (len(index), 784), (images.shape, len(index))
-    assert labels.shape == (len(index), data.NUM_CLASSES), (labels.shape, len(index))
+    assert labels.shape == (len(index), mnist.NUM_CLASSES), (labels.shape, len(index))
     assert images.min(initial=0.0) >= 0.0 and images.max(initial=1.0) <= 1.0
     pixels = example_pixels(split, index).reshape(len(index), -1)
     # float64 then float32 rounds like the float32 division (double rounding is exact for /).
     expected = (pixels.astype(np.float64) / 255).astype(np.float32)
     np.testing.assert_array_equal(images, expected, err_msg=f"{split} images")
-    one_hot = np.eye(data.NUM_CLASSES, dtype=np.float32)[example_classes(split, index)]
+    one_hot = np.eye(mnist.NUM_CLASSES, dtype=np.float32)[example_classes(split, index)]
     np.testing.assert_array_equal(labels, one_hot, err_msg=f"{split} labels")
 
 
 def check_split_files(tmp_path, n_train: int, n_test: int, *, gz: bool = False) -> None:
     """``load_idx_dir`` gives the train files' examples as train and the t10k files' as test."""
     write_indexed_idx_dir(tmp_path, n_train, n_test, gz=gz)
-    ds = data.load_idx_dir(tmp_path)
+    ds = mnist.load_idx_dir(tmp_path)
     check_examples(ds.train_images, ds.train_labels, "train", np.arange(n_train))
     check_examples(ds.test_images, ds.test_labels, "test", np.arange(n_test))
 
 
 def epoch_indices(ds, batch_size: int, *, seed: int, epoch: int) -> list[np.ndarray]:
     """The example indices of each batch of one epoch, each batch checked against the files."""
-    batches = training.epoch_batches(
+    batches = loop.epoch_batches(
         ds.train_images, ds.train_labels, batch_size, seed=seed, epoch=epoch
     )
     indices = []
@@ -102,7 +101,7 @@ def check_epochs(tmp_path, n: int, batch_size: int, *, epochs: int, seed: int = 
     example is seen."""
     assert 0 < batch_size <= n, "the check needs at least one full batch"
     write_indexed_idx_dir(tmp_path, n, 5)
-    ds = data.load_idx_dir(tmp_path)
+    ds = mnist.load_idx_dir(tmp_path)
     full = n // batch_size
     seen = set()
     orders = []
@@ -111,7 +110,7 @@ def check_epochs(tmp_path, n: int, batch_size: int, *, epochs: int, seed: int = 
         assert len(batches) == full, f"epoch {epoch}: {len(batches)} batches, expected {full}"
         order = np.concatenate(batches)
         assert len(set(order.tolist())) == len(order), f"epoch {epoch}: an example repeats"
-        planned = data.epoch_order(n, seed, epoch)
+        planned = mnist.epoch_order(n, seed, epoch)
         np.testing.assert_array_equal(order, planned[: full * batch_size], err_msg=f"epoch {epoch}")
         dropped = set(range(n)) - set(order.tolist())
         assert dropped == set(planned[full * batch_size :].tolist()), f"epoch {epoch}: {dropped}"

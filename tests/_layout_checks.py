@@ -19,9 +19,9 @@ import jax
 import numpy as np
 import optax
 import pytest
+import shardops_models as models
 from jax.sharding import PartitionSpec as P
 
-import models
 import shardops
 
 SEED = (784, 512, 10)

@@ -11,8 +11,8 @@ import functools
 import jax
 import numpy as np
 import optax
+import shardops_models as models
 
-import models
 import shardops
 from shardops.testing import dtype_flow_violations
 

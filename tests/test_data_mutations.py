@@ -1,5 +1,5 @@
-"""Mutation check for the data pipeline: bugs injected into copies of models/data.py and
-models/training.py are caught by the suite's own checks (tests/_data_checks.py).
+"""Mutation check for the data pipeline: bugs injected into copies of models/mnist.py and
+models/loop.py are caught by the suite's own checks (tests/_data_checks.py).
 
 Each mutant replaces one exact line of the real source (the test fails if that line is gone, so
 mutants cannot drift from the code), is loaded as a module, and its function is swapped in for
@@ -12,11 +12,10 @@ import types
 
 import pytest
 from _data_checks import check_epochs, check_split_files
+from shardops_models import loop, mnist
 
-from models import data, training
-
-SOURCES = {data: inspect.getsource(data), training: inspect.getsource(training)}
-SWAPPED = {data: "load_idx_dir", training: "epoch_batches"}
+SOURCES = {mnist: inspect.getsource(mnist), loop: inspect.getsource(loop)}
+SWAPPED = {mnist: "load_idx_dir", loop: "epoch_batches"}
 PATHS = "    paths = {key: _find(data_dir, stem) for key, stem in IDX_FILES.items()}\n"
 ONE_HOT = "    return np.eye(NUM_CLASSES, dtype=np.float32)[labels]  # (N, 10)\n"
 IMAGES = (
@@ -45,39 +44,39 @@ def partial_batch(tmp_path):  # as test_last_partial_batch_is_dropped_and_reshuf
 MUTANTS = {
     # The test split read from the training files (same counts, so no DataError gives it away).
     "test_split_reads_train_files": (
-        data,
+        mnist,
         PATHS,
         PATHS.replace("_find(data_dir, stem)", '_find(data_dir, stem.replace("t10k", "train"))'),
         splits,
     ),
     "test_images_from_train_split": (
-        data,
+        mnist,
         '        test_images=arrays["test"][0],\n',
         '        test_images=arrays["train"][0],\n',
         splits,
     ),
     # The one-hot one class off: class c marks column c + 1 (class 9 marks nothing).
     "one_hot_off_by_one_class": (
-        data,
+        mnist,
         ONE_HOT,
         ONE_HOT.replace("dtype=", "k=1, dtype="),
         splits,
     ),
-    "pixels_divided_by_256": (data, IMAGES, IMAGES.replace("255.0", "256.0"), splits),
+    "pixels_divided_by_256": (mnist, IMAGES, IMAGES.replace("255.0", "256.0"), splits),
     "labels_shuffled_apart_from_images": (
-        training,
+        loop,
         YIELD,
         YIELD.replace("labels[idx]", "labels[np.roll(idx, 1)]"),
         pairing,
     ),
     "epoch_drops_a_full_batch": (
-        training,
+        loop,
         RANGE,
         RANGE.replace("- batch_size + 1", "- 2 * batch_size + 1"),
         partial_batch,
     ),
     # Every epoch in epoch 0's order: the same examples are dropped every time.
-    "same_order_every_epoch": (training, ORDER, ORDER.replace("epoch)", "0)"), partial_batch),
+    "same_order_every_epoch": (loop, ORDER, ORDER.replace("epoch)", "0)"), partial_batch),
 }
 
 
@@ -87,7 +86,7 @@ def mutant_module(module, old: str, new: str) -> types.ModuleType:
         f"mutated line not found exactly once in {module.__name__}: {old!r}"
     )
     mutant = types.ModuleType(f"{module.__name__}_mutant")
-    mutant.__file__ = module.__file__  # data.py finds its sample folder from it
+    mutant.__file__ = module.__file__  # mnist.py finds its sample folder from it
     sys.modules[mutant.__name__] = mutant  # dataclasses look their module up
     exec(
         compile(source.replace(old, new), f"<mutant of {module.__file__}>", "exec"), mutant.__dict__

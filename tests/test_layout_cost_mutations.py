@@ -1,5 +1,5 @@
 """Mutation check for the literal layout and cost tests: bugs injected into copies of
-models/_layout.py (the FSDP rule) and shardops/_ledger.py (the ring formulas) are caught by the
+models/plan.py (the FSDP rule) and shardops/_ledger.py (the ring formulas) are caught by the
 checks test_layouts.py and test_ledger.py run (``_layout_checks``).
 
 Each mutant replaces one exact line of the real source (asserted to occur exactly once, so a
@@ -32,8 +32,9 @@ from _layout_checks import (
     check_shard_indices,
     ledger_of_step,
 )
+from shardops_models import _train
+from shardops_models import plan as _layout
 
-from models import _layout
 from shardops import _ledger
 
 FREE_FIRST = "    for d in free + split:\n"
@@ -105,7 +106,7 @@ def swap(monkeypatch, module, mutant, names=None) -> None:
         for held_by in list(sys.modules.values()):
             if (
                 isinstance(held_by, types.ModuleType)
-                and held_by.__name__.split(".")[0] in ("models", "shardops")
+                and held_by.__name__.split(".")[0] in ("shardops_models", "shardops")
                 and not held_by.__name__.endswith("_mutant")
                 and getattr(held_by, name, None) is original
             ):
@@ -134,10 +135,8 @@ FSDP_INDICES = [case for case in SHARD_INDICES if case[0] in ("fsdp", "fsdp_tp")
 
 
 def held_by_the_strategies(name: str) -> set[str]:
-    """The modules the ``fsdp`` and ``fsdp_tp`` strategies take ``name`` from."""
-    from models import fsdp, fsdp_tp
-
-    return {getattr(m, name).__module__ for m in (fsdp, fsdp_tp)}
+    """The modules the strategies (``build``) take ``name`` from."""
+    return {getattr(_train, name).__module__}
 
 
 def test_unmutated_copies_pass(monkeypatch, clear):
@@ -145,7 +144,7 @@ def test_unmutated_copies_pass(monkeypatch, clear):
     runs = {case: budget_run(*case) for case in BUDGETS}  # compiled with the real code
     swap(monkeypatch, _layout, load_mutant(_layout, FREE_FIRST, FREE_FIRST, monkeypatch))
     swap(monkeypatch, _ledger, load_mutant(_ledger, OTHERS, OTHERS, monkeypatch), ["ring_bytes"])
-    assert held_by_the_strategies("with_fsdp") == {"models._layout_mutant"}
+    assert held_by_the_strategies("with_fsdp") == {"shardops_models.plan_mutant"}
     for case in FSDP_LAYOUTS:
         check_layout(*case)
     for case in FSDP_INDICES:

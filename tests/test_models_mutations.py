@@ -1,5 +1,6 @@
-"""Mutation check for the strategies: bugs injected into a copy of models/_train.py are caught
-by the same trajectory check the suite runs (against an independent reference)."""
+"""Mutation check for the strategies: bugs injected into a copy of models/_train.py (the shared
+step), models/mlp.py (the MLP's metrics) or models/parallel.py (the data axis) are caught by the
+same checks the suite runs (against an independent reference)."""
 
 import inspect
 import sys
@@ -8,15 +9,13 @@ import types
 import jax
 import pytest
 from _model_checks import check_dtype_flow, check_evaluation, check_trajectory
+from shardops_models import _mlp, _train, mlp, parallel
 
 import shardops
-from models import _layout, _mlp, _train
 
 SOURCE = inspect.getsource(_train)
 GRADS = "        loss, grads = jax.value_and_grad(self.local_loss)(params, x, y)\n"
-LOCAL_LOSS = (
-    "        return cross_entropy_sum(logits, y) / (self._global_batch(x.shape[0]) * y.shape[-1])\n"
-)
+LOCAL_LOSS = "        targets = self._global_batch(y.shape[0]) * math.prod(y.shape[1:])\n"
 
 MUTANTS = {
     "zeroed_layer_gradient": (
@@ -31,7 +30,7 @@ MUTANTS = {
     "extra_psum_over_data": (GRADS, GRADS + "        grads = lax.psum(grads, 'data')\n"),
     "loss_averaged_locally": (
         LOCAL_LOSS,
-        LOCAL_LOSS.replace("self._global_batch(x.shape[0])", "x.shape[0]"),
+        LOCAL_LOSS.replace("self._global_batch(y.shape[0])", "y.shape[0]"),
     ),
 }
 CASES = [
@@ -43,12 +42,29 @@ CASES = [
 SIZES = (48, 64, 24, 10)
 
 
+def mutant_module(module, old: str, new: str):
+    source = inspect.getsource(module)
+    assert source.count(old) == 1, f"not found exactly once in {module.__name__}: {old!r}"
+    mutant = types.ModuleType(module.__name__ + "_mutant")
+    sys.modules[mutant.__name__] = mutant  # dataclasses look their module up
+    exec(
+        compile(source.replace(old, new), f"<mutant of {module.__name__}>", "exec"), mutant.__dict__
+    )
+    return mutant
+
+
 def mutant_build(old: str, new: str):
-    assert SOURCE.count(old) == 1, f"mutated line not found exactly once in _train.py: {old!r}"
-    module = types.ModuleType("models._train_mutant")
-    sys.modules[module.__name__] = module  # dataclasses look their module up
-    exec(compile(SOURCE.replace(old, new), "<mutant of models/_train.py>", "exec"), module.__dict__)
-    return module.build
+    return mutant_module(_train, old, new).build
+
+
+def mutant_mlp_build(old: str, new: str):
+    """``build`` with the MLP from a mutated copy of models/mlp.py."""
+    mutant = mutant_module(mlp, old, new)
+
+    def build(*args, sizes, **kwargs):
+        return _train.build(*args, model=mutant.Mlp(sizes), **kwargs)
+
+    return build
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
@@ -66,25 +82,20 @@ def test_mutant_is_caught(name, case):
     jax.clear_caches()
 
 
-EVAL_REDUCE = (
-    "            loss_sum, correct, count = lax.psum((loss_sum, correct, count), self.batch_axes)\n"
-)
+EVAL_REDUCE = "            sums = lax.psum(sums, self.batch_axes)\n"
 EVAL_MUTANTS = {
     # The global sums of loss and hits divided by this device's row count: off by the shards.
     "eval_count_not_reduced": (
         EVAL_REDUCE,
-        EVAL_REDUCE.replace(
-            "correct, count = lax.psum((loss_sum, correct, count)",
-            "correct = lax.psum((loss_sum, correct)",
-        ),
+        "            sums = (*lax.psum(sums[:2], self.batch_axes), sums[2])\n",
     ),
     # Per-shard sums combined with the wrong collective.
     "eval_reduced_with_pmax": (EVAL_REDUCE, EVAL_REDUCE.replace("lax.psum", "lax.pmax")),
     "eval_reduced_with_pmean": (EVAL_REDUCE, EVAL_REDUCE.replace("lax.psum", "lax.pmean")),
     # Padding rows counted as examples, or their (arbitrary) predictions as hits.
     "eval_counts_padding_rows": (
-        "        count = jnp.sum(labelled, dtype=jnp.int32)\n",
-        "        count = jnp.asarray(x.shape[0], jnp.int32)\n",
+        "        return loss_sum, jnp.sum(hits, dtype=jnp.int32), jnp.sum(labelled, dtype=jnp.int32)\n",
+        "        return loss_sum, jnp.sum(hits, dtype=jnp.int32), jnp.asarray(y.shape[0], jnp.int32)\n",
     ),
     "eval_hits_include_padding": (
         "        hits = (jnp.argmax(logits, -1) == jnp.argmax(y, -1)) & labelled  # (b,)\n",
@@ -111,17 +122,31 @@ EVAL_PAIRS = [
 ]
 
 
+MLP_EVAL_MUTANTS = {
+    "eval_counts_padding_rows",
+    "eval_hits_include_padding",
+    "eval_loss_not_divided_by_classes",
+}  # in models/mlp.py; the others in models/_train.py
+
+
+def eval_build(name: str):
+    old, new = EVAL_MUTANTS[name]
+    return mutant_mlp_build(old, new) if name in MLP_EVAL_MUTANTS else mutant_build(old, new)
+
+
 @pytest.mark.parametrize("case", EVAL_CASES, ids=lambda c: c[0])
 def test_unmutated_copy_evaluates_alike(case):
     build = mutant_build(EVAL_REDUCE, EVAL_REDUCE)
     check_evaluation(*case, sizes=SIZES, batch=64, pad=8, build=build)
+    old = EVAL_MUTANTS["eval_hits_include_padding"][0]
+    check_evaluation(*case, sizes=SIZES, batch=64, pad=8, build=mutant_mlp_build(old, old))
 
 
 @pytest.mark.parametrize(
     ("name", "case"), EVAL_PAIRS, ids=lambda v: v if isinstance(v, str) else v[0]
 )
 def test_evaluation_mutant_is_caught(name, case):
-    build = mutant_build(*EVAL_MUTANTS[name])
+    build = eval_build(name)
     with pytest.raises((AssertionError, ValueError)) as caught:
         check_evaluation(*case, sizes=SIZES, batch=64, pad=8, build=build)
     if isinstance(caught.value, ValueError):  # only check_vma's trace-time verdict counts
@@ -129,27 +154,27 @@ def test_evaluation_mutant_is_caught(name, case):
     jax.clear_caches()
 
 
-# Precision mutants of the strategies' shared helpers: the mutated function (from a copy of its
-# module with one line replaced) is swapped into every module that imported it by name.
+# Precision mutants of the strategies' shared helpers: the mutated function or class (from a copy
+# of its module with one line replaced) is swapped into every module that imported it by name.
 BF16, MIXED = shardops.BFLOAT16, shardops.MIXED_BFLOAT16
 HELPER_MUTANTS = {
     # dp/2d: the replicated weight made varying in bf16, so autodiff all-reduces bf16 gradients.
     "data_gradient_all_reduced_in_bf16": (
-        _layout, "gather_over_data", ("models.dp", "models.two_d", "models.fsdp"),
-        "    return shardops.copy_to_region(leaf, DATA_AXIS, accum_dtype)\n",
-        "    return jax.lax.pcast(leaf, DATA_AXIS, to='varying')\n",
+        parallel, ("Parallel", "wrap"), ("shardops_models._train",),
+        "                value = shardops.copy_to_region(value, DATA_AXIS, accum)\n",
+        "                value = jax.lax.pcast(value, DATA_AXIS, to='varying')\n",
         "flow", ("2d", {"data": 4, "model": 2}, BF16),
     ),
     # fsdp: the plain all_gather, whose transpose reduce-scatters bf16 gradients.
     "data_gradient_reduce_scattered_in_bf16": (
-        _layout, "gather_over_data", ("models.dp", "models.two_d", "models.fsdp"),
-        "            return shardops.gather_to_region(leaf, DATA_AXIS, dim, accum_dtype)\n",
-        "            return jax.lax.all_gather(leaf, DATA_AXIS, axis=dim, tiled=True)\n",
+        parallel, ("Parallel", "wrap"), ("shardops_models._train",),
+        "                    value = shardops.gather_to_region(value, DATA_AXIS, dim, accum)\n",
+        "                    value = jax.lax.all_gather(value, DATA_AXIS, axis=dim, tiled=True)\n",
         "flow", ("fsdp_tp", {"data": 2, "model": 4}, BF16),
     ),
     # The loss computed from bf16 logits (log_softmax in bf16) under the mixed policy.
     "loss_from_bf16_logits": (
-        _mlp, "cross_entropy_sum", ("models._train",),
+        _mlp, "cross_entropy_sum", ("shardops_models.mlp",),
         "    return -jnp.sum(labels * jax.nn.log_softmax(logits.astype(jnp.float32)))\n",
         "    return -jnp.sum(labels * jax.nn.log_softmax(logits))\n",
         "trajectory", ("dp", {"data": 4}, MIXED),
@@ -158,14 +183,10 @@ HELPER_MUTANTS = {
 
 
 def swap_helper(monkeypatch, module, name, importers, old, new):
-    source = inspect.getsource(module)
-    assert source.count(old) == 1, f"not found once in {module.__name__}: {old!r}"
-    mutant = types.ModuleType(module.__name__ + "_mutant")
-    exec(
-        compile(source.replace(old, new), f"<mutant of {module.__name__}>", "exec"), mutant.__dict__
-    )
+    mutant = mutant_module(module, old, new)
     for importer in importers:
-        monkeypatch.setattr(sys.modules[importer], name, getattr(mutant, name))
+        for n in (name,) if isinstance(name, str) else name:  # a class with its helpers
+            monkeypatch.setattr(sys.modules[importer], n, getattr(mutant, n))
     jax.clear_caches()
 
 

@@ -5,9 +5,9 @@ import jax
 import numpy as np
 import optax
 import pytest
+import shardops_models as models
 from _model_checks import batches, check_dtype_flow, check_trajectory, mesh_for
 
-import models
 import shardops
 from shardops.testing import dtype_flow
 

@@ -6,11 +6,11 @@ import functools
 
 import jax
 import numpy as np
+import shardops_models as models
 from _model_checks import TOL, batches, max_diff, optimizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import models
 import shardops
 
 MESHES = {

@@ -5,10 +5,9 @@ import jax
 import numpy as np
 import optax
 import pytest
+import shardops_models as models
 from _model_checks import mesh_for
-
-import models
-from models import training
+from shardops_models import loop
 
 SIZES = (48, 64, 24, 10)
 
@@ -26,7 +25,7 @@ def test_dataset_metrics_equal_the_unsharded_model_on_the_whole_set(strategy, me
     labels = np.eye(SIZES[-1], dtype=np.float32)[rng.integers(0, SIZES[-1], n)]
     params = models.init_mlp(jax.random.key(2), SIZES, scale=0.1)
     setup = models.build(strategy, mesh_for(mesh_shape), optimizer=optax.sgd(1.0), sizes=SIZES)
-    loss, accuracy = training.dataset_metrics(
+    loss, accuracy = loop.dataset_metrics(
         setup, setup.shard(params).params, images, labels, chunk=40
     )
     ref_loss = float(models.loss(params, images, labels))
@@ -39,4 +38,4 @@ def test_dataset_metrics_equal_the_unsharded_model_on_the_whole_set(strategy, me
 def test_dataset_metrics_refuse_unpaired_arrays():
     setup = models.build("ref", optimizer=optax.sgd(1.0), sizes=SIZES)
     with pytest.raises(ValueError, match="10 images but 9 labels"):
-        training.dataset_metrics(setup, None, np.zeros((10, 48)), np.zeros((9, 10)))
+        loop.dataset_metrics(setup, None, np.zeros((10, 48)), np.zeros((9, 10)))

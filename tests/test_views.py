@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import shardops_models as models
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
 
-import models
 import shardops
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -23,7 +23,7 @@ MESH_SHAPES = {"ref": None, "dp": {"data": 8}, "tp": {"model": 8}, "2d": {"data"
                "fsdp": {"data": 8}, "fsdp_tp": {"data": 4, "model": 2}}  # fmt: skip
 
 
-@pytest.mark.parametrize("strategy", sorted(models.STRATEGIES))
+@pytest.mark.parametrize("strategy", models.strategies_for(models.Mlp()))
 def test_layout_view_of_every_strategy_state(strategy):
     shape = MESH_SHAPES[strategy]
     setup = models.build(strategy, shape and shardops.make_mesh(shape), optimizer=optax.adam(1e-3))

@@ -15,8 +15,7 @@ from collections.abc import Iterator
 
 import jax
 import numpy as np
-
-from models.data import epoch_order
+from shardops_models.mnist import epoch_order
 
 MAX_STEPS_IN_FLIGHT = 2
 

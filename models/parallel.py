@@ -1,0 +1,572 @@
+"""Strategies for any model: a data-axis strategy composed with a model-axis strategy, and the
+per-device layer context through which a model's forward runs.
+
+    data axis    none · dp (params replicated, gradients AllReduced)
+                 · fsdp (params split, AllGathered just in time, gradients ReduceScattered)
+    model axis   none · tp (Megatron: each layer's plan role picks its kernel)
+                 · sp (tp with sequence parallelism: activations split along S between layers)
+
+    ref = none × none   dp, fsdp = data only   tp, sp = model only
+    2d = dp × tp        fsdp_tp = fsdp × tp    dp_sp = dp × sp     fsdp_sp = fsdp × sp
+
+A model's forward is written once against ``Parallel`` (the context): it runs each group of
+parameters (a *stage*: a layer, a transformer block) through ``ctx.stage(fn, params, x)``,
+which materialises them for the data axis (``pcast`` or AllGather over ``data``, recomputed in
+the backward pass under remat), and calls layers as ``ctx.dense(p, x)``, ``ctx.embed``,
+``ctx.attention``, ``ctx.layer_norm``, ``ctx.cross_entropy``. The *plan* (``models.plan``)
+gives each parameter its role, and the role picks the kernel: a ``column`` dense under ``tp``
+is ``shardops.column_parallel_dense_kernel``, under ``dp`` it is ``shardops.dense``. The
+same context, in recording mode (``Recorder``), derives the collective budget of any model from
+its plan and its shapes, layer by layer, without compiling anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from shardops_models.plan import COLUMN, HEAD, REPLICATED, ROW, VOCAB, names, split_over
+
+import shardops
+from shardops import DATA_AXIS, FLOAT32, MODEL_AXIS, Precision
+
+SEQUENCE_DIM = 1
+"""S of activations ``x[B, S, D]``: the dim sequence parallelism splits over ``model``."""
+
+AR, AG, RS = "all-reduce", "all-gather", "reduce-scatter"
+F32 = 4
+
+
+class Strategy(NamedTuple):
+    """A data-axis strategy (``None``, ``"dp"``, ``"fsdp"``) composed with a model-axis one
+    (``None``, ``"tp"``, ``"sp"``)."""
+
+    name: str
+    data: str | None
+    model: str | None
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The mesh axes the strategy needs."""
+        return (DATA_AXIS,) * bool(self.data) + (MODEL_AXIS,) * bool(self.model)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The axes the batch is split over (dim 0)."""
+        return (DATA_AXIS,) if self.data else ()
+
+
+STRATEGIES = {
+    s.name: s
+    for s in (
+        Strategy("ref", None, None),
+        Strategy("dp", "dp", None),
+        Strategy("fsdp", "fsdp", None),
+        Strategy("tp", None, "tp"),
+        Strategy("sp", None, "sp"),
+        Strategy("2d", "dp", "tp"),
+        Strategy("fsdp_tp", "fsdp", "tp"),
+        Strategy("dp_sp", "dp", "sp"),
+        Strategy("fsdp_sp", "fsdp", "sp"),
+    )
+}
+"""Every composition, by name (``2d`` is dp × tp, the seed's name for it)."""
+
+ALIASES = {"dp_tp": "2d"}
+
+
+def strategies_for(model) -> list[str]:
+    """The strategy names that apply to ``model``: all, or without sp for a model that has no
+    sequence dimension (the MLP)."""
+    sequence = getattr(model, "sequence", False)
+    return sorted(n for n, s in STRATEGIES.items() if sequence or s.model != "sp")
+
+
+def strategy_named(name: str) -> Strategy:
+    name = ALIASES.get(name, name)
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+@jax.tree_util.register_pytree_node_class
+class Param:
+    """One parameter as a model's forward sees it: the local array, its plan role and layout.
+
+    ``ready`` is False until ``Parallel.stage`` has materialised it for the data axis; layers
+    refuse a parameter that is not ready (a forward that skipped ``ctx.stage`` would compute
+    with an FSDP shard)."""
+
+    __slots__ = ("path", "ready", "role", "spec", "value")
+
+    def __init__(self, value, role: str, spec, path: str, ready: bool = False):
+        self.value, self.role, self.spec, self.path, self.ready = value, role, spec, path, ready
+
+    def tree_flatten(self):
+        return (self.value,), (self.role, self.spec, self.path, self.ready)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    @property
+    def shape(self):
+        return self.value.shape
+
+    def __repr__(self):
+        return f"Param({self.path}, role={self.role}, spec={self.spec}, shape={self.shape})"
+
+
+def is_param(x) -> bool:
+    return isinstance(x, Param)
+
+
+def wrap(params, roles, specs):
+    """The parameter tree as ``Param`` leaves (not yet materialised)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, v, role, spec: Param(v, role, spec, jax.tree_util.keystr(path)),
+        params,
+        roles,
+        specs,
+    )
+
+
+def values(tree):
+    """The arrays of a tree of ``Param`` leaves."""
+    return jax.tree.map(lambda p: p.value, tree, is_leaf=is_param)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """The per-device layer context of one strategy (inside ``jax.shard_map``, or unsharded for
+    ``ref``). See the module docstring."""
+
+    strategy: Strategy
+    precision: Precision = FLOAT32
+    remat: bool = False
+
+    @property
+    def tp(self) -> bool:
+        return self.strategy.model is not None
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.strategy.model == "sp"
+
+    # --- stages: the data axis
+
+    def stage(self, fn: Callable, params, *args):
+        """``fn(params, *args)`` with ``params`` (a tree of ``Param``) materialised for the data
+        axis: AllGathered over ``data`` where split (fsdp; the backward ReduceScatters the
+        gradient), ``pcast`` to varying where replicated (dp; the backward AllReduces it). With
+        remat the stage is ``jax.checkpoint``-ed: the backward pass gathers again."""
+
+        def run(params, *args):
+            return fn(jax.tree.map(self._materialise, params, is_leaf=is_param), *args)
+
+        return jax.checkpoint(run)(params, *args) if self.remat else run(params, *args)
+
+    def _materialise(self, p: Param) -> Param:
+        value = p.value
+        if self.strategy.data:
+            accum = self.precision.accum_dtype
+            for dim, entry in enumerate(p.spec):
+                if DATA_AXIS in names(entry):
+                    value = shardops.gather_to_region(value, DATA_AXIS, dim, accum)
+                    break
+            else:
+                value = shardops.copy_to_region(value, DATA_AXIS, accum)
+        return Param(value, p.role, p.spec, p.path, ready=True)
+
+    # --- layers
+
+    def dense(self, p, x):
+        """``x[..., D] · w + b`` by the role of ``p["w"]``: column-parallel, row-parallel or
+        local. Under sp, ``x[B, S_model, D]`` is gathered along S by a column layer and a row
+        layer's output is reduce-scattered back along S."""
+        w, b, role = self._arrays(p, "w", "dense"), self._optional(p, "b"), p["w"].role
+        sp = self.sequence_parallel and x.ndim > 2
+        if self.tp and role == COLUMN:
+            return shardops.column_parallel_dense_kernel(
+                x, w, b, gather_input=sp, gather_dimension=SEQUENCE_DIM, precision=self.precision
+            )
+        if self.tp and role == ROW:
+            reduce = "psum_scatter" if sp else "psum"
+            return shardops.row_parallel_dense_kernel(
+                x, w, b, reduce=reduce, scatter_dimension=SEQUENCE_DIM, precision=self.precision
+            )
+        if role not in (COLUMN, ROW, REPLICATED):
+            raise ValueError(f"{p['w'].path}: a dense layer takes role column, row or "
+                             f"replicated; the plan says {role!r}")  # fmt: skip
+        return shardops.dense(x, w, b, precision=self.precision)
+
+    def embed(self, p, ids):
+        """``table[ids]``: vocab-parallel under tp (the AllReduce, or under sp the
+        ReduceScatter along S, of the rows each device holds), else a local lookup."""
+        table, role = self._arrays(p, "table", "embed"), p["table"].role
+        if self.tp and role == VOCAB:
+            reduce = "psum_scatter" if self.sequence_parallel else "psum"
+            return shardops.vocab_parallel_embedding_kernel(
+                ids, table, reduce=reduce, scatter_dimension=SEQUENCE_DIM,
+                precision=self.precision,
+            )  # fmt: skip
+        if role not in (VOCAB, REPLICATED):
+            raise ValueError(f"{p['table'].path}: an embedding takes role vocab or replicated; "
+                             f"the plan says {role!r}")  # fmt: skip
+        x = jnp.take(table, ids, axis=0).astype(self.precision.compute_dtype)  # x[B, S, D]
+        if self.sequence_parallel:  # keep this device's part of S; dx AllReduced over model
+            x = shardops.copy_to_region(x, MODEL_AXIS, self.precision.accum_dtype)
+            x = _sequence_block(x).astype(self.precision.compute_dtype)  # x[B, S/p, D]
+        return x
+
+    def attention(self, p, x, *, num_heads: int, causal: bool = True):
+        """Self-attention: head-parallel under tp (sp: x gathered along S once), else local."""
+        params = {k: self._arrays(p, k, "attention") for k in p}
+        roles = {q.role for q in p.values()}
+        if self.tp and roles == {HEAD}:
+            return shardops.head_parallel_attention_kernel(
+                x, params, num_heads=num_heads, causal=causal,
+                sequence_parallel=self.sequence_parallel, precision=self.precision,
+            )  # fmt: skip
+        if roles - {HEAD, REPLICATED} or len(roles) > 1:
+            raise ValueError(f"attention parameters take one role, head or replicated; the plan "
+                             f"says {sorted(roles)}")  # fmt: skip
+        if self.sequence_parallel:
+            raise ValueError(
+                "under sequence parallelism attention must have the head role (it sees the "
+                "whole sequence): set the plan's attention role to 'head'"
+            )
+        return shardops.attention(
+            x, params, num_heads=num_heads, causal=causal, precision=self.precision
+        )
+
+    def layer_norm(self, p, x):
+        return shardops.layer_norm(
+            x, self._optional(p, "scale"), self._optional(p, "bias")
+        )  # same layout as x; under sp dscale, dbias are AllReduced over model (check_vma)
+
+    def rms_norm(self, p, x):
+        return shardops.rms_norm(x, self._optional(p, "scale"))
+
+    def is_split(self, p) -> bool:
+        """Whether ``dense(p, ·)``'s output is split along its features (a column layer)."""
+        return self.tp and p["w"].role == COLUMN
+
+    def cross_entropy(self, logits, labels, *, split: bool):
+        """Per-position loss ``[...]`` in float32 of integer ``labels``; ``split``: the logits
+        are ``logits[..., V_model]`` (a column head) and the loss is vocab-parallel."""
+        if split:
+            return shardops.vocab_parallel_cross_entropy_kernel(
+                logits, labels, precision=self.precision
+            )
+        logits = logits.astype(jnp.float32)  # [..., V] in f32
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+    def argmax(self, logits, *, split: bool):
+        if split:
+            return shardops.vocab_parallel_argmax_kernel(logits)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    # --- helpers
+
+    @staticmethod
+    def _arrays(p, key: str, layer: str):
+        if key not in p:
+            raise KeyError(f"{layer} needs parameter {key!r}; got {sorted(p)}")
+        return Parallel._value(p[key], layer)
+
+    @staticmethod
+    def _optional(p, key: str):
+        return Parallel._value(p[key], key) if p.get(key) is not None else None
+
+    @staticmethod
+    def _value(leaf, layer: str):
+        if isinstance(leaf, Param):
+            if not leaf.ready:
+                raise ValueError(
+                    f"{leaf.path} reached {layer} without ctx.stage: run each group of "
+                    f"parameters through ctx.stage(fn, params, x) so the strategy can gather it"
+                )
+            return leaf.value
+        return leaf
+
+
+def _sequence_block(x):
+    """This device's block of ``x[B, S, D]`` along S: ``x[B, S/p, D]``."""
+    p = lax.axis_size(MODEL_AXIS)
+    s = x.shape[SEQUENCE_DIM] // p
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(MODEL_AXIS) * s, s, axis=SEQUENCE_DIM)
+
+
+# --- the collective budget of any model, from its plan and shapes
+
+
+class Recorder(Parallel):
+    """A ``Parallel`` that computes nothing and records, layer by layer, the collectives the
+    strategy's kernels issue: bytes V per (kind, mesh axes), V the size in bytes of the
+    (gathered or reduced) full operand, the convention of ``shardops.collectives``.
+
+    It runs the model's forward under ``jax.eval_shape`` on the *local* shapes of one device
+    (the batch shard, each parameter's ``model`` shard), so every size is what that device
+    moves. A layer input that is the model's own input (the data) needs no gradient; every
+    other activation does. ``reads`` collects the parameters the backward pass reads, which
+    remat gathers a second time.
+
+    Remat: a stage's backward first recomputes the stage's forward, as far as the backward
+    needs it. A layer whose output a later layer of the same stage consumes is recomputed
+    whole: its parameters are gathered again and its forward collectives run again. The
+    stage's *tail* (the layers after the last one that consumes another's output: the block's
+    ``down`` projection, the head, the embedding lookups) is recomputed only as far as its own
+    backward reads: the parameters it reads (a weight, when its input needs a gradient; a
+    norm's scale) and its input's gather under sequence parallelism, not its output's
+    reduction.
+    """
+
+    def __init__(self, strategy, precision, mesh_shape: dict[str, int], inputs, remat=False):
+        super().__init__(strategy, precision, remat=remat)
+        object.__setattr__(self, "mesh_shape", mesh_shape)
+        object.__setattr__(self, "budget", {})
+        object.__setattr__(self, "reads", set())
+        object.__setattr__(self, "_inputs", {id(a) for a in jax.tree.leaves(inputs)})
+        object.__setattr__(self, "_frame", None)
+
+    @property
+    def p(self) -> int:
+        return self.mesh_shape[MODEL_AXIS] if self.tp else 1
+
+    def add(self, kind: str, nbytes: int, axes=(MODEL_AXIS,)) -> None:
+        if nbytes and all(self.mesh_shape[a] > 1 for a in axes):
+            key = (kind, tuple(axes))
+            self.budget[key] = self.budget.get(key, 0) + int(nbytes)
+
+    def needs_grad(self, x) -> bool:
+        return id(x) not in self._inputs
+
+    def stage(self, fn, params, *args):
+        frame = _Frame(stage_inputs={id(a) for a in args})
+        object.__setattr__(self, "_frame", frame)
+        out = fn(jax.tree.map(lambda q: Param(q.value, q.role, q.spec, q.path, True), params,
+                              is_leaf=is_param), *args)  # fmt: skip
+        object.__setattr__(self, "_frame", None)
+        consumed = max((i for i, c in enumerate(frame.calls) if c.consumes), default=0)
+        for i, call in enumerate(frame.calls):
+            self.reads.update(call.reads)
+            if not self.remat:
+                continue
+            recomputed = call.params if i < consumed else call.reads
+            self.reads.update(recomputed)
+            again = call.forward if i < consumed else call.input_side
+            for kind, nbytes in again:
+                self.add(kind, nbytes)
+        return out
+
+    def _call(self, x, params, *, consumes=True) -> _Call:
+        """Open the record of one layer call on input ``x`` with these ``Param`` leaves."""
+        call = _Call([q.path for q in jax.tree.leaves(params, is_leaf=is_param)])
+        frame = self._frame
+        if frame is not None:
+            call.consumes = consumes and id(x) not in frame.stage_inputs
+            frame.calls.append(call)
+        return call
+
+    def _forward(self, call, kind, nbytes, *, input_side=False) -> None:
+        self.add(kind, nbytes)
+        call.forward.append((kind, nbytes))
+        if input_side:
+            call.input_side.append((kind, nbytes))
+
+    def _model_split_reduced(self, p: Param) -> None:
+        """A parameter replicated over ``model`` used on an activation split over ``model``
+        (sequence parallelism): check_vma AllReduces its gradient over ``model``."""
+        if self.sequence_parallel and not split_over(p.spec, MODEL_AXIS):
+            self.add(AR, math.prod(p.shape) * F32)
+
+    def dense(self, p, x):
+        w, role = p["w"], p["w"].role
+        b = p.get("b")
+        call = self._call(x, p)
+        sp = self.sequence_parallel and x.ndim > 2
+        grad = self.needs_grad(x)
+        if grad:
+            call.reads.append(w.path)
+        full_x = _repeat(x, self.p) if sp and self.tp and role == COLUMN else x
+        y = jnp.zeros((*full_x.shape[:-1], w.shape[1]), self.precision.compute_dtype)
+        if self.tp and role == COLUMN:
+            if sp:  # x gathered along S; dw reads it, so remat gathers it again
+                self._forward(call, AG, full_x.size * full_x.dtype.itemsize, input_side=True)
+                if grad:
+                    self.add(RS, full_x.size * F32)  # dx reduce-scattered along S
+            elif grad:
+                self.add(AR, x.size * F32)  # dx[..., D]{U_model}
+            return y
+        if self.tp and role == ROW:
+            if sp:
+                self._forward(call, RS, y.size * F32)  # y{U_model} → y[B, S_model, D]
+                self.add(AG, y.size * F32)  # its transpose: dy gathered along S
+                if b is not None:
+                    self.add(AR, math.prod(b.shape) * F32)  # db: b replicated, y split
+                return _block(y, self.p)
+            self._forward(call, AR, y.size * F32)  # y[..., D]{U_model} → y
+            return y
+        for q in (w, b):
+            if q is not None:
+                self._model_split_reduced(q)
+        return y
+
+    def embed(self, p, ids):
+        table = p["table"]
+        call = self._call(ids, p, consumes=False)  # ids are data: nothing to recompute
+        x = jnp.zeros((*ids.shape, table.shape[1]), self.precision.compute_dtype)  # x[B, S, D]
+        if self.tp and table.role == VOCAB:
+            if self.sequence_parallel:
+                self._forward(call, RS, x.size * F32)  # x{U_model} → x[B, S_model, D]
+                self.add(AG, x.size * F32)  # its transpose: dx gathered along S
+                return _block(x, self.p)
+            self._forward(call, AR, x.size * F32)  # x{U_model} → x
+            return x
+        if self.sequence_parallel:
+            self.add(AR, x.size * F32)  # dx of the replicated lookup, before the S slice
+            return _block(x, self.p)
+        return x
+
+    def attention(self, p, x, *, num_heads: int, causal: bool = True):
+        call = self._call(x, p)
+        grad = self.needs_grad(x)
+        call.reads.append(p["wo"].path)
+        if grad:
+            call.reads.extend(p[k].path for k in ("wq", "wk", "wv"))
+        roles = {q.role for q in p.values()}
+        y = jnp.zeros(x.shape, self.precision.compute_dtype)
+        if not (self.tp and roles == {HEAD}):
+            if self.sequence_parallel:
+                raise ValueError("under sequence parallelism attention must have the head role")
+            return y
+        if self.sequence_parallel:
+            full = _repeat(x, self.p)  # x[B, S, D]
+            self._forward(call, AG, full.size * full.dtype.itemsize, input_side=True)
+            if grad:
+                self.add(RS, full.size * F32)  # dx reduce-scattered along S
+            self._forward(call, RS, full.size * F32)  # y{U_model} → y[B, S_model, D]
+            self.add(AG, full.size * F32)  # its transpose: dy gathered along S
+            if p.get("bo") is not None:
+                self.add(AR, math.prod(p["bo"].shape) * F32)  # dbo: bo replicated, y split
+            return y
+        if grad:
+            self.add(AR, x.size * F32)  # dx[B, S, D]{U_model}, once for Q, K and V
+        self._forward(call, AR, x.size * F32)  # y[B, S, D]{U_model} → y
+        return y
+
+    def layer_norm(self, p, x):
+        call = self._call(x, p)
+        if self.needs_grad(x) and p.get("scale") is not None:
+            call.reads.append(p["scale"].path)
+        for q in p.values():
+            if q is not None:
+                self._model_split_reduced(q)
+        return jnp.zeros(x.shape, x.dtype)
+
+    def rms_norm(self, p, x):
+        return self.layer_norm(p, x)
+
+    def cross_entropy(self, logits, labels, *, split: bool):
+        if split and self.tp:
+            self.add(AR, 3 * labels.size * F32)  # max, Σ exp, target logit: [...] each
+        return jnp.zeros(labels.shape, jnp.float32)
+
+    def argmax(self, logits, *, split: bool):
+        return jnp.zeros(logits.shape[:-1], jnp.int32)
+
+
+@dataclasses.dataclass
+class _Call:
+    params: list[str]
+    consumes: bool = False
+    reads: list[str] = dataclasses.field(default_factory=list)
+    forward: list = dataclasses.field(default_factory=list)
+    input_side: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Frame:
+    stage_inputs: set
+    calls: list = dataclasses.field(default_factory=list)
+
+
+def _repeat(x, p: int):
+    return jnp.concatenate([x] * p, axis=SEQUENCE_DIM) if p > 1 else x
+
+
+def _block(x, p: int):
+    return x[:, : x.shape[SEQUENCE_DIM] // p] if p > 1 else x
+
+
+def data_axis_budget(specs, shapes, mesh_shape, *, reads=(), remat=False, param_bytes=F32):
+    """Per leaf, with V its bytes after the ``data`` gather (its ``model`` shard) in float32:
+    split over data → AllGather forward in the param dtype (V · param_bytes / 4; again in the
+    backward, with remat, if the backward reads it) + ReduceScatter V of the float32
+    gradient; replicated over data → AllReduce V of the float32 gradient."""
+    budget: dict = {}
+
+    def add(kind, nbytes):
+        if nbytes and mesh_shape[DATA_AXIS] > 1:
+            budget[(kind, (DATA_AXIS,))] = budget.get((kind, (DATA_AXIS,)), 0) + int(nbytes)
+
+    flat_specs = jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda s: isinstance(s, P))
+    flat_shapes = jax.tree.leaves(shapes, is_leaf=_is_shape)
+    for (path, spec), shape in zip(flat_specs, flat_shapes, strict=True):
+        entries = list(spec) + [None] * (len(shape) - len(spec))
+        model_split = math.prod(mesh_shape[a] for e in entries for a in names(e) if a != DATA_AXIS)
+        v = math.prod(shape) // model_split * F32
+        if split_over(spec, DATA_AXIS):
+            regather = remat and jax.tree_util.keystr(path) in reads
+            add(AG, v // F32 * param_bytes * (2 if regather else 1))
+            add(RS, v)
+        else:
+            add(AR, v)
+    return budget
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def local_shape(shape, spec, mesh_shape, axes) -> tuple[int, ...]:
+    """The shape of one device's block of a leaf split by ``spec`` over ``axes`` only."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    return tuple(
+        d // math.prod(mesh_shape[a] for a in names(e) if a in axes)
+        for d, e in zip(shape, entries, strict=True)
+    )
+
+
+def merge(*budgets: dict) -> dict:
+    out: dict = {}
+    for b in budgets:
+        for k, v in b.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+__all__ = [
+    "ALIASES",
+    "STRATEGIES",
+    "Parallel",
+    "Param",
+    "Recorder",
+    "Strategy",
+    "data_axis_budget",
+    "strategies_for",
+    "strategy_named",
+    "values",
+    "wrap",
+]
+
+del np

@@ -1,0 +1,135 @@
+"""Shared checks of the GPT (``models.Gpt``) under every strategy: 5 steps equal an independent
+reference, and the compiled collectives equal the plan-derived budget.
+
+The reference is ``jax.value_and_grad(model.reference_loss)``: the GPT in plain ``jax.numpy``
+(no shardops layer, no ``models.parallel``) with the same optax optimizer, so a bug in the
+strategy mechanism, the layers or the step cannot hide in both.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import shardops_models as models
+from _model_checks import MIN_MOVE, STEPS, max_diff, mesh_for
+
+import shardops
+
+# A GPT every mesh of 8 divides: 8 heads of 4, vocabulary 64, MLP 64, S = 16 (sp splits it).
+GPT = models.Gpt(vocab_size=64, d_model=32, num_heads=8, num_layers=1, context=16, d_ff=64)
+BATCH, SEQ = 16, 16
+# f32: sharding reorders sums (and the softmax's max/Σexp over vocabulary shards).
+TOL = {
+    "sgd": {"loss": 2e-6, "grads": 1e-6, "params": 5e-6},
+    "adam": {"loss": 2e-6, "grads": 1e-6, "params": 1e-5},
+}
+GPT_ERRORS: dict[tuple, dict] = {}  # (strategy, mesh, optimizer) → worst errors, for the report
+
+MESHES = {
+    "1x8": {"data": 1, "model": 8},
+    "2x4": {"data": 2, "model": 4},
+    "4x2": {"data": 4, "model": 2},
+    "8x1": {"data": 8, "model": 1},
+    "data8": {"data": 8},
+    "model8": {"model": 8},
+}
+
+
+def cases():
+    """Every strategy on every mesh of 8 that has its axes (1-axis meshes included)."""
+    out = []
+    for name in sorted(models.STRATEGIES):
+        if name == "ref":
+            continue
+        axes = set(models.STRATEGIES[name].axes)
+        out += [(name, mesh) for mesh, shape in MESHES.items() if axes <= set(shape)]
+    return out
+
+
+def optimizer(name: str) -> optax.GradientTransformation:
+    # Adam divides by |g| + eps: with the default eps = 1e-8 it turns a gradient that is zero in
+    # exact arithmetic (the key bias's) and ~1e-10 after reordered sums into steps of ~1e-5.
+    # eps = 1e-6 keeps that below the tolerance; every other leaf's gradient is far above it.
+    return optax.sgd(4.0) if name == "sgd" else optax.adam(1e-3, eps=1e-6)
+
+
+def gpt_batches(seed: int = 0):
+    """``ids[STEPS, B, S]`` and next-token ``labels`` (int32) from one random token stream."""
+    tokens = np.random.default_rng(seed).integers(0, GPT.vocab_size, (STEPS, BATCH, SEQ + 1))
+    return tokens[..., :-1].astype(np.int32), tokens[..., 1:].astype(np.int32)
+
+
+def reference_trajectory(params, ids, labels, opt):
+    value_and_grad = jax.jit(jax.value_and_grad(GPT.reference_loss))
+    opt_state = opt.init(params)
+    losses, grads = [], []
+    for x, y in zip(ids, labels, strict=True):
+        loss, g = value_and_grad(params, x, y)
+        updates, opt_state = opt.update(g, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+        grads.append(jax.device_get(g))
+    return np.array(losses), grads, jax.device_get(params)
+
+
+def check_gpt_trajectory(strategy, mesh_name, opt_name, *, build=models.build, plan=None,
+                         remat=False, budget=False) -> dict:  # fmt: skip
+    """Assert 5 steps' losses, gradients and params equal the plain reference; with
+    ``budget``, also that the compiled train step's collectives equal ``collective_budget``."""
+    tol = TOL[opt_name]
+    params = GPT.init(jax.random.key(0))
+    ids, labels = gpt_batches()
+    ref_losses, ref_grads, ref_params = reference_trajectory(
+        params, ids, labels, optimizer(opt_name)
+    )
+    mesh = mesh_for(MESHES.get(mesh_name))
+    setup = build(strategy, mesh, optimizer=optimizer(opt_name), model=GPT, plan=plan, remat=remat)
+    state = setup.shard(params)
+    # One compiled step serves the budget check and the 5 steps. Gradients are the optimizer's
+    # input, checked on the SGD runs only (Adam's check is its losses and parameters).
+    step = setup.train_step.lower(state, *setup.place_batch(ids[0], labels[0])).compile()
+    if budget:
+        check_budget(setup, step, ids.shape[1:])
+    losses, grads = [], []
+    for x, y in zip(ids, labels, strict=True):
+        xb, yb = setup.place_batch(x, y)
+        if opt_name == "sgd":
+            grads.append(setup.gather(setup.loss_and_grads(state.params, xb, yb)[1]))
+        state, loss = step(state, xb, yb)
+        losses.append(float(loss))  # a host sync every step: at most one step in flight
+    final = setup.gather(state.params)
+    errors = {
+        "loss": float(np.max(np.abs(np.array(losses) - ref_losses))),
+        "grads": max((max_diff(g, r) for g, r in zip(grads, ref_grads, strict=False)), default=0.0),
+        "params": max_diff(final, ref_params),
+    }
+    where = f"GPT {strategy} on {mesh_name} with {opt_name}" + (" (remat)" if remat else "")
+    for k, err in errors.items():
+        assert err <= tol[k], f"{where}: max |{k} − reference| = {err:.3e} > {tol[k]:.0e}"
+    for (path, start), end in zip(jax.tree_util.tree_leaves_with_path(params),
+                                  jax.tree.leaves(ref_params), strict=True):  # fmt: skip
+        if jax.tree_util.keystr(path).endswith("['bk']"):
+            continue  # softmax ignores a shift shared by all keys: the key bias has no gradient
+        moved = float(np.max(np.abs(np.asarray(end) - np.asarray(start))))
+        assert moved >= MIN_MOVE * tol["params"], (
+            f"{jax.tree_util.keystr(path)} moved only {moved:.2e} in {STEPS} steps: the check "
+            f"could not see a zeroed or doubled gradient"
+        )
+    key = (f"gpt {strategy}" + ("+remat" if remat else ""), mesh_name, opt_name)
+    old = GPT_ERRORS.get(key, {})
+    GPT_ERRORS[key] = {k: max(v, old.get(k, 0.0)) for k, v in errors.items()}
+    return errors
+
+
+def check_budget(setup, compiled, batch_shape) -> None:
+    """The compiled train step moves exactly the plan-derived bytes per (kind, axes)."""
+    totals: dict = {}
+    for c in shardops.collectives(setup.mesh, compiled):
+        if c.bytes:
+            totals[(c.kind, c.axes)] = totals.get((c.kind, c.axes), 0) + c.bytes
+    expected = setup.collective_budget(*batch_shape)
+    assert totals == expected, (
+        f"GPT {setup.strategy} on {dict(setup.mesh.shape)}: compiled collectives {totals} "
+        f"!= plan-derived budget {expected}"
+    )
