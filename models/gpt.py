@@ -82,6 +82,9 @@ class Gpt:
             k_attn, k_o, k_up, k_down = jax.random.split(k, 4)
             attn = shardops.init_attention(k_attn, d, self.num_heads, self.head_dim)
             attn["wo"] = residual(k_o, (d, d))
+            # No key bias: softmax ignores a shift shared by every key, so its gradient is zero
+            # in exact arithmetic and rounding noise in practice (which Adam would amplify).
+            del attn["bk"]
             blocks.append({
                 "ln1": _norm(d),
                 "attn": attn,
@@ -204,7 +207,7 @@ class Gpt:
         def heads(w, bias):
             return (x @ w + bias).reshape(b, s, self.num_heads, self.head_dim)  # (B, S, H, hd)
 
-        q, k, v = heads(p["wq"], p["bq"]), heads(p["wk"], p["bk"]), heads(p["wv"], p["bv"])
+        q, k, v = heads(p["wq"], p["bq"]), heads(p["wk"], 0.0), heads(p["wv"], p["bv"])
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.head_dim)
         weights = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)  # (B, H, S, S)
         o = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, s, self.d_model)

@@ -48,9 +48,10 @@ def cases():
 
 
 def optimizer(name: str) -> optax.GradientTransformation:
-    # Adam divides by |g| + eps: with the default eps = 1e-8 it turns a gradient that is zero in
-    # exact arithmetic (the key bias's) and ~1e-10 after reordered sums into steps of ~1e-5.
-    # eps = 1e-6 keeps that below the tolerance; every other leaf's gradient is far above it.
+    # Adam divides by |g| + eps: with the default eps = 1e-8, an entry whose gradient is tiny
+    # (~1e-9, e.g. a rarely used position's) turns its float32 rounding noise into a step of
+    # ~lr · noise / eps, up to 2e-5 after 5 steps. eps = 1e-6 bounds that amplification; the
+    # leaves' real gradients (≥ 1e-5) still take full Adam steps.
     return optax.sgd(4.0) if name == "sgd" else optax.adam(1e-3, eps=1e-6)
 
 
@@ -109,8 +110,6 @@ def check_gpt_trajectory(strategy, mesh_name, opt_name, *, build=models.build, p
         assert err <= tol[k], f"{where}: max |{k} − reference| = {err:.3e} > {tol[k]:.0e}"
     for (path, start), end in zip(jax.tree_util.tree_leaves_with_path(params),
                                   jax.tree.leaves(ref_params), strict=True):  # fmt: skip
-        if jax.tree_util.keystr(path).endswith("['bk']"):
-            continue  # softmax ignores a shift shared by all keys: the key bias has no gradient
         moved = float(np.max(np.abs(np.asarray(end) - np.asarray(start))))
         assert moved >= MIN_MOVE * tol["params"], (
             f"{jax.tree_util.keystr(path)} moved only {moved:.2e} in {STEPS} steps: the check "

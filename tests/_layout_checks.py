@@ -2,7 +2,7 @@
 
 Everything here is written by hand from the README tables ("MLP strategies": column
 ``w[D, F_model]``, row ``w[F_model, D]``, ``fsdp_tp``'s ``w[D_data, F_model]``), the docstrings
-of ``models._layout`` (``tp_plan``: column, row, …, an odd last layer replicated; ``with_fsdp``:
+of ``models.plan`` and ``models.mlp`` (``tp_plan``: column, row, …, an odd last layer replicated; ``with_fsdp``:
 split the largest dimension that divides by ``data`` after any ``model`` split, preferring one
 not split over ``model``, ``data`` as the minor axis on a ``model``-split one) and the ring
 formulas (AllReduce 2·V·(N−1)/N; AllGather, ReduceScatter, AllToAll V·(N−1)/N;

@@ -13,6 +13,8 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     namespace: dict = {}
     for block in blocks:
         exec(compile(block, str(README), "exec"), namespace)
+    import jax
+
     import shardops
 
     (c,) = shardops.collectives(
@@ -23,6 +25,15 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     x = namespace["x"]
     p1, p2 = namespace["p1"], namespace["p2"]
     assert f(x, p1["w"], p1["b"], p2["w"], p2["b"]).shape == (256, 10)
+    # The user-defined TinyLM: one loss under every strategy, and the plan-derived budget is
+    # what the compiled fsdp_sp step moves.
+    losses = {k: float(v) for k, v in namespace["losses"].items()}
+    assert all(abs(v - losses["ref"]) < 1e-6 for v in losses.values()), losses
+    lm = namespace["lm"]
+    state = lm.init(jax.random.key(0))
+    ids, labels = lm.place_batch(namespace["lm_ids"], namespace["lm_labels"])
+    totals = shardops.ledger(lm.mesh, lm.train_step, state, ids, labels).totals()
+    assert totals == lm.collective_budget(8, 16)
 
 
 def test_readme_transformer_example_starts_at_log_v_and_pads_cleanly(tmp_path, monkeypatch):
