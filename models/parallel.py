@@ -263,6 +263,7 @@ class Parallel:
     def cross_entropy(self, logits, labels, *, split: bool):
         """Per-position loss ``[...]`` in float32 of integer ``labels``; ``split``: the logits
         are ``logits[..., V_model]`` (a column head) and the loss is vocab-parallel."""
+        _check_logits_cover_labels(self, logits, labels)
         if split:
             return shardops.vocab_parallel_cross_entropy_kernel(
                 logits, labels, precision=self.precision
@@ -297,6 +298,20 @@ class Parallel:
                 )
             return leaf.value
         return leaf
+
+
+def _check_logits_cover_labels(ctx, logits, labels) -> None:
+    if logits.shape[:-1] != labels.shape:
+        hint = (
+            " Under sequence parallelism the output layer gathers the sequence only as a "
+            "column-parallel layer: give it the plan's role 'column'."
+            if ctx.sequence_parallel
+            else ""
+        )
+        raise ValueError(
+            f"cross_entropy: logits{tuple(logits.shape)} do not cover labels"
+            f"{tuple(labels.shape)} (the logits' leading dims must equal the labels' shape).{hint}"
+        )
 
 
 def _sequence_block(x):
@@ -477,6 +492,7 @@ class Recorder(Parallel):
         return self.layer_norm(p, x)
 
     def cross_entropy(self, logits, labels, *, split: bool):
+        _check_logits_cover_labels(self, logits, labels)
         if split and self.tp:
             self.add(AR, 3 * labels.size * F32)  # max, Σ exp, target logit: [...] each
         return jnp.zeros(labels.shape, jnp.float32)

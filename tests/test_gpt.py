@@ -96,3 +96,15 @@ def test_build_errors_name_the_leaf_the_axis_and_both_sizes():
     with pytest.raises(ValueError, match="unknown role"):
         models.build("tp", mesh, optimizer=optax.sgd(0.1), model=GPT,
                      plan={**GPT.plan(), "head": "colum"})  # fmt: skip
+
+
+def test_a_replicated_head_under_sequence_parallelism_is_a_clear_error():
+    plan = {**GPT.plan(), "head": models.REPLICATED}
+    setup = models.build("sp", shardops.make_mesh({"model": 8}), optimizer=optax.sgd(0.1),
+                         model=GPT, plan=plan)  # fmt: skip
+    ids, labels = (a[0] for a in gpt_batches())
+    state = setup.init(jax.random.key(0))
+    with pytest.raises(ValueError, match="give it the plan's role 'column'"):
+        setup.train_step(state, *setup.place_batch(ids, labels))
+    with pytest.raises(ValueError, match="give it the plan's role 'column'"):
+        setup.collective_budget(BATCH, SEQ)
