@@ -57,11 +57,12 @@ _psum_grad.defvjp(_psum_grad_fwd, _psum_grad_bwd)
 K_LINE = '    k = _project(x, params["wk"], params.get("bk"), heads, precision)  # k[B·H/p, S, hd]'
 V_LINE = '    v = _project(x, params["wv"], params.get("bv"), heads, precision)  # v[B·H/p, S, hd]'
 OTHER_HEADS = (
-    'lax.all_gather(params["{w}"], axis_name, axis=1, tiled=True)[:, : params["{w}"].shape[1]]'
+    'lax.all_gather(params["{w}"], MODEL_AXIS, axis=1, tiled=True)[:, : params["{w}"].shape[1]]'
 )
 MASK = "visible = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]"
 PSUM = "        y = lax.psum(y_partial, axis_name)  # y[B, S, D] in accum"
-Y_PARTIAL = '    y_partial = precision.matmul(o, params["wo"])  # y[B, S, D]{U_model} in accum'
+# The output projection's partial sums y[B, S, D]{U_model} (``_attend``, before the kernel's psum).
+Y_PARTIAL = '    return precision.matmul(o, params["wo"])  # y[B, S, D] in accum'
 
 # name → (old line, new line, appended code, (precision, causal, sequence_parallel), caught by)
 ATTENTION_MUTANTS = {
