@@ -42,7 +42,7 @@ LARGEST_FREE = (
     "    free = sorted((d for d in range(len(shape)) if entries[d] is None), "
     "key=lambda d: -shape[d])\n"
 )
-DATA_MINOR = "            entries[d] = spec_entry(*_names(entries[d]), DATA_AXIS)\n"
+DATA_MINOR = "            entries[d] = spec_entry(*names(entries[d]), DATA_AXIS)\n"
 
 # name → (old line, new line, a layout case and a shard-index case that must catch it)
 LAYOUT_MUTANTS = {
@@ -65,7 +65,7 @@ LAYOUT_MUTANTS = {
     # over data no longer rebuilds a model shard.
     "fsdp_data_major_on_model_split_dim": (
         DATA_MINOR,
-        DATA_MINOR.replace("*_names(entries[d]), DATA_AXIS", "DATA_AXIS, *_names(entries[d])"),
+        DATA_MINOR.replace("*names(entries[d]), DATA_AXIS", "DATA_AXIS, *names(entries[d])"),
         ("fsdp_tp", "4x2", SEED),
         ("fsdp_tp", "4x2", SEED, 0, "b"),
     ),
