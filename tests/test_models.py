@@ -169,7 +169,7 @@ def test_bad_strategy_inputs():
         models.build("2d", mesh_for({"data": 8}), optimizer=sgd)
     with pytest.raises(
         ValueError,
-        match=r"sizes\[1\] = 30 \(the output width of layer 0, column-parallel under 'tp'\) is not divisible by mesh axis 'model' \(size 4\)",
+        match=r"params\[0\]\['b'\] dim 0 \(features\) = 30 is not divisible by mesh axis 'model' \(size 4\); the plan makes it column",
     ):
         models.build("tp", mesh_for({"model": 4}), optimizer=sgd, sizes=(784, 30, 10))
     with pytest.raises(TypeError, match="strategy 'dp' needs a jax.sharding.Mesh"):
