@@ -109,7 +109,7 @@ def test_params_in_another_dtype_than_the_policy_are_an_error():
     setup = models.build("dp", mesh_for({"data": 8}), optimizer=optax.sgd(1.0),
                          precision=shardops.BFLOAT16)  # fmt: skip
     f32 = models.init_mlp(jax.random.key(0))
-    with pytest.raises(TypeError, match=r"params\[0\]\['w'\] has dtype float32 but precision "
+    with pytest.raises(TypeError, match=r"params\[0\]\['b'\] has dtype float32 but precision "
                        r"policy BFLOAT16 stores parameters in bfloat16"):  # fmt: skip
         setup.shard(f32)
     with pytest.raises(TypeError, match="precision must be a shardops.Precision"):
