@@ -7,6 +7,8 @@ lr = 1.0 · 0.95^(epoch/5), loss -mean(one_hot · log_softmax(logits)), batch 12
     python examples/mlp_2d.py --strategy fsdp_tp --mesh 2x4     # any strategy and mesh
     python examples/mlp_2d.py --compare-reference --plot curves.png
     python examples/mlp_2d.py --data-dir /usr/share/datasets/fashion-mnist --epochs 2
+    python examples/mlp_2d.py --checkpoint-dir runs/mlp --checkpoint-every 100 --resume
+    python -m shardops.launch -n 2 -- examples/mlp_2d.py   # 2 processes × 4 devices
 
 Data: tfds MNIST when it is prepared or can be downloaded; offline, the shipped Fashion-MNIST
 sample (one line says so); ``--data-dir`` reads any folder of the four IDX files.
@@ -15,6 +17,15 @@ Devices: on a machine without an accelerator the script simulates 8 CPU devices 
 setting XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts (equivalently,
 jax.config.update("jax_num_cpu_devices", 8)). The flag only adds host devices; an accelerator
 with enough devices is used when present.
+
+Processes: under ``python -m shardops.launch`` each process joins the run
+(``shardops.distributed.initialize``), reads only its rows of every batch and of every
+evaluation chunk, and process 0 prints the (global) figures and writes the files.
+
+Checkpoints: ``--checkpoint-dir`` saves the train state every ``--checkpoint-every`` steps and
+at the end of every epoch, with the data position, seed and metric history; ``--resume``
+continues from the latest one, on any strategy and mesh, and a run resumed on the same
+layout ends bit-identical to one never stopped.
 """
 
 import os
@@ -33,9 +44,10 @@ import jax
 import numpy as np
 import optax
 import shardops_models as models
-from shardops_models import loop, mnist
+from shardops_models import checkpoint, loop, mnist
 
 import shardops
+import shardops.distributed
 
 
 def parse_args(argv=None):
@@ -62,11 +74,18 @@ def parse_args(argv=None):
     p.add_argument(
         "--metrics-json", metavar="PATH", help="save per-epoch metrics and test predictions"
     )
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="save the train state in DIR")
+    p.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="also save every N steps (default: at the end of each epoch only)")  # fmt: skip
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir (if any)")  # fmt: skip
     return p.parse_args(argv)
 
 
 def make_mesh(spec: str, strategy: str):
     if strategy == "ref":
+        if jax.process_count() > 1:
+            raise SystemExit("--strategy ref runs on one device: run it without the launcher")
         return None
     try:
         n_data, n_model = (int(v) for v in spec.lower().split("x"))
@@ -74,21 +93,39 @@ def make_mesh(spec: str, strategy: str):
         raise SystemExit(f"--mesh must look like 4x2 (data×model); got {spec!r}") from None
     needed = n_data * n_model
     devices = jax.devices()
+    if jax.process_count() > 1 and len(devices) != needed:
+        raise SystemExit(
+            f"--mesh {spec} needs {needed} devices, but the {jax.process_count()} processes "
+            f"of this run have {len(devices)} ({jax.local_device_count()} each); a "
+            f"multi-process mesh uses every device: launch {needed} devices in all"
+        )
     if len(devices) < needed and len(jax.devices("cpu")) >= needed:
-        print(f"Devices: {len(devices)} {devices[0].platform} device(s) < {needed}; using "
-              f"{needed} simulated CPU devices")  # fmt: skip
+        log(f"Devices: {len(devices)} {devices[0].platform} device(s) < {needed}; using "
+            f"{needed} simulated CPU devices")  # fmt: skip
         devices = jax.devices("cpu")
     return shardops.make_mesh({"data": n_data, "model": n_model}, devices=devices)
 
 
+def log(*args, **kwargs) -> None:
+    """``print`` on process 0 only: the figures are global, one copy is enough."""
+    if shardops.distributed.is_main():
+        print(*args, **kwargs)
+
+
 def main(argv=None):
+    shardops.distributed.initialize()  # joins a multi-process run; a no-op otherwise
     args = parse_args(argv)
+    if args.resume and not args.checkpoint_dir:
+        raise SystemExit("--resume needs --checkpoint-dir")
     dataset = mnist.load(args.dataset, args.data_dir)
     if args.train_size:
         dataset = dataset.take_train(args.train_size)
-    print(f"Images: {len(dataset.train_images):,} train / {len(dataset.test_images):,} test, "
-          f"from {dataset.source}")  # fmt: skip
+    log(f"Images: {len(dataset.train_images):,} train / {len(dataset.test_images):,} test, "
+        f"from {dataset.source}")  # fmt: skip
     mesh = make_mesh(args.mesh, args.strategy)
+    if args.compare_reference and jax.process_count() > 1:
+        raise SystemExit("--compare-reference trains the unsharded model in one process: "
+                         "run it without the launcher")  # fmt: skip
     steps_per_epoch = len(dataset.train_images) // args.batch_size
     if steps_per_epoch < 1:
         raise SystemExit(
@@ -110,58 +147,107 @@ def main(argv=None):
     mesh_text = (
         "one device" if mesh is None else " × ".join(f"{k}={v}" for k, v in mesh.shape.items())
     )
-    print(f"Model: MLP {'-'.join(map(str, sizes))}, strategy {args.strategy} on {mesh_text}, "
-          f"{steps_per_epoch} steps of {args.batch_size} per epoch")  # fmt: skip
+    processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    log(f"Model: MLP {'-'.join(map(str, sizes))}, strategy {args.strategy} on {mesh_text}"
+        f"{processes}, {steps_per_epoch} steps of {args.batch_size} per epoch")  # fmt: skip
+
+    history, done = [], 0  # done: steps trained so far
+    ckpt = None
+    if args.checkpoint_dir:
+        ckpt = checkpoint.Checkpoints(args.checkpoint_dir, every=args.checkpoint_every)
+    position = {"seed": args.seed, "batch_size": args.batch_size, "train_images":
+                len(dataset.train_images), "steps_per_epoch": steps_per_epoch}  # fmt: skip
+    if args.resume:
+        if ckpt.latest_step() is None:
+            log(f"Resume: no checkpoint in {ckpt.directory} yet; starting at step 0")
+        else:
+            state, extra = ckpt.restore(setup)
+            check_position(extra, position, ckpt.directory)
+            done, history = ckpt.latest_step(), extra["history"]
+            if ref is not None:
+                ref_state, _ = ckpt.restore(ref)
+            log(f"Resume: step {done} (epoch {done // steps_per_epoch}, batch "
+                f"{done % steps_per_epoch}) from {ckpt.directory}, saved by "
+                f"{ckpt.record()['strategy']} on {ckpt.record()['mesh']}")  # fmt: skip
+
+    def save(step: int) -> None:
+        ckpt.save(step, setup, state, extra={**position, "history": history})
+
+    rows = setup.process_rows(args.batch_size)  # this process's rows of every batch
 
     def place(x, y):
-        return setup.place_batch(x, y), (ref.place_batch(x, y) if ref is not None else None)
+        placed = setup.place_local_batch(x, y, batch=args.batch_size)
+        return placed, (ref.place_batch(x, y) if ref is not None else None)
 
-    history = []
-    for epoch in range(args.epochs):
-        batches = loop.epoch_batches(dataset.train_images, dataset.train_labels,
-                                         args.batch_size, seed=args.seed, epoch=epoch)  # fmt: skip
+    for epoch in range(done // steps_per_epoch, args.epochs):
+        first = done - epoch * steps_per_epoch  # > 0 when resuming mid-epoch
+        batches = loop.epoch_batches(dataset.train_images, dataset.train_labels, args.batch_size,
+                                     seed=args.seed, epoch=epoch, rows=rows, start=first)  # fmt: skip
         start = time.perf_counter()
         with Progress(epoch, steps_per_epoch) as progress:
             inflight = loop.StepsInFlight()
-            for step, placed in enumerate(loop.staged(place, batches)):
+            for step, placed in enumerate(loop.staged(place, batches), start=first):
                 state, loss = setup.train_step(state, *placed[0])
                 inflight.add(loss)
                 if ref is not None:  # the same host batch, placed for the unsharded run
                     ref_state, ref_loss = ref.train_step(ref_state, *placed[1])
                     inflight.add(ref_loss)
                 progress.update(step + 1, loss)
+                done += 1
+                if ckpt is not None and ckpt.should_save(done) and step + 1 < steps_per_epoch:
+                    save(done)
             inflight.drain()
         seconds = time.perf_counter() - start
         row = {"epoch": epoch, "seconds": seconds, **evaluate(setup, state.params, dataset)}
         if ref is not None:
             row.update({f"ref_{k}": v for k, v in evaluate(ref, ref_state.params, dataset).items()})
         history.append(row)
-        print(f"Epoch {epoch} in {seconds:.2f} sec")
-        print(f"Training set loss {row['train_loss']:.6f}")
-        print(f"Training set accuracy {row['train_accuracy']:.4f}")
-        print(f"Test set accuracy {row['test_accuracy']:.4f}", flush=True)
+        log(f"Epoch {epoch} in {seconds:.2f} sec")
+        log(f"Training set loss {row['train_loss']:.6f}")
+        log(f"Training set accuracy {row['train_accuracy']:.4f}")
+        log(f"Test set accuracy {row['test_accuracy']:.4f}", flush=True)
+        if ckpt is not None:
+            save(done)
 
     summary = {}
     if ref is not None:
         summary = compare(setup, state, ref, ref_state, history, dataset.test_images)
-        print(f"Sharded vs reference: max |Δparam| = {summary['max_param_diff']:.2e}, "
-              f"max |Δaccuracy| = {summary['max_accuracy_diff']:.4f}, test predictions differ "
-              f"on {summary['prediction_disagreement']:.2%} of images")  # fmt: skip
+        log(f"Sharded vs reference: max |Δparam| = {summary['max_param_diff']:.2e}, "
+            f"max |Δaccuracy| = {summary['max_accuracy_diff']:.4f}, test predictions differ "
+            f"on {summary['prediction_disagreement']:.2%} of images")  # fmt: skip
+    if ckpt is not None:
+        log(f"Checkpoints: steps {ckpt.steps()} in {ckpt.directory}")
+        ckpt.close()
+    test_predictions = None
+    if args.metrics_json:  # every process computes them (a collective), process 0 writes them
+        test_predictions = np.argmax(
+            loop.dataset_logits(setup, state.params, dataset.test_images), -1
+        )
+    if not shardops.distributed.is_main():
+        return history, summary
     if args.plot:
         plot(
             history,
             args.plot,
             title=f"MLP {'-'.join(map(str, sizes))} · {args.strategy} · {dataset.name}",
         )
-        print(f"Plot: {args.plot}")
+        log(f"Plot: {args.plot}")
     if args.metrics_json:
-        test_predictions = np.argmax(
-            loop.dataset_logits(setup, state.params, dataset.test_images), -1
-        )
         with open(args.metrics_json, "w") as f:
             json.dump({"args": vars(args), "history": history, "summary": summary,
                        "test_predictions": test_predictions.tolist()}, f)  # fmt: skip
     return history, summary
+
+
+def check_position(saved: dict, here: dict, directory: str) -> None:
+    """Resuming continues the same data order: the seed, batch size and set must match."""
+    for key, value in here.items():
+        if saved.get(key) != value:
+            raise SystemExit(
+                f"--resume: the checkpoint in {directory} was trained with {key} = "
+                f"{saved.get(key)}, this run has {value}; resume with the same --seed, "
+                f"--batch-size and data, or start a new --checkpoint-dir"
+            )
 
 
 def evaluate(setup, params, dataset) -> dict:
@@ -193,10 +279,11 @@ class Progress:
     def __init__(self, epoch: int, total: int):
         self.epoch, self.total = epoch, total
         self.tty = sys.stdout.isatty()
+        self.quiet = not shardops.distributed.is_main()
         self.next_line = 1
 
     def __enter__(self):
-        if self.tty:
+        if self.tty and not self.quiet:
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,
@@ -212,6 +299,8 @@ class Progress:
         return self
 
     def update(self, step: int, loss) -> None:
+        if self.quiet:
+            return
         if self.tty:
             if step % 10 == 0 or step == self.total:  # reading the loss syncs: not every step
                 self.bar.update(self.task, completed=step, loss=f"{float(loss):.5f}")
@@ -223,7 +312,7 @@ class Progress:
             self.next_line += 1
 
     def __exit__(self, *exc):
-        if self.tty:
+        if self.tty and not self.quiet:
             self.bar.__exit__(*exc)
 
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from shardops_models._mlp import SEED_SIZES
@@ -179,14 +180,78 @@ class Setup:
         return math.prod(self.mesh.shape[a] for a in axes) if axes else 1
 
     def place_batch(self, x, y=None):
-        """Put a global batch ``(x, y)`` (or ``x`` alone) on the mesh, split as the steps expect."""
+        """Put a global batch ``(x, y)`` (or ``x`` alone) on the mesh, split as the steps expect.
+
+        In a multi-process run every process passes the same global batch and transfers only
+        its rows (``process_rows``); ``place_local_batch`` avoids reading the others at all.
+        """
         self.check_batch(x, y)
+        if self.mesh is not None and _spans_processes(self.mesh):
+            rows = self.process_rows(len(x))
+            local = (x[rows],) if y is None else (x[rows], y[rows])
+            return self.place_local_batch(*local, batch=len(x))
         arrays = (x,) if y is None else (x, y)
         if self.mesh is None:
             placed = tuple(jax.device_put(a) for a in arrays)
         else:
             placed = shard_tree(arrays, self.mesh, (self.batch_spec,) * len(arrays))
         return placed if y is not None else placed[0]
+
+    def process_rows(self, batch: int) -> slice:
+        """The rows of a global batch of ``batch`` examples that this process's devices hold.
+
+        ``slice(0, batch)`` in a single process, and wherever the batch is not split (``tp``,
+        ``sp``: every device holds it whole). On a data axis spread over processes each
+        process feeds its own contiguous block: read only those rows, then
+        ``place_local_batch``. Example: data=4 × model=2 over 2 processes of 4 devices →
+        process 0 holds rows ``[0, B/2)``, process 1 ``[B/2, B)``.
+        """
+        if self.mesh is None or not _spans_processes(self.mesh):
+            return slice(0, batch)
+        self.check_batch_size(batch)
+        sharding = NamedSharding(self.mesh, P(*self.batch_spec[:1]))
+        blocks = sorted({(i[0].start or 0, batch if i[0].stop is None else i[0].stop)
+                         for i in sharding.addressable_devices_indices_map((batch,)).values()})  # fmt: skip
+        start, stop = blocks[0][0], blocks[-1][1]
+        if sum(b - a for a, b in blocks) != stop - start:
+            raise ValueError(
+                f"process {jax.process_index()}'s devices hold rows {blocks} of the batch, "
+                f"not one contiguous block: order the mesh's devices by process "
+                f"(shardops.make_mesh does)"
+            )
+        return slice(start, stop)
+
+    def place_local_batch(self, x, y=None, *, batch: int):
+        """Build the global batch of ``batch`` examples from this process's rows only.
+
+        ``x`` (and ``y``) hold rows ``process_rows(batch)`` of the global batch; the result is
+        laid out as ``place_batch``'s (``jax.make_array_from_process_local_data``). In a
+        single process ``x`` is the whole batch.
+        """
+        rows = self.process_rows(batch)
+        if len(x) != rows.stop - rows.start:
+            raise ValueError(
+                f"x has {len(x)} rows; process {jax.process_index()} feeds rows "
+                f"[{rows.start}, {rows.stop}) of the global batch of {batch} "
+                f"(Setup.process_rows), i.e. {rows.stop - rows.start}"
+            )
+        if self.mesh is None or not _spans_processes(self.mesh):
+            return self.place_batch(x, y)
+        sharding = NamedSharding(self.mesh, self.batch_spec)
+        placed = tuple(
+            jax.make_array_from_process_local_data(sharding, np.asarray(a), (batch, *a.shape[1:]))
+            for a in ((x,) if y is None else (x, y))
+        )
+        self.check_batch(*placed)
+        return placed if y is not None else placed[0]
+
+    def check_batch_size(self, batch: int) -> None:
+        if batch % self.batch_multiple:
+            raise ValueError(
+                f"batch size {batch} does not split over the {self.batch_multiple} devices of "
+                f"mesh axes {self.parallel.batch_axes} (strategy {self.strategy!r}); use a "
+                f"multiple of {self.batch_multiple}"
+            )
 
     def check_batch(self, x, y=None) -> None:
         _check_batch(self.model, self.parallel, self.mesh, x, y)
@@ -417,8 +482,24 @@ def shard_tree(tree, mesh: Mesh, specs):
 
 
 def gather_tree(tree):
-    """Full host copies (numpy) of a sharded tree: the inverse of ``shard_tree``, bit for bit."""
-    return jax.device_get(tree)
+    """Full host copies (numpy) of a sharded tree: the inverse of ``shard_tree``, bit for bit.
+
+    In a multi-process run every process calls it (it all-gathers what other processes hold)
+    and every process gets the whole tree.
+    """
+
+    def get(a):
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            return multihost_utils.process_allgather(a, tiled=True)
+        return a
+
+    return jax.device_get(jax.tree.map(get, tree))
+
+
+def _spans_processes(mesh: Mesh) -> bool:
+    """Whether ``mesh`` has devices of other processes (a multi-process run)."""
+    here = jax.process_index()
+    return any(d.process_index != here for d in mesh.devices.flat)
 
 
 class _Body:

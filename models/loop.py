@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import jax
 import numpy as np
+from shardops_models._train import gather_tree
 from shardops_models.mnist import epoch_order
 
 MAX_STEPS_IN_FLIGHT = 2
@@ -37,12 +38,21 @@ class StepsInFlight:
             jax.block_until_ready(self._queue.popleft())
 
 
-def epoch_batches(images, labels, batch_size: int, *, seed: int, epoch: int) -> Iterator:
+def epoch_batches(
+    images, labels, batch_size: int, *, seed: int, epoch: int, rows: slice | None = None,
+    start: int = 0,
+) -> Iterator:  # fmt: skip
     """Host batches of one epoch in the seeded order (the same for every strategy); the last
-    partial batch is dropped, as every batch must split evenly over the mesh."""
+    partial batch is dropped, as every batch must split evenly over the mesh.
+
+    ``rows``: only these rows of each global batch are read (``Setup.process_rows``: a
+    process of a multi-process run reads its own part). ``start``: the first batch to yield
+    (resuming mid-epoch from a checkpoint).
+    """
     order = epoch_order(len(images), seed, epoch)
-    for start in range(0, len(order) - batch_size + 1, batch_size):
-        idx = order[start : start + batch_size]
+    rows = slice(0, batch_size) if rows is None else rows
+    for first in range(start * batch_size, len(order) - batch_size + 1, batch_size):
+        idx = order[first : first + batch_size][rows]
         yield images[idx], labels[idx]
 
 
@@ -62,21 +72,37 @@ def staged(place, batches: Iterator) -> Iterator:
         yield current
 
 
-def dataset_logits(setup, params, images: np.ndarray, chunk: int = 2000) -> np.ndarray:
-    """Logits ``[N, C]`` of a whole set on the host, in chunks padded to split evenly."""
+def _chunks(setup, n: int, chunk: int) -> Iterator[tuple[int, int, np.ndarray]]:
+    """``(global chunk size, real examples, this process's indices)`` of whole-set chunks:
+    chunks padded to split evenly over the mesh, each process reading only its rows. Padding
+    rows have index -1."""
     multiple = setup.batch_multiple
     chunk = max(multiple, chunk - chunk % multiple)
+    for start in range(0, n, chunk):
+        real = min(chunk, n - start)
+        size = real + (-real) % multiple
+        rows = setup.process_rows(size)
+        idx = np.arange(start + rows.start, start + rows.stop)
+        yield size, real, np.where(idx < start + real, idx, -1)
+
+
+def _take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``a[idx]`` with zero rows where ``idx`` is -1 (padding)."""
+    out = a[np.maximum(idx, 0)]
+    out[idx < 0] = 0
+    return out
+
+
+def dataset_logits(setup, params, images: np.ndarray, chunk: int = 2000) -> np.ndarray:
+    """Logits ``[N, C]`` of a whole set on the host (every process gets all of them), in
+    chunks padded to split evenly; each process reads only its rows of each chunk."""
     inflight, out = StepsInFlight(), []
-    for start in range(0, len(images), chunk):
-        x = images[start : start + chunk]
-        pad = (-len(x)) % multiple
-        if pad:
-            x = np.concatenate([x, np.zeros((pad, x.shape[1]), x.dtype)])
-        logits = setup.logits(params, setup.place_batch(x))
+    for size, real, idx in _chunks(setup, len(images), chunk):
+        logits = setup.logits(params, setup.place_local_batch(_take(images, idx), batch=size))
         inflight.add(logits)
-        out.append((logits, len(x) - pad))
+        out.append((logits, real))
     inflight.drain()
-    return np.concatenate([np.asarray(logits)[:n] for logits, n in out])
+    return np.concatenate([gather_tree(logits)[:n] for logits, n in out])
 
 
 def dataset_metrics(
@@ -86,23 +112,19 @@ def dataset_metrics(
 
     Every example counts exactly once: the last chunk is padded to split evenly over the mesh
     with rows whose label is all zeros, which ``evaluate`` leaves out. The per-chunk sums are
-    added on the host (loss in float64, counts as integers).
+    added on the host (loss in float64, counts as integers). In a multi-process run each
+    process reads only its rows of each chunk and every process gets the global figures.
     """
     if len(images) != len(labels):
         raise ValueError(f"{len(images)} images but {len(labels)} labels")
-    multiple = setup.batch_multiple
-    chunk = max(multiple, chunk - chunk % multiple)
     inflight, sums = StepsInFlight(), []
-    for start in range(0, len(images), chunk):
-        x, y = images[start : start + chunk], labels[start : start + chunk]
-        pad = (-len(x)) % multiple
-        if pad:
-            x = np.concatenate([x, np.zeros((pad, x.shape[1]), x.dtype)])
-            y = np.concatenate([y, np.zeros((pad, y.shape[1]), y.dtype)])
-        metrics = setup.evaluate(params, *setup.place_batch(x, y))
+    for size, _, idx in _chunks(setup, len(images), chunk):
+        placed = setup.place_local_batch(_take(images, idx), _take(labels, idx), batch=size)
+        metrics = setup.evaluate(params, *placed)
         inflight.add(metrics)
         sums.append(metrics)
     inflight.drain()
+    sums = gather_tree(sums)  # replicated scalars: every process holds them
     loss_sum = sum(float(m.loss_sum) for m in sums)
     correct = sum(int(m.correct) for m in sums)
     count = sum(int(m.count) for m in sums)

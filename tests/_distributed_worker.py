@@ -1,0 +1,50 @@
+"""Run under ``python -m shardops.launch`` by tests/test_distributed.py: 5 steps of each given
+``strategy:DxM`` on the MLP of ``_model_checks``, every process feeding only its rows of each
+batch (``Setup.process_rows`` → ``place_local_batch``). Process 0 writes the losses and the
+gathered final params to ``OUT.npz`` (keys ``{strategy}:{mesh}/loss`` and ``…/{leaf path}``).
+
+    python -m shardops.launch -n 2 -- tests/_distributed_worker.py OUT.npz 2d:4x2 tp:1x8
+"""
+
+import sys
+
+import shardops.distributed
+
+shardops.distributed.initialize()  # before any other JAX call
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import shardops_models as models  # noqa: E402
+from _model_checks import batches, optimizer  # noqa: E402
+
+import shardops  # noqa: E402
+
+SIZES, BATCH, SCALE = (24, 32, 16), 16, 0.1
+
+
+def run(strategy: str, mesh_text: str) -> dict:
+    data, model = (int(v) for v in mesh_text.split("x"))
+    mesh = shardops.make_mesh({"data": data, "model": model})
+    setup = models.build(strategy, mesh, optimizer=optimizer("sgd"), sizes=SIZES)
+    state = setup.shard(models.init_mlp(jax.random.key(0), SIZES, scale=SCALE))
+    rows = setup.process_rows(BATCH)
+    losses = []
+    for x, y in zip(*batches(SIZES, BATCH), strict=True):
+        placed = setup.place_local_batch(x[rows], y[rows], batch=BATCH)  # only this process's rows
+        state, loss = setup.train_step(state, *placed)
+        losses.append(float(loss))  # a sync every step: one step in flight
+    out = {f"{strategy}:{mesh_text}/loss": np.array(losses)}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(setup.gather(state.params)):
+        out[f"{strategy}:{mesh_text}/{jax.tree_util.keystr(path)}"] = leaf
+    print(f"process {jax.process_index()}: {strategy} on {mesh_text}, rows "
+          f"[{rows.start}, {rows.stop}) of {BATCH}, final loss {losses[-1]:.6f}", flush=True)  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    path, *runs = sys.argv[1:]
+    results = {}
+    for spec in runs:
+        results.update(run(*spec.split(":")))
+    if shardops.distributed.is_main():
+        np.savez(path, **results)

@@ -1,0 +1,176 @@
+"""Training across processes (``python -m shardops.launch``, JAX's multi-controller runtime,
+gloo on loopback) computes what one process computes, and its checkpoints resume exactly.
+
+Every multi-process run is a subprocess under a timeout (``_processes``): a dead peer or a
+deadlocked collective fails the test instead of hanging the suite.
+"""
+
+import json
+import os
+import re
+import signal
+
+import jax
+import numpy as np
+import pytest
+import shardops_models as models
+from _model_checks import (
+    TOL,
+    batches,
+    max_diff,
+    optimizer,
+    reference_trajectory,
+    sharded_trajectory,
+)
+from _processes import Run, launcher, python, run, wait_for
+from shardops_models.checkpoint import Checkpoints
+
+import shardops
+
+RUNS = ["dp:8x1", "fsdp:8x1", "tp:1x8", "2d:4x2", "fsdp_tp:2x4"]
+SIZES, BATCH, SCALE = (24, 32, 16), 16, 0.1  # as in tests/_distributed_worker.py
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_every_strategy_across_processes_trains_like_one_process(tmp_path, processes):
+    out = tmp_path / "params.npz"
+    log = run(launcher(processes, "tests/_distributed_worker.py", str(out), *RUNS), tmp_path,
+              "launch", timeout=240)  # fmt: skip
+    got = np.load(out)
+    params = models.init_mlp(jax.random.key(0), SIZES, scale=SCALE)
+    xs, ys = batches(SIZES, BATCH)
+    ref_losses, _, ref_params = reference_trajectory(params, xs, ys, optimizer("sgd"))
+    tol = TOL["sgd"]
+    for spec in RUNS:
+        strategy, mesh_text = spec.split(":")
+        data, model = (int(v) for v in mesh_text.split("x"))
+        # Every process fed only its rows: those of the data indices of its devices (the
+        # mesh is laid out process by process, each holding 8 / processes devices).
+        per_process = 8 // processes
+        for p in range(processes):
+            indices = {k // model for k in range(p * per_process, (p + 1) * per_process)}
+            rows = re.search(rf"\[p{p}\] process {p}: {strategy} on {mesh_text}, rows \[(\d+), "
+                             rf"(\d+)\) of {BATCH}", log)  # fmt: skip
+            assert rows, f"process {p} did not report {spec}:\n{log}"
+            block = BATCH // data
+            expected = (block * min(indices), block * (max(indices) + 1))
+            assert (int(rows[1]), int(rows[2])) == expected, (spec, p, rows[0])
+        setup = models.build(strategy, shardops.make_mesh({"data": data, "model": model}),
+                             optimizer=optimizer("sgd"), sizes=SIZES)  # fmt: skip
+        one_losses, _, one_params = sharded_trajectory(setup, params, xs, ys)
+        mp_params = [
+            {name: got[f"{spec}/[{i}]['{name}']"] for name in layer}
+            for i, layer in enumerate(ref_params)
+        ]
+        mp_losses = got[f"{spec}/loss"]
+        assert np.max(np.abs(mp_losses - ref_losses)) <= tol["loss"], spec
+        assert max_diff(mp_params, ref_params) <= tol["params"], spec
+        assert max_diff(mp_params, one_params) <= tol["params"], spec
+        assert np.max(np.abs(mp_losses - one_losses)) <= tol["loss"], spec
+
+
+def _accuracy_lines(out: str) -> list[str]:
+    return re.findall(r"^(?:\[p0\] )?((?:Training|Test) set accuracy \d\.\d{4})$", out, re.M)
+
+
+def test_mlp_2d_prints_the_same_accuracies_under_the_launcher(tmp_path):
+    args = ["examples/mlp_2d.py", "--dataset", "sample", "--epochs", "2"]
+    one = run(python(*args, "--metrics-json", str(tmp_path / "one.json")), tmp_path, "one")
+    two = run(launcher(2, *args, "--metrics-json", str(tmp_path / "two.json")), tmp_path, "two")
+    assert len(_accuracy_lines(one)) == 4, one
+    assert _accuracy_lines(two) == _accuracy_lines(one), f"{one}\n{two}"
+    assert "in 2 processes" in two
+    # Process 0 alone prints the figures; process 1 prints nothing of them.
+    assert not re.search(r"^\[p1\] .*accuracy", two, re.M), two
+    predictions = [json.loads((tmp_path / f"{n}.json").read_text())["test_predictions"]
+                   for n in ("one", "two")]  # fmt: skip
+    assert predictions[0] == predictions[1]
+
+
+def _restored(directory, step=None):
+    """The checkpoint's state as host arrays (restored onto the ref strategy, one device)."""
+    setup = models.build("ref", optimizer=models.seed_sgd(40), sizes=(784, 512, 10))
+    with Checkpoints(directory) as ckpt:
+        state, extra = ckpt.restore(setup, step)
+        return setup.gather(state), extra, ckpt.steps()
+
+
+def _steps_in(directory) -> list[int]:
+    return sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_run_killed_mid_training_resumes_bit_identically(tmp_path, processes):
+    """SIGKILL once a checkpoint of step ≥ 10 exists; ``--resume`` ends where a run never
+    stopped ends, bit for bit (params and optimizer state)."""
+    args = ["examples/mlp_2d.py", "--dataset", "sample", "--train-size", "2560", "--batch-size",
+            "64", "--epochs", "2", "--checkpoint-every", "5"]  # 40 steps per epoch  # fmt: skip
+
+    def command(directory, *extra):
+        full = [*args, "--checkpoint-dir", str(directory), *extra]
+        return python(*full) if processes == 1 else launcher(processes, *full)
+
+    run(command(tmp_path / "straight"), tmp_path, "straight")
+    killed = tmp_path / "killed"
+    r = Run(command(killed), tmp_path, "killed")
+    try:
+        wait_for(lambda: any(s >= 10 for s in _steps_in(killed)), 120, "checkpoint ≥ 10", r)
+        victim = r.proc.pid if processes == 1 else r.worker_pids()[processes - 1]
+        os.kill(victim, signal.SIGKILL)
+        code = r.proc.wait(60)
+    finally:
+        r.kill()
+    assert code != 0, r.output()
+    interrupted_at = _steps_in(killed)[-1]
+    assert interrupted_at < 80, f"the run finished before the kill:\n{r.output()}"
+    resumed = run(command(killed, "--resume"), tmp_path, "resumed")
+    assert re.search(rf"Resume: step {interrupted_at} ", resumed), resumed
+
+    straight_state, straight_extra, _ = _restored(tmp_path / "straight")
+    resumed_state, resumed_extra, steps = _restored(killed)
+    assert steps[-1] == 80
+    for a, b in zip(jax.tree.leaves(straight_state), jax.tree.leaves(resumed_state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(straight_extra["history"], resumed_extra["history"], strict=True):
+        assert {k: v for k, v in a.items() if k != "seconds"} == {
+            k: v for k, v in b.items() if k != "seconds"
+        }
+
+
+def test_a_checkpoint_moves_through_every_layout_and_keeps_training(tmp_path):
+    """2d 4×2 → fsdp_tp 2×4 (2 processes) → dp 8×1 → tp 1×8 → ref on one device, one epoch
+    each, ends within the suite's tolerance of the reference trained without a stop."""
+    base = ["examples/mlp_2d.py", "--dataset", "sample", "--train-size", "640", "--batch-size",
+            "64", "--checkpoint-dir"]  # 10 steps per epoch  # fmt: skip
+    chain = [("2d", "4x2", 1), ("fsdp_tp", "2x4", 2), ("dp", "8x1", 1), ("tp", "1x8", 1),
+             ("ref", "1x1", 1)]  # fmt: skip
+    moved = tmp_path / "moved"
+    for epochs, (strategy, mesh, processes) in enumerate(chain, start=1):
+        args = [*base, str(moved), "--strategy", strategy, "--mesh", mesh, "--epochs",
+                str(epochs), "--resume"]  # fmt: skip
+        out = run(python(*args) if processes == 1 else launcher(processes, *args), tmp_path,
+                  f"{epochs}-{strategy}")  # fmt: skip
+        if epochs > 1:
+            assert f"Resume: step {10 * (epochs - 1)} " in out, out
+    straight = tmp_path / "straight"
+    run(python(*base, str(straight), "--strategy", "ref", "--epochs", "5"), tmp_path, "ref")
+    moved_state, moved_extra, _ = _restored(moved)
+    ref_state, ref_extra, _ = _restored(straight)
+    assert max_diff(moved_state.params, ref_state.params) <= 1e-5
+    for a, b in zip(moved_extra["history"], ref_extra["history"], strict=True):
+        assert abs(a["test_accuracy"] - b["test_accuracy"]) < 1e-4, (a, b)
+
+
+def test_ref_and_mismatched_meshes_under_the_launcher_are_clear_errors(tmp_path):
+    ref = Run(launcher(2, "examples/mlp_2d.py", "--dataset", "sample", "--strategy", "ref"),
+              tmp_path, "ref")  # fmt: skip
+    small = Run(launcher(3, "examples/mlp_2d.py", "--dataset", "sample", "--mesh", "4x2",
+                         devices=6), tmp_path, "small")  # fmt: skip
+    try:
+        assert ref.wait(120) != 0 and small.wait(120) != 0
+    finally:
+        ref.kill()
+        small.kill()
+    assert "--strategy ref runs on one device: run it without the launcher" in ref.output()
+    assert ("--mesh 4x2 needs 8 devices, but the 3 processes of this run have 6 (2 each)"
+            in small.output())  # fmt: skip
