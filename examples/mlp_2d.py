@@ -117,7 +117,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         raise SystemExit("--resume needs --checkpoint-dir")
-    dataset = mnist.load(args.dataset, args.data_dir)
+    dataset = mnist.load(args.dataset, args.data_dir, log=log)
     if args.train_size:
         dataset = dataset.take_train(args.train_size)
     log(f"Images: {len(dataset.train_images):,} train / {len(dataset.test_images):,} test, "

@@ -20,6 +20,13 @@ than 1e-3 relative.
 
 Devices: on a machine without an accelerator the script simulates 8 CPU devices itself, by
 setting XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts.
+
+Processes and checkpoints, as in examples/mlp_2d.py: under ``python -m shardops.launch`` each
+process reads only its rows of every batch and process 0 prints; ``--checkpoint-dir`` saves
+the train state (with the losses so far) every ``--checkpoint-every`` steps and at the end,
+and ``--resume`` continues from the latest one on any strategy and mesh.
+
+    python -m shardops.launch -n 2 -- examples/transformer_lm.py --checkpoint-dir runs/lm
 """
 
 import os
@@ -40,9 +47,10 @@ import jax
 import numpy as np
 import optax
 import shardops_models as models
-from shardops_models import loop, text
+from shardops_models import checkpoint, loop, text
 
 import shardops
+import shardops.distributed
 
 MAX_RELATIVE_DIFF = 1e-3  # --compare-reference: |loss − ref_loss| / ref_loss at the last step
 
@@ -89,6 +97,11 @@ def parse_args(argv=None):
                    help="train the unsharded model in lockstep on the same batches")  # fmt: skip
     p.add_argument("--plot", metavar="PATH", help="save the loss curves as a PNG")
     p.add_argument("--metrics-json", metavar="PATH", help="save losses, timing and the sample")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="save the train state in DIR")
+    p.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="also save every N steps (default: at the end only)")  # fmt: skip
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir (if any)")  # fmt: skip
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "log_every", "eval_batches", "prompt_bytes"):
         if getattr(args, name) < 1:
@@ -98,6 +111,10 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be ≥ 0; got {getattr(args, name)}")
     if args.temperature < 0:
         p.error(f"--temperature must be ≥ 0 (0: greedy); got {args.temperature}")
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir")
+    if args.resume and args.compare_reference:
+        p.error("--compare-reference compares whole runs from the init: not with --resume")
     return p, args
 
 
@@ -106,8 +123,14 @@ def make_mesh(sizes: tuple[int, int]):
     n_data, n_model = sizes
     needed = n_data * n_model
     devices = jax.devices()
+    if jax.process_count() > 1 and len(devices) != needed:
+        raise ValueError(
+            f"--mesh {n_data}x{n_model} needs {needed} devices, but the "
+            f"{jax.process_count()} processes of this run have {len(devices)} "
+            f"({jax.local_device_count()} each); a multi-process mesh uses every device"
+        )
     if len(devices) < needed and len(jax.devices("cpu")) >= needed:
-        print(f"Devices: {len(devices)} {devices[0].platform} device(s) < {needed}; using "
+        log(f"Devices: {len(devices)} {devices[0].platform} device(s) < {needed}; using "
               f"{needed} simulated CPU devices")  # fmt: skip
         devices = jax.devices("cpu")
     return shardops.make_mesh({"data": n_data, "model": n_model}, devices=devices)
@@ -123,11 +146,17 @@ def make_optimizer(args) -> optax.GradientTransformation:
     return optax.adam(schedule)
 
 
-def train_batches(tokens, batch_size: int, context: int, seed: int):
+def train_batches(tokens, batch_size: int, context: int, seed: int, rows: slice):
     """Endless ``(inputs, targets)`` host batches, each ``(B, S)`` int32: epoch after epoch of
-    non-overlapping windows in a seeded order."""
+    non-overlapping windows in a seeded order; only ``rows`` of each batch are read."""
     for epoch in itertools.count():
-        yield from text.batches(tokens, batch_size, context, seed=seed, epoch=epoch)
+        yield from text.batches(tokens, batch_size, context, seed=seed, epoch=epoch, rows=rows)
+
+
+def log(*args, **kwargs) -> None:
+    """``print`` on process 0 only: the figures are global, one copy is enough."""
+    if shardops.distributed.is_main():
+        print(*args, **kwargs)
 
 
 def validation_loss(setup, params, valid_batches) -> tuple[float, float]:
@@ -138,6 +167,7 @@ def validation_loss(setup, params, valid_batches) -> tuple[float, float]:
         inflight.add(metrics)
         sums.append(metrics)
     inflight.drain()
+    sums = models.gather_tree(sums)  # replicated scalars: every process holds them
     count = sum(int(m.count) for m in sums)
     loss_sum = sum(float(m.loss_sum) for m in sums)  # float64 on the host
     return loss_sum / count, sum(int(m.correct) for m in sums) / count
@@ -158,7 +188,7 @@ def generate(setup, params, prompt: np.ndarray, n_tokens: int, *, temperature: f
         ids = np.zeros((rows, context), np.int32)  # (R, S), right-padded
         ids[0, : len(window)] = window
         logits = setup.logits(params, setup.place_batch(ids))  # (R, S, V), full vocabulary
-        last = logits[0, len(window) - 1]  # (V,) the next byte's logits
+        last = models.gather_tree(logits)[0, len(window) - 1]  # (V,) the next byte's logits
         if temperature == 0:
             token = int(np.argmax(np.asarray(last)))
         else:
@@ -173,7 +203,8 @@ class Progress:
 
     def __init__(self, total: int):
         self.total = total
-        self.tty = sys.stdout.isatty()
+        self.quiet = not shardops.distributed.is_main()  # process 0 alone shows progress
+        self.tty = sys.stdout.isatty() and not self.quiet
 
     def __enter__(self):
         if self.tty:
@@ -199,6 +230,8 @@ class Progress:
             self.bar.update(self.task, completed=step, **fields)
 
     def print(self, line: str) -> None:
+        if self.quiet:
+            return
         if self.tty:
             self.bar.console.print(line, highlight=False, markup=False)
         else:
@@ -210,8 +243,12 @@ class Progress:
 
 
 def main(argv=None) -> int:
+    shardops.distributed.initialize()  # joins a multi-process run; a no-op otherwise
     parser, args = parse_args(argv)
     started = time.perf_counter()
+    if jax.process_count() > 1 and (args.strategy == "ref" or args.compare_reference):
+        parser.error("--strategy ref and --compare-reference run the unsharded model in one "
+                     "process: run them without the launcher")  # fmt: skip
     try:
         model = models.Gpt(vocab_size=text.VOCAB_SIZE, d_model=args.width, num_heads=args.heads,
                            num_layers=args.layers, context=args.context)  # fmt: skip
@@ -234,14 +271,14 @@ def main(argv=None) -> int:
         corpus = text.load_corpus(args.text_source)
     except text.TextUnavailableError as e:  # --text-source tfds without a prepared copy
         raise SystemExit(f"transformer_lm.py: {e}") from None
-    print(corpus.message)
+    log(corpus.message)
     mesh_text = (
         "one device" if mesh is None else " × ".join(f"{k}={v}" for k, v in mesh.shape.items())
     )
     n_params = sum(
         math.prod(s.shape) for s in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0)))
     )
-    print(f"Model: {model.name}, {n_params / 1e6:.2f}M parameters; strategy {args.strategy} on "
+    log(f"Model: {model.name}, {n_params / 1e6:.2f}M parameters; strategy {args.strategy} on "
           f"{mesh_text}; {args.steps} steps of {args.batch_size}×{args.context} bytes")  # fmt: skip
 
     params = model.init(jax.random.key(args.seed))  # the full init, shared by both runs
@@ -249,8 +286,11 @@ def main(argv=None) -> int:
     ref_state = None if ref is None else ref.shard(params)
     del params
 
+    rows = setup.process_rows(args.batch_size)  # this process's rows of every batch
+
     def place(x, y):  # one host batch, placed for the sharded run and, if any, the reference
-        return setup.place_batch(x, y), (None if ref is None else ref.place_batch(x, y))
+        placed = setup.place_local_batch(x, y, batch=args.batch_size)
+        return placed, (None if ref is None else ref.place_batch(x, y))
 
     eval_batch = args.batch_size  # a multiple of batch_multiple, as checked above
     valid_batches = list(itertools.islice(
@@ -272,13 +312,40 @@ def main(argv=None) -> int:
         return line
 
     losses, ref_losses = [], []  # device scalars, read when logging and at the end
-    batches = itertools.islice(train_batches(corpus.train, args.batch_size, args.context, args.seed),
-                               args.steps)  # fmt: skip
+    done, ckpt = 0, None  # steps trained so far
+    if args.checkpoint_dir:
+        ckpt = checkpoint.Checkpoints(args.checkpoint_dir, every=args.checkpoint_every)
+    position = {"seed": args.seed, "batch_size": args.batch_size, "steps": args.steps,
+                "corpus": corpus.name}  # fmt: skip
+    if args.resume and ckpt.latest_step() is None:
+        log(f"Resume: no checkpoint in {ckpt.directory} yet; starting at step 0")
+    elif args.resume:
+        state, extra = ckpt.restore(setup)
+        for key, value in position.items():
+            if extra.get(key) != value:
+                parser.error(f"--resume: the checkpoint in {ckpt.directory} was trained with "
+                             f"{key} = {extra.get(key)}, this run has {value}")  # fmt: skip
+        done, losses, history = ckpt.latest_step(), extra["losses"], extra["history"]
+        if done >= args.steps:
+            parser.error(
+                f"--resume: the checkpoint is at step {done}, already --steps {args.steps}"
+            )
+        log(f"Resume: step {done} from {ckpt.directory}, saved by "
+            f"{ckpt.record()['strategy']} on {ckpt.record()['mesh']}")  # fmt: skip
+
+    def save(step: int) -> None:
+        extra = {**position, "losses": [float(v) for v in losses], "history": history}
+        ckpt.save(step, setup, state, extra=extra)
+
+    batches = itertools.islice(
+        train_batches(corpus.train, args.batch_size, args.context, args.seed, rows),
+        done, args.steps,
+    )  # fmt: skip
     train_start = time.perf_counter()
     first_step_seconds = None
     with Progress(args.steps) as progress:
         inflight = loop.StepsInFlight()
-        for step, (placed, ref_placed) in enumerate(loop.staged(place, batches), start=1):
+        for step, (placed, ref_placed) in enumerate(loop.staged(place, batches), start=done + 1):
             state, loss = setup.train_step(state, *placed)
             inflight.add(loss)
             losses.append(loss)
@@ -286,7 +353,7 @@ def main(argv=None) -> int:
                 ref_state, ref_loss = ref.train_step(ref_state, *ref_placed)
                 inflight.add(ref_loss)
                 ref_losses.append(ref_loss)
-            if step == 1:  # compilation
+            if step == done + 1:  # compilation
                 inflight.drain()
                 first_step_seconds = time.perf_counter() - train_start
             if step % args.log_every == 0 or step == args.steps:
@@ -300,23 +367,28 @@ def main(argv=None) -> int:
             if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
                 inflight.drain()
                 progress.print(evaluate(step))
+            if ckpt is not None and (ckpt.should_save(step) or step == args.steps):
+                save(step)
         inflight.drain()
     train_seconds = time.perf_counter() - train_start
+    if ckpt is not None:
+        log(f"Checkpoints: steps {ckpt.steps()} in {ckpt.directory}")
+        ckpt.close()
     losses = [float(v) for v in losses]
     ref_losses = [float(v) for v in ref_losses]
-    tokens_per_second = args.steps * args.batch_size * args.context / train_seconds
-    print(f"Trained {args.steps} steps in {train_seconds:.1f} s (first step, with compilation, "
+    tokens_per_second = (args.steps - done) * args.batch_size * args.context / train_seconds
+    log(f"Trained {args.steps} steps in {train_seconds:.1f} s (first step, with compilation, "
           f"{first_step_seconds:.1f} s; {tokens_per_second:,.0f} tokens/s)")  # fmt: skip
 
     relative_diff = None
     if ref is not None:
         relative_diff = abs(losses[-1] - ref_losses[-1]) / abs(ref_losses[-1])
-        print(f"Final loss: {losses[-1]:.6f} ({args.strategy}) vs {ref_losses[-1]:.6f} (ref), "
+        log(f"Final loss: {losses[-1]:.6f} ({args.strategy}) vs {ref_losses[-1]:.6f} (ref), "
               f"relative difference {relative_diff:.2e} (limit {MAX_RELATIVE_DIFF:.0e})")  # fmt: skip
     else:
-        print(f"Final loss: {losses[-1]:.6f}")
+        log(f"Final loss: {losses[-1]:.6f}")
     valid = history["valid"][-1]
-    print(f"Validation loss {valid['loss']:.4f} ({valid['loss'] / math.log(2):.3f} bits per byte), "
+    log(f"Validation loss {valid['loss']:.4f} ({valid['loss'] / math.log(2):.3f} bits per byte), "
           f"accuracy {valid['accuracy']:.3f}, on {args.eval_batches}×{eval_batch} windows")  # fmt: skip
 
     sample = None
@@ -328,16 +400,18 @@ def main(argv=None) -> int:
         sample = {"prompt": text.decode(prompt), "generated": text.decode(generated),
                   "temperature": args.temperature}  # fmt: skip
         how = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
-        print(f"Sample ({args.sample_tokens} bytes, {how}) after a {len(prompt)}-byte prompt "
+        log(f"Sample ({args.sample_tokens} bytes, {how}) after a {len(prompt)}-byte prompt "
               f"from the validation text, between the markers:")  # fmt: skip
-        print(f"{sample['prompt']}⟦{sample['generated']}⟧")
+        log(f"{sample['prompt']}⟦{sample['generated']}⟧")
 
     total_seconds = time.perf_counter() - started
-    print(f"Total {total_seconds:.1f} s")
+    log(f"Total {total_seconds:.1f} s")
+    if not shardops.distributed.is_main():
+        return 0
     if args.plot:
         plot(losses, ref_losses, history["valid"], args.plot,
              title=f"{model.name} · {args.strategy} on {mesh_text} · {corpus.name}")  # fmt: skip
-        print(f"Plot: {args.plot}")
+        log(f"Plot: {args.plot}")
     if args.metrics_json:
         record = {
             "corpus": corpus.name, "corpus_message": corpus.message, "strategy": args.strategy,

@@ -206,6 +206,8 @@ def differences(saved: dict, here: dict) -> list[str]:
                 found.append(
                     f"{name}{path}: {_show(a[path])} in the checkpoint, {_show(b[path])} here"
                 )
+        if what == "optimizer_state" and found and any(p.startswith("params") for p in out):
+            found = [f"optimizer state: {len(found)} leaves differ, following the params"]
         if len(found) > SHOWN:
             found[SHOWN:] = [f"… and {len(found) - SHOWN} more differences in the {name}"]
         out += found

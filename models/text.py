@@ -241,12 +241,14 @@ def windows_at(tokens: np.ndarray, starts: np.ndarray, context: int):
 
 
 def batches(
-    tokens, batch_size: int, context: int, *, seed: int, epoch: int
+    tokens, batch_size: int, context: int, *, seed: int, epoch: int, rows: slice | None = None
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """One epoch of ``(inputs, targets)`` batches, each ``(B, S)`` int32, ``S = context``.
 
     The non-overlapping windows of ``window_count`` are visited in an order seeded by
     ``(seed, epoch)``; the last partial batch is dropped. Arguments are checked at the call.
+    ``rows``: only these rows of each batch are read (``Setup.process_rows``: a process of a
+    multi-process run reads its own part).
     """
     tokens = np.asarray(tokens)  # (N,)
     n = window_count(tokens, batch_size, context)
@@ -256,8 +258,9 @@ def batches(
             f"so an epoch has no full batch; lower batch_size or context"
         )
     order = np.random.default_rng([seed, epoch]).permutation(n)  # (n,) window indices
+    rows = slice(0, batch_size) if rows is None else rows
     return (
-        windows_at(tokens, order[i : i + batch_size] * context, context)
+        windows_at(tokens, order[i : i + batch_size][rows] * context, context)
         for i in range(0, n - batch_size + 1, batch_size)
     )
 

@@ -102,7 +102,7 @@ def initialize(environ=None) -> Launch | None:
     backend starts."""
     global _LAUNCH
     launch = from_env(environ)
-    if launch is None or _LAUNCH == launch:
+    if launch is None or launch == _LAUNCH:
         return launch
     import jax
     from jax._src import xla_bridge

@@ -22,7 +22,7 @@ IMAGES = (
     "    return images.reshape(len(images), -1).astype(np.float32) / 255.0  # (N, 784) in [0, 1]\n"
 )
 ORDER = "    order = epoch_order(len(images), seed, epoch)\n"
-RANGE = "    for start in range(0, len(order) - batch_size + 1, batch_size):\n"
+RANGE = "    for first in range(start * batch_size, len(order) - batch_size + 1, batch_size):\n"
 YIELD = "        yield images[idx], labels[idx]\n"
 
 

@@ -174,3 +174,37 @@ def test_ref_and_mismatched_meshes_under_the_launcher_are_clear_errors(tmp_path)
     assert "--strategy ref runs on one device: run it without the launcher" in ref.output()
     assert ("--mesh 4x2 needs 8 devices, but the 3 processes of this run have 6 (2 each)"
             in small.output())  # fmt: skip
+
+
+def test_transformer_lm_across_processes_then_resumed_on_another_layout(tmp_path):
+    """The GPT example under the launcher prints the losses of one process; killed after its
+    step-4 checkpoint, it resumes in one process as ``sp`` on 2×4 and ends where the
+    uninterrupted run ends."""
+    args = ["examples/transformer_lm.py", "--text-source", "stdlib", "--steps", "12", "--layers",
+            "1", "--width", "32", "--heads", "4", "--context", "32", "--log-every", "2",
+            "--eval-every", "0", "--eval-batches", "2", "--sample-tokens", "0"]  # fmt: skip
+    straight = run(python(*args, "--metrics-json", str(tmp_path / "straight.json")), tmp_path,
+                   "straight")  # fmt: skip
+    directory = tmp_path / "ckpt"
+    r = Run(launcher(2, *args, "--checkpoint-dir", str(directory), "--checkpoint-every", "4"),
+            tmp_path, "launched")  # fmt: skip
+    try:
+        wait_for(lambda: 4 in _steps_in(directory), 180, "the step-4 checkpoint", r)
+        os.kill(r.worker_pids()[1], signal.SIGKILL)
+        assert r.proc.wait(60) != 0
+    finally:
+        r.kill()
+    launched = r.out.read_text()
+    assert _steps_in(directory)[-1] < 12, f"the run finished before the kill:\n{r.output()}"
+    lines = re.findall(r"^step +(\d+)/12: loss (\d\.\d{4})$", straight, re.M)
+    launched_lines = re.findall(r"^\[p0\] step +(\d+)/12: loss (\d\.\d{4})$", launched, re.M)
+    assert len(launched_lines) >= 2 and launched_lines == lines[: len(launched_lines)], launched
+    resumed = run(python(*args, "--strategy", "sp", "--mesh", "2x4", "--checkpoint-dir",
+                         str(directory), "--resume", "--metrics-json", str(tmp_path / "resumed.json")),
+                  tmp_path, "resumed")  # fmt: skip
+    assert re.search(r"Resume: step \d+ from .* saved by fsdp_tp on \{'data': 4, 'model': 2\}",
+                     resumed), resumed  # fmt: skip
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("straight", "resumed"))
+    assert len(b["losses"]) == 12
+    np.testing.assert_allclose(b["losses"], a["losses"], rtol=1e-5)
+    assert abs(b["final_valid_loss"] - a["final_valid_loss"]) <= 1e-5 * a["final_valid_loss"]
