@@ -208,3 +208,16 @@ def test_transformer_lm_across_processes_then_resumed_on_another_layout(tmp_path
     assert len(b["losses"]) == 12
     np.testing.assert_allclose(b["losses"], a["losses"], rtol=1e-5)
     assert abs(b["final_valid_loss"] - a["final_valid_loss"]) <= 1e-5 * a["final_valid_loss"]
+
+
+def test_resuming_with_another_data_order_is_refused(tmp_path):
+    base = ["examples/mlp_2d.py", "--dataset", "sample", "--train-size", "640", "--batch-size",
+            "64", "--checkpoint-dir", str(tmp_path / "ckpt")]  # fmt: skip
+    run(python(*base, "--epochs", "1"), tmp_path, "first")
+    r = Run(python(*base, "--epochs", "2", "--seed", "1", "--resume"), tmp_path, "second")
+    try:
+        assert r.wait(120) != 0
+    finally:
+        r.kill()
+    assert ("--resume: the checkpoint in " in r.output()
+            and "was trained with seed = 0, this run has 1" in r.output()), r.output()  # fmt: skip
