@@ -41,8 +41,24 @@ def run(strategy: str, mesh_text: str) -> dict:
     return out
 
 
+def first_rows_mutant() -> None:
+    """Every process feeds rows [0, n) of each batch instead of its own block (a data-loading
+    bug that gives the right shapes and the wrong numbers)."""
+    real = models.Setup.process_rows
+
+    def process_rows(self, batch):
+        rows = real(self, batch)
+        return slice(0, rows.stop - rows.start)
+
+    models.Setup.process_rows = process_rows
+
+
 if __name__ == "__main__":
     path, *runs = sys.argv[1:]
+    if "--mutant" in runs:
+        assert runs[runs.index("--mutant") + 1] == "first-rows"
+        runs = runs[: runs.index("--mutant")]
+        first_rows_mutant()
     results = {}
     for spec in runs:
         results.update(run(*spec.split(":")))

@@ -5,6 +5,7 @@ Every multi-process run is a subprocess under a timeout (``_processes``): a dead
 deadlocked collective fails the test instead of hanging the suite.
 """
 
+import functools
 import json
 import os
 import re
@@ -31,16 +32,39 @@ RUNS = ["dp:8x1", "fsdp:8x1", "tp:1x8", "2d:4x2", "fsdp_tp:2x4"]
 SIZES, BATCH, SCALE = (24, 32, 16), 16, 0.1  # as in tests/_distributed_worker.py
 
 
+@functools.cache
+def _reference():
+    params = models.init_mlp(jax.random.key(0), SIZES, scale=SCALE)
+    xs, ys = batches(SIZES, BATCH)
+    return params, xs, ys, reference_trajectory(params, xs, ys, optimizer("sgd"))
+
+
+def check_numbers(got, spec: str) -> None:
+    """The multi-process run ``spec`` of the worker equals one process and the reference."""
+    params, xs, ys, (ref_losses, _, ref_params) = _reference()
+    tol = TOL["sgd"]
+    strategy, mesh_text = spec.split(":")
+    data, model = (int(v) for v in mesh_text.split("x"))
+    setup = models.build(strategy, shardops.make_mesh({"data": data, "model": model}),
+                         optimizer=optimizer("sgd"), sizes=SIZES)  # fmt: skip
+    one_losses, _, one_params = sharded_trajectory(setup, params, xs, ys)
+    mp_params = [
+        {name: got[f"{spec}/[{i}]['{name}']"] for name in layer}
+        for i, layer in enumerate(ref_params)
+    ]
+    mp_losses = got[f"{spec}/loss"]
+    assert np.max(np.abs(mp_losses - ref_losses)) <= tol["loss"], spec
+    assert max_diff(mp_params, ref_params) <= tol["params"], spec
+    assert max_diff(mp_params, one_params) <= tol["params"], spec
+    assert np.max(np.abs(mp_losses - one_losses)) <= tol["loss"], spec
+
+
 @pytest.mark.parametrize("processes", [2, 4])
 def test_every_strategy_across_processes_trains_like_one_process(tmp_path, processes):
     out = tmp_path / "params.npz"
     log = run(launcher(processes, "tests/_distributed_worker.py", str(out), *RUNS), tmp_path,
               "launch", timeout=240)  # fmt: skip
     got = np.load(out)
-    params = models.init_mlp(jax.random.key(0), SIZES, scale=SCALE)
-    xs, ys = batches(SIZES, BATCH)
-    ref_losses, _, ref_params = reference_trajectory(params, xs, ys, optimizer("sgd"))
-    tol = TOL["sgd"]
     for spec in RUNS:
         strategy, mesh_text = spec.split(":")
         data, model = (int(v) for v in mesh_text.split("x"))
@@ -55,18 +79,20 @@ def test_every_strategy_across_processes_trains_like_one_process(tmp_path, proce
             block = BATCH // data
             expected = (block * min(indices), block * (max(indices) + 1))
             assert (int(rows[1]), int(rows[2])) == expected, (spec, p, rows[0])
-        setup = models.build(strategy, shardops.make_mesh({"data": data, "model": model}),
-                             optimizer=optimizer("sgd"), sizes=SIZES)  # fmt: skip
-        one_losses, _, one_params = sharded_trajectory(setup, params, xs, ys)
-        mp_params = [
-            {name: got[f"{spec}/[{i}]['{name}']"] for name in layer}
-            for i, layer in enumerate(ref_params)
-        ]
-        mp_losses = got[f"{spec}/loss"]
-        assert np.max(np.abs(mp_losses - ref_losses)) <= tol["loss"], spec
-        assert max_diff(mp_params, ref_params) <= tol["params"], spec
-        assert max_diff(mp_params, one_params) <= tol["params"], spec
-        assert np.max(np.abs(mp_losses - one_losses)) <= tol["loss"], spec
+        check_numbers(got, spec)
+
+
+def test_every_process_feeding_the_first_rows_is_caught(tmp_path):
+    """Mutant: ``Setup.process_rows`` gives every process rows ``[0, n)`` (each feeds the
+    batch's first block): the numbers no longer match, whatever the rows printed say."""
+    out = tmp_path / "params.npz"
+    runs = ["2d:4x2", "fsdp_tp:2x4"]
+    run(launcher(2, "tests/_distributed_worker.py", str(out), *runs, "--mutant", "first-rows"),
+        tmp_path, "mutant")  # fmt: skip
+    got = np.load(out)
+    for spec in runs:
+        with pytest.raises(AssertionError):
+            check_numbers(got, spec)
 
 
 def _accuracy_lines(out: str) -> list[str]:

@@ -1,0 +1,447 @@
+"""``python -m shardops.launch``: processes started with the right environment, their output
+prefixed, a failed or killed process stopping the run, and bad options refused before anything
+starts. Also JAX's own heartbeat abort, without the launcher.
+
+Every multi-process run is a subprocess in its own session, under a timeout; at the end of each
+test, whatever it started and is still alive is SIGKILLed by its PID (never by name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from shardops import distributed, launch
+
+WORKER = Path(__file__).with_name("_launch_worker.py")
+ROOT = WORKER.parent.parent
+# Generous bound on any one run (each JAX process starts in ~2-3 s here, on 2 cores).
+RUN_TIMEOUT_S = 60
+# A dead process is noticed well within this, with the launcher or by JAX's heartbeats (10 s).
+STOP_WITHIN_S = 60
+_PID_LINE = re.compile(r"^shardops\.launch: process (\d+) pid (\d+)$")
+
+
+class Run:
+    """A command started in its own session; threads read its stdout and stderr into lists."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None):
+        self.args = args
+        self.popen = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._changed = threading.Condition()
+        self._threads = [
+            threading.Thread(target=self._read, args=(pipe, lines), daemon=True)
+            for pipe, lines in ((self.popen.stdout, self.out), (self.popen.stderr, self.err))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _read(self, pipe, lines: list[str]) -> None:
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                with self._changed:
+                    lines.append(raw.decode(errors="replace").rstrip("\n"))
+                    self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def report(self) -> str:
+        return (
+            f"$ {' '.join(self.args)}\n--- stdout\n"
+            + "\n".join(self.out[-60:])
+            + "\n--- stderr\n"
+            + "\n".join(self.err[-60:])
+        )
+
+    def wait_for(self, predicate, what: str, timeout: float = RUN_TIMEOUT_S) -> None:
+        """Wait until ``predicate(self)``; fail if the command ends first or time runs out."""
+        with self._changed:
+            ok = self._changed.wait_for(
+                lambda: predicate(self) or self.popen.poll() is not None, timeout
+            )
+        if not ok or not predicate(self):
+            raise AssertionError(f"no {what} within {timeout} s:\n{self.report()}")
+
+    def finish(self, timeout: float = RUN_TIMEOUT_S) -> int:
+        """The exit code, once the command and its output have ended."""
+        try:
+            code = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout} s:\n{self.report()}") from None
+        for t in self._threads:
+            t.join(timeout)
+        return code
+
+    def child_pids(self) -> dict[int, int]:
+        """Global process id → PID, from the launcher's ``process I pid P`` lines."""
+        found = (_PID_LINE.match(line) for line in list(self.err))
+        return {int(m[1]): int(m[2]) for m in found if m}
+
+    def kill(self) -> None:
+        """SIGKILL this command's session and, by PID, the workers it reported (each in a
+        session of its own) that are still alive."""
+        for pid in [p for p in self.child_pids().values() if worker_alive(p)]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(10)
+        for t in self._threads:
+            t.join(10)
+
+
+def worker_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live (not zombie) ``_launch_worker.py`` process: a reused PID is
+    somebody else's and does not count."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z" and WORKER.name.encode() in cmdline
+
+
+@pytest.fixture
+def start():
+    """``start(args, env=None) -> Run``; every run is killed (if still alive) at teardown."""
+    runs: list[Run] = []
+
+    def _start(args: list[str], env: dict[str, str] | None = None) -> Run:
+        runs.append(Run(args, env))
+        return runs[-1]
+
+    yield _start
+    for r in runs:
+        r.kill()
+
+
+def launcher(*options: str, mode: str = "ok") -> list[str]:
+    return [sys.executable, "-m", "shardops.launch", *options, "--", str(WORKER), mode]
+
+
+def first_lines_printed(nproc: int, first: int = 0):
+    """A predicate: every process's first worker line is on the launcher's stdout."""
+
+    def printed(r: Run) -> bool:
+        text = "\n".join(r.out)
+        return all(f"[p{i}] process {i}/" in text for i in range(first, first + nproc))
+
+    return printed
+
+
+def worker_line(i: int, n: int, local: int, total: int = 8) -> str:
+    return f"[p{i}] process {i}/{n}: {local} local of {total} devices, sum ok"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs under the launcher.
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_launch_splits_8_devices_over_processes(start, nproc):
+    r = start(launcher("-n", str(nproc)))
+    assert r.finish() == 0, r.report()
+    for i in range(nproc):
+        assert worker_line(i, nproc, 8 // nproc) in r.out, r.report()
+    assert all(line.startswith("[p") for line in r.out), r.report()
+    assert not any("Gloo" in line or "peer ranks" in line for line in r.out), r.report()
+    assert sorted(r.child_pids()) == list(range(nproc)), r.report()
+    assert any(f"{8 // nproc} simulated CPU device(s) per process" in e for e in r.err)
+
+
+def test_launch_returns_the_exit_code_of_the_failed_process(start):
+    # Through the programmatic entry point, launch().
+    code = (
+        "import sys; from shardops.launch import launch; "
+        f"sys.exit(launch([{str(WORKER)!r}, 'exit3'], nproc=2, devices=8))"
+    )
+    r = start([sys.executable, "-c", code])
+    assert r.finish() == 3, r.report()
+    pids = r.child_pids()
+    assert re.search(rf"process 1 \(pid {pids[1]}\) exited with code 3", "\n".join(r.err)), (
+        r.report()
+    )
+    assert worker_line(1, 2, 4) in r.out, r.report()
+    assert not any(worker_alive(p) for p in pids.values())
+
+
+def test_launch_stops_the_run_when_a_process_is_killed(start):
+    # A heartbeat timeout far above the bound below: the launcher, not JAX, must stop the run.
+    r = start(launcher("-n", "2", "--heartbeat-timeout", "30", mode="loop"))
+    r.wait_for(first_lines_printed(2), "first step on every process")
+    pids = r.child_pids()
+    killed_at = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    code = r.finish(STOP_WITHIN_S)
+    elapsed = time.monotonic() - killed_at
+    print(f"launcher: SIGKILL of process 1 → launcher exit in {elapsed:.2f} s")
+    assert code == 128 + signal.SIGKILL, r.report()
+    assert elapsed < 20, f"stopped {elapsed:.1f} s after the kill:\n{r.report()}"
+    assert re.search(
+        rf"process 1 \(pid {pids[1]}\) was killed by SIGKILL; stopping the other 1 process",
+        "\n".join(r.err),
+    ), r.report()
+    assert not any(worker_alive(p) for p in pids.values()), r.report()
+
+
+def test_sigterm_to_the_launcher_is_forwarded_to_every_process(start):
+    r = start(launcher("-n", "2", "--grace", "1", mode="loop"))
+    r.wait_for(first_lines_printed(2), "first step on every process")
+    os.kill(r.popen.pid, signal.SIGTERM)
+    assert r.finish() == 128 + signal.SIGTERM, r.report()
+    assert "shardops.launch: received SIGTERM; forwarding it to 2 process(es)" in r.err
+    assert not any(worker_alive(p) for p in r.child_pids().values()), r.report()
+
+
+def test_two_launchers_as_two_nodes_share_one_run(start):
+    coordinator = ["--coordinator", f"127.0.0.1:{free_port()}"]
+    nodes = []
+    for rank in (0, 1):
+        options = ["--nnodes", "2", "--node-rank", str(rank), *coordinator]
+        nodes.append(start(launcher(*options, "-n", "1", "--devices", "4")))
+    for node in nodes:
+        assert node.finish() == 0, node.report()
+    assert worker_line(0, 2, 4) in nodes[0].out, nodes[0].report()
+    assert worker_line(1, 2, 4) in nodes[1].out, nodes[1].report()
+    assert list(nodes[1].child_pids()) == [1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Without the launcher: JAX's coordination service aborts the survivors.
+
+
+def test_without_launcher_a_dead_peer_aborts_the_others_by_heartbeat(start):
+    env = {
+        **os.environ,
+        distributed.COORDINATOR: f"127.0.0.1:{free_port()}",
+        distributed.NUM_PROCESSES: "2",
+        distributed.LOCAL_DEVICES: "4",
+        distributed.HEARTBEAT_TIMEOUT: "10",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "PYTHONUNBUFFERED": "1",
+    }
+    workers = [
+        start([sys.executable, str(WORKER), "loop"], {**env, distributed.PROCESS_ID: str(i)})
+        for i in range(2)
+    ]
+    for i, w in enumerate(workers):
+        w.wait_for(lambda r, i=i: any(f"process {i}/2" in line for line in r.out), "first step")
+    killed_at = time.monotonic()
+    os.kill(workers[1].popen.pid, signal.SIGKILL)
+    code = workers[0].finish(STOP_WITHIN_S)
+    elapsed = time.monotonic() - killed_at
+    print(f"heartbeat: SIGKILL of process 1 → process 0 exit in {elapsed:.2f} s")
+    assert code != 0, workers[0].report()
+    assert elapsed < STOP_WITHIN_S
+    said = "\n".join(workers[0].out + workers[0].err)
+    assert re.search(r"unhealthy|stopped sending heartbeats", said), workers[0].report()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad options: exit code 2 and a message, before anything starts.
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--devices", "8", "-n", "3", "--", "w.py"],
+         r"--devices 8 does not split evenly over -n 3 processes; use a multiple of 3"),
+        (["-n", "2"], r"no command after --"),
+        (["-n", "2", "--"], r"no command after --"),
+        (["-n", "2", "w.py"], r"unrecognized arguments before --: w.py; options go before --"),
+        (["--nnodes", "2", "-n", "1", "--", "w.py"], r"--nnodes 2 needs --coordinator HOST:PORT"),
+        (["--nnodes", "2", "--node-rank", "2", "--coordinator", "h:1", "-n", "1", "--", "w.py"],
+         r"--node-rank 2 is not in \[0, --nnodes 2\)"),
+        (["--devices", "many", "-n", "2", "--", "w.py"],
+         r"argument --devices: must be a positive integer or 'real'; got 'many'"),
+        (["--coordinator", "localhost", "-n", "2", "--", "w.py"],
+         r"--coordinator must be HOST:PORT"),
+        (["--heartbeat-timeout", "0", "-n", "2", "--", "w.py"],
+         r"--heartbeat-timeout must be ≥ 1 second; got 0"),
+        (["--", "w.py"], r"the following arguments are required: -n/--nproc"),
+        (["-n", "0", "--", "w.py"], r"-n/--nproc must be an integer ≥ 1; got 0"),
+    ],
+)  # fmt: skip
+def test_bad_options_exit_2_with_a_message(capsys, argv, message):
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.match(r"shardops\.launch: error: " + message, err), err
+
+
+@pytest.mark.parametrize("spelling", ["--port", "--coordinator"])
+def test_a_port_in_use_is_refused_before_anything_starts(capsys, spelling):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        value = str(port) if spelling == "--port" else f"127.0.0.1:{port}"
+        assert launch.main(["-n", "2", spelling, value, "--", str(WORKER), "ok"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"shardops.launch: error: port {port} on 127.0.0.1 is already in use; pass another "
+        "--port, or omit --port to pick a free one"
+    ), err
+    assert "process 0 pid" not in err
+
+
+def test_the_command_line_reports_errors_with_exit_code_2(start):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = start(launcher("-n", "2", "--port", str(port)))
+        assert r.finish() == 2, r.report()
+    assert r.err[0].startswith(f"shardops.launch: error: port {port} on 127.0.0.1"), r.report()
+    assert not r.out
+
+
+def test_launch_raises_launch_error():
+    with pytest.raises(launch.LaunchError, match=r"-n/--nproc must be an integer ≥ 1; got 0"):
+        launch.launch(["w.py"], nproc=0)
+    with pytest.raises(launch.LaunchError, match=r"--devices 6 does not split evenly over -n 4"):
+        launch.launch(["w.py"], nproc=4, devices=6)
+    with pytest.raises(launch.LaunchError, match=r"no command after --"):
+        launch.launch([], nproc=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers: the environment of each process, and what it reads back.
+
+
+def test_xla_flags_replace_the_device_count_and_keep_other_flags():
+    old = (
+        "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=8 --xla_dump_to=/d"
+    )
+    assert launch.xla_flags_with_device_count(old, 2) == (
+        "--xla_cpu_enable_fast_math=false --xla_dump_to=/d --xla_force_host_platform_device_count=2"
+    )
+    assert launch.xla_flags_with_device_count(None, 4) == (
+        "--xla_force_host_platform_device_count=4"
+    )
+    twice = "--xla_force_host_platform_device_count=8 --xla_force_host_platform_device_count=1"
+    assert launch.xla_flags_with_device_count(twice, 2).count("device_count") == 1
+
+
+def test_child_env_round_trips_through_from_env():
+    base = {
+        "PATH": "/bin",
+        "XLA_FLAGS": "--xla_dump_to=/d --xla_force_host_platform_device_count=8",
+    }
+    env = launch.child_env(
+        base, coordinator="10.0.0.1:8476", num_processes=4, process_id=3, local_devices=2
+    )
+    assert env["PATH"] == "/bin" and env["PYTHONUNBUFFERED"] == "1"
+    assert env["JAX_PLATFORMS"] == "cpu"
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/d --xla_force_host_platform_device_count=2"
+    assert base["XLA_FLAGS"].endswith("=8")  # not modified in place
+    assert distributed.from_env(env) == distributed.Launch("10.0.0.1:8476", 4, 3, 2, 10)
+
+
+def test_child_env_with_real_devices_simulates_nothing():
+    base = {"XLA_FLAGS": "--xla_dump_to=/d", distributed.LOCAL_DEVICES: "4"}
+    env = launch.child_env(
+        base,
+        coordinator="h:1",
+        num_processes=2,
+        process_id=0,
+        local_devices=None,
+        heartbeat_timeout_s=30,
+    )
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/d"
+    assert distributed.LOCAL_DEVICES not in env and "JAX_PLATFORMS" not in env
+    assert distributed.from_env(env) == distributed.Launch("h:1", 2, 0, None, 30)
+
+
+def test_devices_per_process():
+    assert launch.devices_per_process(8, 2) == 4
+    assert launch.devices_per_process(8, 4) == 2
+    assert launch.devices_per_process("real", 3) is None
+    with pytest.raises(launch.LaunchError, match=r"an -n that divides 8 \(1, 2, 4, 8\)"):
+        launch.devices_per_process(8, 3)
+
+
+def test_exit_codes_and_their_descriptions():
+    assert launch.exit_code(3) == 3
+    assert launch.exit_code(-signal.SIGKILL) == 137
+    assert launch.describe_exit(3) == "exited with code 3"
+    assert launch.describe_exit(-signal.SIGKILL) == "was killed by SIGKILL"
+
+
+def test_gloo_noise_is_dropped_and_other_lines_kept():
+    lines = [
+        "[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7",
+        # Seen here: gloo's threads writing at once.
+        "[Gloo] Rank [Gloo] Rank 6 is connected to 7 peer ranks. Expected number of connected "
+        "peer ranks is : 77",
+        " is connected to 7 peer ranks. Expected number of connected peer ranks is : 7",
+        "",
+        "7",
+        "process 0/2: 4 local of 8 devices, sum ok",
+        "7",
+        "[Gloo] Rank 0 failed to connect",
+    ]
+    noise = launch.GlooNoiseFilter()
+    assert [line for line in lines if noise.keep(line)] == lines[-3:]
+
+
+def test_a_free_port_passes_the_port_check():
+    launch.check_port_free("127.0.0.1", launch.free_port())
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"SHARDOPS_NUM_PROCESSES": "2"},
+         r"SHARDOPS_NUM_PROCESSES is set but SHARDOPS_COORDINATOR and SHARDOPS_PROCESS_ID not"),
+        ({"SHARDOPS_NUM_PROCESSES": "two", "SHARDOPS_COORDINATOR": "h:1",
+          "SHARDOPS_PROCESS_ID": "0"},
+         r"SHARDOPS_NUM_PROCESSES must be an integer ≥ 1; got 'two'"),
+        ({"SHARDOPS_NUM_PROCESSES": "2", "SHARDOPS_COORDINATOR": "h:1",
+          "SHARDOPS_PROCESS_ID": "2"},
+         r"SHARDOPS_PROCESS_ID = 2 is not in \[0, SHARDOPS_NUM_PROCESSES = 2\)"),
+        ({"SHARDOPS_NUM_PROCESSES": "2", "SHARDOPS_COORDINATOR": "localhost",
+          "SHARDOPS_PROCESS_ID": "0"},
+         r"SHARDOPS_COORDINATOR must be host:port; got 'localhost'"),
+        ({"SHARDOPS_NUM_PROCESSES": "2", "SHARDOPS_COORDINATOR": "h:1",
+          "SHARDOPS_PROCESS_ID": "0", "SHARDOPS_LOCAL_DEVICES": "0"},
+         r"SHARDOPS_LOCAL_DEVICES must be ≥ 1; got 0"),
+        ({"SHARDOPS_NUM_PROCESSES": "2", "SHARDOPS_COORDINATOR": "h:1",
+          "SHARDOPS_PROCESS_ID": "0", "SHARDOPS_HEARTBEAT_TIMEOUT": "1.5"},
+         r"SHARDOPS_HEARTBEAT_TIMEOUT must be an integer ≥ 1; got '1.5'"),
+    ],
+)  # fmt: skip
+def test_from_env_errors(environ, message):
+    with pytest.raises(ValueError, match=message):
+        distributed.from_env(environ)
+
+
+def test_from_env_without_a_run_is_none():
+    assert distributed.from_env({}) is None
