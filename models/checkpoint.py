@@ -169,11 +169,7 @@ def describe(setup: Setup) -> dict:
     shapes = _param_shapes(setup)
     roles = leaf_roles(setup.plan, jax.tree.map(lambda a: tuple(a.shape), shapes))
     opt_state = jax.eval_shape(setup.optimizer.init, shapes)
-    config = (
-        {f.name: _jsonable(getattr(model, f.name)) for f in dataclasses.fields(model)}
-        if dataclasses.is_dataclass(model)
-        else {"repr": repr(model)}
-    )
+    config = _config(model)
     return {
         "type": f"{type(model).__module__}.{type(model).__qualname__}",
         "config": config,
@@ -257,6 +253,27 @@ def _leaves(tree):
 
 def _key(path) -> str:
     return jax.tree_util.keystr(path)
+
+
+def _config(model) -> dict:
+    """The model's config: a dataclass's fields, else its public attributes that are plain
+    numbers, strings or sequences of them (never a repr, which may hold an address)."""
+    if dataclasses.is_dataclass(model):
+        items = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+    else:
+        items = {k: v for k, v in vars(model).items() if not k.startswith("_")}
+    out = {}
+    for name, value in items.items():
+        value = _jsonable(value)
+        if _plain(value):
+            out[name] = value
+    return out
+
+
+def _plain(value) -> bool:
+    if isinstance(value, list):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, bool | int | float | str)
 
 
 def _jsonable(value: Any):

@@ -183,6 +183,35 @@ def test_another_optimizer_or_model_or_dtype_is_refused(tmp_path):
     assert "params[0]['w']: shape (16, 32) float32 in the checkpoint, shape (16, 32) bfloat16 here" in text  # fmt: skip
 
 
+class UserMlp:
+    """A user's model that is no dataclass (its repr holds an address): identified by its
+    public config attributes."""
+
+    def __init__(self, sizes):
+        self.sizes = tuple(sizes)
+        self._inner = models.Mlp(sizes)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_a_user_model_restores_into_a_new_instance_and_other_sizes_are_refused(tmp_path):
+    mesh = shardops.make_mesh({"data": 2, "model": 4})
+    a = models.build("fsdp_tp", mesh, optimizer=optax.sgd(0.1), model=UserMlp((16, 32, 8)))
+    b = models.build("2d", mesh, optimizer=optax.sgd(0.1), model=UserMlp((16, 32, 8)))
+    with save_one(tmp_path, a) as ckpt:
+        state, _ = ckpt.restore(b)
+    expected = a.gather(a.init(jax.random.key(0)).params)
+    for x, y in zip(
+        jax.tree.leaves(b.gather(state.params)), jax.tree.leaves(expected), strict=True
+    ):
+        np.testing.assert_array_equal(x, y)
+    other = models.build("2d", mesh, optimizer=optax.sgd(0.1), model=UserMlp((16, 24, 8)))
+    with Checkpoints(tmp_path / "ckpt") as ckpt, pytest.raises(CheckpointMismatch) as e:
+        ckpt.restore(other)
+    assert "model config sizes: [16, 32, 8] in the checkpoint, [16, 24, 8] here" in str(e.value)
+
+
 def test_missing_steps_and_bad_arguments_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="every must be ≥ 1 step"):
         Checkpoints(tmp_path / "a", every=0)
