@@ -22,6 +22,7 @@ seed's mean.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -496,6 +497,7 @@ def gather_tree(tree):
     return jax.device_get(jax.tree.map(get, tree))
 
 
+@functools.lru_cache(maxsize=64)
 def _spans_processes(mesh: Mesh) -> bool:
     """Whether ``mesh`` has devices of other processes (a multi-process run)."""
     here = jax.process_index()

@@ -247,3 +247,16 @@ def test_resuming_with_another_data_order_is_refused(tmp_path):
         r.kill()
     assert ("--resume: the checkpoint in " in r.output()
             and "was trained with seed = 0, this run has 1" in r.output()), r.output()  # fmt: skip
+
+
+def test_in_one_process_a_local_batch_is_the_global_batch():
+    setup = models.build("2d", shardops.make_mesh({"data": 4, "model": 2}),
+                         optimizer=optimizer("sgd"), sizes=SIZES)  # fmt: skip
+    xs, ys = batches(SIZES, BATCH)
+    assert setup.process_rows(BATCH) == slice(0, BATCH)
+    local = setup.place_local_batch(xs[0], ys[0], batch=BATCH)
+    for a, b in zip(local, setup.place_batch(xs[0], ys[0]), strict=True):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match=r"x has 8 rows; process 0 feeds rows \[0, 16\)"):
+        setup.place_local_batch(xs[0][:8], ys[0][:8], batch=BATCH)
