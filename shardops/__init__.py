@@ -45,6 +45,7 @@ from shardops._mesh import axis_size, check_divisible, make_mesh, spec_entry
 from shardops._norms import layer_norm, rms_norm
 from shardops._params import dense, init_dense, pad_params, padded_size, shard_params, unpad
 from shardops._precision import BFLOAT16, FLOAT32, MIXED_BFLOAT16, Precision
+from shardops._ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from shardops._views import (
     LeafLayout,
     grid_sharding,
@@ -96,7 +97,10 @@ __all__ = [
     "make_mesh",
     "pad_params",
     "padded_size",
+    "ring_all_gather",
+    "ring_all_reduce",
     "ring_bytes",
+    "ring_reduce_scatter",
     "rms_norm",
     "row_parallel_dense",
     "row_parallel_dense_kernel",
