@@ -14,6 +14,7 @@ from shardops._attention import (
     init_attention,
 )
 from shardops._axes import DATA_AXIS, MODEL_AXIS
+from shardops._collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from shardops._cross_entropy import (
     CrossEntropySpecs,
     vocab_parallel_argmax,
@@ -70,6 +71,7 @@ __all__ = [
     "LeafLayout",
     "Ledger",
     "Precision",
+    "all_gather_matmul",
     "attention",
     "attention_specs",
     "axis_size",
@@ -95,6 +97,7 @@ __all__ = [
     "layouts",
     "ledger",
     "make_mesh",
+    "matmul_reduce_scatter",
     "pad_params",
     "padded_size",
     "ring_all_gather",

@@ -1,0 +1,135 @@
+"""Collective matmul: a ring of ``ppermute`` steps, one block of matmul per step.
+
+Per-device kernels for ``jax.shard_map`` (as in the JAX shard_map documentation's collective
+matmul and the scaling book's "overlapping communication"). Each step starts the transfer of
+the next block and multiplies the block it holds, so that on hardware with asynchronous
+collectives the transfer hides behind the matmul; the result equals the unfused form.
+
+- ``all_gather_matmul``: ``AllGather(x[.., S_X, .., K]) · w[K, F] → y[.., S, .., F]``, the
+  sequence-parallel input of a column-parallel layer. N matmuls of one block, N − 1 steps
+  sending ``x``'s block (V/N bytes each).
+- ``matmul_reduce_scatter``: ``ReduceScatter_S(x[.., S, .., K_X] · w[K_X, F]) →
+  y[.., S_X, .., F]``, the row-parallel layer's output scattered along the sequence. The
+  partial sum of row block j starts at device j + 1 and travels the ring, each device adding
+  its own product for block j, computed just in time: N matmuls, N − 1 steps of one output
+  block.
+
+``bidirectional=True`` splits each block in two along the gathered (scattered) dimension and
+runs one half each way round the ring: the same bytes over both directions of each link. The
+block must then have an even size along that dimension.
+
+Gradients come from autodiff of the loop: the transpose of a ``ppermute`` is the reverse one,
+so the backward pass is again a ring (``dx`` of ``all_gather_matmul`` is a ring
+reduce-scatter of ``dy · wᵀ``; ``dw`` is local). A test checks forward and gradients against
+the unfused builtins bit for bit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def _ring(n: int, shift: int) -> list[tuple[int, int]]:
+    return [(i, (i + shift) % n) for i in range(n)]
+
+
+def _check(x, dim: int, name: str, op: str) -> int:
+    if not (-x.ndim <= dim < x.ndim and dim % x.ndim < x.ndim - 1):
+        raise ValueError(
+            f"{op}: {name}={dim} must name a leading dim of x (rank {x.ndim}; the last one is "
+            f"the contraction)"
+        )
+    return dim % x.ndim
+
+
+def _halves_ok(size: int, name: str, op: str) -> None:
+    if size % 2:
+        raise ValueError(
+            f"{op}: bidirectional=True splits each block in two along {name}, but the block has "
+            f"{size} rows there; use an even block or bidirectional=False"
+        )
+
+
+def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str, *, axis: int = 0,
+                      bidirectional: bool = False) -> jax.Array:  # fmt: skip
+    """``lax.all_gather(x, axis_name, axis=axis, tiled=True) @ w`` by a ring of N − 1 steps.
+
+    Arguments (local blocks, N = size of ``axis_name``):
+        x: ``x[.., S/N, .., K]``, split along ``axis`` (a leading dim).
+        w: ``w[K, F]`` (e.g. a column-parallel weight shard ``w[K, F/N]``).
+
+    Returns ``y[.., S, .., F]``.
+    """
+    op = "all_gather_matmul"
+    axis = _check(x, axis, "axis", op)
+    n = lax.axis_size(axis_name)
+    i = lax.axis_index(axis_name)
+    m = x.shape[axis]
+    out_shape = (*x.shape[:axis], n * m, *x.shape[axis + 1 : -1], w.shape[1])
+    out = jnp.zeros(out_shape, jnp.result_type(x, w))
+    if not bidirectional:
+        block = x
+        for s in range(n):
+            nxt = lax.ppermute(block, axis_name, _ring(n, +1)) if s < n - 1 else None
+            # After s steps of i → i + 1, device i holds the block of device i − s.
+            start = ((i - s) % n) * m
+            out = lax.dynamic_update_slice_in_dim(out, block @ w, start, axis)
+            block = nxt
+        return out
+    _halves_ok(m, f"axis {axis}", op)
+    h = m // 2
+    right = lax.slice_in_dim(x, 0, h, axis=axis)  # first halves travel i → i + 1
+    left = lax.slice_in_dim(x, h, m, axis=axis)  # second halves travel i → i − 1
+    for s in range(n):
+        nxt_r = lax.ppermute(right, axis_name, _ring(n, +1)) if s < n - 1 else None
+        nxt_l = lax.ppermute(left, axis_name, _ring(n, -1)) if s < n - 1 else None
+        out = lax.dynamic_update_slice_in_dim(out, right @ w, ((i - s) % n) * m, axis)
+        out = lax.dynamic_update_slice_in_dim(out, left @ w, ((i + s) % n) * m + h, axis)
+        right, left = nxt_r, nxt_l
+    return out
+
+
+def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, *,
+                          scatter_dimension: int = 0, bidirectional: bool = False
+                          ) -> jax.Array:  # fmt: skip
+    """``lax.psum_scatter(x @ w, axis_name, scatter_dimension=..., tiled=True)`` by a ring of
+    N − 1 steps, each device computing its product for one output block per step.
+
+    Arguments (local blocks, N = size of ``axis_name``):
+        x: ``x[.., S, .., K/N]`` (e.g. a column-parallel layer's output), ``S`` along
+            ``scatter_dimension`` (a leading dim) divisible by N.
+        w: ``w[K/N, F]`` (a row-parallel weight shard).
+
+    Returns ``y[.., S/N, .., F]``: this device's block of the sum over the axis.
+    """
+    op = "matmul_reduce_scatter"
+    dim = _check(x, scatter_dimension, "scatter_dimension", op)
+    n = lax.axis_size(axis_name)
+    i = lax.axis_index(axis_name)
+    if x.shape[dim] % n:
+        raise ValueError(
+            f"{op}: x dim {dim} = {x.shape[dim]} is not divisible by mesh axis {axis_name!r} "
+            f"(size {n}); pad it to a multiple of {n}"
+        )
+    m = x.shape[dim] // n
+
+    def product(j, lo: int, size: int):
+        """This device's addend for rows ``[lo, lo + size)`` of output block ``j``."""
+        rows = lax.dynamic_slice_in_dim(x, (j % n) * m + lo, size, dim)
+        return rows @ w
+
+    def ring(lo: int, size: int, shift: int):
+        # The partial sum of block j starts at device j + shift and moves by +shift each step.
+        acc = product(i - shift, lo, size)
+        for s in range(1, n):
+            acc = lax.ppermute(acc, axis_name, _ring(n, shift))
+            acc = acc + product(i - (s + 1) * shift, lo, size)
+        return acc
+
+    if not bidirectional:
+        return ring(0, m, +1)
+    _halves_ok(m, f"scatter_dimension {dim}", op)
+    h = m // 2
+    return jnp.concatenate([ring(0, h, +1), ring(h, h, -1)], axis=dim)
