@@ -162,13 +162,14 @@ def main(argv=None):
             log(f"Resume: no checkpoint in {ckpt.directory} yet; starting at step 0")
         else:
             state, extra = ckpt.restore(setup)
+            saved = ckpt.record()  # who saved it: strategy and mesh
             check_position(extra, position, ckpt.directory)
             done, history = ckpt.latest_step(), extra["history"]
             if ref is not None:
                 ref_state, _ = ckpt.restore(ref)
             log(f"Resume: step {done} (epoch {done // steps_per_epoch}, batch "
                 f"{done % steps_per_epoch}) from {ckpt.directory}, saved by "
-                f"{ckpt.record()['strategy']} on {ckpt.record()['mesh']}")  # fmt: skip
+                f"{saved['strategy']} on {saved['mesh']}")  # fmt: skip
 
     def save(step: int) -> None:
         ckpt.save(step, setup, state, extra={**position, "history": history})

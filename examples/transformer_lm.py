@@ -321,6 +321,7 @@ def main(argv=None) -> int:
         log(f"Resume: no checkpoint in {ckpt.directory} yet; starting at step 0")
     elif args.resume:
         state, extra = ckpt.restore(setup)
+        saved = ckpt.record()  # who saved it: strategy and mesh
         for key, value in position.items():
             if extra.get(key) != value:
                 parser.error(f"--resume: the checkpoint in {ckpt.directory} was trained with "
@@ -331,7 +332,7 @@ def main(argv=None) -> int:
                 f"--resume: the checkpoint is at step {done}, already --steps {args.steps}"
             )
         log(f"Resume: step {done} from {ckpt.directory}, saved by "
-            f"{ckpt.record()['strategy']} on {ckpt.record()['mesh']}")  # fmt: skip
+            f"{saved['strategy']} on {saved['mesh']}")  # fmt: skip
 
     def save(step: int) -> None:
         extra = {**position, "losses": [float(v) for v in losses], "history": history}

@@ -135,9 +135,8 @@ class Checkpoints:
                 f"the checkpoint {self.directory} step {step} holds another model than this "
                 f"setup's ({len(problems)} difference(s)):\n  - " + "\n  - ".join(problems)
             )
-        target = {"params": _abstract_params(setup), "opt_state": _abstract_opt_state(setup)}
         restored = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract_state(setup)))
         )["state"]
         return TrainState(restored["params"], restored["opt_state"]), record["extra"]
 
@@ -220,14 +219,15 @@ def _param_shapes(setup: Setup):
     return jax.eval_shape(lambda key: setup.model.init(key, dtype=dtype), jax.random.key(0))
 
 
-def _abstract_params(setup: Setup):
-    shapes = _param_shapes(setup)
-    return _with_shardings(shapes, setup, setup.param_specs)
-
-
-def _abstract_opt_state(setup: Setup):
-    shapes = _param_shapes(setup)
-    return _with_shardings(jax.eval_shape(setup.optimizer.init, shapes), setup, setup.opt_specs)
+def _abstract_state(setup: Setup) -> dict:
+    """The restore target: params and optimizer state as ``ShapeDtypeStruct``s carrying the
+    setup's sharding of every leaf."""
+    params = _param_shapes(setup)
+    opt_state = jax.eval_shape(setup.optimizer.init, params)
+    return {
+        "params": _with_shardings(params, setup, setup.param_specs),
+        "opt_state": _with_shardings(opt_state, setup, setup.opt_specs),
+    }
 
 
 def _with_shardings(shapes, setup: Setup, specs):

@@ -6,13 +6,13 @@ Values are small integers in float32, so every sum is exact in any order and the
 is bit for bit.
 """
 
-import inspect
-import types
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _mutants import mutant
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -141,10 +141,9 @@ def test_collective_matmul_compiles_to_permutes_of_the_ring_bytes(kind, bidirect
 def test_bad_arguments_are_clear_errors():
     mesh = shardops.make_mesh({"model": 4})
 
-    def call(fn, *shapes):
-        return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(
-            *[jnp.zeros(s) for s in shapes]
-        )
+    def call(fn, *local_shapes):
+        args = [jnp.zeros((4 * shape[0], *shape[1:])) for shape in local_shapes]
+        return jax.shard_map(fn, mesh=mesh, in_specs=P("model"), out_specs=P("model"))(*args)
 
     with pytest.raises(ValueError, match=r"x dim 0 = 6 is not divisible by mesh axis 'model'"):
         call(lambda a, b: shardops.matmul_reduce_scatter(a, b, "model"), (6, 3), (3, 2))
@@ -155,30 +154,69 @@ def test_bad_arguments_are_clear_errors():
         call(lambda a, b: shardops.all_gather_matmul(a, b, "model", axis=1), (4, 2), (2, 2))
 
 
-# --- mutants
+def check_fixed(module) -> None:
+    """Forward equals the unsharded product and gradients the unfused ones, fixed cases."""
+    for kind in KINDS:
+        case = ({"data": 2, "model": 4}, "model", kind, 0, False, (8, 3), 2, 3)
+        (ring_y, ring_gx, ring_gw, _, gx, gw), expected = run(module, *case, seed=0)
+        assert np.array_equal(ring_y, expected), case
+        assert np.array_equal(ring_gx, gx) and np.array_equal(ring_gw, gw), case
 
-SOURCE = inspect.getsource(_collective_matmul)
+
+def check_dtypes(module) -> None:
+    """In bfloat16 both kernels return what the unfused builtins return: dtype and values."""
+    mesh = shardops.make_mesh({"data": 2, "model": 4})
+    x = jnp.asarray(np.arange(16 * 8).reshape(16, 8) % 5, jnp.bfloat16)
+    w = jnp.asarray(np.arange(8 * 8).reshape(8, 8) % 3, jnp.bfloat16)
+    cases = [
+        (module.all_gather_matmul, (P("model"), P(None, "model")), P(None, "model"),
+         lambda a, b: lax.all_gather(a, "model", tiled=True) @ b),
+        (module.matmul_reduce_scatter, (P(None, "model"), P("model")), P("model"),
+         lambda a, b: lax.psum_scatter(a @ b, "model", tiled=True)),
+    ]  # fmt: skip
+    for fused, in_specs, out_spec, unfused in cases:
+        for bidirectional in (False, True):
+            got, want = (
+                jax.shard_map(op, mesh=mesh, in_specs=in_specs, out_specs=out_spec)(x, w)
+                for op in (
+                    functools.partial(fused, axis_name="model", bidirectional=bidirectional),
+                    unfused,
+                )
+            )
+            assert got.dtype == want.dtype == jnp.bfloat16, (fused.__name__, got.dtype)
+            assert np.array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_collective_matmul_keeps_the_dtype():
+    check_dtypes(_collective_matmul)
+
+
+# --- mutants, each caught by one of the checks above
+
 PLACE = "            start = ((i - s) % n) * m\n"
 ACC = "            acc = acc + product(i - (s + 1) * shift, lo, size)\n"
+PRODUCT = "        return rows @ w\n"
 MUTANTS = {
     # The ring's shift read backwards: each block's product written at the wrong rows.
-    "gather_shift_reversed": (PLACE, PLACE.replace("(i - s)", "(i + s)")),
+    "gather_shift_reversed": (PLACE, PLACE.replace("(i - s)", "(i + s)"), check_fixed),
     # A block accumulated twice on its way round the ring.
-    "block_accumulated_twice": (ACC, ACC.replace("acc + product", "acc + 2 * product")),
+    "block_accumulated_twice": (
+        ACC,
+        ACC.replace("acc + product", "acc + 2 * product"),
+        check_fixed,
+    ),
+    # Products accumulated in float32 whatever the input: a bf16 layer returns float32.
+    "products_in_float32": (
+        PRODUCT,
+        PRODUCT.replace("rows @ w", "jnp.matmul(rows, w, preferred_element_type=jnp.float32)"),
+        check_dtypes,
+    ),
 }
-FIXED = [({"data": 2, "model": 4}, "model", kind, 0, False, (8, 3), 2, 3) for kind in KINDS]
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_collective_matmul_mutant_is_caught(name):
-    line, replacement = MUTANTS[name]
-    assert SOURCE.count(line) == 1, f"mutant {name}: line not found once"
-    module = types.ModuleType(f"collective_matmul_{name}")
-    exec(compile(SOURCE.replace(line, replacement), f"<mutant {name}>", "exec"), module.__dict__)
-    caught = []
-    for case in FIXED:
-        (ring_y, ring_gx, ring_gw, _, gx, gw), expected = run(module, *case, seed=0)
-        if not (np.array_equal(ring_y, expected) and np.array_equal(ring_gx, gx)
-                and np.array_equal(ring_gw, gw)):  # fmt: skip
-            caught.append(case[2])
-    assert caught, f"mutant {name} passed every fixed case"
+    line, replacement, check = MUTANTS[name]
+    check(_collective_matmul)  # the real module passes
+    with pytest.raises(AssertionError):
+        check(mutant(_collective_matmul, name, line, replacement))

@@ -7,13 +7,11 @@ must agree bit for bit, and a block added twice or placed at the wrong device ca
 tolerance.
 """
 
-import inspect
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _mutants import mutant
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -133,10 +131,9 @@ def test_ring_collectives_compile_to_permutes_moving_the_ring_bytes(mesh_shape, 
 def test_bad_arguments_are_clear_errors():
     mesh = shardops.make_mesh({"model": 4})
 
-    def call(fn, shape):
-        return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(
-            jnp.zeros(shape)
-        )
+    def call(fn, local_shape):
+        x = jnp.zeros((4 * local_shape[0], *local_shape[1:]))
+        return jax.shard_map(fn, mesh=mesh, in_specs=P("model"), out_specs=P("model"))(x)
 
     with pytest.raises(ValueError, match=r"dim 1 = 6 is not divisible by mesh axis 'model' \(size 4\)"):  # fmt: skip
         call(lambda a: shardops.ring_reduce_scatter(a, "model", scatter_dimension=1), (4, 6))
@@ -144,37 +141,68 @@ def test_bad_arguments_are_clear_errors():
         call(lambda a: shardops.ring_all_gather(a, "model", axis=2), (4, 6))
 
 
-# --- mutants, caught by the property's check on fixed cases
+def check_fixed(module) -> None:
+    """Ring equals builtin, forward and gradient, on fixed float32 cases of every kind."""
+    for kind in KINDS:
+        for bidirectional in (False, True):
+            case = ({"data": 2, "model": 4}, "model", kind, 0, bidirectional, (4, 3))
+            ring_y, ring_g, y, g = run(module, *case, seed=0)
+            assert np.array_equal(ring_y, y) and np.array_equal(ring_g, g), case
 
-SOURCE = inspect.getsource(_ring)
+
+def check_dtypes(module) -> None:
+    """In bfloat16 the rings return what the builtins return: the same dtype and values."""
+    mesh = shardops.make_mesh({"data": 2, "model": 4})
+    x = jnp.asarray(np.arange(16 * 6).reshape(16, 6) % 7, jnp.bfloat16)
+    for kind in KINDS:
+        for bidirectional in (False, True):
+            got, want = (
+                jax.shard_map(op, mesh=mesh, in_specs=P("model"), out_specs=P("model"))(x)
+                for op in ops(module, kind, "model", 0, bidirectional)
+            )
+            assert got.dtype == want.dtype == jnp.bfloat16, (kind, got.dtype)
+            assert np.array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_ring_collectives_keep_the_dtype():
+    check_dtypes(_ring)
+
+
+# --- mutants, each caught by one of the checks above
+
 PLACE = "        out = lax.dynamic_update_index_in_dim(out, block, (i - s * shift) % n, 0)\n"
 START = "    acc = block(i - shift)\n"
 MUTANTS = {
     # The ring's shift read backwards: each received block written at the wrong device's place.
-    "gather_shift_reversed": (PLACE, PLACE.replace("(i - s * shift)", "(i + s * shift)")),
+    "gather_shift_reversed": (
+        PLACE,
+        PLACE.replace("(i - s * shift)", "(i + s * shift)"),
+        check_fixed,
+    ),
     # The partial sum seeded with this device's block twice.
-    "block_accumulated_twice": (START, START.replace("block(i - shift)", "2 * block(i - shift)")),
+    "block_accumulated_twice": (
+        START,
+        START.replace("block(i - shift)", "2 * block(i - shift)"),
+        check_fixed,
+    ),
     # One ring step fewer: the last block never arrives.
     "one_step_short": (
         "    for s in range(1, n):\n        acc = lax.ppermute",
         "    for s in range(1, n - 1):\n        acc = lax.ppermute",
+        check_fixed,
+    ),
+    # The partial sums kept in float32 whatever the input: a bf16 reduction comes back float32.
+    "reduce_in_float32": (
+        START,
+        START.replace("block(i - shift)", "block(i - shift).astype(jnp.float32)"),
+        check_dtypes,
     ),
 }
-FIXED = [({"data": 2, "model": 4}, "model", kind, 0, bi, (4, 3)) for kind in KINDS
-         for bi in (False, True)]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_ring_mutant_is_caught(name):
-    line, replacement = MUTANTS[name]
-    assert SOURCE.count(line) == 1, f"mutant {name}: line not found once in _ring.py"
-    module = types.ModuleType(f"ring_{name}")
-    exec(compile(SOURCE.replace(line, replacement), f"<mutant {name}>", "exec"), module.__dict__)
-    caught = []
-    for case in FIXED:
-        ring_y, ring_g, y, g = run(module, *case, seed=0)
-        real = run(_ring, *case, seed=0)
-        assert np.array_equal(real[0], real[2]) and np.array_equal(real[1], real[3])
-        if not (np.array_equal(ring_y, y) and np.array_equal(ring_g, g)):
-            caught.append(case[2:5])
-    assert caught, f"mutant {name} passed every fixed case"
+    line, replacement, check = MUTANTS[name]
+    check(_ring)  # the real module passes
+    with pytest.raises(AssertionError):
+        check(mutant(_ring, name, line, replacement))
