@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from shardops_models._dense_route import check_route
 from shardops_models._mlp import SEED_SIZES
 from shardops_models.mlp import Mlp
 from shardops_models.parallel import (
@@ -52,6 +53,8 @@ from shardops_models.parallel import (
 from shardops_models.plan import HEAD, VOCAB, leaf_roles, model_specs, names, replicated, with_fsdp
 
 import shardops
+
+COLLECTIVE_MATMULS = (None, "ring", "bidirectional")
 
 INIT_LR = 1.0
 DECAY_RATE = 0.95
@@ -120,6 +123,10 @@ class Setup:
     optimizer: optax.GradientTransformation
     remat: bool
     precision: shardops.Precision
+    fsdp_dense: str
+    """fsdp: per dense layer, gather the weight or move the activations (``build``)."""
+    collective_matmul: str | None
+    """The tensor-parallel dense kernels' ring option (``build``)."""
     param_specs: Any
     """PartitionSpec tree of the params (None for ``ref``)."""
     opt_specs: Any
@@ -300,6 +307,8 @@ def build(
     plan=None,
     remat: bool = False,
     precision: shardops.Precision = shardops.FLOAT32,
+    fsdp_dense: str = "auto",
+    collective_matmul: str | None = None,
 ) -> Setup:
     """Train step, eval step and sharding of ``model`` under ``strategy`` on ``mesh``.
 
@@ -319,8 +328,21 @@ def build(
         precision: ``shardops.FLOAT32``, ``MIXED_BFLOAT16`` (float32 params and optimizer,
             bfloat16 matmuls and activations) or ``BFLOAT16`` (bfloat16 params too). Matmuls
             accumulate, and gradients are reduced, in float32 under all three.
+        fsdp_dense: strategies with fsdp: per dense layer, ``"gather_weights"`` (AllGather the
+            weight, ReduceScatter its gradient), ``"move_activations"`` (AllToAll the input,
+            ReduceScatter the output: the weight never moves), or ``"auto"`` (the default):
+            whichever moves fewer bytes for the layer's shapes (``models._dense_route``).
+        collective_matmul: strategies with tp or sp: ``"ring"`` or ``"bidirectional"`` runs
+            each dense layer's collective as a ring of ``ppermute`` steps interleaved with
+            blocks of the matmul (``shardops.column_parallel_dense_kernel``); None (the
+            default) uses XLA's collectives.
     """
     parallel = strategy_named(strategy)
+    check_route(fsdp_dense)
+    if collective_matmul not in COLLECTIVE_MATMULS:
+        raise ValueError(
+            f"collective_matmul must be one of {COLLECTIVE_MATMULS}; got {collective_matmul!r}"
+        )
     if model is None:
         model = Mlp(SEED_SIZES if sizes is None else sizes)
     elif sizes is not None:
@@ -350,7 +372,8 @@ def build(
     specs = _param_specs(parallel, roles, shapes, mesh)
     opt_specs = None if mesh is None else opt_state_specs(optimizer, model, specs)
     batch_spec = P(shardops.spec_entry(*parallel.batch_axes))
-    body = _Body(model, parallel, roles, specs, optimizer, remat, precision)
+    body = _Body(model, parallel, roles, specs, optimizer, remat, precision, fsdp_dense,
+                 collective_matmul)  # fmt: skip
 
     if mesh is None:
         step, loss_and_grads, evaluate = body.step, body.loss_and_grads, body.evaluate
@@ -389,6 +412,8 @@ def build(
         optimizer=optimizer,
         remat=remat,
         precision=precision,
+        fsdp_dense=fsdp_dense,
+        collective_matmul=collective_matmul,
         param_specs=specs,
         opt_specs=opt_specs,
         batch_spec=batch_spec,
@@ -512,13 +537,15 @@ class _Body:
     and the gradients, reduced by the strategy's own collectives, are the mean's.
     """
 
-    def __init__(self, model, parallel, roles, specs, optimizer, remat, precision):
+    def __init__(self, model, parallel, roles, specs, optimizer, remat, precision, fsdp_dense,
+                 collective_matmul):  # fmt: skip
         self.model, self.parallel, self.optimizer = model, parallel, optimizer
         self.roles, self.precision = roles, precision
         self.specs = specs if specs is not None else jax.tree.map(lambda _: P(), roles)
         self.batch_axes = parallel.batch_axes
-        self.ctx = Parallel(parallel, precision, remat)
-        self.eval_ctx = Parallel(parallel, precision, remat=False)
+        options = {"fsdp_dense": fsdp_dense, "collective_matmul": collective_matmul}
+        self.ctx = Parallel(parallel, precision, remat, **options)
+        self.eval_ctx = Parallel(parallel, precision, remat=False, **options)
 
     def _inputs(self, x):
         # Features enter in compute dtype; token ids stay integers.
@@ -593,7 +620,9 @@ def collective_budget(setup: Setup, batch: int, seq: int | None) -> dict:
 
     def run(params, x, y):
         inputs = x.astype(precision.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-        recorder = Recorder(parallel, precision, mesh_shape, inputs, remat=setup.remat)
+        recorder = Recorder(parallel, precision, mesh_shape, inputs, remat=setup.remat,
+                            fsdp_dense=setup.fsdp_dense,
+                            collective_matmul=setup.collective_matmul)  # fmt: skip
         tree = wrap(params, roles, specs)
         logits = model.apply(recorder, tree, inputs)
         model.loss_sum(recorder, tree, logits, y)
@@ -607,6 +636,7 @@ def collective_budget(setup: Setup, batch: int, seq: int | None) -> dict:
         budget = merge(budget, data_axis_budget(
             specs, shapes, mesh_shape, reads=recorder.reads, remat=setup.remat,
             param_bytes=np.dtype(precision.param_dtype).itemsize if parallel.data == "fsdp" else 4,
+            moved=recorder.moved,
         ))  # fmt: skip
         if mesh_shape[shardops.DATA_AXIS] > 1:  # the loss: AllReduce of one f32 over data
             key = (AR, (shardops.DATA_AXIS,))

@@ -33,6 +33,12 @@ import numpy as np
 import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
+from shardops_models._dense_route import (
+    AUTO,
+    GATHER_WEIGHTS,
+    dense_moving_activations,
+    moves_activations,
+)
 from shardops_models.plan import COLUMN, HEAD, REPLICATED, ROW, VOCAB, names, split_over
 
 import shardops
@@ -41,7 +47,7 @@ from shardops import DATA_AXIS, FLOAT32, MODEL_AXIS, Precision
 SEQUENCE_DIM = 1
 """S of activations ``x[B, S, D]``: the dim sequence parallelism splits over ``model``."""
 
-AR, AG, RS = "all-reduce", "all-gather", "reduce-scatter"
+AR, AG, RS, A2A = "all-reduce", "all-gather", "reduce-scatter", "all-to-all"
 F32 = 4
 
 
@@ -105,13 +111,16 @@ class Param:
     refuse a parameter that is not ready (a forward that skipped ``ctx.stage`` would compute
     with an FSDP shard)."""
 
-    __slots__ = ("path", "ready", "role", "spec", "value")
+    __slots__ = ("path", "pending", "ready", "role", "spec", "value")
 
-    def __init__(self, value, role: str, spec, path: str, ready: bool = False):
+    def __init__(self, value, role: str, spec, path: str, ready: bool = False, pending=None):
         self.value, self.role, self.spec, self.path, self.ready = value, role, spec, path, ready
+        self.pending = pending
+        """The dim still split over ``data`` (a dense weight whose gather waits for the layer
+        to choose its route, ``models._dense_route``), or None."""
 
     def tree_flatten(self):
-        return (self.value,), (self.role, self.spec, self.path, self.ready)
+        return (self.value,), (self.role, self.spec, self.path, self.ready, self.pending)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -152,6 +161,11 @@ class Parallel:
     strategy: Strategy
     precision: Precision = FLOAT32
     remat: bool = False
+    fsdp_dense: str = AUTO
+    """fsdp: per dense layer, gather the weight or move the activations (``models._dense_route``)."""
+    collective_matmul: str | None = None
+    """The tensor-parallel dense kernels' ``collective_matmul`` option (None, "ring",
+    "bidirectional")."""
 
     @property
     def tp(self) -> bool:
@@ -177,14 +191,22 @@ class Parallel:
     def _materialise(self, p: Param) -> Param:
         value = p.value
         if self.strategy.data:
-            accum = self.precision.accum_dtype
-            for dim, entry in enumerate(p.spec):
-                if DATA_AXIS in names(entry):
-                    value = shardops.gather_to_region(value, DATA_AXIS, dim, accum)
-                    break
+            dim = data_split_dim(p.spec)
+            if dim is not None and self._may_move_activations(p):
+                return Param(value, p.role, p.spec, p.path, ready=True, pending=dim)
+            if dim is not None:
+                value = self._gather(value, dim)
             else:
-                value = shardops.copy_to_region(value, DATA_AXIS, accum)
+                value = shardops.copy_to_region(value, DATA_AXIS, self.precision.accum_dtype)
         return Param(value, p.role, p.spec, p.path, ready=True)
+
+    def _gather(self, value, dim: int):
+        return shardops.gather_to_region(value, DATA_AXIS, dim, self.precision.accum_dtype)
+
+    def _may_move_activations(self, p: Param) -> bool:
+        """A dense weight (``...['w']``, rank 2) that ``dense`` may use without gathering it."""
+        return (self.fsdp_dense != GATHER_WEIGHTS and not self.sequence_parallel
+                and p.path.endswith("['w']") and p.value.ndim == 2)  # fmt: skip
 
     # --- layers
 
@@ -192,7 +214,17 @@ class Parallel:
         """``x[..., D] · w + b`` by the role of ``p["w"]``: column-parallel, row-parallel or
         local. Under sp, ``x[B, S_model, D]`` is gathered along S by a column layer and a row
         layer's output is reduce-scattered back along S."""
-        w, b, role = self._arrays(p, "w", "dense"), self._optional(p, "b"), p["w"].role
+        role, pending = p["w"].role, getattr(p.get("w"), "pending", None)
+        if pending is not None:
+            w = p["w"].value  # w[K_data, F'] or w[K', F_data]: this device's block
+            n = lax.axis_size(DATA_AXIS)
+            seen = tuple(d * n if i == pending else d for i, d in enumerate(w.shape))
+            if moves_activations(self.fsdp_dense, seen, pending, x.shape, n, self.precision):
+                return dense_moving_activations(
+                    x, w, self._optional(p, "b"), split_dim=pending, role=role, tp=self.tp,
+                    precision=self.precision,
+                )  # fmt: skip
+        w, b = self._arrays(p, "w", "dense"), self._optional(p, "b")
         sp = self.sequence_parallel and x.ndim > 2
         if self.tp and role == COLUMN:
             return shardops.column_parallel_dense_kernel(
@@ -278,24 +310,23 @@ class Parallel:
 
     # --- helpers
 
-    @staticmethod
-    def _arrays(p, key: str, layer: str):
+    def _arrays(self, p, key: str, layer: str):
         if key not in p:
             raise KeyError(f"{layer} needs parameter {key!r}; got {sorted(p)}")
-        return Parallel._value(p[key], layer)
+        return self._value(p[key], layer)
 
-    @staticmethod
-    def _optional(p, key: str):
-        return Parallel._value(p[key], key) if p.get(key) is not None else None
+    def _optional(self, p, key: str):
+        return self._value(p[key], key) if p.get(key) is not None else None
 
-    @staticmethod
-    def _value(leaf, layer: str):
+    def _value(self, leaf, layer: str):
         if isinstance(leaf, Param):
             if not leaf.ready:
                 raise ValueError(
                     f"{leaf.path} reached {layer} without ctx.stage: run each group of "
                     f"parameters through ctx.stage(fn, params, x) so the strategy can gather it"
                 )
+            if leaf.pending is not None:  # not a dense layer's weight after all: gather it
+                return self._gather(leaf.value, leaf.pending)
             return leaf.value
         return leaf
 
@@ -312,6 +343,11 @@ def _check_logits_cover_labels(ctx, logits, labels) -> None:
             f"cross_entropy: logits{tuple(logits.shape)} do not cover labels"
             f"{tuple(labels.shape)} (the logits' leading dims must equal the labels' shape).{hint}"
         )
+
+
+def data_split_dim(spec) -> int | None:
+    """The dim of a leaf split over ``data`` (by its PartitionSpec), or None."""
+    return next((d for d, e in enumerate(spec) if DATA_AXIS in names(e)), None)
 
 
 def _sequence_block(x):
@@ -345,11 +381,14 @@ class Recorder(Parallel):
     reduction.
     """
 
-    def __init__(self, strategy, precision, mesh_shape: dict[str, int], inputs, remat=False):
-        super().__init__(strategy, precision, remat=remat)
+    def __init__(self, strategy, precision, mesh_shape: dict[str, int], inputs, remat=False,
+                 fsdp_dense=AUTO, collective_matmul=None):  # fmt: skip
+        super().__init__(strategy, precision, remat=remat, fsdp_dense=fsdp_dense,
+                         collective_matmul=collective_matmul)  # fmt: skip
         object.__setattr__(self, "mesh_shape", mesh_shape)
         object.__setattr__(self, "budget", {})
         object.__setattr__(self, "reads", set())
+        object.__setattr__(self, "moved", set())
         object.__setattr__(self, "_inputs", {id(a) for a in jax.tree.leaves(inputs)})
         object.__setattr__(self, "_frame", None)
 
@@ -379,8 +418,8 @@ class Recorder(Parallel):
             recomputed = call.params if i < consumed else call.reads
             self.reads.update(recomputed)
             again = call.forward if i < consumed else call.input_side
-            for kind, nbytes in again:
-                self.add(kind, nbytes)
+            for kind, nbytes, axes in again:
+                self.add(kind, nbytes, axes)
         return out
 
     def _call(self, x, params, *, consumes=True) -> _Call:
@@ -392,11 +431,11 @@ class Recorder(Parallel):
             frame.calls.append(call)
         return call
 
-    def _forward(self, call, kind, nbytes, *, input_side=False) -> None:
-        self.add(kind, nbytes)
-        call.forward.append((kind, nbytes))
+    def _forward(self, call, kind, nbytes, *, input_side=False, axes=(MODEL_AXIS,)) -> None:
+        self.add(kind, nbytes, axes)
+        call.forward.append((kind, nbytes, axes))
         if input_side:
-            call.input_side.append((kind, nbytes))
+            call.input_side.append((kind, nbytes, axes))
 
     def _model_split_reduced(self, p: Param) -> None:
         """A parameter replicated over ``model`` used on an activation split over ``model``
@@ -410,6 +449,12 @@ class Recorder(Parallel):
         call = self._call(x, p)
         sp = self.sequence_parallel and x.ndim > 2
         grad = self.needs_grad(x)
+        split = data_split_dim(w.spec) if self.strategy.data else None
+        n = self.mesh_shape[DATA_AXIS] if self.strategy.data else 1
+        if (split is not None and self._may_move_activations(w)
+                and moves_activations(self.fsdp_dense, w.shape, split, x.shape, n,
+                                      self.precision)):  # fmt: skip
+            return self._dense_moving_activations(call, w, x, split, grad)
         if grad:
             call.reads.append(w.path)
         full_x = _repeat(x, self.p) if sp and self.tp and role == COLUMN else x
@@ -434,6 +479,40 @@ class Recorder(Parallel):
         for q in (w, b):
             if q is not None:
                 self._model_split_reduced(q)
+        return y
+
+    def _dense_moving_activations(self, call, w, x, split: int, grad: bool):
+        """The collectives of ``models._dense_route.dense_moving_activations`` (its docstring
+        has the algebra); ``w.shape`` is ``w[K, F']`` gathered over data, split over model."""
+        self.moved.add(w.path)
+        if grad:
+            call.reads.append(w.path)
+        data, n = (DATA_AXIS,), self.mesh_shape[DATA_AXIS]
+        column, row = self.tp and w.role == COLUMN, self.tp and w.role == ROW
+        c = np.dtype(self.precision.compute_dtype).itemsize
+        rows = math.prod(x.shape[:-1])  # this device's rows
+        k, f = w.shape
+        y = jnp.zeros((*x.shape[:-1], f), self.precision.compute_dtype)  # y[B_data, ..., F']
+        if split == 0:
+            self._forward(call, A2A, rows * k * c, input_side=True, axes=data)  # x → x[B, K_data]
+            if grad:
+                self.add(A2A, rows * k * c, data)  # dx back to x[B_data, K]
+                if column:
+                    self.add(AR, rows * k * F32)  # dx[B, K_data]{U_model}
+            self._forward(call, RS, rows * n * f * F32, axes=data)  # y[B, F']{U_data}
+            self.add(AG, rows * n * f * F32, data)  # its transpose: dy gathered
+            if row:
+                self._forward(call, AR, rows * f * F32)  # y[B_data, D]{U_model}
+        else:
+            self._forward(call, AG, rows * n * k * c, input_side=True, axes=data)  # x[B, K']
+            if grad:
+                self.add(RS, rows * n * k * F32, data)  # dx[B, K']{...} → dx[B_data, K']
+                if column:
+                    self.add(AR, rows * n * k * F32)  # dx[B, K']{U_model}
+            if row:
+                self._forward(call, AR, rows * f * F32)  # y[B, D_data]{U_model}
+            self._forward(call, A2A, rows * f * F32, axes=data)  # y[B, F_data] → y[B_data, F]
+            self.add(A2A, rows * f * F32, data)  # its transpose: dy
         return y
 
     def embed(self, p, ids):
@@ -524,11 +603,13 @@ def _block(x, p: int):
     return x[:, : x.shape[SEQUENCE_DIM] // p] if p > 1 else x
 
 
-def data_axis_budget(specs, shapes, mesh_shape, *, reads=(), remat=False, param_bytes=F32):
+def data_axis_budget(specs, shapes, mesh_shape, *, reads=(), remat=False, param_bytes=F32,
+                     moved=()):  # fmt: skip
     """Per leaf, with V its bytes after the ``data`` gather (its ``model`` shard) in float32:
     split over data → AllGather forward in the param dtype (V · param_bytes / 4; again in the
     backward, with remat, if the backward reads it) + ReduceScatter V of the float32
-    gradient; replicated over data → AllReduce V of the float32 gradient."""
+    gradient; replicated over data → AllReduce V of the float32 gradient. Leaves in ``moved``
+    (dense weights whose layer moves activations instead) are never gathered: nothing."""
     budget: dict = {}
 
     def add(kind, nbytes):
@@ -541,6 +622,8 @@ def data_axis_budget(specs, shapes, mesh_shape, *, reads=(), remat=False, param_
         entries = list(spec) + [None] * (len(shape) - len(spec))
         model_split = math.prod(mesh_shape[a] for e in entries for a in names(e) if a != DATA_AXIS)
         v = math.prod(shape) // model_split * F32
+        if jax.tree_util.keystr(path) in moved:
+            continue
         if split_over(spec, DATA_AXIS):
             regather = remat and jax.tree_util.keystr(path) in reads
             add(AG, v // F32 * param_bytes * (2 if regather else 1))
@@ -584,5 +667,3 @@ __all__ = [
     "values",
     "wrap",
 ]
-
-del np

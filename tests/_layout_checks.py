@@ -209,9 +209,10 @@ ADAM_FSDP_TP_4X2 = [
 # fmt: on
 
 
-def build_setup(strategy, mesh_name, sizes, *, optimizer=None):
+def build_setup(strategy, mesh_name, sizes, *, optimizer=None, fsdp_dense="auto"):
     mesh = shardops.make_mesh(MESHES[mesh_name])
-    return models.build(strategy, mesh, optimizer=optimizer or optax.sgd(1.0), sizes=sizes)
+    return models.build(strategy, mesh, optimizer=optimizer or optax.sgd(1.0), sizes=sizes,
+                        fsdp_dense=fsdp_dense)  # fmt: skip
 
 
 def check_leaf(where: str, leaf: jax.Array, spec: P, shard_shape: tuple) -> None:
@@ -326,24 +327,57 @@ BUDGETS = {
         {(AR, DATA): 407_084, (AR, MODEL): 5_120},
         {DATA: 407_084.0, MODEL: 7_680.0},  # 2·407,084·1/2; 2·5,120·3/4
     ),
-    # Split over 8: w1 + b1 + w2 = 1,628,160 gathered and reduce-scattered; b2[10] does not
-    # divide by 8: AllReduce 40 + loss 4.
+    # fsdp_dense="auto" (the default, models/_dense_route.py), batch 256 over 8 (32 rows each).
+    # w1[784, 512] is split along K (98 rows each): moving activations costs 2·32·784·4 +
+    # 2·256·512·4 = 1,249,280 < w1's 784·512·(4 + 4) = 3,211,264, so layer 0 moves them:
+    # AllToAll of x[32, 784] (100,352; x is the data, so no dx comes back), ReduceScatter of
+    # y[256, 512] (524,288) and AllGather of dy (524,288). w2[512, 10]: 2·32·512·4 + 2·256·10·4
+    # = 151,552 > 40,960: gathered. AG = 524,288 + b1 2,048 + w2 20,480 = 546,816 = RS;
+    # b2[10] does not divide by 8: AllReduce 40 + loss 4.
     ("fsdp", "data8", False): (
+        {(AG, DATA): 546_816, (RS, DATA): 546_816, (A2A, DATA): 100_352, (AR, DATA): 44},
+        {DATA: 1_044_813.0},  # 546,816·7/8 = 478,464, twice, + 100,352·7/8 = 87,808 + 77
+    ),
+    # remat, 64 rows each: layer 0 moves activations (2·64·784·4 + 2·256·512·4 = 1,449,984 <
+    # 3,211,264), and its backward needs x[256, 196] for dw: the AllToAll runs again (2 ×
+    # 200,704). The backward gathers w2 again (20,480). AG = 524,288 + 2,048 + 20,480 · 2 =
+    # 567,296; RS = 524,288 + 2,048 + 20,480 = 546,816.
+    ("fsdp", "data4", True): (
+        {(AG, DATA): 567_296, (RS, DATA): 546_816, (A2A, DATA): 401_408, (AR, DATA): 44},
+        {DATA: 1_136_706.0},  # (567,296 + 546,816 + 401,408)·3/4 = 1,136,640 + 2·44·3/4 = 66
+    ),
+    # 64 rows each; w1's model shard [784, 256] split along K over data: 2·64·784·4 +
+    # 2·256·256·4 = 925,696 < 784·256·8 = 1,605,632: layer 0 moves activations (AllToAll of
+    # x[64, 784] = 200,704; y[256, 256] reduce-scattered and dy gathered: 262,144 each). w2's
+    # shard [256, 10] is gathered (10,240), b1's [256] too (1,024): AG = RS = 273,408; b2 and
+    # the loss: AllReduce 44; model: y[64, 10]·4.
+    ("fsdp_tp", "4x2", False): (
+        {(AG, DATA): 273_408, (RS, DATA): 273_408, (A2A, DATA): 200_704, (AR, DATA): 44,
+         (AR, MODEL): 2_560},
+        {DATA: 560_706.0, MODEL: 2_560.0},  # (273,408·2 + 200,704)·3/4 + 66; 2·2,560·1/2
+    ),
+    # fsdp_dense="gather_weights" (every weight gathered, as before the per-layer choice):
+    # split over 8: w1 + b1 + w2 = 1,628,160 gathered and reduce-scattered; b2[10] does not
+    # divide by 8: AllReduce 40 + loss 4.
+    ("fsdp", "data8", False, "gather_weights"): (
         {(AG, DATA): 1_628_160, (RS, DATA): 1_628_160, (AR, DATA): 44},
         {DATA: 2_849_357.0},  # 1,628,160·7/8 = 1,424,640, twice, + 2·44·7/8 = 77
     ),
     # remat: the backward gathers w2 again (20,480; w1 is not needed, layer 0's input is the
     # data): AG 1,628,160 + 20,480 = 1,648,640.
-    ("fsdp", "data4", True): (
+    ("fsdp", "data4", True, "gather_weights"): (
         {(AG, DATA): 1_648_640, (RS, DATA): 1_628_160, (AR, DATA): 44},
         {DATA: 2_457_666.0},  # 1,648,640·3/4 = 1,236,480 + 1,628,160·3/4 = 1,221,120 + 2·44·3/4 = 66
     ),
     # data gathers each model shard: w1 784·256·4 = 802,816 + b1 256·4 = 1,024 + w2 256·10·4
     # = 10,240 = 814,080; b2[10] does not divide by 4: AllReduce 40 + loss 4; model: y[64, 10]·4.
-    ("fsdp_tp", "4x2", False): (
+    ("fsdp_tp", "4x2", False, "gather_weights"): (
         {(AG, DATA): 814_080, (RS, DATA): 814_080, (AR, DATA): 44, (AR, MODEL): 2_560},
         {DATA: 1_221_186.0, MODEL: 2_560.0},  # 814,080·3/4 = 610,560, twice, + 66; 2·2,560·1/2
     ),
+    # auto gathers every weight here (128 rows each): layer 0 would move 2·128·784·4 +
+    # 2·256·128·4 = 1,064,960 > 784·128·8 = 802,816; w2's [128, 10] is split along its 10
+    # outputs: 128·2·128·8 + 2·128·10·4 = 272,384 > 10,240.
     # w1 784·128·4 = 401,408 + b1 128·4 = 512 + w2 128·10·4 = 5,120 + b2 40 (10 divides by 2)
     # = 407,080 reduce-scattered; gathered once more for w2 with remat: 412,200; AllReduce:
     # only the loss; model: y[128, 10]·4.
@@ -357,14 +391,15 @@ BATCH = 256
 
 
 @functools.cache
-def budget_run(strategy, mesh_name, remat):
+def budget_run(strategy, mesh_name, remat, fsdp_dense="auto"):
     """The setup and the ledger of its compiled train step, once per case for the session.
 
     Only the real ``models.build`` goes through here (the ledger itself holds plain data; its
     ``ring_bytes()`` applies ``shardops.ring_bytes`` when called).
     """
     mesh = shardops.make_mesh(MESHES[mesh_name])
-    setup = models.build(strategy, mesh, optimizer=optax.adam(1e-3), remat=remat)
+    setup = models.build(strategy, mesh, optimizer=optax.adam(1e-3), remat=remat,
+                         fsdp_dense=fsdp_dense)  # fmt: skip
     return setup, ledger_of_step(setup)
 
 

@@ -170,11 +170,13 @@ def test_layout_mutant_is_caught(monkeypatch, clear, name):
 
 
 def test_same_bytes_other_layout_passes_the_budget_but_not_the_layout_table(monkeypatch, clear):
-    """The hole was real: a layout bug that moves the same bytes passes every budget check."""
+    """The hole was real: a layout bug that moves the same bytes passes every budget check
+    (with every weight gathered; the per-layer route choice would change the bytes too)."""
     old, new, layout_case, _ = LAYOUT_MUTANTS["fsdp_prefers_model_split_dim"]
     swap(monkeypatch, _layout, load_mutant(_layout, old, new, monkeypatch))
-    case = ("fsdp_tp", "4x2", False)
-    setup = build_setup("fsdp_tp", "4x2", SEED)  # built and compiled anew, not budget_run's
+    case = ("fsdp_tp", "4x2", False, "gather_weights")
+    # built and compiled anew, not budget_run's
+    setup = build_setup("fsdp_tp", "4x2", SEED, fsdp_dense="gather_weights")
     led = ledger_of_step(setup)
     self_referential_budget_check(led, setup)  # the old test: passes
     check_ledger_budget(case, led)  # even the literal bytes: same bytes

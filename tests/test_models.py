@@ -94,16 +94,26 @@ def test_tp_seed_budget_has_no_backward_all_reduce():
     assert compiled_budget(setup, 64) == {("all-reduce", ("model",)): 64 * 10 * 4}
 
 
-def test_fsdp_has_no_full_gradient_all_reduce():
-    setup = models.build("fsdp", mesh_for({"data": 8}), optimizer=optax.sgd(1.0))
+@pytest.mark.parametrize("fsdp_dense", ["auto", "gather_weights"])
+def test_fsdp_has_no_full_gradient_all_reduce(fsdp_dense):
+    setup = models.build("fsdp", mesh_for({"data": 8}), optimizer=optax.sgd(1.0),
+                         fsdp_dense=fsdp_dense)  # fmt: skip
     budget = compiled_budget(setup, 64)
     # Only b2[10] (not divisible by 8) and the loss are all-reduced: 10 + 1 floats.
     assert budget[("all-reduce", ("data",))] == (10 + 1) * 4
+    # gather_weights: w1, b1 and w2 gathered and reduce-scattered. auto, at 8 rows a device:
+    # both layers move activations instead (models/_dense_route.py): y1[64, 512] and y2[64, 10]
+    # reduce-scattered, dy gathered; x1[8, 784], x2[8, 512] and dx2 by AllToAll.
+    if fsdp_dense == "gather_weights":
+        gathered, all_to_all = 784 * 512 + 512 + 512 * 10, 0
+    else:
+        gathered, all_to_all = 64 * 512 + 512 + 64 * 10, 8 * 784 + 2 * 8 * 512
     assert (
         budget[("all-gather", ("data",))]
         == budget[("reduce-scatter", ("data",))]
-        == (784 * 512 + 512 + 512 * 10) * 4
+        == gathered * 4
     )
+    assert budget.get(("all-to-all", ("data",)), 0) == all_to_all * 4
 
 
 def test_remat_regathers_weights_in_the_backward_pass():

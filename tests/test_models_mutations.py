@@ -161,15 +161,15 @@ HELPER_MUTANTS = {
     # dp/2d: the replicated weight made varying in bf16, so autodiff all-reduces bf16 gradients.
     "data_gradient_all_reduced_in_bf16": (
         parallel, ("Parallel", "wrap"), ("shardops_models._train",),
-        "                value = shardops.copy_to_region(value, DATA_AXIS, accum)\n",
+        "                value = shardops.copy_to_region(value, DATA_AXIS, self.precision.accum_dtype)\n",
         "                value = jax.lax.pcast(value, DATA_AXIS, to='varying')\n",
         "flow", ("2d", {"data": 4, "model": 2}, BF16),
     ),
     # fsdp: the plain all_gather, whose transpose reduce-scatters bf16 gradients.
     "data_gradient_reduce_scattered_in_bf16": (
         parallel, ("Parallel", "wrap"), ("shardops_models._train",),
-        "                    value = shardops.gather_to_region(value, DATA_AXIS, dim, accum)\n",
-        "                    value = jax.lax.all_gather(value, DATA_AXIS, axis=dim, tiled=True)\n",
+        "        return shardops.gather_to_region(value, DATA_AXIS, dim, self.precision.accum_dtype)\n",
+        "        return jax.lax.all_gather(value, DATA_AXIS, axis=dim, tiled=True)\n",
         "flow", ("fsdp_tp", {"data": 2, "model": 4}, BF16),
     ),
     # The loss computed from bf16 logits (log_softmax in bf16) under the mixed policy.
