@@ -1,17 +1,25 @@
-"""Benchmark every strategy against GSPMD, jax.pmap and the single-device step.
+"""Benchmark every strategy and its variants against GSPMD, jax.pmap and the single-device step.
 
-    python benchmarks/strategies.py            # the full tables (about 12 minutes on 2 cores)
-    python benchmarks/strategies.py --quick    # a small end-to-end run (CI); its times mean nothing
+    python benchmarks/strategies.py                # the full tables (about 17 minutes on 2 cores)
+    python benchmarks/strategies.py --quick        # a small end-to-end run (CI); times mean nothing
+    python benchmarks/strategies.py --readme-only  # README.md's tables from the stored JSON
+    python benchmarks/strategies.py --platform gpu # the same tables on the GPUs present
 
 For the seed's MLP (784-512-10, batch 256), a wider one (784-2048-2048-10, batch 1024) and a
 GPT (``models.Gpt()``: 4 layers, width 128, 4 heads, vocabulary 256; batch 16 × 128 tokens),
 and for each strategy × mesh, it measures in one process:
 
+- variant rows: the same strategy and mesh with one option of ``models.build`` changed:
+  ``collective_matmul="ring"`` / ``"bidirectional"`` (``tp ring``), ``fsdp_dense=
+  "gather_weights"`` (the behaviour before the per-layer choice) and ``remat=True``.
 - step time: the median of the timed steps after warm-up (60 per program for the MLPs, 20 for
-  the GPT, to keep the full run near 12 minutes). shardops, GSPMD, the single-device step (and pmap
-  for the MLP's ``dp``) are timed in rotation, one step each, so that every ratio is a *paired*
-  ratio from neighbouring steps on this noisy machine; it reports the median paired ratio and
-  its interquartile range. One step is in flight at a time (the hang trap).
+  the GPT). One (model, strategy, mesh) group's programs (the plain step, its variants, GSPMD,
+  the single-device step and, for the MLP's ``dp``, pmap) are timed in rotation, one step each
+  (every other round in reverse order), so that every ratio is a *paired* ratio from
+  neighbouring steps on this noisy machine; it reports the median paired ratio and its
+  interquartile range, a variant's also against its plain row (``÷ plain``). One step is in
+  flight at a time (the hang trap: XLA:CPU's collectives deadlock with 8 simulated devices on
+  2 cores otherwise).
 - GSPMD: the same unsharded train step (the ``ref`` setup's ``step``, which runs the model's
   own code with no collectives) under plain ``jax.jit`` with the same NamedShardings on the
   parameters, optimizer state and batch: what a user would write instead of shardops.
@@ -21,25 +29,26 @@ and for each strategy × mesh, it measures in one process:
   columns apply the same ring formulas (``shardops.ring_bytes``), so their agreement checks the
   bytes V of each collective, not the formulas; tests/test_ledger.py pins the formulas, and
   each strategy's V and ring bytes, to numbers worked out by hand.
-- per-device bytes of parameters + optimizer state (from the shard shapes), and the compiled
-  temp memory of both programs.
+- memory per device: parameters + optimizer state (from the shard shapes; ``state ÷ dp`` is its
+  ratio to dp's, which holds the whole state), and from each compiled program's
+  ``memory_analysis()`` the peak = arguments + outputs − aliased (donated) + temp, and the temp
+  buffers alone, with a variant's temp saved against its plain row.
 
-It writes ``benchmarks/results/strategies.json`` and ``benchmarks/results/strategies.md``. On a
-machine without an accelerator it simulates 8 CPU devices (XLA_FLAGS, set before JAX starts).
+It writes ``benchmarks/results/strategies.json`` and ``strategies.md`` and, from that JSON, the
+tables between the ``benchmark-tables`` markers in README.md (tests/test_benchmark.py checks
+they match). ``--quick`` writes to a temporary folder unless ``--out`` is given. On CPU it
+simulates 8 devices (XLA_FLAGS, set before JAX starts its backend); ``--platform gpu`` does not,
+maps each case's mesh onto the GPUs present (``mesh_for``) and writes ``strategies_gpu.*``.
 """
-
-import os
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
 
 import argparse
 import dataclasses
 import json
+import math
+import os
 import pathlib
 import platform
+import tempfile
 import time
 from typing import NamedTuple
 
@@ -54,32 +63,54 @@ from shardops_models import pmap
 import shardops
 
 RESULTS = pathlib.Path(__file__).parent / "results"
+README = pathlib.Path(__file__).parent.parent / "README.md"
+README_START = "<!-- benchmark-tables:start -->"
+README_END = "<!-- benchmark-tables:end -->"
+SIMULATED_DEVICES = 8
+
+
+class Case(NamedTuple):
+    """A strategy on a mesh (data × model), with its variants: ``(label, build options)`` pairs
+    timed in the same rotation as the plain step."""
+
+    strategy: str
+    mesh: tuple[int, int]
+    variants: tuple = ()
+
+
+RING = ("ring", {"collective_matmul": "ring"})
+BIDIRECTIONAL = ("bidirectional", {"collective_matmul": "bidirectional"})
+GATHER_WEIGHTS = ("gather_weights", {"fsdp_dense": "gather_weights"})  # before "auto"
+REMAT = ("remat", {"remat": True})
+
 MLP_CASES = [
-    ("dp", (8, 1)),
-    ("tp", (1, 8)),
-    ("2d", (4, 2)),
-    ("2d", (2, 4)),
-    ("fsdp", (8, 1)),
-    ("fsdp_tp", (4, 2)),
+    Case("dp", (8, 1)),
+    Case("tp", (1, 8), (RING, BIDIRECTIONAL)),
+    Case("2d", (4, 2), (RING, BIDIRECTIONAL)),
+    Case("2d", (2, 4)),
+    Case("fsdp", (8, 1), (GATHER_WEIGHTS, REMAT)),
+    Case("fsdp_tp", (4, 2), (RING, BIDIRECTIONAL, GATHER_WEIGHTS)),
 ]
 # The GPT's 4 heads allow a model axis of at most 4. Model-only strategies run on 1×4 (the batch
 # is not split, so a data axis would only hold replicas computing the same step); the others on
 # 2×4, and the data-only ones on 8×1.
 GPT_CASES = [
-    ("dp", (8, 1)),
-    ("fsdp", (8, 1)),
-    ("tp", (1, 4)),
-    ("sp", (1, 4)),
-    ("2d", (2, 4)),
-    ("fsdp_tp", (2, 4)),
-    ("dp_sp", (2, 4)),
-    ("fsdp_sp", (2, 4)),
+    Case("dp", (8, 1)),
+    Case("fsdp", (8, 1), (REMAT,)),
+    Case("tp", (1, 4), (RING,)),
+    Case("sp", (1, 4), (RING, BIDIRECTIONAL)),
+    Case("2d", (2, 4)),
+    Case("fsdp_tp", (2, 4)),
+    Case("dp_sp", (2, 4)),
+    Case("fsdp_sp", (2, 4), (RING, BIDIRECTIONAL, REMAT)),
 ]
-QUICK_GPT_CASES = [("tp", (1, 4)), ("fsdp_sp", (2, 4))]  # both axes, every GPT kernel; CI-fast
+PLAIN_MLP_CASES = [case._replace(variants=()) for case in MLP_CASES]  # the quick wide MLP
+# Both axes and every GPT kernel, a ring, a remat; CI-fast.
+QUICK_GPT_CASES = [Case("tp", (1, 4), (RING,)), Case("fsdp_sp", (2, 4), (REMAT,))]
 
 
 class Bench(NamedTuple):
-    """One table: a model, a global batch, the strategy × mesh cases and the steps to time."""
+    """One table: a model, a global batch, the cases and the steps to time."""
 
     title: str
     model: object
@@ -106,7 +137,7 @@ def benches(quick: bool, steps: int | None) -> dict[str, Bench]:
         tiny_gpt = models.Gpt(vocab_size=64, d_model=32, num_heads=4, num_layers=2, context=16)
         return {
             "seed": mlp((784, 64, 10), 64, n, 1),
-            "wide": mlp((784, 128, 128, 10), 64, n, 1),
+            "wide": mlp((784, 128, 128, 10), 64, n, 1)._replace(cases=PLAIN_MLP_CASES),
             "gpt": gpt(tiny_gpt, 8, n, 1, QUICK_GPT_CASES),
         }
     return {
@@ -114,6 +145,54 @@ def benches(quick: bool, steps: int | None) -> dict[str, Bench]:
         "wide": mlp((784, 2048, 2048, 10), 1024, steps or 60, 5),
         "gpt": gpt(models.Gpt(), 16, steps or 20, 3),
     }
+
+
+def model_axis_limit(model) -> int:
+    """A number every model-axis size must divide: the GPT's heads (and its vocabulary,
+    sequence and width), the MLP's hidden widths."""
+    if getattr(model, "sequence", False):
+        return math.gcd(model.num_heads, model.vocab_size, model.context, model.d_model)
+    return math.gcd(*model.sizes[1:-1])
+
+
+def largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of ``n`` that is at most ``at_most`` (at least 1)."""
+    return max(d for d in range(1, max(at_most, 1) + 1) if n % d == 0)
+
+
+def mesh_for(case_mesh, n_devices: int, *, batch: int, model_limit: int) -> tuple[int, int]:
+    """The (data, model) mesh that stands for ``case_mesh`` (written for 8 devices) on
+    ``n_devices``: data-only cases get D×1 and model-only ones 1×D, each axis cut to a divisor of
+    what it splits (the batch; ``model_limit``); 2-axis cases keep a model axis of 2 (data-heavy
+    cases such as 4×2) or up to their own size (2×4) and at most D/2, and fill the rest with
+    data. With 8 devices (and the benchmark's models) every case keeps its mesh; with 1, every
+    case runs on 1×1."""
+    data, model = case_mesh
+    if n_devices < 1:
+        raise ValueError(f"n_devices must be at least 1; got {n_devices}")
+    if model == 1:
+        return largest_divisor(batch, n_devices), 1
+    if data == 1:
+        return 1, largest_divisor(model_limit, n_devices)
+    wanted = min(model, 2 if data >= model else n_devices // 2) if n_devices >= 4 else n_devices
+    m = largest_divisor(model_limit, wanted)
+    return largest_divisor(batch, n_devices // m), m
+
+
+def cases_on(bench, n_devices: int) -> tuple[list[Case], list[str]]:
+    """``bench``'s cases with their meshes mapped onto ``n_devices`` (``mesh_for``), and a line
+    for each case left out because an earlier one of its strategy already has that mesh."""
+    limit = model_axis_limit(bench.model)
+    cases, skipped, seen = [], [], {}
+    for case in bench.cases:
+        mapped = mesh_for(case.mesh, n_devices, batch=bench.batch, model_limit=limit)
+        where = f"{case.strategy} {case.mesh[0]}x{case.mesh[1]} → {mapped[0]}x{mapped[1]}"
+        if (case.strategy, mapped) in seen:
+            skipped.append(f"{where}: the same mesh as {seen[case.strategy, mapped]}")
+            continue
+        seen[case.strategy, mapped] = where
+        cases.append(case._replace(mesh=mapped))
+    return cases, skipped
 
 
 def random_batch(model, batch, rng):
@@ -126,11 +205,6 @@ def random_batch(model, batch, rng):
     x = rng.random((batch, sizes[0]), dtype=np.float32)
     y = np.eye(sizes[-1], dtype=np.float32)[rng.integers(0, sizes[-1], batch)]
     return x, y
-
-
-def devices_for(n):
-    devices = jax.devices()
-    return devices if len(devices) >= n else jax.devices("cpu")
 
 
 def gspmd_step(setup, ref):
@@ -161,12 +235,26 @@ def state_bytes_per_device(state) -> int:
     return max(per_device.values())
 
 
+def memory_of(compiled) -> dict | None:
+    """Per-device bytes of a compiled program: its arguments, outputs, the outputs aliased to
+    (donated) arguments, temp buffers, and the peak = arguments + outputs − aliased + temp."""
+    a = compiled.memory_analysis()
+    if a is None:
+        return None
+    out = {
+        "argument": int(a.argument_size_in_bytes),
+        "output": int(a.output_size_in_bytes),
+        "alias": int(a.alias_size_in_bytes),
+        "temp": int(a.temp_size_in_bytes),
+    }
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
 def compiled_costs(mesh, jitted, *args):
-    """The collectives (``shardops.collectives``) and temp bytes of one compiled program."""
+    """The collectives (``shardops.collectives``) and memory (``memory_of``) of one program."""
     compiled = jitted.lower(*args).compile()
-    analysis = compiled.memory_analysis()
-    temp = None if analysis is None else int(analysis.temp_size_in_bytes)
-    return shardops.collectives(mesh, compiled), temp
+    return shardops.collectives(mesh, compiled), memory_of(compiled)
 
 
 def group_key(c) -> str:
@@ -190,13 +278,27 @@ def axes_key(axes) -> str:
     return "×".join(axes) or "-"
 
 
-def bench_case(strategy, mesh_shape, model, batch, *, steps, warmup, rng):
+def paired(t, a, b) -> dict:
+    """Median and interquartile range of the step-by-step ratios ``t[a] / t[b]``."""
+    r = t[a] / t[b]
+    return {
+        "median": float(np.median(r)),
+        "q25": float(np.quantile(r, 0.25)),
+        "q75": float(np.quantile(r, 0.75)),
+    }
+
+
+def bench_group(case, model, batch, *, steps, warmup, rng, devices):
+    """One row per shardops program of ``case`` (plain, then each variant), every program of
+    the group timed in one rotation."""
+    strategy, mesh_shape = case.strategy, case.mesh
     n = mesh_shape[0] * mesh_shape[1]
-    mesh = shardops.make_mesh(
-        {"data": mesh_shape[0], "model": mesh_shape[1]}, devices=devices_for(n)
-    )
+    mesh = shardops.make_mesh({"data": mesh_shape[0], "model": mesh_shape[1]}, devices=devices[:n])
     opt = optax.sgd(0.01)  # a small rate keeps thousands of benchmark steps finite
-    setup = models.build(strategy, mesh, optimizer=opt, model=model)
+    variants = [(strategy, {})] + [(f"{strategy} {name}", opts) for name, opts in case.variants]
+    setups = {label: models.build(strategy, mesh, optimizer=opt, model=model, **opts)
+              for label, opts in variants}  # fmt: skip
+    setup = setups[strategy]
     ref = models.build("ref", optimizer=opt, model=model)
     params = model.init(jax.random.key(0))
     x, y = random_batch(model, batch, rng)
@@ -204,15 +306,13 @@ def bench_case(strategy, mesh_shape, model, batch, *, steps, warmup, rng):
 
     xs, ys = setup.place_batch(x, y)
     gspmd = gspmd_step(setup, ref)
-    single_device = devices_for(1)[0]
+    single_device = devices[0]
     x1, y1 = jax.device_put((x, y), single_device)
-    runs = {
-        "shardops": [setup.train_step, setup.shard(params), (xs, ys)],
-        "gspmd": [gspmd, setup.shard(params), (xs, ys)],
-        "single": [ref.train_step, jax.device_put(ref.shard(params), single_device), (x1, y1)],
-    }
+    runs = {label: [s.train_step, s.shard(params), (xs, ys)] for label, s in setups.items()}
+    runs["gspmd"] = [gspmd, setup.shard(params), (xs, ys)]
+    runs["single"] = [ref.train_step, jax.device_put(ref.shard(params), single_device), (x1, y1)]
     if strategy == "dp" and isinstance(model, models.Mlp):  # pmap's step is the MLP's
-        pstep = pmap.pmap_train_step(opt, devices_for(n)[:n])
+        pstep = pmap.pmap_train_step(opt, devices[:n])
         runs["pmap"] = [
             lambda state, x, y: (pstep(*state, x, y)[:2], None),
             (pmap.replicate(params, n), pmap.replicate(opt.init(params), n)),
@@ -220,37 +320,52 @@ def bench_case(strategy, mesh_shape, model, batch, *, steps, warmup, rng):
         ]
 
     # Communication and memory, from the compiled programs.
-    shard_state = runs["shardops"][1]
-    shard_colls, shard_temp = compiled_costs(mesh, setup.train_step, shard_state, xs, ys)
-    gspmd_colls, gspmd_temp = compiled_costs(mesh, gspmd, runs["gspmd"][1], xs, ys)
-    stray = [c for c in shard_colls if c.axes is None]
-    if stray:  # shardops' collectives always run over mesh axes (shardops.ledger checks it)
-        raise AssertionError(f"{strategy} {mesh_shape}: collectives over no mesh axes: {stray}")
-    # The same shardops.ring_bytes turns both the compiled HLO's V and the model's V (the
-    # strategy's collective_budget) into ring bytes: agreement checks V, not the formulas.
-    model_bytes = setup.cost_model(batch, seq)
+    gspmd_colls, gspmd_memory = compiled_costs(mesh, gspmd, runs["gspmd"][1], xs, ys)
     gspmd_kinds: dict[str, int] = {}
     for c in gspmd_colls:
         if c.bytes:
             key = f"{c.kind} {group_key(c)}"
             gspmd_kinds[key] = gspmd_kinds.get(key, 0) + c.bytes
-    row = {
-        "strategy": strategy,
-        "mesh": f"{mesh_shape[0]}x{mesh_shape[1]}",
-        "ring_bytes_model": {axes_key(a): v for a, v in model_bytes.items()},
-        "ring_bytes_shardops": ring_bytes_per_group(shard_colls),
-        "ring_bytes_gspmd": ring_bytes_per_group(gspmd_colls),
-        "gspmd_kinds": gspmd_kinds,
-        "state_bytes_per_device": state_bytes_per_device(shard_state),
-        "single_device_state_bytes": state_bytes_per_device(runs["single"][1]),
-        "temp_bytes_shardops": shard_temp,
-        "temp_bytes_gspmd": gspmd_temp,
-    }
+    single_state = state_bytes_per_device(runs["single"][1])
+    rows = {}
+    for label, s in setups.items():
+        state = runs[label][1]
+        colls, memory = compiled_costs(mesh, s.train_step, state, xs, ys)
+        stray = [c for c in colls if c.axes is None]
+        if stray:  # shardops' collectives always run over mesh axes (shardops.ledger checks it)
+            raise AssertionError(f"{label} {mesh_shape}: collectives over no mesh axes: {stray}")
+        # The same shardops.ring_bytes turns both the compiled HLO's V and the model's V (the
+        # strategy's collective_budget) into ring bytes: agreement checks V, not the formulas.
+        model_bytes = s.cost_model(batch, seq)
+        state_bytes = state_bytes_per_device(state)
+        rows[label] = {
+            "label": label,
+            "strategy": strategy,
+            "mesh": f"{mesh_shape[0]}x{mesh_shape[1]}",
+            "options": dict(variants)[label],
+            "ring_bytes_model": {axes_key(a): v for a, v in model_bytes.items()},
+            "ring_bytes_shardops": ring_bytes_per_group(colls),
+            "ring_bytes_gspmd": ring_bytes_per_group(gspmd_colls),
+            "gspmd_kinds": gspmd_kinds,
+            "state_bytes_per_device": state_bytes,
+            "single_device_state_bytes": single_state,
+            "state_vs_dp": state_bytes / single_state,  # dp holds the whole state
+            "memory_shardops": memory,
+            "memory_gspmd": gspmd_memory,
+            "temp_bytes_shardops": None if memory is None else memory["temp"],
+            "temp_bytes_gspmd": None if gspmd_memory is None else gspmd_memory["temp"],
+        }
+    plain_temp = rows[strategy]["temp_bytes_shardops"]
+    for label, row in rows.items():
+        if label != strategy and plain_temp is not None and row["temp_bytes_shardops"] is not None:
+            row["temp_saved_vs_plain_bytes"] = plain_temp - row["temp_bytes_shardops"]
 
-    # Time in rotation: one step of each per round, each waited for.
+    # Time in rotation: one step of each per round, each waited for. Every other round runs in
+    # reverse order, so that no program always follows the same neighbour.
     times = {name: [] for name in runs}
     for i in range(warmup + steps):
-        for name, run in runs.items():
+        for name in list(runs) if i % 2 == 0 else reversed(list(runs)):
+            run = runs[name]
             step, state, batch_args = run
             start = time.perf_counter()
             out = jax.block_until_ready(step(state, *batch_args))
@@ -259,24 +374,19 @@ def bench_case(strategy, mesh_shape, model, batch, *, steps, warmup, rng):
             if i >= warmup:
                 times[name].append(elapsed)
     t = {k: np.array(v) for k, v in times.items()}
-
-    def paired(a, b):
-        r = t[a] / t[b]
-        return {
-            "median": float(np.median(r)),
-            "q25": float(np.quantile(r, 0.25)),
-            "q75": float(np.quantile(r, 0.75)),
-        }
-
-    row.update({
-        "step_ms": {k: float(np.median(v) * 1e3) for k, v in t.items()},
-        "vs_gspmd": paired("shardops", "gspmd"),
-        "vs_single": paired("shardops", "single"),
-        "gspmd_vs_single": paired("gspmd", "single"),
-    })  # fmt: skip
-    if "pmap" in t:
-        row["vs_pmap"] = paired("shardops", "pmap")
-    return row
+    for label, row in rows.items():
+        row["step_ms"] = {"shardops": float(np.median(t[label]) * 1e3)}
+        row["step_ms"].update(
+            {k: float(np.median(t[k]) * 1e3) for k in ("gspmd", "single", "pmap") if k in t}
+        )
+        row["vs_gspmd"] = paired(t, label, "gspmd")
+        row["vs_single"] = paired(t, label, "single")
+        row["gspmd_vs_single"] = paired(t, "gspmd", "single")
+        if label != strategy:
+            row["vs_plain"] = paired(t, label, strategy)
+        elif "pmap" in t:
+            row["vs_pmap"] = paired(t, label, "pmap")
+    return list(rows.values())
 
 
 def fmt_bytes(d: dict) -> str:
@@ -284,31 +394,82 @@ def fmt_bytes(d: dict) -> str:
 
 
 def fmt_mb(n) -> str:
-    return "" if n is None else f"{n / 1e6:.2f}"
+    return "" if n is None else f"{n / 1e6:.2f}".replace("-0.00", "0.00")
+
+
+def fmt_ratio(v) -> str:
+    return "" if v is None else f"{v['median']:.2f} ({v['q25']:.2f}–{v['q75']:.2f})"
+
+
+def peak_bytes(row, program) -> int | None:
+    memory = row.get(f"memory_{program}")
+    return None if memory is None else memory["peak"]
+
+
+def summary_lines(rows) -> list[str]:
+    """What each kind of variant changed against its plain row, one line per kind present."""
+    plain = {(r["strategy"], r["mesh"]): r for r in rows if not r.get("options")}
+    by_kind: dict[str, list[str]] = {"fsdp_dense": [], "remat": [], "collective_matmul": []}
+    for r in rows:
+        base = plain.get((r["strategy"], r["mesh"]))
+        if not r.get("options") or base is None:
+            continue
+        ring_mb = sum(r["ring_bytes_shardops"].values()) / 1e6
+        base_ring_mb = sum(base["ring_bytes_shardops"].values()) / 1e6
+        name = f"`{r['label']}` {r['mesh']}"
+        if "fsdp_dense" in r["options"]:
+            by_kind["fsdp_dense"].append(
+                f"{name} takes {fmt_ratio(r['vs_plain'])}× the step time of `auto`, moves "
+                f"{ring_mb:.2f} MB per device where `auto` moves {base_ring_mb:.2f}, peak "
+                f"{fmt_mb(peak_bytes(r, 'shardops'))} MB against "
+                f"{fmt_mb(peak_bytes(base, 'shardops'))}"
+            )
+        elif r["options"].get("remat"):
+            by_kind["remat"].append(
+                f"{name} holds {fmt_mb(r['temp_bytes_shardops'])} MB of temp where the plain "
+                f"step holds {fmt_mb(base['temp_bytes_shardops'])}, at "
+                f"{fmt_ratio(r['vs_plain'])}× its step time"
+            )
+        elif "collective_matmul" in r["options"]:
+            by_kind["collective_matmul"].append(f"{name} {fmt_ratio(r['vs_plain'])}")
+    heads = {
+        "fsdp_dense": "**Per-layer FSDP choice** (`fsdp_dense=\"auto\"`, the default, against "
+                      "`\"gather_weights\"`, the behaviour before it)",
+        "remat": "**remat** (re-gather each stage's weights in the backward pass)",
+        "collective_matmul": "**Collective matmul** (step time ÷ the plain row's, where XLA "
+                             "runs the collectives)",
+    }  # fmt: skip
+    return [f"{heads[k]}: {'; '.join(v)}." for k, v in by_kind.items() if v]
 
 
 def markdown(results) -> str:
+    """The benchmark tables, one per model, and a summary of the variants under each."""
     lines = []
+    if "machine" in results:
+        load = (f"; load average {results['load_average_at_start']:.1f} at the start, "
+                f"{results['load_average_at_end']:.1f} at the end"
+                if "load_average_at_end" in results else "")  # fmt: skip
+        minutes = f"; the run took {results['seconds']:.0f} s" if "seconds" in results else ""
+        lines += [f"Measured on {results['machine']}, JAX {results['jax']}{load}{minutes}.", ""]
     for block in results["models"].values():
         lines += [
             f"### {block['title']}",
             "",
-            "| strategy | mesh | step ms | ÷ GSPMD (IQR) | ÷ single device (IQR) | GSPMD ÷ single | ÷ pmap | ring MB/device: model | shardops | GSPMD | state MB/device | temp MB: shardops | GSPMD |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| strategy | mesh | step ms | ÷ GSPMD (IQR) | ÷ single device (IQR) | GSPMD ÷ single | ÷ pmap | ÷ plain (IQR) | ring MB/device: model | shardops | GSPMD | state MB/device | state ÷ dp | peak MB/device: shardops | GSPMD | temp MB: shardops | GSPMD | temp saved MB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]  # fmt: skip
         for r in block["rows"]:
-
-            def ratio(key, r=r):
-                v = r[key]
-                return f"{v['median']:.2f} ({v['q25']:.2f}–{v['q75']:.2f})"
-
-            pm = ratio("vs_pmap") if "vs_pmap" in r else ""
+            state_vs_dp = r["state_bytes_per_device"] / r["single_device_state_bytes"]
             lines.append(
-                f"| {r['strategy']} | {r['mesh']} | {r['step_ms']['shardops']:.2f} | {ratio('vs_gspmd')} | "
-                f"{ratio('vs_single')} | {r['gspmd_vs_single']['median']:.2f} | {pm} | "
+                f"| {r.get('label', r['strategy'])} | {r['mesh']} | {r['step_ms']['shardops']:.2f} | "
+                f"{fmt_ratio(r['vs_gspmd'])} | {fmt_ratio(r['vs_single'])} | "
+                f"{r['gspmd_vs_single']['median']:.2f} | {fmt_ratio(r.get('vs_pmap'))} | "
+                f"{fmt_ratio(r.get('vs_plain'))} | "
                 f"{fmt_bytes(r['ring_bytes_model'])} | {fmt_bytes(r['ring_bytes_shardops'])} | "
                 f"{fmt_bytes(r['ring_bytes_gspmd'])} | {fmt_mb(r['state_bytes_per_device'])} | "
-                f"{fmt_mb(r['temp_bytes_shardops'])} | {fmt_mb(r['temp_bytes_gspmd'])} |"
+                f"{state_vs_dp:.3f} | {fmt_mb(peak_bytes(r, 'shardops'))} | "
+                f"{fmt_mb(peak_bytes(r, 'gspmd'))} | {fmt_mb(r['temp_bytes_shardops'])} | "
+                f"{fmt_mb(r['temp_bytes_gspmd'])} | {fmt_mb(r.get('temp_saved_vs_plain_bytes'))} |"
             )  # fmt: skip
         single = block["rows"][0]
         lines.append(
@@ -316,7 +477,56 @@ def markdown(results) -> str:
             f"{fmt_mb(single['single_device_state_bytes'])} MB. {block['steps']} timed steps "
             f"per program after {block['warmup']} warm-up.\n"
         )
+        for line in summary_lines(block["rows"]):
+            lines.append(line + "\n")
     return "\n".join(lines)
+
+
+def readme_block(text: str) -> str:
+    """What README.md holds between the benchmark-tables markers (without the newlines that
+    separate it from them)."""
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(
+            f"README.md needs the markers {README_START} and {README_END}, in that order, "
+            f"around the benchmark tables"
+        )
+    return text[start + len(README_START) : end].strip("\n")
+
+
+def write_readme(results, path=README) -> None:
+    """Replace README.md's benchmark tables with ``markdown(results)``."""
+    text = path.read_text()
+    old = readme_block(text)  # checks the markers
+    start = text.find(README_START) + len(README_START)
+    end = text.find(README_END)
+    new = markdown(results).strip("\n")
+    path.write_text(text[:start] + "\n" + new + "\n" + text[end:])
+    print(f"{'rewrote' if old != new else 'unchanged:'} the tables in {path}")
+
+
+def start_platform(name: str) -> list:
+    """The devices to run on. For ``cpu``, 8 simulated devices (set before JAX starts its
+    backend); for ``gpu``, the GPUs present, with no simulated-device flag."""
+    if name == "cpu":
+        flag = f"--xla_force_host_platform_device_count={SIMULATED_DEVICES}"
+        if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+        devices = jax.devices("cpu")
+        if len(devices) < SIMULATED_DEVICES:
+            raise RuntimeError(
+                f"--platform cpu needs {SIMULATED_DEVICES} CPU devices; JAX started with "
+                f"{len(devices)} (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}). Run the script "
+                f"in a fresh process, or set --xla_force_host_platform_device_count=8."
+            )
+        return devices[:SIMULATED_DEVICES]
+    try:
+        return jax.devices("gpu")
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"--platform gpu found no GPU ({e}). Install jax with CUDA support "
+            f"(pip install 'jax[cuda12]') or run with --platform cpu."
+        ) from e
 
 
 def main(argv=None):
@@ -329,11 +539,41 @@ def main(argv=None):
     p.add_argument(
         "--only", nargs="*", default=None, help="run only these tables (seed, wide, gpt)"
     )
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument(
+        "--out", default=None,
+        help=f"results folder (default {RESULTS}; with --quick a temporary folder)",
+    )  # fmt: skip
+    p.add_argument(
+        "--platform", choices=("cpu", "gpu"), default="cpu",
+        help="cpu: 8 simulated devices; gpu: the GPUs present, each case's mesh mapped onto them",
+    )  # fmt: skip
+    p.add_argument(
+        "--readme-only", action="store_true",
+        help="rewrite README.md's tables (and strategies.md) from the stored JSON; run nothing",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    stem = "strategies" if args.platform == "cpu" else f"strategies_{args.platform}"
+    if args.out is None:
+        args.out = tempfile.mkdtemp(prefix="shardops_bench_") if args.quick else str(RESULTS)
+    out = pathlib.Path(args.out)
+    committed = out.resolve() == RESULTS.resolve() and args.platform == "cpu"
+    if args.readme_only:
+        if args.platform != "cpu":
+            p.error("--readme-only writes the CPU tables into README.md; drop --platform")
+        results = json.loads((out / f"{stem}.json").read_text())
+        (out / f"{stem}.md").write_text(markdown(results) + "\n")
+        write_readme(results)
+        return results
+
+    devices = start_platform(args.platform)
     rng = np.random.default_rng(0)
+    kind = devices[0].device_kind
     results = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {jax.devices()[0].platform} ×{len(devices_for(8))}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {devices[0].platform} ×{len(devices)}"
+                   + ("" if args.platform == "cpu" else f" ({kind})"),
+        "platform": devices[0].platform,
+        "device_kind": kind,
+        "devices": len(devices),
         "jax": jax.__version__,
         "quick": args.quick,
         "load_average_at_start": os.getloadavg()[0],  # other processes share the cores
@@ -344,16 +584,29 @@ def main(argv=None):
         if args.only is not None and name not in args.only:
             continue
         block_start = time.perf_counter()
-        rows = []
-        for strategy, mesh_shape in bench.cases:
-            row = bench_case(
-                strategy, mesh_shape, bench.model, bench.batch,
-                steps=bench.steps, warmup=bench.warmup, rng=rng,
-            )  # fmt: skip
-            rows.append(row)
-            print(f"{name:>5} {strategy:>8} {row['mesh']}: {row['step_ms']['shardops']:8.2f} ms, "
-                  f"÷GSPMD {row['vs_gspmd']['median']:.2f}, ÷single {row['vs_single']['median']:.2f}"
-                  + (f", ÷pmap {row['vs_pmap']['median']:.2f}" if "vs_pmap" in row else ""), flush=True)  # fmt: skip
+        rows, cases = [], bench.cases
+        if args.platform != "cpu":
+            cases, skipped = cases_on(bench, len(devices))
+            for line in skipped:
+                print(f"{name:>5} skip {line}")
+        for case in cases:
+            try:
+                group = bench_group(
+                    case, bench.model, bench.batch,
+                    steps=bench.steps, warmup=bench.warmup, rng=rng, devices=devices,
+                )  # fmt: skip
+            except ValueError as e:  # a mapped mesh the model cannot split
+                if args.platform == "cpu":
+                    raise
+                print(f"{name:>5} skip {case.strategy} {case.mesh[0]}x{case.mesh[1]}: {e}")
+                continue
+            for row in group:
+                rows.append(row)
+                print(f"{name:>5} {row['label']:>22} {row['mesh']}: {row['step_ms']['shardops']:8.2f} ms, "
+                      f"÷GSPMD {row['vs_gspmd']['median']:.2f}, ÷single {row['vs_single']['median']:.2f}"
+                      + (f", ÷pmap {row['vs_pmap']['median']:.2f}" if "vs_pmap" in row else "")
+                      + (f", ÷plain {row['vs_plain']['median']:.2f}" if "vs_plain" in row else ""),
+                      flush=True)  # fmt: skip
         block = {"title": bench.title, "batch": bench.batch, "steps": bench.steps,
                  "warmup": bench.warmup, "rows": rows}  # fmt: skip
         if isinstance(bench.model, models.Mlp):
@@ -364,15 +617,14 @@ def main(argv=None):
         results["models"][name] = block
     results["seconds"] = time.perf_counter() - start
     results["load_average_at_end"] = os.getloadavg()[0]
-    out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "strategies.json").write_text(json.dumps(results, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     table = markdown(results)
-    (out / "strategies.md").write_text(table + "\n")
+    (out / f"{stem}.md").write_text(table + "\n")
     print(table)
-    print(
-        f"{results['seconds']:.0f} s; wrote {out / 'strategies.json'} and {out / 'strategies.md'}"
-    )
+    print(f"{results['seconds']:.0f} s; wrote {out / stem}.json and {out / stem}.md")
+    if committed:  # README.md's tables follow the committed JSON (tests/test_benchmark.py)
+        write_readme(results)
     return results
 
 

@@ -54,7 +54,7 @@ from shardops_models.plan import HEAD, VOCAB, leaf_roles, model_specs, names, re
 
 import shardops
 
-COLLECTIVE_MATMULS = (None, "ring", "bidirectional")
+COLLECTIVE_MATMULS = shardops.COLLECTIVE_MATMULS
 
 INIT_LR = 1.0
 DECAY_RATE = 0.95

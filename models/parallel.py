@@ -48,6 +48,7 @@ SEQUENCE_DIM = 1
 """S of activations ``x[B, S, D]``: the dim sequence parallelism splits over ``model``."""
 
 AR, AG, RS, A2A = "all-reduce", "all-gather", "reduce-scatter", "all-to-all"
+CP = "collective-permute"
 F32 = 4
 
 
@@ -226,15 +227,20 @@ class Parallel:
                 )  # fmt: skip
         w, b = self._arrays(p, "w", "dense"), self._optional(p, "b")
         sp = self.sequence_parallel and x.ndim > 2
+        ring = self.collective_matmul
         if self.tp and role == COLUMN:
             return shardops.column_parallel_dense_kernel(
-                x, w, b, gather_input=sp, gather_dimension=SEQUENCE_DIM, precision=self.precision
-            )
+                x, w, b, gather_input=sp, gather_dimension=SEQUENCE_DIM, precision=self.precision,
+                collective_matmul=ring,
+            )  # fmt: skip
         if self.tp and role == ROW:
             reduce = "psum_scatter" if sp else "psum"
+            # a ring splits y along S (or along the batch when y has no sequence)
+            scatter = SEQUENCE_DIM if x.ndim > 2 else 0
             return shardops.row_parallel_dense_kernel(
-                x, w, b, reduce=reduce, scatter_dimension=SEQUENCE_DIM, precision=self.precision
-            )
+                x, w, b, reduce=reduce, scatter_dimension=scatter, precision=self.precision,
+                collective_matmul=ring,
+            )  # fmt: skip
         if role not in (COLUMN, ROW, REPLICATED):
             raise ValueError(f"{p['w'].path}: a dense layer takes role column, row or "
                              f"replicated; the plan says {role!r}")  # fmt: skip
@@ -459,18 +465,32 @@ class Recorder(Parallel):
             call.reads.append(w.path)
         full_x = _repeat(x, self.p) if sp and self.tp and role == COLUMN else x
         y = jnp.zeros((*full_x.shape[:-1], w.shape[1]), self.precision.compute_dtype)
+        # A ring (collective_matmul) moves a gather's or a scatter's bytes as p − 1
+        # collective-permutes of one block each (per direction: half blocks, twice as many).
+        ring = self.collective_matmul is not None
+        gather = CP if ring else AG
+        scatter = CP if ring else RS
+
+        def to_ring(nbytes):  # V(p−1)/p: the bytes of p − 1 blocks
+            return nbytes // self.p * (self.p - 1) if ring else nbytes
+
         if self.tp and role == COLUMN:
             if sp:  # x gathered along S; dw reads it, so remat gathers it again
-                self._forward(call, AG, full_x.size * full_x.dtype.itemsize, input_side=True)
+                nbytes = full_x.size * full_x.dtype.itemsize
+                self._forward(call, gather, to_ring(nbytes), input_side=True)
                 if grad:
-                    self.add(RS, full_x.size * F32)  # dx reduce-scattered along S
+                    self.add(scatter, to_ring(full_x.size * F32))  # dx reduce-scattered along S
             elif grad:
                 self.add(AR, x.size * F32)  # dx[..., D]{U_model}
             return y
         if self.tp and role == ROW:
-            if sp:
-                self._forward(call, RS, y.size * F32)  # y{U_model} → y[B, S_model, D]
-                self.add(AG, y.size * F32)  # its transpose: dy gathered along S
+            if sp or ring:
+                # y{U_model} → y[B, S_model, D] (a ring without sp: along the batch)
+                self._forward(call, scatter, to_ring(y.size * F32))
+                if not sp:  # the reduced blocks → y, replicated; dy is already whole
+                    self._forward(call, AG, y.size * F32)
+                    return y
+                self.add(gather, to_ring(y.size * F32))  # its transpose: dy gathered along S
                 if b is not None:
                     self.add(AR, math.prod(b.shape) * F32)  # db: b replicated, y split
                 return _block(y, self.p)

@@ -14,6 +14,7 @@ from shardops._attention import (
     init_attention,
 )
 from shardops._axes import DATA_AXIS, MODEL_AXIS
+from shardops._collective_dense import COLLECTIVE_MATMULS
 from shardops._collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from shardops._cross_entropy import (
     CrossEntropySpecs,
@@ -59,6 +60,7 @@ from shardops._views import (
 
 __all__ = [
     "BFLOAT16",
+    "COLLECTIVE_MATMULS",
     "DATA_AXIS",
     "FLOAT32",
     "MIXED_BFLOAT16",

@@ -18,6 +18,10 @@ collectives the transfer hides behind the matmul; the result equals the unfused 
 runs one half each way round the ring: the same bytes over both directions of each link. The
 block must then have an even size along that dimension.
 
+Both rings are written once, over any block-wise ``fn`` (``all_gather_map``,
+``map_reduce_scatter``); ``shardops._collective_dense`` runs them with the precision policy's
+products and its own backward pass.
+
 Gradients come from autodiff of the loop: the transpose of a ``ppermute`` is the reverse one,
 so the backward pass is again a ring (``dx`` of ``all_gather_matmul`` is a ring
 reduce-scatter of ``dy · wᵀ``; ``dw`` is local). A test checks forward and gradients against
@@ -62,20 +66,47 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str, *, axis: int =
 
     Returns ``y[.., S, .., F]``.
     """
-    op = "all_gather_matmul"
+    return all_gather_map(x, lambda block: block @ w, axis_name, axis=axis,
+                          bidirectional=bidirectional, op="all_gather_matmul")  # fmt: skip
+
+
+def all_gather_map(x: jax.Array, fn, axis_name: str, *, axis: int = 0,
+                   bidirectional: bool = False, op: str = "all_gather_map"):  # fmt: skip
+    """``fn(lax.all_gather(x, axis_name, axis=axis, tiled=True))`` by a ring of N − 1 steps,
+    for an ``fn`` that maps each row block along ``axis`` on its own (a matmul by a local
+    ``w``, or the identity): each step applies it to the block that just arrived.
+
+    Arguments (local blocks, N = size of ``axis_name``):
+        x: ``x[.., S/N, .., K]``, split along ``axis`` (a leading dim); its blocks travel the
+            ring in ``x``'s dtype.
+        fn: ``block[.., m, .., K] → out[.., m, .., *]`` (an array or a tuple of arrays,
+            each with the block's rows along ``axis``).
+
+    Returns ``fn``'s output for the gathered ``x[.., S, .., K]``: ``out[.., S, .., *]``.
+    """
     axis = _check(x, axis, "axis", op)
     n = lax.axis_size(axis_name)
     i = lax.axis_index(axis_name)
     m = x.shape[axis]
-    out_shape = (*x.shape[:axis], n * m, *x.shape[axis + 1 : -1], w.shape[1])
-    out = jnp.zeros(out_shape, jnp.result_type(x, w))
+    out = None
+
+    def put(out, value, start):
+        """Write ``value`` (each leaf a block of rows) at row ``start`` of ``out[.., N·m, ..]``."""
+        if out is None:
+            out = jax.tree.map(
+                lambda v: jnp.zeros((*v.shape[:axis], n * m, *v.shape[axis + 1 :]), v.dtype), value
+            )
+        return jax.tree.map(
+            lambda o, v: lax.dynamic_update_slice_in_dim(o, v, start, axis), out, value
+        )
+
     if not bidirectional:
         block = x
         for s in range(n):
             nxt = lax.ppermute(block, axis_name, _ring(n, +1)) if s < n - 1 else None
             # After s steps of i → i + 1, device i holds the block of device i − s.
             start = ((i - s) % n) * m
-            out = lax.dynamic_update_slice_in_dim(out, block @ w, start, axis)
+            out = put(out, fn(block), start)
             block = nxt
         return out
     _halves_ok(m, f"axis {axis}", op)
@@ -85,8 +116,8 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str, *, axis: int =
     for s in range(n):
         nxt_r = lax.ppermute(right, axis_name, _ring(n, +1)) if s < n - 1 else None
         nxt_l = lax.ppermute(left, axis_name, _ring(n, -1)) if s < n - 1 else None
-        out = lax.dynamic_update_slice_in_dim(out, right @ w, ((i - s) % n) * m, axis)
-        out = lax.dynamic_update_slice_in_dim(out, left @ w, ((i + s) % n) * m + h, axis)
+        out = put(out, fn(right), ((i - s) % n) * m)
+        out = put(out, fn(left), ((i + s) % n) * m + h)
         right, left = nxt_r, nxt_l
     return out
 
@@ -104,7 +135,27 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, *,
 
     Returns ``y[.., S/N, .., F]``: this device's block of the sum over the axis.
     """
-    op = "matmul_reduce_scatter"
+
+    def product(rows):
+        return rows @ w
+
+    return map_reduce_scatter(x, product, axis_name, scatter_dimension=scatter_dimension,
+                              bidirectional=bidirectional, op="matmul_reduce_scatter")  # fmt: skip
+
+
+def map_reduce_scatter(x: jax.Array, fn, axis_name: str, *, scatter_dimension: int = 0,
+                       bidirectional: bool = False, op: str = "map_reduce_scatter"
+                       ) -> jax.Array:  # fmt: skip
+    """``lax.psum_scatter(fn(x), axis_name, scatter_dimension=..., tiled=True)`` by a ring
+    of N − 1 steps, for an ``fn`` that maps each row block along ``scatter_dimension`` on its
+    own; the partial sums travel and are summed in ``fn``'s output dtype.
+
+    Arguments (local blocks, N = size of ``axis_name``):
+        x: ``x[.., S, .., K]``, ``S`` along ``scatter_dimension`` (a leading dim) divisible by N.
+        fn: ``rows[.., m, .., K] → y[.., m, .., F]``, this device's addend for those rows.
+
+    Returns ``y[.., S/N, .., F]``: this device's block of the sum over the axis.
+    """
     dim = _check(x, scatter_dimension, "scatter_dimension", op)
     n = lax.axis_size(axis_name)
     i = lax.axis_index(axis_name)
@@ -117,8 +168,7 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, *,
 
     def product(j, lo: int, size: int):
         """This device's addend for rows ``[lo, lo + size)`` of output block ``j``."""
-        rows = lax.dynamic_slice_in_dim(x, (j % n) * m + lo, size, dim)
-        return rows @ w
+        return fn(lax.dynamic_slice_in_dim(x, (j % n) * m + lo, size, dim))
 
     def ring(lo: int, size: int, shift: int):
         # The partial sum of block j starts at device j + shift and moves by +shift each step.

@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from shardops import _collective_dense
 from shardops._axes import MODEL_AXIS
+from shardops._collective_dense import check_collective_matmul
 from shardops._mappings import copy_to_region, gather_to_region
 from shardops._precision import FLOAT32, Precision
 
@@ -51,6 +53,7 @@ def column_parallel_dense_kernel(
     gather_output: bool = False,
     out_features: int | None = None,
     precision: Precision = FLOAT32,
+    collective_matmul: str | None = None,
 ):
     """Column-parallel dense on local blocks: ``x[..., D] · w[D, F_model] + b[F_model] → y[..., F_model]``.
 
@@ -64,6 +67,12 @@ def column_parallel_dense_kernel(
         out_features: the logical F when the stored F is padded to a multiple of p
             (``shardops.pad_params``): the padded output columns are zero, and
             ``gather_output`` returns ``y[..., out_features]``.
+        collective_matmul: one of ``COLLECTIVE_MATMULS``. With ``gather_input``, ``"ring"``
+            (``"bidirectional"``) replaces the AllGather and the matmul by a ring of
+            collective-permutes, one (two) per step, each step multiplying the block that just
+            arrived (``_collective_dense.all_gather_dense``); ``"bidirectional"`` needs an even
+            block along ``gather_dimension``. Without ``gather_input`` the forward pass has no
+            collective to overlap, and the option changes nothing.
 
     Returns:
         ``y[..., F/p]`` in compute dtype, or ``y[..., F]`` with ``gather_output``.
@@ -77,21 +86,36 @@ def column_parallel_dense_kernel(
         (``_mappings``), then cast to ``x``'s dtype once. ``dw`` and ``db`` are local. The
         backward of ``gather_output`` is a local slice (the gathered ``y`` is invariant, so is
         its cotangent).
+        ``collective_matmul`` with ``gather_input``: forward p − 1 collective-permutes of
+        ``x``'s block per direction (in ``x``'s dtype), backward p − 1 of ``dx``'s partial sums
+        (in ``accum_dtype``), the same bytes as the AllGather and ReduceScatter they replace.
     """
     op = "column_parallel_dense_kernel"
+    check_collective_matmul(collective_matmul, op)
     p = _bound_axis_size(axis_name, op)
     _check_sharded_over(w, axis_name, "w", op)
     _check_local_shapes(x, w, b, op)
     accum = precision.accum_dtype
     if gather_input:
         gather_dimension = _check_dim(gather_dimension, x.ndim - 1, "gather_dimension", op)
-        # x_block[.., S/p, .., D] → x[.., S, .., D]; backward: ReduceScatter of dx in accum_dtype.
-        x = gather_to_region(x, axis_name, gather_dimension, accum)  # x[..., D] in accum
+    if gather_input and collective_matmul is not None:
+        block = x.shape[gather_dimension]
+        _check_even_block(collective_matmul, block, gather_dimension, "gather_dimension", op)
+        # x_block[.., S/p, .., D] travels the ring; backward: a ring ReduceScatter of dx in accum.
+        bidirectional = collective_matmul == "bidirectional"
+        y_acc = _collective_dense.all_gather_dense(  # y[.., S, .., F/p] in accum
+            x, w, axis_name, axis=gather_dimension, bidirectional=bidirectional, precision=precision
+        )
     else:
-        _check_replicated_over(x, axis_name, "x", op)
-        # Megatron's "f": identity forward; backward: AllReduce of dx over model in accum_dtype.
-        x = copy_to_region(x, axis_name, accum)  # x[..., D] in accum
-    y_block = precision.finish(precision.matmul(x, w), b)  # y[..., F/p]
+        if gather_input:
+            # x_block[.., S/p, .., D] → x[.., S, .., D]; backward: ReduceScatter of dx in accum.
+            x = gather_to_region(x, axis_name, gather_dimension, accum)  # x[..., D] in accum
+        else:
+            _check_replicated_over(x, axis_name, "x", op)
+            # Megatron's "f": identity forward; backward: AllReduce of dx over model in accum.
+            x = copy_to_region(x, axis_name, accum)  # x[..., D] in accum
+        y_acc = precision.matmul(x, w)  # y[..., F/p] in accum
+    y_block = precision.finish(y_acc, b)  # y[..., F/p]
     f_local = w.shape[1]
     if out_features is not None and out_features < f_local * p:
         # Padded columns (global index ≥ out_features) are zero, whatever their weights hold.
@@ -115,6 +139,7 @@ def row_parallel_dense_kernel(
     reduce: str = "psum",
     scatter_dimension: int = 0,
     precision: Precision = FLOAT32,
+    collective_matmul: str | None = None,
 ):
     """Row-parallel dense on local blocks: ``x[..., F_model] · w[F_model, D] → y[..., D]{U_model}``, then reduce.
 
@@ -130,6 +155,13 @@ def row_parallel_dense_kernel(
         reduce: ``"psum"`` → ``y[..., D]`` replicated; ``"psum_scatter"`` → ``y`` split along
             ``scatter_dimension``: the batch (0), the sequence (``y[B, S_model, D]``, 1 of a
             rank-3 ``y``), or the features (the last dim, ``y[..., D_model]``).
+        collective_matmul: one of ``COLLECTIVE_MATMULS``. ``"ring"`` (``"bidirectional"``)
+            computes the reduction as a ring of collective-permutes along ``scatter_dimension``
+            (a leading dim of ``y``, divisible by p; with ``"bidirectional"`` into blocks of an
+            even size), each step adding this device's product for the block passing by
+            (``_collective_dense``). ``"psum"`` then AllGathers the reduced blocks (builtin,
+            invariant over ``axis_name`` like psum's output). A ``psum_scatter`` over the
+            features is not supported: the ring would split ``w``'s columns, not ``x``'s rows.
 
     Communication over ``axis_name`` (V = bytes of ``y[..., D]`` in ``accum_dtype``):
         forward: ``psum``: AllReduce ``y{U_model} → y`` (2V(p−1)/p per device on a ring).
@@ -142,8 +174,14 @@ def row_parallel_dense_kernel(
         AllReduces it in ``accum_dtype``, 2·|x|·(p−1)/p per device: twice the bytes of the
         AllGather that an already-parallel input would need. Prefer feeding a column-parallel
         output.
+        ``collective_matmul``: the forward ReduceScatter becomes p − 1 collective-permutes of
+        partial sums per direction in ``accum_dtype`` (its bytes), and ``psum`` adds the
+        builtin AllGather (together the AllReduce's bytes). Backward: ``psum``: none, as
+        without the option; ``psum_scatter``: a ring AllGather of ``dy`` in ``accum_dtype``,
+        ``dx`` computed block by block as it arrives.
     """
     op = "row_parallel_dense_kernel"
+    check_collective_matmul(collective_matmul, op)
     p = _bound_axis_size(axis_name, op)
     _check_sharded_over(w, axis_name, "w", op)
     if reduce not in REDUCTIONS:
@@ -167,29 +205,72 @@ def row_parallel_dense_kernel(
     _check_local_shapes(x, w, None, op)
     if in_features is not None and in_features < f_local * p:
         x = x * _valid_columns(axis_name, f_local, in_features, x.dtype)  # padding → 0
-    y_partial = precision.matmul(x, w)  # y[B, D]{U_model}
-    if reduce == "psum":
-        y = lax.psum(y_partial, axis_name)  # y[B, D]
-    else:
-        scatter_dimension = _check_dim(scatter_dimension, y_partial.ndim, "scatter_dimension", op)
-        if y_partial.shape[scatter_dimension] % p:
+    y_shape = (*x.shape[:-1], w.shape[1])  # y[B, D]
+    if reduce == "psum_scatter" or collective_matmul is not None:
+        scatter_dimension = _check_dim(scatter_dimension, len(y_shape), "scatter_dimension", op)
+        if collective_matmul is not None and scatter_dimension == len(y_shape) - 1:
             raise ValueError(
-                f"{op}: output dim {scatter_dimension} = "
-                f"{y_partial.shape[scatter_dimension]} is not divisible by mesh axis "
-                f"{axis_name!r} (size {p}), so psum_scatter cannot split it"
+                f"{op}: collective_matmul={collective_matmul!r} splits its ring along a leading "
+                f"dim of y (batch or sequence), but scatter_dimension={scatter_dimension} is "
+                f"the feature dim of y{y_shape}, which would split w's columns instead. Use "
+                f"scatter_dimension=0 (or the sequence) or collective_matmul=None."
             )
-        y = lax.psum_scatter(
-            y_partial, axis_name, scatter_dimension=scatter_dimension, tiled=True
-        )  # y[.., S/p, .., D] or y[..., D/p]
-        if b is not None and scatter_dimension != y.ndim - 1:
-            # b[D] is replicated but y is a batch/sequence shard: db all-reduces over model.
-            b = copy_to_region(b, axis_name, precision.accum_dtype)  # b[D] in accum
+        if y_shape[scatter_dimension] % p:
+            if collective_matmul is None:
+                using, fix = "psum_scatter", ""
+            else:
+                using = f"the ring of collective_matmul={collective_matmul!r}"
+                fix = f"; choose a scatter_dimension whose size divides by {p}, or no ring"
+            raise ValueError(
+                f"{op}: output dim {scatter_dimension} = {y_shape[scatter_dimension]} is not "
+                f"divisible by mesh axis {axis_name!r} (size {p}), so {using} cannot split it{fix}"
+            )
+        if collective_matmul is not None:
+            block = y_shape[scatter_dimension] // p
+            _check_even_block(collective_matmul, block, scatter_dimension, "scatter_dimension", op)
+    if collective_matmul is not None:
+        # psum: ring ReduceScatter, then AllGather; psum_scatter: the ring alone (all in accum).
+        ring_dense = (
+            _collective_dense.dense_all_reduce
+            if reduce == "psum"
+            else _collective_dense.dense_reduce_scatter
+        )
+        bidirectional = collective_matmul == "bidirectional"
+        y = ring_dense(  # y[B, D] replicated (psum) or y[.., S/p, .., D], in accum
+            x,
+            w,
+            axis_name,
+            scatter_dimension=scatter_dimension,
+            bidirectional=bidirectional,
+            precision=precision,
+        )
+    else:
+        y_partial = precision.matmul(x, w)  # y[B, D]{U_model}
+        if reduce == "psum":
+            y = lax.psum(y_partial, axis_name)  # y[B, D]
+        else:
+            y = lax.psum_scatter(
+                y_partial, axis_name, scatter_dimension=scatter_dimension, tiled=True
+            )  # y[.., S/p, .., D] or y[..., D/p]
+    if reduce == "psum_scatter" and b is not None and scatter_dimension != y.ndim - 1:
+        # b[D] is replicated but y is a batch/sequence shard: db all-reduces over model.
+        b = copy_to_region(b, axis_name, precision.accum_dtype)  # b[D] in accum
     if b is not None and b.shape != y.shape[-1:]:
         raise ValueError(
             f"{op}: local bias has shape {b.shape} but the reduced output has {y.shape[-1]} "
             f"features; with psum_scatter over features pass the bias shard"
         )
     return precision.finish(y, b)  # bias exactly once, after the reduction
+
+
+def _check_even_block(collective_matmul, block: int, dim: int, argument: str, op: str) -> None:
+    if collective_matmul == "bidirectional" and block % 2:
+        raise ValueError(
+            f"{op}: collective_matmul='bidirectional' sends half of each block each way round "
+            f"the ring, but the block along {argument}={dim} has {block} rows (odd); use an even "
+            f"block (a multiple of 2 × the axis size in the global array) or "
+            f"collective_matmul='ring'"
+        )
 
 
 def _valid_columns(axis_name: str, f_local: int, logical: int, dtype):

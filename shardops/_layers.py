@@ -12,6 +12,7 @@ the second one's ``x`` spec, e.g. ``column_parallel_dense`` (``y[B, F_model]``) 
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -21,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardops import _kernels
 from shardops._axes import MODEL_AXIS
+from shardops._collective_dense import check_collective_matmul
 from shardops._devices import check_devices
 from shardops._mesh import axis_size, check_divisible, normalized_spec, spec_entry
 from shardops._precision import FLOAT32, Precision
@@ -109,6 +111,7 @@ def column_parallel_dense(
     gather_output: bool = False,
     out_features: int | None = None,
     precision: Precision = FLOAT32,
+    collective_matmul: str | None = None,
 ):
     """Column-parallel dense layer on global arrays: ``x[B, ..., D] · w[D, F_model] + b[F_model] → y[B, ..., F_model]``.
 
@@ -124,15 +127,24 @@ def column_parallel_dense(
         gather_output: return ``y[B, ..., F]`` replicated over ``axis_name``.
         out_features: the logical F of a padded ``w``: padded output columns are zero, and
             ``gather_output`` returns ``y[..., out_features]``.
+        collective_matmul: ``None`` (the builtin AllGather), ``"ring"`` or ``"bidirectional"``
+            (``shardops.COLLECTIVE_MATMULS``): with ``gather_input``, gather ``x`` by a ring of
+            collective-permutes, multiplying each block as it arrives so that the transfers
+            can hide behind the matmul (``"bidirectional"``: half of each block each way, which
+            needs an even local block along ``gather_dimension``). Without ``gather_input``
+            there is no forward collective to overlap and the option changes nothing.
 
     Returns:
         ``y[B, ..., F]`` in ``precision.compute_dtype``, laid out as ``column_parallel_specs(...).y``.
 
     Communication: see ``column_parallel_dense_kernel``. Forward none (plus the requested
     gathers); backward one AllReduce of ``dx[B, ..., D]`` over ``axis_name`` when ``x`` needs a
-    gradient.
+    gradient (a ReduceScatter with ``gather_input``). With ``collective_matmul`` the gather of
+    ``x`` and the ReduceScatter of ``dx`` are rings of N − 1 collective-permutes per direction,
+    moving the same bytes as the builtins.
     """
     op = "column_parallel_dense"
+    check_collective_matmul(collective_matmul, op)
     _check_axes(mesh, axis_name, batch_axis)
     _check_dense_args(op, x, w, b, precision)
     specs = column_parallel_specs(
@@ -151,6 +163,7 @@ def column_parallel_dense(
         axes = (batch_axis, axis_name) if g == 0 else (axis_name,)
         name = "batch" if g == 0 else "sequence"
         check_divisible(argument="x", dim=g, dim_name=name, size=x.shape[g], mesh=mesh, axes=axes)
+        _check_even_block(op, collective_matmul, "gather_dimension", g, x.shape[g], mesh, axes)
     _check_padded(
         op, "w", 1, "out features", w.shape[1], out_features, "out_features", mesh, axis_name
     )
@@ -162,6 +175,7 @@ def column_parallel_dense(
         gather_output=gather_output,
         out_features=out_features,
         precision=precision,
+        collective_matmul=collective_matmul,
     )
     return _run(op, kernel, mesh, specs, x, w, b)
 
@@ -179,6 +193,7 @@ def row_parallel_dense(
     reduce: str = "psum",
     scatter_dimension: int = 0,
     precision: Precision = FLOAT32,
+    collective_matmul: str | None = None,
 ):
     """Row-parallel dense layer on global arrays: ``x[B, ..., F_model] · w[F_model, D] → y[B, ..., D]{U_model}`` → reduce, + b.
 
@@ -194,14 +209,24 @@ def row_parallel_dense(
         reduce: ``"psum"`` → ``y[B, ..., D]`` replicated over ``axis_name``; ``"psum_scatter"``
             → ``y`` split over ``axis_name`` along ``scatter_dimension`` (0: batch, 1 of a
             rank-3 ``y``: sequence, last: features).
+        collective_matmul: ``None`` (the builtin collective), ``"ring"`` or ``"bidirectional"``
+            (``shardops.COLLECTIVE_MATMULS``): reduce-scatter ``y`` along ``scatter_dimension``
+            (0: batch, 1 of a rank-3 ``y``: sequence; not the features) by a ring of
+            collective-permutes, each step adding this device's product for the block passing
+            by; ``"psum"`` then all-gathers the blocks (the output stays replicated).
+            ``y``'s local size along ``scatter_dimension`` must divide by the axis size (and
+            give even blocks for ``"bidirectional"``), also with ``"psum"``.
 
     Returns:
         ``y[B, ..., D]`` in ``precision.compute_dtype``, laid out as ``row_parallel_specs(...).y``.
 
     Communication: see ``row_parallel_dense_kernel``. ``psum``: one AllReduce of ``y[B, ..., D]``
-    forward and none backward (for ``x``, ``w`` and ``b``).
+    forward and none backward (for ``x``, ``w`` and ``b``). With ``collective_matmul`` the
+    ReduceScatter (half of the AllReduce) is a ring of N − 1 collective-permutes per direction,
+    moving the same bytes as the builtin.
     """
     op = "row_parallel_dense"
+    check_collective_matmul(collective_matmul, op)
     _check_axes(mesh, axis_name, batch_axis)
     _check_dense_args(op, x, w, b, precision, replicated_f=not input_is_parallel)
     specs = row_parallel_specs(
@@ -231,6 +256,25 @@ def row_parallel_dense(
         arg, dim = ("w", 1) if d == x.ndim - 1 else ("x", d)
         check_divisible(argument=arg, dim=dim, dim_name=names.get(d, "sequence"), size=size,
                         mesh=mesh, axes=axes)  # fmt: skip
+    if collective_matmul is not None:
+        d = scatter_dimension % x.ndim
+        if d == x.ndim - 1:
+            raise ValueError(
+                f"{op}: collective_matmul={collective_matmul!r} splits its ring along a leading "
+                f"dim of y (batch or sequence), but scatter_dimension={scatter_dimension} is "
+                f"the feature dim of y{(*x.shape[:-1], w.shape[1])}, which would split w's "
+                f"columns instead. Use scatter_dimension=0 (or the sequence) or "
+                f"collective_matmul=None."
+            )
+        axes = (batch_axis, axis_name) if d == 0 else (axis_name,)
+        name = "batch" if d == 0 else "sequence"
+        hint = (
+            f" (collective_matmul={collective_matmul!r} reduce-scatters y along "
+            f"scatter_dimension={scatter_dimension}, also with reduce={reduce!r})"
+        )
+        check_divisible(argument="x", dim=d, dim_name=name, size=x.shape[d], mesh=mesh,
+                        axes=axes, hint=hint)  # fmt: skip
+        _check_even_block(op, collective_matmul, "scatter_dimension", d, x.shape[d], mesh, axes)
     kernel = functools.partial(
         _kernels.row_parallel_dense_kernel,
         axis_name=axis_name,
@@ -239,6 +283,7 @@ def row_parallel_dense(
         reduce=reduce,
         scatter_dimension=scatter_dimension,
         precision=precision,
+        collective_matmul=collective_matmul,
     )
     if not input_is_parallel and x.shape[-1] != w.shape[0]:  # a logical-width replicated x
         if x.shape[-1] != in_features:
@@ -280,6 +325,19 @@ def run_layer(op: str, kernel, mesh: Mesh, args: dict, in_specs: dict, out_specs
             out_specs=out_specs,
             check_vma=True,
         )(*args.values())
+
+
+def _check_even_block(op, collective_matmul, argument, dim, size, mesh, axes) -> None:
+    """``"bidirectional"`` sends half of each block each way: the local block must be even."""
+    parts = math.prod(axis_size(mesh, a) for a in axes)
+    if collective_matmul == "bidirectional" and (size // parts) % 2:
+        over = " × ".join(f"{a!r} (size {axis_size(mesh, a)})" for a in axes if a is not None)
+        raise ValueError(
+            f"{op}: collective_matmul='bidirectional' sends half of each block each way round "
+            f"the ring, but x dim {dim} ({argument}={dim}) = {size} over mesh axis {over} gives "
+            f"blocks of {size // parts} rows (odd); choose a multiple of {2 * parts} or "
+            f"collective_matmul='ring'"
+        )
 
 
 def _check_reduce(reduce: str, scatter_dimension: int, ndim: int = 2) -> None:

@@ -1,0 +1,162 @@
+"""benchmarks/strategies.py: README's tables are generated from the stored JSON, the meshes the
+GPU path maps each case onto, and a quick end-to-end run with its variant rows and columns."""
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+_spec = importlib.util.spec_from_file_location(
+    "benchmark_strategies", ROOT / "benchmarks" / "strategies.py"
+)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+FULL = bench.benches(quick=False, steps=None)
+VARIANT_COLUMNS = ("÷ plain (IQR)", "state ÷ dp", "peak MB/device: shardops", "temp saved MB")
+
+
+def test_readme_tables_are_the_json_s_markdown():
+    """A hand-edited table fails: regenerate with `python benchmarks/strategies.py --readme-only`."""
+    results = json.loads((bench.RESULTS / "strategies.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    assert bench.readme_block(readme) == bench.markdown(results).strip("\n")
+
+
+def test_write_readme_replaces_only_the_block(tmp_path):
+    results = json.loads((bench.RESULTS / "strategies.json").read_text())
+    readme = tmp_path / "README.md"
+    before, after = "# Title\n\nprose\n", "\nmore prose\n"
+    readme.write_text(f"{before}{bench.README_START}\n| old | table |\n{bench.README_END}{after}")
+    bench.write_readme(results, readme)
+    text = readme.read_text()
+    assert text.startswith(before + bench.README_START + "\n")
+    assert text.endswith(bench.README_END + after)
+    assert bench.readme_block(text) == bench.markdown(results).strip("\n")
+    assert "| old | table |" not in text
+
+
+def test_readme_without_markers_is_an_error():
+    with pytest.raises(ValueError, match="README.md needs the markers <!-- benchmark-tables:start"):
+        bench.readme_block("## Benchmark\n\n| a | b |\n")
+    with pytest.raises(ValueError, match="in that order"):
+        bench.readme_block(f"{bench.README_END}\n{bench.README_START}\n")
+
+
+def test_markdown_of_old_results_leaves_new_columns_empty():
+    """Results from before the variant rows (no label, options or memory) still render."""
+    results = json.loads((bench.RESULTS / "strategies.json").read_text())
+    for block in results["models"].values():
+        for row in block["rows"]:
+            for key in ("label", "options", "memory_shardops", "memory_gspmd", "vs_plain"):
+                row.pop(key, None)
+    text = bench.markdown(results)
+    for column in VARIANT_COLUMNS:
+        assert column in text
+
+
+@pytest.mark.parametrize("n_devices", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("name", list(FULL))
+def test_mesh_for_fits_every_case_on_the_devices(name, n_devices):
+    b = FULL[name]
+    limit = bench.model_axis_limit(b.model)
+    for case in b.cases:
+        data, model = bench.mesh_for(case.mesh, n_devices, batch=b.batch, model_limit=limit)
+        assert data * model <= n_devices
+        assert b.batch % data == 0 and limit % model == 0
+        if n_devices == 1:
+            assert (data, model) == (1, 1)
+        if n_devices == 8:  # the CPU tables' meshes
+            assert (data, model) == case.mesh
+        if case.mesh[1] == 1:  # data-only stays data-only, on every device it can split over
+            assert model == 1 and data == bench.largest_divisor(b.batch, n_devices)
+        elif case.mesh[0] == 1:  # model-only: 1×D, within the model's limit
+            assert data == 1 and model == bench.largest_divisor(limit, n_devices)
+        elif n_devices >= 4:  # 2-axis cases keep both axes
+            assert data >= 2 and model >= 2
+
+
+@pytest.mark.parametrize(
+    ("n_devices", "meshes"),
+    [
+        (1, {"dp": (1, 1), "tp": (1, 1), "2d": (1, 1), "fsdp": (1, 1), "fsdp_tp": (1, 1)}),
+        (2, {"dp": (2, 1), "tp": (1, 2), "2d": (1, 2), "fsdp": (2, 1), "fsdp_tp": (1, 2)}),
+        (4, {"dp": (4, 1), "tp": (1, 4), "2d": (2, 2), "fsdp": (4, 1), "fsdp_tp": (2, 2)}),
+    ],
+)
+def test_cases_on_fewer_devices_drop_duplicate_meshes(n_devices, meshes):
+    """The MLP's 2d 4×2 and 2×4 both map onto one mesh below 8 devices: the second is skipped,
+    with the reason, and the first keeps its variants."""
+    cases, skipped = bench.cases_on(FULL["seed"], n_devices)
+    assert {c.strategy: c.mesh for c in cases} == meshes
+    assert [c.strategy for c in cases].count("2d") == 1
+    assert next(c for c in cases if c.strategy == "2d").variants  # 4x2's ring rows
+    m = meshes["2d"]
+    assert skipped == [f"2d 2x4 → {m[0]}x{m[1]}: the same mesh as 2d 4x2 → {m[0]}x{m[1]}"]
+
+
+def test_cases_on_8_devices_are_the_cpu_cases():
+    for b in FULL.values():
+        assert bench.cases_on(b, 8) == (list(b.cases), [])
+
+
+def test_mesh_for_needs_a_device():
+    with pytest.raises(ValueError, match="n_devices must be at least 1; got 0"):
+        bench.mesh_for((8, 1), 0, batch=16, model_limit=4)
+
+
+def test_gpu_platform_without_a_gpu_is_an_error():
+    with pytest.raises(RuntimeError, match="--platform gpu found no GPU"):
+        bench.start_platform("gpu")
+
+
+def test_quick_mode_runs_end_to_end(tmp_path):
+    """CI's run of every table: the variant rows, memory columns and paired ratios exist, the
+    compiled bytes equal the analytic model's, and the committed results are left alone."""
+    committed = [
+        (p, p.read_bytes()) for p in (ROOT / "README.md", bench.RESULTS / "strategies.json")
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "strategies.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert all(p.read_bytes() == content for p, content in committed)
+    results = json.loads((tmp_path / "strategies.json").read_text())
+    assert results["platform"] == "cpu" and results["devices"] == 8
+    labels = {
+        name: [r["label"] for r in block["rows"]] for name, block in results["models"].items()
+    }
+    assert labels == {
+        "seed": ["dp", "tp", "tp ring", "tp bidirectional", "2d", "2d ring", "2d bidirectional",
+                 "2d", "fsdp", "fsdp gather_weights", "fsdp remat", "fsdp_tp", "fsdp_tp ring",
+                 "fsdp_tp bidirectional", "fsdp_tp gather_weights"],
+        "wide": ["dp", "tp", "2d", "2d", "fsdp", "fsdp_tp"],
+        "gpt": ["tp", "tp ring", "fsdp_sp", "fsdp_sp remat"],
+    }  # fmt: skip
+    for block in results["models"].values():
+        for row in block["rows"]:
+            assert row["ring_bytes_shardops"] == pytest.approx(row["ring_bytes_model"])
+            assert row["step_ms"]["shardops"] > 0 and row["state_bytes_per_device"] > 0
+            assert (
+                row["state_vs_dp"]
+                == row["state_bytes_per_device"] / row["single_device_state_bytes"]
+            )
+            for program in ("shardops", "gspmd"):
+                m = row[f"memory_{program}"]
+                assert m["peak"] == m["argument"] + m["output"] - m["alias"] + m["temp"] > 0
+            for key in ("vs_gspmd", "vs_single", "gspmd_vs_single"):
+                assert row[key]["q25"] <= row[key]["median"] <= row[key]["q75"]
+            variant = row["label"] != row["strategy"]
+            assert ("vs_plain" in row) == variant == ("temp_saved_vs_plain_bytes" in row)
+            assert bool(row["options"]) == variant
+    seed = {r["label"]: r for r in results["models"]["seed"]["rows"]}
+    assert seed["fsdp"]["state_vs_dp"] == pytest.approx(1 / 8, rel=0.01)
+    assert "vs_pmap" in seed["dp"]
+    table = (tmp_path / "strategies.md").read_text()
+    assert all(column in table for column in VARIANT_COLUMNS)
+    assert "| tp ring | 1x8 |" in table and "**Per-layer FSDP choice**" in table
