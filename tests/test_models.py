@@ -109,9 +109,7 @@ def test_fsdp_has_no_full_gradient_all_reduce(fsdp_dense):
     else:
         gathered, all_to_all = 64 * 512 + 512 + 64 * 10, 8 * 784 + 2 * 8 * 512
     assert (
-        budget[("all-gather", ("data",))]
-        == budget[("reduce-scatter", ("data",))]
-        == gathered * 4
+        budget[("all-gather", ("data",))] == budget[("reduce-scatter", ("data",))] == gathered * 4
     )
     assert budget.get(("all-to-all", ("data",)), 0) == all_to_all * 4
 
