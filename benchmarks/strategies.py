@@ -439,7 +439,24 @@ def summary_lines(rows) -> list[str]:
         "collective_matmul": "**Collective matmul** (step time ÷ the plain row's, where XLA "
                              "runs the collectives)",
     }  # fmt: skip
-    return [f"{heads[k]}: {'; '.join(v)}." for k, v in by_kind.items() if v]
+    return [verdict_line(rows)] + [f"{heads[k]}: {'; '.join(v)}." for k, v in by_kind.items() if v]
+
+
+def verdict_line(rows) -> str:
+    """The issue's target for the default rows (no variant options): median paired ratio to
+    GSPMD ≤ 1.0 and upper quartile ≤ 1.10; names every row that misses either."""
+    plain = [r for r in rows if not r.get("options")]
+    worst = max(plain, key=lambda r: r["vs_gspmd"]["median"])
+    over = [
+        f"`{r['strategy']}` {r['mesh']} {fmt_ratio(r['vs_gspmd'])}"
+        for r in plain
+        if round(r["vs_gspmd"]["median"], 2) > 1.0 or round(r["vs_gspmd"]["q75"], 2) > 1.10
+    ]  # as printed: 2 decimals
+    verdict = ("every one meets it" if not over
+               else f"{len(over)} of {len(plain)} miss it: {'; '.join(over)}")  # fmt: skip
+    return (f"**Against GSPMD** (default options; target: median ≤ 1.00, upper quartile ≤ "
+            f"1.10): the slowest is `{worst['strategy']}` {worst['mesh']} at "
+            f"{fmt_ratio(worst['vs_gspmd'])}; {verdict}.")  # fmt: skip
 
 
 def markdown(results) -> str:

@@ -167,6 +167,9 @@ class Parallel:
     collective_matmul: str | None = None
     """The tensor-parallel dense kernels' ``collective_matmul`` option (None, "ring",
     "bidirectional")."""
+    bundle: bool = True
+    """Without remat, move a stage's parameters over ``data`` in one collective per dtype and
+    varying axes (``_materialise_all``)."""
 
     @property
     def tp(self) -> bool:
@@ -185,9 +188,41 @@ class Parallel:
         remat the stage is ``jax.checkpoint``-ed: the backward pass gathers again."""
 
         def run(params, *args):
-            return fn(jax.tree.map(self._materialise, params, is_leaf=is_param), *args)
+            return fn(self._materialise_all(params), *args)
 
         return jax.checkpoint(run)(params, *args) if self.remat else run(params, *args)
+
+    def _materialise_all(self, params):
+        """Every ``Param`` of a stage, ready. Without remat, the leaves that share a dtype and
+        varying axes travel together: one AllGather over ``data`` for the split ones (one
+        ReduceScatter back) and one AllReduce of the replicated ones' gradients, instead of one
+        collective per leaf (``shardops.gather_many_to_region``). With remat each leaf is
+        gathered alone, so the backward re-gathers only what it reads."""
+        leaves, tree = jax.tree.flatten(params, is_leaf=is_param)
+        if not self.strategy.data or self.remat or not self.bundle:
+            return tree.unflatten([self._materialise(p) for p in leaves])
+        ready: list = [None] * len(leaves)
+        gather, copy = {}, {}
+        for i, p in enumerate(leaves):
+            dim = data_split_dim(p.spec)
+            if dim is not None and self._may_move_activations(p):
+                ready[i] = Param(p.value, p.role, p.spec, p.path, ready=True, pending=dim)
+                continue
+            key = (np.dtype(p.value.dtype), _varying(p.value))
+            (gather if dim is not None else copy).setdefault(key, []).append((i, dim))
+        accum = self.precision.accum_dtype
+        for group in gather.values():
+            values = [leaves[i].value for i, _ in group]
+            dims = [d for _, d in group]
+            for (i, _), value in zip(group, shardops.gather_many_to_region(
+                    values, DATA_AXIS, dims, accum), strict=True):  # fmt: skip
+                ready[i] = Param(value, leaves[i].role, leaves[i].spec, leaves[i].path, True)
+        for group in copy.values():
+            values = [leaves[i].value for i, _ in group]
+            for (i, _), value in zip(group, shardops.copy_many_to_region(
+                    values, DATA_AXIS, accum_dtype=accum), strict=True):  # fmt: skip
+                ready[i] = Param(value, leaves[i].role, leaves[i].spec, leaves[i].path, True)
+        return tree.unflatten(ready)
 
     def _materialise(self, p: Param) -> Param:
         value = p.value
@@ -349,6 +384,10 @@ def _check_logits_cover_labels(ctx, logits, labels) -> None:
             f"cross_entropy: logits{tuple(logits.shape)} do not cover labels"
             f"{tuple(labels.shape)} (the logits' leading dims must equal the labels' shape).{hint}"
         )
+
+
+def _varying(x) -> frozenset:
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
 
 
 def data_split_dim(spec) -> int | None:

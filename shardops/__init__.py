@@ -42,7 +42,12 @@ from shardops._layers import (
     row_parallel_specs,
 )
 from shardops._ledger import Ledger, ledger, ring_bytes
-from shardops._mappings import copy_to_region, gather_to_region
+from shardops._mappings import (
+    copy_many_to_region,
+    copy_to_region,
+    gather_many_to_region,
+    gather_to_region,
+)
 from shardops._mesh import axis_size, check_divisible, make_mesh, spec_entry
 from shardops._norms import layer_norm, rms_norm
 from shardops._params import dense, init_dense, pad_params, padded_size, shard_params, unpad
@@ -83,9 +88,11 @@ __all__ = [
     "column_parallel_dense",
     "column_parallel_dense_kernel",
     "column_parallel_specs",
+    "copy_many_to_region",
     "copy_to_region",
     "dense",
     "explain",
+    "gather_many_to_region",
     "gather_to_region",
     "grid_sharding",
     "head_parallel_attention",

@@ -11,6 +11,8 @@ bytes than it must.
 |------------------------|----------------------------------------------|------------------------------------|
 | ``copy_to_region``     | cast to accum, ``pcast`` to varying (free)   | AllReduce ``dx`` in accum, cast back |
 | ``gather_to_region``   | AllGather in the input's dtype, cast to accum | ReduceScatter ``dx`` in accum, cast back |
+| ``copy_many_to_region``   | several arrays as one buffer, ``pcast``     | one AllReduce of their ``dx``      |
+| ``gather_many_to_region`` | one AllGather of several arrays' blocks   | one ReduceScatter of their ``dx``  |
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -55,3 +58,93 @@ def _gather_bwd(axis_name, axis, accum_dtype, x_kind, g):
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def copy_many_to_region(xs, axis_name: str, accum_dtype):
+    """``copy_to_region`` of several arrays at once: their gradients are AllReduced in one
+    collective (the concatenation of the flattened cotangents, in ``accum_dtype``).
+
+    Forward: no communication (a concatenation, ``pcast`` to varying, and slices back).
+    """
+    xs = tuple(xs)
+    flat = jnp.concatenate([x.astype(accum_dtype).reshape(-1) for x in xs])
+    flat = lax.pcast(flat, axis_name, to="varying")  # backward: one AllReduce of dflat
+    out, start = [], 0
+    for x in xs:
+        out.append(flat[start : start + x.size].reshape(x.shape))
+        start += x.size
+    return tuple(out)
+
+
+def gather_many_to_region(xs, axis_name: str, axes, accum_dtype):
+    """``gather_to_region`` of several arrays in one AllGather (and one ReduceScatter back).
+
+    ``xs[i]`` is split over ``axis_name`` along ``axes[i]``; all share one dtype and the same
+    varying mesh axes. Their local blocks are flattened into one buffer ``flat[Σ|x_i|]``, which
+    is AllGathered once (``[N, Σ|x_i|]``) and cut back into each ``x_i[.., N·n_i, ..]`` in
+    ``accum_dtype``. The backward pass concatenates the cotangents the same way and
+    ReduceScatters them in ``accum_dtype`` in one collective. The bytes are those of the
+    separate gathers; the count of collectives (each a rendezvous of every device on the
+    axis) drops to one, as FSDP's flat parameters do.
+    """
+    xs = tuple(xs)
+    if len({np.dtype(x.dtype) for x in xs}) > 1:
+        raise ValueError(
+            f"gather_many_to_region: every array must have one dtype; got "
+            f"{sorted({np.dtype(x.dtype).name for x in xs})}"
+        )
+    return _gather_many(axis_name, tuple(axes), np.dtype(accum_dtype), xs)
+
+
+def _pieces(flat, shapes, axes, n: int):
+    """``flat[N, Σ|x_i|]`` → each ``x_i`` gathered along its axis: ``[.., N·n_i, ..]``."""
+    out, start = [], 0
+    for shape, axis in zip(shapes, axes, strict=True):
+        size = int(np.prod(shape))
+        block = flat[:, start : start + size].reshape(n, *shape)  # [N, ..., n_i, ...]
+        block = jnp.moveaxis(block, 0, axis)  # [..., N, n_i, ...]
+        whole = list(shape)
+        whole[axis] *= n
+        out.append(block.reshape(whole))
+        start += size
+    return out
+
+
+def _blocks(gs, axes, n: int):
+    """The inverse of ``_pieces``: each ``g_i[.., N·n_i, ..]`` → ``[N, Σ|x_i|]``."""
+    rows = []
+    for g, axis in zip(gs, axes, strict=True):
+        shape = list(g.shape)
+        shape[axis : axis + 1] = [n, g.shape[axis] // n]
+        rows.append(jnp.moveaxis(g.reshape(shape), axis, 0).reshape(n, -1))
+    return jnp.concatenate(rows, axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _gather_many(axis_name, axes, accum_dtype, xs):
+    n = lax.axis_size(axis_name)
+    flat = jnp.concatenate([x.reshape(-1) for x in xs])  # this device's blocks, in x's dtype
+    gathered = lax.all_gather(flat, axis_name, axis=0)  # [N, Σ|x_i|]
+    pieces = _pieces(gathered, [x.shape for x in xs], axes, n)
+    return tuple(piece.astype(accum_dtype) for piece in pieces)
+
+
+def _gather_many_fwd(axis_name, axes, accum_dtype, xs):
+    kinds = tuple(x.reshape(-1)[:0] for x in xs)  # carry each x's dtype and shape-free type
+    return _gather_many(axis_name, axes, accum_dtype, xs), (kinds, tuple(x.shape for x in xs))
+
+
+def _gather_many_bwd(axis_name, axes, accum_dtype, residuals, gs):
+    kinds, shapes = residuals
+    n = lax.axis_size(axis_name)
+    flat = _blocks([g.astype(accum_dtype) for g in gs], axes, n)  # [N, Σ|x_i|] in accum
+    mine = lax.psum_scatter(flat, axis_name, scatter_dimension=0)  # [Σ|x_i|]: this device's
+    out, start = [], 0
+    for kind, shape in zip(kinds, shapes, strict=True):
+        size = int(np.prod(shape))
+        out.append(mine[start : start + size].reshape(shape).astype(kind.dtype))
+        start += size
+    return (tuple(out),)
+
+
+_gather_many.defvjp(_gather_many_fwd, _gather_many_bwd)
