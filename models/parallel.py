@@ -193,34 +193,29 @@ class Parallel:
         return jax.checkpoint(run)(params, *args) if self.remat else run(params, *args)
 
     def _materialise_all(self, params):
-        """Every ``Param`` of a stage, ready. Without remat, the leaves that share a dtype and
-        varying axes travel together: one AllGather over ``data`` for the split ones (one
-        ReduceScatter back) and one AllReduce of the replicated ones' gradients, instead of one
-        collective per leaf (``shardops.gather_many_to_region``). With remat each leaf is
-        gathered alone, so the backward re-gathers only what it reads."""
+        """Every ``Param`` of a stage, ready. Without remat, the split leaves that share a dtype
+        and varying axes travel together: one AllGather over ``data`` (one ReduceScatter back)
+        instead of one per leaf (``shardops.gather_many_to_region``); XLA:CPU does not combine
+        gathers by itself. (It does combine the replicated leaves' gradient AllReduces, so those
+        stay one ``copy_to_region`` each: bundling them by hand only adds copies.) With remat
+        each leaf is gathered alone, so the backward re-gathers only what it reads."""
         leaves, tree = jax.tree.flatten(params, is_leaf=is_param)
         if not self.strategy.data or self.remat or not self.bundle:
             return tree.unflatten([self._materialise(p) for p in leaves])
         ready: list = [None] * len(leaves)
-        gather, copy = {}, {}
+        gather = {}
         for i, p in enumerate(leaves):
             dim = data_split_dim(p.spec)
-            if dim is not None and self._may_move_activations(p):
-                ready[i] = Param(p.value, p.role, p.spec, p.path, ready=True, pending=dim)
+            if dim is None or self._may_move_activations(p):
+                ready[i] = self._materialise(p)  # replicated, or a dense weight: alone
                 continue
-            key = (np.dtype(p.value.dtype), _varying(p.value))
-            (gather if dim is not None else copy).setdefault(key, []).append((i, dim))
+            gather.setdefault((np.dtype(p.value.dtype), _varying(p.value)), []).append((i, dim))
         accum = self.precision.accum_dtype
         for group in gather.values():
             values = [leaves[i].value for i, _ in group]
             dims = [d for _, d in group]
             for (i, _), value in zip(group, shardops.gather_many_to_region(
                     values, DATA_AXIS, dims, accum), strict=True):  # fmt: skip
-                ready[i] = Param(value, leaves[i].role, leaves[i].spec, leaves[i].path, True)
-        for group in copy.values():
-            values = [leaves[i].value for i, _ in group]
-            for (i, _), value in zip(group, shardops.copy_many_to_region(
-                    values, DATA_AXIS, accum_dtype=accum), strict=True):  # fmt: skip
                 ready[i] = Param(value, leaves[i].role, leaves[i].spec, leaves[i].path, True)
         return tree.unflatten(ready)
 

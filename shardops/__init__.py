@@ -43,7 +43,6 @@ from shardops._layers import (
 )
 from shardops._ledger import Ledger, ledger, ring_bytes
 from shardops._mappings import (
-    copy_many_to_region,
     copy_to_region,
     gather_many_to_region,
     gather_to_region,
@@ -88,7 +87,6 @@ __all__ = [
     "column_parallel_dense",
     "column_parallel_dense_kernel",
     "column_parallel_specs",
-    "copy_many_to_region",
     "copy_to_region",
     "dense",
     "explain",

@@ -11,7 +11,6 @@ bytes than it must.
 |------------------------|----------------------------------------------|------------------------------------|
 | ``copy_to_region``     | cast to accum, ``pcast`` to varying (free)   | AllReduce ``dx`` in accum, cast back |
 | ``gather_to_region``   | AllGather in the input's dtype, cast to accum | ReduceScatter ``dx`` in accum, cast back |
-| ``copy_many_to_region``   | several arrays as one buffer, ``pcast``     | one AllReduce of their ``dx``      |
 | ``gather_many_to_region`` | one AllGather of several arrays' blocks   | one ReduceScatter of their ``dx``  |
 """
 
@@ -58,22 +57,6 @@ def _gather_bwd(axis_name, axis, accum_dtype, x_kind, g):
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
-
-
-def copy_many_to_region(xs, axis_name: str, accum_dtype):
-    """``copy_to_region`` of several arrays at once: their gradients are AllReduced in one
-    collective (the concatenation of the flattened cotangents, in ``accum_dtype``).
-
-    Forward: no communication (a concatenation, ``pcast`` to varying, and slices back).
-    """
-    xs = tuple(xs)
-    flat = jnp.concatenate([x.astype(accum_dtype).reshape(-1) for x in xs])
-    flat = lax.pcast(flat, axis_name, to="varying")  # backward: one AllReduce of dflat
-    out, start = [], 0
-    for x in xs:
-        out.append(flat[start : start + x.size].reshape(x.shape))
-        start += x.size
-    return tuple(out)
 
 
 def gather_many_to_region(xs, axis_name: str, axes, accum_dtype):

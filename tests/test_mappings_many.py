@@ -1,8 +1,7 @@
-"""``gather_many_to_region`` and ``copy_many_to_region``: several parameters moved in one
-collective. Values and gradients equal the one-at-a-time ``gather_to_region`` and
-``copy_to_region`` bit for bit (integer-valued inputs, so any summation order is exact), in the
-policy's dtypes, and the compiled program holds one AllGather and one ReduceScatter (one
-AllReduce) in place of one per array."""
+"""``gather_many_to_region``: several parameters gathered in one collective. Values and
+gradients equal the one-at-a-time ``gather_to_region`` bit for bit (integer-valued inputs, so
+any summation order is exact), in the policy's dtypes, and the compiled program holds one
+AllGather and one ReduceScatter in place of one per array."""
 
 import jax
 import jax.numpy as jnp
@@ -81,39 +80,6 @@ def test_gather_many_equals_one_at_a_time(mesh_shape, dtype):
         ("all-gather", ("data",)): total * itemsize,  # the blocks in their own dtype
         ("reduce-scatter", ("data",)): total * 4,  # the gradients in float32
     }
-
-
-@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
-def test_copy_many_equals_one_at_a_time(mesh_shape):
-    mesh = shardops.make_mesh(mesh_shape)
-    xs = leaves(jnp.bfloat16)
-    batch = np.arange(16.0, dtype=np.float32).reshape(16, 1)  # split over data: varying values
-
-    def per_device(xs, batch, many):
-        def loss(xs):
-            if many:
-                ys = shardops.copy_many_to_region(xs, "data", jnp.float32)
-            else:
-                ys = tuple(shardops.copy_to_region(x, "data", jnp.float32) for x in xs)
-            return sum(jnp.sum(y) * jnp.sum(batch) for y in ys)  # a gradient per device
-
-        return jax.grad(loss)(xs)
-
-    results = []
-    for many in (True, False):
-        fn = jax.jit(jax.shard_map(lambda xs, b, many=many: per_device(xs, b, many), mesh=mesh,
-                                   in_specs=(tuple(P() for _ in LEAVES), P("data")),
-                                   out_specs=tuple(P() for _ in LEAVES)))  # fmt: skip
-        results.append(fn(xs, batch))
-        if many:
-            led = shardops.ledger(mesh, fn, xs, batch)
-            assert [c.kind for c in led.requested if c.bytes] == ["all-reduce"]
-            total = sum(int(np.prod(s)) for s, _ in LEAVES)
-            assert led.totals(requested=True) == {("all-reduce", ("data",)): total * 4}
-    for a, b in zip(*results, strict=True):
-        assert a.dtype == b.dtype == jnp.bfloat16
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-        np.testing.assert_array_equal(np.asarray(a, np.float32), 120.0)  # Σ batch = 0 + … + 15
 
 
 def test_mixed_dtypes_are_an_error():

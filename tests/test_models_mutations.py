@@ -161,16 +161,9 @@ HELPER_MUTANTS = {
     # dp/2d: the replicated weight made varying in bf16, so autodiff all-reduces bf16 gradients.
     "data_gradient_all_reduced_in_bf16": (
         parallel, ("Parallel", "wrap"), ("shardops_models._train",),
-        "                    values, DATA_AXIS, accum_dtype=accum), strict=True):  # fmt: skip\n",
-        "                    values, DATA_AXIS, accum_dtype=values[0].dtype), strict=True):\n",
-        "flow", ("2d", {"data": 4, "model": 2}, BF16),
-    ),
-    # the same one at a time (remat gathers and copies each leaf alone)
-    "data_gradient_all_reduced_in_bf16_one_leaf": (
-        parallel, ("Parallel", "wrap"), ("shardops_models._train",),
         "                value = shardops.copy_to_region(value, DATA_AXIS, self.precision.accum_dtype)\n",
         "                value = jax.lax.pcast(value, DATA_AXIS, to='varying')\n",
-        "flow", ("fsdp", {"data": 8}, BF16, True),
+        "flow", ("2d", {"data": 4, "model": 2}, BF16),
     ),
     # fsdp: a stage's bundle of split leaves gathered with its gradients reduced in bf16.
     "data_gradient_bundle_reduce_scattered_in_bf16": (
