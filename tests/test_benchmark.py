@@ -160,3 +160,20 @@ def test_quick_mode_runs_end_to_end(tmp_path):
     table = (tmp_path / "strategies.md").read_text()
     assert all(column in table for column in VARIANT_COLUMNS)
     assert "| tp ring | 1x8 |" in table and "**Per-layer FSDP choice**" in table
+
+
+def test_profile_prints_both_programs_side_by_side():
+    """The profile behind the README's account: the seed MLP's fsdp step, compiled only. Layer
+    0 moves activations (an all-to-all and the output's reduce-scatter) in shardops' program;
+    GSPMD's is listed next to it."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "profile_collectives.py"), "fsdp", "8x1",
+         "--model", "seed"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    shardops_part, gspmd_part = proc.stdout.split("== GSPMD")
+    assert "== shardops: temp" in shardops_part and "collectives" in gspmd_part
+    # x[32, 784] → x[256, 98]: eight [32, 98] blocks exchanged
+    assert "all-to-all         data" in shardops_part and "f32[32, 98]" in shardops_part
+    assert "reduce-scatter     data            0.524 MB  f32[32, 512]" in shardops_part
