@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import numpy as np
 from jax import lax
 
@@ -97,6 +98,12 @@ def dense_moving_activations(x, w, b, *, split_dim: int, role: str, tp: bool, pr
     column layer's ``x[..., K/p]``). ``b``: the bias as the layer sees it (already gathered
     over ``data``), added once after every reduction.
     """
+    with jax.named_scope("shardops.dense_moving_activations"):  # read by explain and profiles
+        return _dense_moving_activations(x, w, b, split_dim=split_dim, role=role, tp=tp,
+                                         precision=precision)  # fmt: skip
+
+
+def _dense_moving_activations(x, w, b, *, split_dim: int, role: str, tp: bool, precision):
     accum = precision.accum_dtype
     column, row = tp and role == "column", tp and role == "row"
     last = x.ndim - 1

@@ -6,7 +6,7 @@ import re
 
 from jax.sharding import Mesh
 
-from shardops._axes import MODEL_AXIS
+from shardops._axes import DATA_AXIS, MODEL_AXIS
 from shardops._hlo import Collective
 from shardops._ledger import ledger
 
@@ -52,6 +52,8 @@ def _reason(c: Collective, layers: list[str], backward: bool) -> str:
     axis = " × ".join(repr(a) for a in c.axes)
     rank = max(len(s) for _, s in c.shapes) if c.shapes else 0
     kind = c.kind
+    if "dense_moving_activations" in layers:
+        return _moving_activations_reason(kind, axis, backward, DATA_AXIS in c.axes)
     if MODEL_AXIS not in c.axes:
         layers = []  # the layers' own collectives run over their weight axis (the default name)
     if layers == ["row_parallel_dense"]:
@@ -112,6 +114,25 @@ def _reason(c: Collective, layers: list[str], backward: bool) -> str:
     if kind == "reduce-scatter" and backward:
         return f"it is the transpose of the weights' all_gather: gradients are summed and each device keeps its shard over {axis}"
     return f"the program moves data between devices along {axis}"
+
+
+def _moving_activations_reason(kind: str, axis: str, backward: bool, data: bool) -> str:
+    """A dense layer under FSDP that moves its activations instead of gathering its weight
+    (``models/_dense_route.py``)."""
+    why = "FSDP moves this layer's activations instead of gathering its weight (they are smaller)"
+    if not data:  # the layer's own tensor-parallel reduction, over model
+        if backward:
+            return f"x is replicated over {axis} but each device multiplies it by its own columns of w: the partial dx are summed (Megatron's f)"
+        return f"the layer's contraction is also split over {axis} (tensor parallelism): its partial sums are reduced"
+    reasons = {
+        ("all-to-all", False): f"{why}: activations are exchanged over {axis} between the batch layout and a layout split along features",
+        ("reduce-scatter", False): f"{why}: each device multiplied the whole batch by its block of the contraction, so the output's partial sums are reduced and each device keeps its rows",
+        ("all-gather", False): f"{why}: each device needs the whole batch's input for its block of output features",
+        ("all-gather", True): "it is the transpose of the forward psum_scatter: each device needs dy for the whole batch",
+        ("all-to-all", True): "it is the transpose of the forward all_to_all: the gradient returns to the other layout",
+        ("reduce-scatter", True): f"it is the transpose of the input's all_gather: the dx partial sums are reduced and split back over {axis} along the batch",
+    }  # fmt: skip
+    return reasons.get((kind, backward), f"{why}; the program moves data along {axis}")
 
 
 def _size(nbytes: int) -> str:

@@ -95,19 +95,38 @@ def test_explain_each_kernel_option(layer, options, phrases):
     assert "over 'data'" in text and "gradients are summed" in text  # the data-parallel grads
 
 
-def test_explain_fsdp_step():
-    setup = models.build("fsdp", shardops.make_mesh({"data": 8}), optimizer=optax.sgd(1.0))
+def explain_fsdp(fsdp_dense):
+    setup = models.build("fsdp", shardops.make_mesh({"data": 8}), optimizer=optax.sgd(1.0),
+                         fsdp_dense=fsdp_dense)  # fmt: skip
     state = setup.init(jax.random.key(0))
     x = np.zeros((64, 784), np.float32)
     y = np.eye(10, dtype=np.float32)[np.zeros(64, int)]
-    text = "\n".join(
-        shardops.explain(setup.mesh, setup.train_step, state, *setup.place_batch(x, y))
-    )
+    return shardops.explain(setup.mesh, setup.train_step, state, *setup.place_batch(x, y))
+
+
+def test_explain_fsdp_step():
+    text = "\n".join(explain_fsdp("gather_weights"))
+    # layer 0's stage gathers w1[98, 512] and b1[64] in one bundle: 8 × (50,176 + 64) floats
     assert (
-        "all_gather over 'data' of f32[784,512] (1.5 MiB), because weights stored split over 'data' (FSDP)"
+        "all_gather over 'data' of f32[8,50240] (1.5 MiB), because weights stored split over 'data' (FSDP)"
         in text
     )
-    assert "psum_scatter over 'data' of f32[98,512]" in text
+    assert "psum_scatter over 'data' of f32[1,50240] (1.5 MiB), because it is the transpose" in text
+
+
+def test_explain_fsdp_step_that_moves_activations():
+    """At 8 rows a device both layers move activations (models/_dense_route.py): every data
+    collective of theirs is explained as such, none as a weight gather."""
+    lines = explain_fsdp("auto")
+    moving = [line for line in lines if line.startswith("dense_moving_activations:")]
+    assert any("all_to_all over 'data'" in line and "instead of gathering its weight" in line
+               for line in moving)  # fmt: skip
+    assert any("psum_scatter over 'data' of f32[8,512]" in line and "keeps its rows" in line
+               for line in moving)  # fmt: skip
+    assert any("all_gather over 'data' of f32[64,512]" in line and "dy for the whole batch" in line
+               for line in moving)  # fmt: skip
+    # what is left outside the layers: b1's gather and its gradient, b2's and the loss's sums
+    assert not any("gathered again for the backward pass (remat)" in line for line in lines)
 
 
 def test_params_on_0_3_and_a_batch_on_4_7():
