@@ -167,9 +167,6 @@ class Parallel:
     collective_matmul: str | None = None
     """The tensor-parallel dense kernels' ``collective_matmul`` option (None, "ring",
     "bidirectional")."""
-    bundle: bool = True
-    """Without remat, move a stage's parameters over ``data`` in one collective per dtype and
-    varying axes (``_materialise_all``)."""
 
     @property
     def tp(self) -> bool:
@@ -200,7 +197,7 @@ class Parallel:
         stay one ``copy_to_region`` each: bundling them by hand only adds copies.) With remat
         each leaf is gathered alone, so the backward re-gathers only what it reads."""
         leaves, tree = jax.tree.flatten(params, is_leaf=is_param)
-        if not self.strategy.data or self.remat or not self.bundle:
+        if not self.strategy.data or self.remat:
             return tree.unflatten([self._materialise(p) for p in leaves])
         ready: list = [None] * len(leaves)
         gather = {}

@@ -111,3 +111,35 @@ def test_a_gpt_fsdp_step_moves_each_stage_in_one_collective():
         # every stage's split leaves in one bundle; the dense weights (gathered when their
         # layer chooses to) one at a time: 2 per block (up, down) + the head
         assert count <= stages + 2 * gpt.num_layers + 1 < leaves, (kind, count, leaves)
+
+
+# Mutants of shardops/_mappings.py, each caught by the comparison above.
+MUTANTS = {
+    # Every array's blocks joined along dim 0 whatever its split axis: a transposed layout
+    # (caught by the arrays split along dim 1).
+    "blocks_joined_on_dim_0": (
+        "        block = jnp.moveaxis(block, 0, axis)  # [..., N, n_i, ...]\n",
+        "        block = jnp.moveaxis(block, 0, 0)\n",
+        np.float32,
+    ),
+    # The gradients reduce-scattered in the arrays' own dtype (bf16) instead of float32.
+    "gradients_reduced_in_bf16": (
+        "    flat = _blocks([g.astype(accum_dtype) for g in gs], axes, n)  # [N, Σ|x_i|] in accum\n",
+        "    flat = _blocks([g.astype(kinds[0].dtype) for g in gs], axes, n)\n",
+        jnp.bfloat16,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_mutant_is_caught(monkeypatch, name):
+    from _mutants import mutant
+
+    from shardops import _mappings
+
+    old, new, dtype = MUTANTS[name]
+    bad = mutant(_mappings, name, old, new)
+    monkeypatch.setattr(shardops, "gather_many_to_region", bad.gather_many_to_region)
+    jax.clear_caches()
+    with pytest.raises(AssertionError):
+        test_gather_many_equals_one_at_a_time({"data": 4}, dtype)
