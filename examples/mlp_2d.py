@@ -68,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--train-size", type=int, help="use only the first N training images")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--remat", action="store_true", help="fsdp/fsdp_tp: re-gather in backward")
+    p.add_argument("--locate", action="store_true",
+                   help="compare one gradient step with the unsharded model layer by layer "
+                        "(shardops.compare) and exit")  # fmt: skip
     p.add_argument("--compare-reference", action="store_true",
                    help="train the unsharded model alongside on identical batches")  # fmt: skip
     p.add_argument("--plot", metavar="PATH", help="save loss and accuracy curves as a PNG")
@@ -170,6 +173,15 @@ def main(argv=None):
             log(f"Resume: step {done} (epoch {done // steps_per_epoch}, batch "
                 f"{done % steps_per_epoch}) from {ckpt.directory}, saved by "
                 f"{saved['strategy']} on {saved['mesh']}")  # fmt: skip
+
+    if args.locate:  # the first batch of the next epoch, at the current parameters
+        if jax.process_count() > 1:
+            raise SystemExit("--locate runs the unsharded model in one process: no launcher")
+        x, y = next(loop.epoch_batches(dataset.train_images, dataset.train_labels,
+                                       args.batch_size, seed=args.seed, epoch=0))  # fmt: skip
+        report = models.locate(setup, state.params, x, y)
+        print(report)
+        return 0 if report.within_bound else 1
 
     def save(step: int) -> None:
         ckpt.save(step, setup, state, extra={**position, "history": history})

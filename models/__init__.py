@@ -33,6 +33,7 @@ from shardops_models._train import (
     seed_sgd,
 )
 from shardops_models.gpt import Gpt
+from shardops_models.locate import locate
 from shardops_models.mlp import Mlp, tp_plan
 from shardops_models.parallel import STRATEGIES, Parallel, Strategy, strategies_for
 from shardops_models.plan import COLUMN, HEAD, REPLICATED, ROLES, ROW, VOCAB
@@ -63,6 +64,7 @@ __all__ = [
     "fsdp_spec",
     "gather_tree",
     "init_mlp",
+    "locate",
     "loss",
     "mlp_forward",
     "seed_schedule",

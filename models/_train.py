@@ -573,8 +573,11 @@ class _Body:
 
     def step(self, state: TrainState, x, y):
         loss, grads = self.loss_and_grads(state.params, x, y)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        return TrainState(optax.apply_updates(state.params, updates), opt_state), loss
+        # The optimizer's own collectives (if any) count as the "optimizer" pass in a ledger.
+        with jax.named_scope(shardops.OPTIMIZER_SCOPE):
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+        return TrainState(params, opt_state), loss
 
     def logits(self, params, x):
         tree, logits = self.forward(self.eval_ctx, params, x)

@@ -236,9 +236,9 @@ class Parallel:
         return (self.fsdp_dense != GATHER_WEIGHTS and not self.sequence_parallel
                 and p.path.endswith("['w']") and p.value.ndim == 2)  # fmt: skip
 
-    # --- layers
+    # --- layers: the kernels
 
-    def dense(self, p, x):
+    def _dense(self, p, x):
         """``x[..., D] · w + b`` by the role of ``p["w"]``: column-parallel, row-parallel or
         local. Under sp, ``x[B, S_model, D]`` is gathered along S by a column layer and a row
         layer's output is reduce-scattered back along S."""
@@ -273,7 +273,7 @@ class Parallel:
                              f"replicated; the plan says {role!r}")  # fmt: skip
         return shardops.dense(x, w, b, precision=self.precision)
 
-    def embed(self, p, ids):
+    def _embed(self, p, ids):
         """``table[ids]``: vocab-parallel under tp (the AllReduce, or under sp the
         ReduceScatter along S, of the rows each device holds), else a local lookup."""
         table, role = self._arrays(p, "table", "embed"), p["table"].role
@@ -292,7 +292,7 @@ class Parallel:
             x = _sequence_block(x).astype(self.precision.compute_dtype)  # x[B, S/p, D]
         return x
 
-    def attention(self, p, x, *, num_heads: int, causal: bool = True):
+    def _attention(self, p, x, *, num_heads: int, causal: bool = True):
         """Self-attention: head-parallel under tp (sp: x gathered along S once), else local."""
         params = {k: self._arrays(p, k, "attention") for k in p}
         roles = {q.role for q in p.values()}
@@ -313,13 +313,57 @@ class Parallel:
             x, params, num_heads=num_heads, causal=causal, precision=self.precision
         )
 
-    def layer_norm(self, p, x):
+    def _layer_norm(self, p, x):
         return shardops.layer_norm(
             x, self._optional(p, "scale"), self._optional(p, "bias")
         )  # same layout as x; under sp dscale, dbias are AllReduced over model (check_vma)
 
-    def rms_norm(self, p, x):
+    def _rms_norm(self, p, x):
         return shardops.rms_norm(x, self._optional(p, "scale"))
+
+    # --- layers, each tapped for shardops.compare (the identity outside it)
+
+    def dense(self, p, x):
+        """``x[..., D] · w + b`` by the role of ``p["w"]``: column-parallel, row-parallel or
+        local. Under sp, ``x[B, S_model, D]`` is gathered along S by a column layer and a row
+        layer's output is reduce-scattered back along S."""
+        p_model = lax.axis_size(MODEL_AXIS) if self.tp and p["w"].role == ROW else 1
+        k = x.shape[-1] * p_model  # D: a row layer's x holds D/p of it
+        return self._tap(self._dense(p, x), p, k=k, features_split=self.is_split(p))
+
+    def embed(self, p, ids):
+        """``table[ids]``: vocab-parallel under tp (the AllReduce, or under sp the
+        ReduceScatter along S, of the rows each device holds), else a local lookup."""
+        return self._tap(self._embed(p, ids), p, k=1)
+
+    def attention(self, p, x, *, num_heads: int, causal: bool = True):
+        """Self-attention: head-parallel under tp (sp: x gathered along S once), else local."""
+        y = self._attention(p, x, num_heads=num_heads, causal=causal)
+        seq = x.shape[SEQUENCE_DIM] * (lax.axis_size(MODEL_AXIS) if self.sequence_parallel else 1)
+        return self._tap(y, p, k=max(x.shape[-1], seq))  # K: D (projections), S (p · v)
+
+    def layer_norm(self, p, x):
+        return self._tap(self._layer_norm(p, x), p, k=x.shape[-1])
+
+    def rms_norm(self, p, x):
+        return self._tap(self._rms_norm(p, x), p, k=x.shape[-1])
+
+    def _tap(self, y, p, *, k: int, features_split: bool = False):
+        """``shardops.tap`` of a layer's output, named by its parameters' path, with the layout
+        of the strategy: the batch over ``data``, and over ``model`` the features (a column
+        layer) or the sequence (between layers under sp) when ``y`` varies over it."""
+        leaf = next(q for q in jax.tree.leaves(p, is_leaf=is_param) if is_param(q))
+        name = leaf.path[: leaf.path.rfind("[")]
+        spec = None
+        if self.strategy.axes:
+            varying = _varying(y)
+            entries: list = [None] * y.ndim
+            if DATA_AXIS in varying:
+                entries[0] = DATA_AXIS
+            if MODEL_AXIS in varying:
+                entries[-1 if features_split else SEQUENCE_DIM] = MODEL_AXIS
+            spec = P(*entries)
+        return shardops.tap(y, name, spec=spec, k=k)
 
     def is_split(self, p) -> bool:
         """Whether ``dense(p, ·)``'s output is split along its features (a column layer)."""

@@ -16,6 +16,7 @@ from shardops._attention import (
 from shardops._axes import DATA_AXIS, MODEL_AXIS
 from shardops._collective_dense import COLLECTIVE_MATMULS
 from shardops._collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from shardops._compare import Report, compare, tap
 from shardops._cross_entropy import (
     CrossEntropySpecs,
     vocab_parallel_argmax,
@@ -50,6 +51,7 @@ from shardops._mappings import (
 from shardops._mesh import axis_size, check_divisible, make_mesh, spec_entry
 from shardops._norms import layer_norm, rms_norm
 from shardops._params import dense, init_dense, pad_params, padded_size, shard_params, unpad
+from shardops._passes import OPTIMIZER_SCOPE
 from shardops._precision import BFLOAT16, FLOAT32, MIXED_BFLOAT16, Precision
 from shardops._ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from shardops._views import (
@@ -69,6 +71,7 @@ __all__ = [
     "FLOAT32",
     "MIXED_BFLOAT16",
     "MODEL_AXIS",
+    "OPTIMIZER_SCOPE",
     "AttentionSpecs",
     "CrossEntropySpecs",
     "DenseSpecs",
@@ -77,6 +80,7 @@ __all__ = [
     "LeafLayout",
     "Ledger",
     "Precision",
+    "Report",
     "all_gather_matmul",
     "attention",
     "attention_specs",
@@ -87,6 +91,7 @@ __all__ = [
     "column_parallel_dense",
     "column_parallel_dense_kernel",
     "column_parallel_specs",
+    "compare",
     "copy_to_region",
     "dense",
     "explain",
@@ -118,6 +123,7 @@ __all__ = [
     "shard_params",
     "show_layout",
     "spec_entry",
+    "tap",
     "testing",
     "tiles_of",
     "unpad",

@@ -15,6 +15,10 @@ bytes. It parses:
 for all-reduce, all-gather, collective-permute and all-to-all, and N × the result shard for
 reduce-scatter (N = group size). A group of one device moves nothing: 0 bytes. Ring algorithms
 send about V(N−1)/N per device for AllGather/ReduceScatter and twice that for AllReduce.
+
+Each collective also says which pass it belongs to (``Collective.pass_``: forward, backward or
+optimizer), read from its ``op_name``, element by element for XLA's combined tuples
+(``shardops._passes``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import re
 
 import numpy as np
 from jax.sharding import Mesh
+
+from shardops._passes import MIXED, op_names, passes_of
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -80,6 +86,29 @@ class Collective:
     @property
     def dtypes(self) -> tuple[str, ...]:
         return tuple(d for d, _ in self.shapes)
+
+    @property
+    def element_bytes(self) -> tuple[int, ...]:
+        """Each tuple element's share of ``bytes`` (they add up to ``bytes``)."""
+        return tuple(_bytes(self.kind, [shape], self.group_size) for shape in self.shapes)
+
+    @property
+    def op_names(self) -> tuple[str, ...]:
+        """One ``op_name`` per tuple element: XLA's combined ``common/(a:b:…)`` split apart."""
+        return op_names(self.op_name, len(self.shapes))
+
+    @property
+    def passes(self) -> tuple[str, ...]:
+        """The pass of each tuple element: ``"forward"``, ``"backward"`` or ``"optimizer"``
+        (``shardops._passes``; ``"mixed"`` where a combined name cannot be split)."""
+        return passes_of(self.op_name, len(self.shapes))
+
+    @property
+    def pass_(self) -> str:
+        """The pass of the whole collective, or ``"mixed"`` when its elements belong to
+        different passes (a combined tuple; ``passes`` and ``Ledger.totals(pass_=…)`` split it)."""
+        found = set(self.passes)
+        return found.pop() if len(found) == 1 else MIXED
 
 
 def collectives(mesh: Mesh, fn, /, *args, **kwargs) -> list[Collective]:
@@ -149,17 +178,20 @@ def make_collective(kind, shapes, mesh: Mesh, *, groups=None, pairs=None, op_nam
         axes, group_size = _axes_of_pairs(pairs, mesh)
     else:
         axes, group_size = _axes_of_groups(groups, mesh), max(len(g) for g in groups)
+    return Collective(
+        kind=kind, shapes=tuple(shapes), axes=axes, group_size=group_size,
+        bytes=_bytes(kind, shapes, group_size), op_name=op_name,
+    )  # fmt: skip
+
+
+def _bytes(kind, shapes, group_size: int) -> int:
+    """V of the module docstring for result ``shapes``: N × the result for reduce-scatter."""
     result_bytes = sum(_DTYPE_BYTES[d] * math.prod(s) for d, s in shapes)
     if group_size <= 1:
-        nbytes = 0
-    elif kind == "reduce-scatter":
-        nbytes = result_bytes * group_size
-    else:
-        nbytes = result_bytes
-    return Collective(
-        kind=kind, shapes=tuple(shapes), axes=axes, group_size=group_size, bytes=nbytes,
-        op_name=op_name,
-    )  # fmt: skip
+        return 0
+    if kind == "reduce-scatter":
+        return result_bytes * group_size
+    return result_bytes
 
 
 # --- the lowered (StableHLO) module: what the program asked for, before XLA combines or

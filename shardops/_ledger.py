@@ -6,6 +6,13 @@ program asked for before XLA combined or promoted anything.
     print(ledger)                       # a table for humans (rich renders it in a terminal)
     ledger.totals()                     # {(kind, axes): bytes} for tests
     ledger.ring_bytes()                 # {axes: bytes each device sends per call}
+    ledger.totals(pass_="backward")     # the same, for one pass
+    ledger.by_pass()                    # {pass: {(kind, axes): bytes}}
+
+Passes (forward, backward, optimizer) are read from each op's ``op_name``: autodiff's
+``transpose(…)`` is the backward, a ``jax.named_scope("optimizer")`` the optimizer, the rest
+the forward. A tuple that XLA combined from several passes is split element by element
+(``shardops._passes``).
 
 Bytes follow ``shardops.collectives``: V is the full tensor a collective reduces or assembles
 (0 for single-device groups). A ring moves per device (N = group size, the JAX scaling book):
@@ -21,6 +28,7 @@ from collections import Counter
 from jax.sharding import Mesh
 
 from shardops._hlo import Collective, hlo_collectives, lower, lowered_collectives
+from shardops._passes import MIXED, PASSES, scopes_of, split_op_name
 
 
 def ring_bytes(kind: str, nbytes: int, group_size: int) -> float:
@@ -45,13 +53,36 @@ class Ledger:
     requested: tuple[Collective, ...]
     """What the program asked for (the lowered StableHLO module), in its own dtypes."""
 
-    def totals(self, *, requested: bool = False) -> dict[tuple[str, tuple[str, ...]], int]:
-        """``{(kind, axes): bytes}``, leaving out collectives that move nothing."""
-        out: Counter = Counter()
-        for c in self.requested if requested else self.collectives:
-            if c.bytes:
-                out[(c.kind, c.axes)] += c.bytes
-        return dict(out)
+    def totals(
+        self, *, requested: bool = False, pass_: str | None = None
+    ) -> dict[tuple[str, tuple[str, ...]], int]:
+        """``{(kind, axes): bytes}``, leaving out collectives that move nothing; with ``pass_``
+        (``"forward"``, ``"backward"``, ``"optimizer"``), only that pass's bytes (the elements of
+        a combined tuple are counted in their own passes)."""
+        if pass_ is None:
+            out: Counter = Counter()
+            for c in self.requested if requested else self.collectives:
+                if c.bytes:
+                    out[(c.kind, c.axes)] += c.bytes
+            return dict(out)
+        if pass_ not in (*PASSES, MIXED):
+            raise ValueError(f"pass_ must be one of {PASSES} (or {MIXED!r}); got {pass_!r}")
+        if requested:
+            raise ValueError(
+                "totals: the requested (lowered) collectives carry no op_name, so they have no "
+                "pass; call totals(pass_=...) without requested=True"
+            )
+        return self.by_pass().get(pass_, {})
+
+    def by_pass(self) -> dict[str, dict[tuple[str, tuple[str, ...]], int]]:
+        """``{pass: {(kind, axes): bytes}}`` for every pass in ``PASSES`` (``{}`` when a pass
+        has no collectives), plus ``"mixed"`` if a combined tuple could not be split."""
+        out: dict[str, Counter] = {p: Counter() for p in PASSES}
+        for c in self.collectives:
+            for pass_, nbytes in zip(c.passes, c.element_bytes, strict=True):
+                if nbytes:
+                    out.setdefault(pass_, Counter())[(c.kind, c.axes)] += nbytes
+        return {p: dict(totals) for p, totals in out.items()}
 
     def per_axis(self, *, requested: bool = False) -> dict[tuple[str, ...], int]:
         out: Counter = Counter()
@@ -91,6 +122,7 @@ class Ledger:
                     "bytes": c.bytes,
                     "group_size": c.group_size,
                     "op_name": c.op_name,
+                    "passes": list(c.passes),
                 }
                 for c in self.collectives
             ],
@@ -99,6 +131,10 @@ class Ledger:
                 f"{k} {'×'.join(a) or '-'}": v for (k, a), v in self.totals(requested=True).items()
             },
             "ring_bytes_per_device": {"×".join(a) or "-": v for a, v in self.ring_bytes().items()},
+            "by_pass": {
+                p: {f"{k} {'×'.join(a) or '-'}": v for (k, a), v in totals.items()}
+                for p, totals in self.by_pass().items()
+            },
         }
 
     def table(self):
@@ -106,27 +142,28 @@ class Ledger:
         from rich.table import Table
 
         table = Table(title=f"collectives on mesh {dict(self.mesh.shape)}", show_footer=False)
-        for name, justify in (("kind", "left"), ("axes", "left"), ("dtype[shape]", "left"),
-                              ("bytes", "right"), ("ring bytes/device", "right"), ("layer", "left")):  # fmt: skip
+        for name, justify in (("pass", "left"), ("kind", "left"), ("axes", "left"),
+                              (r"dtype\[shape]", "left"), ("bytes", "right"),
+                              ("ring bytes/device", "right"), ("layer", "left")):  # fmt: skip
             table.add_column(name, justify=justify)
         for c in self.collectives:
             if not c.bytes:
                 continue
             table.add_row(
-                c.kind, _axes_text(c.axes), _shapes_text(c), f"{c.bytes:,}",
+                _passes_text(c), c.kind, _axes_text(c.axes), _shapes_text(c), f"{c.bytes:,}",
                 f"{ring_bytes(c.kind, c.bytes, c.group_size):,.0f}", _layer(c.op_name),
             )  # fmt: skip
         asked = self.per_axis(requested=True)
         for axes, nbytes in sorted(self.per_axis().items()):
             note = "" if asked.get(axes, 0) == nbytes else f" (asked for {asked.get(axes, 0):,})"
-            table.add_row("total", _axes_text(axes), "", f"{nbytes:,}{note}",
+            table.add_row("total", "", _axes_text(axes), "", f"{nbytes:,}{note}",
                           f"{self.ring_bytes()[axes]:,.0f}", "", style="bold")  # fmt: skip
         return table
 
     def __str__(self) -> str:
         from rich.console import Console
 
-        console = Console(width=120, record=True, file=_Null(), color_system=None)
+        console = Console(width=140, record=True, file=_Null(), color_system=None)
         console.print(self.table())
         return console.export_text()
 
@@ -179,11 +216,18 @@ def _shapes_text(c: Collective) -> str:
     )
 
 
+def _passes_text(c: Collective) -> str:
+    """``backward``, or ``forward+backward`` for a combined tuple of both."""
+    return "+".join(p for p in (*PASSES, MIXED) if p in c.passes)
+
+
 def _layer(op_name: str) -> str:
+    """The ``shardops.*`` layers an op ran in, else its named scopes (``optimizer``, yours)."""
     names = sorted(set(re.findall(r"shardops\.\w+", op_name)))
     if names:
         return ", ".join(n.removeprefix("shardops.") for n in names)
-    return "backward" if "transpose" in op_name else ""
+    scopes = dict.fromkeys("/".join(scopes_of(name)) for name in split_op_name(op_name))
+    return ", ".join(s for s in scopes if s)
 
 
 class _Null:

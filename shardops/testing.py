@@ -37,6 +37,14 @@ a matmul whose operands are not both in ``compute_dtype``, that does not accumul
 would be TF32); and every sum (``psum``, autodiff's ``psum_invariant``, ``psum_scatter``, a local
 ``reduce_sum``) of floating values in another dtype than ``accum_dtype``. Numerics cannot show
 these on a CPU (XLA:CPU computes bf16 all-reduces in f32 and has no TF32), the jaxpr does.
+
+Communication
+-------------
+``expect_collectives(fn, *args, forward={(kind, axes): bytes}, backward=…, optimizer=…)``
+compiles ``fn`` and asserts the bytes each pass moves (``shardops.ledger``'s V, per kind and
+mesh axes; ``{}`` means none, ``None`` unchecked). A mismatch raises ``AssertionError`` with a
+diff table: expected and compiled bytes, ``missing`` and ``unexpected`` rows (a reshard XLA
+inserted), and the layer and ``dtype[shape]`` behind each row. It returns the ``Ledger``.
 """
 
 from __future__ import annotations
@@ -49,7 +57,19 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
+from shardops._expect import expect_collectives
 from shardops._precision import Precision
+
+__all__ = [
+    "SUMS",
+    "DenseReference",
+    "dense_reference",
+    "dtype_flow",
+    "dtype_flow_violations",
+    "error_bound",
+    "expect_collectives",
+    "worst_ratio",
+]
 
 
 def error_bound(abs_terms, k: int, precision: Precision, *, exact, out_dtype) -> np.ndarray:

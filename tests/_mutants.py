@@ -5,6 +5,7 @@ it mutates without its test failing.
 """
 
 import inspect
+import sys
 import types
 
 
@@ -12,5 +13,6 @@ def mutant(module: types.ModuleType, name: str, line: str, replacement: str) -> 
     source = inspect.getsource(module)
     assert source.count(line) == 1, f"mutant {name}: line not found once in {module.__name__}"
     out = types.ModuleType(f"{module.__name__}_{name}")
+    sys.modules[out.__name__] = out  # dataclasses look their module up while they are built
     exec(compile(source.replace(line, replacement), f"<mutant {name}>", "exec"), out.__dict__)
     return out
