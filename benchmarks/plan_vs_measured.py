@@ -40,6 +40,7 @@ from strategies import random_batch  # noqa: E402
 
 import shardops  # noqa: E402
 import shardops.plan  # noqa: E402
+from shardops._hlo import hlo_collectives, lowered_collectives  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 DEVICES = 8
@@ -76,10 +77,11 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def measure(model, batch, layouts, *, rounds, warmup, rng) -> dict[str, float]:
-    """Median step time (s) of each layout, timed in rotation (see the module docstring)."""
+def measure(model, batch, layouts, *, rounds, warmup, rng):
+    """Median step time (s) of each layout, timed in rotation (see the module docstring), and
+    whether the compiled program asks for exactly the bytes the planner predicted."""
     x, y = random_batch(model, batch, rng)
-    runs = {}
+    runs, matches = {}, {}
     for lay in layouts:
         d, m = lay.mesh
         mesh = shardops.make_mesh({"data": d, "model": m})
@@ -87,7 +89,14 @@ def measure(model, batch, layouts, *, rounds, warmup, rng) -> dict[str, float]:
                              model=model)  # fmt: skip
         state = setup.init(jax.random.key(0))
         xb, yb = setup.place_batch(x, y)
-        step = setup.train_step.lower(state, xb, yb).compile()
+        lowered = setup.train_step.lower(state, xb, yb)
+        step = lowered.compile()
+        requested = shardops.Ledger(
+            mesh,
+            tuple(hlo_collectives(step.as_text(), mesh)),
+            tuple(lowered_collectives(lowered.as_text(), mesh)),
+        ).totals(requested=True)  # the ledger of the program timed: the planner's bytes?
+        matches[lay.name] = requested == lay.budget
         runs[lay.name] = [step, state, (xb, yb)]
     times = {name: [] for name in runs}
     for i in range(warmup + rounds):
@@ -99,7 +108,7 @@ def measure(model, batch, layouts, *, rounds, warmup, rng) -> dict[str, float]:
             run[1] = out[0]  # the donated state is replaced by the new one
             if i >= warmup:
                 times[name].append(elapsed)
-    return {name: float(np.median(t)) for name, t in times.items()}
+    return {name: float(np.median(t)) for name, t in times.items()}, matches
 
 
 def markdown(results) -> str:
@@ -109,6 +118,10 @@ def markdown(results) -> str:
         f"{results['load_average_at_end']:.1f} at the end; {results['seconds']:.0f} s.",
         "",
         f"Calibrated hardware: {results['hardware_text']}.",
+        "",
+        f"Predicted bytes equal to the compiled ledger (requested) of the program timed: "
+        f"{sum(r['bytes_equal_ledger'] for b in results['models'].values() for r in b['rows'])}"
+        f" of {sum(len(b['rows']) for b in results['models'].values())} layouts.",
         "",
         "| model | Spearman ρ (all listed) | layouts | ρ without replicas | layouts |",
         "|---|---|---|---|---|",
@@ -163,7 +176,8 @@ def main(argv=None):
     for name, (model, batch, rounds, warmup) in benches(args.quick).items():
         t0 = time.perf_counter()
         planned = shardops.plan.plan(model, batch, DEVICES, optimizer="sgd", hardware=hardware)
-        measured = measure(model, batch, planned.layouts, rounds=rounds, warmup=warmup, rng=rng)
+        measured, matches = measure(model, batch, planned.layouts, rounds=rounds, warmup=warmup,
+                                    rng=rng)  # fmt: skip
         order = sorted(planned.layouts, key=lambda lay: measured[lay.name])
         measured_rank = {lay.name: i + 1 for i, lay in enumerate(order)}
         rows = [{
@@ -171,7 +185,7 @@ def main(argv=None):
             "replicas": lay.replicas, "predicted_rank": lay.rank,
             "measured_rank": measured_rank[lay.name], "predicted_ms": lay.step_time * 1e3,
             "compute_ms": lay.compute_time * 1e3, "comm_ms": sum(lay.comm_time.values()) * 1e3,
-            "measured_ms": measured[lay.name] * 1e3,
+            "measured_ms": measured[lay.name] * 1e3, "bytes_equal_ledger": matches[lay.name],
             "collectives": {"×".join(a): n for a, n in lay.collectives.items()},
         } for lay in planned.layouts]  # fmt: skip
         stats = {}

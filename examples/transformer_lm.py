@@ -93,6 +93,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-bytes", type=int, default=64, help="prompt length (validation text)")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--text-source", default="auto", choices=text.SOURCES)
+    p.add_argument("--locate", action="store_true",
+                   help="compare one gradient step with the unsharded model layer by layer "
+                        "(shardops.compare) and exit")  # fmt: skip
     p.add_argument("--compare-reference", action="store_true",
                    help="train the unsharded model in lockstep on the same batches")  # fmt: skip
     p.add_argument("--plot", metavar="PATH", help="save the loss curves as a PNG")
@@ -333,6 +336,16 @@ def main(argv=None) -> int:
             )
         log(f"Resume: step {done} from {ckpt.directory}, saved by "
             f"{saved['strategy']} on {saved['mesh']}")  # fmt: skip
+
+    if args.locate:  # one gradient step, layer by layer, at the current parameters
+        if args.strategy == "ref" or jax.process_count() > 1:
+            parser.error("--locate compares a sharded strategy with the unsharded model in one "
+                         "process")  # fmt: skip
+        x, y = next(train_batches(corpus.train, args.batch_size, args.context, args.seed,
+                                  slice(0, args.batch_size)))  # fmt: skip
+        report = models.locate(setup, state.params, x, y)
+        print(report)
+        return 0 if report.within_bound else 1
 
     def save(step: int) -> None:
         extra = {**position, "losses": [float(v) for v in losses], "history": history}

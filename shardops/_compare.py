@@ -67,6 +67,7 @@ class _Session:
         self.k: dict[str, int] = {}
         self.layout: dict[str, tuple] = {}  # name → (spec, axis names, axis sizes)
         self.blocks: dict[tuple[str, str], dict] = {}  # (name, what) → {coords: array}
+        self.recorded: list = []  # (name, what, coords, value) as the callbacks gave them
         self.lock = threading.Lock()
 
     def traced(self, name, k, spec, axes, sizes):
@@ -75,14 +76,20 @@ class _Session:
         self.k[name], self.layout[name] = k, (spec, axes, sizes)
 
     def record(self, name, what, coords, value):
+        """Called on a device's thread, in the middle of its program: keep the arrays as they
+        are. Reading them here (``np.asarray``, ``int``) would wait for that device, which
+        waits for this callback: a deadlock once the values are large enough."""
         with self.lock:
-            self.blocks.setdefault((name, what), {})[tuple(int(c) for c in coords)] = np.asarray(
-                value
-            )
+            self.recorded.append((name, what, coords, value))
 
     def value(self, name: str, what: str):
         """The global array of ``name`` put together from its blocks, and the largest
-        difference between blocks its spec says are replicas."""
+        difference between blocks its spec says are replicas. (After the program ran.)"""
+        with self.lock:
+            recorded, self.recorded = self.recorded, []
+        for tap, kind, coords, value in recorded:
+            key = tuple(int(c) for c in coords)
+            self.blocks.setdefault((tap, kind), {})[key] = np.asarray(value)
         blocks = self.blocks.get((name, what))
         if not blocks:
             return None, 0.0
@@ -144,6 +151,11 @@ def tap(x: jax.Array, name: str, *, spec=None, k: int = 1) -> jax.Array:
         raise ValueError(
             f"tap {name!r}: spec {spec} names mesh axes {unknown} that this code is not "
             f"manual over (shard_map axes here: {axes}); outside shard_map pass spec=None"
+        )
+    if session.mode == "replay" and axes:
+        raise ValueError(
+            f"tap {name!r}: the reference runs inside shard_map (axes {axes}); compare needs "
+            f"an unsharded reference_fn, e.g. the same model built with strategy 'ref'"
         )
     sizes = tuple(mesh.shape[a] for a in axes)
     session.traced(name, int(k), spec, axes, sizes)

@@ -21,6 +21,9 @@ import time
 from shardops._axes import DATA_AXIS, MODEL_AXIS
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+LATENCY_CHAIN = 32
+"""calibrate: the latency is the time of this many more dependent one-float all-reduces, over
+their number (one all-reduce's time alone is within the noise of a dispatch)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +141,7 @@ def calibrate(devices=None, *, repeats: int = 9, memory: float | None = None) ->
     - matmul rate: ``a[512, 512] @ a`` on every device, in float32 (and bfloat16);
     - elementwise rate: a chain of 4 ops on 1 MB per device, its bytes counted as
       ``shardops._program_cost`` counts a program's;
-    - latency: an all-reduce of one float over all devices;
+    - latency: ``LATENCY_CHAIN`` more dependent all-reduces of one float, per all-reduce;
     - bandwidth: a 4 MB all-reduce's ring bytes per device over its time less the latency;
       each other kind's efficiency: its ring bytes per second ÷ the all-reduce's, at 1 MB
       per device. Simulated devices share one memory: both axes get the same bandwidth.
@@ -186,9 +189,18 @@ def calibrate(devices=None, *, repeats: int = 9, memory: float | None = None) ->
     counted = program_cost(jax.make_jaxpr(fn)(x).jaxpr, {DATA_AXIS: n}).elementwise_bytes
     memory_bandwidth = counted / t
 
+    def psum_chain(count):  # count dependent all-reduces of one float: none can be combined
+        def body(a):
+            for _ in range(count):
+                a = lax.psum(a, DATA_AXIS) * (1.0 / n)
+            return a
+
+        return body
+
     one = jax.device_put(jnp.ones((n,), jnp.float32), split)
-    latency, _ = timed(lambda a: lax.psum(a, DATA_AXIS), one)
-    latency = max(latency - timed(lambda a: a + 1, one)[0], 1e-6)
+    chained = LATENCY_CHAIN
+    latency = (timed(psum_chain(chained + 1), one)[0] - timed(psum_chain(1), one)[0]) / chained
+    latency = max(latency, 1e-6)
 
     def rate(kind, elems):
         x = jax.device_put(jnp.ones((n * elems,), jnp.float32), split)

@@ -239,6 +239,8 @@ def _dense(attrs: str, name: str):
     if not m:
         return None
     shape = tuple(int(d) for d in m[2].split("x"))
+    if m[1].startswith('"0x'):  # large tables print as little-endian hex: dense<"0x0000...">
+        return np.frombuffer(bytes.fromhex(m[1][3:-1]), dtype="<i8").reshape(shape)
     values = [int(v) for v in re.findall(r"-?\d+", m[1])]
     if len(values) == 1 and math.prod(shape) != 1:  # a splat: dense<0> : tensor<8x1xi64>
         values = values * math.prod(shape)

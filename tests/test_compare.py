@@ -24,7 +24,7 @@ from shardops_models import parallel
 import shardops
 from shardops import _compare
 
-F32, MIXED = shardops.FLOAT32, shardops.MIXED_BFLOAT16
+F32, MIXED = shardops.FLOAT32, shardops.MIXED_BFLOAT16  # and BFLOAT16 once
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MLP = models.Mlp((48, 64, 96, 32, 10))
 
@@ -55,7 +55,8 @@ def locate(model, strategy, mesh, precision, *, locate=models.locate):
     params = model.init(jax.random.key(0))
     noise = jax.random.key(1)  # non-zero biases and norms: a zero bias hides a bias bug
     params = jax.tree.map(
-        lambda a: (a + 0.05 * jax.random.normal(noise, a.shape)).astype(a.dtype), params
+        lambda a: (a + 0.05 * jax.random.normal(noise, a.shape)).astype(precision.param_dtype),
+        params,
     )
     state = setup.shard(params)
     return locate(setup, state.params, *batch_for(model, np.random.default_rng(0)),
@@ -71,7 +72,7 @@ CLEAN = [
     (MLP, "dp", {"data": 8}, F32),
     (MLP, "fsdp", {"data": 8}, MIXED),
     (MLP, "tp", {"model": 8}, MIXED),
-    (MLP, "2d", {"data": 4, "model": 2}, F32),
+    (MLP, "2d", {"data": 4, "model": 2}, shardops.BFLOAT16),
     (MLP, "fsdp_tp", {"data": 2, "model": 4}, MIXED),
     (gpt(), "sp", {"data": 2, "model": 4}, MIXED),
     (gpt(), "fsdp_tp", {"data": 4, "model": 2}, F32),
@@ -225,6 +226,12 @@ def test_bad_input_is_refused():
         shardops.compare(lambda p, x: p * x, lambda p, x: p * x, jnp.ones(3), jnp.ones(3))
     with pytest.raises(TypeError, match="precision"):
         shardops.compare(f, f, jnp.ones(3), jnp.ones(3), precision="bf16")
+    mesh = shardops.make_mesh({"data": 8})
+    inside = jax.shard_map(lambda x: shardops.tap(x, "x", spec=P("data")), mesh=mesh,
+                           in_specs=P("data"), out_specs=P("data"))  # fmt: skip
+    with pytest.raises(ValueError, match="unsharded reference_fn"):
+        shardops.compare(lambda p, x: jnp.sum(inside(p * x)), lambda p, x: jnp.sum(inside(p * x)),
+                         jnp.ones(8), jnp.ones(8))  # fmt: skip
     with pytest.raises(ValueError, match="manual over"):
         shardops.compare(lambda p, x: jnp.sum(shardops.tap(p, "p", spec=P("data"))), f,
                          jnp.ones(3), jnp.ones(3))  # fmt: skip

@@ -93,3 +93,9 @@ def test_custom_gpt_agrees_with_its_unsharded_twin(sequence_parallel):
     # The loss never gathers the logits: max, then Σexp and the target logit, [B, S] each.
     assert line("forward", "all-reduce", 2, "vocab_parallel_cross_entropy"), out
     assert not re.search(r"all-gather .* ← vocab_parallel_cross_entropy", out), out
+
+
+def test_mlp_2d_locate_compares_one_step_layer_by_layer():
+    out = run("mlp_2d.py", "--dataset", "sample", "--strategy", "fsdp_tp", "--mesh", "2x4",
+              "--locate")  # fmt: skip
+    assert "within bound" in out and "gradient at [0]" in out

@@ -167,3 +167,17 @@ def test_compiled_psum_all_gather_psum_scatter_ppermute(mesh):
 def test_rejects_what_it_cannot_compile(mesh):
     with pytest.raises(TypeError, match="fn must be a callable"):
         shardops.collectives(mesh, "not a function")
+
+
+def test_lowered_groups_printed_as_hex(mesh):
+    """MLIR prints large dense tables (replica groups of 256 devices) as little-endian hex,
+    ``dense<"0x...">``; reading its digits as decimal numbers overflowed."""
+    groups = [[0, 2, 4, 6], [1, 3, 5, 7]]  # data on a 4×2 mesh
+    blob = b"".join(i.to_bytes(8, "little") for g in groups for i in g).hex().upper()
+    text = (
+        '%0 = "stablehlo.all_reduce"(%arg0) <{channel_handle = #stablehlo.channel_handle<handle '
+        f'= 1, type = 1>, replica_groups = dense<"0x{blob}"> : tensor<2x4xi64>, '
+        "use_global_device_ids}> ({ ... }) : (tensor<10xf32>) -> tensor<10xf32>"
+    )
+    (c,) = shardops.hlo.lowered_collectives(text, mesh)
+    assert (c.kind, c.axes, c.bytes) == ("all-reduce", ("data",), 40)

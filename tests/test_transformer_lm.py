@@ -81,3 +81,12 @@ def test_a_bad_mesh_is_a_one_line_error(mesh, message):
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("transformer_lm.py: error: ") and message in last, proc.stderr
+
+
+def test_locate_finds_every_layer_within_bound_on_the_full_model():
+    """``--locate`` on the example's GPT (4 blocks, width 128, 128 tokens): one gradient step,
+    every layer within bound. Its taps are large enough that reading them inside the device's
+    callback (before the program finished) deadlocked XLA:CPU's collectives."""
+    proc = run("--locate", "--strategy", "fsdp_sp", "--mesh", "2x4", timeout=200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "within bound" in proc.stdout and "['blocks'][3]['attn']" in proc.stdout
