@@ -250,6 +250,7 @@ def plan(
     memory_limit: float | None = None,
     strategies=None,
     compile_top: int = 0,
+    recount: bool = False,
     timeout: float = 1800,
 ) -> Plan:
     """Every strategy × mesh factorisation of ``devices`` for ``model``, ranked by the cost model.
@@ -269,6 +270,10 @@ def plan(
             ``hardware.memory``.
         strategies: the strategy names to consider (default all that apply to the model).
         compile_top: compile the best this many layouts (``compiled_ledger``), never run them.
+        recount: re-time the compiled layouts with the number of collectives the compiled
+            program runs instead of the number the jaxpr asks for (XLA combines independent
+            all-reduces: a dp step asks for one per gradient and runs one), and rank again.
+            With ``compile_top`` ≥ the number of layouts, every layout is ranked this way.
 
     Returns:
         A ``Plan``: ``plan.layouts`` ranked by predicted step time, ``plan.ruled_out``.
@@ -284,7 +289,7 @@ def plan(
         return _plan_in_subprocess(
             model, batch, devices, seq=seq, optimizer=optimizer, precision=precision,
             hardware=hw, memory_limit=memory_limit, strategies=strategies,
-            compile_top=compile_top, timeout=timeout,
+            compile_top=compile_top, recount=recount, timeout=timeout,
         )  # fmt: skip
     start = time.perf_counter()
     model = model_named(model)
@@ -315,8 +320,27 @@ def plan(
         dataclasses.replace(lay, compiled=compiled_ledger(lay)) if i < compile_top else lay
         for i, lay in enumerate(layouts)
     ]
+    if recount:
+        layouts = sorted((recounted(lay, hw) for lay in layouts), key=rank_key)
+        layouts = [dataclasses.replace(lay, rank=i + 1) for i, lay in enumerate(layouts)]
     name = getattr(model, "name", type(model).__name__)
     return Plan(layouts, ruled_out, name, batch, devices, hw, time.perf_counter() - start)
+
+
+def recounted(layout: Layout, hardware) -> Layout:
+    """``layout`` with its latency term counting the collectives its compiled program runs
+    (``layout.compiled.collectives``) instead of those its jaxpr asks for; as is when it was
+    not compiled."""
+    if layout.compiled is None:
+        return layout
+    hw = hardware_named(hardware)
+    comm = dict(layout.comm_time)
+    for axes, count in layout.collectives.items():
+        comm[axes] = comm.get(axes, 0.0) - hw.latency * count
+    for axes, count in layout.compiled.collectives.items():
+        comm[axes] = comm.get(axes, 0.0) + hw.latency * count
+    return dataclasses.replace(layout, comm_time=comm,
+                               step_time=layout.compute_time + sum(comm.values()))  # fmt: skip
 
 
 def candidates(model, devices: int, strategies=None) -> list[tuple[str, tuple[int, int]]]:
@@ -654,6 +678,9 @@ def main(argv=None) -> Plan | None:
         metavar="K",
         help="compile (never run) the best K layouts and show their ledgers",
     )
+    p.add_argument("--recount", action="store_true",
+                   help="rank the compiled layouts again, their latency counting the "
+                        "collectives the compiled program runs (XLA combines all-reduces)")  # fmt: skip
     p.add_argument("--json", default=None, metavar="PATH", help="write the plan as JSON")
     p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -688,7 +715,7 @@ def main(argv=None) -> Plan | None:
         result = plan(args.model, args.batch, args.devices, seq=args.seq,
                       optimizer=args.optimizer, precision=PRECISIONS[args.precision],
                       hardware=hardware, memory_limit=memory, strategies=args.strategies,
-                      compile_top=args.compile_top)  # fmt: skip
+                      compile_top=args.compile_top, recount=args.recount)  # fmt: skip
     except ValueError as e:
         p.error(str(e))
     from rich.console import Console

@@ -57,12 +57,14 @@ def test_gpt_predictions_equal_the_compiled_ledger_for_every_layout():
     check_predictions_equal_the_ledger(planned)
 
 
-def test_64_simulated_devices_predictions_equal_a_compile_only_ledger():
-    """A subprocess with 64 simulated devices plans and compiles (never runs) the layouts."""
-    planned = shardops.plan.plan("seed", 256, 64, strategies=["dp", "2d", "fsdp_tp"],
+@pytest.mark.parametrize("devices", [64, 256])
+def test_simulated_devices_predictions_equal_a_compile_only_ledger(devices):
+    """A subprocess with 64 (256) simulated devices plans and compiles (never runs) the
+    layouts. (At 256 the lowered module prints its replica groups as hex.)"""
+    planned = shardops.plan.plan("seed", 256, devices, strategies=["dp", "2d", "fsdp_tp"],
                                  hardware="h100-ib", compile_top=3, timeout=120)  # fmt: skip
-    assert planned.devices == 64
-    assert {lay.mesh[0] * lay.mesh[1] for lay in planned} == {64}
+    assert planned.devices == devices
+    assert {lay.mesh[0] * lay.mesh[1] for lay in planned} == {devices}
     assert sum(lay.compiled is not None for lay in planned) == 3
     check_predictions_equal_the_ledger([lay for lay in planned if lay.compiled is not None])
 
@@ -120,6 +122,22 @@ def test_layouts_rank_by_predicted_step_time(monkeypatch):
     monkeypatch.setattr(shardops.plan, "rank_key", lambda lay: -lay.step_time)
     with pytest.raises(AssertionError, match="not ranked"):
         check_ranked(shardops.plan.plan(SEED, 64, 8, hardware="cpu-sim"))
+
+
+def test_recount_ranks_by_the_collectives_the_compiled_program_runs():
+    """A dp step asks for one all-reduce per gradient leaf and XLA:CPU runs them combined;
+    with recount the latency term counts what runs, and the ranking follows the new times."""
+    slow = dataclasses.replace(FREE_LINKS, name="latency", latency=1e-3)
+    planned = shardops.plan.plan(SEED, 64, 8, hardware=slow, strategies=["dp", "2d", "fsdp"],
+                                 compile_top=100)  # fmt: skip
+    again = shardops.plan.plan(SEED, 64, 8, hardware=slow, strategies=["dp", "2d", "fsdp"],
+                               compile_top=100, recount=True)  # fmt: skip
+    check_ranked(again)
+    dp = next(lay for lay in planned if lay.name == "dp 8×1")
+    assert dp.collectives[("data",)] > dp.compiled.collectives[("data",)]  # combined by XLA
+    for lay in again:
+        runs = sum(lay.compiled.collectives.values())
+        assert lay.step_time == pytest.approx(lay.compute_time + runs * slow.latency), lay.name
 
 
 def test_program_cost_counts_matmul_flops_and_collectives():
