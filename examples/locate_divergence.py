@@ -104,6 +104,9 @@ def buggy_row_dense(x, w, b, *, mesh, bug, precision):
 
     return jax.shard_map(
         kernel, mesh=mesh, in_specs=(P(DATA, MODEL), P(MODEL, None), P()),
+        # Off only for the missing-psum bug: with it on, JAX refuses that bug at trace time
+        # (the output varies over model, out_specs says replicated), and the point here is the
+        # bug that check_vma=False lets through. tests/test_compare.py names its layer.
         out_specs=P(DATA, None), check_vma=bug != "missing-psum",
     )(x, w, b)  # fmt: skip
 

@@ -50,6 +50,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from shardops._ledger import _Null
 from shardops._precision import FLOAT32, Precision
 from shardops.testing import error_bound
 
@@ -470,11 +471,3 @@ def _names(entry) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-class _Null:
-    def write(self, _):
-        return 0
-
-    def flush(self):
-        pass
