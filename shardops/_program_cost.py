@@ -19,7 +19,10 @@ before XLA fuses, combines or schedules anything:
   keyed by those axes, as the program asks for them (XLA:CPU later combines independent
   all-reduces, e.g. dp's gradient all-reduces into one).
 - ``peak_bytes``: the most bytes alive at once when the ops run in program order, each array
-  freed after its last use (a nested call adds its own peak above its inputs).
+  freed after its last use, except the outputs (alive to the end, for the caller) and the
+  arguments that are not donated (the caller holds them); a nested call adds its own peak above
+  its inputs. This is the jaxpr's peak, before XLA fuses anything away, so it is at least what
+  the compiled program holds (``memory_analysis``: arguments + outputs − aliased + temporaries).
 """
 
 from __future__ import annotations
@@ -55,19 +58,28 @@ class ProgramCost:
     peak_bytes: int
 
 
-def program_cost(jaxpr: Jaxpr | ClosedJaxpr, mesh_shape: dict[str, int]) -> ProgramCost:
-    """Count ``jaxpr``'s matmul FLOPs, elementwise bytes, collectives and peak live bytes."""
+def program_cost(
+    jaxpr: Jaxpr | ClosedJaxpr, mesh_shape: dict[str, int], *, donated=()
+) -> ProgramCost:
+    """Count ``jaxpr``'s matmul FLOPs, elementwise bytes, collectives and peak live bytes.
+
+    ``donated``: positions in ``jaxpr.invars`` of the arguments whose buffers the program may
+    free (``jax.jit``'s ``donate_argnums``, flattened); the caller holds every other argument
+    to the end. Inside ``jax.shard_map`` the peak is the body's, its blocks of the arguments
+    held or donated as the arguments are."""
     jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
     counts = _Counts(mesh_shape)
     counts.walk(jaxpr, 1)
+    donated = set(donated)
+    held = [i not in donated for i in range(len(jaxpr.invars))]
     return ProgramCost(
         flops=int(counts.flops),
         elementwise_bytes=int(counts.elementwise_bytes),
         collectives=dict(counts.collectives),
         peak_bytes=int(
             max(
-                (peak_live_bytes(b) for b in _shard_map_bodies(jaxpr)),
-                default=peak_live_bytes(jaxpr),
+                (peak_live_bytes(b, held=h) for b, h in _shard_map_bodies(jaxpr, held)),
+                default=peak_live_bytes(jaxpr, held=held),
             )
         ),
     )
@@ -145,18 +157,32 @@ ALIAS_PRIMITIVES = frozenset({
 """Ops whose result shares its operand's buffer (for ``peak_live_bytes``)."""
 
 
-def _shard_map_bodies(jaxpr: Jaxpr):
+def _shard_map_bodies(jaxpr: Jaxpr, held):
+    """``(body, held)`` of every ``shard_map`` in ``jaxpr``: a body's argument is held when the
+    value passed to it is an argument of ``jaxpr`` that is held (``held[i]`` for
+    ``jaxpr.invars[i]``), or any value not known to be donated (nested calls)."""
+    outer = {v: h for v, h in zip(jaxpr.invars, held, strict=True)}
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "shard_map":
-            yield from _sub_jaxprs(eqn)
-        else:
-            for sub in _sub_jaxprs(eqn):
-                yield from _shard_map_bodies(sub)
+        passed = [True if isinstance(v, Literal) else outer.get(v, True) for v in eqn.invars]
+        for sub in _sub_jaxprs(eqn):
+            if len(sub.invars) == len(passed):
+                inner = passed
+            elif len(sub.invars) == len(passed) - 1:  # cond: its first operand picks the branch
+                inner = passed[1:]
+            else:
+                inner = [True] * len(sub.invars)
+            if eqn.primitive.name == "shard_map":
+                yield sub, inner
+            else:
+                yield from _shard_map_bodies(sub, inner)
 
 
-def peak_live_bytes(jaxpr: Jaxpr) -> int:
+def peak_live_bytes(jaxpr: Jaxpr, *, held=None) -> int:
     """The most bytes alive at once running ``jaxpr``'s ops in order (inputs included), each
-    buffer freed after the last use of it or of a view of it (``ALIAS_PRIMITIVES``)."""
+    buffer freed after the last use of it or of a view of it (``ALIAS_PRIMITIVES``), except
+    the outputs and the held inputs (``held[i]`` for ``jaxpr.invars[i]``; default: all held,
+    as a caller holds the arguments it passes), which stay alive to the end."""
+    held = [True] * len(jaxpr.invars) if held is None else list(held)
     root: dict = {}
 
     def buffer(v):
@@ -173,6 +199,7 @@ def peak_live_bytes(jaxpr: Jaxpr) -> int:
             if not isinstance(v, Literal):
                 last_use[buffer(v)] = i
     outputs = {buffer(v) for v in jaxpr.outvars if not isinstance(v, Literal)}
+    kept = {buffer(v) for v, h in zip(jaxpr.invars, held, strict=True) if h}
     live = sum(_nbytes(v) for v in (*jaxpr.constvars, *jaxpr.invars))
     peak = live
     for i, eqn in enumerate(jaxpr.eqns):
@@ -185,7 +212,7 @@ def peak_live_bytes(jaxpr: Jaxpr) -> int:
         peak = max(peak, live + max(transient, 0))
         for v in (*eqn.invars, *eqn.outvars):
             b = None if isinstance(v, Literal) else buffer(v)
-            if b is not None and last_use.get(b, -1) <= i and b not in outputs:
+            if b is not None and last_use.get(b, -1) <= i and b not in outputs and b not in kept:
                 live -= _nbytes(b)
                 last_use[b] = len(jaxpr.eqns)  # freed once
     return peak

@@ -400,7 +400,10 @@ def predict(model, strategy: str, mesh_shape, batch: int, *, seq=None, optimizer
                          precision=precision)  # fmt: skip
     budget = setup.collective_budget(batch, seq)
     args = abstract_step_args(setup, batch, seq)
-    cost = program_cost(jax.make_jaxpr(setup.step)(*args).jaxpr, dict(mesh.shape))
+    # The train step donates the state (argument 0): its buffers may be freed once read.
+    donated = range(len(jax.tree.leaves(args[0])))
+    cost = program_cost(jax.make_jaxpr(setup.step)(*args).jaxpr, dict(mesh.shape),
+                        donated=donated)  # fmt: skip
     ring: dict = {}
     comm: dict = {}
     for (kind, axes), nbytes in budget.items():

@@ -1,6 +1,8 @@
 """Mutation check for the literal layout and cost tests: bugs injected into copies of
 models/plan.py (the FSDP rule) and shardops/_ledger.py (the ring formulas) are caught by the
-checks test_layouts.py and test_ledger.py run (``_layout_checks``).
+checks test_layouts.py and test_ledger.py run (``_layout_checks``); bugs in the planner's cost
+counts (shardops/_program_cost.py, shardops/plan.py, shardops/_hardware.py) by the checks
+test_plan.py runs (``_plan_checks``).
 
 Each mutant replaces one exact line of the real source (asserted to occur exactly once, so a
 mutant cannot drift from the code). The mutated functions are swapped in wherever a module of
@@ -32,10 +34,12 @@ from _layout_checks import (
     check_shard_indices,
     ledger_of_step,
 )
+from _plan_checks import check_flop_rates, check_loop_flops, check_peak_keeps_outputs_and_arguments
 from shardops_models import _train
 from shardops_models import plan as _layout
 
-from shardops import _ledger
+import shardops.plan
+from shardops import _hardware, _ledger, _program_cost
 
 FREE_FIRST = "    for d in free + split:\n"
 LARGEST_FREE = (
@@ -197,3 +201,70 @@ def test_ring_mutant_is_caught(monkeypatch, name):
         check_ledger_budget(case, led)  # Ledger.ring_bytes() → the mutant
     with pytest.raises(AssertionError, match="cost_model: .*ring bytes"):
         check_model_budget(case, setup)  # Setup.cost_model → shardops.ring_bytes → the mutant
+
+
+# --- the planner's cost counts: mutants of shardops/_program_cost.py, shardops/plan.py and
+# shardops/_hardware.py, each caught by a check that tests/test_plan.py runs (_plan_checks).
+
+REPEAT = '                repeat = times * int(eqn.params.get("length", 1))\n'
+FREED = "            if b is not None and last_use.get(b, -1) <= i and b not in outputs and b not in kept:\n"
+RATE = "    compute = (cost.flops / hw.flops_for(_dtype_name(precision.compute_dtype))\n"
+FLOPS_FOR = '        return self.flops.get(dtype_name, self.flops.get("float32", min(self.flops.values())))\n'
+
+# name → (module, old line, new line, the check that must catch it)
+COST_MUTANTS = {
+    # A loop body counted once, as XLA's cost_analysis counts a rolled loop.
+    "loop_body_counted_once": (_program_cost, REPEAT, "                repeat = times\n", "loops"),
+    # A nested loop forgets the trips of the loop around it.
+    "nested_loop_forgets_the_outer_trips": (
+        _program_cost, REPEAT, '                repeat = int(eqn.params.get("length", 1))\n',
+        "loops",
+    ),
+    # Outputs freed after their last use inside the program, as if nobody read them after.
+    "outputs_freed_early": (_program_cost, FREED, FREED.replace(" and b not in outputs", ""),
+                            "peak"),
+    # The caller's arguments freed after their last use, as if every argument were donated.
+    "held_arguments_freed_early": (_program_cost, FREED, FREED.replace(" and b not in kept", ""),
+                                   "peak"),
+    # The matmul rate of the param dtype (float32 under the mixed policy), not the compute dtype.
+    "flop_rate_of_the_param_dtype": (
+        shardops.plan, RATE, RATE.replace("precision.compute_dtype", "precision.param_dtype"),
+        "rates",
+    ),
+    # Every dtype timed at the float32 rate.
+    "flop_rate_always_float32": (
+        _hardware, FLOPS_FOR, '        return self.flops.get("float32", min(self.flops.values()))\n',
+        "rates",
+    ),
+}  # fmt: skip
+
+
+def cost_check(check: str, module) -> None:
+    if check == "loops":
+        check_loop_flops(module.program_cost)
+    elif check == "peak":
+        check_peak_keeps_outputs_and_arguments(module.program_cost)
+    elif module is shardops.plan or module.__name__ == "shardops.plan_mutant":
+        check_flop_rates(predict=module.predict)
+    else:
+        check_flop_rates(hardware_cls=module.Hardware)
+
+
+def load_cost_mutant(monkeypatch, module, old, new):
+    mutant = load_mutant(module, old, new, monkeypatch)
+    if module is _hardware:  # plan.predict takes the mutant's Hardware only through its own check
+        swap(monkeypatch, _hardware, mutant, ["hardware_named"])
+    return mutant
+
+
+@pytest.mark.parametrize("name", COST_MUTANTS)
+def test_unmutated_cost_copy_passes(monkeypatch, clear, name):
+    module, old, _, check = COST_MUTANTS[name]
+    cost_check(check, load_cost_mutant(monkeypatch, module, old, old))
+
+
+@pytest.mark.parametrize("name", COST_MUTANTS)
+def test_cost_mutant_is_caught(monkeypatch, clear, name):
+    module, old, new, check = COST_MUTANTS[name]
+    with pytest.raises(AssertionError):
+        cost_check(check, load_cost_mutant(monkeypatch, module, old, new))

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 import shardops_models as models
 from _gpt_checks import GPT
+from _plan_checks import check_flop_rates, check_loop_flops, check_peak_keeps_outputs_and_arguments
 from _processes import ROOT
 from jax.sharding import PartitionSpec as P
 
@@ -39,6 +40,10 @@ def check_predictions_equal_the_ledger(planned) -> None:
             f"{lay.name}: the compiled program runs {c.totals}, the planner predicted {lay.budget}"
         )
         assert c.ring_bytes == pytest.approx(lay.ring_bytes, rel=1e-12), lay.name
+        if c.peak_bytes is not None:  # the outputs (the new state) stay live to the end
+            assert lay.peak_bytes >= c.peak_bytes, (
+                f"{lay.name}: predicted peak {lay.peak_bytes} < compiled {c.peak_bytes} bytes"
+            )
 
 
 def test_seed_predictions_equal_the_compiled_ledger_for_every_layout():
@@ -150,6 +155,18 @@ def test_program_cost_counts_matmul_flops_and_collectives():
                       in_specs=P("data"), out_specs=P("data"))  # fmt: skip
     cost = program_cost(jax.make_jaxpr(f)(jnp.ones((8, 4))).jaxpr, dict(mesh.shape))
     assert cost.collectives == {("data",): 1, ("model",): 1}
+
+
+def test_program_cost_counts_the_flops_inside_loops_as_xla_counts_them_unrolled():
+    check_loop_flops()
+
+
+def test_program_cost_peak_keeps_outputs_and_held_arguments_live_to_the_end():
+    check_peak_keeps_outputs_and_arguments()
+
+
+def test_compute_time_uses_the_flop_rate_of_each_policys_compute_dtype():
+    check_flop_rates()
 
 
 def test_bad_inputs_are_errors():
