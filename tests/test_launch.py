@@ -1,6 +1,9 @@
-"""``python -m shardops.launch``: processes started with the right environment, their output
-prefixed, a failed or killed process stopping the run, and bad options refused before anything
-starts. Also JAX's own heartbeat abort, without the launcher.
+"""``python -m shardops.launch``: processes started with the right environment (process ids
+over several processes on several nodes, the caller's own variables kept), their output
+prefixed, the signal the launcher forwards and the grace period a child's shutdown handler
+gets, a failed or killed process stopping the run, and bad options refused before anything
+starts. Also JAX's own heartbeat abort, without the launcher. Mutants of the launcher (a copy
+of its module with one line replaced, its ``main`` run in this process) are caught.
 
 Every multi-process run is a subprocess in its own session, under a timeout; at the end of each
 test, whatever it started and is still alive is SIGKILLed by its PID (never by name).
@@ -9,6 +12,9 @@ test, whatever it started and is still alive is SIGKILLed by its PID (never by n
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import io
+import json
 import os
 import re
 import signal
@@ -20,10 +26,12 @@ import time
 from pathlib import Path
 
 import pytest
+from _mutants import mutant
 
 from shardops import distributed, launch
 
 WORKER = Path(__file__).with_name("_launch_worker.py")
+PROBE = WORKER.with_name("_launch_probe.py")  # no JAX: its environment and its signals
 ROOT = WORKER.parent.parent
 # Generous bound on any one run (each JAX process starts in ~2-3 s here, on 2 cores).
 RUN_TIMEOUT_S = 60
@@ -113,14 +121,15 @@ class Run:
 
 
 def worker_alive(pid: int) -> bool:
-    """Whether ``pid`` is a live (not zombie) ``_launch_worker.py`` process: a reused PID is
-    somebody else's and does not count."""
+    """Whether ``pid`` is a live (not zombie) ``_launch_worker.py`` or ``_launch_probe.py``
+    process: a reused PID is somebody else's and does not count."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
         return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z" and WORKER.name.encode() in cmdline
+    ours = WORKER.name.encode() in cmdline or PROBE.name.encode() in cmdline
+    return stat.rsplit(")", 1)[1].split()[0] != "Z" and ours
 
 
 @pytest.fixture
@@ -222,16 +231,253 @@ def test_sigterm_to_the_launcher_is_forwarded_to_every_process(start):
 
 
 def test_two_launchers_as_two_nodes_share_one_run(start):
+    """Two nodes of two processes each: one JAX run of 4 processes × 2 devices."""
     coordinator = ["--coordinator", f"127.0.0.1:{free_port()}"]
     nodes = []
     for rank in (0, 1):
         options = ["--nnodes", "2", "--node-rank", str(rank), *coordinator]
-        nodes.append(start(launcher(*options, "-n", "1", "--devices", "4")))
+        nodes.append(start(launcher(*options, "-n", "2", "--devices", "4")))
     for node in nodes:
         assert node.finish() == 0, node.report()
-    assert worker_line(0, 2, 4) in nodes[0].out, nodes[0].report()
-    assert worker_line(1, 2, 4) in nodes[1].out, nodes[1].report()
-    assert list(nodes[1].child_pids()) == [1]
+    for i in range(4):
+        assert worker_line(i, 4, 2) in nodes[i // 2].out, nodes[i // 2].report()
+    assert sorted(nodes[1].child_pids()) == [2, 3]
+
+
+# ---------------------------------------------------------------------------------------------
+# What each process gets (ids, environment) and receives (signals, a grace period), with probes
+# that import no JAX. Each check runs the launcher's command line in a subprocess, or, given a
+# mutant of shardops/launch.py, that module's main() in this process (a JAX import saved per
+# run; a helper thread sends the signal once the probes are ready).
+
+CALLER_ENV = {
+    "SHARDOPS_TEST_CALLER": "chosen by the caller",
+    "JAX_PLATFORMS": "cuda",  # the platform the caller chose (the probes import no JAX)
+    "XLA_FLAGS": "--xla_dump_to=/tmp/shardops-dump --xla_force_host_platform_device_count=1",
+}
+NODES, PER_NODE = 2, 3  # unequal: node_rank · nnodes ≠ node_rank · nproc
+
+
+@dataclasses.dataclass
+class Outcome:
+    """A finished probe run: exit code, stdout and stderr lines, seconds from the signal (if
+    one was sent) to the launcher's exit."""
+
+    code: int
+    out: list[str]
+    err: list[str]
+    after_signal: float | None
+
+    def report(self) -> str:
+        return (
+            "--- stdout\n"
+            + "\n".join(self.out[-60:])
+            + "\n--- stderr\n"
+            + "\n".join(self.err[-60:])
+        )
+
+    def child_pids(self) -> dict[int, int]:
+        found = (_PID_LINE.match(line) for line in self.err)
+        return {int(m[1]): int(m[2]) for m in found if m}
+
+
+def probe_runs(start, runs, *, env=None, module=None, monkeypatch=None,
+               timeout=RUN_TIMEOUT_S) -> list[Outcome]:  # fmt: skip
+    """Run ``shardops.launch OPTIONS -- tests/_launch_probe.py MODE`` for each ``(options, mode,
+    signal_when_ready)`` of ``runs`` to its end: as subprocesses started together, or, given
+    ``module`` (a copy of the launch module), its ``main`` here, one run after the other.
+    ``signal_when_ready = (n, sig)``: send ``sig`` to the launcher once ``n`` probes are
+    ready."""
+    if module is not None:
+        for key, value in (env or {}).items():
+            if os.environ.get(key) != value:
+                monkeypatch.setenv(key, value)
+        return [_run_here(module, *run, timeout) for run in runs]
+    started = [
+        (start([sys.executable, "-m", "shardops.launch", *options, "--", str(PROBE), *mode],
+               env), when)
+        for options, mode, when in runs
+    ]  # fmt: skip
+    outcomes = []
+    for r, when in started:
+        sent = None
+        if when:
+            n, sig = when
+            r.wait_for(lambda r, n=n: sum(x.endswith("] ready") for x in r.out) == n, "ready")
+            sent = time.monotonic()
+            os.kill(r.popen.pid, sig)
+        code = r.finish(timeout)
+        elapsed = None if sent is None else time.monotonic() - sent
+        outcomes.append(Outcome(code, list(r.out), list(r.err), elapsed))
+    return outcomes
+
+
+def probe_run(start, options, mode=("env",), *, signal_when_ready=None, **kwargs) -> Outcome:
+    return probe_runs(start, [(options, mode, signal_when_ready)], **kwargs)[0]
+
+
+def _run_here(module, options, mode, when, timeout) -> Outcome:
+    """``module.main`` in this process, its output captured; a thread sends the signal once the
+    probes are ready (never after ``main`` returned: a late one is dropped, not pytest's)."""
+    out, err, sent, done = io.StringIO(), io.StringIO(), [], threading.Event()
+
+    def signal_once_ready(n, sig):
+        deadline = time.monotonic() + timeout
+        while out.getvalue().count("] ready\n") < n and time.monotonic() < deadline:
+            if done.wait(0.01):
+                return
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), sig)  # handled by the launcher's own handler, in the main thread
+
+    helper = threading.Thread(target=signal_once_ready, args=when or (0, 0), daemon=True)
+    if when:
+        helper.start()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = module.main([*options, "--", str(PROBE), *mode])
+    finally:
+        done.set()
+        for sig in previous:
+            signal.signal(sig, lambda *_: None)  # a signal sent as main returned goes nowhere
+        if when:
+            helper.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    elapsed = time.monotonic() - sent[0] if sent else None
+    return Outcome(code, out.getvalue().splitlines(), err.getvalue().splitlines(), elapsed)
+
+
+def check_ids_and_environment(start, module=None, monkeypatch=None) -> None:
+    """2 nodes × 3 processes: global process ``R · 3 + i`` for process ``i`` of node ``R``, all
+    6 with the same coordinator and count and 2 simulated devices each (``--devices 6`` per
+    node); the caller's own variables, its platform and its other XLA flags, reach every
+    process unchanged. (The probes join no run: in this process the nodes run in turn.)"""
+    coordinator = f"127.0.0.1:{free_port()}"
+    runs = [
+        (["--nnodes", str(NODES), "--node-rank", str(rank), "--coordinator", coordinator, "-n",
+          str(PER_NODE), "--devices", "6"], ("env",), None)
+        for rank in range(NODES)
+    ]  # fmt: skip
+    nodes = probe_runs(start, runs, env={**os.environ, **CALLER_ENV}, module=module,
+                       monkeypatch=monkeypatch)  # fmt: skip
+    seen = {}
+    for rank, node in enumerate(nodes):
+        assert node.code == 0, node.report()
+        for line in node.out:
+            m = re.fullmatch(r"\[p(\d+)\] env (\{.*\})", line)
+            assert m, f"not a probe's line: {line!r}\n{node.report()}"
+            assert int(m[1]) not in seen, f"process {m[1]} twice:\n{node.report()}"
+            seen[int(m[1])] = rank, json.loads(m[2])
+        pids = node.child_pids()
+        assert sorted(pids) == list(range(rank * PER_NODE, (rank + 1) * PER_NODE)), pids
+    assert sorted(seen) == list(range(NODES * PER_NODE)), sorted(seen)
+    flags = CALLER_ENV["XLA_FLAGS"].replace("device_count=1", "device_count=2")
+    for i, (rank, got) in seen.items():
+        assert rank == i // PER_NODE, (i, rank)
+        assert got == {
+            "SHARDOPS_COORDINATOR": coordinator, "SHARDOPS_NUM_PROCESSES": str(NODES * PER_NODE),
+            "SHARDOPS_PROCESS_ID": str(i), "SHARDOPS_LOCAL_DEVICES": "2",
+            "SHARDOPS_HEARTBEAT_TIMEOUT": str(launch.DEFAULT_HEARTBEAT_TIMEOUT_S),
+            "JAX_PLATFORMS": "cuda", "XLA_FLAGS": flags, "PYTHONUNBUFFERED": "1",
+            "SHARDOPS_TEST_CALLER": "chosen by the caller",
+        }, f"process {i} (node {rank}) got {got}"  # fmt: skip
+
+
+def check_sigint_and_a_shutdown_that_fits_the_grace(start, module=None, monkeypatch=None):
+    """SIGINT to the launcher reaches every process as SIGINT (not SIGTERM); a handler that
+    needs 0.5 s of the 5 s grace finishes (``saved``) and the launcher exits as soon as its
+    processes have, with 128 + SIGINT."""
+    r = probe_run(start, ["-n", "2", "--grace", "5"], ("signals", "0.5"),
+                  signal_when_ready=(2, signal.SIGINT), module=module)  # fmt: skip
+    assert r.code == 128 + signal.SIGINT and r.after_signal is not None, r.report()
+    for i in range(2):
+        assert f"[p{i}] got SIGINT" in r.out, r.report()
+        assert f"[p{i}] saved" in r.out, f"process {i}'s handler was cut short:\n{r.report()}"
+    assert r.after_signal < 4, f"exited {r.after_signal:.1f} s after SIGINT:\n{r.report()}"
+
+
+def check_a_shutdown_longer_than_the_grace_is_killed(start, module=None, monkeypatch=None):
+    """SIGTERM reaches every process as SIGTERM; a handler that would take 4 s gets the 1 s
+    grace, then SIGKILL: the launcher exits with 128 + SIGTERM after about a second."""
+    r = probe_run(start, ["-n", "2", "--grace", "1"], ("signals", "4"),
+                  signal_when_ready=(2, signal.SIGTERM), module=module)  # fmt: skip
+    assert r.code == 128 + signal.SIGTERM and r.after_signal is not None, r.report()
+    assert all(f"[p{i}] got SIGTERM" in r.out for i in range(2)), r.report()
+    assert not any(line.endswith("] saved") for line in r.out), r.report()
+    assert 1 <= r.after_signal < 3, f"killed {r.after_signal:.2f} s after SIGTERM (grace 1 s)"
+    assert not any(worker_alive(p) for p in r.child_pids().values()), r.report()
+
+
+def check_a_failure_stops_the_others_with_sigterm_and_grace(start, module=None,
+                                                            monkeypatch=None):  # fmt: skip
+    """Process 1 exits with code 3: process 0 gets SIGTERM and the grace to finish its handler;
+    the launcher exits with 3."""
+    r = probe_run(start, ["-n", "2", "--grace", "5"], ("fail", "0.5"), module=module)
+    assert r.code == 3, r.report()
+    assert "[p0] got SIGTERM" in r.out and "[p0] saved" in r.out, r.report()
+
+
+def test_process_ids_and_the_callers_environment_over_two_nodes_of_three(start):
+    check_ids_and_environment(start)
+
+
+def test_sigint_is_forwarded_as_sigint_and_a_handler_gets_its_grace(start):
+    check_sigint_and_a_shutdown_that_fits_the_grace(start)
+
+
+def test_a_handler_longer_than_the_grace_is_killed_at_its_end(start):
+    check_a_shutdown_longer_than_the_grace_is_killed(start)
+
+
+def test_a_failed_process_stops_the_others_with_sigterm_and_grace(start):
+    check_a_failure_stops_the_others_with_sigterm_and_grace(start)
+
+
+FIRST = "    first = node_rank * nproc\n"
+SUPERVISE_STOP = "            _stop(processes, sig, grace_s, signals)\n"
+FAILURE_STOP = "            _stop(processes, signal.SIGTERM, grace_s, signals)\n"
+# name → (old line, new line, the check that catches it)
+LAUNCH_MUTANTS = {
+    # Global ids from the node rank alone: node 1's processes are 1, 2, 3, not 3, 4, 5.
+    "ids_ignore_the_processes_per_node": (FIRST, "    first = node_rank\n",
+                                          check_ids_and_environment),
+    # Each node tells its processes that the run has only its own processes.
+    "run_size_of_one_node": ("    num_processes = nnodes * nproc\n",
+                             "    num_processes = nproc\n", check_ids_and_environment),
+    # The caller's platform replaced by cpu whenever devices are simulated.
+    "platform_overridden": ('        env.setdefault("JAX_PLATFORMS", "cpu")\n',
+                            '        env["JAX_PLATFORMS"] = "cpu"\n', check_ids_and_environment),
+    # SIGINT forwarded as SIGTERM.
+    "sigint_forwarded_as_sigterm": (
+        SUPERVISE_STOP, SUPERVISE_STOP.replace("sig,", "signal.SIGTERM,"),
+        check_sigint_and_a_shutdown_that_fits_the_grace,
+    ),
+    # No grace: SIGKILL right after the signal.
+    "no_grace": ("    deadline = time.monotonic() + grace_s\n", "    deadline = time.monotonic()\n",
+                 check_sigint_and_a_shutdown_that_fits_the_grace),
+    # No SIGKILL at the end of the grace: a slow handler holds the run.
+    "no_kill_after_the_grace": ("    for p in processes:\n        p.signal(signal.SIGKILL)\n", "",
+                                check_a_shutdown_longer_than_the_grace_is_killed),
+    # A failure stops the others with SIGKILL, no handler run.
+    "failure_kills_at_once": (FAILURE_STOP, FAILURE_STOP.replace("SIGTERM", "SIGKILL"),
+                              check_a_failure_stops_the_others_with_sigterm_and_grace),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("check", sorted({c for *_, c in LAUNCH_MUTANTS.values()},
+                                         key=lambda c: c.__name__), ids=lambda c: c.__name__)  # fmt: skip
+def test_a_copy_of_the_launcher_run_here_passes(start, monkeypatch, check):
+    """The harness: an unmutated copy of shardops/launch.py, its main() run in this process,
+    passes every check its mutants face."""
+    check(start, mutant(launch, "copy", FIRST, FIRST), monkeypatch)
+
+
+@pytest.mark.parametrize("name", LAUNCH_MUTANTS)
+def test_launch_mutant_is_caught(start, monkeypatch, name):
+    old, new, check = LAUNCH_MUTANTS[name]
+    with pytest.raises(AssertionError):
+        check(start, mutant(launch, name, old, new), monkeypatch)
 
 
 # ---------------------------------------------------------------------------------------------

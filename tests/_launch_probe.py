@@ -1,0 +1,52 @@
+"""A worker for tests/test_launch.py that imports no JAX: it reports what the launcher gave it
+(its environment) and what the launcher sends it (signals), so those tests take a second, not a
+JAX start-up per process.
+
+    python -m shardops.launch -n 3 -- tests/_launch_probe.py env
+    python -m shardops.launch -n 2 --grace 5 -- tests/_launch_probe.py signals 0.5
+
+``env``      print one line ``env {json}`` of the launcher's variables and those the tests set
+``signals W`` print ``ready``, then wait; on SIGINT or SIGTERM print ``got SIGINT`` (or
+             ``got SIGTERM``), spend ``W`` seconds as a shutdown handler saving a checkpoint
+             would, print ``saved`` and exit 0
+``fail``     as ``signals``, but process 1 exits with code 3 once it is ready
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+REPORTED = (
+    "SHARDOPS_COORDINATOR", "SHARDOPS_NUM_PROCESSES", "SHARDOPS_PROCESS_ID",
+    "SHARDOPS_LOCAL_DEVICES", "SHARDOPS_HEARTBEAT_TIMEOUT", "JAX_PLATFORMS", "XLA_FLAGS",
+    "PYTHONUNBUFFERED", "SHARDOPS_TEST_CALLER",
+)  # fmt: skip
+
+
+def wait_for_signals(work_s: float, fail: bool) -> int:
+    def handler(sig, frame):
+        print(f"got {signal.Signals(sig).name}", flush=True)
+        time.sleep(work_s)  # the shutdown work the grace period is for
+        print("saved", flush=True)
+        sys.exit(0)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    print("ready", flush=True)
+    if fail and os.environ.get("SHARDOPS_PROCESS_ID") == "1":
+        time.sleep(0.5)  # the others are ready by now
+        return 3
+    while True:
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1] if len(sys.argv) > 1 else ""
+    if mode == "env" and len(sys.argv) == 2:
+        print("env " + json.dumps({k: os.environ.get(k) for k in REPORTED}), flush=True)
+        sys.exit(0)
+    if mode in ("signals", "fail") and len(sys.argv) == 3:
+        sys.exit(wait_for_signals(float(sys.argv[2]), mode == "fail"))
+    sys.exit(f"usage: {sys.argv[0]} env | signals SECONDS | fail SECONDS; got {sys.argv[1:]}")
