@@ -9,6 +9,7 @@ import itertools
 import os
 import signal
 import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -224,6 +225,50 @@ def test_missing_steps_and_bad_arguments_are_clear_errors(tmp_path):
         assert ckpt.record()["strategy"] == "dp" and ckpt.record()["mesh"] == {"data": 8, "model": 1}  # fmt: skip
 
 
+# --- step bookkeeping: a step saved again replaces it; the latest is the default; every N
+
+
+def check_step_bookkeeping(tmp_path, module=checkpoint) -> None:
+    """Steps 3, 6 and 6 again (another state and extra): step 6 holds the second state, the
+    default restore is the latest step, an older one restores by number, and ``keep`` counts
+    steps, not saves."""
+    setup = setup_for(MLP, "2d", (4, 2), "adam")
+    states = [drawn_state(setup, seed) for seed in (10, 11, 12)]
+    with module.Checkpoints(tmp_path / "steps", keep=2) as ckpt:
+        for step, state, tag in zip((3, 6, 6), states, ("a", "b", "c"), strict=True):
+            ckpt.save(step, setup, place(setup, state), extra={"tag": tag})
+        assert ckpt.steps() == [3, 6] and ckpt.latest_step() == 6, ckpt.steps()
+    with module.Checkpoints(tmp_path / "steps", keep=2) as ckpt:  # as a resumed run reads it
+        for step, want, tag in ((None, states[2], "c"), (6, states[2], "c"), (3, states[0], "a")):
+            restored, extra = ckpt.restore(setup, step)
+            assert extra == {"tag": tag}, (step, extra)
+            for got, expected in zip(jax.tree.leaves(setup.gather(restored)),
+                                     jax.tree.leaves(want), strict=True):  # fmt: skip
+                np.testing.assert_array_equal(got, expected, err_msg=f"step {step}")
+        assert ckpt.record(6)["extra"] == {"tag": "c"}
+
+
+def check_every(module=checkpoint) -> None:
+    """``every=N`` saves at N, 2N, 3N … and at no step in between, for N = 1, 2, 3, 5."""
+    with tempfile.TemporaryDirectory() as directory:
+        for n in (1, 2, 3, 5):
+            ckpt = module.Checkpoints(directory, every=n)
+            saved = [step for step in range(1, 4 * n + 1) if ckpt.should_save(step)]
+            assert saved == [n, 2 * n, 3 * n, 4 * n], (n, saved)
+            ckpt.close()
+        ckpt = module.Checkpoints(directory)  # every=None: only when asked
+        assert not any(ckpt.should_save(step) for step in range(1, 20))
+        ckpt.close()
+
+
+def test_a_step_saved_again_replaces_it_and_the_latest_is_restored(tmp_path):
+    check_step_bookkeeping(tmp_path)
+
+
+def test_every_n_steps_exactly_at_its_boundaries():
+    check_every()
+
+
 # --- atomic saves
 
 KILLER = """
@@ -298,7 +343,36 @@ def refused_plan(tmp_path, module):
             ckpt.restore(b)
 
 
+REPLACE = "        if step in self._manager.all_steps():\n            self._manager.delete(step)\n"
+EVERY = "        return self.every is not None and step % self.every == 0\n"
+LATEST = "            return steps[-1]\n"
+
+
+def bookkeeping(tmp_path, module):
+    check_step_bookkeeping(tmp_path, module)
+
+
+def every(tmp_path, module):
+    check_every(module)
+
+
 MUTANTS = {
+    # A step saved again keeps its first state (or fails): the old step is not deleted first.
+    "save_again_keeps_the_first": (REPLACE, "", bookkeeping),
+    # The default restore reads the oldest step.
+    "restore_the_oldest_by_default": (LATEST, "            return steps[0]\n", bookkeeping),
+    # every=N off by one: saves at N − 1, 2N − 1 …
+    "every_off_by_one": (
+        EVERY,
+        EVERY.replace("step % self.every", "(step + 1) % self.every"),
+        every,
+    ),
+    # every=N saves at every step from N on.
+    "every_from_n_on": (
+        EVERY,
+        EVERY.replace("step % self.every == 0", "step >= self.every"),
+        every,
+    ),
     # The optimizer state restored replicated, not in the params' layout.
     "opt_state_restored_replicated": (
         OPT_TARGET,
@@ -317,5 +391,7 @@ MUTANTS = {
 def test_checkpoint_mutant_is_caught(tmp_path, name):
     line, replacement, check = MUTANTS[name]
     check(tmp_path / "real", checkpoint)  # the real module passes the check
-    with pytest.raises((AssertionError, pytest.fail.Exception)):
+    with pytest.raises((AssertionError, pytest.fail.Exception, ValueError)) as caught:
         check(tmp_path / "mutant", mutant(checkpoint, name, line, replacement))
+    if caught.type is ValueError:  # orbax refusing a step that exists: the replace was skipped
+        assert "already exists" in str(caught.value), caught.value
