@@ -8,6 +8,7 @@ dropped, the sequence and feature dims of a tap swapped) are caught.
 """
 
 import importlib.util
+import math
 import pathlib
 
 import jax
@@ -190,6 +191,44 @@ def test_blocks_that_should_be_replicas_must_agree():
     assert "replicas differ" in bad.verdict()
 
 
+def check_two_axis_entry(module, mesh_shape: dict, entry: tuple[str, str]) -> None:
+    """A clean program whose taps split one dim over two mesh axes in one spec entry (``entry``
+    major, as in ``P(("data", "model"))``), rows or columns, is within bound: the locator puts
+    every block where the spec says and no block is taken for another's replica."""
+    mesh = shardops.make_mesh(mesh_shape)
+    d, f = 16, 12
+
+    def layers(w, x, tap, rows, cols):  # x[B, D] · w[D, F]; the taps' specs are rows, cols
+        h = tap(jnp.tanh(x @ w), "rows", spec=rows, k=d)  # h[B, F]
+        g = tap(jnp.sin(h).T * 2.0, "cols", spec=cols, k=1)  # g[F, B]
+        return jnp.sum(g**2)
+
+    def sharded(w, x):
+        def body(w, x):  # x[B/n, D]: its rows split over both axes, ``entry[0]`` major
+            part = layers(w, x, module.tap, P(entry), P(None, entry))
+            return lax.psum(part, tuple(mesh_shape))  # Σ over both axes: the loss, replicated
+
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(entry)), out_specs=P())(w, x)
+
+    def reference(w, x):
+        return layers(w, x, module.tap, None, None)
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(d, f)).astype(np.float32)
+    x = rng.normal(size=(2 * math.prod(mesh_shape.values()), d)).astype(np.float32)  # [B, D]
+    report = module.compare(sharded, reference, w, x)
+    where = f"P({entry}) on {mesh_shape}"
+    assert report.within_bound, f"{where}:\n{report}"
+    assert {r.layer for r in report.rows if r.what == "output"} == {"rows", "cols"}, where
+
+
+@pytest.mark.parametrize("entry", [("data", "model"), ("model", "data")], ids="-".join)
+@pytest.mark.parametrize("mesh_shape", [{"data": 2, "model": 4}, {"data": 4, "model": 2}],
+                         ids=lambda m: "x".join(map(str, m.values())))  # fmt: skip
+def test_a_spec_entry_over_two_mesh_axes_is_within_bound(mesh_shape, entry):
+    check_two_axis_entry(_compare, mesh_shape, entry)
+
+
 def test_tap_is_the_identity_outside_compare_and_no_tapped_program_outlives_it():
     def f(x):
         return jnp.sum(shardops.tap(x * 2, "double", k=1))
@@ -285,3 +324,21 @@ def _locate_with(module, setup, params, x, y, reference_params, end_to_end):
                           *setup.place_batch(x, y), reference_params=reference_params,
                           reference_batch=(x, y), precision=setup.precision,
                           end_to_end=end_to_end)  # fmt: skip
+
+
+ENTRY_ORDER = "            for a in e:  # the first axis of an entry is the major one\n"
+TWO_AXIS_MUTANTS = {
+    # An entry over two axes read minor-major: P(("data", "model"))'s blocks in the wrong order.
+    "entry_axes_reversed": (ENTRY_ORDER, ENTRY_ORDER.replace("in e:", "in reversed(e):")),
+    # Only the first axis of an entry places a block: the blocks of the second overwrite
+    # each other as replicas.
+    "entry_first_axis_only": (ENTRY_ORDER, ENTRY_ORDER.replace("in e:", "in e[:1]:")),
+}
+
+
+@pytest.mark.parametrize("name", TWO_AXIS_MUTANTS)
+def test_a_two_axis_entry_mutant_is_caught(name):
+    old, new = TWO_AXIS_MUTANTS[name]
+    bad = mutant(_compare, name, old, new)
+    with pytest.raises(AssertionError, match=r"P\(\(.* on "):
+        check_two_axis_entry(bad, {"data": 2, "model": 4}, ("model", "data"))
