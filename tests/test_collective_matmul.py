@@ -1,6 +1,7 @@
 """Collective matmul (``shardops.all_gather_matmul``, ``matmul_reduce_scatter``) equals the
 unfused builtins and the unsharded product, forward and gradients (x and w), on every mesh
-axis, uni- and bidirectional; it compiles to collective-permutes only; mutants are caught.
+axis, uni- and bidirectional; it compiles to collective-permutes only, one way round the ring or
+(bidirectional) half each way; mutants are caught.
 
 Values are small integers in float32, so every sum is exact in any order and the comparison
 is bit for bit.
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _mutants import mutant
+from _permutes import check_ring_directions, permute_shifts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -132,6 +134,8 @@ def test_collective_matmul_compiles_to_permutes_of_the_ring_bytes(kind, bidirect
         specs, out, v = (P(None, "model"), P("model")), P("model"), n * 8 * 16 * 4
     f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out))
     ledger = shardops.ledger(mesh, f, x, w)
+    shifts = permute_shifts(f.lower(x, w).compile().as_text(), mesh, "model")
+    check_ring_directions(shifts, bidirectional, kind)
     permutes = [c for c in ledger.collectives if c.bytes]
     assert {c.kind for c in permutes} == {"collective-permute"}, permutes
     assert len(permutes) == (n - 1) * (2 if bidirectional else 1)
@@ -154,13 +158,29 @@ def test_bad_arguments_are_clear_errors():
         call(lambda a, b: shardops.all_gather_matmul(a, b, "model", axis=1), (4, 2), (2, 2))
 
 
-def check_fixed(module) -> None:
+def check_fixed(module, directions=(False,)) -> None:
     """Forward equals the unsharded product and gradients the unfused ones, fixed cases."""
     for kind in KINDS:
-        case = ({"data": 2, "model": 4}, "model", kind, 0, False, (8, 3), 2, 3)
-        (ring_y, ring_gx, ring_gw, _, gx, gw), expected = run(module, *case, seed=0)
-        assert np.array_equal(ring_y, expected), case
-        assert np.array_equal(ring_gx, gx) and np.array_equal(ring_gw, gw), case
+        for bidirectional in directions:
+            case = ({"data": 2, "model": 4}, "model", kind, 0, bidirectional, (8, 3), 2, 3)
+            (ring_y, ring_gx, ring_gw, _, gx, gw), expected = run(module, *case, seed=0)
+            assert np.array_equal(ring_y, expected), case
+            assert np.array_equal(ring_gx, gx) and np.array_equal(ring_gw, gw), case
+
+
+def check_directions(module, directions=(False, True)) -> None:
+    """Compiled, both kernels step i → i + 1 only, or (bidirectional) as often i → i − 1."""
+    mesh = shardops.make_mesh({"data": 2, "model": 4})
+    x, w = jnp.zeros((4 * 8, 16)), jnp.zeros((16, 16))
+    for kind, specs, out in (("all_gather_matmul", (P("model"), P()), P()),
+                             ("matmul_reduce_scatter", (P(None, "model"), P("model")), P("model"))):  # fmt: skip
+        for bidirectional in directions:
+            fn = functools.partial(getattr(module, kind), axis_name="model",
+                                   bidirectional=bidirectional)  # fmt: skip
+            f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out,
+                                      check_vma=False))  # fmt: skip
+            shifts = permute_shifts(f.lower(x, w).compile().as_text(), mesh, "model")
+            check_ring_directions(shifts, bidirectional, f"{kind}, bidirectional={bidirectional}")
 
 
 def check_dtypes(module) -> None:
@@ -193,7 +213,21 @@ def test_collective_matmul_keeps_the_dtype():
 
 # --- mutants, each caught by one of the checks above
 
+
+def check_bidirectional(module) -> None:
+    """``check_directions`` of the bidirectional rings only (the one-way ones share no line
+    with the mutants below)."""
+    check_directions(module, (True,))
+
+
 PLACE = "            start = ((i - s) % n) * m\n"
+# The second halves of a bidirectional all-gather: sent i → i − 1, so written from device i + s.
+LEFT = (
+    "        nxt_l = lax.ppermute(left, axis_name, _ring(n, -1)) if s < n - 1 else None\n"
+    "        out = put(out, fn(right), ((i - s) % n) * m)\n"
+    "        out = put(out, fn(left), ((i + s) % n) * m + h)\n"
+)
+LEFT_SCATTER = "    return jnp.concatenate([ring(0, h, +1), ring(h, h, -1)], axis=dim)\n"
 ACC = "            acc = acc + product(i - (s + 1) * shift, lo, size)\n"
 PRODUCT = "        return rows @ w\n"
 MUTANTS = {
@@ -204,6 +238,18 @@ MUTANTS = {
         ACC,
         ACC.replace("acc + product", "acc + 2 * product"),
         check_fixed,
+    ),
+    # bidirectional=True sends both halves the same way (and places them to match): the same
+    # values and bytes as the two-way ring, all of it over one direction of each link.
+    "bidirectional_gather_one_way": (
+        LEFT,
+        LEFT.replace("_ring(n, -1)", "_ring(n, +1)").replace("(i + s) % n", "(i - s) % n"),
+        check_bidirectional,
+    ),
+    "bidirectional_scatter_one_way": (
+        LEFT_SCATTER,
+        LEFT_SCATTER.replace("ring(h, h, -1)", "ring(h, h, +1)"),
+        check_bidirectional,
     ),
     # Products accumulated in float32 whatever the input: a bf16 layer returns float32.
     "products_in_float32": (
@@ -218,5 +264,8 @@ MUTANTS = {
 def test_collective_matmul_mutant_is_caught(name):
     line, replacement, check = MUTANTS[name]
     check(_collective_matmul)  # the real module passes
+    bad = mutant(_collective_matmul, name, line, replacement)
+    if check is check_bidirectional:
+        check_fixed(bad, (True,))  # a schedule-only bug: the values are still right ...
     with pytest.raises(AssertionError):
-        check(mutant(_collective_matmul, name, line, replacement))
+        check(bad)  # ... but the compiled program shows it

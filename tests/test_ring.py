@@ -1,6 +1,7 @@
 """Ring collectives from ``ppermute`` (``shardops.ring_*``) equal the ``lax`` builtins, forward
 and gradient, on every mesh axis, uni- and bidirectional; their compiled collectives are
-collective-permutes only, moving the ring model's bytes; mutants are caught.
+collective-permutes only, moving the ring model's bytes, one way round the ring or (bidirectional)
+half each way; mutants are caught.
 
 Values are small integers in float32, so every sum is exact in any order: ring and builtin
 must agree bit for bit, and a block added twice or placed at the wrong device cannot hide in a
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _mutants import mutant
+from _permutes import check_ring_directions, permute_shifts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -112,6 +114,8 @@ def test_ring_collectives_compile_to_permutes_moving_the_ring_bytes(mesh_shape, 
     x = jnp.zeros((n * 8, 6), jnp.float32)  # local [8, 6]: every block splits evenly
     f = jax.jit(jax.shard_map(ring, mesh=mesh, in_specs=P("model"), out_specs=P("model")))
     ledger = shardops.ledger(mesh, f, x)
+    shifts = permute_shifts(f.lower(x).compile().as_text(), mesh, "model")
+    check_ring_directions(shifts, bidirectional, f"{kind} over model={n}")
     kinds = {c.kind for c in ledger.collectives if c.bytes}
     assert kinds == {"collective-permute"}, ledger.collectives
     local = 8 * 6 * 4
@@ -141,10 +145,10 @@ def test_bad_arguments_are_clear_errors():
         call(lambda a: shardops.ring_all_gather(a, "model", axis=2), (4, 6))
 
 
-def check_fixed(module) -> None:
+def check_fixed(module, directions=(False, True)) -> None:
     """Ring equals builtin, forward and gradient, on fixed float32 cases of every kind."""
     for kind in KINDS:
-        for bidirectional in (False, True):
+        for bidirectional in directions:
             case = ({"data": 2, "model": 4}, "model", kind, 0, bidirectional, (4, 3))
             ring_y, ring_g, y, g = run(module, *case, seed=0)
             assert np.array_equal(ring_y, y) and np.array_equal(ring_g, g), case
@@ -168,7 +172,31 @@ def test_ring_collectives_keep_the_dtype():
     check_dtypes(_ring)
 
 
+def check_directions(module, directions=(False, True)) -> None:
+    """Compiled, each ring steps i → i + 1 only, or (bidirectional) as often i → i − 1."""
+    mesh = shardops.make_mesh({"data": 2, "model": 4})
+    x = jnp.zeros((4 * 8, 6), jnp.float32)
+    for kind in KINDS:
+        for bidirectional in directions:
+            ring, _ = ops(module, kind, "model", 0, bidirectional)
+            f = jax.jit(jax.shard_map(ring, mesh=mesh, in_specs=P("model"), out_specs=P("model")))
+            shifts = permute_shifts(f.lower(x).compile().as_text(), mesh, "model")
+            check_ring_directions(shifts, bidirectional, f"{kind}, bidirectional={bidirectional}")
+
+
 # --- mutants, each caught by one of the checks above
+
+
+def check_bidirectional(module) -> None:
+    """``check_directions`` of the bidirectional rings only (the one-way ones share no line
+    with the mutants below)."""
+    check_directions(module, (True,))
+
+
+SECOND_GATHER = "            [_gather_blocks(first[0], axis_name, +1), _gather_blocks(second[0], axis_name, -1)],\n"
+SECOND_SCATTER = (
+    "            [_reduce_blocks(first, axis_name, +1), _reduce_blocks(second, axis_name, -1)]\n"
+)
 
 PLACE = "        out = lax.dynamic_update_index_in_dim(out, block, (i - s * shift) % n, 0)\n"
 START = "    acc = block(i - shift)\n"
@@ -191,6 +219,17 @@ MUTANTS = {
         "    for s in range(1, n - 1):\n        acc = lax.ppermute",
         check_fixed,
     ),
+    # bidirectional=True sends both halves the same way: same values, same bytes, one direction.
+    "bidirectional_gather_one_way": (
+        SECOND_GATHER,
+        SECOND_GATHER.replace("second[0], axis_name, -1", "second[0], axis_name, +1"),
+        check_bidirectional,
+    ),
+    "bidirectional_scatter_one_way": (
+        SECOND_SCATTER,
+        SECOND_SCATTER.replace("second, axis_name, -1", "second, axis_name, +1"),
+        check_bidirectional,
+    ),
     # The partial sums kept in float32 whatever the input: a bf16 reduction comes back float32.
     "reduce_in_float32": (
         START,
@@ -204,5 +243,8 @@ MUTANTS = {
 def test_ring_mutant_is_caught(name):
     line, replacement, check = MUTANTS[name]
     check(_ring)  # the real module passes
+    bad = mutant(_ring, name, line, replacement)
+    if check is check_bidirectional:
+        check_fixed(bad, (True,))  # a schedule-only bug: the values are still right ...
     with pytest.raises(AssertionError):
-        check(mutant(_ring, name, line, replacement))
+        check(bad)  # ... but the compiled program shows it

@@ -1,17 +1,21 @@
 """Strategies with ``collective_matmul`` ("ring", "bidirectional"): the tensor-parallel dense
 layers run their collectives as rings of ppermute steps. Loss and every gradient equal the
 unsharded reference, and the compiled step asks for exactly the budget (``Recorder``), in
-which the rings are collective-permutes of V(p−1)/p bytes."""
+which the rings are collective-permutes of V(p−1)/p bytes, going one way round the ``model``
+ring or (``"bidirectional"``) as many steps each way."""
 
 import jax
 import numpy as np
 import optax
 import pytest
 import shardops_models as models
+from _mutants import mutant
+from _permutes import check_ring_directions, permute_shifts
+from test_collective_matmul import LEFT_SCATTER
 from test_dense_route import check_equal
 
 import shardops
-from shardops import BFLOAT16, FLOAT32
+from shardops import BFLOAT16, FLOAT32, _collective_dense, _collective_matmul, hlo
 
 TINY_GPT = models.Gpt(vocab_size=64, d_model=32, num_heads=4, num_layers=2, context=16)
 MLP = models.Mlp((784, 64, 10))
@@ -50,6 +54,8 @@ def test_rings_equal_the_reference_and_the_budget(case):
     got = setup.loss_and_grads(state.params, *setup.place_batch(x, y))
     check_equal(expected, jax.tree.map(np.asarray, models.gather_tree(got)), precision)
     led = shardops.ledger(mesh, setup.train_step, state, *setup.place_batch(x, y))
+    if mesh.shape["model"] > 2:  # on a ring of two, i → i + 1 and i → i − 1 are one step
+        check_directions(setup, state, x, y, ring)
     budget = setup.collective_budget(rows)
     assert led.totals(requested=True) == budget
     assert budget[("collective-permute", ("model",))] > 0
@@ -62,3 +68,35 @@ def test_rings_equal_the_reference_and_the_budget(case):
     assert ring_bytes.keys() == plain_bytes.keys()
     for axes, sent in plain_bytes.items():
         assert ring_bytes[axes] == pytest.approx(sent, rel=1e-12), axes
+
+
+def check_directions(setup, state, x, y, ring) -> None:
+    """The compiled train step's permutes over ``model`` go i → i + 1 only (``"ring"``: the
+    custom VJPs' backward rings too), or as often each way (``"bidirectional"``)."""
+    text = setup.train_step.lower(state, *setup.place_batch(x, y)).compile().as_text()
+    shifts = permute_shifts(text, setup.mesh, "model")
+    check_ring_directions(shifts, ring == "bidirectional", f"{setup.strategy} {ring}")
+
+
+def test_a_one_way_bidirectional_ring_is_caught_in_the_train_step(monkeypatch):
+    """The strategies' ``collective_matmul="bidirectional"`` with the row layers' second halves
+    sent the same way as the first (``test_collective_matmul``'s mutant, under the dense
+    kernels), tp on model=8: the budget is unchanged, the compiled step's directions not."""
+    mesh = shardops.make_mesh({"model": 8})
+    bad = mutant(_collective_matmul, "one_way", LEFT_SCATTER,
+                 LEFT_SCATTER.replace("ring(h, h, -1)", "ring(h, h, +1)"))  # fmt: skip
+    monkeypatch.setattr(_collective_dense, "_collective_matmul", bad)
+    jax.clear_caches()
+    setup = models.build("tp", mesh, optimizer=optax.sgd(1.0), model=MLP,
+                         collective_matmul="bidirectional")  # fmt: skip
+    x, y = batch_for(MLP, 64)
+    state = jax.eval_shape(setup.init, jax.random.key(1))  # compiled, never run
+    lowered = setup.train_step.lower(state, *setup.place_batch(x, y))
+    requested = {}
+    for c in hlo.lowered_collectives(lowered.as_text(), mesh):
+        if c.bytes:
+            requested[(c.kind, c.axes)] = requested.get((c.kind, c.axes), 0) + c.bytes
+    assert requested == setup.collective_budget(64)  # the budget cannot tell
+    with pytest.raises(AssertionError, match="as many blocks each way"):
+        check_directions(setup, state, x, y, "bidirectional")
+    jax.clear_caches()
