@@ -215,7 +215,9 @@ def main(argv=None):
         if ref is not None:
             row.update({f"ref_{k}": v for k, v in evaluate(ref, ref_state.params, dataset).items()})
         history.append(row)
-        log(f"Epoch {epoch} in {seconds:.2f} sec")
+        resumed = (f" ({steps_per_epoch - first} of {steps_per_epoch} steps, resumed at batch "
+                   f"{first})" if first else "")  # fmt: skip
+        log(f"Epoch {epoch} in {seconds:.2f} sec{resumed}")
         log(f"Training set loss {row['train_loss']:.6f}")
         log(f"Training set accuracy {row['train_accuracy']:.4f}")
         log(f"Test set accuracy {row['test_accuracy']:.4f}", flush=True)

@@ -390,8 +390,11 @@ def main(argv=None) -> int:
         ckpt.close()
     losses = [float(v) for v in losses]
     ref_losses = [float(v) for v in ref_losses]
-    tokens_per_second = (args.steps - done) * args.batch_size * args.context / train_seconds
-    log(f"Trained {args.steps} steps in {train_seconds:.1f} s (first step, with compilation, "
+    trained = args.steps - done  # this run's steps: a resumed run reports only what it trained
+    tokens_trained = trained * args.batch_size * args.context
+    tokens_per_second = tokens_trained / train_seconds
+    which = f" ({done + 1}–{args.steps} of {args.steps}, resumed at step {done})" if done else ""
+    log(f"Trained {trained} steps{which} in {train_seconds:.1f} s (first step, with compilation, "
           f"{first_step_seconds:.1f} s; {tokens_per_second:,.0f} tokens/s)")  # fmt: skip
 
     relative_diff = None
@@ -437,7 +440,9 @@ def main(argv=None) -> int:
             "final_loss": losses[-1], "final_reference_loss": ref_losses[-1] if ref_losses else None,
             "final_relative_diff": relative_diff, "final_valid_loss": valid["loss"],
             "timing": {"train_seconds": train_seconds, "first_step_seconds": first_step_seconds,
-                       "total_seconds": total_seconds, "tokens_per_second": tokens_per_second},
+                       "total_seconds": total_seconds, "tokens_per_second": tokens_per_second,
+                       "resumed_at": done, "steps_trained": trained,
+                       "tokens_trained": tokens_trained},
             "sample": sample,
         }  # fmt: skip
         with open(args.metrics_json, "w") as f:

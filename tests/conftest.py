@@ -12,6 +12,7 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -28,6 +29,24 @@ settings.register_profile(
 )
 settings.register_profile("quick", parent=settings.get_profile("ci"), max_examples=20)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def straight_checkpoints(tmp_path_factory):
+    """``get(example)``: the checkpoint folder of an uninterrupted run of ``"transformer_lm"``
+    or ``"mlp_2d"`` (tests/_resume_checks.py), made once per session and never written to:
+    each resume copies it."""
+    from _resume_checks import lm_checkpoints, mlp_checkpoints
+
+    made = {}
+
+    def get(example: str):
+        if example not in made:
+            make = {"transformer_lm": lm_checkpoints, "mlp_2d": mlp_checkpoints}[example]
+            made[example] = make(tmp_path_factory.mktemp(example))
+        return made[example]
+
+    return get
 
 
 def pytest_configure(config):

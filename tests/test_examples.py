@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from _resume_checks import check_mlp_resume_report, load_example
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -99,3 +100,8 @@ def test_mlp_2d_locate_compares_one_step_layer_by_layer():
     out = run("mlp_2d.py", "--dataset", "sample", "--strategy", "fsdp_tp", "--mesh", "2x4",
               "--locate")  # fmt: skip
     assert "within bound" in out and "gradient at [0]" in out
+
+
+def test_a_resumed_epoch_reports_only_the_steps_it_trained(straight_checkpoints, tmp_path):
+    straight = straight_checkpoints("mlp_2d")
+    check_mlp_resume_report(load_example("mlp_2d"), straight, tmp_path)

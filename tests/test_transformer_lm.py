@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from _resume_checks import check_lm_resume_report, load_example
 
 ROOT = pathlib.Path(__file__).parent.parent
 SCRIPT = ROOT / "examples" / "transformer_lm.py"
@@ -90,3 +91,8 @@ def test_locate_finds_every_layer_within_bound_on_the_full_model():
     proc = run("--locate", "--strategy", "fsdp_sp", "--mesh", "2x4", timeout=200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "within bound" in proc.stdout and "['blocks'][3]['attn']" in proc.stdout
+
+
+def test_a_resumed_run_reports_only_the_steps_and_tokens_it_trained(straight_checkpoints, tmp_path):
+    straight = straight_checkpoints("transformer_lm")
+    check_lm_resume_report(load_example("transformer_lm"), straight, tmp_path)
