@@ -1,5 +1,6 @@
-"""Checks of the data pipeline on generated IDX files, shared by tests/test_data.py and its
-mutation module (tests/test_data_mutations.py), so that the mutants face the suite's own checks.
+"""Checks of the data pipeline on generated IDX files and token streams, shared by
+tests/test_data.py, tests/test_text.py and their mutation module (tests/test_data_mutations.py),
+so that the mutants face the suite's own checks.
 
 Every generated image encodes its split and index (pixel 0: index mod 256, pixel 1: index div
 256, pixel 2: the split's tag, the rest a pattern of both), and its label is a function of the
@@ -9,7 +10,7 @@ same two, so each example found in a batch can be traced back to its row in the 
 import gzip
 
 import numpy as np
-from shardops_models import loop, mnist
+from shardops_models import loop, mnist, text
 
 SPLIT_TAGS = {"train": 1, "test": 2}
 SPLIT_STEMS = {"train": "train", "test": "t10k"}
@@ -123,3 +124,108 @@ def check_epochs(tmp_path, n: int, batch_size: int, *, epochs: int, seed: int = 
     for epoch in range(1, epochs):
         assert not np.array_equal(orders[epoch - 1], orders[epoch]), f"epoch {epoch} repeats"
     assert seen == set(range(n)), f"never seen in {epochs} epochs: {set(range(n)) - seen}"
+
+
+# --- text windows (shardops_models.text)
+
+TEXT_WINDOW_BOUNDARIES = [
+    # (tokens, batch_size, context): lengths at a multiple of the context, one more, one less;
+    # window counts at a multiple of the batch, one more, one less; a single window.
+    (100, 3, 10), (101, 3, 10), (99, 3, 10), (91, 3, 10), (121, 4, 10), (61, 1, 10),
+    (5, 1, 4), (6, 2, 1), (17, 2, 8), (33, 4, 8), (32, 2, 8), (65, 8, 8), (65, 1, 64), (64, 1, 64),
+]  # fmt: skip
+
+
+def check_text_windows(n_tokens: int, batch_size: int, context: int, seed: int = 0) -> None:
+    """One epoch of ``text.batches`` over ``n_tokens`` tokens (each token its own position, so a
+    row names its window): ``(N − 1) // S`` windows, ``windows // B`` full batches of distinct
+    windows at multiples of S, every input and target inside the tokens and the targets the
+    inputs shifted by one; ``text.sample_batch`` draws windows at every offset in
+    ``[0, N − S − 1]`` and at no other."""
+    tokens = np.arange(n_tokens, dtype=np.int32)  # token i is position i
+    windows = (n_tokens - 1) // context  # each window needs S inputs and one more target
+    where = f"{n_tokens} tokens, batch {batch_size}, context {context}"
+    if n_tokens < context + 1:  # not even one window
+        try:
+            text.window_count(tokens, batch_size, context)
+        except ValueError:
+            return
+        raise AssertionError(f"{where}: no window fits, yet no error")
+    assert text.window_count(tokens, batch_size, context) == windows, where
+    if windows < batch_size:
+        try:
+            text.batches(tokens, batch_size, context, seed=seed, epoch=0)
+        except ValueError:
+            return
+        raise AssertionError(f"{where}: {windows} windows make no full batch, yet no error")
+    try:
+        epoch = list(text.batches(tokens, batch_size, context, seed=seed, epoch=0))
+    except IndexError as e:
+        raise AssertionError(f"{where}: a window runs past the last token ({e})") from e
+    assert len(epoch) == windows // batch_size, (where, len(epoch), windows // batch_size)
+    starts = []
+    for inputs, targets in epoch:
+        assert inputs.shape == targets.shape == (batch_size, context), (where, inputs.shape)
+        first = inputs[:, :1]  # (B, 1): each row's start
+        np.testing.assert_array_equal(inputs, first + np.arange(context), err_msg=where)
+        np.testing.assert_array_equal(targets, first + 1 + np.arange(context), err_msg=where)
+        assert np.all(first % context == 0), (where, first.ravel())  # non-overlapping windows
+        assert np.all(first + context < n_tokens), (where, first.ravel())  # the last target
+        starts += first.ravel().tolist()
+    assert len(set(starts)) == len(starts), f"{where}: a window twice in one epoch"
+    assert set(starts) <= set(range(0, windows * context, context)), where
+    rng = np.random.default_rng([seed, n_tokens])
+    draws = max(64, 16 * (n_tokens - context))
+    try:
+        inputs, targets = text.sample_batch(tokens, draws, context, rng)
+    except IndexError as e:
+        raise AssertionError(f"{where}: sample_batch ran past the last token ({e})") from e
+    first = inputs[:, :1]
+    np.testing.assert_array_equal(inputs, first + np.arange(context), err_msg=where)
+    np.testing.assert_array_equal(targets, first + 1 + np.arange(context), err_msg=where)
+    offsets = set(first.ravel().tolist())
+    assert offsets == set(range(n_tokens - context)), (where, sorted(offsets))
+
+
+# --- the loop's schedule (shardops_models.loop): what no value shows
+
+
+class _Pending:
+    """A stand-in for a dispatched step's result: records when it is waited for."""
+
+    def __init__(self, log: list, i: int):
+        self.log, self.i = log, i
+
+    def block_until_ready(self):
+        self.log.append(self.i)
+        return self
+
+
+def check_steps_in_flight(module=loop) -> None:
+    """``StepsInFlight(limit)``: after each ``add``, at most ``limit`` results are not waited
+    for, the oldest waited for first, each once; ``drain`` waits for the rest, in order."""
+    for limit in (1, 2, 3):
+        waited: list = []
+        inflight = module.StepsInFlight(limit)
+        for i in range(10):
+            inflight.add(_Pending(waited, i))
+            assert waited == list(range(max(0, i + 1 - limit))), (limit, i, waited)
+        inflight.drain()
+        assert waited == list(range(10)), (limit, waited)
+
+
+def check_staged(module=loop) -> None:
+    """``staged(place, batches)``: each host batch placed once, in order, and the next one
+    placed (its transfer started) before the current one is handed to the step."""
+    placed: list = []
+
+    def place(x, y):
+        placed.append(x)
+        return x, y
+
+    got = []
+    for x, _ in module.staged(place, iter([(i, -i) for i in range(5)])):
+        assert placed == list(range(min(x + 2, 5))), (x, placed)  # x and, ahead, x + 1
+        got.append(x)
+    assert got == list(range(5)) and placed == list(range(5)), (got, placed)
+    assert list(module.staged(place, iter([]))) == []

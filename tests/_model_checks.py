@@ -6,7 +6,9 @@ does not go through ``models._train``, so a bug there (or a mutant of it) cannot
 
 from __future__ import annotations
 
+import collections
 import functools
+import math
 
 import jax
 import numpy as np
@@ -14,6 +16,7 @@ import optax
 import shardops_models as models
 
 import shardops
+from shardops import hlo
 from shardops.testing import dtype_flow_violations
 
 STEPS = 5
@@ -173,3 +176,67 @@ def check_dtype_flow(strategy, mesh_shape, precision, *, sizes, remat=False, bui
     problems = dtype_flow_violations(setup.step, *args, policy=precision)
     assert not problems, f"{strategy} on {mesh_shape}:\n" + "\n".join(problems)
     return setup, args
+
+
+def check_donation(build=models.build) -> None:
+    """The train step donates the state it is given (the compiled step aliases every byte of
+    it to the new state, and the old state's buffers are gone after the call: one state in
+    memory, not two); nothing else donates: the params given to ``loss_and_grads``,
+    ``evaluate`` and ``logits`` stay valid. Values cannot show either: only memory does."""
+    setup = build("fsdp_tp", mesh_for({"data": 4, "model": 2}), optimizer=optax.adam(1e-3),
+                  sizes=(16, 32, 8))  # fmt: skip
+    xs, ys = batches(setup.sizes, 32)
+    x, y = setup.place_batch(xs[0], ys[0])
+    state = setup.init(jax.random.key(0))
+    per_device = sum(
+        math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        for leaf in jax.tree.leaves(state)
+    )
+    analysis = setup.train_step.lower(state, x, y).compile().memory_analysis()
+    assert analysis.alias_size_in_bytes == per_device, (
+        f"the train step aliases {analysis.alias_size_in_bytes} of the state's {per_device} "
+        f"bytes per device to its output"
+    )
+    new, loss = setup.train_step(state, x, y)
+    jax.block_until_ready((new, loss))
+    kept = [leaf for leaf in jax.tree.leaves(state) if not leaf.is_deleted()]
+    assert not kept, f"{len(kept)} leaves of the donated state are still held after the step"
+    for name in ("loss_and_grads", "evaluate", "logits"):
+        params = jax.tree.map(lambda a: a.copy(), new.params)
+        jax.block_until_ready(getattr(setup, name)(params, x, *((y,) if name != "logits" else ())))
+        gone = [leaf for leaf in jax.tree.leaves(params) if leaf.is_deleted()]
+        assert not gone, f"{name} deleted {len(gone)} of the params it must not donate"
+
+
+# A GPT small enough to lower in a moment, split by every mesh below (4 heads, S = 16): its
+# embedding, attention, norms, MLP and head cover every kernel the sequence strategies use.
+BF16_GPT = models.Gpt(vocab_size=64, d_model=32, num_heads=4, num_layers=1, context=16, d_ff=64)
+BF16_BUDGET_MESHES = {
+    "dp": {"data": 4}, "fsdp": {"data": 4}, "tp": {"model": 4}, "sp": {"model": 4},
+    "2d": {"data": 2, "model": 4}, "fsdp_tp": {"data": 2, "model": 4},
+    "dp_sp": {"data": 2, "model": 4}, "fsdp_sp": {"data": 2, "model": 4},
+}  # fmt: skip
+
+
+def check_bf16_budget(strategy: str, precision, build=models.build) -> None:
+    """The GPT's train step under a bf16 policy asks for exactly its budget, bytes per kind and
+    mesh axes (the lowered module: what the program requests, before XLA:CPU promotes bf16
+    collectives to f32): every reduction in float32, every gather of an activation in the
+    compute dtype and of a parameter in the param dtype. A reduction carried in bf16 halves
+    its bytes and shows here, where values barely move."""
+    mesh = mesh_for(BF16_BUDGET_MESHES[strategy])
+    setup = build(strategy, mesh, model=BF16_GPT, optimizer=optax.sgd(0.1), precision=precision)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, BF16_GPT.vocab_size, (8, BF16_GPT.context)).astype(np.int32)
+    state = jax.eval_shape(setup.init, jax.random.key(0))  # shapes and shardings: nothing runs
+    x, y = setup.place_batch(ids, np.roll(ids, -1, 1))
+    lowered = setup.train_step.lower(state, x, y)  # lowered only: compiling adds nothing here
+    requested = collections.Counter()
+    for c in hlo.lowered_collectives(lowered.as_text(), mesh):
+        if c.bytes:
+            requested[(c.kind, c.axes)] += c.bytes
+    requested, budget = dict(requested), setup.collective_budget(8)
+    assert requested == budget, (
+        f"{strategy} under {precision.name}: the program asks for {requested}, its budget is "
+        f"{budget}"
+    )

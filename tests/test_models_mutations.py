@@ -1,6 +1,7 @@
 """Mutation check for the strategies: bugs injected into a copy of models/_train.py (the shared
 step), models/mlp.py (the MLP's metrics) or models/parallel.py (the data axis) are caught by the
-same checks the suite runs (against an independent reference)."""
+same checks the suite runs (against an independent reference, or, for what values cannot show,
+the compiled program: donation, the requested bytes)."""
 
 import inspect
 import sys
@@ -8,10 +9,18 @@ import types
 
 import jax
 import pytest
-from _model_checks import check_dtype_flow, check_evaluation, check_trajectory
+from _model_checks import (
+    check_bf16_budget,
+    check_donation,
+    check_dtype_flow,
+    check_evaluation,
+    check_trajectory,
+)
 from shardops_models import _mlp, _train, mlp, parallel
+from test_models import check_remat_regathers
 
 import shardops
+from shardops import _attention, _kernels
 
 SOURCE = inspect.getsource(_train)
 GRADS = "        loss, grads = jax.value_and_grad(self.local_loss)(params, x, y)\n"
@@ -218,4 +227,106 @@ def test_helper_mutant_is_caught(monkeypatch, name):
     swap_helper(monkeypatch, module, fn, importers, old, new)
     with pytest.raises(AssertionError):
         helper_check(check, case)
+    jax.clear_caches()
+
+
+# Memory-only options of models/_train.py: values cannot show them, the compiled program can.
+TRAIN_STEP = '        train_step=jit(step, "train_step", donate_argnums=0),\n'
+LOSS_AND_GRADS = '        loss_and_grads=jit(loss_and_grads, "loss_and_grads"),\n'
+REMAT_OPTIONS = (
+    '    options = {"xla_disable_hlo_passes": "cse_barrier_expander"} if remat else None\n'
+)
+DONATION_MUTANTS = {
+    # The train step keeps the old state: two states in memory at every step.
+    "train_step_not_donated": (TRAIN_STEP, TRAIN_STEP.replace(", donate_argnums=0", "")),
+    # loss_and_grads donates the params it is given (the grads could reuse them): the caller's
+    # params are gone after it.
+    "loss_and_grads_donates_params": (
+        LOSS_AND_GRADS, LOSS_AND_GRADS.replace('grads")', 'grads", donate_argnums=0)'),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", DONATION_MUTANTS)
+def test_donation_mutant_is_caught(name):  # the copy's harness: test_unmutated_copy_passes
+    with pytest.raises(AssertionError):
+        check_donation(mutant_build(*DONATION_MUTANTS[name]))
+
+
+def test_remat_without_its_compiler_option_is_caught():
+    """remat's compiler option (keep XLA:CPU's optimization barriers for the late CSE pass)
+    changes no value and no requested byte: without it XLA merges the backward re-gather into
+    the forward gather, and only the compiled program's all-gathers show it. (The copy's
+    harness is the one test_unmutated_copy_passes shows to pass.)"""
+    with pytest.raises(AssertionError):
+        check_remat_regathers(mutant_build(REMAT_OPTIONS, "    options = None\n"), (64, 32, 10))
+
+
+# bf16 reductions on the sequence-parallel paths: each changes the numbers by a rounding, the
+# requested bytes by half. (module, swapped names, where the swap goes, old, new, strategies and
+# policies whose budget check must catch it.) A replicated bias reaches the kernels in its own
+# dtype only without a data axis (dp and fsdp hand it on in float32): sp under BFLOAT16.
+SP_GATHER = "            x = gather_to_region(x, axis_name, gather_dimension, accum)  # x[..., D] in accum\n"
+SP_ATTENTION = (
+    "        x = gather_to_region(x, axis_name, SEQUENCE_DIM, accum)  # x[B, S, D] in accum\n"
+)
+SP_BO = "            bo = copy_to_region(bo, axis_name, accum)  # bo[D] in accum\n"
+SP_BIAS = "        b = copy_to_region(b, axis_name, precision.accum_dtype)  # b[D] in accum\n"
+SP_POSITIONS = (
+    "            x = shardops.copy_to_region(x, MODEL_AXIS, self.precision.accum_dtype)\n"
+)
+SP_MUTANTS = {
+    # A column layer's gathered input: dx reduce-scattered along S in bf16.
+    "column_sp_dx_reduce_scattered_in_bf16": (
+        _kernels, "column_parallel_dense_kernel", "shardops", SP_GATHER,
+        SP_GATHER.replace("gather_dimension, accum)", "gather_dimension, x.dtype)"),
+        [("dp_sp", MIXED), ("fsdp_sp", BF16)],
+    ),
+    # Attention's gathered input: dx reduce-scattered along S in bf16.
+    "attention_sp_dx_reduce_scattered_in_bf16": (
+        _attention, "head_parallel_attention_kernel", "shardops", SP_ATTENTION,
+        SP_ATTENTION.replace("SEQUENCE_DIM, accum)", "SEQUENCE_DIM, x.dtype)"),
+        [("sp", MIXED)],
+    ),
+    # Attention's replicated output bias on a sequence shard: dbo all-reduced in its own dtype.
+    "attention_sp_dbo_all_reduced_in_the_param_dtype": (
+        _attention, "head_parallel_attention_kernel", "shardops", SP_BO,
+        "            bo = jax.lax.pcast(bo, axis_name, to='varying')\n", [("sp", BF16)],
+    ),
+    # A row layer's replicated bias on a sequence shard: db all-reduced in its own dtype.
+    "row_sp_db_all_reduced_in_the_param_dtype": (
+        _kernels, "row_parallel_dense_kernel", "shardops", SP_BIAS,
+        "        b = lax.pcast(b, axis_name, to='varying')\n", [("sp", BF16)],
+    ),
+    # The replicated position table's lookup kept as this device's part of S: its dx
+    # all-reduced over model in the compute dtype.
+    "positions_sp_dx_all_reduced_in_bf16": (
+        parallel, ("Parallel", "Recorder", "wrap"), "shardops_models._train", SP_POSITIONS,
+        "            x = jax.lax.pcast(x, MODEL_AXIS, to='varying')\n",
+        [("sp", MIXED), ("fsdp_sp", BF16)],
+    ),
+}  # fmt: skip
+
+
+def swap_sp_mutant(monkeypatch, name, new=None):
+    module, names, into, old, replacement, _ = SP_MUTANTS[name]
+    mutant = mutant_module(module, old, old if new is None else replacement)
+    for n in (names,) if isinstance(names, str) else names:
+        monkeypatch.setattr(sys.modules[into], n, getattr(mutant, n))
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("name", SP_MUTANTS)
+def test_unmutated_sp_copy_asks_for_its_budget(monkeypatch, name):
+    swap_sp_mutant(monkeypatch, name)
+    for strategy, precision in SP_MUTANTS[name][-1]:
+        check_bf16_budget(strategy, precision)
+
+
+@pytest.mark.parametrize("name", SP_MUTANTS)
+def test_sp_bf16_reduction_mutant_is_caught(monkeypatch, name):
+    swap_sp_mutant(monkeypatch, name, new=True)
+    for strategy, precision in SP_MUTANTS[name][-1]:
+        with pytest.raises(AssertionError, match="the program asks for"):
+            check_bf16_budget(strategy, precision)
     jax.clear_caches()

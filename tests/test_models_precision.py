@@ -1,12 +1,20 @@
 """The precision policy through the strategies: the train step's dtype flow under every policy,
-the bytes each collective is asked to move, and 5-step trajectories under the bf16 policies."""
+the bytes each collective is asked to move (the MLP, and the GPT under every strategy), and
+5-step trajectories under the bf16 policies."""
 
 import jax
 import numpy as np
 import optax
 import pytest
 import shardops_models as models
-from _model_checks import batches, check_dtype_flow, check_trajectory, mesh_for
+from _model_checks import (
+    BF16_BUDGET_MESHES,
+    batches,
+    check_bf16_budget,
+    check_dtype_flow,
+    check_trajectory,
+    mesh_for,
+)
 
 import shardops
 from shardops.testing import dtype_flow
@@ -87,6 +95,14 @@ def test_collectives_ask_for_the_budgeted_bytes(case, precision):
         assert moved.pop(key) == 2 * budget.pop(key)
         assert "all-to-all" in ledger.promoted()
     assert moved == budget
+
+
+@pytest.mark.parametrize("precision", POLICIES[1:], ids=lambda p: p.name)
+@pytest.mark.parametrize("strategy", sorted(BF16_BUDGET_MESHES))
+def test_every_strategy_asks_the_gpt_for_its_bf16_budget(strategy, precision):
+    """Every strategy, the sequence-parallel ones included, on the GPT (embedding, attention,
+    norms, MLP, head): the requested bytes per kind and axis equal the budget."""
+    check_bf16_budget(strategy, precision)
 
 
 def test_bf16_params_halve_the_fsdp_gather_and_keep_f32_reductions():

@@ -6,6 +6,9 @@ No test touches the network: the tfds paths use an empty data_dir or a stand-in 
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from _data_checks import TEXT_WINDOW_BOUNDARIES, check_text_windows
+from hypothesis import given
+from hypothesis import strategies as st
 from shardops_models import text
 
 SMALL = 200_000  # bytes of stdlib text for the quick corpus tests
@@ -179,6 +182,27 @@ def test_batches_are_shifted_non_overlapping_windows():
             seen.append(start)
     assert len(seen) == 9  # 3 full batches; the 10th window is in the dropped partial batch
     assert len(set(seen)) == 9 and set(seen) <= set(range(0, 100, 10))
+
+
+@st.composite
+def token_counts(draw):
+    """``(tokens, batch_size, context)``: lengths near multiples of the context (k·S − 1, k·S,
+    k·S + 1, k·S + 2) as often as anywhere between, window counts near multiples of the batch."""
+    context = draw(st.integers(1, 24))
+    batch_size = draw(st.integers(1, 6))
+    k = draw(st.integers(1, 12))
+    n = k * context + draw(st.sampled_from([-1, 0, 1, 2, draw(st.integers(0, context - 1))]))
+    return max(n, context + 1), batch_size, context
+
+
+@given(case=token_counts(), seed=st.integers(0, 2**16))
+def test_every_window_of_an_epoch_is_in_bounds_and_counted(case, seed):
+    check_text_windows(*case, seed=seed)
+
+
+@pytest.mark.parametrize("case", TEXT_WINDOW_BOUNDARIES, ids=str)
+def test_windows_at_the_boundaries(case):
+    check_text_windows(*case)
 
 
 def test_batches_are_seeded(stdlib_corpus):

@@ -1,12 +1,16 @@
-"""Whole-set metrics as the examples print them: ``dataset_metrics`` (chunks padded to split
-evenly, summed from each strategy's own ``evaluate``) equals the unsharded model on the full set."""
+"""The training loop's machinery: whole-set metrics as the examples print them
+(``dataset_metrics``: chunks padded to split evenly, summed from each strategy's own ``evaluate``)
+equal the unsharded model on the full set; and what only changes the schedule or the memory,
+which no value can show: the train step donates its state and nothing else donates, at most
+``limit`` steps are in flight, and the next batch is placed before the current one is used."""
 
 import jax
 import numpy as np
 import optax
 import pytest
 import shardops_models as models
-from _model_checks import mesh_for
+from _data_checks import check_staged, check_steps_in_flight
+from _model_checks import check_donation, mesh_for
 from shardops_models import loop
 
 SIZES = (48, 64, 24, 10)
@@ -39,3 +43,15 @@ def test_dataset_metrics_refuse_unpaired_arrays():
     setup = models.build("ref", optimizer=optax.sgd(1.0), sizes=SIZES)
     with pytest.raises(ValueError, match="10 images but 9 labels"):
         loop.dataset_metrics(setup, None, np.zeros((10, 48)), np.zeros((9, 10)))
+
+
+def test_the_train_step_donates_its_state_and_nothing_else_donates():
+    check_donation()
+
+
+def test_steps_in_flight_are_bounded_and_awaited_oldest_first():
+    check_steps_in_flight()
+
+
+def test_staged_places_the_next_batch_before_yielding_the_current():
+    check_staged()
