@@ -211,7 +211,8 @@ def main(argv=None):
                     save(done)
             inflight.drain()
         seconds = time.perf_counter() - start
-        row = {"epoch": epoch, "seconds": seconds, **evaluate(setup, state.params, dataset)}
+        row = {"epoch": epoch, "seconds": seconds, "steps": steps_per_epoch - first,  # this run's
+               **evaluate(setup, state.params, dataset)}  # fmt: skip
         if ref is not None:
             row.update({f"ref_{k}": v for k, v in evaluate(ref, ref_state.params, dataset).items()})
         history.append(row)

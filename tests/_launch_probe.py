@@ -9,11 +9,15 @@ JAX start-up per process.
 ``signals W`` print ``ready``, then wait; on SIGINT or SIGTERM print ``got SIGINT`` (or
              ``got SIGTERM``), spend ``W`` seconds as a shutdown handler saving a checkpoint
              would, print ``saved`` and exit 0
-``fail``     as ``signals``, but process 1 exits with code 3 once it is ready
+``fail``     as ``signals``, but process 1 exits with code 3 once every process is ready
+
+With ``SHARDOPS_TEST_READY_DIR`` set, each process also marks itself ready there (a file per
+process), which is how process 1 of ``fail`` knows the others can take a signal.
 """
 
 import json
 import os
+import pathlib
 import signal
 import sys
 import time
@@ -34,9 +38,19 @@ def wait_for_signals(work_s: float, fail: bool) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
+    me, n = os.environ.get("SHARDOPS_PROCESS_ID"), int(os.environ["SHARDOPS_NUM_PROCESSES"])
+    marks = os.environ.get("SHARDOPS_TEST_READY_DIR")
+    if marks:
+        pathlib.Path(marks, f"{me}.ready").touch()
     print("ready", flush=True)
-    if fail and os.environ.get("SHARDOPS_PROCESS_ID") == "1":
-        time.sleep(0.5)  # the others are ready by now
+    if fail and me == "1":
+        if not marks:
+            sys.exit("fail mode needs SHARDOPS_TEST_READY_DIR")
+        deadline = time.monotonic() + 30
+        while not all(pathlib.Path(marks, f"{i}.ready").exists() for i in range(n)):
+            if time.monotonic() > deadline:
+                sys.exit("the other processes never became ready")
+            time.sleep(0.02)
         return 3
     while True:
         time.sleep(0.05)

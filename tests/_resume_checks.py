@@ -103,12 +103,17 @@ def mlp_checkpoints(workdir: pathlib.Path) -> pathlib.Path:
 
 def check_mlp_resume_report(module, straight: pathlib.Path, workdir: pathlib.Path) -> None:
     """Resumed at step 6 (epoch 1, batch 2): epoch 1's line says it trained 2 of its 4 steps,
-    no line of epoch 0 is printed again, and the progress lines are of steps it trained."""
+    no line of epoch 0 is printed again, the progress lines are of steps it trained, and the
+    metrics' history says each epoch's steps (epoch 0's, from the checkpoint: all 4)."""
     directory = resumable(straight, workdir / "mlp-resumed", keep_through=6)
-    out = run_main(module, [*MLP_ARGS, "--checkpoint-dir", str(directory), "--resume"])
+    metrics = workdir / "mlp-resumed.json"
+    out = run_main(module, [*MLP_ARGS, "--checkpoint-dir", str(directory), "--resume",
+                            "--metrics-json", str(metrics)])  # fmt: skip
     assert re.search(r"^Resume: step 6 \(epoch 1, batch 2\) from ", out, re.M), out
     assert re.findall(r"^Epoch (\d+) in [\d.]+ sec(.*)$", out, re.M) == [
         ("1", " (2 of 4 steps, resumed at batch 2)")
     ], out
     steps = [int(s) for s in re.findall(r"^  epoch 1: step (\d+)/4", out, re.M)]
     assert steps and min(steps) > 2 and "  epoch 0:" not in out, out
+    history = json.loads(metrics.read_text())["history"]
+    assert [(row["epoch"], row["steps"]) for row in history] == [(0, 4), (1, 2)], history

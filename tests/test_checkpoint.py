@@ -391,7 +391,8 @@ MUTANTS = {
 def test_checkpoint_mutant_is_caught(tmp_path, name):
     line, replacement, check = MUTANTS[name]
     check(tmp_path / "real", checkpoint)  # the real module passes the check
+    bad = mutant(checkpoint, name, line, replacement)  # outside raises: a missing line fails
     with pytest.raises((AssertionError, pytest.fail.Exception, ValueError)) as caught:
-        check(tmp_path / "mutant", mutant(checkpoint, name, line, replacement))
+        check(tmp_path / "mutant", bad)
     if caught.type is ValueError:  # orbax refusing a step that exists: the replace was skipped
         assert "already exists" in str(caught.value), caught.value

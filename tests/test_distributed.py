@@ -158,8 +158,9 @@ def test_a_run_killed_mid_training_resumes_bit_identically(tmp_path, processes):
     for a, b in zip(jax.tree.leaves(straight_state), jax.tree.leaves(resumed_state), strict=True):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(straight_extra["history"], resumed_extra["history"], strict=True):
-        assert {k: v for k, v in a.items() if k != "seconds"} == {
-            k: v for k, v in b.items() if k != "seconds"
+        # Everything but the time and steps of the epoch the resumed run trained only in part.
+        assert {k: v for k, v in a.items() if k not in ("seconds", "steps")} == {
+            k: v for k, v in b.items() if k not in ("seconds", "steps")
         }
 
 

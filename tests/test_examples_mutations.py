@@ -13,6 +13,7 @@ from _resume_checks import check_lm_resume_report, check_mlp_resume_report, load
 
 TRAINED = "    trained = args.steps - done  # this run's steps: a resumed run reports only what it trained\n"
 TOKENS_PER_SECOND = "    tokens_per_second = tokens_trained / train_seconds\n"
+HISTORY_ROW = '        row = {"epoch": epoch, "seconds": seconds, "steps": steps_per_epoch - first,  # this run\'s\n'
 EPOCH_LINE = '        resumed = (f" ({steps_per_epoch - first} of {steps_per_epoch} steps, resumed at batch "\n'
 
 # name → (example, old line, new line)
@@ -24,9 +25,12 @@ MUTANTS = {
         "transformer_lm", TOKENS_PER_SECOND,
         "    tokens_per_second = args.steps * args.batch_size * args.context / train_seconds\n",
     ),
-    # A resumed epoch reported with all its steps.
+    # A resumed epoch reported with all its steps (printed; and in the metrics' history).
     "epoch_counts_its_untrained_steps": (
         "mlp_2d", EPOCH_LINE, EPOCH_LINE.replace("{steps_per_epoch - first} of", "{steps_per_epoch} of"),
+    ),
+    "epoch_history_counts_its_untrained_steps": (
+        "mlp_2d", HISTORY_ROW, HISTORY_ROW.replace('"steps": steps_per_epoch - first', '"steps": steps_per_epoch'),
     ),
 }  # fmt: skip
 

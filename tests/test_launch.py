@@ -6,7 +6,9 @@ starts. Also JAX's own heartbeat abort, without the launcher. Mutants of the lau
 of its module with one line replaced, its ``main`` run in this process) are caught.
 
 Every multi-process run is a subprocess in its own session, under a timeout; at the end of each
-test, whatever it started and is still alive is SIGKILLed by its PID (never by name).
+test, whatever it started and is still alive is SIGKILLed by its PID (never by name). A copy of
+the launcher run in this process starts its probes in sessions of their own too, and a
+watchdog SIGKILLs them by PID if the copy runs past the timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -318,7 +321,8 @@ def probe_run(start, options, mode=("env",), *, signal_when_ready=None, **kwargs
 
 def _run_here(module, options, mode, when, timeout) -> Outcome:
     """``module.main`` in this process, its output captured; a thread sends the signal once the
-    probes are ready (never after ``main`` returned: a late one is dropped, not pytest's)."""
+    probes are ready (never after ``main`` returned: a late one is dropped, not pytest's), and
+    a watchdog SIGKILLs the probes it started (by PID) if ``main`` runs past ``timeout``."""
     out, err, sent, done = io.StringIO(), io.StringIO(), [], threading.Event()
 
     def signal_once_ready(n, sig):
@@ -332,6 +336,15 @@ def _run_here(module, options, mode, when, timeout) -> Outcome:
     helper = threading.Thread(target=signal_once_ready, args=when or (0, 0), daemon=True)
     if when:
         helper.start()
+
+    def watchdog():  # a copy that never stops its processes must not hang the suite
+        if not done.wait(timeout):
+            found = (_PID_LINE.match(line) for line in err.getvalue().splitlines())
+            for pid in [int(m[2]) for m in found if m]:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+
+    threading.Thread(target=watchdog, daemon=True).start()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -398,22 +411,25 @@ def check_sigint_and_a_shutdown_that_fits_the_grace(start, module=None, monkeypa
 
 
 def check_a_shutdown_longer_than_the_grace_is_killed(start, module=None, monkeypatch=None):
-    """SIGTERM reaches every process as SIGTERM; a handler that would take 4 s gets the 1 s
+    """SIGTERM reaches every process as SIGTERM; a handler that would take 6 s gets the 1 s
     grace, then SIGKILL: the launcher exits with 128 + SIGTERM after about a second."""
-    r = probe_run(start, ["-n", "2", "--grace", "1"], ("signals", "4"),
+    r = probe_run(start, ["-n", "2", "--grace", "1"], ("signals", "6"),
                   signal_when_ready=(2, signal.SIGTERM), module=module)  # fmt: skip
     assert r.code == 128 + signal.SIGTERM and r.after_signal is not None, r.report()
     assert all(f"[p{i}] got SIGTERM" in r.out for i in range(2)), r.report()
     assert not any(line.endswith("] saved") for line in r.out), r.report()
-    assert 1 <= r.after_signal < 3, f"killed {r.after_signal:.2f} s after SIGTERM (grace 1 s)"
+    assert 1 <= r.after_signal < 4.5, f"ended {r.after_signal:.2f} s after SIGTERM (grace 1 s)"
     assert not any(worker_alive(p) for p in r.child_pids().values()), r.report()
 
 
 def check_a_failure_stops_the_others_with_sigterm_and_grace(start, module=None,
                                                             monkeypatch=None):  # fmt: skip
-    """Process 1 exits with code 3: process 0 gets SIGTERM and the grace to finish its handler;
-    the launcher exits with 3."""
-    r = probe_run(start, ["-n", "2", "--grace", "5"], ("fail", "0.5"), module=module)
+    """Process 1 exits with code 3 (once process 0 can take a signal): process 0 gets SIGTERM
+    and the grace to finish its handler; the launcher exits with 3."""
+    with tempfile.TemporaryDirectory() as marks:
+        env = {**os.environ, "SHARDOPS_TEST_READY_DIR": marks}
+        r = probe_run(start, ["-n", "2", "--grace", "5"], ("fail", "0.5"), env=env,
+                      module=module, monkeypatch=monkeypatch)  # fmt: skip
     assert r.code == 3, r.report()
     assert "[p0] got SIGTERM" in r.out and "[p0] saved" in r.out, r.report()
 
@@ -476,8 +492,9 @@ def test_a_copy_of_the_launcher_run_here_passes(start, monkeypatch, check):
 @pytest.mark.parametrize("name", LAUNCH_MUTANTS)
 def test_launch_mutant_is_caught(start, monkeypatch, name):
     old, new, check = LAUNCH_MUTANTS[name]
+    bad = mutant(launch, name, old, new)  # outside raises: a line not found is no catch
     with pytest.raises(AssertionError):
-        check(start, mutant(launch, name, old, new), monkeypatch)
+        check(start, bad, monkeypatch)
 
 
 # ---------------------------------------------------------------------------------------------

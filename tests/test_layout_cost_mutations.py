@@ -226,6 +226,15 @@ COST_MUTANTS = {
     # The caller's arguments freed after their last use, as if every argument were donated.
     "held_arguments_freed_early": (_program_cost, FREED, FREED.replace(" and b not in kept", ""),
                                    "peak"),
+    # Donation never reaches a shard_map body: its blocks of the donated state stay live.
+    "donation_stops_at_shard_map": (_program_cost, "                yield sub, inner\n",
+                                    "                yield sub, [True] * len(sub.invars)\n",
+                                    "peak"),
+    # A donated argument the program reads again after the shard_map freed inside it.
+    "donated_but_read_again_freed": (
+        _program_cost, "            isinstance(v, Literal) or outer.get(v, True) or last_use[v] > i\n",
+        "            isinstance(v, Literal) or outer.get(v, True)\n", "peak",
+    ),
     # The matmul rate of the param dtype (float32 under the mixed policy), not the compute dtype.
     "flop_rate_of_the_param_dtype": (
         shardops.plan, RATE, RATE.replace("precision.compute_dtype", "precision.param_dtype"),
@@ -266,5 +275,6 @@ def test_unmutated_cost_copy_passes(monkeypatch, clear, name):
 @pytest.mark.parametrize("name", COST_MUTANTS)
 def test_cost_mutant_is_caught(monkeypatch, clear, name):
     module, old, new, check = COST_MUTANTS[name]
+    bad = load_cost_mutant(monkeypatch, module, old, new)  # outside raises: a missing line fails
     with pytest.raises(AssertionError):
-        cost_check(check, load_cost_mutant(monkeypatch, module, old, new))
+        cost_check(check, bad)

@@ -78,7 +78,15 @@ def check_directions(setup, state, x, y, ring) -> None:
     check_ring_directions(shifts, ring == "bidirectional", f"{setup.strategy} {ring}")
 
 
-def test_a_one_way_bidirectional_ring_is_caught_in_the_train_step(monkeypatch):
+@pytest.fixture
+def clear():
+    """No trace made with a mutant outlives its test."""
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
+def test_a_one_way_bidirectional_ring_is_caught_in_the_train_step(monkeypatch, clear):
     """The strategies' ``collective_matmul="bidirectional"`` with the row layers' second halves
     sent the same way as the first (``test_collective_matmul``'s mutant, under the dense
     kernels), tp on model=8: the budget is unchanged, the compiled step's directions not."""
@@ -86,7 +94,6 @@ def test_a_one_way_bidirectional_ring_is_caught_in_the_train_step(monkeypatch):
     bad = mutant(_collective_matmul, "one_way", LEFT_SCATTER,
                  LEFT_SCATTER.replace("ring(h, h, -1)", "ring(h, h, +1)"))  # fmt: skip
     monkeypatch.setattr(_collective_dense, "_collective_matmul", bad)
-    jax.clear_caches()
     setup = models.build("tp", mesh, optimizer=optax.sgd(1.0), model=MLP,
                          collective_matmul="bidirectional")  # fmt: skip
     x, y = batch_for(MLP, 64)
@@ -99,4 +106,3 @@ def test_a_one_way_bidirectional_ring_is_caught_in_the_train_step(monkeypatch):
     assert requested == setup.collective_budget(64)  # the budget cannot tell
     with pytest.raises(AssertionError, match="as many blocks each way"):
         check_directions(setup, state, x, y, "bidirectional")
-    jax.clear_caches()

@@ -186,8 +186,9 @@ def test_batches_are_shifted_non_overlapping_windows():
 
 @st.composite
 def token_counts(draw):
-    """``(tokens, batch_size, context)``: lengths near multiples of the context (k·S − 1, k·S,
-    k·S + 1, k·S + 2) as often as anywhere between, window counts near multiples of the batch."""
+    """``(tokens, batch_size, context)``: lengths at k·S − 1, k·S, k·S + 1 or k·S + 2 (4 draws
+    in 5), else anywhere in [k·S, (k + 1)·S); the window counts fall at and near multiples of
+    the batch as k varies."""
     context = draw(st.integers(1, 24))
     batch_size = draw(st.integers(1, 6))
     k = draw(st.integers(1, 12))
