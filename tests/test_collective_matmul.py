@@ -264,8 +264,6 @@ MUTANTS = {
 def test_collective_matmul_mutant_is_caught(name):
     line, replacement, check = MUTANTS[name]
     check(_collective_matmul)  # the real module passes
-    bad = mutant(_collective_matmul, name, line, replacement)
-    if check is check_bidirectional:
-        check_fixed(bad, (True,))  # a schedule-only bug: the values are still right ...
-    with pytest.raises(AssertionError):
-        check(bad)  # ... but the compiled program shows it
+    bad = mutant(_collective_matmul, name, line, replacement)  # (the schedule-only mutants
+    with pytest.raises(AssertionError):  # keep the values: test_ring shows it for its own)
+        check(bad)

@@ -222,9 +222,10 @@ def check_two_axis_entry(module, mesh_shape: dict, entry: tuple[str, str]) -> No
     assert {r.layer for r in report.rows if r.what == "output"} == {"rows", "cols"}, where
 
 
-@pytest.mark.parametrize("entry", [("data", "model"), ("model", "data")], ids="-".join)
-@pytest.mark.parametrize("mesh_shape", [{"data": 2, "model": 4}, {"data": 4, "model": 2}],
-                         ids=lambda m: "x".join(map(str, m.values())))  # fmt: skip
+@pytest.mark.parametrize(("mesh_shape", "entry"), [
+    ({"data": 2, "model": 4}, ("data", "model")),
+    ({"data": 4, "model": 2}, ("model", "data")),
+], ids=["2x4-data-model", "4x2-model-data"])  # fmt: skip
 def test_a_spec_entry_over_two_mesh_axes_is_within_bound(mesh_shape, entry):
     check_two_axis_entry(_compare, mesh_shape, entry)
 
@@ -341,4 +342,4 @@ def test_a_two_axis_entry_mutant_is_caught(name):
     old, new = TWO_AXIS_MUTANTS[name]
     bad = mutant(_compare, name, old, new)
     with pytest.raises(AssertionError, match=r"P\(\(.* on "):
-        check_two_axis_entry(bad, {"data": 2, "model": 4}, ("model", "data"))
+        check_two_axis_entry(bad, {"data": 2, "model": 4}, ("data", "model"))
