@@ -25,10 +25,10 @@ import collections
 import jax
 import numpy as np
 import optax
-import shardops_models as models
 from strategies import benches, gspmd_step, random_batch
 
 import shardops
+import shardops_models as models
 
 
 def main(argv=None):
@@ -56,7 +56,7 @@ def main(argv=None):
     for name, fn in (("shardops", setup.train_step), ("GSPMD", gspmd_step(setup, ref))):
         compiled = fn.lower(state, *batch).compile()
         memory = compiled.memory_analysis()
-        found = [c for c in shardops.collectives(mesh, compiled) if c.bytes]
+        found = [c for c in shardops.inspect.collectives(mesh, compiled) if c.bytes]
         count = collections.Counter(c.kind for c in found)
         print(f"\n== {name}: temp {memory.temp_size_in_bytes / 1e6:.2f} MB, arguments "
               f"{memory.argument_size_in_bytes / 1e6:.2f} MB; {len(found)} collectives "

@@ -74,16 +74,18 @@ def init(key):
 
 def specs(sequence_parallel: bool):
     """PartitionSpecs of the parameter tree: the layers' own specs, norms replicated."""
-    attn = shardops.attention_specs(batch_axis=BATCH_AXIS, sequence_parallel=sequence_parallel)
+    attn = shardops.head_parallel_attention_specs(
+        batch_axis=BATCH_AXIS, sequence_parallel=sequence_parallel
+    )
     norm = {"scale": P(), "bias": P()}
     block = {"ln1": norm, "attn": attn.params, "ln2": norm,
-             "up": shardops.column_parallel_specs().params,
-             "down": shardops.row_parallel_specs().params}  # fmt: skip
+             "up": shardops.column_parallel_dense_specs().params,
+             "down": shardops.row_parallel_dense_specs().params}  # fmt: skip
     return {
         "embed": shardops.vocab_parallel_embedding_specs().params["table"],
         "blocks": [block] * DEPTH,
         "ln_f": norm,
-        "head": {"w": shardops.column_parallel_specs().w},
+        "head": {"w": shardops.column_parallel_dense_specs().w},
     }
 
 
@@ -218,7 +220,7 @@ def main(argv=None):
 
     print("collectives in the compiled forward + backward, per layer:")
     rows = collections.defaultdict(lambda: [0, 0])  # (pass, kind, axes, layer) → [count, bytes]
-    for c in shardops.ledger(mesh, grad_sharded, sharded, ids_s, labels_s).collectives:
+    for c in shardops.inspect.ledger(mesh, grad_sharded, sharded, ids_s, labels_s).collectives:
         if not c.bytes:
             continue
         axes = "×".join(c.axes)

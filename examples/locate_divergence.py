@@ -11,12 +11,12 @@ A model of your own, six dense layers from shardops' global layers on ``data=4 �
     x[B, 32] → dense → column → row → column → row → dense → logits[B, 10]   (ReLU between)
                1       2        3     4        5     6
 
-Each layer's output goes through ``shardops.tap(y, "layerN")``, in the sharded model and in its
+Each layer's output goes through ``shardops.inspect.tap(y, "layerN")``, in the sharded model and in its
 plain ``jnp`` twin. ``--bug`` replaces one row layer by a hand-written ``shard_map`` with a
 classic tensor-parallel mistake: the bias added on every device before the ``psum`` (the
 output gains ``(p − 1) · b``), a second ``psum`` (the output × p), or no ``psum`` under
 ``check_vma=False`` (each device keeps its partial sum and ``out_specs`` claims it is
-replicated). ``shardops.compare`` runs both models on one batch, feeds the reference each
+replicated). ``shardops.inspect.compare`` runs both models on one batch, feeds the reference each
 sharded layer's input (teacher forcing), and prints every layer's error against the bound of
 float reordering: the injected layer, and only it, is beyond.
 On a machine without an accelerator it simulates 8 CPU devices (XLA_FLAGS, set before JAX starts).
@@ -66,7 +66,7 @@ def reference_loss(params, x, labels, *, precision=shardops.FLOAT32):
     """The twin: plain ``jnp`` on one device, tapped under the same names."""
     x = x.astype(precision.compute_dtype)
     for i, p in enumerate(params.values()):
-        x = shardops.tap(shardops.dense(x, p["w"], p["b"], precision=precision), f"layer{i + 1}",
+        x = shardops.inspect.tap(shardops.dense(x, p["w"], p["b"], precision=precision), f"layer{i + 1}",
                          k=x.shape[-1])  # fmt: skip
         x = jax.nn.relu(x) if i < len(params) - 1 else x
     return loss(x, labels)
@@ -86,7 +86,7 @@ def sharded_loss(params, x, labels, *, mesh, bug="none", bug_layer=0, precision=
             y = shardops.row_parallel_dense(x, p["w"], p["b"], **kwargs)
         else:
             y = shardops.dense(x, p["w"], p["b"], precision=precision)
-        x = shardops.tap(y, f"layer{i + 1}", k=x.shape[-1])
+        x = shardops.inspect.tap(y, f"layer{i + 1}", k=x.shape[-1])
         x = jax.nn.relu(x) if i < len(params) - 1 else x
     return loss(x, labels)
 
@@ -106,12 +106,12 @@ def buggy_row_dense(x, w, b, *, mesh, bug, precision):
         kernel, mesh=mesh, in_specs=(P(DATA, MODEL), P(MODEL, None), P()),
         # Off only for the missing-psum bug: with it on, JAX refuses that bug at trace time
         # (the output varies over model, out_specs says replicated), and the point here is the
-        # bug that check_vma=False lets through. tests/test_compare.py names its layer.
+        # bug that check_vma=False lets through. tests/inspect/test_locate.py names its layer.
         out_specs=P(DATA, None), check_vma=bug != "missing-psum",
     )(x, w, b)  # fmt: skip
 
 
-def run(bug="none", bug_layer=3, precision=shardops.FLOAT32, seed=0) -> shardops.Report:
+def run(bug="none", bug_layer=3, precision=shardops.FLOAT32, seed=0) -> shardops.inspect.Report:
     """Compare the sharded model (with ``bug`` in layer ``bug_layer``) with its twin."""
     if bug != "none" and ROLES[bug_layer - 1] != "row":
         rows = [i + 1 for i, r in enumerate(ROLES) if r == "row"]
@@ -125,7 +125,7 @@ def run(bug="none", bug_layer=3, precision=shardops.FLOAT32, seed=0) -> shardops
     sharded = jax.jit(functools.partial(sharded_loss, mesh=mesh, bug=bug, bug_layer=bug_layer,
                                         precision=precision))  # fmt: skip
     reference = jax.jit(functools.partial(reference_loss, precision=precision))
-    return shardops.compare(sharded, reference, params, x, labels, precision=precision)
+    return shardops.inspect.compare(sharded, reference, params, x, labels, precision=precision)
 
 
 def main(argv=None) -> int:

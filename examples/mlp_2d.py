@@ -43,11 +43,12 @@ import time
 import jax
 import numpy as np
 import optax
-import shardops_models as models
-from shardops_models import checkpoint, loop, mnist
 
 import shardops
 import shardops.distributed
+import shardops_models as models
+from shardops_models.data import mnist
+from shardops_models.training import checkpoint, loop
 
 
 def parse_args(argv=None):
@@ -70,7 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--remat", action="store_true", help="fsdp/fsdp_tp: re-gather in backward")
     p.add_argument("--locate", action="store_true",
                    help="compare one gradient step with the unsharded model layer by layer "
-                        "(shardops.compare) and exit")  # fmt: skip
+                        "(shardops.inspect.compare) and exit")  # fmt: skip
     p.add_argument("--compare-reference", action="store_true",
                    help="train the unsharded model alongside on identical batches")  # fmt: skip
     p.add_argument("--plot", metavar="PATH", help="save loss and accuracy curves as a PNG")

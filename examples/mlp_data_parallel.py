@@ -4,7 +4,7 @@
     python examples/mlp_data_parallel.py --with-pmap      # and jax.pmap alongside: same numbers
 
 ``--with-pmap`` trains a second copy through ``jax.pmap``, the seed's own tool
-(``models/pmap.py``: parameters replicated by stacking, gradients reduced with an explicit
+(``models/strategies/pmap.py``: parameters replicated by stacking, gradients reduced with an explicit
 ``lax.psum``), on identical batches,
 and prints how far the two runs are apart after every epoch. On a machine without an
 accelerator the script simulates 8 CPU devices itself (XLA_FLAGS, set before JAX starts).
@@ -22,10 +22,12 @@ import time
 
 import jax
 import numpy as np
-import shardops_models as models
-from shardops_models import loop, mnist, pmap
 
 import shardops
+import shardops_models as models
+from shardops_models.data import mnist
+from shardops_models.strategies import pmap
+from shardops_models.training import loop
 
 N_DEVICES = 8
 

@@ -22,12 +22,12 @@ import argparse
 import jax
 import jax.numpy as jnp
 import optax
-import shardops_models as models
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardops
+import shardops_models as models
 
 
 def section(title):
@@ -60,7 +60,7 @@ def main(argv=None):
     dot = jax.jit(jax.shard_map(local_dot, mesh=line, in_specs=(P("i"), P("i")), out_specs=P()))
     w = jax.device_put(jnp.ones(16), NamedSharding(line, P("i")))
     print(f"v · ones = {float(dot(v, w))} (expected {float(jnp.arange(16.0).sum())})")
-    for sentence in shardops.explain(line, dot, v, w):
+    for sentence in shardops.inspect.explain(line, dot, v, w):
         print("  " + sentence)
 
     section("3. vmap over a sharded batch")
@@ -74,7 +74,7 @@ def main(argv=None):
     first, second = devices[:4], devices[4:8]
     half = shardops.make_mesh({"model": 4}, devices=first)
     w_on_first = shardops.shard_params(shardops.init_dense(jax.random.key(1), 784, 512), half,
-                                       shardops.column_parallel_specs().params)  # fmt: skip
+                                       shardops.column_parallel_dense_specs().params)  # fmt: skip
     x_on_second = jax.device_put(jnp.ones((8, 784)), NamedSharding(
         shardops.make_mesh({"model": 4}, devices=second), P()))  # fmt: skip
     try:
@@ -85,17 +85,19 @@ def main(argv=None):
     section("5. A model's layout, in the terminal (and as a picture with --png PATH)")
     setup = models.build("fsdp_tp", mesh, optimizer=optax.sgd(1.0))
     state = setup.init(jax.random.key(0))
-    shardops.show_layout(state.params, title="fsdp_tp parameters on data=4 × model=2", grids=False)
+    shardops.inspect.show_layout(
+        state.params, title="fsdp_tp parameters on data=4 × model=2", grids=False
+    )
     weights = {
         f"2d {k}": v
         for k, v in models.build("2d", mesh, optimizer=optax.sgd(1.0)).weight_layouts().items()
     }
     weights.update({f"fsdp_tp {k}": v for k, v in setup.weight_layouts().items()})
     for name, (shape, spec) in weights.items():
-        tiles = shardops.tiles_of(shape, NamedSharding(mesh, spec))  # {block: device ids}
+        tiles = shardops.inspect.tiles_of(shape, NamedSharding(mesh, spec))  # {block: device ids}
         print(f"  {name}: {len(tiles)} tiles, each on {len(next(iter(tiles.values())))} device(s)")
     if args.png:
-        shardops.layout_png(
+        shardops.inspect.layout_png(
             args.png, weights, mesh, title="2d vs fsdp_tp weight tiles on data=4 × model=2"
         )
         print(f"saved {args.png}")

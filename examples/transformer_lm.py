@@ -12,7 +12,7 @@ The loss falls from 5.61 to a validation loss of 2.56 nats per byte, and with
     python examples/transformer_lm.py --compare-reference --steps 300 --mesh 4x2 \\
         --plot examples/transformer_lm.png --metrics-json /tmp/lm.json
 
-Text (``shardops_models.text``): tiny_shakespeare through tfds when it is prepared, else the
+Text (``shardops_models.data.text``): tiny_shakespeare through tfds when it is prepared, else the
 Python standard library's source, which every machine has (one line says which).
 ``--compare-reference`` trains the unsharded model (strategy ``ref``) in lockstep, from the
 same init on the same batches, and fails (exit status 1) if the final losses differ by more
@@ -46,11 +46,12 @@ import time
 import jax
 import numpy as np
 import optax
-import shardops_models as models
-from shardops_models import checkpoint, loop, text
 
 import shardops
 import shardops.distributed
+import shardops_models as models
+from shardops_models.data import text
+from shardops_models.training import checkpoint, loop
 
 MAX_RELATIVE_DIFF = 1e-3  # --compare-reference: |loss − ref_loss| / ref_loss at the last step
 
@@ -95,7 +96,7 @@ def parse_args(argv=None):
     p.add_argument("--text-source", default="auto", choices=text.SOURCES)
     p.add_argument("--locate", action="store_true",
                    help="compare one gradient step with the unsharded model layer by layer "
-                        "(shardops.compare) and exit")  # fmt: skip
+                        "(shardops.inspect.compare) and exit")  # fmt: skip
     p.add_argument("--compare-reference", action="store_true",
                    help="train the unsharded model in lockstep on the same batches")  # fmt: skip
     p.add_argument("--plot", metavar="PATH", help="save the loss curves as a PNG")

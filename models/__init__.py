@@ -7,12 +7,11 @@
     state, loss = setup.train_step(state, *setup.place_batch(x, y))
 
 A strategy composes a data-axis strategy (dp, fsdp) with a model-axis one (tp, sp); a model
-gives its parameters a plan of tensor-parallel roles (``models.plan``) and writes its forward
-once against the layer context (``models.parallel``).
+gives its parameters a plan of tensor-parallel roles (``models.strategies.plan``) and writes its forward
+once against the layer context (``models.strategies.parallel``).
 """
 
-from shardops_models._layout import fsdp_spec, gather_tree, shard_tree
-from shardops_models._mlp import (
+from shardops_models.networks._mlp import (
     INIT_SCALE,
     SEED_SIZES,
     accuracy,
@@ -21,7 +20,12 @@ from shardops_models._mlp import (
     loss,
     mlp_forward,
 )
-from shardops_models._train import (
+from shardops_models.networks.gpt import Gpt
+from shardops_models.networks.mlp import Mlp, tp_plan
+from shardops_models.strategies.fsdp import fsdp_spec
+from shardops_models.strategies.parallel import STRATEGIES, Parallel, Strategy, strategies_for
+from shardops_models.strategies.plan import COLUMN, HEAD, REPLICATED, ROLES, ROW, VOCAB
+from shardops_models.training._train import (
     DECAY_RATE,
     DECAY_STEPS,
     INIT_LR,
@@ -29,14 +33,12 @@ from shardops_models._train import (
     Setup,
     TrainState,
     build,
+    gather_tree,
     seed_schedule,
     seed_sgd,
+    shard_tree,
 )
-from shardops_models.gpt import Gpt
-from shardops_models.locate import locate
-from shardops_models.mlp import Mlp, tp_plan
-from shardops_models.parallel import STRATEGIES, Parallel, Strategy, strategies_for
-from shardops_models.plan import COLUMN, HEAD, REPLICATED, ROLES, ROW, VOCAB
+from shardops_models.training.locate import locate
 
 __all__ = [
     "COLUMN",

@@ -1,138 +1,110 @@
-"""shardops: explicit tensor parallelism for JAX.
+"""shardops: explicit model parallelism for JAX, every layer verified against its unsharded twin.
 
-Column- and row-parallel dense layers written by hand inside ``jax.shard_map``, with every
-collective spelled out, and verified against the unsharded layer.
+The surface, by concept (each subpackage has its own short ``__all__``):
+
+- **mesh**: ``make_mesh``, ``DATA_AXIS`` / ``MODEL_AXIS`` / ``SEQUENCE_DIM``, ``axis_size``,
+  ``check_divisible``, ``check_devices``; PartitionSpec entries (``spec_entry``, ``entry_axes``,
+  ``spec_entries``, ``normalized_spec``) and ``varying_axes`` inside ``shard_map``.
+- **precision**: ``Precision`` and the policies ``FLOAT32``, ``MIXED_BFLOAT16``, ``BFLOAT16``.
+- **layers** (``shardops.layers``, its kernels there too): column/row-parallel dense,
+  vocab-parallel embedding and cross-entropy, head-parallel attention, norms, parameters.
+- ``shardops.comm``: the communication patterns the kernels are built from.
+- ``shardops.inspect``: collectives, ledger, explain, layouts, the divergence locator.
+- ``shardops.testing``: the derived error bound, dtype flow, collective budgets.
+- ``shardops.distributed`` / ``python -m shardops.launch``: multi-process runs.
 """
 
-from shardops import hlo, testing
-from shardops._attention import (
-    AttentionSpecs,
-    attention,
-    attention_specs,
-    head_parallel_attention,
-    head_parallel_attention_kernel,
-    init_attention,
-)
-from shardops._axes import DATA_AXIS, MODEL_AXIS
-from shardops._collective_dense import COLLECTIVE_MATMULS
-from shardops._collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from shardops._compare import Report, compare, tap
-from shardops._cross_entropy import (
-    CrossEntropySpecs,
-    vocab_parallel_argmax,
-    vocab_parallel_argmax_kernel,
-    vocab_parallel_cross_entropy,
-    vocab_parallel_cross_entropy_kernel,
-    vocab_parallel_cross_entropy_specs,
-)
+from shardops import comm, inspect, layers, testing
+from shardops._axes import DATA_AXIS, MODEL_AXIS, SEQUENCE_DIM
 from shardops._devices import DeviceMismatchError, check_devices
-from shardops._embedding import (
+from shardops._mesh import (
+    axis_size,
+    check_divisible,
+    entry_axes,
+    make_mesh,
+    normalized_spec,
+    spec_entries,
+    spec_entry,
+    varying_axes,
+)
+from shardops._precision import BFLOAT16, FLOAT32, MIXED_BFLOAT16, Precision
+from shardops.layers import (
+    AttentionSpecs,
+    CrossEntropySpecs,
+    DenseSpecs,
     EmbeddingSpecs,
+    attention,
+    column_parallel_dense,
+    column_parallel_dense_specs,
+    dense,
+    head_parallel_attention,
+    head_parallel_attention_specs,
+    init_attention,
+    init_dense,
+    layer_norm,
+    pad_params,
+    padded_size,
+    rms_norm,
+    row_parallel_dense,
+    row_parallel_dense_specs,
+    shard_params,
+    unpad,
+    vocab_parallel_argmax,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_cross_entropy_specs,
     vocab_parallel_embedding,
-    vocab_parallel_embedding_kernel,
     vocab_parallel_embedding_specs,
 )
-from shardops._explain import explain
-from shardops._hlo import collectives
-from shardops._kernels import column_parallel_dense_kernel, row_parallel_dense_kernel
-from shardops._layers import (
-    DenseSpecs,
-    column_parallel_dense,
-    column_parallel_specs,
-    row_parallel_dense,
-    row_parallel_specs,
-)
-from shardops._ledger import Ledger, ledger, ring_bytes
-from shardops._mappings import (
-    copy_to_region,
-    gather_many_to_region,
-    gather_to_region,
-)
-from shardops._mesh import axis_size, check_divisible, make_mesh, spec_entry
-from shardops._norms import layer_norm, rms_norm
-from shardops._params import dense, init_dense, pad_params, padded_size, shard_params, unpad
-from shardops._passes import OPTIMIZER_SCOPE
-from shardops._precision import BFLOAT16, FLOAT32, MIXED_BFLOAT16, Precision
-from shardops._ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
-from shardops._views import (
-    LeafLayout,
-    grid_sharding,
-    layout_png,
-    layout_table,
-    layouts,
-    show_layout,
-    tiles_of,
-)
 
-__all__ = [
-    "BFLOAT16",
-    "COLLECTIVE_MATMULS",
+__all__ = [  # noqa: RUF022 (grouped by concept, as the docstring lists them)
+    # mesh
     "DATA_AXIS",
-    "FLOAT32",
-    "MIXED_BFLOAT16",
     "MODEL_AXIS",
-    "OPTIMIZER_SCOPE",
-    "AttentionSpecs",
-    "CrossEntropySpecs",
-    "DenseSpecs",
+    "SEQUENCE_DIM",
     "DeviceMismatchError",
-    "EmbeddingSpecs",
-    "LeafLayout",
-    "Ledger",
-    "Precision",
-    "Report",
-    "all_gather_matmul",
-    "attention",
-    "attention_specs",
     "axis_size",
     "check_devices",
     "check_divisible",
-    "collectives",
+    "entry_axes",
+    "make_mesh",
+    "normalized_spec",
+    "spec_entries",
+    "spec_entry",
+    "varying_axes",
+    # precision
+    "BFLOAT16",
+    "FLOAT32",
+    "MIXED_BFLOAT16",
+    "Precision",
+    # layers
+    "AttentionSpecs",
+    "CrossEntropySpecs",
+    "DenseSpecs",
+    "EmbeddingSpecs",
+    "attention",
     "column_parallel_dense",
-    "column_parallel_dense_kernel",
-    "column_parallel_specs",
-    "compare",
-    "copy_to_region",
+    "column_parallel_dense_specs",
     "dense",
-    "explain",
-    "gather_many_to_region",
-    "gather_to_region",
-    "grid_sharding",
     "head_parallel_attention",
-    "head_parallel_attention_kernel",
-    "hlo",
+    "head_parallel_attention_specs",
     "init_attention",
     "init_dense",
     "layer_norm",
-    "layout_png",
-    "layout_table",
-    "layouts",
-    "ledger",
-    "make_mesh",
-    "matmul_reduce_scatter",
     "pad_params",
     "padded_size",
-    "ring_all_gather",
-    "ring_all_reduce",
-    "ring_bytes",
-    "ring_reduce_scatter",
     "rms_norm",
     "row_parallel_dense",
-    "row_parallel_dense_kernel",
-    "row_parallel_specs",
+    "row_parallel_dense_specs",
     "shard_params",
-    "show_layout",
-    "spec_entry",
-    "tap",
-    "testing",
-    "tiles_of",
     "unpad",
     "vocab_parallel_argmax",
-    "vocab_parallel_argmax_kernel",
     "vocab_parallel_cross_entropy",
-    "vocab_parallel_cross_entropy_kernel",
     "vocab_parallel_cross_entropy_specs",
     "vocab_parallel_embedding",
-    "vocab_parallel_embedding_kernel",
     "vocab_parallel_embedding_specs",
+    # subpackages
+    "comm",
+    "inspect",
+    "layers",
+    "testing",
 ]

@@ -1,4 +1,4 @@
-"""Mesh-axis names used by shardops, defined once.
+"""Mesh-axis names used by shardops, and the sequence dim, defined once.
 
 Layers take an ``axis_name`` argument that defaults to these constants, so a model never
 spells the string ``"model"`` itself.
@@ -9,3 +9,6 @@ DATA_AXIS = "data"
 
 MODEL_AXIS = "model"
 """Mesh axis that splits weight matrices (tensor / model parallelism)."""
+
+SEQUENCE_DIM = 1
+"""The sequence dim of ``[B, S, ...]`` activations: what sequence parallelism splits."""

@@ -115,19 +115,31 @@ def check_divisible(
         )
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry: ``None`` → ``()``, ``"data"`` → ``("data",)``,
+    ``("data", "model")`` → itself."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def spec_entries(spec: P, ndim: int) -> list:
+    """The entries of a PartitionSpec, one per dimension of a rank-``ndim`` array (``None``
+    for the dims it leaves out at the end)."""
+    return list(spec) + [None] * (ndim - len(spec))
+
+
 def normalized_spec(spec: P, ndim: int) -> tuple[tuple[str, ...], ...]:
     """A PartitionSpec as one tuple of axis names per dimension, padded to ``ndim``.
 
     ``P("data")`` and ``P(("data",), None)`` both become ``(("data",), ())`` for ndim 2, so
     specs that mean the same layout compare equal.
     """
-    entries = list(spec) + [None] * (ndim - len(spec))
-    out = []
-    for entry in entries:
-        if entry is None:
-            out.append(())
-        elif isinstance(entry, tuple):
-            out.append(tuple(entry))
-        else:
-            out.append((entry,))
-    return tuple(out)
+    return tuple(entry_axes(e) for e in spec_entries(spec, ndim))
+
+
+def varying_axes(x) -> frozenset:
+    """The mesh axes a value inside ``jax.shard_map`` varies over (its ``check_vma`` type);
+    empty outside ``shard_map``."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", ()))

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from shardops._mesh import varying_axes
+
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
@@ -135,13 +137,8 @@ def _matmul_bwd(compute, accum, precision, residuals, g):
 
 
 def _reduce_to(ct, primal):
-    extra = _varying(ct) - _varying(primal)
+    extra = varying_axes(ct) - varying_axes(primal)
     return lax.psum(ct, tuple(sorted(extra))) if extra else ct
-
-
-def _varying(x) -> frozenset:
-    manual = getattr(jax.typeof(x), "manual_axis_type", None)
-    return frozenset(getattr(manual, "varying", ()))
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)

@@ -52,15 +52,22 @@ class Launch:
     heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S
 
 
+def integer_at_least(name: str, value, low: int, error: type[Exception] = ValueError) -> int:
+    """``value`` (an int, or the text of one, as the environment gives it) as an int ≥ ``low``;
+    else ``error`` naming ``name``. The one check of the launcher's options and the variables
+    it sets."""
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            raise error(f"{name} must be an integer ≥ {low}; got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise error(f"{name} must be an integer ≥ {low}; got {value!r}")
+    return value
+
+
 def _int(environ, name: str, low: int) -> int:
-    value = environ[name]
-    try:
-        out = int(value)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer ≥ {low}; got {value!r}") from None
-    if out < low:
-        raise ValueError(f"{name} must be ≥ {low}; got {out}")
-    return out
+    return integer_at_least(name, environ[name], low)
 
 
 def from_env(environ=None) -> Launch | None:

@@ -41,7 +41,7 @@ these on a CPU (XLA:CPU computes bf16 all-reduces in f32 and has no TF32), the j
 Communication
 -------------
 ``expect_collectives(fn, *args, forward={(kind, axes): bytes}, backward=…, optimizer=…)``
-compiles ``fn`` and asserts the bytes each pass moves (``shardops.ledger``'s V, per kind and
+compiles ``fn`` and asserts the bytes each pass moves (``shardops.inspect.ledger``'s V, per kind and
 mesh axes; ``{}`` means none, ``None`` unchecked). A mismatch raises ``AssertionError`` with a
 diff table: expected and compiled bytes, ``missing`` and ``unexpected`` rows (a reshard XLA
 inserted), and the layer and ``dtype[shape]`` behind each row. It returns the ``Ledger``.
@@ -57,8 +57,8 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from shardops._expect import expect_collectives
 from shardops._precision import Precision
+from shardops.inspect._expect import expect_collectives
 
 __all__ = [
     "SUMS",

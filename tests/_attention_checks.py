@@ -66,7 +66,7 @@ from _dense_checks import mesh_for
 from jax.sharding import NamedSharding
 
 import shardops
-from shardops import _attention, _norms
+from shardops.layers import _attention, _norms
 from shardops.testing import dtype_flow, dtype_flow_violations
 
 # Looked up at trace time, so the mutation tests can swap in a mutant module.
@@ -298,7 +298,9 @@ def random_inputs(
 
 
 def place(mesh, batch_axis, sequence_parallel, x, params, ct):
-    specs = attention.attention_specs(batch_axis=batch_axis, sequence_parallel=sequence_parallel)
+    specs = attention.head_parallel_attention_specs(
+        batch_axis=batch_axis, sequence_parallel=sequence_parallel
+    )
     x = jax.device_put(x, NamedSharding(mesh, specs.x))
     ct = jax.device_put(ct, NamedSharding(mesh, specs.y))
     return x, shardops.shard_params(params, mesh, specs.params), ct
@@ -385,7 +387,9 @@ def requested_and_compiled(mesh_shape, precision, *, sequence_parallel, causal=T
     args = place(mesh, batch_axis, sequence_parallel, x, params, ct)
     kwargs = dict(mesh=mesh, num_heads=8, causal=causal, batch_axis=batch_axis,
                   sequence_parallel=sequence_parallel, precision=precision)  # fmt: skip
-    led = shardops.ledger(mesh, functools.partial(sharded_forward_and_grads, **kwargs), *args)
+    led = shardops.inspect.ledger(
+        mesh, functools.partial(sharded_forward_and_grads, **kwargs), *args
+    )
     return led.totals(requested=True), led.totals()
 
 

@@ -1,5 +1,5 @@
 """Checks of the data pipeline on generated IDX files and token streams, shared by
-tests/test_data.py, tests/test_text.py and their mutation module (tests/test_data_mutations.py),
+tests/data/test_mnist.py, tests/data/test_text.py and their mutation module (tests/data/test_data_mutations.py),
 so that the mutants face the suite's own checks.
 
 Every generated image encodes its split and index (pixel 0: index mod 256, pixel 1: index div
@@ -10,7 +10,9 @@ same two, so each example found in a batch can be traced back to its row in the 
 import gzip
 
 import numpy as np
-from shardops_models import loop, mnist, text
+
+from shardops_models.data import mnist, text
+from shardops_models.training import loop
 
 SPLIT_TAGS = {"train": 1, "test": 2}
 SPLIT_STEMS = {"train": "train", "test": "t10k"}
@@ -126,7 +128,7 @@ def check_epochs(tmp_path, n: int, batch_size: int, *, epochs: int, seed: int = 
     assert seen == set(range(n)), f"never seen in {epochs} epochs: {set(range(n)) - seen}"
 
 
-# --- text windows (shardops_models.text)
+# --- text windows (shardops_models.data.text)
 
 TEXT_WINDOW_BOUNDARIES = [
     # (tokens, batch_size, context): lengths at a multiple of the context, one more, one less;
@@ -187,7 +189,7 @@ def check_text_windows(n_tokens: int, batch_size: int, context: int, seed: int =
     assert offsets == set(range(n_tokens - context)), (where, sorted(offsets))
 
 
-# --- the loop's schedule (shardops_models.loop): what no value shows
+# --- the loop's schedule (shardops_models.training.loop): what no value shows
 
 
 class _Pending:

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 import shardops
-from shardops import _layers
+from shardops.layers import _dense as _layers
 from shardops.testing import dense_reference, dtype_flow, dtype_flow_violations, worst_ratio
 
 # policy name → (max |err| / bound, max |err|, where)
@@ -27,7 +27,7 @@ ALL_MESHES = [
     (1,), (2,), (4,), (8,),
     (1, 2), (2, 1), (1, 4), (2, 2), (4, 1), (1, 8), (2, 4), (4, 2), (8, 1),
 ]  # fmt: skip
-SPECS = {"column": shardops.column_parallel_specs, "row": shardops.row_parallel_specs}
+SPECS = {"column": shardops.column_parallel_dense_specs, "row": shardops.row_parallel_dense_specs}
 POLICIES = {p.name: p for p in (shardops.FLOAT32, shardops.BFLOAT16, shardops.MIXED_BFLOAT16)}
 COLUMN_OPTIONS = [
     {"gather_input": gi, "gather_output": go} for gi in (False, True) for go in (False, True)

@@ -14,10 +14,10 @@ shardops.distributed.initialize()  # before any other JAX call
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import shardops_models as models  # noqa: E402
 from _model_checks import batches, optimizer  # noqa: E402
 
 import shardops  # noqa: E402
+import shardops_models as models  # noqa: E402
 
 SIZES, BATCH, SCALE = (24, 32, 16), 16, 0.1
 

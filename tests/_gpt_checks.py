@@ -2,7 +2,7 @@
 reference, and the compiled collectives equal the plan-derived budget.
 
 The reference is ``jax.value_and_grad(model.reference_loss)``: the GPT in plain ``jax.numpy``
-(no shardops layer, no ``models.parallel``) with the same optax optimizer, so a bug in the
+(no shardops layer, no ``models.strategies.parallel``) with the same optax optimizer, so a bug in the
 strategy mechanism, the layers or the step cannot hide in both.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 import optax
-import shardops_models as models
 from _model_checks import MIN_MOVE, STEPS, max_diff, mesh_for
 
 import shardops
+import shardops_models as models
 
 # A GPT every mesh of 8 divides: 8 heads of 4, vocabulary 64, MLP 64, S = 16 (sp splits it).
 GPT = models.Gpt(vocab_size=64, d_model=32, num_heads=8, num_layers=1, context=16, d_ff=64)
@@ -124,7 +124,7 @@ def check_gpt_trajectory(strategy, mesh_name, opt_name, *, build=models.build, p
 def check_budget(setup, compiled, batch_shape) -> None:
     """The compiled train step moves exactly the plan-derived bytes per (kind, axes)."""
     totals: dict = {}
-    for c in shardops.collectives(setup.mesh, compiled):
+    for c in shardops.inspect.collectives(setup.mesh, compiled):
         if c.bytes:
             totals[(c.kind, c.axes)] = totals.get((c.kind, c.axes), 0) + c.bytes
     expected = setup.collective_budget(*batch_shape)

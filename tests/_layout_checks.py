@@ -2,7 +2,7 @@
 
 Everything here is written by hand from the README tables ("MLP strategies": column
 ``w[D, F_model]``, row ``w[F_model, D]``, ``fsdp_tp``'s ``w[D_data, F_model]``), the docstrings
-of ``models.plan`` and ``models.mlp`` (``tp_plan``: column, row, …, an odd last layer replicated; ``with_fsdp``:
+of ``models.strategies.plan`` and ``models.networks.mlp`` (``tp_plan``: column, row, …, an odd last layer replicated; ``with_fsdp``:
 split the largest dimension that divides by ``data`` after any ``model`` split, preferring one
 not split over ``model``, ``data`` as the minor axis on a ``model``-split one) and the ring
 formulas (AllReduce 2·V·(N−1)/N; AllGather, ReduceScatter, AllToAll V·(N−1)/N;
@@ -19,10 +19,10 @@ import jax
 import numpy as np
 import optax
 import pytest
-import shardops_models as models
 from jax.sharding import PartitionSpec as P
 
 import shardops
+import shardops_models as models
 
 SEED = (784, 512, 10)
 DEEP = (48, 64, 24, 10)  # odd depth: column, row, then a replicated dense layer
@@ -296,7 +296,7 @@ RING_BYTES = {
 
 def check_ring_formulas() -> None:
     for (kind, nbytes, n), expected in RING_BYTES.items():
-        got = shardops.ring_bytes(kind, nbytes, n)
+        got = shardops.inspect.ring_bytes(kind, nbytes, n)
         assert got == expected, f"ring_bytes({kind!r}, {nbytes}, {n}) = {got}, expected {expected}"
 
 
@@ -327,7 +327,7 @@ BUDGETS = {
         {(AR, DATA): 407_084, (AR, MODEL): 5_120},
         {DATA: 407_084.0, MODEL: 7_680.0},  # 2·407,084·1/2; 2·5,120·3/4
     ),
-    # fsdp_dense="auto" (the default, models/_dense_route.py), batch 256 over 8 (32 rows each).
+    # fsdp_dense="auto" (the default, models/strategies/fsdp.py), batch 256 over 8 (32 rows each).
     # w1[784, 512] is split along K (98 rows each): moving activations costs 2·32·784·4 +
     # 2·256·512·4 = 1,249,280 < w1's 784·512·(4 + 4) = 3,211,264, so layer 0 moves them:
     # AllToAll of x[32, 784] (100,352; x is the data, so no dx comes back), ReduceScatter of
@@ -395,7 +395,7 @@ def budget_run(strategy, mesh_name, remat, fsdp_dense="auto"):
     """The setup and the ledger of its compiled train step, once per case for the session.
 
     Only the real ``models.build`` goes through here (the ledger itself holds plain data; its
-    ``ring_bytes()`` applies ``shardops.ring_bytes`` when called).
+    ``ring_bytes()`` applies ``shardops.inspect.ring_bytes`` when called).
     """
     mesh = shardops.make_mesh(MESHES[mesh_name])
     setup = models.build(strategy, mesh, optimizer=optax.adam(1e-3), remat=remat,
@@ -403,11 +403,11 @@ def budget_run(strategy, mesh_name, remat, fsdp_dense="auto"):
     return setup, ledger_of_step(setup)
 
 
-def ledger_of_step(setup) -> shardops.Ledger:
+def ledger_of_step(setup) -> shardops.inspect.Ledger:
     state = setup.init(jax.random.key(0))
     x = np.zeros((BATCH, 784), np.float32)
     y = np.eye(10, dtype=np.float32)[np.zeros(BATCH, int)]
-    return shardops.ledger(setup.mesh, setup.train_step, state, *setup.place_batch(x, y))
+    return shardops.inspect.ledger(setup.mesh, setup.train_step, state, *setup.place_batch(x, y))
 
 
 def check_ring(where: str, got: dict, expected: dict) -> None:
@@ -420,7 +420,7 @@ def check_ring(where: str, got: dict, expected: dict) -> None:
         )
 
 
-def check_ledger_budget(case, led: shardops.Ledger) -> None:
+def check_ledger_budget(case, led: shardops.inspect.Ledger) -> None:
     """What the compiled step moves (the ledger) equals the hand-written bytes."""
     totals, ring = BUDGETS[case]
     assert led.totals() == totals, f"{case}: ledger totals {led.totals()}, expected {totals}"

@@ -1,7 +1,7 @@
 """Shared trajectory check: a strategy's 5-step training equals an independent reference.
 
 The reference is plain ``jax.value_and_grad(models.loss)`` with the same optax optimizer; it
-does not go through ``models._train``, so a bug there (or a mutant of it) cannot hide in both.
+does not go through ``models.training._train``, so a bug there (or a mutant of it) cannot hide in both.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import math
 import jax
 import numpy as np
 import optax
-import shardops_models as models
 
 import shardops
-from shardops import hlo
+import shardops_models as models
+from shardops import inspect as hlo
 from shardops.testing import dtype_flow_violations
 
 STEPS = 5

@@ -60,8 +60,8 @@ import numpy as np
 from _dense_checks import ALL_MESHES, mesh_for
 from jax.sharding import NamedSharding
 
-from shardops import _cross_entropy, _embedding
-from shardops._params import padded_size
+from shardops.layers import _cross_entropy, _embedding
+from shardops.layers._params import padded_size
 from shardops.testing import SUMS, _subjaxprs, dtype_flow, error_bound, worst_ratio
 
 # (kind, policy name) → (max |err| / bound, max |err|, where); for the report.

@@ -14,7 +14,6 @@ import signal
 import jax
 import numpy as np
 import pytest
-import shardops_models as models
 from _model_checks import (
     TOL,
     batches,
@@ -24,9 +23,10 @@ from _model_checks import (
     sharded_trajectory,
 )
 from _processes import Run, launcher, python, run, wait_for
-from shardops_models.checkpoint import Checkpoints
 
 import shardops
+import shardops_models as models
+from shardops_models.training.checkpoint import Checkpoints
 
 RUNS = ["dp:8x1", "fsdp:8x1", "tp:1x8", "2d:4x2", "fsdp_tp:2x4"]
 SIZES, BATCH, SCALE = (24, 32, 16), 16, 0.1  # as in tests/_distributed_worker.py

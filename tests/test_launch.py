@@ -695,7 +695,7 @@ def test_a_free_port_passes_the_port_check():
          r"SHARDOPS_COORDINATOR must be host:port; got 'localhost'"),
         ({"SHARDOPS_NUM_PROCESSES": "2", "SHARDOPS_COORDINATOR": "h:1",
           "SHARDOPS_PROCESS_ID": "0", "SHARDOPS_LOCAL_DEVICES": "0"},
-         r"SHARDOPS_LOCAL_DEVICES must be ≥ 1; got 0"),
+         r"SHARDOPS_LOCAL_DEVICES must be an integer ≥ 1; got 0"),
         ({"SHARDOPS_NUM_PROCESSES": "2", "SHARDOPS_COORDINATOR": "h:1",
           "SHARDOPS_PROCESS_ID": "0", "SHARDOPS_HEARTBEAT_TIMEOUT": "1.5"},
          r"SHARDOPS_HEARTBEAT_TIMEOUT must be an integer ≥ 1; got '1.5'"),

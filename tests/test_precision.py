@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cover import cover
 from _dense_checks import COLUMN_OPTIONS, ROW_OPTIONS, check_dtype_flow
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -49,16 +50,28 @@ def test_bf16_matmul_accumulates_in_f32():
 POLICIES = [FLOAT32, BFLOAT16, MIXED_BFLOAT16]
 
 
-@pytest.mark.parametrize("precision", POLICIES, ids=lambda p: p.name)
-@pytest.mark.parametrize("mesh_shape", [(4,), (2, 4)], ids=str)
-@pytest.mark.parametrize(
-    ("layer", "options"),
+def _flow_id(v):
+    if isinstance(v, Precision):
+        return v.name
+    if isinstance(v, tuple) and v and isinstance(v[0], str):
+        return f"{v[0]}-" + "-".join(f"{k}={w}" for k, w in v[1].items())
+    return str(v)
+
+
+# Every (layer option, mesh), (layer option, policy) and (mesh, policy) pair; the full product
+# under SHARDOPS_FULL=1 (tests/_cover.py).
+FLOW_CASES = cover(
     [("column", o) for o in COLUMN_OPTIONS] + [("row", o) for o in ROW_OPTIONS],
-    ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={w}" for k, w in v.items()),
+    [(4,), (2, 4)],
+    POLICIES,
 )
-def test_layers_follow_the_dtype_flow_of_their_policy(layer, options, mesh_shape, precision):
+
+
+@pytest.mark.parametrize(("layer_options", "mesh_shape", "precision"), FLOW_CASES, ids=_flow_id)
+def test_layers_follow_the_dtype_flow_of_their_policy(layer_options, mesh_shape, precision):
     """Forward and backward: matmuls in compute dtype into accum dtype, every reduction (the
     row psum, psum_scatter, and autodiff's dx/db all-reduces and reduce-scatters) in accum."""
+    layer, options = layer_options
     check_dtype_flow(layer, mesh_shape, options, precision)
 
 
@@ -83,7 +96,7 @@ def test_dtype_flow_checker_sees_each_kind_of_violation():
     )
     # A reduction in bf16, across devices (autodiff's, inside shard_map) and local.
     mesh = shardops.make_mesh({"model": 4})
-    col = shardops.column_parallel_specs()
+    col = shardops.column_parallel_dense_specs()
 
     def bf16_dx_all_reduce(x, w):
         def body(x, w):  # Megatron's "f" applied to the bf16 activation: dx reduced in bf16

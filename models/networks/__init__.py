@@ -1,0 +1,1 @@
+"""Networks written once against the layer context: the seed's MLP and a GPT."""

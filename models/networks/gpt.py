@@ -1,0 +1,224 @@
+"""A GPT-style language model built only from shardops layers, for every strategy.
+
+    ids[B, S] → embed: table[V, D][ids] + pos[S, D][positions]               (stage "embed")
+      → L × block: x + attention(layer_norm(x))                              (stage per block)
+                   x + down(gelu(up(layer_norm(x))))
+      → layer_norm → head w[D, V] → logits[B, S, V]                          (stage "head")
+      → cross-entropy against the next tokens labels[B, S] (integers)
+
+The default plan (``Gpt.plan``) is Megatron's: the token table split by vocabulary, attention by
+heads, ``up`` column- and ``down`` row-parallel, the head column-parallel (logits stay split
+over the vocabulary; the loss is vocab-parallel and never gathers them), norms and positions
+replicated. Under sequence parallelism (``sp``) the activations between layers are
+``x[B, S_model, D]``.
+
+``reference_logits`` is the same model in plain ``jax.numpy`` with no shardops layer, written
+independently: the ``ref`` strategy is checked against it, every other strategy against ``ref``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import shardops
+from shardops_models.strategies.plan import COLUMN, HEAD, REPLICATED, ROW, VOCAB
+
+PAD_LABEL = -1
+"""A label that counts nowhere in ``metrics`` (how a whole set's last chunk is padded)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpt:
+    """A decoder-only transformer: ``num_layers`` blocks of width ``d_model`` with ``num_heads``
+    heads of ``d_model / num_heads``, an MLP of ``d_ff`` (default 4·d_model), learned positions
+    up to ``context``, causal attention and a separate (untied) output head."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    num_heads: int = 4
+    num_layers: int = 4
+    context: int = 128
+    d_ff: int | None = None
+    init_scale: float = 0.02
+    sequence = True  # x[B, S, D]: sequence parallelism applies
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "context"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"Gpt: {name} must be a positive int; got {n!r}")
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"Gpt: d_model={self.d_model} must divide by num_heads={self.num_heads} "
+                f"(head_dim = d_model / num_heads)"
+            )
+        if self.d_ff is None:
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+
+    @property
+    def name(self) -> str:
+        return (f"gpt L={self.num_layers} D={self.d_model} H={self.num_heads} "
+                f"F={self.d_ff} V={self.vocab_size} S≤{self.context}")  # fmt: skip
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    def init(self, key, dtype=None):
+        """Full parameters: GPT-2's init (normal × 0.02, the residual projections scaled by
+        1/√(2L)), biases zero, norms identity. Drawn in float32, then cast to ``dtype``."""
+        d, v, f = self.d_model, self.vocab_size, self.d_ff
+        normal = jax.nn.initializers.normal(self.init_scale)
+        residual = jax.nn.initializers.normal(self.init_scale / math.sqrt(2 * self.num_layers))
+        k_embed, k_pos, k_head, *k_blocks = jax.random.split(key, 3 + self.num_layers)
+        blocks = []
+        for k in k_blocks:
+            k_attn, k_o, k_up, k_down = jax.random.split(k, 4)
+            attn = shardops.init_attention(k_attn, d, self.num_heads, self.head_dim)
+            attn["wo"] = residual(k_o, (d, d))
+            # No key bias: softmax ignores a shift shared by every key, so its gradient is zero
+            # in exact arithmetic and rounding noise in practice (which Adam would amplify).
+            del attn["bk"]
+            blocks.append({
+                "ln1": _norm(d),
+                "attn": attn,
+                "ln2": _norm(d),
+                "up": shardops.init_dense(k_up, d, f, w_init=normal),
+                "down": shardops.init_dense(k_down, f, d, w_init=residual),
+            })  # fmt: skip
+        params = {
+            "embed": {"table": normal(k_embed, (v, d))},  # table[V, D]
+            "pos": {"table": normal(k_pos, (self.context, d))},  # pos[S, D]
+            "blocks": blocks,
+            "ln_f": _norm(d),
+            "head": {"w": normal(k_head, (d, v))},  # w[D, V]
+        }
+        return params if dtype is None else jax.tree.map(lambda a: a.astype(dtype), params)
+
+    def plan(self):
+        """Megatron's roles (see the module docstring)."""
+        block = {"ln1": REPLICATED, "attn": HEAD, "ln2": REPLICATED, "up": COLUMN, "down": ROW}
+        return {
+            "embed": VOCAB,
+            "pos": REPLICATED,
+            "blocks": [dict(block) for _ in range(self.num_layers)],
+            "ln_f": REPLICATED,
+            "head": COLUMN,
+        }
+
+    # --- the forward, once for every strategy
+
+    def apply(self, ctx, params, ids):
+        """Logits ``[b, S, V]`` (``[b, S, V_model]`` under a column head) of ``ids[b, S]``."""
+        x = ctx.stage(self._embed(ctx), {"embed": params["embed"], "pos": params["pos"]}, ids)
+        for block in params["blocks"]:
+            x = ctx.stage(self._block(ctx), block, x)  # x[b, S, D] (sp: x[b, S_model, D])
+        return ctx.stage(self._head(ctx), {"ln_f": params["ln_f"], "head": params["head"]}, x)
+
+    def _embed(self, ctx):
+        def embed(p, ids):
+            positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)  # [b, S]
+            return ctx.embed(p["embed"], ids) + ctx.embed(p["pos"], positions)  # x[b, S, D]
+
+        return embed
+
+    def _block(self, ctx):
+        def block(p, x):
+            h = ctx.layer_norm(p["ln1"], x)
+            x = x + ctx.attention(p["attn"], h, num_heads=self.num_heads, causal=True)
+            h = ctx.dense(p["up"], ctx.layer_norm(p["ln2"], x))  # h[b, S, F_model]
+            return x + ctx.dense(p["down"], jax.nn.gelu(h))  # x[b, S, D]
+
+        return block
+
+    def _head(self, ctx):
+        def head(p, x):
+            return ctx.dense(p["head"], ctx.layer_norm(p["ln_f"], x))  # logits[b, S, V(_model)]
+
+        return head
+
+    def output_layer(self, params):
+        """The layer whose output is the logits (split over the vocabulary under a column head)."""
+        return params["head"]
+
+    def loss_sum(self, ctx, params, logits, labels):
+        """Σ over the local positions of the next-token cross-entropy (float32)."""
+        return jnp.sum(ctx.cross_entropy(logits, labels, split=ctx.is_split(params["head"])))
+
+    def metrics(self, ctx, params, logits, labels):
+        """Local ``(loss_sum, correct, count)`` over positions whose label is not ``PAD_LABEL``."""
+        split = ctx.is_split(params["head"])
+        real = labels != PAD_LABEL  # [b, S]
+        target = jnp.where(real, labels, 0)
+        losses = ctx.cross_entropy(logits, target, split=split)  # [b, S] f32
+        hits = (ctx.argmax(logits, split=split) == target) & real
+        return (jnp.sum(jnp.where(real, losses, 0.0)), jnp.sum(hits, dtype=jnp.int32),
+                jnp.sum(real, dtype=jnp.int32))  # fmt: skip
+
+    def check_batch(self, ids, labels=None) -> None:
+        """``ids[B, S]`` of integer tokens, ``S ≤ context``, and integer ``labels[B, S]``."""
+        if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(
+                f"ids must be integer tokens of shape (batch, sequence); got "
+                f"{ids.dtype}{tuple(ids.shape)}"
+            )
+        if ids.shape[1] > self.context:
+            raise ValueError(
+                f"ids dim 1 (sequence) = {ids.shape[1]} exceeds the model's context "
+                f"{self.context}; cut the sequences or build Gpt(context={ids.shape[1]})"
+            )
+        if labels is not None and (
+            tuple(labels.shape) != tuple(ids.shape) or not jnp.issubdtype(labels.dtype, jnp.integer)
+        ):
+            raise ValueError(
+                f"labels must be integer tokens shaped like ids {tuple(ids.shape)} (the next "
+                f"token at each position); got {labels.dtype}{tuple(labels.shape)}"
+            )
+
+    # --- the independent reference
+
+    def reference_logits(self, params, ids):
+        """The model in plain ``jax.numpy`` (no shardops), float32: ``logits[B, S, V]``."""
+        params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+        seq = ids.shape[1]
+        x = params["embed"]["table"][ids] + params["pos"]["table"][:seq][None]
+        mask = np.tril(np.ones((seq, seq), bool))
+        for p in params["blocks"]:
+            h = _layer_norm_reference(x, p["ln1"])
+            x = x + self._attention_reference(h, p["attn"], mask)
+            h = _layer_norm_reference(x, p["ln2"])
+            h = jax.nn.gelu(h @ p["up"]["w"] + p["up"]["b"])
+            x = x + h @ p["down"]["w"] + p["down"]["b"]
+        return _layer_norm_reference(x, params["ln_f"]) @ params["head"]["w"]
+
+    def reference_loss(self, params, ids, labels):
+        logits = self.reference_logits(params, ids)
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
+
+    def _attention_reference(self, x, p, mask):
+        b, s, _ = x.shape
+
+        def heads(w, bias):
+            return (x @ w + bias).reshape(b, s, self.num_heads, self.head_dim)  # (B, S, H, hd)
+
+        q, k, v = heads(p["wq"], p["bq"]), heads(p["wk"], 0.0), heads(p["wv"], p["bv"])
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.head_dim)
+        weights = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)  # (B, H, S, S)
+        o = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, s, self.d_model)
+        return o @ p["wo"] + p["bo"]
+
+
+def _norm(d: int) -> dict:
+    return {"scale": jnp.ones((d,), jnp.float32), "bias": jnp.zeros((d,), jnp.float32)}
+
+
+def _layer_norm_reference(x, p, eps=1e-5):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + eps) * p["scale"] + p["bias"]

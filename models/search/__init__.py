@@ -1,0 +1,49 @@
+"""The strategy search: every strategy × mesh for a model, a batch and a device count, ranked by
+an analytic cost model, with the compiled ledger of the best candidates.
+
+    python -m shardops_models.search --model gpt --batch 16 --devices 64
+
+    from shardops_models import search
+    result = search.search(models.Gpt(), 16, 8, hardware="cpu-sim")
+    result[0]                          # the best Candidate: strategy, mesh, bytes, times
+    search.compiled_ledger(result[0])  # compile (never run) and read its ledger
+
+Its parts: ``_search`` (candidates, ranking, the table and the command line), ``_program_cost``
+(FLOPs, bytes and the peak of live memory counted from a jaxpr), ``_hardware`` (link bandwidth,
+compute rates, collective efficiencies; ``calibrate()`` measures them here).
+"""
+
+from shardops_models.search._hardware import HARDWARE, Hardware, calibrate, hardware_named
+from shardops_models.search._program_cost import program_cost
+from shardops_models.search._search import (
+    MODELS,
+    Candidate,
+    CompiledLedger,
+    RuledOut,
+    Search,
+    compiled_ledger,
+    main,
+    model_named,
+    predict,
+    recounted,
+    search,
+)
+
+__all__ = [
+    "HARDWARE",
+    "MODELS",
+    "Candidate",
+    "CompiledLedger",
+    "Hardware",
+    "RuledOut",
+    "Search",
+    "calibrate",
+    "compiled_ledger",
+    "hardware_named",
+    "main",
+    "model_named",
+    "predict",
+    "program_cost",
+    "recounted",
+    "search",
+]

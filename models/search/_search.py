@@ -1,0 +1,722 @@
+"""Strategy search: every strategy × mesh ``data × model`` for a model, a batch and a device
+count, ranked by an analytic cost model, with the compiled ledger of the best ones.
+
+    python -m shardops_models.search --model gpt --batch 16 --devices 8 --compile-top 3
+    python -m shardops_models.search --model wide --batch 1024 --devices 64 --hardware h100-ib
+
+    import shardops_models.search
+    result = shardops_models.search.search(models.Gpt(), 16, 8, hardware="cpu-sim")
+    best = result[0]                              # a Candidate: strategy, mesh, bytes, times
+    shardops_models.search.compiled_ledger(best)           # compile (never run) and read its ledger
+
+Per candidate, without compiling anything:
+
+- bytes V per (collective, mesh axes): ``Setup.collective_budget`` (the plan and the shapes,
+  layer by layer). These are the bytes the program *asks for* (the lowered module,
+  ``Ledger.totals(requested=True)``); under FLOAT32 they also equal what XLA:CPU runs
+  (``Ledger.totals()``), under bf16 policies XLA:CPU promotes bf16 collectives to f32.
+- ring bytes per device per axis: ``shardops.inspect.ring_bytes`` of those.
+- per device, from the jaxpr of the train step (``shardops_models.search._program_cost``): matmul FLOPs,
+  bytes written by the other ops, the number of collectives per axis and the peak of live bytes.
+- time: ``compute = flops / flops_rate + elementwise_bytes / memory_bandwidth``;
+  ``comm = Σ ring_bytes / (bandwidth[axis] · efficiency[kind]) + latency · collectives``;
+  ``step = compute + comm`` (``shardops_models.search._hardware``). Candidates are ranked by ``step``.
+
+Which candidates: for every strategy that applies to the model (``models.strategies_for``) and
+every ``d × m = devices``. A candidate is *ruled out*, with the reason, when the model does not
+split over it (features, heads, vocabulary, sequence under sp), the batch does not split over
+``data``, it is the same program as a simpler strategy (``2d`` on ``8×1`` is ``dp``; ``tp``
+on ``8×1`` is the single-device step on every device), or its peak memory exceeds
+``memory_limit``. A strategy that leaves an axis of size > 1 unused (``dp`` on ``4×2``)
+is listed, with ``replicas`` = that axis's size: those devices compute the same step again.
+
+More devices than this process has: the planning re-runs in a subprocess started with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` on simulated CPU devices; it traces and
+compiles for them, and runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import math
+import os
+import pathlib
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from shardops import BFLOAT16, DATA_AXIS, FLOAT32, MIXED_BFLOAT16, MODEL_AXIS, Precision
+from shardops.inspect import ring_bytes
+from shardops_models.search._hardware import HARDWARE, Hardware, calibrate, hardware_named
+from shardops_models.search._program_cost import program_cost
+
+MODELS = {
+    "seed": "MLP 784-512-10 (the seed's)",
+    "wide": "MLP 784-2048-2048-10 (benchmarks/strategies.py's wide MLP)",
+    "gpt": "GPT: 4 layers, width 128, 4 heads, vocabulary 256, context 128 (models.Gpt())",
+}
+OPTIMIZERS = ("sgd", "adam", "adamw")
+PRECISIONS = {"float32": FLOAT32, "mixed_bfloat16": MIXED_BFLOAT16, "bfloat16": BFLOAT16}
+
+
+def model_named(name):
+    """``"seed"``, ``"wide"`` or ``"gpt"`` (``MODELS``) → the model; a model object as is."""
+    if not isinstance(name, str):
+        return name
+    import shardops_models as models
+
+    if name == "seed":
+        return models.Mlp(models.SEED_SIZES)
+    if name == "wide":
+        return models.Mlp((784, 2048, 2048, 10))
+    if name == "gpt":
+        return models.Gpt()
+    raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)} or pass a model")
+
+
+def _optimizer(optimizer):
+    if not isinstance(optimizer, str):
+        return optimizer
+    import optax
+
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {OPTIMIZERS} or pass "
+                         f"an optax.GradientTransformation")  # fmt: skip
+    return {"sgd": optax.sgd(0.01), "adam": optax.adam(1e-3), "adamw": optax.adamw(1e-3)}[optimizer]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledLedger:
+    """What the compiled train step of a candidate moves and holds (compiled, never run)."""
+
+    totals: dict
+    """``Ledger.totals()``: bytes per (kind, axes) that the backend runs."""
+    requested: dict
+    """``Ledger.totals(requested=True)``: what the program asked for."""
+    ring_bytes: dict
+    collectives: dict
+    """Mesh axes → collectives the compiled program runs (after XLA combined them)."""
+    peak_bytes: int | None
+    """``memory_analysis()``: arguments + outputs − aliased + temp, per device."""
+    seconds: float
+    """Lower + compile time."""
+
+    def matches(self, candidate: Candidate) -> bool:
+        """Whether the compiled program asks for exactly the bytes the search predicted."""
+        return self.requested == candidate.budget
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One strategy on one mesh, with its predicted costs (per device, one train step)."""
+
+    strategy: str
+    mesh: tuple[int, int]
+    """``(data, model)``."""
+    replicas: int
+    """Devices computing the same step: the size of an axis the strategy leaves unused."""
+    budget: dict
+    """Bytes V per ``(kind, axes)``: ``Setup.collective_budget``, i.e. the requested ledger."""
+    ring_bytes: dict
+    """Bytes each device sends per mesh axes (``shardops.inspect.ring_bytes``)."""
+    collectives: dict
+    """Mesh axes → collectives the program issues over them."""
+    comm_time: dict
+    """Mesh axes → seconds: ring bytes / (bandwidth · efficiency) + latency · collectives."""
+    flops: int
+    elementwise_bytes: int
+    compute_time: float
+    state_bytes: int
+    """Parameters + optimizer state held by one device (its shards)."""
+    peak_bytes: int
+    """Peak live bytes of the per-device program (state, batch, activations, gradients)."""
+    fits: bool
+    step_time: float
+    rank: int = 0
+    compiled: CompiledLedger | None = None
+    model: Any = dataclasses.field(default=None, repr=False, compare=False)
+    options: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    """What ``compiled_ledger`` needs to rebuild the step: batch, seq, optimizer, precision."""
+
+    @property
+    def mesh_text(self) -> str:
+        return f"{self.mesh[0]}×{self.mesh[1]}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.strategy} {self.mesh_text}"
+
+    def as_dict(self) -> dict:
+        out = {
+            "rank": self.rank, "strategy": self.strategy, "mesh": list(self.mesh),
+            "replicas": self.replicas, "budget": _keyed(self.budget),
+            "ring_bytes": {_axes(a): v for a, v in self.ring_bytes.items()},
+            "collectives": {_axes(a): v for a, v in self.collectives.items()},
+            "comm_time": {_axes(a): v for a, v in self.comm_time.items()},
+            "flops": self.flops, "elementwise_bytes": self.elementwise_bytes,
+            "compute_time": self.compute_time, "state_bytes": self.state_bytes,
+            "peak_bytes": self.peak_bytes, "fits": self.fits, "step_time": self.step_time,
+        }  # fmt: skip
+        if self.compiled is not None:
+            c = self.compiled
+            out["compiled"] = {
+                "totals": _keyed(c.totals), "requested": _keyed(c.requested),
+                "ring_bytes": {_axes(a): v for a, v in c.ring_bytes.items()},
+                "collectives": {_axes(a): v for a, v in c.collectives.items()},
+                "peak_bytes": c.peak_bytes, "seconds": c.seconds, "matches": c.matches(self),
+            }  # fmt: skip
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RuledOut:
+    strategy: str
+    mesh: tuple[int, int]
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Search:
+    """The ranked candidates (``search[0]`` is the best) and those ruled out, with why."""
+
+    candidates: list[Candidate]
+    ruled_out: list[RuledOut]
+    model_name: str
+    batch: int
+    devices: int
+    hardware: Hardware
+    seconds: float
+
+    def __iter__(self):
+        return iter(self.candidates)
+
+    def __len__(self):
+        return len(self.candidates)
+
+    def __getitem__(self, i):
+        return self.candidates[i]
+
+    def as_dict(self) -> dict:
+        return {
+            "model": self.model_name, "batch": self.batch, "devices": self.devices,
+            "hardware": dataclasses.asdict(self.hardware), "seconds": self.seconds,
+            "candidates": [candidate.as_dict() for candidate in self.candidates],
+            "ruled_out": [{"strategy": r.strategy, "mesh": list(r.mesh), "reason": r.reason}
+                          for r in self.ruled_out],
+        }  # fmt: skip
+
+    def table(self):
+        """A ``rich.table.Table`` of the candidates, then the ruled-out ones."""
+        return _table(self)
+
+    def __str__(self) -> str:
+        return _render(self.table())
+
+
+def rank_key(candidate: Candidate):
+    """Candidates rank by predicted step time, then by peak memory."""
+    return (candidate.step_time, candidate.peak_bytes)
+
+
+def search(
+    model,
+    batch: int,
+    devices: int,
+    *,
+    seq: int | None = None,
+    optimizer="adam",
+    precision: Precision = FLOAT32,
+    hardware="h100-nvlink",
+    memory_limit: float | None = None,
+    strategies=None,
+    compile_top: int = 0,
+    recount: bool = False,
+    timeout: float = 1800,
+) -> Search:
+    """Every strategy × mesh factorisation of ``devices`` for ``model``, ranked by the cost model.
+
+    Arguments:
+        model: ``"seed"``, ``"wide"``, ``"gpt"`` (``MODELS``) or a model object as
+            ``models.build`` takes it (``models.Mlp``, ``models.Gpt``, your own).
+        batch: the global batch (examples; sequences for a sequence model).
+        devices: how many devices. More than this process has: planned in a subprocess on
+            simulated CPU devices (``model`` must then be a name or picklable, ``optimizer`` a
+            name).
+        seq: a sequence model's tokens per example (default its context).
+        optimizer: ``"sgd"``, ``"adam"``, ``"adamw"`` or an optax transformation.
+        precision: ``shardops.FLOAT32``, ``MIXED_BFLOAT16`` or ``BFLOAT16``.
+        hardware: a preset name (``HARDWARE``) or a ``Hardware`` (e.g. ``calibrate()``).
+        memory_limit: bytes per device; a candidate whose peak exceeds it is ruled out. Default:
+            ``hardware.memory``.
+        strategies: the strategy names to consider (default all that apply to the model).
+        compile_top: compile the best this many candidates (``compiled_ledger``), never run them.
+        recount: re-time the compiled candidates with the number of collectives the compiled
+            program runs instead of the number the jaxpr asks for (XLA combines independent
+            all-reduces: a dp step asks for one per gradient and runs one), and rank again.
+            With ``compile_top`` ≥ the number of candidates, every candidate is ranked this way.
+
+    Returns:
+        A ``Search``: ``result.candidates`` ranked by predicted step time, ``result.ruled_out``.
+    """
+    import jax
+
+    _check_positive("devices", devices)
+    _check_positive("batch", batch)
+    hw = hardware_named(hardware)
+    if not isinstance(precision, Precision):
+        raise TypeError(f"precision must be a shardops.Precision; got {precision!r}")
+    if devices > jax.device_count():
+        return _plan_in_subprocess(
+            model, batch, devices, seq=seq, optimizer=optimizer, precision=precision,
+            hardware=hw, memory_limit=memory_limit, strategies=strategies,
+            compile_top=compile_top, recount=recount, timeout=timeout,
+        )  # fmt: skip
+    start = time.perf_counter()
+    model = model_named(model)
+    limit = hw.memory if memory_limit is None else memory_limit
+    candidates, ruled_out = [], []
+    for strategy, mesh_shape in strategy_meshes(model, devices, strategies):
+        reason = _reason_ruled_out(model, strategy, mesh_shape, batch, seq)
+        if reason is None:
+            try:
+                candidate = predict(model, strategy, mesh_shape, batch, seq=seq,
+                                 optimizer=optimizer, precision=precision, hardware=hw,
+                                 memory_limit=limit)  # fmt: skip
+            except ValueError as e:  # the model does not split over this mesh
+                reason = str(e)
+        if reason is None and not candidate.fits:
+            reason = (f"needs {candidate.peak_bytes / 1e9:.3g} GB per device, more than the "
+                      f"{limit / 1e9:.3g} GB limit")  # fmt: skip
+        if reason is None:
+            candidates.append(candidate)
+        else:
+            ruled_out.append(RuledOut(strategy, mesh_shape, reason))
+    if not candidates:
+        why = "; ".join(f"{r.strategy} {r.mesh[0]}×{r.mesh[1]}: {r.reason}" for r in ruled_out)
+        raise ValueError(
+            f"no strategy and mesh of {devices} devices works for batch {batch}: {why}"
+        )
+    candidates.sort(key=rank_key)
+    candidates = [dataclasses.replace(lay, rank=i + 1) for i, lay in enumerate(candidates)]
+    candidates = [
+        dataclasses.replace(lay, compiled=compiled_ledger(lay)) if i < compile_top else lay
+        for i, lay in enumerate(candidates)
+    ]
+    if recount:
+        candidates = sorted((recounted(lay, hw) for lay in candidates), key=rank_key)
+        candidates = [dataclasses.replace(lay, rank=i + 1) for i, lay in enumerate(candidates)]
+    name = getattr(model, "name", type(model).__name__)
+    return Search(candidates, ruled_out, name, batch, devices, hw, time.perf_counter() - start)
+
+
+def recounted(candidate: Candidate, hardware) -> Candidate:
+    """``candidate`` with its latency term counting the collectives its compiled program runs
+    (``candidate.compiled.collectives``) instead of those its jaxpr asks for; as is when it was
+    not compiled."""
+    if candidate.compiled is None:
+        return candidate
+    hw = hardware_named(hardware)
+    comm = dict(candidate.comm_time)
+    for axes, count in candidate.collectives.items():
+        comm[axes] = comm.get(axes, 0.0) - hw.latency * count
+    for axes, count in candidate.compiled.collectives.items():
+        comm[axes] = comm.get(axes, 0.0) + hw.latency * count
+    return dataclasses.replace(candidate, comm_time=comm,
+                               step_time=candidate.compute_time + sum(comm.values()))  # fmt: skip
+
+
+def strategy_meshes(model, devices: int, strategies=None) -> list[tuple[str, tuple[int, int]]]:
+    """Every (strategy, (data, model)) with ``data · model = devices``."""
+    import shardops_models as models
+
+    names = models.strategies_for(model) if strategies is None else list(strategies)
+    for name in names:
+        if name not in models.STRATEGIES:
+            raise ValueError(f"unknown strategy {name!r}; choose from {sorted(models.STRATEGIES)}")
+    names = [n for n in names if n != "ref"]
+    meshes = [(devices // m, m) for m in range(1, devices + 1) if devices % m == 0]
+    return [(name, mesh) for name in names for mesh in meshes]
+
+
+def _reason_ruled_out(model, strategy, mesh_shape, batch, seq) -> str | None:
+    """Why ``strategy`` on ``mesh_shape`` is not worth listing, or None (checks that need no
+    build: duplicates, the batch and the sequence)."""
+    import shardops_models as models
+
+    s = models.STRATEGIES[strategy]
+    d, m = mesh_shape
+    data = s.data if d > 1 else None
+    model_part = s.model if m > 1 else None
+    same = next((t.name for t in models.STRATEGIES.values()
+                 if (t.data, t.model) == (data, model_part)), None)  # fmt: skip
+    if same != strategy:
+        if same == "ref":
+            return "no parallelism: every device runs the whole single-device step"
+        unused = "model" if data else "data"
+        return f"same program as {same} {d}×{m} (the '{unused}' axis it would split has size 1)"
+    if s.model == "sp" and not getattr(model, "sequence", False):
+        return "sp splits the sequence; this model has none"
+    if s.batch_axes and batch % d:
+        return f"batch {batch} does not split over data = {d}; use a multiple of {d}"
+    if s.model == "sp":
+        tokens = model.context if seq is None else seq
+        if tokens % m:
+            return f"sequence {tokens} does not split over model = {m} (sp splits it)"
+    return None
+
+
+def predict(model, strategy: str, mesh_shape, batch: int, *, seq=None, optimizer="adam",
+            precision=FLOAT32, hardware="h100-nvlink", memory_limit=None) -> Candidate:  # fmt: skip
+    """The predicted costs of one candidate (it traces the step; compiles nothing).
+
+    Raises ``ValueError`` (from ``models.build``) when the model does not split over the mesh."""
+    import jax
+
+    import shardops_models as models
+    from shardops import make_mesh
+
+    hw = hardware_named(hardware)
+    d, m = mesh_shape
+    mesh = make_mesh({DATA_AXIS: d, MODEL_AXIS: m})
+    setup = models.build(strategy, mesh, optimizer=_optimizer(optimizer), model=model,
+                         precision=precision)  # fmt: skip
+    budget = setup.collective_budget(batch, seq)
+    args = abstract_step_args(setup, batch, seq)
+    # The train step donates the state (argument 0): its buffers may be freed once read.
+    donated = range(len(jax.tree.leaves(args[0])))
+    cost = program_cost(jax.make_jaxpr(setup.step)(*args).jaxpr, dict(mesh.shape),
+                        donated=donated)  # fmt: skip
+    ring: dict = {}
+    comm: dict = {}
+    for (kind, axes), nbytes in budget.items():
+        sent = ring_bytes(kind, nbytes, math.prod(mesh.shape[a] for a in axes))
+        ring[axes] = ring.get(axes, 0.0) + sent
+        rate = hw.axes_bandwidth(axes) * hw.efficiency.get(kind, 1.0)
+        comm[axes] = comm.get(axes, 0.0) + sent / rate
+    for axes, count in cost.collectives.items():
+        comm[axes] = comm.get(axes, 0.0) + hw.latency * count
+    compute = (cost.flops / hw.flops_for(_dtype_name(precision.compute_dtype))
+               + cost.elementwise_bytes / hw.memory_bandwidth)  # fmt: skip
+    s = models.STRATEGIES[strategy]
+    replicas = (m if not s.model else 1) * (d if not s.data else 1)
+    state = _state_bytes_per_device(args[0])
+    limit = hw.memory if memory_limit is None else memory_limit
+    return Candidate(
+        strategy=strategy, mesh=(d, m), replicas=replicas, budget=budget, ring_bytes=ring,
+        collectives=cost.collectives, comm_time=comm, flops=cost.flops,
+        elementwise_bytes=cost.elementwise_bytes, compute_time=compute, state_bytes=state,
+        peak_bytes=cost.peak_bytes, fits=cost.peak_bytes <= limit,
+        step_time=compute + sum(comm.values()), model=model,
+        options={"batch": batch, "seq": seq, "optimizer": optimizer, "precision": precision},
+    )  # fmt: skip
+
+
+def abstract_step_args(setup, batch: int, seq=None):
+    """``(state, x, y)`` of ``setup.train_step`` as ``jax.ShapeDtypeStruct`` with their
+    NamedShardings: what lowering needs, with no array allocated."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import shardops_models as models
+    from shardops_models.training._train import model_batch
+
+    mesh = setup.mesh
+
+    def placed(a, spec):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
+
+    params = jax.eval_shape(lambda: setup.model.init(jax.random.key(0),
+                                                     dtype=setup.precision.param_dtype))  # fmt: skip
+    opt_state = jax.eval_shape(setup.optimizer.init, params)
+
+    def is_spec(s):
+        return isinstance(s, P)
+
+    params = jax.tree.map(lambda s, a: placed(a, s), setup.param_specs, params, is_leaf=is_spec)
+    opt_state = jax.tree.map(lambda s, a: placed(a, s), setup.opt_specs, opt_state,
+                             is_leaf=is_spec)  # fmt: skip
+    x, y = model_batch(setup.model, batch, seq)
+    return (models.TrainState(params, opt_state), placed(x, setup.batch_spec),
+            placed(y, setup.batch_spec))  # fmt: skip
+
+
+def _dtype_name(dtype) -> str:
+    import numpy as np
+
+    return np.dtype(dtype).name
+
+
+def _state_bytes_per_device(state) -> int:
+    import jax
+    import numpy as np
+
+    total = 0
+    for leaf in jax.tree.leaves(state):
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def compiled_ledger(candidate: Candidate) -> CompiledLedger:
+    """Lower and compile ``candidate``'s train step for abstract inputs (nothing is allocated or
+    run) and read what it moves (``shardops.inspect.ledger``) and holds (``memory_analysis``)."""
+    import shardops_models as models
+    from shardops import make_mesh
+    from shardops.inspect import Ledger, hlo_collectives, lowered_collectives
+
+    o = candidate.options
+    d, m = candidate.mesh
+    mesh = make_mesh({DATA_AXIS: d, MODEL_AXIS: m})
+    setup = models.build(candidate.strategy, mesh, optimizer=_optimizer(o["optimizer"]),
+                         model=candidate.model, precision=o["precision"])  # fmt: skip
+    args = abstract_step_args(setup, o["batch"], o["seq"])
+    start = time.perf_counter()
+    lowered = setup.train_step.lower(*args)
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    # shardops.inspect.ledger's own reading of the two programs, without compiling a second time
+    led = Ledger(mesh, tuple(hlo_collectives(compiled.as_text(), mesh)),
+                 tuple(lowered_collectives(lowered.as_text(), mesh)))  # fmt: skip
+    if any(c.axes is None for c in led.collectives):
+        raise AssertionError(f"{candidate.name}: a collective over no set of mesh axes: {led}")
+    counts: dict = {}
+    for c in led.collectives:
+        if c.bytes:
+            counts[c.axes] = counts.get(c.axes, 0) + 1
+    analysis = compiled.memory_analysis()
+    peak = None
+    if analysis is not None:
+        peak = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+                   - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)  # fmt: skip
+    return CompiledLedger(led.totals(), led.totals(requested=True), led.ring_bytes(), counts,
+                          peak, seconds)  # fmt: skip
+
+
+# --- more devices than this process has: a subprocess with simulated CPU devices
+
+
+def _plan_in_subprocess(model, batch, devices, *, timeout, **kwargs) -> Search:
+    if not isinstance(kwargs["optimizer"], str):
+        raise TypeError(
+            f"planning for {devices} devices runs in a subprocess: pass optimizer by name "
+            f"({', '.join(OPTIMIZERS)}), not {type(kwargs['optimizer']).__name__}"
+        )
+    with tempfile.TemporaryDirectory(prefix="shardops_plan_") as tmp:
+        request, result = pathlib.Path(tmp, "request.pkl"), pathlib.Path(tmp, "result.pkl")
+        try:
+            request.write_bytes(pickle.dumps((model, batch, devices, kwargs)))
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            raise TypeError(
+                f"planning for {devices} devices runs in a subprocess, so the model must be a "
+                f"name ({', '.join(MODELS)}) or picklable (a dataclass defined at module "
+                f"level): {e}"
+            ) from e
+        env = _simulated_env(devices)
+        proc = subprocess.run(
+            [sys.executable, "-m", "shardops_models.search", "--worker", str(request), str(result)],
+            env=env, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        if proc.returncode:
+            raise RuntimeError(
+                f"planning on {devices} simulated devices failed (exit {proc.returncode}):\n"
+                f"{proc.stderr[-4000:]}"
+            )
+        return pickle.loads(result.read_bytes())
+
+
+def _simulated_env(devices: int) -> dict:
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if "xla_force_host_platform_device_count" not in f)  # fmt: skip
+    return {**os.environ, "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip()}  # fmt: skip
+
+
+def _worker(request: str, result: str) -> None:
+    import shardops_models.search as module  # not __main__'s copy: the result unpickles as shardops_models.search's
+
+    model, batch, devices, kwargs = pickle.loads(pathlib.Path(request).read_bytes())
+    out = module.search(model, batch, devices, **kwargs)
+    out = dataclasses.replace(out, candidates=[dataclasses.replace(lay, model=None)
+                                            for lay in out.candidates])  # fmt: skip
+    pathlib.Path(result).write_bytes(pickle.dumps(out))
+
+
+# --- the table
+
+
+def _keyed(d: dict) -> dict:
+    return {f"{k} {_axes(a)}": v for (k, a), v in d.items()}
+
+
+def _axes(axes) -> str:
+    return "×".join(axes) or "-"
+
+
+def _mb(n) -> str:
+    return f"{n / 1e6:,.2f}"
+
+
+def _ms(t) -> str:
+    return f"{t * 1e3:,.3f}"
+
+
+def _per_axis(d: dict, fmt) -> str:
+    return ", ".join(f"{_axes(a)}: {fmt(v)}" for a, v in sorted(d.items())) or "-"
+
+
+def _table(p: Search):
+    from rich.table import Table
+
+    hw = p.hardware
+    title = (f"{p.model_name}, batch {p.batch}, {p.devices} devices, hardware {hw.name} "
+             f"(ranked by predicted step time)")  # fmt: skip
+    table = Table(title=title)
+    for name, justify in (("rank", "right"), ("strategy", "left"), ("mesh d×m", "left"),
+                          ("replicas", "right"), ("ring MB/device", "left"),
+                          ("collectives", "left"), ("comm ms", "right"),
+                          ("compute ms", "right"), ("peak MB/device", "right"),
+                          ("fits", "left"), ("step ms", "right")):  # fmt: skip
+        table.add_column(name, justify=justify)
+    for lay in p.candidates:
+        table.add_row(
+            str(lay.rank), lay.strategy, lay.mesh_text, str(lay.replicas),
+            _per_axis(lay.ring_bytes, _mb), _per_axis(lay.collectives, str),
+            _ms(sum(lay.comm_time.values())), _ms(lay.compute_time), _mb(lay.peak_bytes),
+            "yes" if lay.fits else "no", _ms(lay.step_time),
+        )  # fmt: skip
+    for r in p.ruled_out:
+        table.add_row("-", r.strategy, f"{r.mesh[0]}×{r.mesh[1]}", "", f"ruled out: {r.reason}",
+                      "", "", "", "", "", "", style="dim")  # fmt: skip
+    return table
+
+
+def _compiled_table(p: Search):
+    from rich.table import Table
+
+    table = Table(title="compiled ledger of the top candidates (lowered and compiled, not run)")
+    for name in ("rank", "candidate", "kind axes", "predicted bytes", "requested", "compiled",
+                 "collectives (compiled)", "peak MB: predicted", "compiled", "compile s"):  # fmt: skip
+        table.add_column(name)
+    for lay in p.candidates:
+        c = lay.compiled
+        if c is None:
+            continue
+        keys = sorted(set(lay.budget) | set(c.totals) | set(c.requested))
+        for i, key in enumerate(keys or [("-", ())]):
+            first = i == 0
+            table.add_row(
+                str(lay.rank) if first else "", lay.name if first else "",
+                f"{key[0]} {_axes(key[1])}", f"{lay.budget.get(key, 0):,}",
+                f"{c.requested.get(key, 0):,}", f"{c.totals.get(key, 0):,}",
+                _per_axis(c.collectives, str) if first else "",
+                _mb(lay.peak_bytes) if first else "",
+                (_mb(c.peak_bytes) if c.peak_bytes is not None else "?") if first else "",
+                f"{c.seconds:.2f}" if first else "",
+                style=None if lay.budget.get(key, 0) == c.requested.get(key, 0) else "bold red",
+            )  # fmt: skip
+    return table
+
+
+def _render(table) -> str:
+    from rich.console import Console
+
+    console = Console(width=200, record=True, file=io.StringIO(), color_system=None)
+    console.print(table)
+    return console.export_text()
+
+
+# --- the command line
+
+
+def _check_positive(name: str, n) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name} must be a positive integer; got {n!r}")
+
+
+def main(argv=None) -> Search | None:
+    p = argparse.ArgumentParser(
+        prog="python -m shardops_models.search", description=__doc__.split("\n\n")[0],
+    )  # fmt: skip
+    p.add_argument("--model", choices=sorted(MODELS), default="seed",
+                   help="; ".join(f"{k}: {v}" for k, v in MODELS.items()))  # fmt: skip
+    p.add_argument("--batch", type=int, help="global batch (examples)")
+    p.add_argument("--devices", type=int, help="how many devices to search over")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (GPT)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    p.add_argument("--precision", choices=sorted(PRECISIONS), default="float32")
+    p.add_argument("--hardware", default="h100-nvlink",
+                   help=f"a preset ({', '.join(sorted(HARDWARE))}) or 'calibrate' (measure this "
+                        f"machine's devices)")  # fmt: skip
+    p.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="memory per device; candidates that need more are ruled out",
+    )
+    p.add_argument("--strategies", nargs="*", default=None)
+    p.add_argument(
+        "--compile-top",
+        type=int,
+        default=0,
+        metavar="K",
+        help="compile (never run) the best K candidates and show their ledgers",
+    )
+    p.add_argument("--recount", action="store_true",
+                   help="rank the compiled candidates again, their latency counting the "
+                        "collectives the compiled program runs (XLA combines all-reduces)")  # fmt: skip
+    p.add_argument("--json", default=None, metavar="PATH", help="write the ranking as JSON")
+    p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(*args.worker)
+        return None
+    if args.batch is None or args.devices is None:
+        p.error("--batch and --devices are required")
+    if args.devices < 1:
+        p.error(f"--devices must be a positive integer; got {args.devices}")
+    if args.batch < 1:
+        p.error(f"--batch must be a positive integer; got {args.batch}")
+    if args.compile_top < 0:
+        p.error(f"--compile-top must be ≥ 0; got {args.compile_top}")
+    if args.hardware != "calibrate" and args.hardware not in HARDWARE:
+        p.error(f"unknown --hardware {args.hardware!r}; choose one of "
+                f"{sorted(HARDWARE)} or 'calibrate'")  # fmt: skip
+
+    import jax
+
+    if args.devices > jax.device_count():
+        # Re-run this command where JAX simulates enough CPU devices; it compiles, never runs.
+        print(f"planning for {args.devices} devices on simulated CPU devices (this process has "
+              f"{jax.device_count()})", file=sys.stderr, flush=True)  # fmt: skip
+        argv = sys.argv[1:] if argv is None else list(argv)
+        proc = subprocess.run([sys.executable, "-m", "shardops_models.search", *argv],
+                              env=_simulated_env(args.devices))  # fmt: skip
+        sys.exit(proc.returncode)
+    hardware = calibrate() if args.hardware == "calibrate" else args.hardware
+    memory = None if args.memory_gb is None else args.memory_gb * 1e9
+    try:
+        result = search(args.model, args.batch, args.devices, seq=args.seq,
+                      optimizer=args.optimizer, precision=PRECISIONS[args.precision],
+                      hardware=hardware, memory_limit=memory, strategies=args.strategies,
+                      compile_top=args.compile_top, recount=args.recount)  # fmt: skip
+    except ValueError as e:
+        p.error(str(e))
+    from rich.console import Console
+
+    console = Console(width=200)
+    console.print(result.table())
+    if args.compile_top:
+        console.print(_compiled_table(result))
+    console.print(f"planned in {result.seconds:.1f} s; bytes are what the program asks for "
+                  f"(Ledger.totals(requested=True)); times use {result.hardware.source or result.hardware.name}")  # fmt: skip
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(result.as_dict(), indent=1))
+        console.print(f"wrote {args.json}")
+    return result

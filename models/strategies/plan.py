@@ -1,0 +1,126 @@
+"""Plans: the tensor-parallel role of every parameter, and the layouts derived from them.
+
+A *plan* is a pytree whose structure is a prefix of the parameter tree; each of its leaves is
+a role naming how the subtree under it is split over mesh axis ``model`` (a per-layer role, or
+a per-leaf one):
+
+    role         leaves (global shapes)                          split over model
+    column       w[D, F], b[F]                                  w[D, F_model], b[F_model]
+    row          w[F, D], b[D]                                  w[F_model, D], b[D]
+    vocab        table[V, D]                                    table[V_model, D]
+    head         wq, wk, wv[D, H·hd], bq, bk, bv[H·hd],         by heads: w[D, (H·hd)_model],
+                 wo[H·hd, D], bo[D]                             b[(H·hd)_model], wo[(H·hd)_model, D]
+    replicated   anything                                       nothing
+
+    plan = {"embed": "vocab", "blocks": [{"attn": "head", "up": "column", "down": "row",
+            "ln1": "replicated", "ln2": "replicated"}] * depth, "head": "column", ...}
+
+PyTorch's ``parallelize_module(model, mesh, plan)`` is the model for the interface. The role
+decides two things: the layout (``model_specs``, here) and the kernel that runs the layer
+(``models.strategies.parallel.Parallel``). A data-axis strategy then adds its own split on top
+(``fsdp_spec``: the FSDP rule).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from shardops import MODEL_AXIS, entry_axes
+
+COLUMN, ROW, VOCAB, HEAD, REPLICATED = "column", "row", "vocab", "head", "replicated"
+ROLES = (COLUMN, ROW, VOCAB, HEAD, REPLICATED)
+
+# head role: which attention leaves are split like a column layer, which like a row layer
+_HEAD_COLUMN = ("wq", "wk", "wv", "bq", "bk", "bv")
+_HEAD_ROW = ("wo",)
+_HEAD_REPLICATED = ("bo",)
+
+
+def leaf_roles(plan, params):
+    """The role of every leaf of ``params``: ``plan``'s role broadcast over its subtree.
+
+    Raises a ValueError naming the path when the plan does not fit the tree or a role is
+    unknown.
+    """
+    try:
+        roles = jax.tree.map(
+            lambda role, sub: jax.tree.map(lambda _: role, sub, is_leaf=is_shape), plan, params
+        )
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"the plan must be a prefix of the parameter tree (one role per layer or per leaf); "
+            f"plan {jax.tree.structure(plan)} does not fit params {jax.tree.structure(params)}: "
+            f"{e}"
+        ) from None
+    for path, role in jax.tree_util.tree_leaves_with_path(roles):
+        if role not in ROLES:
+            raise ValueError(
+                f"plan{jax.tree_util.keystr(path)}: unknown role {role!r}; choose one of {ROLES}"
+            )
+    return roles
+
+
+def model_spec(role: str, path, shape: tuple[int, ...]) -> P:
+    """The split over ``model`` of one leaf (global ``shape``) with ``role``; ``path`` names it.
+
+    Every leaf a role splits must have the shape the role expects; the error names the leaf,
+    the role and both shapes.
+    """
+    name = _last_key(path)
+    where = f"params{jax.tree_util.keystr(path)}"
+    if role == REPLICATED:
+        return replicated(shape)
+    if role in (COLUMN, ROW):
+        if len(shape) not in (1, 2):
+            raise ValueError(f"{where}: a {role} layer holds w[D, F] and b; got shape {shape}")
+        if len(shape) == 2:
+            return P(None, MODEL_AXIS) if role == COLUMN else P(MODEL_AXIS, None)
+        return P(MODEL_AXIS) if role == COLUMN else P(None)
+    if role == VOCAB:
+        if len(shape) != 2:
+            raise ValueError(f"{where}: the vocab role splits table[V, D]; got shape {shape}")
+        return P(MODEL_AXIS, None)
+    # HEAD
+    if name in _HEAD_COLUMN:
+        return P(None, MODEL_AXIS) if len(shape) == 2 else P(MODEL_AXIS)
+    if name in _HEAD_ROW:
+        return P(MODEL_AXIS, None)
+    if name in _HEAD_REPLICATED:
+        return replicated(shape)
+    raise ValueError(
+        f"{where}: the head role splits attention parameters {_HEAD_COLUMN + _HEAD_ROW + _HEAD_REPLICATED} "
+        f"(shardops.init_attention's keys); got a leaf named {name!r}"
+    )
+
+
+def replicated(shape: tuple[int, ...]) -> P:
+    """``P(None, …)``: one entry per dim, none split."""
+    return P(*(None,) * len(shape))
+
+
+def model_specs(roles, shapes):
+    """PartitionSpecs over ``model`` of a tree of leaf ``shapes`` with leaf ``roles``."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, role, shape: model_spec(role, path, shape),
+        roles,
+        shapes,
+        is_leaf=is_shape,
+    )
+
+
+def split_over(spec: P, axis: str) -> bool:
+    return any(axis in entry_axes(e) for e in spec)
+
+
+def _last_key(path) -> str:
+    key = path[-1] if path else None
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def is_shape(x) -> bool:
+    """A leaf of a tree of shapes: a tuple of ints."""
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)

@@ -1,0 +1,713 @@
+"""One entry point: ``build(strategy, mesh, ...)`` → sharded state, train step and eval step.
+
+Every strategy shares this step; it differs only in its per-device ``forward`` (which holds its
+collectives) and its PartitionSpecs. The step runs entirely inside one ``jax.shard_map``:
+
+    local_loss = Σ −one_hot·log_softmax(logits) / (B_global · C)   # this device's share
+    loss, grads = value_and_grad(local_loss)                       # grads already reduced*
+    loss = psum(loss, batch axes)                                  # the global loss (4 bytes)
+    params, opt_state = optax update on local shards
+
+Under a ``precision`` policy the batch is cast to the compute dtype inside the step, matmuls
+accumulate in float32, every gradient reduction runs in float32 and the loss and metrics are
+computed from float32 logits (``shardops.testing.dtype_flow_violations`` checks all of it).
+
+*Each strategy's forward materialises its parameters with an explicit collective whose transpose
+reduces the gradient: ``pcast`` to varying (→ AllReduce over data), ``all_gather`` (→
+ReduceScatter), or the TP kernels' own. No further ``psum`` of the gradients is needed, and one
+would double-count. The loss is divided by the *global* batch, so the local shares sum to the
+seed's mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardops
+from shardops import entry_axes
+from shardops_models.networks._mlp import SEED_SIZES
+from shardops_models.networks.mlp import Mlp
+from shardops_models.strategies.fsdp import check_route, with_fsdp
+from shardops_models.strategies.parallel import (
+    AR,
+    STRATEGIES,
+    Parallel,
+    Recorder,
+    Strategy,
+    data_axis_budget,
+    local_shape,
+    merge,
+    strategy_named,
+    wrap,
+)
+from shardops_models.strategies.plan import (
+    HEAD,
+    VOCAB,
+    is_shape,
+    leaf_roles,
+    model_specs,
+    replicated,
+)
+
+COLLECTIVE_MATMULS = shardops.layers.COLLECTIVE_MATMULS
+
+INIT_LR = 1.0
+DECAY_RATE = 0.95
+DECAY_STEPS = 5
+
+
+def seed_schedule(
+    steps_per_epoch: int, *, init_lr=INIT_LR, decay_rate=DECAY_RATE, decay_steps=DECAY_STEPS
+) -> optax.Schedule:
+    """The seed's ``lr = init_lr · decay_rate^(epoch / decay_steps)``, constant within an epoch.
+
+    As an optax staircase decay: one transition per epoch, each by ``decay_rate^(1/decay_steps)``.
+    """
+    if steps_per_epoch < 1:
+        raise ValueError(f"steps_per_epoch must be ≥ 1; got {steps_per_epoch}")
+    return optax.exponential_decay(
+        init_lr,
+        transition_steps=steps_per_epoch,
+        decay_rate=decay_rate ** (1 / decay_steps),
+        staircase=True,
+    )
+
+
+def seed_sgd(steps_per_epoch: int, **schedule_kwargs) -> optax.GradientTransformation:
+    """The seed's optimizer: plain SGD with ``seed_schedule``."""
+    return optax.sgd(seed_schedule(steps_per_epoch, **schedule_kwargs))
+
+
+class TrainState(NamedTuple):
+    params: Any
+    opt_state: Any
+
+
+class Metrics(NamedTuple):
+    """Evaluation sums over the labelled targets of a global batch (rows of the MLP, positions
+    of the GPT). A padding target (an all-zero one-hot row; a ``PAD_LABEL`` token) counts
+    nowhere. Sums, not means, so that chunks of a set add up exactly."""
+
+    loss_sum: jax.Array
+    """Σ over labelled targets of the model's loss (float32): the mean loss × count."""
+    correct: jax.Array
+    """Labelled targets whose arg-max logit is the label (int32)."""
+    count: jax.Array
+    """Labelled targets (int32)."""
+
+    @property
+    def loss(self):
+        """The mean loss over the labelled targets (the seed's loss for the MLP)."""
+        return self.loss_sum / self.count
+
+    @property
+    def accuracy(self):
+        return self.correct / self.count
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What ``build`` returns. Arrays go in and out laid out by the specs below."""
+
+    strategy: str
+    mesh: Mesh | None
+    model: Any
+    """The model (``models.Mlp``, ``models.Gpt`` or your own): init, plan, apply, loss."""
+    plan: Any
+    """The plan in use: the tensor-parallel role of every parameter (``models.strategies.plan``)."""
+    optimizer: optax.GradientTransformation
+    remat: bool
+    precision: shardops.Precision
+    fsdp_dense: str
+    """fsdp: per dense layer, gather the weight or move the activations (``build``)."""
+    collective_matmul: str | None
+    """The tensor-parallel dense kernels' ring option (``build``)."""
+    param_specs: Any
+    """PartitionSpec tree of the params (None for ``ref``)."""
+    opt_specs: Any
+    """PartitionSpec tree of the optimizer state, sharded like the params."""
+    batch_spec: P
+    step: Callable
+    """``(state, x, y) → (state, loss)``, not jitted: for ``lax.scan`` inside your own jit."""
+    train_step: Callable
+    """``step`` jitted, donating ``state``. Every jitted function checks the batch shape when
+    it traces, so a bad batch is a ValueError, not an XLA error."""
+    loss_and_grads: Callable
+    """``(params, x, y) → (loss, grads)``, jitted; ``grads`` laid out like the params."""
+    evaluate: Callable
+    """``(params, x, y) → Metrics`` (loss and accuracy sums and the target count), jitted,
+    global over the batch; padding targets count nowhere."""
+    logits: Callable
+    """``(params, x) → logits``, jitted, laid out like the batch (the full vocabulary or
+    classes: a strategy that splits them gathers the logits at the end)."""
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The MLP's layer widths."""
+        return self.model.sizes
+
+    @property
+    def composition(self) -> Strategy:
+        """The ``Strategy`` that ``strategy`` names: its data-axis part composed with its
+        model-axis part, and the mesh axes that split the batch."""
+        return STRATEGIES[self.strategy]
+
+    def init(self, key: jax.Array) -> TrainState:
+        """The model's reference init (in the policy's param dtype) sharded onto the mesh,
+        with a fresh optimizer state."""
+        return self.shard(self.model.init(key, dtype=self.precision.param_dtype))
+
+    def shard(self, params) -> TrainState:
+        """Place a full (reference) param tree for this strategy, with a fresh optimizer state.
+
+        The state gets buffers of its own (the train step donates them), so ``params`` stays valid.
+        Leaves must be in the policy's param dtype (``model.init(key, dtype=...)``).
+        """
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+            self.precision.check_param(f"params{jax.tree_util.keystr(path)}", leaf.dtype)
+        params = jax.device_get(params)  # host copies: never alias the caller's buffers
+        opt_state = self.optimizer.init(params)
+        if self.mesh is None:
+            return TrainState(jax.device_put(params), jax.device_put(opt_state))
+        return TrainState(
+            shard_tree(params, self.mesh, self.param_specs),
+            shard_tree(opt_state, self.mesh, self.opt_specs),
+        )
+
+    def gather(self, tree):
+        """Full host (numpy) copies of a sharded tree: lossless inverse of ``shard``."""
+        return gather_tree(tree)
+
+    @property
+    def batch_multiple(self) -> int:
+        """Every batch size must be a multiple of this (the devices the batch is split over)."""
+        axes = self.composition.batch_axes
+        return math.prod(self.mesh.shape[a] for a in axes) if axes else 1
+
+    def place_batch(self, x, y=None):
+        """Put a global batch ``(x, y)`` (or ``x`` alone) on the mesh, split as the steps expect.
+
+        In a multi-process run every process passes the same global batch and transfers only
+        its rows (``process_rows``); ``place_local_batch`` avoids reading the others at all.
+        """
+        self.check_batch(x, y)
+        if self.mesh is not None and _spans_processes(self.mesh):
+            rows = self.process_rows(len(x))
+            local = (x[rows],) if y is None else (x[rows], y[rows])
+            return self.place_local_batch(*local, batch=len(x))
+        arrays = (x,) if y is None else (x, y)
+        if self.mesh is None:
+            placed = tuple(jax.device_put(a) for a in arrays)
+        else:
+            placed = shard_tree(arrays, self.mesh, (self.batch_spec,) * len(arrays))
+        return placed if y is not None else placed[0]
+
+    def process_rows(self, batch: int) -> slice:
+        """The rows of a global batch of ``batch`` examples that this process's devices hold.
+
+        ``slice(0, batch)`` in a single process, and wherever the batch is not split (``tp``,
+        ``sp``: every device holds it whole). On a data axis spread over processes each
+        process feeds its own contiguous block: read only those rows, then
+        ``place_local_batch``. Example: data=4 × model=2 over 2 processes of 4 devices →
+        process 0 holds rows ``[0, B/2)``, process 1 ``[B/2, B)``.
+        """
+        if self.mesh is None or not _spans_processes(self.mesh):
+            return slice(0, batch)
+        self.check_batch_size(batch)
+        sharding = NamedSharding(self.mesh, P(*self.batch_spec[:1]))
+        blocks = sorted({(i[0].start or 0, batch if i[0].stop is None else i[0].stop)
+                         for i in sharding.addressable_devices_indices_map((batch,)).values()})  # fmt: skip
+        start, stop = blocks[0][0], blocks[-1][1]
+        if sum(b - a for a, b in blocks) != stop - start:
+            raise ValueError(
+                f"process {jax.process_index()}'s devices hold rows {blocks} of the batch, "
+                f"not one contiguous block: order the mesh's devices by process "
+                f"(shardops.make_mesh does)"
+            )
+        return slice(start, stop)
+
+    def place_local_batch(self, x, y=None, *, batch: int):
+        """Build the global batch of ``batch`` examples from this process's rows only.
+
+        ``x`` (and ``y``) hold rows ``process_rows(batch)`` of the global batch; the result is
+        laid out as ``place_batch``'s (``jax.make_array_from_process_local_data``). In a
+        single process ``x`` is the whole batch.
+        """
+        rows = self.process_rows(batch)
+        if len(x) != rows.stop - rows.start:
+            raise ValueError(
+                f"x has {len(x)} rows; process {jax.process_index()} feeds rows "
+                f"[{rows.start}, {rows.stop}) of the global batch of {batch} "
+                f"(Setup.process_rows), i.e. {rows.stop - rows.start}"
+            )
+        if self.mesh is None or not _spans_processes(self.mesh):
+            return self.place_batch(x, y)
+        sharding = NamedSharding(self.mesh, self.batch_spec)
+        placed = tuple(
+            jax.make_array_from_process_local_data(sharding, np.asarray(a), (batch, *a.shape[1:]))
+            for a in ((x,) if y is None else (x, y))
+        )
+        self.check_batch(*placed)
+        return placed if y is not None else placed[0]
+
+    def check_batch_size(self, batch: int) -> None:
+        if batch % self.batch_multiple:
+            raise ValueError(
+                f"batch size {batch} does not split over the {self.batch_multiple} devices of "
+                f"mesh axes {self.composition.batch_axes} (strategy {self.strategy!r}); use a "
+                f"multiple of {self.batch_multiple}"
+            )
+
+    def check_batch(self, x, y=None) -> None:
+        _check_batch(self.model, self.composition, self.mesh, x, y)
+
+    def weight_layouts(self) -> dict:
+        """Weight name → (global shape, PartitionSpec) of every matrix: the input of
+        ``shardops.inspect.layout_png`` for drawing this strategy's weight tiling."""
+        if self.mesh is None:
+            raise ValueError("the ref strategy has no mesh to draw")
+        shapes = jax.eval_shape(self.model.init, jax.random.key(0))
+        out = {}
+        for (path, leaf), spec in zip(
+            jax.tree_util.tree_leaves_with_path(shapes), _spec_leaves(self.param_specs),
+            strict=True,
+        ):  # fmt: skip
+            if leaf.ndim == 2:
+                out[_layout_name(path)] = (tuple(leaf.shape), spec)
+        return out
+
+    def collective_budget(self, batch: int, seq: int | None = None) -> dict:
+        """Expected bytes V per (collective, mesh axes) of one train step on a global batch
+        of ``batch`` examples (of ``seq`` tokens for a sequence model; default its context),
+        derived from the plan and the shapes: each layer's kernel's collectives on this
+        device's shapes (``models.strategies.parallel.Recorder``), the data axis's gathers and gradient
+        reductions per leaf (``data_axis_budget``) and the AllReduce of the loss."""
+        return collective_budget(self, batch, seq)
+
+    def cost_model(self, batch: int, seq: int | None = None) -> dict[tuple[str, ...], float]:
+        """The analytic bytes each device sends per step over each mesh axis: the ring formulas
+        (``shardops.inspect.ring_bytes``) applied to ``collective_budget``."""
+        out: dict[tuple[str, ...], float] = {}
+        for (kind, axes), nbytes in self.collective_budget(batch, seq).items():
+            n = math.prod(self.mesh.shape[a] for a in axes)
+            out[axes] = out.get(axes, 0.0) + shardops.inspect.ring_bytes(kind, nbytes, n)
+        return out
+
+
+def build(
+    strategy: str,
+    mesh: Mesh | None = None,
+    *,
+    optimizer: optax.GradientTransformation,
+    model=None,
+    sizes: Sequence[int] | None = None,
+    plan=None,
+    remat: bool = False,
+    precision: shardops.Precision = shardops.FLOAT32,
+    fsdp_dense: str = "auto",
+    collective_matmul: str | None = None,
+) -> Setup:
+    """Train step, eval step and sharding of ``model`` under ``strategy`` on ``mesh``.
+
+    Arguments:
+        strategy: one of ``STRATEGIES``: ``ref`` (no mesh), ``dp``, ``fsdp``, ``tp``, ``sp``,
+            ``2d`` (dp × tp), ``fsdp_tp``, ``dp_sp``, ``fsdp_sp``. Mesh axes a strategy does
+            not use hold replicas.
+        mesh: a mesh with the axes the strategy needs (``shardops.make_mesh``).
+        optimizer: an optax optimizer, e.g. ``seed_sgd(steps_per_epoch)`` or ``optax.adam(1e-3)``.
+        model: ``models.Mlp(sizes)`` (the default), ``models.Gpt(...)``, or any object with
+            ``init``, ``plan``, ``apply``, ``loss_sum``, ``metrics`` and ``check_batch``.
+        sizes: the MLP's layer widths, input first, classes last (shorthand for
+            ``model=Mlp(sizes)``).
+        plan: the tensor-parallel role of every parameter (a prefix of the parameter tree;
+            ``models.strategies.plan``); default ``model.plan()``.
+        remat: strategies with fsdp only: re-gather each stage's weights in the backward pass.
+        precision: ``shardops.FLOAT32``, ``MIXED_BFLOAT16`` (float32 params and optimizer,
+            bfloat16 matmuls and activations) or ``BFLOAT16`` (bfloat16 params too). Matmuls
+            accumulate, and gradients are reduced, in float32 under all three.
+        fsdp_dense: strategies with fsdp: per dense layer, ``"gather_weights"`` (AllGather the
+            weight, ReduceScatter its gradient), ``"move_activations"`` (AllToAll the input,
+            ReduceScatter the output: the weight never moves), or ``"auto"`` (the default):
+            whichever moves fewer bytes for the layer's shapes (``models.strategies.fsdp``).
+        collective_matmul: strategies with tp or sp: ``"ring"`` or ``"bidirectional"`` runs
+            each dense layer's collective as a ring of ``ppermute`` steps interleaved with
+            blocks of the matmul (``shardops.layers.column_parallel_dense_kernel``); None (the
+            default) uses XLA's collectives.
+    """
+    parallel = strategy_named(strategy)
+    check_route(fsdp_dense)
+    if collective_matmul not in COLLECTIVE_MATMULS:
+        raise ValueError(
+            f"collective_matmul must be one of {COLLECTIVE_MATMULS}; got {collective_matmul!r}"
+        )
+    if model is None:
+        model = Mlp(SEED_SIZES if sizes is None else sizes)
+    elif sizes is not None:
+        raise ValueError("pass either model= or sizes= (the MLP's widths), not both")
+    if remat and parallel.data != "fsdp":
+        raise ValueError(
+            f"remat re-gathers FSDP weights: it applies to strategies with fsdp, not "
+            f"{parallel.name!r}"
+        )
+    if not isinstance(precision, shardops.Precision):
+        raise TypeError(
+            f"precision must be a shardops.Precision (FLOAT32, BFLOAT16 or MIXED_BFLOAT16); "
+            f"got {precision!r}"
+        )
+    if parallel.model == "sp" and not getattr(model, "sequence", False):
+        raise ValueError(
+            f"strategy {parallel.name!r} splits activations along the sequence; {model.name} "
+            f"has no sequence dimension. Use the same strategy with tp instead of sp."
+        )
+    shapes = _shapes(model)
+    plan = model.plan() if plan is None else plan
+    roles = leaf_roles(plan, shapes)
+    if parallel.name == "ref":
+        mesh = None
+    else:
+        _check_mesh(parallel, mesh, model, roles, shapes)
+    specs = _param_specs(parallel, roles, shapes, mesh)
+    opt_specs = None if mesh is None else opt_state_specs(optimizer, model, specs)
+    batch_spec = P(shardops.spec_entry(*parallel.batch_axes))
+    body = _Body(model, parallel, roles, specs, optimizer, remat, precision, fsdp_dense,
+                 collective_matmul)  # fmt: skip
+
+    if mesh is None:
+        step, loss_and_grads, evaluate = body.step, body.loss_and_grads, body.evaluate
+        logits = body.logits
+    else:
+
+        def smap(fn, in_specs, out_specs):
+            return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+        state_specs = TrainState(specs, opt_specs)
+        step = smap(body.step, (state_specs, batch_spec, batch_spec), (state_specs, P()))
+        loss_and_grads = smap(body.loss_and_grads, (specs, batch_spec, batch_spec), (P(), specs))
+        evaluate = smap(body.evaluate, (specs, batch_spec, batch_spec), Metrics(P(), P(), P()))
+        logits = smap(body.logits, (specs, batch_spec), batch_spec)
+
+    def checked(fn):  # shapes are static: a bad batch fails when the function traces
+        def run(state_or_params, x, *y):
+            _check_batch(model, parallel, mesh, x, *y)
+            return fn(state_or_params, x, *y)
+
+        return run
+
+    # XLA:CPU expands optimization barriers before a late CSE pass, which then merges remat's
+    # backward re-gather into the forward gather (keeping the full weights alive after all).
+    # With remat, keep the barriers for these programs; other programs are unaffected.
+    options = {"xla_disable_hlo_passes": "cse_barrier_expander"} if remat else None
+
+    def jit(fn, name, **kwargs):
+        return _DeviceChecked(jax.jit(checked(fn), compiler_options=options, **kwargs), mesh, name)
+
+    return Setup(
+        strategy=parallel.name,
+        mesh=mesh,
+        model=model,
+        plan=plan,
+        optimizer=optimizer,
+        remat=remat,
+        precision=precision,
+        fsdp_dense=fsdp_dense,
+        collective_matmul=collective_matmul,
+        param_specs=specs,
+        opt_specs=opt_specs,
+        batch_spec=batch_spec,
+        step=step,
+        train_step=jit(step, "train_step", donate_argnums=0),
+        loss_and_grads=jit(loss_and_grads, "loss_and_grads"),
+        evaluate=jit(evaluate, "evaluate"),
+        logits=jit(logits, "logits"),
+    )
+
+
+class _DeviceChecked:
+    """A jitted function that first checks its concrete arguments live on the setup's mesh
+    (``shardops.check_devices``), so a misplaced batch is a shardops error, not XLA's."""
+
+    def __init__(self, jitted, mesh, name):
+        self.jitted, self.mesh, self.name = jitted, mesh, name
+
+    def __call__(self, state_or_params, x, *y):
+        if self.mesh is not None:
+            shardops.check_devices(self.mesh, self.name, state=state_or_params, x=x, y=y)
+        return self.jitted(state_or_params, x, *y)
+
+    def lower(self, *args, **kwargs):
+        return self.jitted.lower(*args, **kwargs)
+
+
+def _check_batch(model, parallel: Strategy, mesh, x, y=None) -> None:
+    """The model's own shape check, then a batch (and, under sp, a sequence) that splits."""
+    model.check_batch(x, y)
+    if parallel.batch_axes:
+        shardops.check_divisible(
+            argument="x", dim=0, dim_name="batch", size=x.shape[0], mesh=mesh,
+            axes=parallel.batch_axes,
+        )  # fmt: skip
+    if parallel.model == "sp":
+        shardops.check_divisible(
+            argument="x", dim=1, dim_name="sequence", size=x.shape[1], mesh=mesh,
+            axes=(shardops.MODEL_AXIS,),
+        )  # fmt: skip
+
+
+def _shapes(model):
+    """The parameter tree's global shapes (tuples), from ``model.init`` traced abstractly."""
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    return jax.tree.map(lambda a: tuple(a.shape), abstract)
+
+
+def _param_specs(parallel: Strategy, roles, shapes, mesh):
+    if mesh is None:
+        return None
+    if parallel.model:
+        specs = model_specs(roles, shapes)
+    else:
+        specs = jax.tree.map(replicated, shapes, is_leaf=is_shape)
+    if parallel.data == "fsdp":
+        specs = with_fsdp(specs, shapes, mesh)
+    return specs
+
+
+def _spec_leaves(specs):
+    return jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def _layout_name(path) -> str:
+    """``layer 0 w`` for the MLP's ``[0]['w']``; the key path otherwise."""
+    keys = jax.tree_util.keystr(path)
+    if len(path) == 2 and hasattr(path[0], "idx") and hasattr(path[1], "key"):
+        return f"layer {path[0].idx} {path[1].key}"
+    return keys
+
+
+def opt_state_specs(optimizer: optax.GradientTransformation, model, specs):
+    """PartitionSpecs of ``optimizer``'s state: param-shaped leaves like the params, others P()."""
+    state = jax.eval_shape(optimizer.init, jax.eval_shape(model.init, jax.random.key(0)))
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, spec: spec,
+        state,
+        specs,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def shard_tree(tree, mesh: Mesh, specs):
+    """Place a tree of full arrays on ``mesh`` with ``specs`` (a matching tree of PartitionSpecs)."""
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P)
+    )
+    return jax.device_put(tree, shardings)
+
+
+def gather_tree(tree):
+    """Full host copies (numpy) of a sharded tree: the inverse of ``shard_tree``, bit for bit.
+
+    In a multi-process run every process calls it (it all-gathers what other processes hold)
+    and every process gets the whole tree.
+    """
+
+    def get(a):
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            return multihost_utils.process_allgather(a, tiled=True)
+        return a
+
+    return jax.device_get(jax.tree.map(get, tree))
+
+
+@functools.lru_cache(maxsize=64)
+def _spans_processes(mesh: Mesh) -> bool:
+    """Whether ``mesh`` has devices of other processes (a multi-process run)."""
+    here = jax.process_index()
+    return any(d.process_index != here for d in mesh.devices.flat)
+
+
+class _Body:
+    """The per-device step, eval and gradient functions shared by every strategy and model.
+
+    ``local_loss`` is this device's share of the global mean: the model's loss summed over its
+    targets, divided by the *global* number of targets, so that the shares add up to the mean
+    and the gradients, reduced by the strategy's own collectives, are the mean's.
+    """
+
+    def __init__(self, model, parallel, roles, specs, optimizer, remat, precision, fsdp_dense,
+                 collective_matmul):  # fmt: skip
+        self.model, self.composition, self.optimizer = model, parallel, optimizer
+        self.roles, self.precision = roles, precision
+        self.specs = specs if specs is not None else jax.tree.map(lambda _: P(), roles)
+        self.batch_axes = parallel.batch_axes
+        options = {"fsdp_dense": fsdp_dense, "collective_matmul": collective_matmul}
+        self.ctx = Parallel(parallel, precision, remat, **options)
+        self.eval_ctx = Parallel(parallel, precision, remat=False, **options)
+
+    def _inputs(self, x):
+        # Features enter in compute dtype; token ids stay integers.
+        return (
+            x.astype(self.precision.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        )
+
+    def forward(self, ctx, params, x):
+        tree = wrap(params, self.roles, self.specs)
+        return tree, self.model.apply(ctx, tree, self._inputs(x))
+
+    def _global_batch(self, local: int) -> int:
+        return local * math.prod(lax.axis_size(a) for a in self.batch_axes)
+
+    def local_loss(self, params, x, y):
+        tree, logits = self.forward(self.ctx, params, x)
+        targets = self._global_batch(y.shape[0]) * math.prod(y.shape[1:])
+        return self.model.loss_sum(self.ctx, tree, logits, y) / targets
+
+    def loss_and_grads(self, params, x, y):
+        loss, grads = jax.value_and_grad(self.local_loss)(params, x, y)
+        if self.batch_axes:
+            loss = lax.psum(loss, self.batch_axes)  # the global loss: AllReduce of one f32
+        return loss, grads
+
+    def step(self, state: TrainState, x, y):
+        loss, grads = self.loss_and_grads(state.params, x, y)
+        # The optimizer's own collectives (if any) count as the "optimizer" pass in a ledger.
+        with jax.named_scope(shardops.inspect.OPTIMIZER_SCOPE):
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+        return TrainState(params, opt_state), loss
+
+    def logits(self, params, x):
+        tree, logits = self.forward(self.eval_ctx, params, x)
+        if self.composition.model and _output_split(self.model, tree, self.eval_ctx):
+            # logits[b, ..., V_model] → the full vocabulary, for a caller outside the mesh
+            logits = lax.all_gather(logits, shardops.MODEL_AXIS, axis=logits.ndim - 1,
+                                    tiled=True, to="invarying")  # fmt: skip
+        return logits
+
+    def evaluate(self, params, x, y):
+        tree, logits = self.forward(self.eval_ctx, params, x)
+        sums = self.model.metrics(self.eval_ctx, tree, logits, y)
+        if self.batch_axes:  # this device's sums → the global batch's: AllReduce of 3 scalars
+            sums = lax.psum(sums, self.batch_axes)
+        return Metrics(*sums)
+
+
+def _output_split(model, tree, ctx) -> bool:
+    head = getattr(model, "output_layer", None)
+    return head is not None and ctx.is_split(head(tree))
+
+
+def collective_budget(setup: Setup, batch: int, seq: int | None) -> dict:
+    if setup.mesh is None:
+        return {}
+    parallel, mesh_shape = setup.composition, dict(setup.mesh.shape)
+    model, precision = setup.model, setup.precision
+    shapes = _shapes(model)
+    roles = leaf_roles(setup.plan, shapes)
+    specs = setup.param_specs
+    data = mesh_shape[shardops.DATA_AXIS] if parallel.batch_axes else 1
+    if batch % data:
+        raise ValueError(f"batch {batch} does not split over data ({data} devices)")
+    x, y = model_batch(model, batch // data, seq)
+    # Each parameter as a layer sees it: gathered over data, split over model.
+    local = jax.tree.map(
+        lambda shape, spec: jax.ShapeDtypeStruct(
+            local_shape(shape, spec, mesh_shape, (shardops.MODEL_AXIS,)), precision.accum_dtype
+        ),
+        shapes, specs, is_leaf=is_shape,
+    )  # fmt: skip
+    recorded = []
+
+    def run(params, x, y):
+        inputs = x.astype(precision.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        recorder = Recorder(parallel, precision, mesh_shape, inputs, remat=setup.remat,
+                            fsdp_dense=setup.fsdp_dense,
+                            collective_matmul=setup.collective_matmul)  # fmt: skip
+        tree = wrap(params, roles, specs)
+        logits = model.apply(recorder, tree, inputs)
+        model.loss_sum(recorder, tree, logits, y)
+        recorded.append(recorder)
+        return jnp.zeros(())
+
+    jax.eval_shape(run, local, x, y)
+    recorder = recorded[0]
+    budget = dict(recorder.budget)
+    if parallel.data:
+        budget = merge(budget, data_axis_budget(
+            specs, shapes, mesh_shape, reads=recorder.reads, remat=setup.remat,
+            param_bytes=np.dtype(precision.param_dtype).itemsize if parallel.data == "fsdp" else 4,
+            moved=recorder.moved,
+        ))  # fmt: skip
+        if mesh_shape[shardops.DATA_AXIS] > 1:  # the loss: AllReduce of one f32 over data
+            key = (AR, (shardops.DATA_AXIS,))
+            budget[key] = budget.get(key, 0) + 4
+    return budget
+
+
+def model_batch(model, batch: int, seq: int | None):
+    """Abstract ``(x, y)`` of one batch: the MLP's ``x[b, D], y[b, C]``; a sequence model's
+    ``ids[b, S], labels[b, S]`` (S: ``seq`` or the model's context)."""
+    if getattr(model, "sequence", False):
+        s = model.context if seq is None else seq
+        ids = jax.ShapeDtypeStruct((batch, s), jnp.int32)
+        return ids, ids
+    sizes = model.sizes
+    return (jax.ShapeDtypeStruct((batch, sizes[0]), jnp.float32),
+            jax.ShapeDtypeStruct((batch, sizes[-1]), jnp.float32))  # fmt: skip
+
+
+def _check_mesh(parallel: Strategy, mesh, model, roles, shapes) -> None:
+    strategy = parallel.name
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"strategy {strategy!r} needs a jax.sharding.Mesh with axes {parallel.axes} (see "
+            f"shardops.make_mesh); got {type(mesh).__name__}"
+        )
+    missing = [a for a in parallel.axes if a not in mesh.shape]
+    if missing:
+        raise ValueError(
+            f"strategy {strategy!r} needs mesh axes {parallel.axes}, but the mesh has "
+            f"{tuple(mesh.axis_names)} (missing {tuple(missing)}); build it with "
+            f"shardops.make_mesh({{{', '.join(f'{a!r}: n' for a in parallel.axes)}}})"
+        )
+    if not parallel.model:
+        return
+    p = mesh.shape[shardops.MODEL_AXIS]
+    specs = model_specs(roles, shapes)
+    for (path, shape), spec, role in zip(
+        jax.tree_util.tree_leaves_with_path(shapes, is_leaf=is_shape), _spec_leaves(specs),
+        jax.tree.leaves(roles), strict=True,
+    ):  # fmt: skip
+        for dim, entry in enumerate(spec):
+            if entry_axes(entry) and shape[dim] % p:
+                what = (
+                    "vocabulary"
+                    if role == VOCAB
+                    else "heads × head_dim"
+                    if role == HEAD
+                    else "features"
+                )
+                raise ValueError(
+                    f"params{jax.tree_util.keystr(path)} dim {dim} ({what}) = {shape[dim]} is "
+                    f"not divisible by mesh axis 'model' (size {p}); the plan makes it {role}. "
+                    f"Choose a multiple of {p}, a smaller 'model' axis, or role 'replicated'"
+                )
+    heads = getattr(model, "num_heads", None)
+    if heads is not None and HEAD in jax.tree.leaves(roles) and heads % p:
+        raise ValueError(
+            f"num_heads = {heads} is not divisible by mesh axis 'model' (size {p}); each "
+            f"device must hold whole heads. Choose num_heads a multiple of {p}."
+        )

@@ -1,0 +1,49 @@
+"""The divergence locator for a strategy: ``shardops.inspect.compare`` of a ``Setup`` and its ``ref``.
+
+    report = shardops_models.locate(setup, state.params, x, y)
+    print(report)        # every layer's output and gradient against the bound; the first bug
+
+Every layer a model runs through its context (``ctx.dense``, ``ctx.attention``, ``ctx.embed``,
+``ctx.layer_norm``, ``ctx.rms_norm``) is tapped under its parameters' path (e.g.
+``['blocks'][1]['attn']``), so a model written once for every strategy is located without a
+line of its own.
+"""
+
+from __future__ import annotations
+
+import jax
+
+import shardops
+from shardops_models.training._train import Setup, build
+
+
+def locate(
+    setup: Setup, params, x, y, *, reference_params=None, end_to_end: bool = True
+) -> shardops.inspect.Report:
+    """Compare one gradient step of ``setup`` (any strategy) with the same model, plan and
+    precision unsharded, on the global batch ``x``, ``y``, layer by layer.
+
+    Arguments:
+        setup: from ``shardops_models.build``.
+        params: the setup's parameters (``state.params``, laid out by the strategy).
+        x, y: a global batch (host arrays, or placed by ``setup.place_batch``).
+        reference_params: the same parameters for the reference (default: ``params``
+            gathered to host).
+        end_to_end: also run the reference unforced (``shardops.inspect.compare``).
+
+    Returns:
+        ``shardops.inspect.Report``: ``report.first`` is the first layer beyond its bound, or None.
+    """
+    if not isinstance(setup, Setup):
+        raise TypeError(f"locate: setup must come from shardops_models.build; got {setup!r}")
+    ref = build("ref", model=setup.model, optimizer=setup.optimizer, plan=setup.plan,
+                precision=setup.precision)  # fmt: skip
+    if reference_params is None:
+        reference_params = setup.gather(params) if setup.mesh is not None else params
+    placed = setup.place_batch(x, y)
+    host = jax.device_get((x, y))
+    return shardops.inspect.compare(
+        setup.loss_and_grads, lambda p, x, y: ref.loss_and_grads(p, x, y), params, *placed,
+        reference_params=reference_params, precision=setup.precision,
+        reference_batch=host, end_to_end=end_to_end,
+    )  # fmt: skip

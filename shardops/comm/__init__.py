@@ -1,0 +1,37 @@
+"""Communication patterns for per-device code inside ``jax.shard_map``, each defined once.
+
+- **Regions** (Megatron's ``mappings.py``): ``copy_to_region``, ``gather_to_region`` and
+  ``gather_many_to_region`` enter a model-parallel region, forward and backward side by side,
+  with every gradient reduction in the accumulation dtype; ``reduce_from_region``,
+  ``reduce_scatter_from_region`` and ``gather_from_region`` leave one.
+- **Rings** of ``lax.ppermute``: ``ring_all_gather``, ``ring_reduce_scatter``, ``ring_all_reduce``
+  (one-way or bidirectional), equal to the builtins and spelling out what they hide.
+- **Collective matmul**: ``all_gather_matmul`` and ``matmul_reduce_scatter`` interleave a ring's
+  steps with blocks of the matmul.
+"""
+
+from shardops.comm._collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from shardops.comm._mappings import (
+    copy_to_region,
+    gather_from_region,
+    gather_many_to_region,
+    gather_to_region,
+    reduce_from_region,
+    reduce_scatter_from_region,
+)
+from shardops.comm._ring import ring_all_gather, ring_all_reduce, ring_pairs, ring_reduce_scatter
+
+__all__ = [
+    "all_gather_matmul",
+    "copy_to_region",
+    "gather_from_region",
+    "gather_many_to_region",
+    "gather_to_region",
+    "matmul_reduce_scatter",
+    "reduce_from_region",
+    "reduce_scatter_from_region",
+    "ring_all_gather",
+    "ring_all_reduce",
+    "ring_pairs",
+    "ring_reduce_scatter",
+]

@@ -1,0 +1,169 @@
+"""Communication into and out of a model-parallel region, with the backward pass in the
+accumulation dtype (Megatron's ``tensor_parallel/mappings.py``: one name per pattern, forward and
+backward side by side).
+
+A collective's transpose runs in the dtype of the value it was applied to. Applied to a bfloat16
+activation, autodiff would reduce bfloat16 partial gradients. These helpers move the cast so that
+every gradient reduction runs in ``accum_dtype`` (float32), while the forward pass moves no more
+bytes than it must.
+
+| helper                 | forward                                      | backward                           |
+|------------------------|----------------------------------------------|------------------------------------|
+| ``copy_to_region``     | cast to accum, ``pcast`` to varying (free)   | AllReduce ``dx`` in accum, cast back |
+| ``gather_to_region``   | AllGather in the input's dtype, cast to accum | ReduceScatter ``dx`` in accum, cast back |
+| ``gather_many_to_region`` | one AllGather of several arrays' blocks   | one ReduceScatter of their ``dx``  |
+| ``reduce_from_region`` | AllReduce ``y{U_axis}`` → ``y``               | none (``dy`` is every device's)    |
+| ``reduce_scatter_from_region`` | ReduceScatter ``y{U_axis}`` → ``y[D_axis]`` | AllGather ``dy``           |
+| ``gather_from_region`` | AllGather ``y[F_axis]`` → ``y[F]`` (invariant) | none: each device slices its ``dy`` |
+
+Leaving a region: the kernels reduce their partial sums (or gather their blocks) with these, in
+the dtype the partials already have (the accumulation dtype), so every name a kernel calls says
+its forward and backward communication.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+def copy_to_region(x, axis_name: str, accum_dtype):
+    """``x`` (replicated over ``axis_name``) as a varying ``accum_dtype`` value.
+
+    Forward: no communication. Backward: AllReduce of ``dx{U_axis}`` over ``axis_name`` in
+    ``accum_dtype`` (the transpose of ``pcast``), then one cast to ``x``'s dtype.
+    """
+    return lax.pcast(x.astype(accum_dtype), axis_name, to="varying")
+
+
+def gather_to_region(x, axis_name: str, axis: int, accum_dtype):
+    """AllGather ``x[.., N_axis, ..] → x[.., N, ..]`` along ``axis``, returned in ``accum_dtype``.
+
+    Forward: AllGather in ``x``'s own dtype (bfloat16 moves half the bytes of float32).
+    Backward: ReduceScatter of ``dx[.., N, ..]{U_axis}`` in ``accum_dtype``, then one cast.
+    """
+    return _gather(axis_name, axis, np.dtype(accum_dtype), x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _gather(axis_name, axis, accum_dtype, x):
+    return lax.all_gather(x, axis_name, axis=axis, tiled=True).astype(accum_dtype)
+
+
+def _gather_fwd(axis_name, axis, accum_dtype, x):
+    return _gather(axis_name, axis, accum_dtype, x), x.reshape(-1)[:0]  # carries x's dtype
+
+
+def _gather_bwd(axis_name, axis, accum_dtype, x_kind, g):
+    dx = lax.psum_scatter(g.astype(accum_dtype), axis_name, scatter_dimension=axis, tiled=True)
+    return (dx.astype(x_kind.dtype),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def gather_many_to_region(xs, axis_name: str, axes, accum_dtype):
+    """``gather_to_region`` of several arrays in one AllGather (and one ReduceScatter back).
+
+    ``xs[i]`` is split over ``axis_name`` along ``axes[i]``; all share one dtype and the same
+    varying mesh axes. Their local blocks are flattened into one buffer ``flat[Σ|x_i|]``, which
+    is AllGathered once (``[N, Σ|x_i|]``) and cut back into each ``x_i[.., N·n_i, ..]`` in
+    ``accum_dtype``. The backward pass concatenates the cotangents the same way and
+    ReduceScatters them in ``accum_dtype`` in one collective. The bytes are those of the
+    separate gathers; the count of collectives (each a rendezvous of every device on the
+    axis) drops to one, as FSDP's flat parameters do.
+    """
+    xs = tuple(xs)
+    if len({np.dtype(x.dtype) for x in xs}) > 1:
+        raise ValueError(
+            f"gather_many_to_region: every array must have one dtype; got "
+            f"{sorted({np.dtype(x.dtype).name for x in xs})}"
+        )
+    return _gather_many(axis_name, tuple(axes), np.dtype(accum_dtype), xs)
+
+
+def _pieces(flat, shapes, axes, n: int):
+    """``flat[N, Σ|x_i|]`` → each ``x_i`` gathered along its axis: ``[.., N·n_i, ..]``."""
+    out, start = [], 0
+    for shape, axis in zip(shapes, axes, strict=True):
+        size = int(np.prod(shape))
+        block = flat[:, start : start + size].reshape(n, *shape)  # [N, ..., n_i, ...]
+        block = jnp.moveaxis(block, 0, axis)  # [..., N, n_i, ...]
+        whole = list(shape)
+        whole[axis] *= n
+        out.append(block.reshape(whole))
+        start += size
+    return out
+
+
+def _blocks(gs, axes, n: int):
+    """The inverse of ``_pieces``: each ``g_i[.., N·n_i, ..]`` → ``[N, Σ|x_i|]``."""
+    rows = []
+    for g, axis in zip(gs, axes, strict=True):
+        shape = list(g.shape)
+        shape[axis : axis + 1] = [n, g.shape[axis] // n]
+        rows.append(jnp.moveaxis(g.reshape(shape), axis, 0).reshape(n, -1))
+    return jnp.concatenate(rows, axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _gather_many(axis_name, axes, accum_dtype, xs):
+    n = lax.axis_size(axis_name)
+    flat = jnp.concatenate([x.reshape(-1) for x in xs])  # this device's blocks, in x's dtype
+    gathered = lax.all_gather(flat, axis_name, axis=0)  # [N, Σ|x_i|]
+    pieces = _pieces(gathered, [x.shape for x in xs], axes, n)
+    return tuple(piece.astype(accum_dtype) for piece in pieces)
+
+
+def _gather_many_fwd(axis_name, axes, accum_dtype, xs):
+    kinds = tuple(x.reshape(-1)[:0] for x in xs)  # carry each x's dtype and shape-free type
+    return _gather_many(axis_name, axes, accum_dtype, xs), (kinds, tuple(x.shape for x in xs))
+
+
+def _gather_many_bwd(axis_name, axes, accum_dtype, residuals, gs):
+    kinds, shapes = residuals
+    n = lax.axis_size(axis_name)
+    flat = _blocks([g.astype(accum_dtype) for g in gs], axes, n)  # [N, Σ|x_i|] in accum
+    mine = lax.psum_scatter(flat, axis_name, scatter_dimension=0)  # [Σ|x_i|]: this device's
+    out, start = [], 0
+    for kind, shape in zip(kinds, shapes, strict=True):
+        size = int(np.prod(shape))
+        out.append(mine[start : start + size].reshape(shape).astype(kind.dtype))
+        start += size
+    return (tuple(out),)
+
+
+_gather_many.defvjp(_gather_many_fwd, _gather_many_bwd)
+
+
+def reduce_from_region(y_partial, axis_name: str):
+    """``y{U_axis}`` (this device's partial sum) → ``y``, replicated over ``axis_name``.
+
+    Forward: AllReduce (``lax.psum``) over ``axis_name``, in ``y_partial``'s dtype. Backward: no
+    communication; under ``check_vma`` the cotangent of the invariant ``y`` reaches each
+    device's partial as it is.
+    """
+    return lax.psum(y_partial, axis_name)
+
+
+def reduce_scatter_from_region(y_partial, axis_name: str, dim: int):
+    """``y{U_axis}`` → ``y`` split along ``dim`` over ``axis_name`` (``y[.., D_axis, ..]``).
+
+    Forward: ReduceScatter (``lax.psum_scatter``, tiled) in ``y_partial``'s dtype. Backward:
+    AllGather of ``dy`` along ``dim``.
+    """
+    return lax.psum_scatter(y_partial, axis_name, scatter_dimension=dim, tiled=True)
+
+
+def gather_from_region(y_block, axis_name: str, axis: int):
+    """``y[.., F_axis]`` (this device's block along ``axis``) → ``y[.., F]``, invariant over
+    ``axis_name``.
+
+    Forward: AllGather along ``axis``. Backward: no communication; the cotangent is replicated,
+    so the transpose is each device's slice of it.
+    """
+    return lax.all_gather(y_block, axis_name, axis=axis, tiled=True, to="invarying")

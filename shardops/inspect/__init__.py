@@ -1,0 +1,68 @@
+"""Seeing what a sharded program does: its collectives, their bytes and passes, the layout of
+its arrays, and where it first differs from its unsharded twin.
+
+- **Collectives**: ``collectives(mesh, fn, *args)`` lists what the compiled program runs;
+  ``ledger`` adds mesh axes, passes and ring bytes; ``explain`` says each in plain words.
+  ``hlo_collectives`` / ``lowered_collectives`` read HLO and StableHLO text of your own.
+- **Layouts**: ``show_layout`` / ``layout_table`` / ``layouts`` print where every leaf of a tree
+  lives; ``layout_png`` draws weight tilings.
+- **The divergence locator**: ``tap`` marks activations in a model, ``compare`` runs a sharded
+  and an unsharded twin and reports the first tap out of bound.
+"""
+
+from shardops.inspect._explain import explain
+from shardops.inspect._hlo import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    COLLECTIVE_PERMUTE,
+    KINDS,
+    REDUCE_SCATTER,
+    Collective,
+    collectives,
+    hlo_collectives,
+    lowered_collectives,
+)
+from shardops.inspect._ledger import Ledger, ledger, ring_bytes
+from shardops.inspect._locate import Report, compare, tap
+from shardops.inspect._passes import OPTIMIZER_SCOPE, PASSES, pass_of, split_op_name
+from shardops.inspect._views import (
+    LeafLayout,
+    grid_sharding,
+    layout_png,
+    layout_table,
+    layouts,
+    show_layout,
+    tiles_of,
+)
+
+__all__ = [
+    "ALL_GATHER",
+    "ALL_REDUCE",
+    "ALL_TO_ALL",
+    "COLLECTIVE_PERMUTE",
+    "KINDS",
+    "OPTIMIZER_SCOPE",
+    "PASSES",
+    "REDUCE_SCATTER",
+    "Collective",
+    "LeafLayout",
+    "Ledger",
+    "Report",
+    "collectives",
+    "compare",
+    "explain",
+    "grid_sharding",
+    "hlo_collectives",
+    "layout_png",
+    "layout_table",
+    "layouts",
+    "ledger",
+    "lowered_collectives",
+    "pass_of",
+    "ring_bytes",
+    "show_layout",
+    "split_op_name",
+    "tap",
+    "tiles_of",
+]

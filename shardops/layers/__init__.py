@@ -1,0 +1,83 @@
+"""The layers, one file per family: the per-device kernel (``*_kernel``, for your own
+``jax.shard_map``), the layer on global arrays that builds the ``shard_map``, and its specs.
+
+| family | layer | kernel | specs |
+|---|---|---|---|
+| dense | ``column_parallel_dense``, ``row_parallel_dense`` | ``*_dense_kernel`` | ``*_dense_specs`` → ``DenseSpecs`` |
+| embedding | ``vocab_parallel_embedding`` | ``vocab_parallel_embedding_kernel`` | ``vocab_parallel_embedding_specs`` |
+| loss | ``vocab_parallel_cross_entropy``, ``vocab_parallel_argmax`` | ``*_kernel`` | ``vocab_parallel_cross_entropy_specs`` |
+| attention | ``head_parallel_attention`` | ``head_parallel_attention_kernel`` | ``head_parallel_attention_specs`` |
+| norms | ``layer_norm``, ``rms_norm`` (any sharding of the leading dims) | | |
+
+Unsharded references: ``dense``, ``attention``. Parameters: ``init_dense``, ``init_attention``,
+``shard_params`` (full weights onto a mesh, padded where a dim does not divide).
+"""
+
+from shardops.layers._attention import (
+    AttentionSpecs,
+    attention,
+    head_parallel_attention,
+    head_parallel_attention_kernel,
+    head_parallel_attention_specs,
+    init_attention,
+)
+from shardops.layers._collective_dense import COLLECTIVE_MATMULS
+from shardops.layers._cross_entropy import (
+    CrossEntropySpecs,
+    vocab_parallel_argmax,
+    vocab_parallel_argmax_kernel,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_cross_entropy_kernel,
+    vocab_parallel_cross_entropy_specs,
+)
+from shardops.layers._dense import (
+    DenseSpecs,
+    column_parallel_dense,
+    column_parallel_dense_specs,
+    row_parallel_dense,
+    row_parallel_dense_specs,
+)
+from shardops.layers._dense_kernels import column_parallel_dense_kernel, row_parallel_dense_kernel
+from shardops.layers._embedding import (
+    EmbeddingSpecs,
+    vocab_parallel_embedding,
+    vocab_parallel_embedding_kernel,
+    vocab_parallel_embedding_specs,
+)
+from shardops.layers._norms import layer_norm, rms_norm
+from shardops.layers._params import dense, init_dense, pad_params, padded_size, shard_params, unpad
+
+__all__ = [
+    "COLLECTIVE_MATMULS",
+    "AttentionSpecs",
+    "CrossEntropySpecs",
+    "DenseSpecs",
+    "EmbeddingSpecs",
+    "attention",
+    "column_parallel_dense",
+    "column_parallel_dense_kernel",
+    "column_parallel_dense_specs",
+    "dense",
+    "head_parallel_attention",
+    "head_parallel_attention_kernel",
+    "head_parallel_attention_specs",
+    "init_attention",
+    "init_dense",
+    "layer_norm",
+    "pad_params",
+    "padded_size",
+    "rms_norm",
+    "row_parallel_dense",
+    "row_parallel_dense_kernel",
+    "row_parallel_dense_specs",
+    "shard_params",
+    "unpad",
+    "vocab_parallel_argmax",
+    "vocab_parallel_argmax_kernel",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_cross_entropy_kernel",
+    "vocab_parallel_cross_entropy_specs",
+    "vocab_parallel_embedding",
+    "vocab_parallel_embedding_kernel",
+    "vocab_parallel_embedding_specs",
+]

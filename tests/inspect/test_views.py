@@ -1,0 +1,265 @@
+"""Seeing shardings: layout views, the weight-tiling PNG, explain, device-mismatch errors, the
+positional grid helper and the sharding tour."""
+
+import io
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from rich.console import Console
+
+import shardops
+import shardops_models as models
+
+ROOT = pathlib.Path(__file__).parents[2]
+MESH_SHAPES = {"ref": None, "dp": {"data": 8}, "tp": {"model": 8}, "2d": {"data": 4, "model": 2},
+               "fsdp": {"data": 8}, "fsdp_tp": {"data": 4, "model": 2}}  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", models.strategies_for(models.Mlp()))
+def test_layout_view_of_every_strategy_state(strategy):
+    shape = MESH_SHAPES[strategy]
+    setup = models.build(strategy, shape and shardops.make_mesh(shape), optimizer=optax.adam(1e-3))
+    state = setup.init(jax.random.key(0))
+    leaves = shardops.inspect.layouts(state)
+    assert len(leaves) == len(jax.tree.leaves(state))
+    for leaf, array in zip(leaves, jax.tree.leaves(state), strict=True):
+        shard = array.addressable_shards[0].data
+        assert leaf.shard_shape == shard.shape and leaf.shard_bytes == shard.nbytes
+        covered = sum(np.prod([b - a for a, b in block]) for block in leaf.tiles)
+        assert covered == np.prod(leaf.shape)  # the distinct tiles cover the array once
+    out = io.StringIO()
+    shardops.inspect.show_layout(state.params, title=strategy, console=Console(file=out, width=160))
+    text = out.getvalue()
+    assert "PartitionSpec" in text and "[0]['w']" in text and "total" in text
+
+
+def test_weight_png_shows_how_2d_and_fsdp_tp_differ(tmp_path):
+    mesh = shardops.make_mesh({"data": 4, "model": 2})
+    weights = {}
+    for strategy in ("2d", "fsdp_tp"):
+        layouts = models.build(strategy, mesh, optimizer=optax.sgd(1.0)).weight_layouts()
+        weights.update({f"{strategy} {k}": v for k, v in layouts.items()})
+    path = tmp_path / "tiles.png"
+    drawn = shardops.inspect.layout_png(path, weights, mesh)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    # 2d: w[784, 512] split in 2 over model, each half on the 4 data devices.
+    tiles = drawn["2d layer 0 w"]
+    assert len(tiles) == 2 and all(len(ids) == 4 for ids in tiles.values())
+    assert tiles[((0, 784), (0, 256))] == (0, 2, 4, 6)
+    # fsdp_tp: 8 distinct tiles, one per device; w[512, 10] split along rows over (model, data).
+    assert len(drawn["fsdp_tp layer 0 w"]) == 8 and len(drawn["fsdp_tp layer 1 w"]) == 8
+    assert drawn["fsdp_tp layer 1 w"][((0, 64), (0, 10))] == (0,)
+    assert drawn["fsdp_tp layer 1 w"][((64, 128), (0, 10))] == (2,)
+
+
+def _explain_layer(layer, **options):
+    mesh = shardops.make_mesh({"data": 4, "model": 2})
+    fn = getattr(shardops, f"{layer}_parallel_dense")
+    x, w, b = jnp.ones((64, 32)), jnp.ones((32, 16)), jnp.ones(16)
+
+    ct = jax.random.normal(jax.random.key(0), (64, 16))  # a cotangent that is not constant
+
+    def forward_and_grads(x, w, b):  # y and the gradients; the scalar loss itself is not kept
+        def loss(x, w, b):
+            y = fn(x, w, b, mesh=mesh, batch_axis="data", **options)
+            return jnp.sum(y * ct), y
+
+        return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, b)
+
+    return "\n".join(shardops.inspect.explain(mesh, forward_and_grads, x, w, b))
+
+
+@pytest.mark.parametrize(
+    ("layer", "options", "phrases"),
+    [
+        ("row", {}, ["row_parallel_dense: psum over 'model'", "the contraction dim is split over 'model'"]),
+        ("row", {"reduce": "psum_scatter"}, ["psum_scatter over 'model'", "reduced and scattered", "each device needs all of dy"]),
+        ("row", {"input_is_parallel": False}, ["zero-padded dx is summed"]),
+        ("column", {}, ["column_parallel_dense: psum over 'model'", "Megatron's f"]),
+        ("column", {"gather_input": True}, ["all_gather over 'model'", "sequence parallelism", "split back over 'model'"]),
+        ("column", {"gather_output": True}, ["gather_output asks for the full y"]),
+    ],
+)  # fmt: skip
+def test_explain_each_kernel_option(layer, options, phrases):
+    text = _explain_layer(layer, **options)
+    for phrase in phrases:
+        assert phrase in text, text
+    assert "over 'data'" in text and "gradients are summed" in text  # the data-parallel grads
+
+
+def explain_fsdp(fsdp_dense):
+    setup = models.build("fsdp", shardops.make_mesh({"data": 8}), optimizer=optax.sgd(1.0),
+                         fsdp_dense=fsdp_dense)  # fmt: skip
+    state = setup.init(jax.random.key(0))
+    x = np.zeros((64, 784), np.float32)
+    y = np.eye(10, dtype=np.float32)[np.zeros(64, int)]
+    return shardops.inspect.explain(setup.mesh, setup.train_step, state, *setup.place_batch(x, y))
+
+
+def test_explain_fsdp_step():
+    text = "\n".join(explain_fsdp("gather_weights"))
+    # layer 0's stage gathers w1[98, 512] and b1[64] in one bundle: 8 × (50,176 + 64) floats
+    assert (
+        "all_gather over 'data' of f32[8,50240] (1.5 MiB), because weights stored split over 'data' (FSDP)"
+        in text
+    )
+    assert "psum_scatter over 'data' of f32[1,50240] (1.5 MiB), because it is the transpose" in text
+
+
+def test_explain_fsdp_step_that_moves_activations():
+    """At 8 rows a device both layers move activations (models/strategies/fsdp.py): every data
+    collective of theirs is explained as such, none as a weight gather."""
+    lines = explain_fsdp("auto")
+    moving = [line for line in lines if line.startswith("dense_moving_activations:")]
+    assert any("all_to_all over 'data'" in line and "instead of gathering its weight" in line
+               for line in moving)  # fmt: skip
+    assert any("psum_scatter over 'data' of f32[8,512]" in line and "keeps its rows" in line
+               for line in moving)  # fmt: skip
+    assert any("all_gather over 'data' of f32[64,512]" in line and "dy for the whole batch" in line
+               for line in moving)  # fmt: skip
+    # what is left outside the layers: b1's gather and its gradient, b2's and the loss's sums
+    assert not any("gathered again for the backward pass (remat)" in line for line in lines)
+
+
+def test_params_on_0_3_and_a_batch_on_4_7():
+    devices = jax.devices()
+    first = shardops.make_mesh({"model": 4}, devices=devices[:4])
+    second = shardops.make_mesh({"model": 4}, devices=devices[4:8])
+    params = shardops.shard_params(shardops.init_dense(jax.random.key(0), 16, 8), first,
+                                   shardops.column_parallel_dense_specs().params)  # fmt: skip
+    x = jax.device_put(jnp.ones((4, 16)), NamedSharding(second, P()))
+    with pytest.raises(
+        shardops.DeviceMismatchError,
+        match=r"column_parallel_dense: x lives on devices 4–7 but the mesh \{'model': 4\} uses devices 0–3.*jax.device_put",
+    ):
+        shardops.column_parallel_dense(x, **params, mesh=first)
+
+
+def test_a_mesh_other_than_the_layers():
+    built_for = shardops.make_mesh({"data": 4, "model": 2})
+    other = shardops.make_mesh({"data": 2, "model": 4})
+    params = shardops.shard_params(shardops.init_dense(jax.random.key(0), 16, 8), other,
+                                   shardops.column_parallel_dense_specs().params)  # fmt: skip
+    with pytest.raises(
+        shardops.DeviceMismatchError,
+        match=r"w is laid out on mesh \{'data': 2, 'model': 4\}.*built for mesh \{'data': 4, 'model': 2\}",
+    ):
+        shardops.column_parallel_dense(jnp.ones((8, 16)), **params, mesh=built_for)
+
+
+def test_setup_rejects_a_batch_on_other_devices():
+    setup = models.build(
+        "dp", shardops.make_mesh({"data": 4}, devices=jax.devices()[:4]), optimizer=optax.sgd(1.0)
+    )
+    state = setup.init(jax.random.key(0))
+    elsewhere = shardops.make_mesh({"data": 4}, devices=jax.devices()[4:8])
+    x = jax.device_put(np.zeros((8, 784), np.float32), NamedSharding(elsewhere, P("data")))
+    y = jax.device_put(np.zeros((8, 10), np.float32), NamedSharding(elsewhere, P("data")))
+    with pytest.raises(
+        shardops.DeviceMismatchError,
+        match=r"train_step: x lives on devices 4–7 but the mesh \{'data': 4\} uses devices 0–3",
+    ):
+        setup.train_step(state, x, y)
+
+
+@pytest.mark.parametrize(
+    "grid", [[[0, 1], [2, 3]], [[3, 1], [0, 2]], [[0, 1, 2, 3, 4, 5, 6, 7]], [[0], [1], [2], [3]]]
+)
+def test_grid_sharding_places_like_the_equivalent_named_sharding(grid):
+    ids = np.array(grid)
+    by_id = {d.id: d for d in jax.devices()}
+    mesh = Mesh(np.vectorize(by_id.__getitem__, otypes=[object])(ids), ("rows", "cols"))
+    equivalent = NamedSharding(mesh, P("rows", "cols"))
+    positional = shardops.inspect.grid_sharding(grid)
+    shape = (8, 8)
+    assert shardops.inspect.tiles_of(shape, positional) == shardops.inspect.tiles_of(
+        shape, equivalent
+    )
+    x = jax.device_put(jnp.arange(64.0).reshape(shape), positional)
+    top_left = ids[0, 0]
+    block = next(s for s in x.addressable_shards if s.device.id == top_left)
+    assert block.index[0].start in (0, None) and block.index[1].start in (0, None)
+
+
+def test_grid_sharding_errors():
+    with pytest.raises(ValueError, match=r"grid names device ids \[99\] that do not exist"):
+        shardops.inspect.grid_sharding([[0, 99]])
+    with pytest.raises(ValueError, match="lists a device twice"):
+        shardops.inspect.grid_sharding([[0, 0]])
+    with pytest.raises(TypeError, match="nested list of device ids"):
+        shardops.inspect.grid_sharding([["a"]])
+
+
+def run_tour(*args, cwd):
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "sharding_tour.py"), *args],
+                          capture_output=True, text=True, timeout=300, cwd=cwd)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_sharding_tour_reads_like_a_tutorial(tmp_path):
+    png = tmp_path / "tour.png"
+    out = run_tour("--png", str(png), cwd=ROOT)
+    for line in (
+        "device 1: [2.0, 3.0]",
+        "v · ones = 120.0 (expected 120.0)",
+        "psum over 'i' of f32[] (4 B)",
+        "laid out as P('data',): the batch stayed split",
+        "caught: column_parallel_dense: x lives on devices 4–7 but the mesh {'model': 4} uses devices 0–3",
+        "fsdp_tp layer 0 w: 8 tiles, each on 1 device(s)",
+        "2d layer 0 w: 2 tiles, each on 4 device(s)",
+    ):
+        assert line in out, out
+    assert png.stat().st_size > 10_000
+    assert f"saved {png}" in out
+
+
+def test_sharding_tour_writes_no_picture_unasked(tmp_path):
+    out = run_tour(cwd=tmp_path)
+    assert "no picture written; `--png PATH` saves these tiles as a PNG" in out, out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_explain_names_the_transformer_layers():
+    """Embedding → attention → tied logits → loss: each layer's collectives, in its own words."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    mesh = shardops.make_mesh({"data": 2, "model": 4})
+    emb = shardops.vocab_parallel_embedding_specs(batch_axis="data")
+    attn = shardops.head_parallel_attention_specs(batch_axis="data")
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = shardops.shard_params(
+        {"table": jax.random.normal(k1, (32, 16)), "attn": shardops.init_attention(k2, 16, 4, 4)},
+        mesh, {"table": emb.params["table"], "attn": attn.params},
+    )  # fmt: skip
+    ids = jax.device_put(jnp.arange(64).reshape(4, 16) % 32, NamedSharding(mesh, emb.ids))
+
+    def loss(params, ids):
+        x = shardops.vocab_parallel_embedding(ids, params["table"], mesh=mesh, batch_axis="data")
+        x = shardops.head_parallel_attention(x, params["attn"], mesh=mesh, num_heads=4,
+                                             batch_axis="data", causal=True)  # fmt: skip
+        logits = shardops.column_parallel_dense(x, params["table"].T, mesh=mesh, batch_axis="data")
+        return shardops.vocab_parallel_cross_entropy(
+            logits, ids, mesh=mesh, batch_axis="data"
+        ).mean()
+
+    text = "\n".join(shardops.inspect.explain(mesh, jax.jit(jax.grad(loss)), params, ids))
+    for phrase in (
+        "vocab_parallel_embedding: psum over 'model'",
+        "each device looks up only the ids in its rows",
+        "head_parallel_attention: psum over 'model'",
+        "the heads are split over 'model'",
+        "each device projects it with its own heads",
+        "vocab_parallel_cross_entropy: pmax over 'model'",
+        "so the logits are never gathered",
+    ):
+        assert phrase in text, text

@@ -1,0 +1,351 @@
+"""Head-parallel attention: forward and every gradient against the float64 reference (derived
+bound, ``_attention_checks``) on every mesh and policy, a hypothesis property, the compiled
+collectives in bytes, the dtype flow, and clear errors for bad input."""
+
+import itertools
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _attention_checks import (
+    POLICIES,
+    check_attention,
+    check_attention_dtype_flow,
+    requested_and_compiled,
+)
+from _cover import cover_meshes
+from _dense_checks import MESHES
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardops
+from shardops.layers._attention import (
+    AttentionSpecs,
+    head_parallel_attention,
+    head_parallel_attention_kernel,
+    head_parallel_attention_specs,
+    init_attention,
+)
+
+F32, BF16 = shardops.FLOAT32, shardops.BFLOAT16
+
+
+# Meshes as a data-axis and a model-axis factor, each value paired with the other factor's
+# (tests/_cover.py); every mesh × value under SHARDOPS_FULL=1.
+@pytest.mark.parametrize(
+    ("mesh_shape", "sequence_parallel"),
+    cover_meshes(MESHES, [False, True]),
+    ids=lambda v: str(v) if isinstance(v, tuple) else ["replicated", "seq_parallel"][v],
+)
+def test_matches_reference_on_every_mesh(mesh_shape, sequence_parallel):
+    """Causal attention, x replicated over model or split along S; batch over data."""
+    check_attention(mesh_shape, F32, batch=8, seq=16, causal=True,
+                    sequence_parallel=sequence_parallel)  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)], ids=str)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated", "seq_parallel"])
+def test_non_causal_and_without_biases(mesh_shape, sequence_parallel):
+    check_attention(mesh_shape, F32, batch=8, seq=16, sequence_parallel=sequence_parallel)
+    check_attention(mesh_shape, F32, batch=8, seq=16, causal=True, use_bias=False,
+                    sequence_parallel=sequence_parallel)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "policy"), cover_meshes(MESHES, ["BFLOAT16", "MIXED_BFLOAT16"]), ids=str
+)
+def test_bf16_policies_on_every_mesh(policy, mesh_shape):
+    """Under bf16 many outputs must equal the rounded reference bit for bit (see the bound)."""
+    sequence_parallel = len(mesh_shape) == 2  # both layouts, across the meshes
+    check_attention(mesh_shape, POLICIES[policy], batch=8, seq=16, causal=True,
+                    sequence_parallel=sequence_parallel)  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_larger_block(policy):
+    """D = 128, 16 heads of 8, S = 64 (longer contractions, 4 heads per device)."""
+    check_attention((2, 4), POLICIES[policy], batch=2, seq=64, d_model=128, num_heads=16,
+                    head_dim=8, causal=True, sequence_parallel=True, temperature=4.0)  # fmt: skip
+
+
+# --- hypothesis -------------------------------------------------------------------------------
+
+
+def pairwise_menu(factors: dict, seed: int = 0, tries: int = 64) -> list[dict]:
+    """A short list of configurations in which every pair of values of any two factors occurs
+    (a covering array, built greedily as AETG does). Compiling costs ~0.5 s per configuration;
+    the full product of the factors below is 936 programs, this menu is 40."""
+    rng = random.Random(seed)
+    names = list(factors)
+
+    def pairs(config):
+        return {((a, config[a]), (b, config[b])) for a, b in itertools.combinations(names, 2)}
+
+    uncovered = {((a, va), (b, vb)) for a, b in itertools.combinations(names, 2)
+                 for va in factors[a] for vb in factors[b]}  # fmt: skip
+    menu = []
+    while uncovered:
+        (a, va), (b, vb) = min(uncovered, key=repr)
+        best, gain = None, -1
+        for _ in range(tries):
+            config = {n: rng.choice(factors[n]) for n in names}
+            config[a], config[b] = va, vb
+            if len(pairs(config) & uncovered) > gain:
+                best, gain = config, len(pairs(config) & uncovered)
+        menu.append(best)
+        uncovered -= pairs(best)
+    return menu
+
+
+FACTORS = {
+    "mesh_shape": [(1,), (2,), (4,), (8,), (1, 2), (2, 1), (1, 4), (2, 2), (4, 1), (1, 8),
+                   (2, 4), (4, 2), (8, 1)],
+    # (S, D, H, hd): heads divisible by every model axis, S by every model axis (for SP).
+    "shape": [(8, 32, 8, 4), (16, 64, 16, 4), (16, 32, 8, 16)],
+    "causal": [False, True],
+    "sequence_parallel": [False, True],
+    "policy": sorted(POLICIES),
+    "use_bias": [False, True],
+}  # fmt: skip
+MENU = pairwise_menu(FACTORS)
+
+
+def test_menu_covers_every_pair():
+    for a, b in itertools.combinations(FACTORS, 2):
+        seen = {(c[a], c[b]) for c in MENU}
+        assert seen == set(itertools.product(FACTORS[a], FACTORS[b])), (a, b)
+    assert len(MENU) <= 45
+
+
+@given(
+    config=st.sampled_from(MENU),
+    temperature=st.sampled_from([0.25, 1.0, 4.0]),  # flat to peaked attention, no recompile
+    seed=st.integers(0, 2**16),
+)
+def test_sharded_attention_equals_reference(config, temperature, seed):
+    seq, d_model, num_heads, head_dim = config["shape"]
+    check_attention(config["mesh_shape"], POLICIES[config["policy"]], batch=8, seq=seq,
+                    d_model=d_model, num_heads=num_heads, head_dim=head_dim,
+                    causal=config["causal"], sequence_parallel=config["sequence_parallel"],
+                    use_bias=config["use_bias"], temperature=temperature, seed=seed)  # fmt: skip
+
+
+# --- communication ----------------------------------------------------------------------------
+
+# data=2 × model=4, x[B=4, S=8, D=32], 8 heads of 4: local rows BL = 2, V = bytes of the full
+# x[BL, S, D] (= of y and dx) in float32. Weight gradients are all-reduced over data: the local
+# wq, wk, wv[D, H·hd/4], wo[H·hd/4, D], bq, bk, bv[H·hd/4], bo[D].
+BL, S, D, INNER = 2, 8, 32, 32
+V = BL * S * D * 4
+GRADS = (4 * D * INNER // 4 + 3 * INNER // 4 + D) * 4
+AR, AG, RS = "all-reduce", "all-gather", "reduce-scatter"
+M, DT = ("model",), ("data",)
+BUDGETS = {
+    # One forward AllReduce of y (Megatron's "g"); one backward AllReduce of dx for Q, K and V
+    # together (Megatron's "f"), not three.
+    "replicated": (False, {(AR, M): V + V, (AR, DT): GRADS}),
+    # Forward AllGather x + ReduceScatter y; backward AllGather dy + ReduceScatter dx, and the
+    # AllReduce of the replicated bo's gradient dbo[D].
+    "seq_parallel": (True, {(AG, M): V + V, (RS, M): V + V, (AR, M): D * 4, (AR, DT): GRADS}),
+}
+
+
+@pytest.mark.parametrize("case", BUDGETS)
+def test_collectives_in_bytes(case):
+    sequence_parallel, expected = BUDGETS[case]
+    requested, compiled = requested_and_compiled((2, 4), F32, sequence_parallel=sequence_parallel)
+    assert compiled == expected
+    assert requested == expected
+
+
+def test_bf16_requests_bf16_gathers_and_f32_reductions():
+    """Under BFLOAT16 the forward AllGather of x moves bf16 (half of V); every reduction, and
+    the backward AllGather of dy (the cotangent of an f32 reduction), is f32."""
+    requested, _ = requested_and_compiled((2, 4), BF16, sequence_parallel=False)
+    assert requested == BUDGETS["replicated"][1]
+    requested, _ = requested_and_compiled((2, 4), BF16, sequence_parallel=True)
+    assert requested == {(AG, M): V // 2 + V, (RS, M): V + V, (AR, M): D * 4, (AR, DT): GRADS}
+
+
+def test_forward_alone_is_one_all_reduce_per_block():
+    """Two stacked blocks, forward only, on model=8: exactly two AllReduces of y[B, S, D]."""
+    mesh = shardops.make_mesh({"model": 8})
+    specs = head_parallel_attention_specs()
+    params = [shardops.shard_params(init_attention(jax.random.key(i), 32, 8, 4), mesh,
+                                    specs.params) for i in range(2)]  # fmt: skip
+    x = jnp.ones((4, 8, 32))
+
+    def two_blocks(x, params):
+        for p in params:
+            x = x + head_parallel_attention(x, p, mesh=mesh, num_heads=8, causal=True)
+        return x
+
+    found = shardops.inspect.collectives(mesh, jax.jit(two_blocks), x, params)
+    assert [(c.kind, c.axes, c.bytes) for c in found] == [(AR, M, 4 * 8 * 32 * 4)] * 2
+    assert all("shardops.head_parallel_attention" in c.op_name for c in found)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated", "seq_parallel"])
+def test_dtype_flow(policy, sequence_parallel):
+    check_attention_dtype_flow((2, 4), POLICIES[policy], sequence_parallel=sequence_parallel)
+
+
+# --- layout, init and the kernel in a user's shard_map ----------------------------------------
+
+
+def test_specs_and_init():
+    assert head_parallel_attention_specs(batch_axis="data", sequence_parallel=True) == AttentionSpecs(
+        x=P("data", "model", None), w_qkv=P(None, "model"), b_qkv=P("model"),
+        w_out=P("model", None), b_out=P(None), y=P("data", "model", None),
+    )  # fmt: skip
+    params = init_attention(jax.random.key(0), 32, 8, 4)
+    assert {k: v.shape for k, v in params.items()} == {
+        "wq": (32, 32), "wk": (32, 32), "wv": (32, 32), "wo": (32, 32),
+        "bq": (32,), "bk": (32,), "bv": (32,), "bo": (32,),
+    }  # fmt: skip
+    assert set(init_attention(jax.random.key(0), 32, 8, 4, use_bias=False)) == {"wq", "wk", "wv",
+                                                                                 "wo"}  # fmt: skip
+    mesh = shardops.make_mesh({"data": 2, "model": 4})
+    placed = shardops.shard_params(params, mesh, head_parallel_attention_specs().params)
+    assert placed["wq"].sharding.shard_shape((32, 32)) == (32, 8)  # 2 whole heads per device
+    assert placed["wo"].sharding.shard_shape((32, 32)) == (8, 32)
+
+
+def test_kernel_in_a_users_shard_map_equals_the_layer():
+    mesh = shardops.make_mesh({"data": 2, "model": 4})
+    specs = head_parallel_attention_specs(batch_axis="data", sequence_parallel=True)
+    params = init_attention(jax.random.key(0), 32, 8, 4)
+    x = jax.random.normal(jax.random.key(1), (4, 16, 32))
+
+    def block(x, params):
+        return head_parallel_attention_kernel(x, params, num_heads=8, causal=True,
+                                              sequence_parallel=True)  # fmt: skip
+
+    mine = jax.jit(jax.shard_map(block, mesh=mesh, in_specs=(specs.x, specs.params),
+                                 out_specs=specs.y))(x, params)  # fmt: skip
+    layer = head_parallel_attention(x, params, mesh=mesh, num_heads=8, causal=True,
+                                    batch_axis="data", sequence_parallel=True)  # fmt: skip
+    np.testing.assert_array_equal(mine, layer)
+
+
+def test_explicit_mesh_axes():
+    """On Explicit axes the layout is part of the type: placed inputs run, others are an error
+    that names the fix."""
+    mesh = shardops.make_mesh({"data": 2, "model": 4}, axis_types="explicit")
+    specs = head_parallel_attention_specs(batch_axis="data", sequence_parallel=True)
+    params = shardops.shard_params(init_attention(jax.random.key(0), 32, 8, 4), mesh, specs.params)
+    x = jax.device_put(jnp.ones((4, 8, 32)), NamedSharding(mesh, specs.x))
+    kwargs = dict(mesh=mesh, num_heads=8, batch_axis="data", sequence_parallel=True)
+    y = jax.jit(lambda x, params: head_parallel_attention(x, params, **kwargs))(x, params)
+    assert y.sharding.spec == specs.y
+    with pytest.raises(ValueError, match=r"x is laid out as .* but this layer needs "
+                                         r"P\('data', 'model', None\) on the Explicit .* "
+                                         r"jax\.sharding\.reshard"):  # fmt: skip
+        head_parallel_attention(jax.device_put(x, NamedSharding(mesh, P("data"))), params,
+                                **kwargs)  # fmt: skip
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return shardops.make_mesh({"data": 2, "model": 4})
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_attention(jax.random.key(0), 32, 8, 4)
+
+
+def test_heads_not_divisible(mesh):
+    params = init_attention(jax.random.key(0), 32, 6, 4)
+    with pytest.raises(ValueError, match=r"num_heads=6 is not divisible by mesh axis 'model' "
+                                         r"\(size 4\); each device must hold whole heads\. "
+                                         r"Choose num_heads a multiple of 4 \(e\.g\. 8\)"):  # fmt: skip
+        head_parallel_attention(jnp.ones((4, 8, 32)), params, mesh=mesh, num_heads=6)
+
+
+def test_sequence_not_divisible_under_sequence_parallelism(mesh, params):
+    with pytest.raises(ValueError, match=r"x dim 1 \(sequence\) = 6 is not divisible by mesh "
+                                         r"axis 'model' \(size 4\); choose a multiple of 4"):  # fmt: skip
+        head_parallel_attention(jnp.ones((4, 6, 32)), params, mesh=mesh, num_heads=8,
+                                sequence_parallel=True)  # fmt: skip
+    head_parallel_attention(jnp.ones((4, 6, 32)), params, mesh=mesh, num_heads=8)  # fine without
+
+
+def test_batch_not_divisible(mesh, params):
+    with pytest.raises(ValueError, match=r"x dim 0 \(batch\) = 3 is not divisible by mesh axis "
+                                         r"'data' \(size 2\)"):  # fmt: skip
+        head_parallel_attention(jnp.ones((3, 8, 32)), params, mesh=mesh, num_heads=8,
+                                batch_axis="data")  # fmt: skip
+
+
+def test_mismatched_head_dims(mesh, params):
+    bad = dict(params, wk=jnp.ones((32, 16)))
+    with pytest.raises(ValueError, match=r"wk has shape \(32, 16\) but wq\(32, 32\) with "
+                                         r"num_heads=8 means head_dim=4 and D=32, so wk must be "
+                                         r"\(32, 32\)"):  # fmt: skip
+        head_parallel_attention(jnp.ones((4, 8, 32)), bad, mesh=mesh, num_heads=8)
+    with pytest.raises(ValueError, match=r"wo has shape \(16, 32\) .* so wo must be \(32, 32\)"):
+        head_parallel_attention(jnp.ones((4, 8, 32)), dict(params, wo=jnp.ones((16, 32))),
+                                mesh=mesh, num_heads=8)  # fmt: skip
+    with pytest.raises(ValueError, match=r"wq dim 1 \(heads × head_dim\) = 30 is not divisible "
+                                         r"by num_heads=8"):  # fmt: skip
+        head_parallel_attention(jnp.ones((4, 8, 32)), dict(params, wq=jnp.ones((32, 30))),
+                                mesh=mesh, num_heads=8)  # fmt: skip
+    with pytest.raises(ValueError, match=r"wq must have shape \(D, H·hd\) with D = x's features "
+                                         r"= 16"):  # fmt: skip
+        head_parallel_attention(jnp.ones((4, 8, 16)), params, mesh=mesh, num_heads=8)
+
+
+def test_x_of_the_wrong_rank(mesh, params):
+    with pytest.raises(ValueError, match=r"x must have rank 3 \(x\[B, S, D\]: batch, sequence, "
+                                         r"features\); got shape \(4, 32\)"):  # fmt: skip
+        head_parallel_attention(jnp.ones((4, 32)), params, mesh=mesh, num_heads=8)
+
+
+def test_wrong_dtype_for_the_policy(mesh, params):
+    with pytest.raises(TypeError, match=r"x has dtype float32 but precision policy BFLOAT16 "
+                                        r"computes in bfloat16; cast it"):  # fmt: skip
+        head_parallel_attention(jnp.ones((4, 8, 32)), params, mesh=mesh, num_heads=8,
+                                precision=BF16)  # fmt: skip
+    with pytest.raises(TypeError, match=r"params\['wq'\] has dtype float32 but precision policy "
+                                        r"BFLOAT16 stores parameters in bfloat16"):  # fmt: skip
+        head_parallel_attention(jnp.ones((4, 8, 32), jnp.bfloat16), params, mesh=mesh,
+                                num_heads=8, precision=BF16)  # fmt: skip
+
+
+def test_param_names(mesh, params):
+    with pytest.raises(ValueError, match=r"params needs \['wq', 'wk', 'wv', 'wo'\] .* missing "
+                                         r"\['wo'\], unknown \['w_out'\]"):  # fmt: skip
+        bad = {("w_out" if k == "wo" else k): v for k, v in params.items()}
+        head_parallel_attention(jnp.ones((4, 8, 32)), bad, mesh=mesh, num_heads=8)
+
+
+def test_kernel_misuse(mesh, params):
+    with pytest.raises(ValueError, match=r"head_parallel_attention_kernel is a per-device kernel"):
+        head_parallel_attention_kernel(jnp.ones((4, 8, 32)), params, num_heads=8)
+    specs = head_parallel_attention_specs(sequence_parallel=False)
+
+    def sp_on_replicated_x(x, params):
+        return head_parallel_attention_kernel(x, params, num_heads=8, sequence_parallel=True)
+
+    with pytest.raises(ValueError, match=r"with sequence_parallel, x must be the sequence shard "
+                                         r"x\[B, S/p, D\], split over mesh axis 'model'"):  # fmt: skip
+        jax.shard_map(sp_on_replicated_x, mesh=mesh, in_specs=(specs.x, specs.params),
+                      out_specs=specs.y)(jnp.ones((4, 8, 32)), params)  # fmt: skip
+    replicated = {k: P() for k in params}
+
+    def replicated_weights(x, params):
+        return head_parallel_attention_kernel(x, params, num_heads=8)
+
+    with pytest.raises(ValueError, match=r"wq must be the local shard of a weight split over "
+                                         r"mesh axis 'model'"):  # fmt: skip
+        jax.shard_map(replicated_weights, mesh=mesh, in_specs=(specs.x, replicated),
+                      out_specs=specs.y)(jnp.ones((4, 8, 32)), params)  # fmt: skip

@@ -1,0 +1,248 @@
+"""Mutation check: known attention and norm bugs, injected into copies of shardops/layers/_attention.py
+and shardops/layers/_norms.py, are caught by the suite's own checks.
+
+Each mutant replaces one exact line of the real source (the test fails if that line is not
+there exactly once, so mutants cannot drift from the code), is loaded as a module and swapped in
+where the checks look the layer up (``_attention_checks.attention`` / ``.norms``). The checks
+are the ones the suite runs: ``check_attention`` (forward and every gradient against float64),
+``check_attention_dtype_flow``, the collective budget, ``check_sequence_parallel_norm``.
+"""
+
+import inspect
+import types
+
+import _attention_checks
+import jax
+import pytest
+from _attention_checks import (
+    check_attention,
+    check_attention_dtype_flow,
+    check_sequence_parallel_norm,
+    requested_and_compiled,
+)
+from test_attention import BUDGETS
+
+import shardops
+from shardops.layers import _attention, _norms
+
+SOURCES = {"attention": inspect.getsource(_attention), "norms": inspect.getsource(_norms)}
+F32, BF16 = shardops.FLOAT32, shardops.BFLOAT16
+
+# Used by the norm mutant "an extra psum on the parameter gradients": identity forward, the
+# cotangent summed over model again (as if Megatron's hand-written all-reduce ran on top of
+# check_vma's); outside shard_map (the unsharded run) it does nothing.
+EXTRA_PSUM = """
+import jax
+
+
+@jax.custom_vjp
+def _psum_grad(s):
+    return s
+
+
+def _psum_grad_fwd(s):
+    return s, None
+
+
+def _psum_grad_bwd(_, g):
+    try:
+        return (lax.psum(g, "model"),)
+    except NameError:
+        return (g,)
+
+
+_psum_grad.defvjp(_psum_grad_fwd, _psum_grad_bwd)
+"""
+
+K_LINE = '    k = _project(x, params["wk"], params.get("bk"), heads, precision)  # k[B·H/p, S, hd]'
+V_LINE = '    v = _project(x, params["wv"], params.get("bv"), heads, precision)  # v[B·H/p, S, hd]'
+OTHER_HEADS = (
+    'lax.all_gather(params["{w}"], MODEL_AXIS, axis=1, tiled=True)[:, : params["{w}"].shape[1]]'
+)
+MASK = "visible = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]"
+PSUM = "        y = reduce_from_region(y_partial, axis_name)  # y[B, S, D] in accum"
+# The output projection's partial sums y[B, S, D]{U_model} (``_attend``, before the kernel's psum).
+Y_PARTIAL = '    return precision.matmul(o, params["wo"])  # y[B, S, D] in accum'
+
+# name → (old line, new line, appended code, (precision, causal, sequence_parallel), caught by)
+ATTENTION_MUTANTS = {
+    # Heads split for Q but not for K: every device attends with device 0's key heads (as when
+    # K is computed for all heads and the head index is not offset by the device's position).
+    "k_heads_of_device_0": (
+        K_LINE,
+        K_LINE.replace('params["wk"]', OTHER_HEADS.format(w="wk"), 1),
+        "", (F32, True, False), "numbers",
+    ),
+    "v_heads_of_device_0": (
+        V_LINE,
+        V_LINE.replace('params["wv"]', OTHER_HEADS.format(w="wv"), 1),
+        "", (F32, True, True), "numbers",
+    ),
+    # Columns grouped into heads the wrong way (strided instead of contiguous blocks).
+    "heads_grouped_by_stride": (
+        "    y = y.reshape(batch, seq, heads, -1).transpose(0, 2, 1, 3)  # [B, H/p, S, hd]",
+        "    y = y.reshape(batch, seq, -1, heads).transpose(0, 3, 1, 2)  # [B, H/p, S, hd]",
+        "", (F32, False, False), "numbers",
+    ),
+    "softmax_over_queries": (
+        "probs = jax.nn.softmax(scores, axis=-1)",
+        "probs = jax.nn.softmax(scores, axis=-2)",
+        "", (F32, True, False), "numbers",
+    ),
+    # Off by one either way: a query sees the next token, or not even itself (NaN row).
+    "causal_mask_sees_the_next_token": (
+        MASK, MASK.replace("[:, None] >=", "[:, None] + 1 >="), "", (F32, True, True), "numbers",
+    ),
+    "causal_mask_hides_the_diagonal": (
+        MASK, MASK.replace(">=", ">"), "", (F32, True, False), "numbers",
+    ),
+    # The output projection's partial sums leave unreduced (check_vma refuses the out_specs) or
+    # are reduced twice (×p).
+    "output_psum_missing": (
+        PSUM, "        y = y_partial  # y[B, S, D] in accum", "", (F32, True, False), "numbers",
+    ),
+    "output_psum_doubled": (
+        PSUM, PSUM.replace("reduce_from_region(y_partial, axis_name)",
+                           "reduce_from_region(reduce_from_region(y_partial, axis_name), axis_name)"),
+        "", (F32, True, False), "numbers",
+    ),
+    # bo added to every device's partial sum: counted p times.
+    "bias_before_the_reduction": (
+        Y_PARTIAL,
+        Y_PARTIAL.replace('precision.matmul(o, params["wo"])',
+                          'precision.matmul(o, params["wo"]) + params["bo"]'),
+        "", (F32, False, False), "numbers",
+    ),
+    # Precision: the partial sums rounded to bf16 before the psum. The tight bf16 bound alone
+    # must see it (the dtype flow would too).
+    "bf16_partial_sum_before_psum": (
+        Y_PARTIAL,
+        Y_PARTIAL.replace('precision.matmul(o, params["wo"])',
+                          'precision.matmul(o, params["wo"]).astype(precision.compute_dtype)'),
+        "", (BF16, True, False), "numbers",
+    ),
+    # Megatron's "f" applied to the bf16 activation: autodiff all-reduces dx in bf16 (and the
+    # sequence-parallel gather's transpose reduce-scatters it in bf16).
+    "dx_all_reduced_in_bf16": (
+        "        x = copy_to_region(x, axis_name, accum)  # x[B, S, D] in accum",
+        "        x = lax.pcast(x, axis_name, to='varying')  # x[B, S, D]",
+        "", (BF16, True, False), "numbers",
+    ),
+    "dx_reduce_scattered_in_bf16": (
+        "        x = gather_to_region(x, axis_name, SEQUENCE_DIM, accum)  # x[B, S, D] in accum",
+        "        x = lax.all_gather(x, axis_name, axis=SEQUENCE_DIM, tiled=True)  # x[B, S, D]",
+        "", (BF16, True, True), "numbers",
+    ),
+    # The attention products differentiated by plain autodiff: bf16 × f32 transposes that
+    # accumulate in bf16. Numerically invisible on a CPU; the dtype flow reads it.
+    "attention_products_by_plain_autodiff": (
+        "    return _einsum(spec, compute, accum, precision.matmul_precision, a, b)",
+        "    return _einsum_of(spec, a, b, compute, accum, precision.matmul_precision)",
+        "", (BF16, True, True), "dtype flow",
+    ),
+}  # fmt: skip
+
+# x entering the region as a plain (invariant) cast: still the right numbers, but each of the
+# three projections' matmuls then all-reduces its own dx: three backward AllReduces, not one.
+THREE_DX_REDUCTIONS = (
+    "        x = copy_to_region(x, axis_name, accum)  # x[B, S, D] in accum",
+    "        x = x.astype(accum)  # x[B, S, D] in accum",
+    "",
+)
+
+NORM_MUTANTS = {
+    # An extra psum on the parameter gradients (Megatron's manual all-reduce on top of
+    # check_vma's): dscale × p.
+    "extra_psum_on_scale_grad": (
+        "        y = y * scale.astype(STATS_DTYPE)  # [..., D]",
+        "        y = y * _psum_grad(scale.astype(STATS_DTYPE))  # [..., D]",
+        EXTRA_PSUM, ("rms_norm", F32),
+    ),
+    # Layer-norm statistics in bf16 under the bf16 policy.
+    "statistics_in_bf16": (
+        "    x32 = x.astype(STATS_DTYPE)  # x[..., D] in f32\n",
+        "    x32 = x  # x[..., D] in f32\n",
+        "", ("layer_norm", BF16),
+    ),
+}  # fmt: skip
+
+
+def load(kind: str, old: str, new: str, extra: str) -> types.ModuleType:
+    source = SOURCES[kind]
+    assert source.count(old) == 1, f"mutated line not found exactly once in _{kind}.py: {old!r}"
+    module = types.ModuleType(f"shardops.layers._{kind}_mutant")
+    exec("from jax import lax", module.__dict__)  # the mutants' own lines may call lax
+    code = compile(
+        source.replace(old, new) + extra, f"<mutant of shardops/layers/_{kind}.py>", "exec"
+    )
+    exec(code, module.__dict__)
+    return module
+
+
+@pytest.fixture
+def swap(monkeypatch):
+    def swap(kind: str, module):
+        monkeypatch.setattr(_attention_checks, kind, module)
+        jax.clear_caches()  # drop programs traced with the real module
+
+    yield swap
+    jax.clear_caches()
+
+
+def suite_check(config, caught_by="any"):
+    precision, causal, sequence_parallel = config
+    if caught_by in ("numbers", "any"):
+        for mesh_shape in [(4,), (2, 4)]:
+            check_attention(mesh_shape, precision, batch=4, seq=8, causal=causal,
+                            sequence_parallel=sequence_parallel)  # fmt: skip
+    if caught_by in ("dtype flow", "any"):
+        check_attention_dtype_flow((2, 4), precision, causal=causal,
+                                   sequence_parallel=sequence_parallel)  # fmt: skip
+
+
+# The configurations the mutants are judged in; the unmutated copy must pass each one.
+CONFIGS = sorted({m[3] for m in ATTENTION_MUTANTS.values()}, key=repr)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0].name}-causal{c[1]}-sp{c[2]}")
+def test_unmutated_copy_passes(swap, config):
+    """The harness itself causes no failure: a copy with a no-op replacement passes."""
+    swap("attention", load("attention", MASK, MASK, ""))
+    suite_check(config)
+
+
+@pytest.mark.parametrize("name", ATTENTION_MUTANTS)
+def test_attention_mutant_is_caught(swap, name):
+    old, new, extra, config, caught_by = ATTENTION_MUTANTS[name]
+    assert new != old or extra, f"mutant {name} changes nothing"
+    swap("attention", load("attention", old, new, extra))
+    with pytest.raises((AssertionError, ValueError)) as caught:
+        suite_check(config, caught_by)
+    if isinstance(caught.value, ValueError):  # only check_vma's trace-time verdict counts
+        assert "out_specs" in str(caught.value) or "vma" in str(caught.value), caught.value
+
+
+def test_three_dx_reductions_are_caught_by_the_collective_budget(swap):
+    swap("attention", load("attention", *THREE_DX_REDUCTIONS))
+    suite_check((F32, True, False), "numbers")  # numerically still right...
+    requested, compiled = requested_and_compiled((2, 4), F32, sequence_parallel=False)
+    expected = BUDGETS["replicated"][1]  # (AR, model): V forward + V backward
+    assert requested != expected  # ...but it asks for three backward dx all-reduces,
+    one = expected[("all-reduce", ("model",))] // 2
+    assert requested[("all-reduce", ("model",))] == one + 3 * one
+    assert compiled == requested  # and XLA does not combine them
+
+
+@pytest.mark.parametrize("name", NORM_MUTANTS)
+def test_unmutated_norms_copy_passes(swap, name):
+    old, _, extra, (kind, precision) = NORM_MUTANTS[name]
+    swap("norms", load("norms", old, old, extra))
+    check_sequence_parallel_norm(kind, (2, 4), precision)
+
+
+@pytest.mark.parametrize("name", NORM_MUTANTS)
+def test_norm_mutant_is_caught(swap, name):
+    old, new, extra, (kind, precision) = NORM_MUTANTS[name]
+    swap("norms", load("norms", old, new, extra))
+    with pytest.raises(AssertionError):
+        check_sequence_parallel_norm(kind, (2, 4), precision)

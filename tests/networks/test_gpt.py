@@ -1,0 +1,133 @@
+"""The GPT (``models.Gpt``) under every strategy on every mesh: 5 steps of SGD and of Adam equal
+the plain-jnp reference, and the compiled collectives equal the plan-derived budget exactly."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from _cover import FULL
+from _gpt_checks import BATCH, GPT, SEQ, cases, check_gpt_trajectory, gpt_batches
+
+import shardops
+import shardops_models as models
+
+CASES = cases()
+
+
+def case_id(case):
+    return "-".join(case)
+
+
+def test_every_strategy_has_a_case_on_every_mesh_with_its_axes():
+    names = {s for s, _ in CASES}
+    assert names == set(models.STRATEGIES) - {"ref"}
+    assert ("2d", "4x2") in CASES and ("sp", "model8") in CASES and ("fsdp", "data8") in CASES
+
+
+# By default every strategy trains with each optimizer, the meshes taken in turn so that every
+# mesh appears with each optimizer too (the MLP's tests run every strategy × mesh pair:
+# tests/strategies/test_strategies.py); every strategy × mesh × optimizer under SHARDOPS_FULL=1.
+def _trajectories():
+    optimizers = ("sgd", "adam")
+    if FULL:
+        return [(s, m, o) for s, m in CASES for o in optimizers]
+    meshes = {s: [m for t, m in CASES if t == s] for s, _ in CASES}
+    out, seen = [], set()
+    for s in sorted(meshes, key=lambda s: (len(meshes[s]), s)):  # the most constrained first
+        for o in optimizers:
+            used = {m for m, _ in seen}
+            m = min(meshes[s], key=lambda m: ((m, o) in seen, m in used))  # a new pair, a new mesh
+            seen.add((m, o))
+            out.append((s, m, o))
+    return out
+
+
+TRAJECTORIES = _trajectories()
+
+
+@pytest.mark.parametrize("case", TRAJECTORIES, ids=case_id)
+def test_trajectory_and_budget(case):
+    check_gpt_trajectory(*case, budget=True)
+
+
+def test_every_strategy_trains_with_each_optimizer_and_every_mesh_appears():
+    optimizers = ("sgd", "adam")
+    assert {(s, o) for s, _, o in TRAJECTORIES} == {(s, o) for s, _ in CASES for o in optimizers}
+    assert {(m, o) for _, m, o in TRAJECTORIES} == {(m, o) for _, m in CASES for o in optimizers}
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp_tp", "fsdp_sp"])
+def test_remat_trajectory_and_budget(strategy):
+    """Remat re-gathers each stage's parameters (and reruns its forward collectives) in the
+    backward pass: same numbers, and exactly the bytes the recorder predicts."""
+    check_gpt_trajectory(strategy, "4x2", "sgd", remat=True, budget=True)
+
+
+def test_ref_strategy_equals_the_plain_reference():
+    """The ``ref`` strategy runs the model code through ``models.strategies.parallel`` with no mesh: its
+    logits and loss equal the independent plain-jnp GPT."""
+    setup = models.build("ref", optimizer=optax.sgd(0.1), model=GPT)
+    params = GPT.init(jax.random.key(1))
+    ids, labels = (a[0] for a in gpt_batches(1))
+    np.testing.assert_allclose(
+        np.asarray(setup.logits(params, ids)), GPT.reference_logits(params, ids), atol=2e-6
+    )
+    loss, _ = setup.loss_and_grads(params, ids, labels)
+    np.testing.assert_allclose(
+        float(loss), float(GPT.reference_loss(params, ids, labels)), rtol=1e-6
+    )
+
+
+@pytest.mark.parametrize("strategy", ["fsdp_tp", "fsdp_sp", "dp"])
+def test_evaluate_and_logits_equal_the_reference_with_padding(strategy):
+    """``evaluate`` sums loss and hits over labelled positions only (``PAD_LABEL`` counts
+    nowhere), reduced over the mesh; ``logits`` returns the whole vocabulary."""
+    setup = models.build(strategy, shardops.make_mesh({"data": 4, "model": 2}),
+                         optimizer=optax.sgd(0.1), model=GPT)  # fmt: skip
+    params = GPT.init(jax.random.key(2))
+    ids, labels = (np.array(a[0]) for a in gpt_batches(2))
+    labels[-4:, 5:] = models.networks.gpt.PAD_LABEL  # some padded positions
+    real = labels != models.networks.gpt.PAD_LABEL
+    logits = np.asarray(GPT.reference_logits(params, ids))  # [B, S, V]
+    log_probs = jax.nn.log_softmax(logits)
+    picked = np.take_along_axis(log_probs, np.where(real, labels, 0)[..., None], -1)[..., 0]
+    state = setup.shard(params)
+    metrics = setup.evaluate(state.params, *setup.place_batch(ids, labels))
+    assert int(metrics.count) == real.sum()
+    assert int(metrics.correct) == ((logits.argmax(-1) == labels) & real).sum()
+    np.testing.assert_allclose(float(metrics.loss_sum), -picked[real].sum(), rtol=1e-5)
+    got = np.asarray(setup.logits(state.params, setup.place_batch(ids)))
+    assert got.shape == (BATCH, SEQ, GPT.vocab_size)
+    np.testing.assert_allclose(got, logits, atol=2e-6)
+
+
+def test_build_errors_name_the_leaf_the_axis_and_both_sizes():
+    mesh = shardops.make_mesh({"data": 2, "model": 4})
+    odd = models.Gpt(vocab_size=66, d_model=32, num_heads=4, num_layers=1, context=16)
+    with pytest.raises(
+        ValueError, match=r"\['embed'\]\['table'\] dim 0 \(vocabulary\) = 66 .*'model' \(size 4\)"
+    ):
+        models.build("tp", mesh, optimizer=optax.sgd(0.1), model=odd)
+    with pytest.raises(ValueError, match="no sequence dimension"):
+        models.build("sp", mesh, optimizer=optax.sgd(0.1))  # the MLP
+    setup = models.build("sp", mesh, optimizer=optax.sgd(0.1), model=GPT)
+    ids = np.zeros((4, 6), np.int32)  # S = 6 does not split over model = 4
+    with pytest.raises(ValueError, match="sequence"):
+        setup.place_batch(ids, ids)
+    with pytest.raises(ValueError, match="labels must be integer tokens"):
+        setup.place_batch(np.zeros((4, 8), np.int32), np.zeros((4, 8), np.float32))
+    with pytest.raises(ValueError, match="unknown role"):
+        models.build("tp", mesh, optimizer=optax.sgd(0.1), model=GPT,
+                     plan={**GPT.plan(), "head": "colum"})  # fmt: skip
+
+
+def test_a_replicated_head_under_sequence_parallelism_is_a_clear_error():
+    plan = {**GPT.plan(), "head": models.REPLICATED}
+    setup = models.build("sp", shardops.make_mesh({"model": 8}), optimizer=optax.sgd(0.1),
+                         model=GPT, plan=plan)  # fmt: skip
+    ids, labels = (a[0] for a in gpt_batches())
+    state = setup.init(jax.random.key(0))
+    with pytest.raises(ValueError, match="give it the plan's role 'column'"):
+        setup.train_step(state, *setup.place_batch(ids, labels))
+    with pytest.raises(ValueError, match="give it the plan's role 'column'"):
+        setup.collective_budget(BATCH, SEQ)

@@ -1,0 +1,212 @@
+"""The strategy search (``shardops_models.search._search``): its byte predictions equal the compiled ledger of every
+candidate it lists, on this process's 8 devices and on 64 simulated ones; it rules out what cannot
+run, with the reason; it ranks by the predicted step time; the command line prints a table."""
+
+import dataclasses
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from _gpt_checks import GPT
+from _processes import ROOT
+from _search_checks import (
+    check_flop_rates,
+    check_loop_flops,
+    check_peak_keeps_outputs_and_arguments,
+)
+from jax.sharding import PartitionSpec as P
+
+import shardops
+import shardops_models as models
+import shardops_models.search
+from shardops_models.search._program_cost import program_cost
+
+SEED = models.Mlp(models.SEED_SIZES)
+FREE_LINKS = shardops_models.search.Hardware(
+    "free links", {"data": 1e30, "model": 1e30}, {"float32": 1e10}, 1e10, 0.0, 1e12
+)
+SLOW_LINKS = shardops_models.search.Hardware(
+    "slow links", {"data": 1e3, "model": 1e3}, {"float32": 1e30}, 1e30, 0.0, 1e12
+)
+
+
+def check_predictions_equal_the_ledger(planned) -> None:
+    for lay in planned:
+        c = lay.compiled
+        assert c is not None, f"{lay.name} was not compiled"
+        assert c.requested == lay.budget, (
+            f"{lay.name}: the compiled program asks for {c.requested}, the search predicted "
+            f"{lay.budget}"
+        )
+        assert c.totals == lay.budget, (  # FLOAT32: XLA:CPU runs what was asked for
+            f"{lay.name}: the compiled program runs {c.totals}, the search predicted {lay.budget}"
+        )
+        assert c.ring_bytes == pytest.approx(lay.ring_bytes, rel=1e-12), lay.name
+        if c.peak_bytes is not None:  # the outputs (the new state) stay live to the end
+            assert lay.peak_bytes >= c.peak_bytes, (
+                f"{lay.name}: predicted peak {lay.peak_bytes} < compiled {c.peak_bytes} bytes"
+            )
+
+
+def test_seed_predictions_equal_the_compiled_ledger_for_every_candidate():
+    planned = shardops_models.search.search(SEED, 64, 8, hardware="cpu-sim", compile_top=100)
+    assert len(planned) == 13  # 5 strategies × 4 meshes, less 7 duplicates
+    check_predictions_equal_the_ledger(planned)
+
+
+def test_gpt_predictions_equal_the_compiled_ledger_for_every_candidate():
+    """The test GPT (8 heads, 1 layer), which every mesh of 8 divides: sp, fsdp_tp and
+    fsdp_sp on every mesh they are listed for (8 candidates; all 32 take ~50 s on 2 busy cores).
+    Between them they use every GPT kernel under tp and sp and both data-axis routes."""
+    planned = shardops_models.search.search(GPT, 16, 8, hardware="cpu-sim", compile_top=100,
+                                 strategies=["sp", "fsdp_tp", "fsdp_sp"])  # fmt: skip
+    assert {lay.strategy for lay in planned} == {"sp", "fsdp_tp", "fsdp_sp"}
+    check_predictions_equal_the_ledger(planned)
+
+
+@pytest.mark.parametrize("devices", [64, 256])
+def test_simulated_devices_predictions_equal_a_compile_only_ledger(devices):
+    """A subprocess with 64 (256) simulated devices plans and compiles (never runs) the
+    candidates. (At 256 the lowered module prints its replica groups as hex.)"""
+    planned = shardops_models.search.search("seed", 256, devices, strategies=["dp", "2d", "fsdp_tp"],
+                                 hardware="h100-ib", compile_top=3, timeout=120)  # fmt: skip
+    assert planned.devices == devices
+    assert {lay.mesh[0] * lay.mesh[1] for lay in planned} == {devices}
+    assert sum(lay.compiled is not None for lay in planned) == 3
+    check_predictions_equal_the_ledger([lay for lay in planned if lay.compiled is not None])
+
+
+def test_ruled_out_candidates_say_why():
+    gpt = models.Gpt(vocab_size=64, d_model=32, num_heads=4, num_layers=1, context=16)
+    planned = shardops_models.search.search(gpt, 16, 8, hardware="cpu-sim")
+    reasons = {(r.strategy, r.mesh): r.reason for r in planned.ruled_out}
+    assert "num_heads = 4 is not divisible by mesh axis 'model' (size 8)" in reasons["tp", (1, 8)]
+    assert reasons["2d", (8, 1)].startswith("same program as dp 8×1")
+    assert reasons["dp", (1, 8)].startswith("no parallelism")
+    assert ("tp", (1, 8)) not in {lay.mesh for lay in planned}
+
+    mlp = models.Mlp((64, 30, 10))
+    planned = shardops_models.search.search(mlp, 12, 8, hardware="cpu-sim")
+    reasons = {(r.strategy, r.mesh): r.reason for r in planned.ruled_out}
+    assert "= 30 is not divisible by mesh axis 'model' (size 4)" in reasons["2d", (2, 4)]
+    assert reasons["dp", (8, 1)] == "batch 12 does not split over data = 8; use a multiple of 8"
+    assert {lay.name for lay in planned} >= {"dp 4×2", "2d 4×2"}  # 30 and 12 split by 2 and 4
+
+
+def test_a_memory_limit_rules_out_what_does_not_fit():
+    full = shardops_models.search.search(SEED, 64, 8, hardware="cpu-sim")
+    peaks = sorted(lay.peak_bytes for lay in full)
+    limit = (peaks[0] + peaks[-1]) / 2
+    limited = shardops_models.search.search(SEED, 64, 8, hardware="cpu-sim", memory_limit=limit)
+    assert {lay.name for lay in limited} == {lay.name for lay in full if lay.peak_bytes <= limit}
+    over = [r for r in limited.ruled_out if "limit" in r.reason]
+    assert len(over) == sum(p > limit for p in peaks)
+    assert all(f"{limit / 1e9:.3g} GB limit" in r.reason for r in over)
+    with pytest.raises(
+        ValueError, match=r"no strategy and mesh of 8 devices works for batch 64: .*limit"
+    ):
+        shardops_models.search.search(SEED, 64, 8, hardware="cpu-sim", memory_limit=1)
+
+
+def check_ranked(planned) -> None:
+    times = [lay.step_time for lay in planned]
+    assert times == sorted(times), f"not ranked by predicted step time: {times}"
+    assert [lay.rank for lay in planned] == list(range(1, len(planned) + 1))
+    for lay in planned:
+        assert lay.step_time == pytest.approx(lay.compute_time + sum(lay.comm_time.values()))
+
+
+def test_candidates_rank_by_predicted_step_time(monkeypatch):
+    check_ranked(shardops_models.search.search(SEED, 64, 8, hardware="cpu-sim"))
+    # Free links: the least compute per device wins (no replicas); slow links: the fewest bytes.
+    free = shardops_models.search.search(SEED, 64, 8, hardware=FREE_LINKS)
+    assert free[0].replicas == 1 and free[-1].replicas == 8 // 2
+    slow = shardops_models.search.search(SEED, 64, 8, hardware=SLOW_LINKS)
+    least = min(slow, key=lambda lay: sum(lay.ring_bytes.values()))
+    assert slow[0].name == least.name and least.strategy == "tp"  # an all-reduce of logits
+    # Mutants of the sort key are caught: bytes only, and reversed.
+    monkeypatch.setattr(
+        shardops_models.search._search, "rank_key", lambda lay: sum(lay.ring_bytes.values())
+    )
+    with pytest.raises(AssertionError, match="not ranked"):
+        check_ranked(shardops_models.search.search(SEED, 64, 8, hardware="cpu-sim"))
+    monkeypatch.setattr(shardops_models.search._search, "rank_key", lambda lay: -lay.step_time)
+    with pytest.raises(AssertionError, match="not ranked"):
+        check_ranked(shardops_models.search.search(SEED, 64, 8, hardware="cpu-sim"))
+
+
+def test_recount_ranks_by_the_collectives_the_compiled_program_runs():
+    """A dp step asks for one all-reduce per gradient leaf and XLA:CPU runs them combined;
+    with recount the latency term counts what runs, and the ranking follows the new times."""
+    slow = dataclasses.replace(FREE_LINKS, name="latency", latency=1e-3)
+    planned = shardops_models.search.search(SEED, 64, 8, hardware=slow, strategies=["dp", "2d", "fsdp"],
+                                 compile_top=100)  # fmt: skip
+    again = shardops_models.search.search(SEED, 64, 8, hardware=slow, strategies=["dp", "2d", "fsdp"],
+                               compile_top=100, recount=True)  # fmt: skip
+    check_ranked(again)
+    dp = next(lay for lay in planned if lay.name == "dp 8×1")
+    assert dp.collectives[("data",)] > dp.compiled.collectives[("data",)]  # combined by XLA
+    for lay in again:
+        runs = sum(lay.compiled.collectives.values())
+        assert lay.step_time == pytest.approx(lay.compute_time + runs * slow.latency), lay.name
+
+
+def test_program_cost_counts_matmul_flops_and_collectives():
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 16))
+    assert program_cost(jax.make_jaxpr(jnp.dot)(x, w).jaxpr, {}).flops == 2 * 4 * 8 * 16
+    grad = jax.make_jaxpr(jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w))))(w)
+    assert program_cost(grad.jaxpr, {}).flops == 2 * (2 * 4 * 8 * 16)  # forward, dw (x needs none)
+    mesh = shardops.make_mesh({"data": 4, "model": 2})
+    f = jax.shard_map(lambda a: jax.lax.psum(a, "data") + jax.lax.psum(a, "model"), mesh=mesh,
+                      in_specs=P("data"), out_specs=P("data"))  # fmt: skip
+    cost = program_cost(jax.make_jaxpr(f)(jnp.ones((8, 4))).jaxpr, dict(mesh.shape))
+    assert cost.collectives == {("data",): 1, ("model",): 1}
+
+
+def test_program_cost_counts_the_flops_inside_loops_as_xla_counts_them_unrolled():
+    check_loop_flops()
+
+
+def test_program_cost_peak_keeps_outputs_and_held_arguments_live_to_the_end():
+    check_peak_keeps_outputs_and_arguments()
+
+
+def test_compute_time_uses_the_flop_rate_of_each_policys_compute_dtype():
+    check_flop_rates()
+
+
+def test_bad_inputs_are_errors():
+    with pytest.raises(ValueError, match=r"devices must be a positive integer; got 0"):
+        shardops_models.search.search(SEED, 64, 0)
+    with pytest.raises(ValueError, match=r"unknown hardware preset 'tpu'; choose one of"):
+        shardops_models.search.search(SEED, 64, 8, hardware="tpu")
+    with pytest.raises(ValueError, match=r"unknown model 'big'; choose one of"):
+        shardops_models.search.search("big", 64, 8)
+    with pytest.raises(ValueError, match=r"unknown strategy 'pp'"):
+        shardops_models.search.search(SEED, 64, 8, strategies=["pp"])
+    with pytest.raises(ValueError, match=r"dp 8×1: batch 7 does not split over data = 8"):
+        shardops_models.search.search(SEED, 7, 8, strategies=["dp"])
+    with pytest.raises(ValueError, match=r"bandwidth needs a positive bytes/s for mesh axis"):
+        dataclasses.replace(FREE_LINKS, bandwidth={"data": 1.0})
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "shardops_models.search", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)  # fmt: skip
+
+
+def test_the_command_line_prints_the_ranked_table_and_the_compiled_ledger():
+    proc = run_cli("--model", "seed", "--batch", "128", "--devices", "8", "--compile-top", "1")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "mlp 784-512-10, batch 128, 8 devices, hardware h100-nvlink" in out
+    assert "ruled out: same program as dp 8×1" in out
+    assert "compiled ledger of the top candidates" in out
+    for bad, message in ((("--devices", "0"), "--devices must be a positive integer"),
+                         (("--hardware", "tpu"), "unknown --hardware 'tpu'")):  # fmt: skip
+        args = {"--model": "seed", "--batch": "128", "--devices": "8"}
+        args.update(dict([bad]))
+        proc = run_cli(*[s for kv in args.items() for s in kv])
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr

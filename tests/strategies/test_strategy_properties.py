@@ -1,0 +1,401 @@
+"""Hypothesis: every strategy trains a random model under a random valid plan like the reference.
+
+Each example draws
+
+- a model built from shardops layers: a GPT (1–2 blocks) or an MLP (1–3 layers), with widths
+  that need not divide by any mesh axis;
+- a strategy (every one but ``ref``, the oracle; sequence parallelism for the GPT only) and a
+  mesh it runs on: every 2-axis mesh of 8 devices (1×8, 2×4, 4×2, 8×1), smaller ones (2×2,
+  1×2, 2×1, 1×4, 4×1) and, for a strategy on one axis, the 1-axis meshes of 1, 2, 4, 8;
+- a plan valid on that mesh, layer by layer: a role that splits a layer over ``model`` only
+  where its dimension divides by the axis, else ``replicated``. FSDP leaves replicated over
+  ``data`` the leaves no dimension of which divides. Each role is written once per layer, once
+  per leaf, or once for a whole subtree whose layers share it (a plan is a pytree prefix);
+- SGD (sometimes Adam), remat under FSDP, the params' seed, a batch and a sequence length.
+
+Against the ``ref`` strategy, from the same params on the same batches, it checks the first
+batch's gradients (``setup.loss_and_grads``, gathered with ``setup.gather``) and the losses and
+final params of 3 steps of ``setup.step``. Both run in one jitted program per setup (the steps
+in a ``lax.scan``): an example compiles the strategy's program and the reference's, and those
+two compile at once on the two cores.
+
+    HYPOTHESIS_PROFILE=quick python -m pytest tests/strategies/test_strategy_properties.py -q
+"""
+
+import collections
+import functools
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import numpy as np
+import optax
+import pytest
+from _model_checks import TOL, optimizer
+from hypothesis import event, example, given, note, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardops
+import shardops_models as models
+from shardops_models import COLUMN, HEAD, REPLICATED, ROW, VOCAB
+
+STEPS = 3
+SEQUENCE_PARALLEL = ("sp", "dp_sp", "fsdp_sp")
+STRATEGIES = sorted(set(models.STRATEGIES) - {"ref"})
+STRATEGY_DRAWS = [s for s in STRATEGIES for _ in range(1 if s in SEQUENCE_PARALLEL else 2)]
+TWO_AXIS = [(1, 8), (2, 4), (4, 2), (8, 1), (2, 2), (1, 2), (2, 1), (1, 4), (4, 1)]
+# Tiny models: an example's time is the time it takes to compile two programs.
+MAX_WIDTH, MAX_SEQUENCE, MAX_VOCAB, MAX_BATCH, MAX_CLASSES = 32, 16, 40, 16, 16
+MIN_D_MODEL = 4  # a layer norm over 1 or 2 features is ±1 or bias: chaotic near var ≈ eps
+# As in test_models_properties. A GPT at GPT-2's 0.02 has near-uniform attention, and the
+# gradients of its queries (~1e-6) are too small to show a bug; at 0.1 every leaf's gradient
+# is ≳ 100 × TOL.
+INIT_SCALE = 0.1
+# The MLP trains at the seed's LR 1.0 (``optimizer("sgd")``). A GPT's steps amplify float32
+# rounding more (its layer norms divide by the activations' spread): at LR 1.0 a strategy's
+# final params differ from the reference's by up to 0.6 TOL in 3 steps (120 draws), at 0.1 by
+# ≤ 0.12 TOL, while every parameter still moves ≫ TOL.
+GPT_SGD_LR = 0.1
+# Adam steps by m/(√v + ε): where a gradient entry is ~0 it multiplies the entry's rounding by
+# up to 1/ε. A GPT has thousands of entries, some within 1e-8 of 0, so at the usual ε = 1e-8
+# rounding noise of 1e-10 moves params by ~1e-5 (TOL) in 3 steps; ε = 1e-6 (RoBERTa's) keeps
+# that below 1e-7 and is still ≪ the gradients (≳ 1e-5), so Adam stays Adam.
+GPT_ADAM_EPS = 1e-6
+U = 2.0**-24  # float32 unit roundoff
+# The XLA:CPU backend's LLVM optimisations are half of an example's time (two programs, run
+# once on tiny arrays). They change nothing a strategy decides: its HLO, collectives included.
+COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+# --- draws
+
+
+@functools.cache
+def param_shapes(net):
+    """The params' shapes (``jax.ShapeDtypeStruct`` leaves), from ``net.init`` traced once."""
+    return jax.eval_shape(net.init, jax.random.key(0))
+
+
+def size(draw, low: int, high: int, multiple: int) -> int:
+    """A size in [low, high]: 2 times out of 3 a multiple of ``multiple`` (so that a role which
+    splits it over ``model`` fits), else any size (uneven ones included)."""
+    multiples = range(-(-low // multiple) * multiple, high + 1, multiple)
+    if multiples and draw(st.sampled_from([True, True, False])):
+        return draw(st.sampled_from(multiples))
+    return draw(st.integers(low, high))
+
+
+def role(draw, splitting_role: str, size: int, model: int) -> str:
+    """If ``size`` divides by the model axis, ``splitting_role`` 3 times out of 4, else
+    replicated; replicated if it does not divide."""
+    if size % model:
+        return REPLICATED
+    return draw(st.sampled_from([splitting_role] * 3 + [REPLICATED]))
+
+
+def spell(draw, plan, shapes):
+    """The same plan written another way: a layer's role as one role per leaf, or a subtree
+    whose leaves share one role as that role once."""
+    if isinstance(plan, str):
+        if isinstance(shapes, dict) and draw(st.booleans()):
+            return dict.fromkeys(shapes, plan)
+        return plan
+    roles = set(jax.tree.leaves(plan))
+    if len(roles) == 1 and draw(st.integers(0, 3)) == 0:
+        return roles.pop()
+    if isinstance(plan, dict):
+        return {key: spell(draw, plan[key], shapes[key]) for key in plan}
+    return [spell(draw, p, s) for p, s in zip(plan, shapes, strict=True)]
+
+
+def gpt_config(draw, sequence_parallel: bool, model: int, data: int):
+    """A GPT, a plan valid on a model axis of ``model`` devices, and ``(batch, sequence)``."""
+    # Under sp attention must be head-parallel (whole heads per device) and the sequence must
+    # split. The head must be column-parallel too: a replicated head under sp fails (its logits
+    # cover the device's S/p positions, its labels all S: a shape error inside the loss), so
+    # the vocabulary divides there.
+    sp = sequence_parallel
+    heads = draw(st.sampled_from([h for h in (1, 2, 4, 8) if h % model == 0] if sp
+                                 else [1, 2, 3, 4, 8]))  # fmt: skip
+    d_ff = size(draw, 1, MAX_WIDTH, model)
+    vocab = (model * draw(st.integers(-(-2 // model), MAX_VOCAB // model)) if sp
+             else size(draw, 2, MAX_VOCAB, model))  # fmt: skip
+    seq = (model * draw(st.integers(1, MAX_SEQUENCE // model)) if sp
+           else draw(st.integers(1, MAX_SEQUENCE)))  # fmt: skip
+    gpt = models.Gpt(
+        vocab_size=vocab,
+        d_model=heads * draw(st.integers(-(-MIN_D_MODEL // heads), MAX_WIDTH // heads)),
+        num_heads=heads,
+        num_layers=draw(st.integers(1, 2)),
+        context=draw(st.integers(seq, MAX_SEQUENCE)),
+        d_ff=d_ff,
+    )
+
+    def block():
+        mlp = role(draw, COLUMN, d_ff, model)
+        return {
+            "ln1": REPLICATED,
+            "attn": HEAD if sp else role(draw, HEAD, heads, model),
+            "ln2": REPLICATED,
+            "up": mlp,
+            "down": ROW if mlp == COLUMN else REPLICATED,  # a column layer feeds a row layer
+        }
+
+    plan = {
+        "embed": role(draw, VOCAB, vocab, model),
+        "pos": role(draw, VOCAB, gpt.context, model),  # a table too: split by position
+        "blocks": [block() for _ in range(gpt.num_layers)],
+        "ln_f": REPLICATED,
+        "head": COLUMN if sp else role(draw, COLUMN, vocab, model),
+    }
+    return gpt, plan, (data * draw(st.integers(1, MAX_BATCH // data)), seq)
+
+
+def mlp_config(draw, model: int, data: int):
+    """An MLP, a plan valid on a model axis of ``model`` devices, and ``(batch,)``."""
+    depth = draw(st.integers(1, 3))
+    hidden = [size(draw, 1, MAX_WIDTH, model) for _ in range(depth - 1)]
+    sizes = (draw(st.integers(1, MAX_WIDTH)), *hidden, draw(st.integers(2, MAX_CLASSES)))
+    plan = []
+    while len(plan) < depth:  # Megatron pairs where the hidden width divides, else replicated
+        layer = len(plan)
+        if layer + 1 < depth and role(draw, COLUMN, sizes[layer + 1], model) == COLUMN:
+            plan += [COLUMN, ROW]
+        else:
+            plan.append(REPLICATED)
+    return models.Mlp(sizes), plan, (data * draw(st.integers(1, MAX_BATCH // data)),)
+
+
+@st.composite
+def configurations(draw):
+    # A GPT compiles 4× slower than an MLP: the sequence-parallel strategies (GPT only) are
+    # drawn half as often as the others, and the others draw the MLP 2 times out of 3.
+    strategy = draw(st.sampled_from(STRATEGY_DRAWS))
+    kind = "gpt" if strategy in SEQUENCE_PARALLEL else draw(st.sampled_from(["mlp", "mlp", "gpt"]))
+    parallel = models.STRATEGIES[strategy]
+    meshes = [{"data": d, "model": m} for d, m in TWO_AXIS]
+    if len(parallel.axes) == 1:
+        meshes += [{parallel.axes[0]: n} for n in (1, 2, 4, 8)]
+    mesh = draw(st.sampled_from(meshes))
+    model = mesh.get("model", 1) if parallel.model else 1  # off the model axis roles are moot
+    data = mesh.get("data", 1) if parallel.data else 1
+    if kind == "gpt":
+        net, plan, shape = gpt_config(draw, strategy in SEQUENCE_PARALLEL, model, data)
+    else:
+        net, plan, shape = mlp_config(draw, model, data)
+    plan = spell(draw, plan, param_shapes(net))
+    opt = draw(st.sampled_from(["sgd", "sgd", "adam"]))
+    remat = parallel.data == "fsdp" and draw(st.sampled_from([False, False, False, True]))
+    return strategy, mesh, net, plan, shape, opt, remat
+
+
+# --- the check
+
+
+def init(net, seed: int):
+    """Params shaped like ``net.init``'s, every leaf drawn: normal × the init scale, norm
+    scales around 1. Biases and norms are not 0 or 1, so a layer that mishandles one (adds a
+    bias on every device, say) shows in the first loss. Drawn by numpy: ``net.init`` run
+    eagerly compiles each of its random ops (half an example's time)."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, shape):
+        x = rng.normal(0.0, INIT_SCALE, shape.shape).astype(np.float32)
+        return x + 1 if jax.tree_util.keystr(path).endswith("['scale']") else x
+
+    return jax.tree_util.tree_map_with_path(leaf, param_shapes(net))
+
+
+def batches(net, shape, seed: int):
+    """``STEPS`` global batches: token ids and next tokens ``[STEPS, B, S]`` for the GPT;
+    inputs in [0, 1) ``[STEPS, B, D]`` and one-hot labels ``[STEPS, B, C]`` for the MLP."""
+    rng = np.random.default_rng(seed)
+    if isinstance(net, models.Gpt):
+        ids = rng.integers(0, net.vocab_size, (2, STEPS, *shape), dtype=np.int32)
+        return ids[0], ids[1]
+    xs = rng.random((STEPS, *shape, net.sizes[0]), dtype=np.float32)
+    ys = np.eye(net.sizes[-1], dtype=np.float32)[rng.integers(0, net.sizes[-1], (STEPS, *shape))]
+    return xs, ys
+
+
+def optimizer_for(net, opt: str) -> optax.GradientTransformation:
+    """The MLP's are the suite's (``_model_checks.optimizer``); the GPT's, see GPT_SGD_LR and
+    GPT_ADAM_EPS."""
+    if not isinstance(net, models.Gpt):
+        return optimizer(opt)
+    return optax.sgd(GPT_SGD_LR) if opt == "sgd" else optax.adam(1e-3, eps=GPT_ADAM_EPS)
+
+
+_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
+PROGRAMS_KEPT = 16  # hypothesis revisits recent configurations; compiled programs hold memory
+
+
+def program(strategy, mesh_shape, net, plan, opt: str, remat: bool):
+    """The setup and one jitted program of it: the first batch's gradients
+    (``setup.loss_and_grads``), then ``STEPS`` steps of ``setup.step`` scanned. Built once per
+    configuration: hypothesis revisits a configuration with new seeds, and the examples of one
+    model (and batch shape) share the reference's."""
+    key = (strategy, str(mesh_shape), net, str(plan), opt, remat)
+    if key not in _PROGRAMS:
+        mesh = None if mesh_shape is None else shardops.make_mesh(mesh_shape)
+        setup = models.build(strategy, mesh, optimizer=optimizer_for(net, opt), model=net,
+                             plan=plan, remat=remat)  # fmt: skip
+
+        def run(state, xs, ys):
+            grads = None
+            if not remat:  # remat's jit carries compiler options, so it cannot be nested
+                _, grads = setup.loss_and_grads(state.params, xs[0], ys[0])
+            state, losses = jax.lax.scan(lambda s, batch: setup.step(s, *batch), state, (xs, ys))
+            return grads, state.params, losses
+
+        _PROGRAMS[key] = setup, jax.jit(run, compiler_options=COMPILER_OPTIONS)
+        while len(_PROGRAMS) > PROGRAMS_KEPT:
+            _PROGRAMS.popitem(last=False)
+    _PROGRAMS.move_to_end(key)
+    return _PROGRAMS[key]
+
+
+def trajectory(setup, run, params, xs, ys):
+    """``(first gradients, final params, losses)`` of a ``program``, on the host."""
+    state = setup.shard(params)
+    if setup.mesh is not None:
+        layout = NamedSharding(setup.mesh, P(None, *setup.batch_spec))  # [STEPS, B_data, ...]
+        xs, ys = jax.device_put(xs, layout), jax.device_put(ys, layout)
+    grads, final, losses = run(state, xs, ys)
+    if grads is None:
+        _, grads = setup.loss_and_grads(state.params, *setup.place_batch(xs[0], ys[0]))
+    return setup.gather(grads), setup.gather(final), np.asarray(losses, np.float64)
+
+
+def worst(a, b, *, skip=()) -> tuple[float, str]:
+    """``(max |a − b|, the leaf)`` over two trees laid out alike, but the leaves in ``skip``."""
+    out = (0.0, "")
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b),
+                            strict=True):  # fmt: skip
+        name = jax.tree_util.keystr(path)
+        if not name.endswith(skip):
+            err = float(np.max(np.abs(np.asarray(x, np.float64) - y), initial=0.0))
+            out = max(out, (err, name))
+    return out
+
+
+def floor_example(strategy: str):
+    """A fixed example of ``strategy`` on the 2×4 mesh: a GPT with the default plan under
+    sequence parallelism (Adam), else an MLP with a column→row pair (SGD). Hypothesis draws
+    cluster, so these make sure each strategy runs in every profile."""
+    mesh = {"data": 2, "model": 4}
+    if strategy in SEQUENCE_PARALLEL:
+        gpt = models.Gpt(vocab_size=12, d_model=8, num_heads=4, num_layers=1, context=8, d_ff=12)
+        return strategy, mesh, gpt, gpt.plan(), (4, 8), "adam", False
+    return strategy, mesh, models.Mlp((6, 8, 5)), [COLUMN, ROW], (8,), "sgd", False
+
+
+def floor_examples(test):
+    for strategy in STRATEGIES:
+        test = example(config=floor_example(strategy), seed=0)(test)
+    return test
+
+
+# Half the profile's examples: 100 in CI (each draws a new model and compiles it twice), and
+# one fixed example per strategy.
+@settings(max_examples=max(settings.default.max_examples // 2, 1))
+@given(config=configurations(), seed=st.integers(0, 2**16))
+@floor_examples
+def test_any_strategy_and_plan_trains_like_the_reference(config, seed):
+    strategy, mesh_shape, net, plan, shape, opt, remat = config
+    event(f"strategy {strategy}")
+    event(f"model {'gpt' if isinstance(net, models.Gpt) else 'mlp'}")
+    event(f"optimizer {opt}")
+    note(f"{strategy} on {mesh_shape}: {net.name}, batch {shape}, {opt}, remat={remat}")
+    note(f"plan {plan}")
+
+    params, (xs, ys) = init(net, seed), batches(net, shape, seed)
+    with ThreadPoolExecutor(1) as pool:  # the reference compiles while the strategy does
+        reference = pool.submit(
+            lambda: trajectory(*program("ref", None, net, None, opt, False), params, xs, ys)
+        )
+        grads, final, losses = trajectory(
+            *program(strategy, mesh_shape, net, plan, opt, remat), params, xs, ys
+        )
+        ref_grads, ref_final, ref_losses = reference.result()
+
+    tol = TOL[opt]
+    # The loss is a float32 mean of n terms ≥ 0 (the positions of a GPT batch, the batch ×
+    # classes of the MLP's): summed in another order (per device, then psum) it moves by up
+    # to (n − 1)·u·loss each side, the bound of any summation order. A GPT's loss (≈ ln V)
+    # over 16 × 16 positions needs it; TOL's 1e-6 covers the terms' own differences.
+    n = ys[0].size
+    loss_tol = tol["loss"] + 2 * (n - 1) * U * ref_losses
+    assert np.all(np.abs(losses - ref_losses) <= loss_tol), (
+        f"losses {losses} ≠ reference {ref_losses} (tolerance {loss_tol})"
+    )
+    err, where = worst(grads, ref_grads)
+    assert err <= tol["grads"], f"first gradient {where}: max |sharded − ref| = {err:.2e}"
+    err, where = worst(final, ref_final)
+    assert err <= tol["params"], f"final params {where}: max |sharded − ref| = {err:.2e}"
+
+
+# --- plans that cannot run: errors before anything is traced
+
+
+GPT = models.Gpt(vocab_size=12, d_model=8, num_heads=4, num_layers=2, context=8, d_ff=30)
+MLP = models.Mlp((8, 30, 10))
+
+
+def gpt_plan(embed=VOCAB, head=COLUMN, up=COLUMN, down=ROW, blocks=None):
+    """``GPT``'s plan with these roles (``blocks``: instead, the whole list of blocks)."""
+    block = {"ln1": REPLICATED, "attn": HEAD, "ln2": REPLICATED, "up": up, "down": down}
+    return {"embed": embed, "pos": REPLICATED, "ln_f": REPLICATED, "head": head,
+            "blocks": [dict(block) for _ in range(GPT.num_layers)] if blocks is None
+            else blocks}  # fmt: skip
+
+
+def build_tp(net, plan, model: int):
+    return models.build("tp", shardops.make_mesh({"model": model}), optimizer=optax.sgd(0.1),
+                        model=net, plan=plan)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("net", "plan", "model", "leaf"),
+    [
+        # leaves in tree order: a dense layer's b before its w, "down" before "up"
+        (GPT, gpt_plan(), 4, "params['blocks'][0]['down']['w'] dim 0 (features) = 30"),
+        (GPT, gpt_plan(down=REPLICATED), 4, "params['blocks'][0]['up']['b'] dim 0 (features) = 30"),
+        (GPT, gpt_plan(blocks=REPLICATED, head=REPLICATED), 8,
+         "params['embed']['table'] dim 0 (vocabulary) = 12"),
+        (GPT, gpt_plan(blocks=REPLICATED, embed=REPLICATED), 8,
+         "params['head']['w'] dim 1 (features) = 12"),
+        (MLP, [COLUMN, ROW], 4, "params[0]['b'] dim 0 (features) = 30"),
+        (MLP, [{"w": REPLICATED, "b": REPLICATED}, {"w": COLUMN, "b": COLUMN}], 4,
+         "params[1]['b'] dim 0 (features) = 10"),
+    ],
+    ids=["gpt-row", "gpt-column", "gpt-vocab", "gpt-head", "mlp-column", "mlp-per-leaf"],
+)  # fmt: skip
+def test_a_role_that_splits_an_uneven_dim_names_the_parameter(net, plan, model, leaf):
+    expected = f"{leaf} is not divisible by mesh axis 'model' (size {model})"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        build_tp(net, plan, model)
+
+
+@pytest.mark.parametrize(
+    ("net", "plan"),
+    [
+        (MLP, [COLUMN, ROW, REPLICATED]),  # a role too many
+        (MLP, [REPLICATED]),  # a role too few
+        (GPT, {k: v for k, v in gpt_plan().items() if k != "head"}),  # a layer missing
+        (GPT, gpt_plan(blocks=gpt_plan()["blocks"][:1])),  # a block missing
+        (GPT, gpt_plan(up={"w": COLUMN})),  # a per-leaf role missing a leaf
+    ],
+    ids=["mlp-long", "mlp-short", "gpt-no-head", "gpt-one-block", "gpt-leaf-missing"],
+)
+def test_a_plan_that_is_not_a_prefix_of_the_params_is_refused(net, plan):
+    with pytest.raises(ValueError, match=r"the plan must be a prefix of the parameter tree"):
+        build_tp(net, plan, 2)
+
+
+def test_an_unknown_role_names_its_place_in_the_plan():
+    with pytest.raises(ValueError, match=re.escape("plan['blocks'][0]['up']['b']: unknown role "
+                                                   "'colum'; choose one of")):  # fmt: skip
+        build_tp(GPT, gpt_plan(up="colum"), 2)

@@ -1,0 +1,398 @@
+"""Checkpoints (``shardops_models.training.checkpoint``) restore onto any strategy and mesh exactly,
+refuse another model with every difference named, and survive a kill mid-save.
+
+Multi-process saves and resumes, and the examples' ``--resume``, are in test_distributed.py.
+"""
+
+import functools
+import itertools
+import os
+import signal
+import sys
+import tempfile
+
+import jax
+import numpy as np
+import optax
+import pytest
+from _mutants import mutant
+from _processes import Run
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardops
+import shardops_models as models
+from shardops_models.training import checkpoint
+from shardops_models.training.checkpoint import CheckpointMismatch, Checkpoints
+
+MLP = models.Mlp((16, 32, 8))
+GPT = models.Gpt(vocab_size=16, d_model=16, num_heads=8, num_layers=1, context=8, d_ff=32)
+MESHES = [(1, 8), (2, 4), (4, 2), (8, 1), (2, 2), (1, 2)]
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1, momentum=0.9), "adam": lambda: optax.adam(1e-3)}
+
+
+@functools.cache
+def setup_for(model, strategy: str, mesh_shape, opt: str):
+    mesh = (
+        None
+        if strategy == "ref"
+        else shardops.make_mesh(dict(zip(("data", "model"), mesh_shape, strict=True)))
+    )
+    return models.build(strategy, mesh, optimizer=OPTIMIZERS[opt](), model=model)
+
+
+def drawn_state(setup, seed: int):
+    """A full train state whose every leaf (optimizer moments and counts too) is drawn, so a
+    leaf restored into another's place, or transposed, shows."""
+    rng = np.random.default_rng(seed)
+    params = jax.eval_shape(setup.model.init, jax.random.key(0))
+    opt_state = jax.eval_shape(setup.optimizer.init, params)
+
+    def draw(a):
+        if jnp_int(a.dtype):
+            return rng.integers(1, 1000, a.shape).astype(a.dtype)
+        return rng.normal(size=a.shape).astype(a.dtype)
+
+    return models.TrainState(jax.tree.map(draw, params), jax.tree.map(draw, opt_state))
+
+
+def jnp_int(dtype) -> bool:
+    return np.issubdtype(dtype, np.integer)
+
+
+def place(setup, state):
+    if setup.mesh is None:
+        return jax.device_put(state)
+    return models.TrainState(
+        models.shard_tree(state.params, setup.mesh, setup.param_specs),
+        models.shard_tree(state.opt_state, setup.mesh, setup.opt_specs),
+    )
+
+
+def check_moves(tmp_path, model, a, b, opt: str, seed: int, ckpt_module=checkpoint):
+    """Save a drawn state laid out for ``a``, restore it for ``b``: every leaf is bit-identical
+    and laid out by ``b``'s specs."""
+    setup_a, setup_b = setup_for(model, *a, opt), setup_for(model, *b, opt)
+    full = drawn_state(setup_a, seed)
+    directory = tmp_path / f"ckpt-{seed}-{a[0]}-{b[0]}"
+    with ckpt_module.Checkpoints(directory) as ckpt:
+        ckpt.save(7, setup_a, place(setup_a, full), extra={"seed": seed})
+    with ckpt_module.Checkpoints(directory) as ckpt:
+        restored, extra = ckpt.restore(setup_b)
+    assert extra == {"seed": seed}
+    got = jax.tree_util.tree_leaves_with_path(restored)
+    want = jax.tree.leaves(full)
+    specs = (
+        [None] * len(want)
+        if setup_b.mesh is None
+        else jax.tree.leaves(
+            (setup_b.param_specs, setup_b.opt_specs), is_leaf=lambda s: isinstance(s, P)
+        )
+    )
+    assert len(got) == len(want) == len(specs)
+    for (path, leaf), expected, spec in zip(got, want, specs, strict=True):
+        where = f"{a} → {b}: state{jax.tree_util.keystr(path)}"
+        np.testing.assert_array_equal(np.asarray(setup_b.gather(leaf)), expected, err_msg=where)
+        assert leaf.dtype == expected.dtype, where
+        if spec is not None:
+            target = NamedSharding(setup_b.mesh, spec)
+            assert leaf.sharding.is_equivalent_to(target, leaf.ndim), (where, leaf.sharding, spec)
+
+
+def layouts(model):
+    strategies = [s for s in models.strategies_for(model) if s != "ref"]
+    return st.one_of(
+        st.just(("ref", (1, 1))),
+        st.tuples(st.sampled_from(strategies), st.sampled_from(MESHES)),
+    )
+
+
+@st.composite
+def moves(draw):
+    model = draw(st.sampled_from([MLP, GPT]))
+    return model, draw(layouts(model)), draw(layouts(model))
+
+
+@settings(max_examples=max(settings.default.max_examples // 4, 1))
+@given(move=moves(), opt=st.sampled_from(sorted(OPTIMIZERS)), seed=st.integers(0, 2**16))
+def test_save_on_any_layout_restore_on_any_other_exactly(tmp_path_factory, move, opt, seed):
+    model, a, b = move
+    check_moves(tmp_path_factory.mktemp("moves"), model, a, b, opt, seed)
+
+
+def test_the_layout_chain_of_the_issue(tmp_path):
+    """2d 4×2 → fsdp_tp 2×4 → dp 8×1 → tp 1×8 → ref, each restoring the previous one's save."""
+    chain = [("2d", (4, 2)), ("fsdp_tp", (2, 4)), ("dp", (8, 1)), ("tp", (1, 8)), ("ref", (1, 1))]
+    for a, b in itertools.pairwise(chain):
+        check_moves(tmp_path, MLP, a, b, "adam", seed=1)
+
+
+# --- another model is refused, with what differs
+
+
+def save_one(tmp_path, setup):
+    with Checkpoints(tmp_path / "ckpt") as ckpt:
+        ckpt.save(1, setup, setup.init(jax.random.key(0)))
+    return Checkpoints(tmp_path / "ckpt")
+
+
+def refusal(tmp_path, saved, other) -> str:
+    with save_one(tmp_path, saved) as ckpt, pytest.raises(CheckpointMismatch) as e:
+        ckpt.restore(other)
+    return str(e.value)
+
+
+def test_other_sizes_are_refused_naming_the_config_and_each_parameter(tmp_path):
+    mesh = shardops.make_mesh({"data": 4, "model": 2})
+    a = models.build("2d", mesh, optimizer=optax.adam(1e-3), sizes=(16, 32, 8))
+    b = models.build("2d", mesh, optimizer=optax.adam(1e-3), sizes=(16, 24, 8))
+    text = refusal(tmp_path, a, b)
+    assert "(5 difference(s))" in text
+    assert "model config sizes: [16, 32, 8] in the checkpoint, [16, 24, 8] here" in text
+    assert "params[0]['w']: shape (16, 32) float32 in the checkpoint, shape (16, 24) float32 here" in text  # fmt: skip
+    assert "params[1]['b']" not in text  # (8,) in both
+    assert "optimizer state: 6 leaves differ, following the params" in text
+
+
+def test_another_plan_is_refused_naming_the_parameter_and_both_roles(tmp_path):
+    plan = GPT.plan()
+    plan["blocks"][0]["up"] = models.REPLICATED
+    mesh = shardops.make_mesh({"data": 2, "model": 4})
+    a = models.build("tp", mesh, optimizer=optax.sgd(0.1), model=GPT)
+    b = models.build("tp", mesh, optimizer=optax.sgd(0.1), model=GPT, plan=plan)
+    text = refusal(tmp_path, a, b)
+    assert "plan role of params['blocks'][0]['up']['w']: 'column' in the checkpoint, 'replicated' here" in text  # fmt: skip
+    assert "['down']" not in text
+
+
+def test_another_optimizer_or_model_or_dtype_is_refused(tmp_path):
+    mesh = shardops.make_mesh({"data": 4, "model": 2})
+    sgd = models.build("2d", mesh, optimizer=optax.sgd(0.1), model=MLP)
+    adam = models.build("2d", mesh, optimizer=optax.adam(1e-3), model=MLP)
+    text = refusal(tmp_path / "opt", sgd, adam)
+    assert "optimizer state[0].mu[0]['w']: here, not in the checkpoint" in text
+    assert "the model matches: was the checkpoint trained with another optimizer?" in text
+    gpt = models.build("2d", mesh, optimizer=optax.sgd(0.1), model=GPT)
+    text = refusal(tmp_path / "model", sgd, gpt)
+    assert "model type shardops_models.networks.mlp.Mlp in the checkpoint, shardops_models.networks.gpt.Gpt here" in text  # fmt: skip
+    bf16 = models.build("2d", mesh, optimizer=optax.sgd(0.1), model=MLP,
+                        precision=shardops.BFLOAT16)  # fmt: skip
+    text = refusal(tmp_path / "dtype", sgd, bf16)
+    assert "params[0]['w']: shape (16, 32) float32 in the checkpoint, shape (16, 32) bfloat16 here" in text  # fmt: skip
+
+
+class UserMlp:
+    """A user's model that is no dataclass (its repr holds an address): identified by its
+    public config attributes."""
+
+    def __init__(self, sizes):
+        self.sizes = tuple(sizes)
+        self._inner = models.Mlp(sizes)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_a_user_model_restores_into_a_new_instance_and_other_sizes_are_refused(tmp_path):
+    mesh = shardops.make_mesh({"data": 2, "model": 4})
+    a = models.build("fsdp_tp", mesh, optimizer=optax.sgd(0.1), model=UserMlp((16, 32, 8)))
+    b = models.build("2d", mesh, optimizer=optax.sgd(0.1), model=UserMlp((16, 32, 8)))
+    with save_one(tmp_path, a) as ckpt:
+        state, _ = ckpt.restore(b)
+    expected = a.gather(a.init(jax.random.key(0)).params)
+    for x, y in zip(
+        jax.tree.leaves(b.gather(state.params)), jax.tree.leaves(expected), strict=True
+    ):
+        np.testing.assert_array_equal(x, y)
+    other = models.build("2d", mesh, optimizer=optax.sgd(0.1), model=UserMlp((16, 24, 8)))
+    with Checkpoints(tmp_path / "ckpt") as ckpt, pytest.raises(CheckpointMismatch) as e:
+        ckpt.restore(other)
+    assert "model config sizes: [16, 32, 8] in the checkpoint, [16, 24, 8] here" in str(e.value)
+
+
+def test_missing_steps_and_bad_arguments_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="every must be ≥ 1 step"):
+        Checkpoints(tmp_path / "a", every=0)
+    setup = setup_for(MLP, "dp", (8, 1), "sgd")
+    with Checkpoints(tmp_path / "empty") as ckpt, pytest.raises(FileNotFoundError, match="no checkpoint in"):  # fmt: skip
+        ckpt.restore(setup)
+    with save_one(tmp_path, setup) as ckpt:
+        with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 5 .* steps \[1\]"):
+            ckpt.restore(setup, 5)
+        assert ckpt.steps() == [1] and ckpt.latest_step() == 1
+        assert ckpt.record()["strategy"] == "dp" and ckpt.record()["mesh"] == {"data": 8, "model": 1}  # fmt: skip
+
+
+# --- step bookkeeping: a step saved again replaces it; the latest is the default; every N
+
+
+def check_step_bookkeeping(tmp_path, module=checkpoint) -> None:
+    """Steps 3, 6 and 6 again (another state and extra): step 6 holds the second state, the
+    default restore is the latest step, an older one restores by number, and ``keep`` counts
+    steps, not saves."""
+    setup = setup_for(MLP, "2d", (4, 2), "adam")
+    states = [drawn_state(setup, seed) for seed in (10, 11, 12)]
+    with module.Checkpoints(tmp_path / "steps", keep=2) as ckpt:
+        for step, state, tag in zip((3, 6, 6), states, ("a", "b", "c"), strict=True):
+            ckpt.save(step, setup, place(setup, state), extra={"tag": tag})
+        assert ckpt.steps() == [3, 6] and ckpt.latest_step() == 6, ckpt.steps()
+    with module.Checkpoints(tmp_path / "steps", keep=2) as ckpt:  # as a resumed run reads it
+        for step, want, tag in ((None, states[2], "c"), (6, states[2], "c"), (3, states[0], "a")):
+            restored, extra = ckpt.restore(setup, step)
+            assert extra == {"tag": tag}, (step, extra)
+            for got, expected in zip(jax.tree.leaves(setup.gather(restored)),
+                                     jax.tree.leaves(want), strict=True):  # fmt: skip
+                np.testing.assert_array_equal(got, expected, err_msg=f"step {step}")
+        assert ckpt.record(6)["extra"] == {"tag": "c"}
+
+
+def check_every(module=checkpoint) -> None:
+    """``every=N`` saves at N, 2N, 3N … and at no step in between, for N = 1, 2, 3, 5."""
+    with tempfile.TemporaryDirectory() as directory:
+        for n in (1, 2, 3, 5):
+            ckpt = module.Checkpoints(directory, every=n)
+            saved = [step for step in range(1, 4 * n + 1) if ckpt.should_save(step)]
+            assert saved == [n, 2 * n, 3 * n, 4 * n], (n, saved)
+            ckpt.close()
+        ckpt = module.Checkpoints(directory)  # every=None: only when asked
+        assert not any(ckpt.should_save(step) for step in range(1, 20))
+        ckpt.close()
+
+
+def test_a_step_saved_again_replaces_it_and_the_latest_is_restored(tmp_path):
+    check_step_bookkeeping(tmp_path)
+
+
+def test_every_n_steps_exactly_at_its_boundaries():
+    check_every()
+
+
+# --- atomic saves
+
+KILLER = """
+import os, signal, sys, threading, time
+sys.path.insert(0, {tests!r})
+import jax, numpy as np, optax
+import shardops_models as models
+from shardops_models.training.checkpoint import Checkpoints
+directory = sys.argv[1]
+setup = models.build("ref", optimizer=optax.adam(1e-3), sizes=(64, 256, 10))
+state = setup.init(jax.random.key(0))
+ckpt = Checkpoints(directory)
+ckpt.save(1, setup, state)
+print("saved 1", flush=True)
+
+def kill_when_step_2_is_being_written():
+    while not any(n.startswith("2.") for n in os.listdir(directory)):
+        time.sleep(0.0005)
+    print("killing mid-save", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+threading.Thread(target=kill_when_step_2_is_being_written, daemon=True).start()
+ckpt.save(2, setup, jax.tree.map(lambda a: a + 1, state))
+print("save 2 finished: not killed in time", flush=True)
+"""
+
+
+def test_a_process_killed_mid_save_leaves_the_last_checkpoint_readable(tmp_path):
+    script = tmp_path / "killer.py"
+    script.write_text(KILLER.format(tests=os.path.dirname(os.path.dirname(__file__))))
+    directory = tmp_path / "ckpt"
+    r = Run([sys.executable, str(script), str(directory)], tmp_path, "killer")
+    try:
+        code = r.wait(120)
+    finally:
+        r.kill()
+    out = r.out.read_text()
+    assert code == -signal.SIGKILL and "killing mid-save" in out, r.output()
+    assert any(n.startswith("2.") for n in os.listdir(directory)), "no partial step 2 on disk"
+    setup = models.build("ref", optimizer=optax.adam(1e-3), sizes=(64, 256, 10))
+    with Checkpoints(directory) as ckpt:
+        assert ckpt.steps() == [1]
+        restored, _ = ckpt.restore(setup)
+        expected = setup.init(jax.random.key(0))
+        for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        ckpt.save(2, setup, restored)  # the partial step is no obstacle to saving it again
+        assert ckpt.steps() == [1, 2]
+
+
+# --- mutants of the checkpoint module, caught by the checks above
+
+OPT_TARGET = '        "opt_state": _with_shardings(opt_state, setup, setup.opt_specs),\n'
+PLAN = '    for what, name in (("params", "params"), ("plan", "plan role of params"),\n'
+
+
+def moved_2d_to_fsdp_tp(tmp_path, module):
+    check_moves(tmp_path, MLP, ("2d", (4, 2)), ("fsdp_tp", (2, 4)), "adam", 3, module)
+
+
+def refused_plan(tmp_path, module):
+    plan = GPT.plan()
+    plan["blocks"][0]["up"] = models.REPLICATED
+    mesh = shardops.make_mesh({"data": 2, "model": 4})
+    a = models.build("tp", mesh, optimizer=optax.sgd(0.1), model=GPT)
+    b = models.build("tp", mesh, optimizer=optax.sgd(0.1), model=GPT, plan=plan)
+    with module.Checkpoints(tmp_path / "ckpt") as ckpt:
+        ckpt.save(1, a, a.init(jax.random.key(0)))
+        with pytest.raises(
+            CheckpointMismatch if module is checkpoint else module.CheckpointMismatch
+        ):
+            ckpt.restore(b)
+
+
+REPLACE = "        if step in self._manager.all_steps():\n            self._manager.delete(step)\n"
+EVERY = "        return self.every is not None and step % self.every == 0\n"
+LATEST = "            return steps[-1]\n"
+
+
+def bookkeeping(tmp_path, module):
+    check_step_bookkeeping(tmp_path, module)
+
+
+def every(tmp_path, module):
+    check_every(module)
+
+
+MUTANTS = {
+    # A step saved again keeps its first state (or fails): the old step is not deleted first.
+    "save_again_keeps_the_first": (REPLACE, "", bookkeeping),
+    # The default restore reads the oldest step.
+    "restore_the_oldest_by_default": (LATEST, "            return steps[0]\n", bookkeeping),
+    # every=N off by one: saves at N − 1, 2N − 1 …
+    "every_off_by_one": (
+        EVERY,
+        EVERY.replace("step % self.every", "(step + 1) % self.every"),
+        every,
+    ),
+    # every=N saves at every step from N on.
+    "every_from_n_on": (
+        EVERY,
+        EVERY.replace("step % self.every == 0", "step >= self.every"),
+        every,
+    ),
+    # The optimizer state restored replicated, not in the params' layout.
+    "opt_state_restored_replicated": (
+        OPT_TARGET,
+        OPT_TARGET.replace(
+            "setup.opt_specs)",
+            "jax.tree.map(lambda s: P(), setup.opt_specs, is_leaf=lambda s: isinstance(s, P)))",
+        ),
+        moved_2d_to_fsdp_tp,
+    ),
+    # The plan not compared: a checkpoint of another plan restores silently.
+    "plan_not_compared": (PLAN, '    for what, name in (("params", "params"),\n', refused_plan),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_checkpoint_mutant_is_caught(tmp_path, name):
+    line, replacement, check = MUTANTS[name]
+    check(tmp_path / "real", checkpoint)  # the real module passes the check
+    bad = mutant(checkpoint, name, line, replacement)  # outside raises: a missing line fails
+    with pytest.raises((AssertionError, pytest.fail.Exception, ValueError)) as caught:
+        check(tmp_path / "mutant", bad)
+    if caught.type is ValueError:  # orbax refusing a step that exists: the replace was skipped
+        assert "already exists" in str(caught.value), caught.value
