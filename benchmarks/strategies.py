@@ -2,7 +2,7 @@
 
     python benchmarks/strategies.py                # the full tables (about 17 minutes on 2 cores)
     python benchmarks/strategies.py --quick        # a small end-to-end run (CI); times mean nothing
-    python benchmarks/strategies.py --readme-only  # README.md's tables from the stored JSON
+    python benchmarks/strategies.py --tables-only  # docs/benchmarks.md's tables from the stored JSON
     python benchmarks/strategies.py --platform gpu # the same tables on the GPUs present
 
 For the seed's MLP (784-512-10, batch 256), a wider one (784-2048-2048-10, batch 1024) and a
@@ -23,11 +23,11 @@ and for each strategy × mesh, it measures in one process:
 - GSPMD: the same unsharded train step (the ``ref`` setup's ``step``, which runs the model's
   own code with no collectives) under plain ``jax.jit`` with the same NamedShardings on the
   parameters, optimizer state and batch: what a user would write instead of shardops.
-- collective bytes per step from the compiled programs (``shardops.collectives``), as ring
+- collective bytes per step from the compiled programs (``shardops.inspect.collectives``), as ring
   bytes per device per mesh axis (``groups of N``: GSPMD's groups that span part of an axis,
-  which ``shardops.ledger`` refuses), next to the analytic model (``Setup.cost_model``). Both
-  columns apply the same ring formulas (``shardops.ring_bytes``), so their agreement checks the
-  bytes V of each collective, not the formulas; tests/test_ledger.py pins the formulas, and
+  which ``shardops.inspect.ledger`` refuses), next to the analytic model (``Setup.cost_model``). Both
+  columns apply the same ring formulas (``shardops.inspect.ring_bytes``), so their agreement checks the
+  bytes V of each collective, not the formulas; tests/inspect/test_ledger.py pins the formulas, and
   each strategy's V and ring bytes, to numbers worked out by hand.
 - memory per device: parameters + optimizer state (from the shard shapes; ``state ÷ dp`` is its
   ratio to dp's, which holds the whole state), and from each compiled program's
@@ -35,7 +35,7 @@ and for each strategy × mesh, it measures in one process:
   buffers alone, with a variant's temp saved against its plain row.
 
 It writes ``benchmarks/results/strategies.json`` and ``strategies.md`` and, from that JSON, the
-tables between the ``benchmark-tables`` markers in README.md (tests/test_benchmark.py checks
+tables between the ``benchmark-tables`` markers in docs/benchmarks.md (tests/test_benchmark.py checks
 they match). ``--quick`` writes to a temporary folder unless ``--out`` is given. On CPU it
 simulates 8 devices (XLA_FLAGS, set before JAX starts its backend); ``--platform gpu`` does not,
 maps each case's mesh onto the GPUs present (``mesh_for``) and writes ``strategies_gpu.*``.
@@ -55,17 +55,17 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import optax
-import shardops_models as models
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from shardops_models import pmap
 
 import shardops
+import shardops_models as models
+from shardops_models.strategies import pmap
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-README = pathlib.Path(__file__).parent.parent / "README.md"
-README_START = "<!-- benchmark-tables:start -->"
-README_END = "<!-- benchmark-tables:end -->"
+TABLES_PAGE = pathlib.Path(__file__).parent.parent / "docs" / "benchmarks.md"
+TABLES_START = "<!-- benchmark-tables:start -->"
+TABLES_END = "<!-- benchmark-tables:end -->"
 SIMULATED_DEVICES = 8
 
 
@@ -252,9 +252,9 @@ def memory_of(compiled) -> dict | None:
 
 
 def compiled_costs(mesh, jitted, *args):
-    """The collectives (``shardops.collectives``) and memory (``memory_of``) of one program."""
+    """The collectives (``shardops.inspect.collectives``) and memory (``memory_of``) of one program."""
     compiled = jitted.lower(*args).compile()
-    return shardops.collectives(mesh, compiled), memory_of(compiled)
+    return shardops.inspect.collectives(mesh, compiled), memory_of(compiled)
 
 
 def group_key(c) -> str:
@@ -264,13 +264,15 @@ def group_key(c) -> str:
 
 
 def ring_bytes_per_group(collectives) -> dict[str, float]:
-    """``shardops.ring_bytes`` summed per ``group_key``: what ``Ledger.ring_bytes`` gives, but
+    """``shardops.inspect.ring_bytes`` summed per ``group_key``: what ``Ledger.ring_bytes`` gives, but
     also for groups the ledger refuses."""
     out: dict[str, float] = {}
     for c in collectives:
         if c.bytes:
             key = group_key(c)
-            out[key] = out.get(key, 0.0) + shardops.ring_bytes(c.kind, c.bytes, c.group_size)
+            out[key] = out.get(key, 0.0) + shardops.inspect.ring_bytes(
+                c.kind, c.bytes, c.group_size
+            )
     return out
 
 
@@ -332,9 +334,11 @@ def bench_group(case, model, batch, *, steps, warmup, rng, devices):
         state = runs[label][1]
         colls, memory = compiled_costs(mesh, s.train_step, state, xs, ys)
         stray = [c for c in colls if c.axes is None]
-        if stray:  # shardops' collectives always run over mesh axes (shardops.ledger checks it)
+        if (
+            stray
+        ):  # shardops' collectives always run over mesh axes (shardops.inspect.ledger checks it)
             raise AssertionError(f"{label} {mesh_shape}: collectives over no mesh axes: {stray}")
-        # The same shardops.ring_bytes turns both the compiled HLO's V and the model's V (the
+        # The same shardops.inspect.ring_bytes turns both the compiled HLO's V and the model's V (the
         # strategy's collective_budget) into ring bytes: agreement checks V, not the formulas.
         model_bytes = s.cost_model(batch, seq)
         state_bytes = state_bytes_per_device(state)
@@ -499,24 +503,24 @@ def markdown(results) -> str:
     return "\n".join(lines)
 
 
-def readme_block(text: str) -> str:
-    """What README.md holds between the benchmark-tables markers (without the newlines that
+def tables_block(text: str) -> str:
+    """What docs/benchmarks.md holds between the benchmark-tables markers (without the newlines that
     separate it from them)."""
-    start, end = text.find(README_START), text.find(README_END)
+    start, end = text.find(TABLES_START), text.find(TABLES_END)
     if start < 0 or end < start:
         raise ValueError(
-            f"README.md needs the markers {README_START} and {README_END}, in that order, "
+            f"docs/benchmarks.md needs the markers {TABLES_START} and {TABLES_END}, in that order, "
             f"around the benchmark tables"
         )
-    return text[start + len(README_START) : end].strip("\n")
+    return text[start + len(TABLES_START) : end].strip("\n")
 
 
-def write_readme(results, path=README) -> None:
-    """Replace README.md's benchmark tables with ``markdown(results)``."""
+def write_tables(results, path=TABLES_PAGE) -> None:
+    """Replace docs/benchmarks.md's benchmark tables with ``markdown(results)``."""
     text = path.read_text()
-    old = readme_block(text)  # checks the markers
-    start = text.find(README_START) + len(README_START)
-    end = text.find(README_END)
+    old = tables_block(text)  # checks the markers
+    start = text.find(TABLES_START) + len(TABLES_START)
+    end = text.find(TABLES_END)
     new = markdown(results).strip("\n")
     path.write_text(text[:start] + "\n" + new + "\n" + text[end:])
     print(f"{'rewrote' if old != new else 'unchanged:'} the tables in {path}")
@@ -565,8 +569,8 @@ def main(argv=None):
         help="cpu: 8 simulated devices; gpu: the GPUs present, each case's mesh mapped onto them",
     )  # fmt: skip
     p.add_argument(
-        "--readme-only", action="store_true",
-        help="rewrite README.md's tables (and strategies.md) from the stored JSON; run nothing",
+        "--tables-only", action="store_true",
+        help="rewrite docs/benchmarks.md's tables (and strategies.md) from the stored JSON; run nothing",
     )  # fmt: skip
     args = p.parse_args(argv)
     stem = "strategies" if args.platform == "cpu" else f"strategies_{args.platform}"
@@ -574,12 +578,12 @@ def main(argv=None):
         args.out = tempfile.mkdtemp(prefix="shardops_bench_") if args.quick else str(RESULTS)
     out = pathlib.Path(args.out)
     committed = out.resolve() == RESULTS.resolve() and args.platform == "cpu"
-    if args.readme_only:
+    if args.tables_only:
         if args.platform != "cpu":
-            p.error("--readme-only writes the CPU tables into README.md; drop --platform")
+            p.error("--tables-only writes the CPU tables into docs/benchmarks.md; drop --platform")
         results = json.loads((out / f"{stem}.json").read_text())
         (out / f"{stem}.md").write_text(markdown(results) + "\n")
-        write_readme(results)
+        write_tables(results)
         return results
 
     devices = start_platform(args.platform)
@@ -640,8 +644,8 @@ def main(argv=None):
     (out / f"{stem}.md").write_text(table + "\n")
     print(table)
     print(f"{results['seconds']:.0f} s; wrote {out / stem}.json and {out / stem}.md")
-    if committed:  # README.md's tables follow the committed JSON (tests/test_benchmark.py)
-        write_readme(results)
+    if committed:  # docs/benchmarks.md's tables follow the committed JSON (tests/test_benchmark.py)
+        write_tables(results)
     return results
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/strategies.py: README's tables are generated from the stored JSON, the meshes the
+"""benchmarks/strategies.py: docs/benchmarks.md's tables are generated from the stored JSON, the meshes the
 GPU path maps each case onto, and a quick end-to-end run with its variant rows and columns."""
 
 import importlib.util
@@ -21,30 +21,32 @@ VARIANT_COLUMNS = ("÷ plain (IQR)", "state ÷ dp", "peak MB/device: shardops", 
 
 
 def test_readme_tables_are_the_json_s_markdown():
-    """A hand-edited table fails: regenerate with `python benchmarks/strategies.py --readme-only`."""
+    """A hand-edited table fails: regenerate with `python benchmarks/strategies.py --tables-only`."""
     results = json.loads((bench.RESULTS / "strategies.json").read_text())
-    readme = (ROOT / "README.md").read_text()
-    assert bench.readme_block(readme) == bench.markdown(results).strip("\n")
+    readme = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert bench.tables_block(readme) == bench.markdown(results).strip("\n")
 
 
 def test_write_readme_replaces_only_the_block(tmp_path):
     results = json.loads((bench.RESULTS / "strategies.json").read_text())
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "benchmarks.md"
     before, after = "# Title\n\nprose\n", "\nmore prose\n"
-    readme.write_text(f"{before}{bench.README_START}\n| old | table |\n{bench.README_END}{after}")
-    bench.write_readme(results, readme)
+    readme.write_text(f"{before}{bench.TABLES_START}\n| old | table |\n{bench.TABLES_END}{after}")
+    bench.write_tables(results, readme)
     text = readme.read_text()
-    assert text.startswith(before + bench.README_START + "\n")
-    assert text.endswith(bench.README_END + after)
-    assert bench.readme_block(text) == bench.markdown(results).strip("\n")
+    assert text.startswith(before + bench.TABLES_START + "\n")
+    assert text.endswith(bench.TABLES_END + after)
+    assert bench.tables_block(text) == bench.markdown(results).strip("\n")
     assert "| old | table |" not in text
 
 
 def test_readme_without_markers_is_an_error():
-    with pytest.raises(ValueError, match="README.md needs the markers <!-- benchmark-tables:start"):
-        bench.readme_block("## Benchmark\n\n| a | b |\n")
+    with pytest.raises(
+        ValueError, match="docs/benchmarks.md needs the markers <!-- benchmark-tables:start"
+    ):
+        bench.tables_block("## Benchmark\n\n| a | b |\n")
     with pytest.raises(ValueError, match="in that order"):
-        bench.readme_block(f"{bench.README_END}\n{bench.README_START}\n")
+        bench.tables_block(f"{bench.TABLES_END}\n{bench.TABLES_START}\n")
 
 
 def test_markdown_of_old_results_leaves_new_columns_empty():
@@ -118,7 +120,8 @@ def test_quick_mode_runs_end_to_end(tmp_path):
     """CI's run of every table: the variant rows, memory columns and paired ratios exist, the
     compiled bytes equal the analytic model's, and the committed results are left alone."""
     committed = [
-        (p, p.read_bytes()) for p in (ROOT / "README.md", bench.RESULTS / "strategies.json")
+        (p, p.read_bytes())
+        for p in (ROOT / "docs" / "benchmarks.md", bench.RESULTS / "strategies.json")
     ]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "strategies.py"), "--quick", "--out", str(tmp_path)],

@@ -1,0 +1,307 @@
+"""The README and the docs/ site: every ```python block runs as written, and the site builds.
+
+Blocks of one page run in order in one namespace (each page in a fresh one, in a temporary
+working directory); a block whose first line is ``# docs: no-run`` is shown, not run, and
+``NOT_RUN`` lists every such block, so the marker cannot swallow a block unnoticed. Then the
+values the pages claim (the collectives of the layer example, one loss under every strategy,
+the padded vocabulary's zero gradient, …) are checked in the namespaces the pages left.
+"""
+
+import contextlib
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted(p for p in (ROOT / "docs").rglob("*.md") if "_src" not in p.parts)]
+NO_RUN = "# docs: no-run"
+# Every block marked not to run: (page, a phrase of the block) → why it cannot run here.
+NOT_RUN = {
+    ("docs/multi-process.md", "SHARDOPS_COORDINATOR"): "a script for several hosts",
+}
+# A fenced block opens with ``` and an info string; its body ends at the same indentation.
+FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)  # fmt: skip
+
+
+def rel(page: pathlib.Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+def fences(page: pathlib.Path):
+    """(info string, first line number of the body, body) of every fenced block of ``page``."""
+    text = page.read_text()
+    for m in FENCE.finditer(text):
+        body = "".join(
+            line[len(m["indent"]) :] if line.startswith(m["indent"]) else line
+            for line in m["body"].splitlines(keepends=True)
+        )
+        yield m["info"].strip(), text.count("\n", 0, m.start("body")) + 1, body
+
+
+def python_blocks(page: pathlib.Path):
+    """(line, body, runs) of the ```python blocks of ``page``."""
+    return [
+        (line, body, not body.startswith(NO_RUN))
+        for info, line, body in fences(page)
+        if info.split()[:1] == ["python"]
+    ]
+
+
+def requires(module: str):
+    """Import ``module``; skip without it, except under CI=true, where a missing one fails."""
+    if os.environ.get("CI") == "true":
+        return __import__(module)
+    return pytest.importorskip(module)
+
+
+_RUNS: dict[str, object] = {}  # page → its namespace, or the exception its blocks raised
+
+
+def run_page(page: str, tmp_path_factory) -> dict:
+    """The namespace ``page``'s python blocks leave, run once per session."""
+    if page not in _RUNS:
+        namespace: dict = {"__name__": f"docs:{page}"}
+        path = ROOT / page
+        try:
+            with contextlib.chdir(tmp_path_factory.mktemp(path.stem)):
+                for line, body, runs in python_blocks(path):
+                    if runs:  # padded so that a traceback names the page's own line
+                        exec(compile("\n" * (line - 1) + body, str(path), "exec"), namespace)
+        except BaseException as e:
+            _RUNS[page] = e
+            raise
+        _RUNS[page] = namespace
+    if isinstance(_RUNS[page], BaseException):
+        pytest.fail(f"{page}'s blocks failed: {_RUNS[page]!r} (see test_python_blocks_run)")
+    return _RUNS[page]
+
+
+RUNNABLE = [rel(p) for p in PAGES if any(runs for _, _, runs in python_blocks(p))]
+
+
+@pytest.mark.parametrize("page", RUNNABLE)
+def test_python_blocks_run(page, tmp_path_factory):
+    run_page(page, tmp_path_factory)
+
+
+def test_every_page_with_code_is_run_and_no_python_block_hides_under_another_name():
+    assert {"README.md", "docs/layers.md", "docs/strategies.md"} <= set(RUNNABLE)
+    for page in PAGES:
+        for info, line, _ in fences(page):
+            lang = info.split()[:1]
+            assert lang != ["py"] and lang != ["python3"] and lang != ["pycon"], (
+                f"{rel(page)}:{line}: write ```python (only those run)"
+            )
+            assert "```" not in info, f"{rel(page)}:{line}: unbalanced fence"
+
+
+def test_the_no_run_marker_covers_exactly_the_listed_blocks():
+    marked = [
+        (rel(page), line, body)
+        for page in PAGES
+        for line, body, runs in python_blocks(page)
+        if not runs
+    ]
+    found = {}
+    for page, line, body in marked:
+        compile(body, f"{page}:{line}", "exec")  # shown, not run: still valid Python
+        keys = [k for k in NOT_RUN if k[0] == page and k[1] in body]
+        assert len(keys) == 1, f"{page}:{line}: a no-run block that NOT_RUN does not list"
+        assert keys[0] not in found, f"{page}:{line}: two no-run blocks match {keys[0]}"
+        found[keys[0]] = line
+    assert set(found) == set(NOT_RUN), f"listed but not marked: {set(NOT_RUN) - set(found)}"
+    runnable = sum(runs for page in PAGES for _, _, runs in python_blocks(page))
+    assert runnable >= 10 * len(marked), (runnable, len(marked))
+
+
+def test_readme_is_short_and_starts_with_the_set_up_ci_runs():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 200
+    ci = (ROOT / ".ci" / "run").read_text()
+    install = 'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[examples,test]"'
+    assert install in ci and "\npython -m pytest\n" in ci + "\n"
+    setup = next(body for info, _, body in fences(README) if info == "bash")  # the first
+    assert [line.split("#")[0].strip() for line in setup.splitlines()] == [
+        install,
+        "python examples/mlp_2d.py",
+        "python -m pytest",
+    ]
+    assert "Test set accuracy 0.8280" in text and "Epoch 19 in" in text
+
+
+def test_relative_links_resolve():
+    """README links into docs/ and the repository; docs pages link to each other (mkdocs
+    checks those too, strictly) and to the figures."""
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = (page.parent / target.split("#")[0]).resolve()
+            assert path.exists(), f"{rel(page)}: link to {target}, which does not exist"
+
+
+def test_repository_paths_exist():
+    """Files the pages name in `code` (`models/strategies/fsdp.py`, a test module, …) exist;
+    the migration page names old ones on purpose."""
+    path = re.compile(r"`((?:shardops|models|tests|examples|benchmarks|docs)/[\w/.-]+)`")
+    missing = [
+        f"{rel(page)}: {m[1]}"
+        for page in PAGES
+        if page.name != "migration.md"
+        for m in path.finditer(page.read_text())
+        if not (ROOT / m[1]).exists()
+    ]
+    assert not missing, "paths that do not exist:\n" + "\n".join(missing)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def docs_build(tmp_path_factory):
+    """``mkdocs build --strict`` into a temporary folder, started in the background as soon as
+    this module's tests start (it takes seconds, and runs beside the pages' blocks)."""
+    try:
+        import material  # noqa: F401
+        import mkdocs  # noqa: F401
+        import mkdocstrings_handlers.python  # noqa: F401
+    except ImportError:
+        yield None  # test_docs_build_strict skips, or fails under CI=true
+        return
+    site = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
+         "-d", str(site)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+    )  # fmt: skip
+    yield proc, site
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate()
+
+
+def test_docs_build_strict(docs_build):
+    requires("mkdocs")
+    requires("material")
+    requires("mkdocstrings_handlers.python")
+    proc, site = docs_build
+    try:
+        out, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"mkdocs build took over 300 s: {proc.communicate()[0]}")
+    assert proc.returncode == 0, out
+    assert not re.search(r"\bWARNING\b", out), out
+    for page in ("layers", "strategies", "strategy-search", "api/shardops", "api/models"):
+        assert (site / page / "index.html").exists(), page
+    assert (site / "img" / "mlp_2d.png").stat().st_size > 10_000  # the figure, not its symlink
+    html = (site / "api" / "shardops" / "index.html").read_text()
+    assert 'id="shardops.make_mesh"' in html and 'id="shardops.column_parallel_dense"' in html
+
+
+# `shardops.x.y`, `shardops_models.x` and `models.x` (the pages' alias) in prose and code.
+NAME = re.compile(r"(?<![\w./])(shardops_models|shardops|models)((?:\.[A-Za-z_]\w*)+)")
+
+
+def resolves(root: str, dotted: str) -> bool:
+    import importlib
+
+    parts = ["shardops_models" if root == "models" else root, *dotted.strip(".").split(".")]
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_every_name_the_pages_use_exists():
+    """The migration page lists the old names on purpose; every other page uses today's."""
+    missing = [
+        f"{rel(page)}: {m[0]}"
+        for page in PAGES
+        if page.name != "migration.md"
+        for m in NAME.finditer(page.read_text())
+        if m[2] not in (".md", ".py", ".png", ".json") and not resolves(m[1], m[2])  # not files
+    ]
+    assert not missing, "names that do not exist:\n" + "\n".join(sorted(set(missing)))
+
+
+# The values the pages claim, checked in the namespaces their blocks left.
+
+
+def test_readme_layer_example_moves_one_all_reduce(tmp_path_factory):
+    import shardops
+
+    ns = run_page("README.md", tmp_path_factory)
+    (c,) = shardops.inspect.collectives(ns["mesh"], ns["mlp"], ns["x"], ns["p1"], ns["p2"])
+    assert (c.kind, c.axes, c.bytes) == ("all-reduce", ("model",), 64 * 10 * 4)
+    assert ns["y"].shape == (256, 10)
+    assert int(ns["metrics"].count) == 256 and ns["setup"].composition.name == "2d"
+
+
+def test_layers_page_kernels_and_global_layers(tmp_path_factory):
+    import shardops
+
+    ns = run_page("docs/layers.md", tmp_path_factory)
+    (c,) = shardops.inspect.collectives(ns["mesh"], ns["mlp"], ns["x"], ns["p1"], ns["p2"])
+    assert (c.kind, c.axes, c.bytes) == ("all-reduce", ("model",), 64 * 10 * 4)
+    p1, p2 = ns["p1"], ns["p2"]
+    assert ns["f"](ns["x"], p1["w"], p1["b"], p2["w"], p2["b"]).shape == (256, 10)
+
+
+def test_layers_page_transformer_example_starts_at_log_v_and_pads_cleanly(tmp_path_factory):
+    """At a near-zero init the loss is log(50), and the padded table rows (50, 51) get exactly
+    zero gradient."""
+    import numpy as np
+
+    ns = run_page("docs/layers.md", tmp_path_factory)
+    loss, table = float(ns["tloss"]), np.asarray(ns["tgrads"]["table"])  # jit(value_and_grad)
+    assert ns["tparams"]["table"].shape == table.shape == (52, 32)
+    assert abs(loss - math.log(50)) < 0.01
+    assert not np.any(table[50:]) and np.any(table[:50])
+
+
+def test_strategies_page_any_model_one_loss_and_the_plan_s_budget(tmp_path_factory):
+    """The user-defined TinyLM: one loss under every strategy, and the plan-derived budget is
+    what the compiled fsdp_sp step moves."""
+    import jax
+
+    import shardops
+
+    ns = run_page("docs/strategies.md", tmp_path_factory)
+    losses = {k: float(v) for k, v in ns["losses"].items()}
+    assert set(losses) == {"ref", "2d", "fsdp_tp", "fsdp_sp"}
+    assert all(abs(v - losses["ref"]) < 1e-6 for v in losses.values()), losses
+    lm = ns["lm"]
+    state = lm.init(jax.random.key(0))
+    ids, labels = lm.place_batch(ns["lm_ids"], ns["lm_labels"])
+    totals = shardops.inspect.ledger(lm.mesh, lm.train_step, state, ids, labels).totals()
+    assert totals == lm.collective_budget(8, 16)
+
+
+def test_diagnostics_page_ledger_is_the_budget_and_the_reference_agrees(tmp_path_factory):
+    ns = run_page("docs/diagnostics.md", tmp_path_factory)
+    assert ns["led"].totals() == ns["setup"].collective_budget(256)
+    assert ns["report"].first is None
+    assert set(ns["fsdp_ledger"].by_pass()) >= {"forward", "backward"}
+
+
+def test_multi_process_page_checkpoint_moves_bit_for_bit(tmp_path_factory):
+    import jax
+    import numpy as np
+
+    ns = run_page("docs/multi-process.md", tmp_path_factory)
+    assert ns["extra"] == {"epoch": 0}
+    for a, b in zip(jax.tree.leaves(ns["state"]), jax.tree.leaves(ns["moved"]), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
