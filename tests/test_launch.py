@@ -589,6 +589,10 @@ def test_the_command_line_reports_errors_with_exit_code_2(start):
 def test_launch_raises_launch_error():
     with pytest.raises(launch.LaunchError, match=r"-n/--nproc must be an integer ≥ 1; got 0"):
         launch.launch(["w.py"], nproc=0)
+    with pytest.raises(launch.LaunchError, match=r"-n/--nproc must be an integer ≥ 1; got '2'"):
+        launch.launch(["w.py"], nproc="2")
+    with pytest.raises(launch.LaunchError, match=r"--nnodes must be an integer ≥ 1; got '1'"):
+        launch.launch(["w.py"], nproc=2, nnodes="1")
     with pytest.raises(launch.LaunchError, match=r"--devices 6 does not split evenly over -n 4"):
         launch.launch(["w.py"], nproc=4, devices=6)
     with pytest.raises(launch.LaunchError, match=r"no command after --"):

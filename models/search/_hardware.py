@@ -1,10 +1,10 @@
-"""The machine a layout is planned for: per-axis link bandwidth, compute rates, collective
+"""The machine the search ranks candidates for: per-axis link bandwidth, compute rates, collective
 latency and memory per device, with presets and ``calibrate`` for the local devices.
 
     shardops_models.search.HARDWARE["h100-nvlink"]       # a preset (sources below)
     shardops_models.search.calibrate()                   # this machine's devices, measured
 
-Time of one step on a layout (``shardops_models.search._search``):
+Time of one step of a candidate (``shardops_models.search._search``):
 
     compute = flops / flops_rate + elementwise_bytes / memory_bandwidth
     comm    = Σ_axes ring_bytes[axes] / (bandwidth[axes] · efficiency[kind]) + latency · count
@@ -105,7 +105,7 @@ HARDWARE = {
         "over one 400 Gb/s InfiniBand NIC per GPU",
     ),
     # This machine's 8 simulated CPU devices, measured with calibrate() (2 cores, JAX 0.10.2).
-    # Re-measure with ``python -m shardops_models.search --calibrate``; these are defaults only.
+    # Re-measure with ``python -m shardops_models.search --hardware calibrate``; these are defaults only.
     "cpu-sim": Hardware(
         "cpu-sim",
         {DATA_AXIS: 2.0e9, MODEL_AXIS: 2.0e9},

@@ -30,7 +30,7 @@ on ``8×1`` is the single-device step on every device), or its peak memory excee
 ``memory_limit``. A strategy that leaves an axis of size > 1 unused (``dp`` on ``4×2``)
 is listed, with ``replicas`` = that axis's size: those devices compute the same step again.
 
-More devices than this process has: the planning re-runs in a subprocess started with
+More devices than this process has: the search re-runs in a subprocess started with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` on simulated CPU devices; it traces and
 compiles for them, and runs nothing.
 """
@@ -245,7 +245,7 @@ def search(
         model: ``"seed"``, ``"wide"``, ``"gpt"`` (``MODELS``) or a model object as
             ``models.build`` takes it (``models.Mlp``, ``models.Gpt``, your own).
         batch: the global batch (examples; sequences for a sequence model).
-        devices: how many devices. More than this process has: planned in a subprocess on
+        devices: how many devices. More than this process has: searched in a subprocess on
             simulated CPU devices (``model`` must then be a name or picklable, ``optimizer`` a
             name).
         seq: a sequence model's tokens per example (default its context).
@@ -272,7 +272,7 @@ def search(
     if not isinstance(precision, Precision):
         raise TypeError(f"precision must be a shardops.Precision; got {precision!r}")
     if devices > jax.device_count():
-        return _plan_in_subprocess(
+        return _search_in_subprocess(
             model, batch, devices, seq=seq, optimizer=optimizer, precision=precision,
             hardware=hw, memory_limit=memory_limit, strategies=strategies,
             compile_top=compile_top, recount=recount, timeout=timeout,
@@ -502,19 +502,19 @@ def compiled_ledger(candidate: Candidate) -> CompiledLedger:
 # --- more devices than this process has: a subprocess with simulated CPU devices
 
 
-def _plan_in_subprocess(model, batch, devices, *, timeout, **kwargs) -> Search:
+def _search_in_subprocess(model, batch, devices, *, timeout, **kwargs) -> Search:
     if not isinstance(kwargs["optimizer"], str):
         raise TypeError(
-            f"planning for {devices} devices runs in a subprocess: pass optimizer by name "
+            f"searching {devices} devices runs in a subprocess: pass optimizer by name "
             f"({', '.join(OPTIMIZERS)}), not {type(kwargs['optimizer']).__name__}"
         )
-    with tempfile.TemporaryDirectory(prefix="shardops_plan_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="shardops_search_") as tmp:
         request, result = pathlib.Path(tmp, "request.pkl"), pathlib.Path(tmp, "result.pkl")
         try:
             request.write_bytes(pickle.dumps((model, batch, devices, kwargs)))
         except (pickle.PicklingError, TypeError, AttributeError) as e:
             raise TypeError(
-                f"planning for {devices} devices runs in a subprocess, so the model must be a "
+                f"searching {devices} devices runs in a subprocess, so the model must be a "
                 f"name ({', '.join(MODELS)}) or picklable (a dataclass defined at module "
                 f"level): {e}"
             ) from e
@@ -525,7 +525,7 @@ def _plan_in_subprocess(model, batch, devices, *, timeout, **kwargs) -> Search:
         )  # fmt: skip
         if proc.returncode:
             raise RuntimeError(
-                f"planning on {devices} simulated devices failed (exit {proc.returncode}):\n"
+                f"the search on {devices} simulated devices failed (exit {proc.returncode}):\n"
                 f"{proc.stderr[-4000:]}"
             )
         return pickle.loads(result.read_bytes())
@@ -693,7 +693,7 @@ def main(argv=None) -> Search | None:
 
     if args.devices > jax.device_count():
         # Re-run this command where JAX simulates enough CPU devices; it compiles, never runs.
-        print(f"planning for {args.devices} devices on simulated CPU devices (this process has "
+        print(f"searching {args.devices} devices on simulated CPU devices (this process has "
               f"{jax.device_count()})", file=sys.stderr, flush=True)  # fmt: skip
         argv = sys.argv[1:] if argv is None else list(argv)
         proc = subprocess.run([sys.executable, "-m", "shardops_models.search", *argv],
@@ -714,7 +714,7 @@ def main(argv=None) -> Search | None:
     console.print(result.table())
     if args.compile_top:
         console.print(_compiled_table(result))
-    console.print(f"planned in {result.seconds:.1f} s; bytes are what the program asks for "
+    console.print(f"searched in {result.seconds:.1f} s; bytes are what the program asks for "
                   f"(Ledger.totals(requested=True)); times use {result.hardware.source or result.hardware.name}")  # fmt: skip
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result.as_dict(), indent=1))

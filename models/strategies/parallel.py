@@ -62,8 +62,6 @@ from shardops_models.strategies.plan import (
     split_over,
 )
 
-"""S of activations ``x[B, S, D]``: the dim sequence parallelism splits over ``model``."""
-
 AR, AG, RS, A2A, CP = ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, COLLECTIVE_PERMUTE
 F32 = 4
 

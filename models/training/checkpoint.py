@@ -179,10 +179,17 @@ def describe(setup: Setup) -> dict:
     }
 
 
+# Model types as checkpoints written before the models moved into subpackages name them.
+MOVED_TYPES = {
+    "shardops_models.mlp.Mlp": "shardops_models.networks.mlp.Mlp",
+    "shardops_models.gpt.Gpt": "shardops_models.networks.gpt.Gpt",
+}
+
+
 def differences(saved: dict, here: dict) -> list[str]:
     """Readable differences between two ``describe`` records (the checkpoint's, this setup's)."""
     out = []
-    if saved["type"] != here["type"]:
+    if MOVED_TYPES.get(saved["type"], saved["type"]) != here["type"]:
         out.append(f"model type {saved['type']} in the checkpoint, {here['type']} here")
         return out
     for field in sorted(set(saved["config"]) | set(here["config"])):

@@ -57,8 +57,6 @@ from shardops.layers._common import (
 )
 from shardops.layers._params import init_dense
 
-"""S of ``x[B, S, D]``: the dim split over ``model`` under sequence parallelism."""
-
 PROJECTIONS = ("wq", "wk", "wv", "wo")
 BIASES = ("bq", "bk", "bv", "bo")
 

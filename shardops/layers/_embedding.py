@@ -42,8 +42,6 @@ from shardops.layers._common import (
 )
 from shardops.layers._params import padded_size
 
-"""The default ``scatter_dimension`` of ``reduce="psum_scatter"``: S of ``ids[B, S]``."""
-
 
 class EmbeddingSpecs(NamedTuple):
     """PartitionSpecs of the embedding's token ``ids``, its ``table`` and its output ``x``."""

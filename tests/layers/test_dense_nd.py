@@ -43,8 +43,8 @@ def _case_id(v):
     ("mesh_shape", "layer_options"), cover_meshes(MESHES, LAYER_OPTIONS), ids=_case_id
 )
 def test_rank_3_inputs_match_reference(mesh_shape, layer_options):
-    layer, options = layer_options
     """``x[B, S, D]``: batch over data, S gathered/scattered over model where asked."""
+    layer, options = layer_options
     check_dense(layer, mesh_shape, options, shardops.FLOAT32, batch=8, extra=(16,), d_in=64,
                 d_out=64)  # fmt: skip
 

@@ -396,3 +396,16 @@ def test_checkpoint_mutant_is_caught(tmp_path, name):
         check(tmp_path / "mutant", bad)
     if caught.type is ValueError:  # orbax refusing a step that exists: the replace was skipped
         assert "already exists" in str(caught.value), caught.value
+
+
+def test_a_checkpoint_written_before_the_models_moved_still_matches_its_model():
+    """Checkpoints saved before ``shardops_models`` had subpackages name the model
+    ``shardops_models.mlp.Mlp``: the same model, so no difference; another model still is one."""
+    here = checkpoint.describe(models.build("ref", optimizer=optax.sgd(0.1), sizes=(8, 16, 4)))
+    assert here["type"] == "shardops_models.networks.mlp.Mlp"
+    old = {**here, "type": "shardops_models.mlp.Mlp"}
+    assert checkpoint.differences(old, here) == []
+    gpt = {**here, "type": "shardops_models.gpt.Gpt"}
+    assert checkpoint.differences(gpt, here) == [
+        "model type shardops_models.gpt.Gpt in the checkpoint, shardops_models.networks.mlp.Mlp here"
+    ]
