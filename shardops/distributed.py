@@ -52,11 +52,13 @@ class Launch:
     heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S
 
 
-def integer_at_least(name: str, value, low: int, error: type[Exception] = ValueError) -> int:
-    """``value`` (an int, or the text of one, as the environment gives it) as an int ≥ ``low``;
-    else ``error`` naming ``name``. The one check of the launcher's options and the variables
-    it sets."""
-    if isinstance(value, str):
+def integer_at_least(
+    name: str, value, low: int, error: type[Exception] = ValueError, *, text: bool = True
+) -> int:
+    """``value`` (an int, or with ``text`` the text of one, as the environment gives it) as an
+    int ≥ ``low``; else ``error`` naming ``name``. The one check of the launcher's options and
+    the variables it sets."""
+    if text and isinstance(value, str):
         try:
             value = int(value)
         except ValueError:

@@ -412,9 +412,7 @@ def launch(
             "python -m shardops.launch -n 2 -- train.py --steps 100"
         )
     for name, value, low in (("-n/--nproc", nproc, 1), ("--nnodes", nnodes, 1)):
-        if isinstance(value, str):  # text is for the environment's variables, not for launch()
-            raise LaunchError(f"{name} must be an integer ≥ {low}; got {value!r}")
-        distributed.integer_at_least(name, value, low, LaunchError)
+        distributed.integer_at_least(name, value, low, LaunchError, text=False)
     if not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
         raise LaunchError(
             f"--node-rank {node_rank} is not in [0, --nnodes {nnodes}); number the nodes "
