@@ -21,6 +21,14 @@ import os
 
 FULL = os.environ.get("SHARDOPS_FULL", "") == "1"
 
+# The default run's compiler: XLA:CPU's LLVM back end at -O0 and its classic (not MLIR) fusion
+# emitters, set in XLA_FLAGS by conftest.py for the suite and every process it starts.
+# Compiling is three quarters of the suite's time; these halve it. The program is the same
+# where the tests look (the collectives, their axes and bytes); the fusion and the machine
+# code differ, so results move by float32 rounding (tests/test_compiler.py measures both). The
+# full sweep compiles as a user does, with XLA's defaults.
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
 
 def cover(*factors, t: int | None = None, full: bool | None = None, valid=None) -> list[tuple]:
     """Cases over ``factors`` (each a sequence of values): a ``t``-wise covering array, or the

@@ -8,6 +8,8 @@ strategy mechanism, the layers or the step cannot hide in both.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import optax
@@ -19,10 +21,12 @@ import shardops_models as models
 # A GPT every mesh of 8 divides: 8 heads of 4, vocabulary 64, MLP 64, S = 16 (sp splits it).
 GPT = models.Gpt(vocab_size=64, d_model=32, num_heads=8, num_layers=1, context=16, d_ff=64)
 BATCH, SEQ = 16, 16
-# f32: sharding reorders sums (and the softmax's max/Σexp over vocabulary shards).
+# f32: sharding reorders sums (and the softmax's max/Σexp over vocabulary shards). The loss
+# (≈ 4.2) is held to 1e-6 of itself, 8 float32 ulps: observed up to 2.4e-6 (5 ulps) under the
+# default run's compiler (tests/_cover.py), 2e-6 under XLA's defaults.
 TOL = {
-    "sgd": {"loss": 2e-6, "grads": 1e-6, "params": 5e-6},
-    "adam": {"loss": 2e-6, "grads": 1e-6, "params": 1e-5},
+    "sgd": {"loss": 4e-6, "grads": 1e-6, "params": 5e-6},
+    "adam": {"loss": 4e-6, "grads": 1e-6, "params": 1e-5},
 }
 GPT_ERRORS: dict[tuple, dict] = {}  # (strategy, mesh, optimizer) → worst errors, for the report
 
@@ -74,16 +78,21 @@ def reference_trajectory(params, ids, labels, opt):
     return np.array(losses), grads, jax.device_get(params)
 
 
+@functools.cache
+def _reference(opt_name: str):
+    """The initial params, the batches and the reference trajectory under ``opt_name``,
+    computed once per session: every strategy, mesh and mutant shares it (read-only)."""
+    params = GPT.init(jax.random.key(0))
+    ids, labels = gpt_batches()
+    return params, ids, labels, reference_trajectory(params, ids, labels, optimizer(opt_name))
+
+
 def check_gpt_trajectory(strategy, mesh_name, opt_name, *, build=models.build, plan=None,
                          remat=False, budget=False) -> dict:  # fmt: skip
     """Assert 5 steps' losses, gradients and params equal the plain reference; with
     ``budget``, also that the compiled train step's collectives equal ``collective_budget``."""
     tol = TOL[opt_name]
-    params = GPT.init(jax.random.key(0))
-    ids, labels = gpt_batches()
-    ref_losses, ref_grads, ref_params = reference_trajectory(
-        params, ids, labels, optimizer(opt_name)
-    )
+    params, ids, labels, (ref_losses, ref_grads, ref_params) = _reference(opt_name)
     mesh = mesh_for(MESHES.get(mesh_name))
     setup = build(strategy, mesh, optimizer=optimizer(opt_name), model=GPT, plan=plan, remat=remat)
     state = setup.shard(params)

@@ -63,6 +63,15 @@ def reference_trajectory(params, xs, ys, opt, precision=shardops.FLOAT32):
     return np.array(losses), grads, jax.device_get(params)
 
 
+@functools.cache
+def _reference(sizes: tuple, batch: int, scale: float, opt_name: str, precision):
+    """The initial params, the batches and the reference trajectory of one configuration,
+    computed once per session: many strategies, meshes and mutants share it (read-only)."""
+    params = models.init_mlp(jax.random.key(0), sizes, scale=scale, dtype=precision.param_dtype)
+    xs, ys = batches(sizes, batch)
+    return params, xs, ys, reference_trajectory(params, xs, ys, optimizer(opt_name), precision)
+
+
 def sharded_trajectory(setup, params, xs, ys):
     state = setup.shard(params)
     losses, grads = [], []
@@ -101,10 +110,8 @@ def check_trajectory(
     the float32 summation order, and each result is rounded once (so the same tolerances hold).
     """
     tol = TOL[opt_name]
-    params = models.init_mlp(jax.random.key(0), sizes, scale=scale, dtype=precision.param_dtype)
-    xs, ys = batches(sizes, batch)
-    ref_losses, ref_grads, ref_params = reference_trajectory(
-        params, xs, ys, optimizer(opt_name), precision
+    params, xs, ys, (ref_losses, ref_grads, ref_params) = _reference(
+        tuple(sizes), batch, scale, opt_name, precision
     )
     setup = build(
         strategy,

@@ -282,7 +282,8 @@ def test_strategies_page_any_model_one_loss_and_the_plan_s_budget(tmp_path_facto
     ns = run_page("docs/strategies.md", tmp_path_factory)
     losses = {k: float(v) for k, v in ns["losses"].items()}
     assert set(losses) == {"ref", "2d", "fsdp_tp", "fsdp_sp"}
-    assert all(abs(v - losses["ref"]) < 1e-6 for v in losses.values()), losses
+    # To float32 rounding: 1e-6 of the loss (≈ 4.2), 8 ulps; observed 2.4e-6.
+    assert all(abs(v - losses["ref"]) <= 1e-6 * losses["ref"] for v in losses.values()), losses
     lm = ns["lm"]
     state = lm.init(jax.random.key(0))
     ids, labels = lm.place_batch(ns["lm_ids"], ns["lm_labels"])

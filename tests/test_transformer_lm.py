@@ -33,13 +33,13 @@ def run(*args, timeout=150):
 )
 def test_trains_like_the_reference_and_samples(tmp_path, strategy, mesh, source):
     metrics_path, plot_path = tmp_path / "lm.json", tmp_path / "lm.png"
-    # 50 steps of 8×128 bytes at the default LR: the loss falls from ln 256 ≈ 5.5 to about 3,
+    # 30 steps of 8×128 bytes at the default LR: the loss falls from ln 256 ≈ 5.5 to about 3.2,
     # and the sharded and unsharded runs are still far from the chaotic divergence that Adam
     # reaches over hundreds of steps (a 1e-7 perturbation of the init grows to ~1e-3 by ~step 50
     # to 100 at this LR; at step 50 sharded vs reference is ~1e-5).
     proc = run(
-        "--strategy", strategy, "--mesh", mesh, "--text-source", source, "--steps", "50",
-        "--batch-size", "8", "--log-every", "10", "--eval-every", "25", "--eval-batches", "2",
+        "--strategy", strategy, "--mesh", mesh, "--text-source", source, "--steps", "30",
+        "--batch-size", "8", "--log-every", "10", "--eval-every", "15", "--eval-batches", "2",
         "--sample-tokens", "24", "--compare-reference", "--plot", str(plot_path),
         "--metrics-json", str(metrics_path),
     )  # fmt: skip
@@ -48,16 +48,16 @@ def test_trains_like_the_reference_and_samples(tmp_path, strategy, mesh, source)
     assert out.startswith("text: "), out  # the corpus message comes first
     if source == "stdlib":
         assert out.startswith("text: Python "), out
-    assert "step    10/50: loss " in out and "(reference " in out  # --log-every lines
-    assert "  validation at step 25: loss " in out
+    assert "step    10/30: loss " in out and "(reference " in out  # --log-every lines
+    assert "  validation at step 15: loss " in out
     record = json.loads(metrics_path.read_text())
-    assert record["strategy"] == strategy and record["steps"] == list(range(1, 51))
+    assert record["strategy"] == strategy and record["steps"] == list(range(1, 31))
     assert record["corpus_message"] in out
     losses = record["losses"]
     assert losses[0] > math.log(256) - 0.2, losses[:3]  # the init predicts ~uniform bytes
     assert record["final_loss"] < 0.7 * losses[0], losses
-    assert record["valid"][-1]["step"] == 50 and record["final_valid_loss"] < 0.7 * losses[0]
-    assert len(record["reference_losses"]) == 50
+    assert record["valid"][-1]["step"] == 30 and record["final_valid_loss"] < 0.7 * losses[0]
+    assert len(record["reference_losses"]) == 30
     assert record["final_relative_diff"] < 1e-3, record["final_relative_diff"]
     assert record["timing"]["train_seconds"] > 0
     sample = record["sample"]
