@@ -12,6 +12,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _gpt_checks import GPT, gpt_batches  # noqa: E402
+from _model_checks import batches  # noqa: E402
 
 import shardops  # noqa: E402
 import shardops_models as models  # noqa: E402
@@ -37,15 +38,13 @@ def train(setup, params, batches) -> dict:
 
 def main(out: str) -> None:
     sizes = (48, 64, 24, 10)
-    rng = np.random.default_rng(0)
-    xs = rng.random((STEPS, 32, sizes[0]), dtype=np.float32)
-    ys = np.eye(sizes[-1], dtype=np.float32)[rng.integers(0, sizes[-1], (STEPS, 32))]
+    xs, ys = batches(sizes, 32)
     mlp = models.build(
         "2d", shardops.make_mesh({"data": 2, "model": 4}), optimizer=optax.sgd(1.0), sizes=sizes
     )
     ids, labels = gpt_batches()
     gpt = models.build("sp", shardops.make_mesh({"model": 8}), optimizer=optax.sgd(4.0), model=GPT)
-    mlp_batches = list(zip(xs, ys, strict=True))
+    mlp_batches = list(zip(xs[:STEPS], ys[:STEPS], strict=True))
     gpt_steps = list(zip(ids[:STEPS], labels[:STEPS], strict=True))
     results = {
         "mlp": train(mlp, models.init_mlp(jax.random.key(0), sizes, scale=0.1), mlp_batches),
