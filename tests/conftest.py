@@ -32,6 +32,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 os.environ.setdefault("JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY", "true")
 
+import _report  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -84,7 +85,9 @@ def pytest_xdist_auto_num_workers(config):
     of the suite's time, run on one thread, so two workers on CI's 2 cores finish the suite in
     697 s instead of 1,068 s (measured one run after the other); each worker still simulates
     the 8 devices, and a test that starts processes bounds its own."""
-    return max(1, min(len(os.sched_getaffinity(0)), 4))
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; macOS and Windows have none
+    cores = len(affinity(0)) if affinity else os.cpu_count() or 1
+    return max(1, min(cores, 4))
 
 
 # The files that take longest (seconds in one worker of two, measured): they start first, so
@@ -98,63 +101,22 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -LONGEST_FIRST.get(item.path.name, 0))  # stable: files stay whole
 
 
-def _figures() -> dict[str, dict]:
-    """The worst errors of passing checks, gathered by the check modules for the report below."""
-    from _attention_checks import NORM_WORST
-    from _attention_checks import WORST as ATTENTION_WORST
-    from _dense_checks import WORST
-    from _model_checks import TRAJECTORY_ERRORS
-    from _vocab_checks import WORST as VOCAB_WORST
-
-    return {
-        "layers": WORST,
-        "vocab": VOCAB_WORST,
-        "attention": ATTENTION_WORST,
-        "norms": NORM_WORST,
-        "trajectories": TRAJECTORY_ERRORS,
-    }
-
-
-def _worse(old, new):
-    """The worse of two figures: a ``(ratio, abs, where)`` by its ratio, a ratio, or a dict of
-    errors field by field."""
-    if old is None:
-        return new
-    if isinstance(new, dict):
-        return {k: max(new.get(k, 0.0), old.get(k, 0.0)) for k in {*new, *old}}
-    if isinstance(new, tuple):
-        return new if new[0] > old[0] else old
-    return max(old, new)
-
-
-def _tuple(value):
-    return tuple(value) if isinstance(value, list) else value
-
-
 def pytest_sessionfinish(session):
     """In an xdist worker: its figures go to the controller, which prints the report."""
     output = getattr(session.config, "workeroutput", None)
     if output is not None:
-        output["shardops_figures"] = {
-            name: [(list(k) if isinstance(k, tuple) else k, list(v) if isinstance(v, tuple) else v)
-                   for k, v in table.items()]
-            for name, table in _figures().items()
-        }  # fmt: skip
+        output["shardops_figures"] = _report.sendable(_report.figures())
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
     """In the xdist controller: merge a finished worker's figures into this process's tables."""
-    tables = _figures()
-    for name, items in getattr(node, "workeroutput", {}).get("shardops_figures", {}).items():
-        table = tables[name]
-        for key, value in items:
-            key, value = _tuple(key), _tuple(value)
-            table[key] = _worse(table.get(key), value)
+    sent = getattr(node, "workeroutput", {}).get("shardops_figures", {})
+    _report.merge(_report.figures(), sent)
 
 
 def pytest_terminal_summary(terminalreporter):
-    figures = _figures()
+    figures = _report.figures()
     WORST, VOCAB_WORST, ATTENTION_WORST = figures["layers"], figures["vocab"], figures["attention"]
     NORM_WORST, TRAJECTORY_ERRORS = figures["norms"], figures["trajectories"]
 
