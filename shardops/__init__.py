@@ -2,7 +2,7 @@
 
 The surface, by concept (each subpackage has its own short ``__all__``):
 
-- **mesh**: ``make_mesh``, ``DATA_AXIS`` / ``MODEL_AXIS`` / ``SEQUENCE_DIM``, ``axis_size``,
+- **mesh**: ``make_mesh``, ``abstract_mesh`` (no devices: traces at any size), ``DATA_AXIS`` / ``MODEL_AXIS`` / ``SEQUENCE_DIM``, ``axis_size``,
   ``check_divisible``, ``check_devices``; PartitionSpec entries (``spec_entry``, ``entry_axes``,
   ``spec_entries``, ``normalized_spec``) and ``varying_axes`` inside ``shard_map``.
 - **precision**: ``Precision`` and the policies ``FLOAT32``, ``MIXED_BFLOAT16``, ``BFLOAT16``.
@@ -18,6 +18,7 @@ from shardops import comm, inspect, layers, testing
 from shardops._axes import DATA_AXIS, MODEL_AXIS, SEQUENCE_DIM
 from shardops._devices import DeviceMismatchError, check_devices
 from shardops._mesh import (
+    abstract_mesh,
     axis_size,
     check_divisible,
     entry_axes,
@@ -66,6 +67,7 @@ __all__ = [  # noqa: RUF022 (grouped by concept, as the docstring lists them)
     "check_devices",
     "check_divisible",
     "entry_axes",
+    "abstract_mesh",
     "make_mesh",
     "normalized_spec",
     "spec_entries",

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 _AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
@@ -38,19 +38,7 @@ def make_mesh(
     Returns:
         A ``jax.sharding.Mesh`` whose ``devices`` array has shape ``tuple(axis_sizes.values())``.
     """
-    if not isinstance(axis_sizes, Mapping) or not axis_sizes:
-        raise TypeError(
-            f"axis_sizes must be a non-empty mapping of axis name to size, e.g. "
-            f"{{'data': 4, 'model': 2}}; got {axis_sizes!r}"
-        )
-    for name, size in axis_sizes.items():
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"mesh axis names must be non-empty strings; got {name!r}")
-        if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
-            raise ValueError(f"mesh axis {name!r} must have a positive integer size; got {size!r}")
-    if axis_types not in _AXIS_TYPES:
-        raise ValueError(f"axis_types must be one of {sorted(_AXIS_TYPES)}; got {axis_types!r}")
-
+    _check_axis_sizes(axis_sizes, axis_types)
     available = list(jax.devices() if devices is None else devices)
     needed = math.prod(axis_sizes.values())
     if needed > len(available):
@@ -65,6 +53,31 @@ def make_mesh(
     grid = np.array(available[:needed], dtype=object).reshape(tuple(axis_sizes.values()))
     kind = _AXIS_TYPES[axis_types]
     return Mesh(grid, tuple(axis_sizes), axis_types=(kind,) * len(axis_sizes))
+
+
+def abstract_mesh(axis_sizes: Mapping[str, int], *, axis_types: str = "auto") -> AbstractMesh:
+    """A mesh of named axis sizes with no devices behind it (``jax.sharding.AbstractMesh``):
+    programs trace against it at any size, e.g. ``{"data": 64, "model": 64}`` for 4,096
+    devices on a laptop, but cannot compile or run. ``axis_types`` as for ``make_mesh``."""
+    _check_axis_sizes(axis_sizes, axis_types)
+    kind = _AXIS_TYPES[axis_types]
+    return AbstractMesh(tuple(axis_sizes.values()), tuple(axis_sizes),
+                        axis_types=(kind,) * len(axis_sizes))  # fmt: skip
+
+
+def _check_axis_sizes(axis_sizes, axis_types: str) -> None:
+    if not isinstance(axis_sizes, Mapping) or not axis_sizes:
+        raise TypeError(
+            f"axis_sizes must be a non-empty mapping of axis name to size, e.g. "
+            f"{{'data': 4, 'model': 2}}; got {axis_sizes!r}"
+        )
+    for name, size in axis_sizes.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"mesh axis names must be non-empty strings; got {name!r}")
+        if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
+            raise ValueError(f"mesh axis {name!r} must have a positive integer size; got {size!r}")
+    if axis_types not in _AXIS_TYPES:
+        raise ValueError(f"axis_types must be one of {sorted(_AXIS_TYPES)}; got {axis_types!r}")
 
 
 def axis_size(mesh: Mesh, axis_name: str | None, *, argument: str = "axis_name") -> int:

@@ -225,12 +225,22 @@ BF16_BUDGET_MESHES = {
 }  # fmt: skip
 
 
+def reductions_in_16_bits(found) -> list[str]:
+    """The all-reduces and reduce-scatters among ``found`` (``shardops.inspect.Collective``)
+    that carry bf16 or f16: every policy reduces in float32."""
+    return [
+        f"{c.kind} over {c.axes} of {c.shapes}"
+        for c in found
+        if c.kind in (hlo.ALL_REDUCE, hlo.REDUCE_SCATTER) and set(c.dtypes) & {"bf16", "f16"}
+    ]
+
+
 def check_bf16_budget(strategy: str, precision, build=models.build) -> None:
-    """The GPT's train step under a bf16 policy asks for exactly its budget, bytes per kind and
-    mesh axes (the lowered module: what the program requests, before XLA:CPU promotes bf16
-    collectives to f32): every reduction in float32, every gather of an activation in the
-    compute dtype and of a parameter in the param dtype. A reduction carried in bf16 halves
-    its bytes and shows here, where values barely move."""
+    """The GPT's train step under a bf16 policy asks for every reduction in float32 (the
+    lowered module: what the program requests, before XLA:CPU promotes bf16 collectives to
+    f32), and its budget (read from the trace) is exactly what the lowered module asks for,
+    bytes per kind and mesh axes. A reduction carried in bf16 shows here, where values barely
+    move."""
     mesh = mesh_for(BF16_BUDGET_MESHES[strategy])
     setup = build(strategy, mesh, model=BF16_GPT, optimizer=optax.sgd(0.1), precision=precision)
     rng = np.random.default_rng(0)
@@ -238,10 +248,14 @@ def check_bf16_budget(strategy: str, precision, build=models.build) -> None:
     state = jax.eval_shape(setup.init, jax.random.key(0))  # shapes and shardings: nothing runs
     x, y = setup.place_batch(ids, np.roll(ids, -1, 1))
     lowered = setup.train_step.lower(state, x, y)  # lowered only: compiling adds nothing here
+    asked = [c for c in hlo.lowered_collectives(lowered.as_text(), mesh) if c.bytes]
+    low = reductions_in_16_bits(asked)
+    assert not low, (
+        f"{strategy} under {precision.name}: the program asks for reductions in 16 bits: {low}"
+    )
     requested = collections.Counter()
-    for c in hlo.lowered_collectives(lowered.as_text(), mesh):
-        if c.bytes:
-            requested[(c.kind, c.axes)] += c.bytes
+    for c in asked:
+        requested[(c.kind, c.axes)] += c.bytes
     requested, budget = dict(requested), setup.collective_budget(8)
     assert requested == budget, (
         f"{strategy} under {precision.name}: the program asks for {requested}, its budget is "

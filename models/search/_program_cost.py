@@ -36,10 +36,9 @@ from collections import Counter
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-COLLECTIVE_PRIMITIVES = frozenset({
-    "psum", "psum_invariant", "all_gather", "all_gather_invariant", "reduce_scatter",
-    "psum_scatter", "all_to_all", "ppermute", "pmax", "pmin",
-})  # fmt: skip
+from shardops.inspect import PRIMITIVE_KINDS
+
+COLLECTIVE_PRIMITIVES = frozenset(PRIMITIVE_KINDS)
 FREE_PRIMITIVES = frozenset({
     "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "pvary", "pcast", "pbroadcast",
     "convert_element_type", "slice", "dynamic_slice", "iota", "stop_gradient", "axis_index",

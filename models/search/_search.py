@@ -11,8 +11,8 @@ count, ranked by an analytic cost model, with the compiled ledger of the best on
 
 Per candidate, without compiling anything:
 
-- bytes V per (collective, mesh axes): ``Setup.collective_budget`` (the plan and the shapes,
-  layer by layer). These are the bytes the program *asks for* (the lowered module,
+- bytes V per (collective, mesh axes): ``Setup.collective_budget``, read from the traced step
+  (``shardops.inspect.traced_ledger``). These are the bytes the program *asks for* (the lowered module,
   ``Ledger.totals(requested=True)``); under FLOAT32 they also equal what XLA:CPU runs
   (``Ledger.totals()``), under bf16 policies XLA:CPU promotes bf16 collectives to f32.
 - ring bytes per device per axis: ``shardops.inspect.ring_bytes`` of those.
@@ -387,11 +387,10 @@ def predict(model, strategy: str, mesh_shape, batch: int, *, seq=None, optimizer
     setup = models.build(strategy, mesh, optimizer=_optimizer(optimizer), model=model,
                          precision=precision)  # fmt: skip
     budget = setup.collective_budget(batch, seq)
-    args = abstract_step_args(setup, batch, seq)
+    args = setup.abstract_step_args(batch, seq)
     # The train step donates the state (argument 0): its buffers may be freed once read.
     donated = range(len(jax.tree.leaves(args[0])))
-    cost = program_cost(jax.make_jaxpr(setup.step)(*args).jaxpr, dict(mesh.shape),
-                        donated=donated)  # fmt: skip
+    cost = program_cost(setup.step_jaxpr(batch, seq).jaxpr, dict(mesh.shape), donated=donated)
     ring: dict = {}
     comm: dict = {}
     for (kind, axes), nbytes in budget.items():
@@ -415,36 +414,6 @@ def predict(model, strategy: str, mesh_shape, batch: int, *, seq=None, optimizer
         step_time=compute + sum(comm.values()), model=model,
         options={"batch": batch, "seq": seq, "optimizer": optimizer, "precision": precision},
     )  # fmt: skip
-
-
-def abstract_step_args(setup, batch: int, seq=None):
-    """``(state, x, y)`` of ``setup.train_step`` as ``jax.ShapeDtypeStruct`` with their
-    NamedShardings: what lowering needs, with no array allocated."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import shardops_models as models
-    from shardops_models.training._train import model_batch
-
-    mesh = setup.mesh
-
-    def placed(a, spec):
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
-
-    params = jax.eval_shape(lambda: setup.model.init(jax.random.key(0),
-                                                     dtype=setup.precision.param_dtype))  # fmt: skip
-    opt_state = jax.eval_shape(setup.optimizer.init, params)
-
-    def is_spec(s):
-        return isinstance(s, P)
-
-    params = jax.tree.map(lambda s, a: placed(a, s), setup.param_specs, params, is_leaf=is_spec)
-    opt_state = jax.tree.map(lambda s, a: placed(a, s), setup.opt_specs, opt_state,
-                             is_leaf=is_spec)  # fmt: skip
-    x, y = model_batch(setup.model, batch, seq)
-    return (models.TrainState(params, opt_state), placed(x, setup.batch_spec),
-            placed(y, setup.batch_spec))  # fmt: skip
 
 
 def _dtype_name(dtype) -> str:
@@ -476,7 +445,7 @@ def compiled_ledger(candidate: Candidate) -> CompiledLedger:
     mesh = make_mesh({DATA_AXIS: d, MODEL_AXIS: m})
     setup = models.build(candidate.strategy, mesh, optimizer=_optimizer(o["optimizer"]),
                          model=candidate.model, precision=o["precision"])  # fmt: skip
-    args = abstract_step_args(setup, o["batch"], o["seq"])
+    args = setup.abstract_step_args(o["batch"], o["seq"])
     start = time.perf_counter()
     lowered = setup.train_step.lower(*args)
     compiled = lowered.compile()

@@ -32,7 +32,7 @@ batch's activations are smaller than the weight (wide layers, small batches), wh
 XLA's GSPMD chooses for the same sharding. The rule counts ``dx``'s move even for the model's
 own input (whose ``dx`` is never computed), and leaves remat's re-gather out: it is a rule of
 thumb in bytes, and the benchmark (``benchmarks/strategies.py``) is its check in time. The
-collective budget (``models.strategies.parallel.Recorder``) follows the choice exactly.
+collective budget (``Setup.budget``, read from the traced step) follows the choice exactly.
 
 Under sequence parallelism the dense kernels gather along S themselves; there the weight is
 always gathered.

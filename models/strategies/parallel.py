@@ -16,14 +16,13 @@ the backward pass under remat), and calls layers as ``ctx.dense(p, x)``, ``ctx.e
 ``ctx.attention``, ``ctx.layer_norm``, ``ctx.cross_entropy``. The *plan* (``models.strategies.plan``)
 gives each parameter its role, and the role picks the kernel: a ``column`` dense under ``tp``
 is ``shardops.layers.column_parallel_dense_kernel``, under ``dp`` it is ``shardops.dense``. The
-same context, in recording mode (``Recorder``), derives the collective budget of any model from
-its plan and its shapes, layer by layer, without compiling anything.
+collective budget of any model is read from its traced step (``Setup.budget``): the kernels'
+own collectives are the only record of what a layer moves.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -42,10 +41,8 @@ from shardops import (
     SEQUENCE_DIM,
     Precision,
     entry_axes,
-    spec_entries,
     varying_axes,
 )
-from shardops.inspect import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
 from shardops_models.strategies.fsdp import (
     AUTO,
     GATHER_WEIGHTS,
@@ -58,12 +55,7 @@ from shardops_models.strategies.plan import (
     REPLICATED,
     ROW,
     VOCAB,
-    is_shape,
-    split_over,
 )
-
-AR, AG, RS, A2A, CP = ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, COLLECTIVE_PERMUTE
-F32 = 4
 
 
 class Strategy(NamedTuple):
@@ -400,6 +392,50 @@ class Parallel:
             return shardops.layers.vocab_parallel_argmax_kernel(logits)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
+    # --- for a layer of your own: the shard-dependent pieces, by kind of parallelism
+
+    def axis_name(self, kind: str = "model") -> str | None:
+        """The mesh axis that carries ``kind`` (``"model"``: tensor parallelism, tp and sp;
+        ``"data"``: the batch, dp and fsdp) under this strategy, or None where it has none."""
+        if kind == "model":
+            return MODEL_AXIS if self.model_parallel else None
+        if kind == "data":
+            return DATA_AXIS if self.strategy.data else None
+        raise ValueError(f"kind must be 'model' or 'data'; got {kind!r}")
+
+    def axis_index(self, kind: str = "model"):
+        """This device's position along ``kind``'s mesh axis (``lax.axis_index``), 0 where
+        the strategy has none: e.g. ``ctx.axis_index() * f_local``, the first feature of this
+        device's block of a column-parallel layer."""
+        axis = self.axis_name(kind)
+        return lax.axis_index(axis) if axis else jnp.int32(0)
+
+    def axis_size(self, kind: str = "model") -> int:
+        """The number of devices along ``kind``'s mesh axis (1 where the strategy has none)."""
+        axis = self.axis_name(kind)
+        return lax.axis_size(axis) if axis else 1
+
+    def psum(self, y_partial, kind: str = "model"):
+        """``y{U_model}`` (this device's partial sum, e.g. of a row-parallel matmul) → ``y``,
+        replicated: AllReduce over ``kind``'s axis (``shardops.comm.reduce_from_region``);
+        the identity where the strategy has no such axis."""
+        axis = self.axis_name(kind)
+        return shardops.comm.reduce_from_region(y_partial, axis) if axis else y_partial
+
+    def gather(self, y_block, *, axis: int = -1, kind: str = "model"):
+        """``y[.., F_model]`` (this device's block along ``axis``) → ``y[.., F]``, replicated:
+        AllGather over ``kind``'s axis (``shardops.comm.gather_from_region``; the backward
+        slices ``dy``, no communication); the identity where the strategy has no such axis."""
+        mesh_axis = self.axis_name(kind)
+        if mesh_axis is None:
+            return y_block
+        return shardops.comm.gather_from_region(y_block, mesh_axis, axis % y_block.ndim)
+
+    def array(self, param):
+        """The local array of a parameter inside ``ctx.stage``: its block over ``model`` (by
+        its plan role), whole over ``data`` (gathered under fsdp)."""
+        return self._value(param, "array")
+
     # --- helpers
 
     def _arrays(self, p, key: str, layer: str):
@@ -449,326 +485,12 @@ def _sequence_block(x):
     return lax.dynamic_slice_in_dim(x, lax.axis_index(MODEL_AXIS) * s, s, axis=SEQUENCE_DIM)
 
 
-# --- the collective budget of any model, from its plan and shapes
-
-
-class Recorder(Parallel):
-    """A ``Parallel`` that computes nothing and records, layer by layer, the collectives the
-    strategy's kernels issue: bytes V per (kind, mesh axes), V the size in bytes of the
-    (gathered or reduced) full operand, the convention of ``shardops.inspect.collectives``.
-
-    It runs the model's forward under ``jax.eval_shape`` on the *local* shapes of one device
-    (the batch shard, each parameter's ``model`` shard), so every size is what that device
-    moves. A layer input that is the model's own input (the data) needs no gradient; every
-    other activation does. ``reads`` collects the parameters the backward pass reads, which
-    remat gathers a second time.
-
-    Remat: a stage's backward first recomputes the stage's forward, as far as the backward
-    needs it. A layer whose output a later layer of the same stage consumes is recomputed
-    whole: its parameters are gathered again and its forward collectives run again. The
-    stage's *tail* (the layers after the last one that consumes another's output: the block's
-    ``down`` projection, the head, the embedding lookups) is recomputed only as far as its own
-    backward reads: the parameters it reads (a weight, when its input needs a gradient; a
-    norm's scale) and its input's gather under sequence parallelism, not its output's
-    reduction.
-    """
-
-    def __init__(self, strategy, precision, mesh_shape: dict[str, int], inputs, remat=False,
-                 fsdp_dense=AUTO, collective_matmul=None):  # fmt: skip
-        super().__init__(strategy, precision, remat=remat, fsdp_dense=fsdp_dense,
-                         collective_matmul=collective_matmul)  # fmt: skip
-        object.__setattr__(self, "mesh_shape", mesh_shape)
-        object.__setattr__(self, "budget", {})
-        object.__setattr__(self, "reads", set())
-        object.__setattr__(self, "moved", set())
-        object.__setattr__(self, "_inputs", {id(a) for a in jax.tree.leaves(inputs)})
-        object.__setattr__(self, "_frame", None)
-
-    @property
-    def p(self) -> int:
-        return self.mesh_shape[MODEL_AXIS] if self.model_parallel else 1
-
-    def add(self, kind: str, nbytes: int, axes=(MODEL_AXIS,)) -> None:
-        if nbytes and all(self.mesh_shape[a] > 1 for a in axes):
-            key = (kind, tuple(axes))
-            self.budget[key] = self.budget.get(key, 0) + int(nbytes)
-
-    def needs_grad(self, x) -> bool:
-        return id(x) not in self._inputs
-
-    def stage(self, fn, params, *args):
-        frame = _Frame(stage_inputs={id(a) for a in args})
-        object.__setattr__(self, "_frame", frame)
-        out = fn(jax.tree.map(lambda q: Param(q.value, q.role, q.spec, q.path, True), params,
-                              is_leaf=is_param), *args)  # fmt: skip
-        object.__setattr__(self, "_frame", None)
-        consumed = max((i for i, c in enumerate(frame.calls) if c.consumes), default=0)
-        for i, call in enumerate(frame.calls):
-            self.reads.update(call.reads)
-            if not self.remat:
-                continue
-            recomputed = call.params if i < consumed else call.reads
-            self.reads.update(recomputed)
-            again = call.forward if i < consumed else call.input_side
-            for kind, nbytes, axes in again:
-                self.add(kind, nbytes, axes)
-        return out
-
-    def _call(self, x, params, *, consumes=True) -> _Call:
-        """Open the record of one layer call on input ``x`` with these ``Param`` leaves."""
-        call = _Call([q.path for q in jax.tree.leaves(params, is_leaf=is_param)])
-        frame = self._frame
-        if frame is not None:
-            call.consumes = consumes and id(x) not in frame.stage_inputs
-            frame.calls.append(call)
-        return call
-
-    def _forward(self, call, kind, nbytes, *, input_side=False, axes=(MODEL_AXIS,)) -> None:
-        self.add(kind, nbytes, axes)
-        call.forward.append((kind, nbytes, axes))
-        if input_side:
-            call.input_side.append((kind, nbytes, axes))
-
-    def _model_split_reduced(self, p: Param) -> None:
-        """A parameter replicated over ``model`` used on an activation split over ``model``
-        (sequence parallelism): check_vma AllReduces its gradient over ``model``."""
-        if self.sequence_parallel and not split_over(p.spec, MODEL_AXIS):
-            self.add(AR, math.prod(p.shape) * F32)
-
-    def dense(self, p, x):
-        w, role = p["w"], p["w"].role
-        b = p.get("b")
-        call = self._call(x, p)
-        sp = self.sequence_parallel and x.ndim > 2
-        grad = self.needs_grad(x)
-        split = data_split_dim(w.spec) if self.strategy.data else None
-        n = self.mesh_shape[DATA_AXIS] if self.strategy.data else 1
-        if (split is not None and self._may_move_activations(w)
-                and moves_activations(self.fsdp_dense, w.shape, split, x.shape, n,
-                                      self.precision)):  # fmt: skip
-            return self._dense_moving_activations(call, w, x, split, grad)
-        if grad:
-            call.reads.append(w.path)
-        full_x = _repeat(x, self.p) if sp and self.model_parallel and role == COLUMN else x
-        y = jnp.zeros((*full_x.shape[:-1], w.shape[1]), self.precision.compute_dtype)
-        # A ring (collective_matmul) moves a gather's or a scatter's bytes as p − 1
-        # collective-permutes of one block each (per direction: half blocks, twice as many).
-        ring = self.collective_matmul is not None
-        gather = CP if ring else AG
-        scatter = CP if ring else RS
-
-        def to_ring(nbytes):  # V(p−1)/p: the bytes of p − 1 blocks
-            return nbytes // self.p * (self.p - 1) if ring else nbytes
-
-        if self.model_parallel and role == COLUMN:
-            if sp:  # x gathered along S; dw reads it, so remat gathers it again
-                nbytes = full_x.size * full_x.dtype.itemsize
-                self._forward(call, gather, to_ring(nbytes), input_side=True)
-                if grad:
-                    self.add(scatter, to_ring(full_x.size * F32))  # dx reduce-scattered along S
-            elif grad:
-                self.add(AR, x.size * F32)  # dx[..., D]{U_model}
-            return y
-        if self.model_parallel and role == ROW:
-            if sp or ring:
-                # y{U_model} → y[B, S_model, D] (a ring without sp: along the batch)
-                self._forward(call, scatter, to_ring(y.size * F32))
-                if not sp:  # the reduced blocks → y, replicated; dy is already whole
-                    self._forward(call, AG, y.size * F32)
-                    return y
-                self.add(gather, to_ring(y.size * F32))  # its transpose: dy gathered along S
-                if b is not None:
-                    self.add(AR, math.prod(b.shape) * F32)  # db: b replicated, y split
-                return _block(y, self.p)
-            self._forward(call, AR, y.size * F32)  # y[..., D]{U_model} → y
-            return y
-        for q in (w, b):
-            if q is not None:
-                self._model_split_reduced(q)
-        return y
-
-    def _dense_moving_activations(self, call, w, x, split: int, grad: bool):
-        """The collectives of ``models.strategies.fsdp.dense_moving_activations`` (its docstring
-        has the algebra); ``w.shape`` is ``w[K, F']`` gathered over data, split over model."""
-        self.moved.add(w.path)
-        if grad:
-            call.reads.append(w.path)
-        data, n = (DATA_AXIS,), self.mesh_shape[DATA_AXIS]
-        column, row = (
-            self.model_parallel and w.role == COLUMN,
-            self.model_parallel and w.role == ROW,
-        )
-        c = np.dtype(self.precision.compute_dtype).itemsize
-        rows = math.prod(x.shape[:-1])  # this device's rows
-        k, f = w.shape
-        y = jnp.zeros((*x.shape[:-1], f), self.precision.compute_dtype)  # y[B_data, ..., F']
-        if split == 0:
-            self._forward(call, A2A, rows * k * c, input_side=True, axes=data)  # x → x[B, K_data]
-            if grad:
-                self.add(A2A, rows * k * c, data)  # dx back to x[B_data, K]
-                if column:
-                    self.add(AR, rows * k * F32)  # dx[B, K_data]{U_model}
-            self._forward(call, RS, rows * n * f * F32, axes=data)  # y[B, F']{U_data}
-            self.add(AG, rows * n * f * F32, data)  # its transpose: dy gathered
-            if row:
-                self._forward(call, AR, rows * f * F32)  # y[B_data, D]{U_model}
-        else:
-            self._forward(call, AG, rows * n * k * c, input_side=True, axes=data)  # x[B, K']
-            if grad:
-                self.add(RS, rows * n * k * F32, data)  # dx[B, K']{...} → dx[B_data, K']
-                if column:
-                    self.add(AR, rows * n * k * F32)  # dx[B, K']{U_model}
-            if row:
-                self._forward(call, AR, rows * f * F32)  # y[B, D_data]{U_model}
-            self._forward(call, A2A, rows * f * F32, axes=data)  # y[B, F_data] → y[B_data, F]
-            self.add(A2A, rows * f * F32, data)  # its transpose: dy
-        return y
-
-    def embed(self, p, ids):
-        table = p["table"]
-        call = self._call(ids, p, consumes=False)  # ids are data: nothing to recompute
-        x = jnp.zeros((*ids.shape, table.shape[1]), self.precision.compute_dtype)  # x[B, S, D]
-        if self.model_parallel and table.role == VOCAB:
-            if self.sequence_parallel:
-                self._forward(call, RS, x.size * F32)  # x{U_model} → x[B, S_model, D]
-                self.add(AG, x.size * F32)  # its transpose: dx gathered along S
-                return _block(x, self.p)
-            self._forward(call, AR, x.size * F32)  # x{U_model} → x
-            return x
-        if self.sequence_parallel:
-            self.add(AR, x.size * F32)  # dx of the replicated lookup, before the S slice
-            return _block(x, self.p)
-        return x
-
-    def attention(self, p, x, *, num_heads: int, causal: bool = True):
-        call = self._call(x, p)
-        grad = self.needs_grad(x)
-        call.reads.append(p["wo"].path)
-        if grad:
-            call.reads.extend(p[k].path for k in ("wq", "wk", "wv"))
-        roles = {q.role for q in p.values()}
-        y = jnp.zeros(x.shape, self.precision.compute_dtype)
-        if not (self.model_parallel and roles == {HEAD}):
-            if self.sequence_parallel:
-                raise ValueError("under sequence parallelism attention must have the head role")
-            return y
-        if self.sequence_parallel:
-            full = _repeat(x, self.p)  # x[B, S, D]
-            self._forward(call, AG, full.size * full.dtype.itemsize, input_side=True)
-            if grad:
-                self.add(RS, full.size * F32)  # dx reduce-scattered along S
-            self._forward(call, RS, full.size * F32)  # y{U_model} → y[B, S_model, D]
-            self.add(AG, full.size * F32)  # its transpose: dy gathered along S
-            if p.get("bo") is not None:
-                self.add(AR, math.prod(p["bo"].shape) * F32)  # dbo: bo replicated, y split
-            return y
-        if grad:
-            self.add(AR, x.size * F32)  # dx[B, S, D]{U_model}, once for Q, K and V
-        self._forward(call, AR, x.size * F32)  # y[B, S, D]{U_model} → y
-        return y
-
-    def layer_norm(self, p, x):
-        call = self._call(x, p)
-        if self.needs_grad(x) and p.get("scale") is not None:
-            call.reads.append(p["scale"].path)
-        for q in p.values():
-            if q is not None:
-                self._model_split_reduced(q)
-        return jnp.zeros(x.shape, x.dtype)
-
-    def rms_norm(self, p, x):
-        return self.layer_norm(p, x)
-
-    def cross_entropy(self, logits, labels, *, split: bool):
-        _check_logits_cover_labels(self, logits, labels)
-        if split and self.model_parallel:
-            self.add(AR, 3 * labels.size * F32)  # max, Σ exp, target logit: [...] each
-        return jnp.zeros(labels.shape, jnp.float32)
-
-    def argmax(self, logits, *, split: bool):
-        return jnp.zeros(logits.shape[:-1], jnp.int32)
-
-
-@dataclasses.dataclass
-class _Call:
-    params: list[str]
-    consumes: bool = False
-    reads: list[str] = dataclasses.field(default_factory=list)
-    forward: list = dataclasses.field(default_factory=list)
-    input_side: list = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class _Frame:
-    stage_inputs: set
-    calls: list = dataclasses.field(default_factory=list)
-
-
-def _repeat(x, p: int):
-    return jnp.concatenate([x] * p, axis=SEQUENCE_DIM) if p > 1 else x
-
-
-def _block(x, p: int):
-    return x[:, : x.shape[SEQUENCE_DIM] // p] if p > 1 else x
-
-
-def data_axis_budget(specs, shapes, mesh_shape, *, reads=(), remat=False, param_bytes=F32,
-                     moved=()):  # fmt: skip
-    """Per leaf, with V its bytes after the ``data`` gather (its ``model`` shard) in float32:
-    split over data → AllGather forward in the param dtype (V · param_bytes / 4; again in the
-    backward, with remat, if the backward reads it) + ReduceScatter V of the float32
-    gradient; replicated over data → AllReduce V of the float32 gradient. Leaves in ``moved``
-    (dense weights whose layer moves activations instead) are never gathered: nothing."""
-    budget: dict = {}
-
-    def add(kind, nbytes):
-        if nbytes and mesh_shape[DATA_AXIS] > 1:
-            budget[(kind, (DATA_AXIS,))] = budget.get((kind, (DATA_AXIS,)), 0) + int(nbytes)
-
-    flat_specs = jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda s: isinstance(s, P))
-    flat_shapes = jax.tree.leaves(shapes, is_leaf=is_shape)
-    for (path, spec), shape in zip(flat_specs, flat_shapes, strict=True):
-        entries = spec_entries(spec, len(shape))
-        model_split = math.prod(
-            mesh_shape[a] for e in entries for a in entry_axes(e) if a != DATA_AXIS
-        )
-        v = math.prod(shape) // model_split * F32
-        if jax.tree_util.keystr(path) in moved:
-            continue
-        if split_over(spec, DATA_AXIS):
-            regather = remat and jax.tree_util.keystr(path) in reads
-            add(AG, v // F32 * param_bytes * (2 if regather else 1))
-            add(RS, v)
-        else:
-            add(AR, v)
-    return budget
-
-
-def local_shape(shape, spec, mesh_shape, axes) -> tuple[int, ...]:
-    """The shape of one device's block of a leaf split by ``spec`` over ``axes`` only."""
-    entries = spec_entries(spec, len(shape))
-    return tuple(
-        d // math.prod(mesh_shape[a] for a in entry_axes(e) if a in axes)
-        for d, e in zip(shape, entries, strict=True)
-    )
-
-
-def merge(*budgets: dict) -> dict:
-    out: dict = {}
-    for b in budgets:
-        for k, v in b.items():
-            out[k] = out.get(k, 0) + v
-    return out
-
-
 __all__ = [
     "ALIASES",
     "STRATEGIES",
     "Parallel",
     "Param",
-    "Recorder",
     "Strategy",
-    "data_axis_budget",
     "strategies_for",
     "strategy_named",
     "values",

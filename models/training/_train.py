@@ -33,7 +33,7 @@ import numpy as np
 import optax
 from jax import lax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardops
@@ -42,14 +42,9 @@ from shardops_models.networks._mlp import SEED_SIZES
 from shardops_models.networks.mlp import Mlp
 from shardops_models.strategies.fsdp import check_route, with_fsdp
 from shardops_models.strategies.parallel import (
-    AR,
     STRATEGIES,
     Parallel,
-    Recorder,
     Strategy,
-    data_axis_budget,
-    local_shape,
-    merge,
     strategy_named,
     wrap,
 )
@@ -153,6 +148,8 @@ class Setup:
     logits: Callable
     """``(params, x) → logits``, jitted, laid out like the batch (the full vocabulary or
     classes: a strategy that splits them gathers the logits at the end)."""
+    _traces: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    """``step_jaxpr`` and ``budget`` per (batch, seq): each step is traced once."""
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -178,6 +175,7 @@ class Setup:
         """
         for path, leaf in jax.tree_util.tree_leaves_with_path(params):
             self.precision.check_param(f"params{jax.tree_util.keystr(path)}", leaf.dtype)
+        _check_concrete(self.mesh, "shard")
         params = jax.device_get(params)  # host copies: never alias the caller's buffers
         opt_state = self.optimizer.init(params)
         if self.mesh is None:
@@ -290,12 +288,54 @@ class Setup:
         return out
 
     def collective_budget(self, batch: int, seq: int | None = None) -> dict:
-        """Expected bytes V per (collective, mesh axes) of one train step on a global batch
-        of ``batch`` examples (of ``seq`` tokens for a sequence model; default its context),
-        derived from the plan and the shapes: each layer's kernel's collectives on this
-        device's shapes (``models.strategies.parallel.Recorder``), the data axis's gathers and gradient
-        reductions per leaf (``data_axis_budget``) and the AllReduce of the loss."""
-        return collective_budget(self, batch, seq)
+        """Bytes V per (collective, mesh axes) that one train step on a global batch of
+        ``batch`` examples (of ``seq`` tokens for a sequence model; default its context) asks
+        for: ``budget(batch, seq).totals(requested=True)``."""
+        if self.mesh is None:
+            return {}
+        return self.budget(batch, seq).totals(requested=True)
+
+    def budget(self, batch: int, seq: int | None = None) -> shardops.inspect.Ledger:
+        """The collectives of one train step, read from its trace (``shardops.inspect.
+        traced_ledger``; nothing is compiled, and ``mesh`` may be an ``AbstractMesh``):
+        ``requested`` as the program asks, ``collectives`` as XLA:CPU runs them, per pass with
+        ``by_pass()``. Every kernel's collectives, the data axis's gathers and reductions, a
+        layer of your own and remat's recomputation are all in it, because they are all in the
+        program."""
+        if self.mesh is None:
+            raise ValueError("the ref strategy has no mesh: its step moves nothing")
+        key = ("budget", batch, seq)
+        if key not in self._traces:
+            found = shardops.inspect.jaxpr_collectives(self.step_jaxpr(batch, seq), self.mesh)
+            self._traces[key] = shardops.inspect.Ledger(
+                self.mesh, shardops.inspect.runs_as(found, "cpu"), tuple(found)
+            )
+        return self._traces[key]
+
+    def step_jaxpr(self, batch: int, seq: int | None = None):
+        """The ``ClosedJaxpr`` of one train step (``abstract_step_args``), traced once."""
+        key = ("jaxpr", batch, seq)
+        if key not in self._traces:
+            self._traces[key] = jax.make_jaxpr(self.step)(*self.abstract_step_args(batch, seq))
+        return self._traces[key]
+
+    def abstract_step_args(self, batch: int, seq: int | None = None):
+        """``(state, x, y)`` of ``train_step`` as ``jax.ShapeDtypeStruct`` with their
+        NamedShardings: what tracing and lowering need, with no array allocated."""
+        self.check_batch_size(batch)
+        mesh = self.mesh
+
+        def placed(a, spec):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
+
+        params = jax.eval_shape(lambda: self.model.init(jax.random.key(0),
+                                                        dtype=self.precision.param_dtype))  # fmt: skip
+        opt_state = jax.eval_shape(self.optimizer.init, params)
+        params = jax.tree.map(lambda s, a: placed(a, s), self.param_specs, params, is_leaf=_is_spec)
+        opt_state = jax.tree.map(lambda s, a: placed(a, s), self.opt_specs, opt_state,
+                                 is_leaf=_is_spec)  # fmt: skip
+        x, y = model_batch(self.model, batch, seq)
+        return TrainState(params, opt_state), placed(x, self.batch_spec), placed(y, self.batch_spec)
 
     def cost_model(self, batch: int, seq: int | None = None) -> dict[tuple[str, ...], float]:
         """The analytic bytes each device sends per step over each mesh axis: the ring formulas
@@ -326,7 +366,9 @@ def build(
         strategy: one of ``STRATEGIES``: ``ref`` (no mesh), ``dp``, ``fsdp``, ``tp``, ``sp``,
             ``2d`` (dp × tp), ``fsdp_tp``, ``dp_sp``, ``fsdp_sp``. Mesh axes a strategy does
             not use hold replicas.
-        mesh: a mesh with the axes the strategy needs (``shardops.make_mesh``).
+        mesh: a mesh with the axes the strategy needs (``shardops.make_mesh``), or an
+            ``AbstractMesh`` (``shardops.abstract_mesh``) for a Setup that only traces: its
+            ``budget`` and ``step_jaxpr`` at any number of devices.
         optimizer: an optax optimizer, e.g. ``seed_sgd(steps_per_epoch)`` or ``optax.adam(1e-3)``.
         model: ``models.Mlp(sizes)`` (the default), ``models.Gpt(...)``, or any object with
             ``init``, ``plan``, ``apply``, ``loss_sum``, ``metrics`` and ``check_batch``.
@@ -409,7 +451,7 @@ def build(
     # XLA:CPU expands optimization barriers before a late CSE pass, which then merges remat's
     # backward re-gather into the forward gather (keeping the full weights alive after all).
     # With remat, keep the barriers for these programs; other programs are unaffected.
-    options = {"xla_disable_hlo_passes": "cse_barrier_expander"} if remat else None
+    options = shardops.inspect.KEEP_REMAT if remat else None
 
     def jit(fn, name, **kwargs):
         return _DeviceChecked(jax.jit(checked(fn), compiler_options=options, **kwargs), mesh, name)
@@ -435,6 +477,15 @@ def build(
     )
 
 
+def _check_concrete(mesh, what: str) -> None:
+    if isinstance(mesh, AbstractMesh):
+        raise ValueError(
+            f"{what}: this Setup was built on an AbstractMesh {dict(mesh.shape)}, which has no "
+            f"devices: it traces (budget, step_jaxpr, abstract_step_args) but cannot run. "
+            f"Build it on shardops.make_mesh(...) to run it"
+        )
+
+
 class _DeviceChecked:
     """A jitted function that first checks its concrete arguments live on the setup's mesh
     (``shardops.check_devices``), so a misplaced batch is a shardops error, not XLA's."""
@@ -443,6 +494,7 @@ class _DeviceChecked:
         self.jitted, self.mesh, self.name = jitted, mesh, name
 
     def __call__(self, state_or_params, x, *y):
+        _check_concrete(self.mesh, self.name)
         if self.mesh is not None:
             shardops.check_devices(self.mesh, self.name, state=state_or_params, x=x, y=y)
         return self.jitted(state_or_params, x, *y)
@@ -482,6 +534,10 @@ def _param_specs(parallel: Strategy, roles, shapes, mesh):
     if parallel.data == "fsdp":
         specs = with_fsdp(specs, shapes, mesh)
     return specs
+
+
+def _is_spec(s) -> bool:
+    return isinstance(s, P)
 
 
 def _spec_leaves(specs):
@@ -610,53 +666,6 @@ def _output_split(model, tree, ctx) -> bool:
     return head is not None and ctx.is_split(head(tree))
 
 
-def collective_budget(setup: Setup, batch: int, seq: int | None) -> dict:
-    if setup.mesh is None:
-        return {}
-    parallel, mesh_shape = setup.composition, dict(setup.mesh.shape)
-    model, precision = setup.model, setup.precision
-    shapes = _shapes(model)
-    roles = leaf_roles(setup.plan, shapes)
-    specs = setup.param_specs
-    data = mesh_shape[shardops.DATA_AXIS] if parallel.batch_axes else 1
-    if batch % data:
-        raise ValueError(f"batch {batch} does not split over data ({data} devices)")
-    x, y = model_batch(model, batch // data, seq)
-    # Each parameter as a layer sees it: gathered over data, split over model.
-    local = jax.tree.map(
-        lambda shape, spec: jax.ShapeDtypeStruct(
-            local_shape(shape, spec, mesh_shape, (shardops.MODEL_AXIS,)), precision.accum_dtype
-        ),
-        shapes, specs, is_leaf=is_shape,
-    )  # fmt: skip
-    recorded = []
-
-    def run(params, x, y):
-        inputs = x.astype(precision.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-        recorder = Recorder(parallel, precision, mesh_shape, inputs, remat=setup.remat,
-                            fsdp_dense=setup.fsdp_dense,
-                            collective_matmul=setup.collective_matmul)  # fmt: skip
-        tree = wrap(params, roles, specs)
-        logits = model.apply(recorder, tree, inputs)
-        model.loss_sum(recorder, tree, logits, y)
-        recorded.append(recorder)
-        return jnp.zeros(())
-
-    jax.eval_shape(run, local, x, y)
-    recorder = recorded[0]
-    budget = dict(recorder.budget)
-    if parallel.data:
-        budget = merge(budget, data_axis_budget(
-            specs, shapes, mesh_shape, reads=recorder.reads, remat=setup.remat,
-            param_bytes=np.dtype(precision.param_dtype).itemsize if parallel.data == "fsdp" else 4,
-            moved=recorder.moved,
-        ))  # fmt: skip
-        if mesh_shape[shardops.DATA_AXIS] > 1:  # the loss: AllReduce of one f32 over data
-            key = (AR, (shardops.DATA_AXIS,))
-            budget[key] = budget.get(key, 0) + 4
-    return budget
-
-
 def model_batch(model, batch: int, seq: int | None):
     """Abstract ``(x, y)`` of one batch: the MLP's ``x[b, D], y[b, C]``; a sequence model's
     ``ids[b, S], labels[b, S]`` (S: ``seq`` or the model's context)."""
@@ -671,9 +680,9 @@ def model_batch(model, batch: int, seq: int | None):
 
 def _check_mesh(parallel: Strategy, mesh, model, roles, shapes) -> None:
     strategy = parallel.name
-    if not isinstance(mesh, Mesh):
+    if not isinstance(mesh, Mesh | AbstractMesh):
         raise TypeError(
-            f"strategy {strategy!r} needs a jax.sharding.Mesh with axes {parallel.axes} (see "
+            f"strategy {strategy!r} needs a jax.sharding.Mesh (or an AbstractMesh, to trace only) with axes {parallel.axes} (see "
             f"shardops.make_mesh); got {type(mesh).__name__}"
         )
     missing = [a for a in parallel.axes if a not in mesh.shape]

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _model_checks import reductions_in_16_bits
 from _mutants import mutant
 
 import shardops
@@ -139,8 +140,7 @@ def test_a_bad_route_is_an_error():
 
 
 def check_collectives_follow_the_policy(strategy, mesh_shape, sizes, batch, precision):
-    """What the step asks for (the lowered module) equals the budget, which reduces and
-    gathers activations in float32 and moves the input in the compute dtype."""
+    """What the step asks for (the lowered module) reduces in float32 and equals its budget."""
     mesh = shardops.make_mesh(mesh_shape)
     setup = models.build(strategy, mesh, optimizer=optax.sgd(1.0), sizes=sizes,
                          precision=precision, fsdp_dense="move_activations")  # fmt: skip
@@ -148,6 +148,8 @@ def check_collectives_follow_the_policy(strategy, mesh_shape, sizes, batch, prec
     led = shardops.inspect.ledger(
         mesh, setup.train_step, state, *setup.place_batch(*mlp_batch(sizes, batch))
     )
+    low = reductions_in_16_bits(led.requested)
+    assert not low, f"the program asks for reductions in 16 bits: {low}"
     assert led.totals(requested=True) == setup.collective_budget(batch)
 
 

@@ -311,7 +311,7 @@ SP_MUTANTS = {
     # The replicated position table's lookup kept as this device's part of S: its dx
     # all-reduced over model in the compute dtype.
     "positions_sp_dx_all_reduced_in_bf16": (
-        parallel, ("Parallel", "Recorder", "wrap"), "shardops_models.training._train", SP_POSITIONS,
+        parallel, ("Parallel", "wrap"), "shardops_models.training._train", SP_POSITIONS,
         "            x = jax.lax.pcast(x, MODEL_AXIS, to='varying')\n",
         [("sp", MIXED), ("fsdp_sp", BF16)],
     ),

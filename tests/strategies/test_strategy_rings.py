@@ -1,6 +1,6 @@
 """Strategies with ``collective_matmul`` ("ring", "bidirectional"): the tensor-parallel dense
 layers run their collectives as rings of ppermute steps. Loss and every gradient equal the
-unsharded reference, and the compiled step asks for exactly the budget (``Recorder``), in
+unsharded reference, and the compiled step asks for exactly the budget (``Setup.budget``), in
 which the rings are collective-permutes of V(p−1)/p bytes, going one way round the ``model``
 ring or (``"bidirectional"``) as many steps each way."""
 
