@@ -49,12 +49,14 @@ import shardops.distributed
 import shardops_models as models
 from shardops_models.data import mnist
 from shardops_models.training import checkpoint, loop
+from shardops_models.training.meshes import mesh_for, mesh_text
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--strategy", default="2d", choices=models.strategies_for(models.Mlp()))
-    p.add_argument("--mesh", default="4x2", help="data×model sizes, e.g. 4x2, 8x1, 1x8")
+    p.add_argument("--mesh", default="4x2",
+                   help="axis sizes, e.g. 4x2 (data×model), 8x1, replica=2,data=2,model=2")  # fmt: skip
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=models.INIT_LR, help="initial learning rate")
@@ -87,27 +89,12 @@ def parse_args(argv=None):
 
 
 def make_mesh(spec: str, strategy: str):
-    if strategy == "ref":
-        if jax.process_count() > 1:
-            raise SystemExit("--strategy ref runs on one device: run it without the launcher")
-        return None
+    """The run's mesh (``shardops_models.training.meshes.mesh_for``); a bad spec ends the run
+    with one line."""
     try:
-        n_data, n_model = (int(v) for v in spec.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"--mesh must look like 4x2 (data×model); got {spec!r}") from None
-    needed = n_data * n_model
-    devices = jax.devices()
-    if jax.process_count() > 1 and len(devices) != needed:
-        raise SystemExit(
-            f"--mesh {spec} needs {needed} devices, but the {jax.process_count()} processes "
-            f"of this run have {len(devices)} ({jax.local_device_count()} each); a "
-            f"multi-process mesh uses every device: launch {needed} devices in all"
-        )
-    if len(devices) < needed and len(jax.devices("cpu")) >= needed:
-        log(f"Devices: {len(devices)} {devices[0].platform} device(s) < {needed}; using "
-            f"{needed} simulated CPU devices")  # fmt: skip
-        devices = jax.devices("cpu")
-    return shardops.make_mesh({"data": n_data, "model": n_model}, devices=devices)
+        return mesh_for(strategy, spec)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def log(*args, **kwargs) -> None:
@@ -148,11 +135,8 @@ def main(argv=None):
     if args.compare_reference:
         ref = models.build("ref", optimizer=opt, sizes=sizes)
         ref_state = ref.shard(params)
-    mesh_text = (
-        "one device" if mesh is None else " × ".join(f"{k}={v}" for k, v in mesh.shape.items())
-    )
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
-    log(f"Model: MLP {'-'.join(map(str, sizes))}, strategy {args.strategy} on {mesh_text}"
+    log(f"Model: MLP {'-'.join(map(str, sizes))}, strategy {args.strategy} on {mesh_text(mesh)}"
         f"{processes}, {steps_per_epoch} steps of {args.batch_size} per epoch")  # fmt: skip
 
     history, done = [], 0  # done: steps trained so far

@@ -52,29 +52,26 @@ import shardops.distributed
 import shardops_models as models
 from shardops_models.data import text
 from shardops_models.training import checkpoint, loop
+from shardops_models.training.meshes import mesh_for, mesh_text
 
 MAX_RELATIVE_DIFF = 1e-3  # --compare-reference: |loss − ref_loss| / ref_loss at the last step
 
 
-def parse_mesh(spec: str) -> tuple[int, int]:
-    """``"4x2"`` → ``(4, 2)``: the sizes of the data and model axes."""
-    parts = spec.lower().replace("×", "x").split("x")
+def parse_mesh(spec: str) -> str:
+    """``--mesh``: axis sizes, checked here so a bad spec is one argparse line."""
     try:
-        sizes = tuple(int(p) for p in parts)
-    except ValueError:
-        sizes = ()
-    if len(sizes) != 2 or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(
-            f"must be DATAxMODEL with two positive sizes, e.g. 4x2; got {spec!r}"
-        )
-    return sizes
+        shardops.parse_mesh(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--strategy", default="fsdp_tp", choices=sorted(models.STRATEGIES))
-    p.add_argument("--mesh", default=(4, 2), type=parse_mesh,
-                   help="data×model sizes, e.g. 4x2, 8x1, 2x4 (default 4x2)")  # fmt: skip
+    p.add_argument("--mesh", default="4x2", type=parse_mesh,
+                   help="axis sizes: 4x2 (data×model, the default), 8x1, 2x4, or named, e.g. "
+                        "replica=2,data=2,model=2")  # fmt: skip
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=8, help="windows of --context bytes")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
@@ -120,24 +117,6 @@ def parse_args(argv=None):
     if args.resume and args.compare_reference:
         p.error("--compare-reference compares whole runs from the init: not with --resume")
     return p, args
-
-
-def make_mesh(sizes: tuple[int, int]):
-    """A data × model mesh; simulated CPU devices when the accelerator has too few."""
-    n_data, n_model = sizes
-    needed = n_data * n_model
-    devices = jax.devices()
-    if jax.process_count() > 1 and len(devices) != needed:
-        raise ValueError(
-            f"--mesh {n_data}x{n_model} needs {needed} devices, but the "
-            f"{jax.process_count()} processes of this run have {len(devices)} "
-            f"({jax.local_device_count()} each); a multi-process mesh uses every device"
-        )
-    if len(devices) < needed and len(jax.devices("cpu")) >= needed:
-        log(f"Devices: {len(devices)} {devices[0].platform} device(s) < {needed}; using "
-              f"{needed} simulated CPU devices")  # fmt: skip
-        devices = jax.devices("cpu")
-    return shardops.make_mesh({"data": n_data, "model": n_model}, devices=devices)
 
 
 def make_optimizer(args) -> optax.GradientTransformation:
@@ -256,7 +235,7 @@ def main(argv=None) -> int:
     try:
         model = models.Gpt(vocab_size=text.VOCAB_SIZE, d_model=args.width, num_heads=args.heads,
                            num_layers=args.layers, context=args.context)  # fmt: skip
-        mesh = None if args.strategy == "ref" else make_mesh(args.mesh)
+        mesh = mesh_for(args.strategy, args.mesh)
         optimizer = make_optimizer(args)
         setup = models.build(args.strategy, mesh, model=model, optimizer=optimizer)
         ref = (
@@ -276,14 +255,12 @@ def main(argv=None) -> int:
     except text.TextUnavailableError as e:  # --text-source tfds without a prepared copy
         raise SystemExit(f"transformer_lm.py: {e}") from None
     log(corpus.message)
-    mesh_text = (
-        "one device" if mesh is None else " × ".join(f"{k}={v}" for k, v in mesh.shape.items())
-    )
+    where = mesh_text(mesh)
     n_params = sum(
         math.prod(s.shape) for s in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0)))
     )
     log(f"Model: {model.name}, {n_params / 1e6:.2f}M parameters; strategy {args.strategy} on "
-          f"{mesh_text}; {args.steps} steps of {args.batch_size}×{args.context} bytes")  # fmt: skip
+          f"{where}; {args.steps} steps of {args.batch_size}×{args.context} bytes")  # fmt: skip
 
     params = model.init(jax.random.key(args.seed))  # the full init, shared by both runs
     state = setup.shard(params)
@@ -428,7 +405,7 @@ def main(argv=None) -> int:
         return 0
     if args.plot:
         plot(losses, ref_losses, history["valid"], args.plot,
-             title=f"{model.name} · {args.strategy} on {mesh_text} · {corpus.name}")  # fmt: skip
+             title=f"{model.name} · {args.strategy} on {where} · {corpus.name}")  # fmt: skip
         log(f"Plot: {args.plot}")
     if args.metrics_json:
         record = {

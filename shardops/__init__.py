@@ -2,9 +2,11 @@
 
 The surface, by concept (each subpackage has its own short ``__all__``):
 
-- **mesh**: ``make_mesh``, ``abstract_mesh`` (no devices: traces at any size), ``DATA_AXIS`` / ``MODEL_AXIS`` / ``SEQUENCE_DIM``, ``axis_size``,
-  ``check_divisible``, ``check_devices``; PartitionSpec entries (``spec_entry``, ``entry_axes``,
-  ``spec_entries``, ``normalized_spec``) and ``varying_axes`` inside ``shard_map``.
+- **mesh**: ``make_mesh``, ``abstract_mesh`` (no devices: traces at any size), ``parse_mesh``
+  (``replica=2,data=2,model=2`` or ``4x2``), ``DATA_AXIS`` / ``MODEL_AXIS`` / ``REPLICA_AXIS`` /
+  ``SEQUENCE_DIM``, ``axis_size``, ``check_divisible``, ``check_devices``; PartitionSpec entries
+  (``spec_entry``, ``entry_axes``, ``spec_entries``, ``normalized_spec``) and ``varying_axes``
+  inside ``shard_map``.
 - **precision**: ``Precision`` and the policies ``FLOAT32``, ``MIXED_BFLOAT16``, ``BFLOAT16``.
 - **layers** (``shardops.layers``, its kernels there too): column/row-parallel dense,
   vocab-parallel embedding and cross-entropy, head-parallel attention, norms, parameters.
@@ -15,7 +17,7 @@ The surface, by concept (each subpackage has its own short ``__all__``):
 """
 
 from shardops import comm, inspect, layers, testing
-from shardops._axes import DATA_AXIS, MODEL_AXIS, SEQUENCE_DIM
+from shardops._axes import DATA_AXIS, MODEL_AXIS, REPLICA_AXIS, SEQUENCE_DIM
 from shardops._devices import DeviceMismatchError, check_devices
 from shardops._mesh import (
     abstract_mesh,
@@ -24,6 +26,7 @@ from shardops._mesh import (
     entry_axes,
     make_mesh,
     normalized_spec,
+    parse_mesh,
     spec_entries,
     spec_entry,
     varying_axes,
@@ -61,6 +64,7 @@ __all__ = [  # noqa: RUF022 (grouped by concept, as the docstring lists them)
     # mesh
     "DATA_AXIS",
     "MODEL_AXIS",
+    "REPLICA_AXIS",
     "SEQUENCE_DIM",
     "DeviceMismatchError",
     "axis_size",
@@ -70,6 +74,7 @@ __all__ = [  # noqa: RUF022 (grouped by concept, as the docstring lists them)
     "abstract_mesh",
     "make_mesh",
     "normalized_spec",
+    "parse_mesh",
     "spec_entries",
     "spec_entry",
     "varying_axes",

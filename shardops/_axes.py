@@ -7,6 +7,9 @@ spells the string ``"model"`` itself.
 DATA_AXIS = "data"
 """Mesh axis that splits the batch (data parallelism, FSDP)."""
 
+REPLICA_AXIS = "replica"
+"""Mesh axis over which HSDP replicates the parameters it splits over ``data``."""
+
 MODEL_AXIS = "model"
 """Mesh axis that splits weight matrices (tensor / model parallelism)."""
 

@@ -14,6 +14,8 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from shardops._axes import DATA_AXIS, MODEL_AXIS
+
 _AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 
@@ -53,6 +55,32 @@ def make_mesh(
     grid = np.array(available[:needed], dtype=object).reshape(tuple(axis_sizes.values()))
     kind = _AXIS_TYPES[axis_types]
     return Mesh(grid, tuple(axis_sizes), axis_types=(kind,) * len(axis_sizes))
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """A mesh spec of the command line → axis sizes: ``"replica=2,data=2,model=2"`` (any
+    number of named axes, major first), or ``"4x2"``, shorthand for ``data=4,model=2``.
+
+    Raises ``ValueError`` with one line that says what was expected."""
+    text = str(spec).strip().lower().replace("×", "x").replace(" ", "")
+    if "=" in text:
+        sizes: dict[str, int] = {}
+        for part in text.split(","):
+            name, _, size = part.partition("=")
+            if not name or not size.isdigit() or int(size) < 1 or name in sizes:
+                raise ValueError(
+                    f"mesh {spec!r}: expected NAME=SIZE,... with distinct names and positive "
+                    f"sizes, e.g. replica=2,data=2,model=2"
+                )
+            sizes[name] = int(size)
+        return sizes
+    parts = text.split("x")
+    if len(parts) == 2 and all(p.isdigit() and int(p) >= 1 for p in parts):
+        return {DATA_AXIS: int(parts[0]), MODEL_AXIS: int(parts[1])}
+    raise ValueError(
+        f"mesh {spec!r}: expected DATAxMODEL (e.g. 4x2) or named axes (e.g. "
+        f"replica=2,data=2,model=2); more than two axes need their names"
+    )
 
 
 def abstract_mesh(axis_sizes: Mapping[str, int], *, axis_types: str = "auto") -> AbstractMesh:

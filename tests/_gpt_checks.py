@@ -31,6 +31,9 @@ TOL = {
 GPT_ERRORS: dict[tuple, dict] = {}  # (strategy, mesh, optimizer) → worst errors, for the report
 
 MESHES = {
+    "2x2x2": {"replica": 2, "data": 2, "model": 2},
+    "2x4x1": {"replica": 2, "data": 4, "model": 1},
+    "1x2x4": {"replica": 1, "data": 2, "model": 4},
     "1x8": {"data": 1, "model": 8},
     "2x4": {"data": 2, "model": 4},
     "4x2": {"data": 4, "model": 2},

@@ -69,10 +69,11 @@ def test_trains_like_the_reference_and_samples(tmp_path, strategy, mesh, source)
 @pytest.mark.parametrize(
     ("mesh", "message"),
     [
-        ("abc", "argument --mesh: must be DATAxMODEL with two positive sizes, e.g. 4x2; got 'abc'"),
-        ("4x0", "argument --mesh: must be DATAxMODEL"),
+        ("abc", "argument --mesh: mesh 'abc': expected DATAxMODEL (e.g. 4x2) or named axes"),
+        ("4x0", "argument --mesh: mesh '4x0': expected DATAxMODEL"),
+        ("2x2x2", "more than two axes need their names"),
         ("3x2", "--batch-size 8 must be a multiple of 3"),
-        ("4x4", "needs 16 devices but only 8 are available"),
+        ("4x4", "--mesh 4x4 needs 16 devices; this process has 8"),
         ("1x8", "num_heads = 4 is not divisible by mesh axis 'model' (size 8)"),
     ],
 )

@@ -335,7 +335,11 @@ def strategy_meshes(model, devices: int, strategies=None) -> list[tuple[str, tup
     """Every (strategy, (data, model)) with ``data · model = devices``."""
     import shardops_models as models
 
-    names = models.strategies_for(model) if strategies is None else list(strategies)
+    axes = (DATA_AXIS, MODEL_AXIS)  # the meshes searched: data × model
+    # ZeRO-1 is searched on request only: its compiled step holds a few hundred bytes more than
+    # the jaxpr's peak (program_cost), which the memory rule does not model yet.
+    names = ([n for n in models.strategies_for(model, axes) if not models.STRATEGIES[n].zero1]
+             if strategies is None else list(strategies))  # fmt: skip
     for name in names:
         if name not in models.STRATEGIES:
             raise ValueError(f"unknown strategy {name!r}; choose from {sorted(models.STRATEGIES)}")

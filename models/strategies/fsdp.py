@@ -49,28 +49,31 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import shardops
-from shardops import DATA_AXIS, MODEL_AXIS, entry_axes, spec_entries, spec_entry
+from shardops import DATA_AXIS, entry_axes, spec_entries, spec_entry
 
 # --- the rule: which dim of a leaf splits over data
 
 
-def with_fsdp(specs, shapes, mesh: Mesh):
-    """Add ``data``-axis sharding to every leaf that can take it (the FSDP rule, ``fsdp_spec``)."""
-    n = mesh.shape[DATA_AXIS]
+def with_fsdp(specs, shapes, mesh: Mesh, axes=(DATA_AXIS,)):
+    """Add sharding over ``axes`` (the fsdp axes; or zero1's, for the optimizer state) to every
+    leaf that can take it (the FSDP rule, ``fsdp_spec``)."""
+    axes = tuple(axes)
+    n = math.prod(mesh.shape[a] for a in axes)
     return jax.tree.map(
-        lambda spec, shape: fsdp_spec(shape, spec, mesh, n),
+        lambda spec, shape: fsdp_spec(shape, spec, mesh, n, axes),
         specs,
         shapes,
         is_leaf=lambda s: isinstance(s, P),
     )
 
 
-def fsdp_spec(shape: tuple[int, ...], spec: P, mesh: Mesh, n: int) -> P:
+def fsdp_spec(shape: tuple[int, ...], spec: P, mesh: Mesh, n: int, axes=(DATA_AXIS,)) -> P:
     """The FSDP rule for one leaf: split the largest dimension whose size (after any ``model``
-    split) divides by the ``data`` size ``n``, preferring dimensions not split over ``model``;
-    on a ``model``-split dimension ``data`` becomes the minor axis, so gathering over ``data``
-    rebuilds exactly the ``model`` shard. A leaf that no dimension lets us split (e.g.
-    ``b2[10]`` over 4 or 8 devices) stays replicated over ``data``; its gradient is all-reduced.
+    split) divides by ``n`` (the size of the fsdp ``axes``), preferring dimensions not split
+    over ``model``; on a ``model``-split dimension the fsdp axes become the minor ones, so
+    gathering over them rebuilds exactly the ``model`` shard. A leaf that no dimension lets us
+    split (e.g. ``b2[10]`` over 4 or 8 devices) stays replicated over them; its gradient is
+    all-reduced.
     """
     entries = spec_entries(spec, len(shape))
 
@@ -83,7 +86,7 @@ def fsdp_spec(shape: tuple[int, ...], spec: P, mesh: Mesh, n: int) -> P:
     )
     for d in free + split:
         if local(d) % n == 0:
-            entries[d] = spec_entry(*entry_axes(entries[d]), DATA_AXIS)
+            entries[d] = spec_entry(*entry_axes(entries[d]), *axes)
             return P(*entries)
     return P(*entries)
 
@@ -134,7 +137,16 @@ def moves_activations(route: str, w_shape, split_dim, x_shape, n: int, precision
 
 
 def dense_moving_activations(
-    x, w, b, *, split_dim: int, role: str, model_parallel: bool, precision
+    x,
+    w,
+    b,
+    *,
+    split_dim: int,
+    role: str,
+    precision,
+    data_axes=(DATA_AXIS,),
+    model_axis=None,
+    replicated_over=(),
 ):
     """``x[B_data, ..., K] · w + b → y[B_data, ..., F]`` with ``w`` left split over ``data``.
 
@@ -142,35 +154,39 @@ def dense_moving_activations(
     ``w[K_data, F']`` (``split_dim=0``) or ``w[K', F_data]`` (``split_dim=1``), where ``'``
     marks a ``model`` split under tp or sp (``role`` column: F/p; row: K/p, and ``x`` is then the
     column layer's ``x[..., K/p]``). ``b``: the bias as the layer sees it (already gathered
-    over ``data``), added once after every reduction.
+    over ``data``), added once after every reduction. ``data_axes``: the fsdp axes (``data``
+    above); ``model_axis``: the tp axis, or None; ``replicated_over``: HSDP's replica axes, over
+    which ``dw`` is AllReduced in float32.
     """
     with jax.named_scope("shardops.dense_moving_activations"):  # read by explain and profiles
-        return _dense_moving_activations(x, w, b, split_dim=split_dim, role=role, model_parallel=model_parallel,
-                                         precision=precision)  # fmt: skip
+        return _dense_moving_activations(x, w, b, split_dim=split_dim, role=role, precision=precision,
+                                         data=tuple(data_axes), model=model_axis,
+                                         replicas=tuple(replicated_over))  # fmt: skip
 
 
-def _dense_moving_activations(
-    x, w, b, *, split_dim: int, role: str, model_parallel: bool, precision
-):
+def _dense_moving_activations(x, w, b, *, split_dim: int, role: str, precision, data, model,
+                              replicas):  # fmt: skip
     accum = precision.accum_dtype
-    column, row = model_parallel and role == "column", model_parallel and role == "row"
+    column, row = model is not None and role == "column", model is not None and role == "row"
     last = x.ndim - 1
+    if replicas:  # w[..] replicated over the replicas: dw AllReduced over them in accum
+        w = shardops.comm.copy_to_region(w, replicas, accum)
     if split_dim == 0:
         # x[B_data, ..., K] → x[B, ..., K_data]: one block of K to each device, in compute dtype.
-        x = lax.all_to_all(x, DATA_AXIS, last, 0, tiled=True)
+        x = lax.all_to_all(x, data, last, 0, tiled=True)
         if column:  # replicated over model: dx[B, ..., K_data]{U_model} AllReduced in accum
-            x = shardops.comm.copy_to_region(x, MODEL_AXIS, accum)
+            x = shardops.comm.copy_to_region(x, model, accum)
         y = precision.matmul(x, w)  # y[B, ..., F']{U_data} in accum
-        y = lax.psum_scatter(y, DATA_AXIS, scatter_dimension=0, tiled=True)  # y[B_data, .., F']
+        y = lax.psum_scatter(y, data, scatter_dimension=0, tiled=True)  # y[B_data, .., F']
         if row:
-            y = lax.psum(y, MODEL_AXIS)  # y[B_data, ..., D]: the row layer's own reduction
+            y = lax.psum(y, model)  # y[B_data, ..., D]: the row layer's own reduction
     else:
         # x[B_data, ..., K'] → x[B, ..., K']; backward: ReduceScatter of dx in accum.
-        x = shardops.comm.gather_to_region(x, DATA_AXIS, 0, accum)  # x[B, ..., K'] in accum
+        x = shardops.comm.gather_to_region(x, data, 0, accum)  # x[B, ..., K'] in accum
         if column:
-            x = shardops.comm.copy_to_region(x, MODEL_AXIS, accum)
+            x = shardops.comm.copy_to_region(x, model, accum)
         y = precision.matmul(x, w)  # y[B, ..., F_data]{U_model if row} in accum
         if row:
-            y = lax.psum(y, MODEL_AXIS)
-        y = lax.all_to_all(y, DATA_AXIS, 0, last, tiled=True)  # y[B_data, ..., F'] in accum
+            y = lax.psum(y, model)
+        y = lax.all_to_all(y, data, 0, last, tiled=True)  # y[B_data, ..., F'] in accum
     return precision.finish(y, b)

@@ -1,18 +1,10 @@
-"""Strategies for any model: a data-axis strategy composed with a model-axis strategy, and the
-per-device layer context through which a model's forward runs.
-
-    data axis    none · dp (params replicated, gradients AllReduced)
-                 · fsdp (params split, AllGathered just in time, gradients ReduceScattered)
-    model axis   none · tp (Megatron: each layer's plan role picks its kernel)
-                 · sp (tp with sequence parallelism: activations split along S between layers)
-
-    ref = none × none   dp, fsdp = data only   tp, sp = model only
-    2d = dp × tp        fsdp_tp = fsdp × tp    dp_sp = dp × sp     fsdp_sp = fsdp × sp
+"""The per-device layer context through which a model's forward runs, for any strategy (a
+layout of kinds of parallelism over named mesh axes, ``models.strategies.layout``).
 
 A model's forward is written once against ``Parallel`` (the context): it runs each group of
 parameters (a *stage*: a layer, a transformer block) through ``ctx.stage(fn, params, x)``,
-which materialises them for the data axis (``pcast`` or AllGather over ``data``, recomputed in
-the backward pass under remat), and calls layers as ``ctx.dense(p, x)``, ``ctx.embed``,
+which materialises them for the data-parallel axes (``pcast`` over the dp and zero1 axes,
+AllGather over the fsdp axes, recomputed in the backward pass under remat), and calls layers as ``ctx.dense(p, x)``, ``ctx.embed``,
 ``ctx.attention``, ``ctx.layer_norm``, ``ctx.cross_entropy``. The *plan* (``models.strategies.plan``)
 gives each parameter its role, and the role picks the kernel: a ``column`` dense under ``tp``
 is ``shardops.layers.column_parallel_dense_kernel``, under ``dp`` it is ``shardops.dense``. The
@@ -23,8 +15,8 @@ own collectives are the only record of what a layer moves.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,12 +27,11 @@ from jax.sharding import PartitionSpec as P
 
 import shardops
 from shardops import (
-    DATA_AXIS,
     FLOAT32,
-    MODEL_AXIS,
     SEQUENCE_DIM,
     Precision,
     entry_axes,
+    spec_entry,
     varying_axes,
 )
 from shardops_models.strategies.fsdp import (
@@ -49,6 +40,13 @@ from shardops_models.strategies.fsdp import (
     dense_moving_activations,
     moves_activations,
 )
+from shardops_models.strategies.layout import (
+    ALIASES,
+    STRATEGIES,
+    Strategy,
+    strategies_for,
+    strategy_named,
+)
 from shardops_models.strategies.plan import (
     COLUMN,
     HEAD,
@@ -56,58 +54,6 @@ from shardops_models.strategies.plan import (
     ROW,
     VOCAB,
 )
-
-
-class Strategy(NamedTuple):
-    """A data-axis strategy (``None``, ``"dp"``, ``"fsdp"``) composed with a model-axis one
-    (``None``, ``"tp"``, ``"sp"``)."""
-
-    name: str
-    data: str | None
-    model: str | None
-
-    @property
-    def axes(self) -> tuple[str, ...]:
-        """The mesh axes the strategy needs."""
-        return (DATA_AXIS,) * bool(self.data) + (MODEL_AXIS,) * bool(self.model)
-
-    @property
-    def batch_axes(self) -> tuple[str, ...]:
-        """The axes the batch is split over (dim 0)."""
-        return (DATA_AXIS,) if self.data else ()
-
-
-STRATEGIES = {
-    s.name: s
-    for s in (
-        Strategy("ref", None, None),
-        Strategy("dp", "dp", None),
-        Strategy("fsdp", "fsdp", None),
-        Strategy("tp", None, "tp"),
-        Strategy("sp", None, "sp"),
-        Strategy("2d", "dp", "tp"),
-        Strategy("fsdp_tp", "fsdp", "tp"),
-        Strategy("dp_sp", "dp", "sp"),
-        Strategy("fsdp_sp", "fsdp", "sp"),
-    )
-}
-"""Every composition, by name (``2d`` is dp × tp, the seed's name for it)."""
-
-ALIASES = {"dp_tp": "2d"}
-
-
-def strategies_for(model) -> list[str]:
-    """The strategy names that apply to ``model``: all, or without sp for a model that has no
-    sequence dimension (the MLP)."""
-    sequence = getattr(model, "sequence", False)
-    return sorted(n for n, s in STRATEGIES.items() if sequence or s.model != "sp")
-
-
-def strategy_named(name: str) -> Strategy:
-    name = ALIASES.get(name, name)
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}")
-    return STRATEGIES[name]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -176,20 +122,29 @@ class Parallel:
 
     @property
     def model_parallel(self) -> bool:
-        """Whether the model axis splits the weights: under tp and under sp."""
-        return self.strategy.model is not None
+        """Whether a tp axis splits the weights: under tp and under sp."""
+        return self.strategy.tp is not None
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.strategy.model == "sp"
+        return self.strategy.sp
 
-    # --- stages: the data axis
+    @property
+    def tp(self) -> str | None:
+        """The mesh axis of tensor parallelism, or None."""
+        return self.strategy.tp
+
+    # --- stages: the data-parallel axes
 
     def stage(self, fn: Callable, params, *args):
-        """``fn(params, *args)`` with ``params`` (a tree of ``Param``) materialised for the data
-        axis: AllGathered over ``data`` where split (fsdp; the backward ReduceScatters the
-        gradient), ``pcast`` to varying where replicated (dp; the backward AllReduces it). With
-        remat the stage is ``jax.checkpoint``-ed: the backward pass gathers again."""
+        """``fn(params, *args)`` with ``params`` (a tree of ``Param``) materialised for the
+        data-parallel axes: AllGathered over the fsdp axes where split (the backward
+        ReduceScatters the gradient, then AllReduces its shard over the dp axes: HSDP),
+        ``pcast`` to varying over the dp (and fsdp) axes where replicated (the backward
+        AllReduces it). Under zero1 the parameters arrive varying over its axes already
+        (``models.training``): their gradients leave the step unreduced, for the optimizer's
+        ReduceScatter. With remat the stage is ``jax.checkpoint``-ed: the backward pass gathers
+        again."""
 
         def run(params, *args):
             return fn(self._materialise_all(params), *args)
@@ -204,12 +159,12 @@ class Parallel:
         stay one ``copy_to_region`` each: bundling them by hand only adds copies.) With remat
         each leaf is gathered alone, so the backward re-gathers only what it reads."""
         leaves, tree = jax.tree.flatten(params, is_leaf=is_param)
-        if not self.strategy.data or self.remat:
+        if not self.strategy.fsdp or self.remat:
             return tree.unflatten([self._materialise(p) for p in leaves])
         ready: list = [None] * len(leaves)
         gather = {}
         for i, p in enumerate(leaves):
-            dim = data_split_dim(p.spec)
+            dim = self.split_dim(p.spec)
             if dim is None or self._may_move_activations(p):
                 ready[i] = self._materialise(p)  # replicated, or a dense weight: alone
                 continue
@@ -219,24 +174,29 @@ class Parallel:
             values = [leaves[i].value for i, _ in group]
             dims = [d for _, d in group]
             for (i, _), value in zip(group, shardops.comm.gather_many_to_region(
-                    values, DATA_AXIS, dims, accum), strict=True):  # fmt: skip
+                    values, self.strategy.fsdp, dims, accum, self.strategy.dp), strict=True):  # fmt: skip
                 ready[i] = Param(value, leaves[i].role, leaves[i].spec, leaves[i].path, True)
         return tree.unflatten(ready)
 
     def _materialise(self, p: Param) -> Param:
         value = p.value
-        if self.strategy.data:
-            dim = data_split_dim(p.spec)
-            if dim is not None and self._may_move_activations(p):
-                return Param(value, p.role, p.spec, p.path, ready=True, pending=dim)
-            if dim is not None:
-                value = self._gather(value, dim)
-            else:
-                value = shardops.comm.copy_to_region(value, DATA_AXIS, self.precision.accum_dtype)
+        dim = self.split_dim(p.spec)
+        if dim is not None and self._may_move_activations(p):
+            return Param(value, p.role, p.spec, p.path, ready=True, pending=dim)
+        if dim is not None:
+            value = self._gather(value, dim)
+        elif self.strategy.dp or self.strategy.fsdp:  # replicated over them: dx AllReduced
+            axes = self.strategy.dp + self.strategy.fsdp
+            value = shardops.comm.copy_to_region(value, axes, self.precision.accum_dtype)
         return Param(value, p.role, p.spec, p.path, ready=True)
 
     def _gather(self, value, dim: int):
-        return shardops.comm.gather_to_region(value, DATA_AXIS, dim, self.precision.accum_dtype)
+        return shardops.comm.gather_to_region(value, self.strategy.fsdp, dim,
+                                              self.precision.accum_dtype, self.strategy.dp)  # fmt: skip
+
+    def split_dim(self, spec) -> int | None:
+        """The dim of a leaf split over the fsdp axes (by its PartitionSpec), or None."""
+        return split_dim(spec, self.strategy.fsdp)
 
     def _may_move_activations(self, p: Param) -> bool:
         """A dense weight (``...['w']``, rank 2) that ``dense`` may use without gathering it."""
@@ -252,28 +212,29 @@ class Parallel:
         role, pending = p["w"].role, getattr(p.get("w"), "pending", None)
         if pending is not None:
             w = p["w"].value  # w[K_data, F'] or w[K', F_data]: this device's block
-            n = lax.axis_size(DATA_AXIS)
+            n = math.prod(lax.axis_size(a) for a in self.strategy.fsdp)
             seen = tuple(d * n if i == pending else d for i, d in enumerate(w.shape))
             if moves_activations(self.fsdp_dense, seen, pending, x.shape, n, self.precision):
                 return dense_moving_activations(
-                    x, w, self._optional(p, "b"), split_dim=pending, role=role, model_parallel=self.model_parallel,
-                    precision=self.precision,
+                    x, w, self._optional(p, "b"), split_dim=pending, role=role,
+                    data_axes=self.strategy.fsdp, model_axis=self.tp,
+                    replicated_over=self.strategy.dp, precision=self.precision,
                 )  # fmt: skip
         w, b = self._arrays(p, "w", "dense"), self._optional(p, "b")
         sp = self.sequence_parallel and x.ndim > 2
         ring = self.collective_matmul
         if self.model_parallel and role == COLUMN:
             return shardops.layers.column_parallel_dense_kernel(
-                x, w, b, gather_input=sp, gather_dimension=SEQUENCE_DIM, precision=self.precision,
-                collective_matmul=ring,
+                x, w, b, gather_input=sp, gather_dimension=SEQUENCE_DIM, axis_name=self.tp,
+                precision=self.precision, collective_matmul=ring,
             )  # fmt: skip
         if self.model_parallel and role == ROW:
             reduce = "psum_scatter" if sp else "psum"
             # a ring splits y along S (or along the batch when y has no sequence)
             scatter = SEQUENCE_DIM if x.ndim > 2 else 0
             return shardops.layers.row_parallel_dense_kernel(
-                x, w, b, reduce=reduce, scatter_dimension=scatter, precision=self.precision,
-                collective_matmul=ring,
+                x, w, b, reduce=reduce, scatter_dimension=scatter, axis_name=self.tp,
+                precision=self.precision, collective_matmul=ring,
             )  # fmt: skip
         if role not in (COLUMN, ROW, REPLICATED):
             raise ValueError(f"{p['w'].path}: a dense layer takes role column, row or "
@@ -287,7 +248,7 @@ class Parallel:
         if self.model_parallel and role == VOCAB:
             reduce = "psum_scatter" if self.sequence_parallel else "psum"
             return shardops.layers.vocab_parallel_embedding_kernel(
-                ids, table, reduce=reduce, scatter_dimension=SEQUENCE_DIM,
+                ids, table, reduce=reduce, scatter_dimension=SEQUENCE_DIM, axis_name=self.tp,
                 precision=self.precision,
             )  # fmt: skip
         if role not in (VOCAB, REPLICATED):
@@ -295,8 +256,8 @@ class Parallel:
                              f"the plan says {role!r}")  # fmt: skip
         x = jnp.take(table, ids, axis=0).astype(self.precision.compute_dtype)  # x[B, S, D]
         if self.sequence_parallel:  # keep this device's part of S; dx AllReduced over model
-            x = shardops.comm.copy_to_region(x, MODEL_AXIS, self.precision.accum_dtype)
-            x = _sequence_block(x).astype(self.precision.compute_dtype)  # x[B, S/p, D]
+            x = shardops.comm.copy_to_region(x, self.tp, self.precision.accum_dtype)
+            x = _sequence_block(x, self.tp).astype(self.precision.compute_dtype)  # x[B, S/p, D]
         return x
 
     def _attention(self, p, x, *, num_heads: int, causal: bool = True):
@@ -305,7 +266,7 @@ class Parallel:
         roles = {q.role for q in p.values()}
         if self.model_parallel and roles == {HEAD}:
             return shardops.layers.head_parallel_attention_kernel(
-                x, params, num_heads=num_heads, causal=causal,
+                x, params, num_heads=num_heads, causal=causal, axis_name=self.tp,
                 sequence_parallel=self.sequence_parallel, precision=self.precision,
             )  # fmt: skip
         if roles - {HEAD, REPLICATED} or len(roles) > 1:
@@ -334,7 +295,7 @@ class Parallel:
         """``x[..., D] · w + b`` by the role of ``p["w"]``: column-parallel, row-parallel or
         local. Under sp, ``x[B, S_model, D]`` is gathered along S by a column layer and a row
         layer's output is reduce-scattered back along S."""
-        p_model = lax.axis_size(MODEL_AXIS) if self.model_parallel and p["w"].role == ROW else 1
+        p_model = lax.axis_size(self.tp) if self.model_parallel and p["w"].role == ROW else 1
         k = x.shape[-1] * p_model  # D: a row layer's x holds D/p of it
         return self._tap(self._dense(p, x), p, k=k, features_split=self.is_split(p))
 
@@ -346,7 +307,7 @@ class Parallel:
     def attention(self, p, x, *, num_heads: int, causal: bool = True):
         """Self-attention: head-parallel under tp (sp: x gathered along S once), else local."""
         y = self._attention(p, x, num_heads=num_heads, causal=causal)
-        seq = x.shape[SEQUENCE_DIM] * (lax.axis_size(MODEL_AXIS) if self.sequence_parallel else 1)
+        seq = x.shape[SEQUENCE_DIM] * (lax.axis_size(self.tp) if self.sequence_parallel else 1)
         return self._tap(y, p, k=max(x.shape[-1], seq))  # K: D (projections), S (p · v)
 
     def layer_norm(self, p, x):
@@ -357,18 +318,19 @@ class Parallel:
 
     def _tap(self, y, p, *, k: int, features_split: bool = False):
         """``shardops.inspect.tap`` of a layer's output, named by its parameters' path, with the layout
-        of the strategy: the batch over ``data``, and over ``model`` the features (a column
-        layer) or the sequence (between layers under sp) when ``y`` varies over it."""
+        of the strategy: the batch over its batch axes, and over the tp axis the features (a
+        column layer) or the sequence (between layers under sp) when ``y`` varies over it."""
         leaf = next(q for q in jax.tree.leaves(p, is_leaf=is_param) if is_param(q))
         name = leaf.path[: leaf.path.rfind("[")]
         spec = None
         if self.strategy.axes:
             varying = varying_axes(y)
             entries: list = [None] * y.ndim
-            if DATA_AXIS in varying:
-                entries[0] = DATA_AXIS
-            if MODEL_AXIS in varying:
-                entries[-1 if features_split else SEQUENCE_DIM] = MODEL_AXIS
+            batch = [a for a in self.strategy.batch_axes if a in varying]
+            if batch:
+                entries[0] = spec_entry(*batch)
+            if self.tp in varying:
+                entries[-1 if features_split else SEQUENCE_DIM] = self.tp
             spec = P(*entries)
         return shardops.inspect.tap(y, name, spec=spec, k=k)
 
@@ -394,13 +356,14 @@ class Parallel:
 
     # --- for a layer of your own: the shard-dependent pieces, by kind of parallelism
 
-    def axis_name(self, kind: str = "model") -> str | None:
-        """The mesh axis that carries ``kind`` (``"model"``: tensor parallelism, tp and sp;
-        ``"data"``: the batch, dp and fsdp) under this strategy, or None where it has none."""
+    def axis_name(self, kind: str = "model"):
+        """The mesh axis or axes that carry ``kind`` under this strategy, or None where it has
+        none: ``"model"``, the tp axis (tp and sp); ``"data"``, the batch axes (dp, zero1,
+        fsdp)."""
         if kind == "model":
-            return MODEL_AXIS if self.model_parallel else None
+            return self.tp
         if kind == "data":
-            return DATA_AXIS if self.strategy.data else None
+            return self.strategy.batch_axes or None
         raise ValueError(f"kind must be 'model' or 'data'; got {kind!r}")
 
     def axis_index(self, kind: str = "model"):
@@ -411,7 +374,7 @@ class Parallel:
         return lax.axis_index(axis) if axis else jnp.int32(0)
 
     def axis_size(self, kind: str = "model") -> int:
-        """The number of devices along ``kind``'s mesh axis (1 where the strategy has none)."""
+        """The number of devices along ``kind``'s mesh axes (1 where the strategy has none)."""
         axis = self.axis_name(kind)
         return lax.axis_size(axis) if axis else 1
 
@@ -473,16 +436,16 @@ def _check_logits_cover_labels(ctx, logits, labels) -> None:
         )
 
 
-def data_split_dim(spec) -> int | None:
-    """The dim of a leaf split over ``data`` (by its PartitionSpec), or None."""
-    return next((d for d, e in enumerate(spec) if DATA_AXIS in entry_axes(e)), None)
+def split_dim(spec, axes) -> int | None:
+    """The dim of a leaf split over any of ``axes`` (by its PartitionSpec), or None."""
+    return next((d for d, e in enumerate(spec) if set(axes) & set(entry_axes(e))), None)
 
 
-def _sequence_block(x):
+def _sequence_block(x, axis: str):
     """This device's block of ``x[B, S, D]`` along S: ``x[B, S/p, D]``."""
-    p = lax.axis_size(MODEL_AXIS)
+    p = lax.axis_size(axis)
     s = x.shape[SEQUENCE_DIM] // p
-    return lax.dynamic_slice_in_dim(x, lax.axis_index(MODEL_AXIS) * s, s, axis=SEQUENCE_DIM)
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(axis) * s, s, axis=SEQUENCE_DIM)
 
 
 __all__ = [

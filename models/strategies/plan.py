@@ -61,8 +61,9 @@ def leaf_roles(plan, params):
     return roles
 
 
-def model_spec(role: str, path, shape: tuple[int, ...]) -> P:
-    """The split over ``model`` of one leaf (global ``shape``) with ``role``; ``path`` names it.
+def model_spec(role: str, path, shape: tuple[int, ...], axis: str = MODEL_AXIS) -> P:
+    """The split over ``axis`` (the tp axis, ``model`` by default) of one leaf (global
+    ``shape``) with ``role``; ``path`` names it.
 
     Every leaf a role splits must have the shape the role expects; the error names the leaf,
     the role and both shapes.
@@ -75,17 +76,17 @@ def model_spec(role: str, path, shape: tuple[int, ...]) -> P:
         if len(shape) not in (1, 2):
             raise ValueError(f"{where}: a {role} layer holds w[D, F] and b; got shape {shape}")
         if len(shape) == 2:
-            return P(None, MODEL_AXIS) if role == COLUMN else P(MODEL_AXIS, None)
-        return P(MODEL_AXIS) if role == COLUMN else P(None)
+            return P(None, axis) if role == COLUMN else P(axis, None)
+        return P(axis) if role == COLUMN else P(None)
     if role == VOCAB:
         if len(shape) != 2:
             raise ValueError(f"{where}: the vocab role splits table[V, D]; got shape {shape}")
-        return P(MODEL_AXIS, None)
+        return P(axis, None)
     # HEAD
     if name in _HEAD_COLUMN:
-        return P(None, MODEL_AXIS) if len(shape) == 2 else P(MODEL_AXIS)
+        return P(None, axis) if len(shape) == 2 else P(axis)
     if name in _HEAD_ROW:
-        return P(MODEL_AXIS, None)
+        return P(axis, None)
     if name in _HEAD_REPLICATED:
         return replicated(shape)
     raise ValueError(
@@ -99,10 +100,10 @@ def replicated(shape: tuple[int, ...]) -> P:
     return P(*(None,) * len(shape))
 
 
-def model_specs(roles, shapes):
-    """PartitionSpecs over ``model`` of a tree of leaf ``shapes`` with leaf ``roles``."""
+def model_specs(roles, shapes, axis: str = MODEL_AXIS):
+    """PartitionSpecs over ``axis`` (the tp axis) of a tree of leaf ``shapes`` with leaf ``roles``."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, role, shape: model_spec(role, path, shape),
+        lambda path, role, shape: model_spec(role, path, shape, axis),
         roles,
         shapes,
         is_leaf=is_shape,

@@ -42,9 +42,9 @@ from shardops_models.networks._mlp import SEED_SIZES
 from shardops_models.networks.mlp import Mlp
 from shardops_models.strategies.fsdp import check_route, with_fsdp
 from shardops_models.strategies.parallel import (
-    STRATEGIES,
     Parallel,
     Strategy,
+    split_dim,
     strategy_named,
     wrap,
 )
@@ -148,6 +148,8 @@ class Setup:
     logits: Callable
     """``(params, x) → logits``, jitted, laid out like the batch (the full vocabulary or
     classes: a strategy that splits them gathers the logits at the end)."""
+    layout: Strategy = None
+    """The strategy's layout: which mesh axes carry each kind of parallelism."""
     _traces: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     """``step_jaxpr`` and ``budget`` per (batch, seq): each step is traced once."""
 
@@ -158,9 +160,9 @@ class Setup:
 
     @property
     def composition(self) -> Strategy:
-        """The ``Strategy`` that ``strategy`` names: its data-axis part composed with its
-        model-axis part, and the mesh axes that split the batch."""
-        return STRATEGIES[self.strategy]
+        """The ``Strategy`` (the layout) that ``strategy`` names: which mesh axes carry each
+        kind of parallelism, and the mesh axes that split the batch."""
+        return self.layout
 
     def init(self, key: jax.Array) -> TrainState:
         """The model's reference init (in the policy's param dtype) sharded onto the mesh,
@@ -348,7 +350,7 @@ class Setup:
 
 
 def build(
-    strategy: str,
+    strategy: str | Strategy,
     mesh: Mesh | None = None,
     *,
     optimizer: optax.GradientTransformation,
@@ -363,9 +365,11 @@ def build(
     """Train step, eval step and sharding of ``model`` under ``strategy`` on ``mesh``.
 
     Arguments:
-        strategy: one of ``STRATEGIES``: ``ref`` (no mesh), ``dp``, ``fsdp``, ``tp``, ``sp``,
-            ``2d`` (dp × tp), ``fsdp_tp``, ``dp_sp``, ``fsdp_sp``. Mesh axes a strategy does
-            not use hold replicas.
+        strategy: a ``Strategy`` (which mesh axes carry each kind of parallelism,
+            ``models.strategies.layout``) or a preset's name: ``ref`` (no mesh), ``dp``,
+            ``fsdp``, ``tp``, ``sp``, ``2d`` (dp × tp), ``fsdp_tp``, ``dp_sp``, ``fsdp_sp`` on
+            ``data × model``; ``hsdp``, ``hsdp_tp``, ``hsdp_sp`` on ``replica × data (× model)``;
+            ``zero1``, ``zero1_tp``. Mesh axes a strategy does not name hold replicas.
         mesh: a mesh with the axes the strategy needs (``shardops.make_mesh``), or an
             ``AbstractMesh`` (``shardops.abstract_mesh``) for a Setup that only traces: its
             ``budget`` and ``step_jaxpr`` at any number of devices.
@@ -399,7 +403,7 @@ def build(
         model = Mlp(SEED_SIZES if sizes is None else sizes)
     elif sizes is not None:
         raise ValueError("pass either model= or sizes= (the MLP's widths), not both")
-    if remat and parallel.data != "fsdp":
+    if remat and not parallel.fsdp:
         raise ValueError(
             f"remat re-gathers FSDP weights: it applies to strategies with fsdp, not "
             f"{parallel.name!r}"
@@ -409,7 +413,7 @@ def build(
             f"precision must be a shardops.Precision (FLOAT32, BFLOAT16 or MIXED_BFLOAT16); "
             f"got {precision!r}"
         )
-    if parallel.model == "sp" and not getattr(model, "sequence", False):
+    if parallel.sp and not getattr(model, "sequence", False):
         raise ValueError(
             f"strategy {parallel.name!r} splits activations along the sequence; {model.name} "
             f"has no sequence dimension. Use the same strategy with tp instead of sp."
@@ -417,15 +421,17 @@ def build(
     shapes = _shapes(model)
     plan = model.plan() if plan is None else plan
     roles = leaf_roles(plan, shapes)
-    if parallel.name == "ref":
+    if not parallel.axes:
         mesh = None
     else:
         _check_mesh(parallel, mesh, model, roles, shapes)
     specs = _param_specs(parallel, roles, shapes, mesh)
-    opt_specs = None if mesh is None else opt_state_specs(optimizer, model, specs)
+    opt_specs = None if mesh is None else opt_state_specs(optimizer, model, _opt_param_specs(
+        parallel, specs, shapes, mesh))  # fmt: skip
     batch_spec = P(shardops.spec_entry(*parallel.batch_axes))
     body = _Body(model, parallel, roles, specs, optimizer, remat, precision, fsdp_dense,
-                 collective_matmul)  # fmt: skip
+                 collective_matmul, None if mesh is None else _opt_param_specs(
+                     parallel, specs, shapes, mesh))  # fmt: skip
 
     if mesh is None:
         step, loss_and_grads, evaluate = body.step, body.loss_and_grads, body.evaluate
@@ -466,6 +472,7 @@ def build(
         precision=precision,
         fsdp_dense=fsdp_dense,
         collective_matmul=collective_matmul,
+        layout=parallel,
         param_specs=specs,
         opt_specs=opt_specs,
         batch_spec=batch_spec,
@@ -511,10 +518,10 @@ def _check_batch(model, parallel: Strategy, mesh, x, y=None) -> None:
             argument="x", dim=0, dim_name="batch", size=x.shape[0], mesh=mesh,
             axes=parallel.batch_axes,
         )  # fmt: skip
-    if parallel.model == "sp":
+    if parallel.sp:
         shardops.check_divisible(
             argument="x", dim=1, dim_name="sequence", size=x.shape[1], mesh=mesh,
-            axes=(shardops.MODEL_AXIS,),
+            axes=(parallel.tp,),
         )  # fmt: skip
 
 
@@ -527,13 +534,25 @@ def _shapes(model):
 def _param_specs(parallel: Strategy, roles, shapes, mesh):
     if mesh is None:
         return None
-    if parallel.model:
-        specs = model_specs(roles, shapes)
+    if parallel.tp:
+        specs = model_specs(roles, shapes, parallel.tp)
     else:
         specs = jax.tree.map(replicated, shapes, is_leaf=is_shape)
-    if parallel.data == "fsdp":
-        specs = with_fsdp(specs, shapes, mesh)
+    if parallel.fsdp:
+        specs = with_fsdp(specs, shapes, mesh, parallel.fsdp)
     return specs
+
+
+def _opt_param_specs(parallel: Strategy, specs, shapes, mesh):
+    """The layout of the optimizer state's parameter-shaped leaves: the parameters' own, or
+    under zero1 split over its axes by the FSDP rule (the parameters stay replicated)."""
+    if not parallel.zero1:
+        return specs
+    return with_fsdp(specs, shapes, mesh, parallel.zero1)
+
+
+def _or_minus_one(d: int | None) -> int:
+    return -1 if d is None else d
 
 
 def _is_spec(s) -> bool:
@@ -604,10 +623,15 @@ class _Body:
     """
 
     def __init__(self, model, parallel, roles, specs, optimizer, remat, precision, fsdp_dense,
-                 collective_matmul):  # fmt: skip
+                 collective_matmul, opt_param_specs=None):  # fmt: skip
         self.model, self.composition, self.optimizer = model, parallel, optimizer
         self.roles, self.precision = roles, precision
         self.specs = specs if specs is not None else jax.tree.map(lambda _: P(), roles)
+        # zero1: the dim of each parameter its optimizer state splits over zero1's axes (−1:
+        # none; a leaf, where None would be an empty subtree)
+        self.zero1_dims = None if not parallel.zero1 else jax.tree.map(
+            lambda spec: _or_minus_one(split_dim(spec, parallel.zero1)), opt_param_specs,
+            is_leaf=_is_spec)  # fmt: skip
         self.batch_axes = parallel.batch_axes
         options = {"fsdp_dense": fsdp_dense, "collective_matmul": collective_matmul}
         self.ctx = Parallel(parallel, precision, remat, **options)
@@ -631,25 +655,66 @@ class _Body:
         targets = self._global_batch(y.shape[0]) * math.prod(y.shape[1:])
         return self.model.loss_sum(self.ctx, tree, logits, y) / targets
 
-    def loss_and_grads(self, params, x, y):
+    def _loss_and_grads(self, params, x, y):
+        zero1 = self.composition.zero1
+        if zero1:  # varying over zero1's axes: each device's gradients stay its partial sums
+            params = jax.tree.map(lambda p: lax.pcast(p, zero1, to="varying"), params)
         loss, grads = jax.value_and_grad(self.local_loss)(params, x, y)
         if self.batch_axes:
             loss = lax.psum(loss, self.batch_axes)  # the global loss: AllReduce of one f32
         return loss, grads
 
+    def loss_and_grads(self, params, x, y):
+        loss, grads = self._loss_and_grads(params, x, y)
+        if self.composition.zero1:  # the partial sums → the gradients, laid out like params
+            grads = lax.psum(grads, self.composition.zero1)
+        return loss, grads
+
     def step(self, state: TrainState, x, y):
-        loss, grads = self.loss_and_grads(state.params, x, y)
+        loss, grads = self._loss_and_grads(state.params, x, y)
         # The optimizer's own collectives (if any) count as the "optimizer" pass in a ledger.
         with jax.named_scope(shardops.inspect.OPTIMIZER_SCOPE):
+            if self.composition.zero1:
+                return self._zero1_update(state, grads), loss
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
         return TrainState(params, opt_state), loss
 
+    def _zero1_update(self, state: TrainState, partial) -> TrainState:
+        """ZeRO-1: ReduceScatter each gradient ``g{U_zero1}`` over zero1's axes along the dim
+        its optimizer state splits (an AllReduce where none splits), update this device's
+        shard of the parameter and of the state, and AllGather the parameter back."""
+        axes = self.composition.zero1
+        n = math.prod(lax.axis_size(a) for a in axes)
+        dims = self.zero1_dims
+
+        def grad_shard(g, d):  # g[.., K, ..]{U_zero1} → g[.., K_zero1, ..]
+            if d < 0:
+                return lax.psum(g, axes)
+            return lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
+
+        def param_shard(p, d):  # p[.., K, ..], replicated → this device's p[.., K_zero1, ..]
+            if d < 0:
+                return p
+            size = p.shape[d] // n
+            return lax.dynamic_slice_in_dim(p, lax.axis_index(axes) * size, size, d)
+
+        def param_whole(p, d):  # the updated shards → p[.., K, ..], replicated
+            if d < 0:
+                return p
+            return lax.all_gather(p, axes, axis=d, tiled=True, to="invarying")
+
+        grads = jax.tree.map(grad_shard, partial, dims)
+        shards = jax.tree.map(param_shard, state.params, dims)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, shards)
+        shards = optax.apply_updates(shards, updates)
+        return TrainState(jax.tree.map(param_whole, shards, dims), opt_state)
+
     def logits(self, params, x):
         tree, logits = self.forward(self.eval_ctx, params, x)
-        if self.composition.model and _output_split(self.model, tree, self.eval_ctx):
+        if self.composition.tp and _output_split(self.model, tree, self.eval_ctx):
             # logits[b, ..., V_model] → the full vocabulary, for a caller outside the mesh
-            logits = lax.all_gather(logits, shardops.MODEL_AXIS, axis=logits.ndim - 1,
+            logits = lax.all_gather(logits, self.composition.tp, axis=logits.ndim - 1,
                                     tiled=True, to="invarying")  # fmt: skip
         return logits
 
@@ -682,8 +747,8 @@ def _check_mesh(parallel: Strategy, mesh, model, roles, shapes) -> None:
     strategy = parallel.name
     if not isinstance(mesh, Mesh | AbstractMesh):
         raise TypeError(
-            f"strategy {strategy!r} needs a jax.sharding.Mesh (or an AbstractMesh, to trace only) with axes {parallel.axes} (see "
-            f"shardops.make_mesh); got {type(mesh).__name__}"
+            f"strategy {strategy!r} needs a jax.sharding.Mesh with axes {parallel.axes} (see "
+            f"shardops.make_mesh; an AbstractMesh traces only); got {type(mesh).__name__}"
         )
     missing = [a for a in parallel.axes if a not in mesh.shape]
     if missing:
@@ -692,10 +757,11 @@ def _check_mesh(parallel: Strategy, mesh, model, roles, shapes) -> None:
             f"{tuple(mesh.axis_names)} (missing {tuple(missing)}); build it with "
             f"shardops.make_mesh({{{', '.join(f'{a!r}: n' for a in parallel.axes)}}})"
         )
-    if not parallel.model:
+    if not parallel.tp:
         return
-    p = mesh.shape[shardops.MODEL_AXIS]
-    specs = model_specs(roles, shapes)
+    axis = parallel.tp
+    p = mesh.shape[axis]
+    specs = model_specs(roles, shapes, axis)
     for (path, shape), spec, role in zip(
         jax.tree_util.tree_leaves_with_path(shapes, is_leaf=is_shape), _spec_leaves(specs),
         jax.tree.leaves(roles), strict=True,
@@ -711,12 +777,12 @@ def _check_mesh(parallel: Strategy, mesh, model, roles, shapes) -> None:
                 )
                 raise ValueError(
                     f"params{jax.tree_util.keystr(path)} dim {dim} ({what}) = {shape[dim]} is "
-                    f"not divisible by mesh axis 'model' (size {p}); the plan makes it {role}. "
-                    f"Choose a multiple of {p}, a smaller 'model' axis, or role 'replicated'"
+                    f"not divisible by mesh axis {axis!r} (size {p}); the plan makes it {role}. "
+                    f"Choose a multiple of {p}, a smaller {axis!r} axis, or role 'replicated'"
                 )
     heads = getattr(model, "num_heads", None)
     if heads is not None and HEAD in jax.tree.leaves(roles) and heads % p:
         raise ValueError(
-            f"num_heads = {heads} is not divisible by mesh axis 'model' (size {p}); each "
+            f"num_heads = {heads} is not divisible by mesh axis {axis!r} (size {p}); each "
             f"device must hold whole heads. Choose num_heads a multiple of {p}."
         )

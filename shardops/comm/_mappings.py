@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 
 
-def copy_to_region(x, axis_name: str, accum_dtype):
+def copy_to_region(x, axis_name, accum_dtype):
     """``x`` (replicated over ``axis_name``) as a varying ``accum_dtype`` value.
 
     Forward: no communication. Backward: AllReduce of ``dx{U_axis}`` over ``axis_name`` in
@@ -40,33 +40,43 @@ def copy_to_region(x, axis_name: str, accum_dtype):
     return lax.pcast(x.astype(accum_dtype), axis_name, to="varying")
 
 
-def gather_to_region(x, axis_name: str, axis: int, accum_dtype):
+def gather_to_region(x, axis_name, axis: int, accum_dtype, replicated_over=()):
     """AllGather ``x[.., N_axis, ..] → x[.., N, ..]`` along ``axis``, returned in ``accum_dtype``.
 
     Forward: AllGather in ``x``'s own dtype (bfloat16 moves half the bytes of float32).
     Backward: ReduceScatter of ``dx[.., N, ..]{U_axis}`` in ``accum_dtype``, then one cast.
+
+    ``replicated_over``: mesh axes over which ``x`` is replicated while the batch splits (HSDP's
+    replica axes). The gathered value is varying over them, and the backward AllReduces the
+    gradient's *shard* over them after the ReduceScatter, in ``accum_dtype``: the small tensor
+    crosses the replica axes, not the whole one.
     """
-    return _gather(axis_name, axis, np.dtype(accum_dtype), x)
+    return _gather(axis_name, axis, np.dtype(accum_dtype), tuple(replicated_over), x)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _gather(axis_name, axis, accum_dtype, x):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _gather(axis_name, axis, accum_dtype, replicated_over, x):
+    if replicated_over:
+        x = lax.pcast(x, replicated_over, to="varying")  # free: a type, not a move
     return lax.all_gather(x, axis_name, axis=axis, tiled=True).astype(accum_dtype)
 
 
-def _gather_fwd(axis_name, axis, accum_dtype, x):
-    return _gather(axis_name, axis, accum_dtype, x), x.reshape(-1)[:0]  # carries x's dtype
+def _gather_fwd(axis_name, axis, accum_dtype, replicated_over, x):
+    out = _gather(axis_name, axis, accum_dtype, replicated_over, x)
+    return out, x.reshape(-1)[:0]  # carries x's dtype
 
 
-def _gather_bwd(axis_name, axis, accum_dtype, x_kind, g):
+def _gather_bwd(axis_name, axis, accum_dtype, replicated_over, x_kind, g):
     dx = lax.psum_scatter(g.astype(accum_dtype), axis_name, scatter_dimension=axis, tiled=True)
+    if replicated_over:
+        dx = lax.psum(dx, replicated_over)  # the shard's AllReduce over the replicas
     return (dx.astype(x_kind.dtype),)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-def gather_many_to_region(xs, axis_name: str, axes, accum_dtype):
+def gather_many_to_region(xs, axis_name, axes, accum_dtype, replicated_over=()):
     """``gather_to_region`` of several arrays in one AllGather (and one ReduceScatter back).
 
     ``xs[i]`` is split over ``axis_name`` along ``axes[i]``; all share one dtype and the same
@@ -75,7 +85,8 @@ def gather_many_to_region(xs, axis_name: str, axes, accum_dtype):
     ``accum_dtype``. The backward pass concatenates the cotangents the same way and
     ReduceScatters them in ``accum_dtype`` in one collective. The bytes are those of the
     separate gathers; the count of collectives (each a rendezvous of every device on the
-    axis) drops to one, as FSDP's flat parameters do.
+    axis) drops to one, as FSDP's flat parameters do. ``replicated_over`` as for
+    ``gather_to_region``: one AllReduce of the flat gradient shard over those axes.
     """
     xs = tuple(xs)
     if len({np.dtype(x.dtype) for x in xs}) > 1:
@@ -83,7 +94,7 @@ def gather_many_to_region(xs, axis_name: str, axes, accum_dtype):
             f"gather_many_to_region: every array must have one dtype; got "
             f"{sorted({np.dtype(x.dtype).name for x in xs})}"
         )
-    return _gather_many(axis_name, tuple(axes), np.dtype(accum_dtype), xs)
+    return _gather_many(axis_name, tuple(axes), np.dtype(accum_dtype), tuple(replicated_over), xs)
 
 
 def _pieces(flat, shapes, axes, n: int):
@@ -110,25 +121,30 @@ def _blocks(gs, axes, n: int):
     return jnp.concatenate(rows, axis=1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _gather_many(axis_name, axes, accum_dtype, xs):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _gather_many(axis_name, axes, accum_dtype, replicated_over, xs):
     n = lax.axis_size(axis_name)
     flat = jnp.concatenate([x.reshape(-1) for x in xs])  # this device's blocks, in x's dtype
+    if replicated_over:
+        flat = lax.pcast(flat, replicated_over, to="varying")
     gathered = lax.all_gather(flat, axis_name, axis=0)  # [N, Σ|x_i|]
     pieces = _pieces(gathered, [x.shape for x in xs], axes, n)
     return tuple(piece.astype(accum_dtype) for piece in pieces)
 
 
-def _gather_many_fwd(axis_name, axes, accum_dtype, xs):
+def _gather_many_fwd(axis_name, axes, accum_dtype, replicated_over, xs):
     kinds = tuple(x.reshape(-1)[:0] for x in xs)  # carry each x's dtype and shape-free type
-    return _gather_many(axis_name, axes, accum_dtype, xs), (kinds, tuple(x.shape for x in xs))
+    out = _gather_many(axis_name, axes, accum_dtype, replicated_over, xs)
+    return out, (kinds, tuple(x.shape for x in xs))
 
 
-def _gather_many_bwd(axis_name, axes, accum_dtype, residuals, gs):
+def _gather_many_bwd(axis_name, axes, accum_dtype, replicated_over, residuals, gs):
     kinds, shapes = residuals
     n = lax.axis_size(axis_name)
     flat = _blocks([g.astype(accum_dtype) for g in gs], axes, n)  # [N, Σ|x_i|] in accum
     mine = lax.psum_scatter(flat, axis_name, scatter_dimension=0)  # [Σ|x_i|]: this device's
+    if replicated_over:
+        mine = lax.psum(mine, replicated_over)
     out, start = [], 0
     for kind, shape in zip(kinds, shapes, strict=True):
         size = int(np.prod(shape))

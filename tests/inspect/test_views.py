@@ -20,7 +20,9 @@ import shardops_models as models
 
 ROOT = pathlib.Path(__file__).parents[2]
 MESH_SHAPES = {"ref": None, "dp": {"data": 8}, "tp": {"model": 8}, "2d": {"data": 4, "model": 2},
-               "fsdp": {"data": 8}, "fsdp_tp": {"data": 4, "model": 2}}  # fmt: skip
+               "fsdp": {"data": 8}, "fsdp_tp": {"data": 4, "model": 2},
+               "hsdp": {"replica": 2, "data": 4}, "hsdp_tp": {"replica": 2, "data": 2, "model": 2},
+               "zero1": {"data": 8}, "zero1_tp": {"data": 4, "model": 2}}  # fmt: skip
 
 
 @pytest.mark.parametrize("strategy", models.strategies_for(models.Mlp()))

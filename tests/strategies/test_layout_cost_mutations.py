@@ -51,7 +51,7 @@ LARGEST_FREE = (
     "    free = sorted((d for d in range(len(shape)) if entries[d] is None), "
     "key=lambda d: -shape[d])\n"
 )
-DATA_MINOR = "            entries[d] = spec_entry(*entry_axes(entries[d]), DATA_AXIS)\n"
+DATA_MINOR = "            entries[d] = spec_entry(*entry_axes(entries[d]), *axes)\n"
 
 # name → (old line, new line, a layout case and a shard-index case that must catch it)
 LAYOUT_MUTANTS = {
@@ -74,9 +74,7 @@ LAYOUT_MUTANTS = {
     # over data no longer rebuilds a model shard.
     "fsdp_data_major_on_model_split_dim": (
         DATA_MINOR,
-        DATA_MINOR.replace(
-            "*entry_axes(entries[d]), DATA_AXIS", "DATA_AXIS, *entry_axes(entries[d])"
-        ),
+        DATA_MINOR.replace("*entry_axes(entries[d]), *axes", "*axes, *entry_axes(entries[d])"),
         ("fsdp_tp", "4x2", SEED),
         ("fsdp_tp", "4x2", SEED, 0, "b"),
     ),

@@ -173,22 +173,22 @@ HELPER_MUTANTS = {
     # dp/2d: the replicated weight made varying in bf16, so autodiff all-reduces bf16 gradients.
     "data_gradient_all_reduced_in_bf16": (
         parallel, ("Parallel", "wrap"), ("shardops_models.training._train",),
-        "                value = shardops.comm.copy_to_region(value, DATA_AXIS, self.precision.accum_dtype)\n",
-        "                value = jax.lax.pcast(value, DATA_AXIS, to='varying')\n",
+        "            value = shardops.comm.copy_to_region(value, axes, self.precision.accum_dtype)\n",
+        "            value = jax.lax.pcast(value, axes, to='varying')\n",
         "flow", ("2d", {"data": 4, "model": 2}, BF16),
     ),
     # fsdp: a stage's bundle of split leaves gathered with its gradients reduced in bf16.
     "data_gradient_bundle_reduce_scattered_in_bf16": (
         parallel, ("Parallel", "wrap"), ("shardops_models.training._train",),
-        "                    values, DATA_AXIS, dims, accum), strict=True):  # fmt: skip\n",
-        "                    values, DATA_AXIS, dims, values[0].dtype), strict=True):\n",
+        "                    values, self.strategy.fsdp, dims, accum, self.strategy.dp), strict=True):  # fmt: skip\n",
+        "                    values, self.strategy.fsdp, dims, values[0].dtype, self.strategy.dp), strict=True):\n",
         "flow", ("fsdp_tp", {"data": 2, "model": 4}, BF16),
     ),
     # fsdp: the plain all_gather, whose transpose reduce-scatters bf16 gradients.
     "data_gradient_reduce_scattered_in_bf16": (
         parallel, ("Parallel", "wrap"), ("shardops_models.training._train",),
-        "        return shardops.comm.gather_to_region(value, DATA_AXIS, dim, self.precision.accum_dtype)\n",
-        "        return jax.lax.all_gather(value, DATA_AXIS, axis=dim, tiled=True)\n",
+        "        return shardops.comm.gather_to_region(value, self.strategy.fsdp, dim,\n",
+        "        return jax.lax.all_gather(value, self.strategy.fsdp, axis=dim, tiled=True)\n        return shardops.comm.gather_to_region(value, self.strategy.fsdp, dim,\n",
         "flow", ("fsdp_tp", {"data": 2, "model": 4}, BF16),
     ),
     # The loss computed from bf16 logits (log_softmax in bf16) under the mixed policy.
@@ -236,9 +236,7 @@ def test_helper_mutant_is_caught(monkeypatch, name):
 # Memory-only options of models/training/_train.py: values cannot show them, the compiled program can.
 TRAIN_STEP = '        train_step=jit(step, "train_step", donate_argnums=0),\n'
 LOSS_AND_GRADS = '        loss_and_grads=jit(loss_and_grads, "loss_and_grads"),\n'
-REMAT_OPTIONS = (
-    '    options = {"xla_disable_hlo_passes": "cse_barrier_expander"} if remat else None\n'
-)
+REMAT_OPTIONS = "    options = shardops.inspect.KEEP_REMAT if remat else None\n"
 DONATION_MUTANTS = {
     # The train step keeps the old state: two states in memory at every step.
     "train_step_not_donated": (TRAIN_STEP, TRAIN_STEP.replace(", donate_argnums=0", "")),
@@ -283,7 +281,7 @@ SP_ATTENTION = (
 SP_BO = "            bo = copy_to_region(bo, axis_name, accum)  # bo[D] in accum\n"
 SP_BIAS = "        b = copy_to_region(b, axis_name, precision.accum_dtype)  # b[D] in accum\n"
 SP_POSITIONS = (
-    "            x = shardops.comm.copy_to_region(x, MODEL_AXIS, self.precision.accum_dtype)\n"
+    "            x = shardops.comm.copy_to_region(x, self.tp, self.precision.accum_dtype)\n"
 )
 SP_MUTANTS = {
     # A column layer's gathered input: dx reduce-scattered along S in bf16.
@@ -312,7 +310,7 @@ SP_MUTANTS = {
     # all-reduced over model in the compute dtype.
     "positions_sp_dx_all_reduced_in_bf16": (
         parallel, ("Parallel", "wrap"), "shardops_models.training._train", SP_POSITIONS,
-        "            x = jax.lax.pcast(x, MODEL_AXIS, to='varying')\n",
+        "            x = jax.lax.pcast(x, self.tp, to='varying')\n",
         [("sp", MIXED), ("fsdp_sp", BF16)],
     ),
 }  # fmt: skip

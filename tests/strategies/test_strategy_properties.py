@@ -43,8 +43,14 @@ from shardops_models import COLUMN, HEAD, REPLICATED, ROW, VOCAB
 
 STEPS = 3
 SEQUENCE_PARALLEL = ("sp", "dp_sp", "fsdp_sp")
+SEQUENCE_PARALLEL = (*SEQUENCE_PARALLEL, "hsdp_sp")
 STRATEGIES = sorted(set(models.STRATEGIES) - {"ref"})
-STRATEGY_DRAWS = [s for s in STRATEGIES for _ in range(1 if s in SEQUENCE_PARALLEL else 2)]
+TWO_AXIS_STRATEGIES = [
+    n for n in STRATEGIES if shardops.REPLICA_AXIS not in models.STRATEGIES[n].axes
+]
+STRATEGY_DRAWS_2D = [
+    s for s in TWO_AXIS_STRATEGIES for _ in range(1 if s in SEQUENCE_PARALLEL else 2)
+]
 TWO_AXIS = [(1, 8), (2, 4), (4, 2), (8, 1), (2, 2), (1, 2), (2, 1), (1, 4), (4, 1)]
 # Tiny models: an example's time is the time it takes to compile two programs.
 MAX_WIDTH, MAX_SEQUENCE, MAX_VOCAB, MAX_BATCH, MAX_CLASSES = 32, 16, 40, 16, 16
@@ -168,26 +174,60 @@ def mlp_config(draw, model: int, data: int):
     return models.Mlp(sizes), plan, (data * draw(st.integers(1, MAX_BATCH // data)),)
 
 
+THREE_AXIS = [(2, 2, 2), (2, 4, 1), (1, 2, 4), (2, 1, 4), (4, 2, 1), (2, 2, 1), (1, 1, 8)]
+AXIS_NAMES = (shardops.REPLICA_AXIS, shardops.DATA_AXIS, shardops.MODEL_AXIS)
+
+
+@st.composite
+def layouts(draw, mesh: dict, sequence: bool):
+    """A layout of the mesh's axes drawn kind by kind: each axis carries dp, fsdp, zero1, tp
+    or nothing (at most one tp; zero1 alone among the batch kinds), sp where tp is."""
+    kinds = {}
+    for axis in mesh:
+        kinds[axis] = draw(st.sampled_from(["dp", "fsdp", "zero1", "tp", None]))
+    tp = [a for a, k in kinds.items() if k == "tp"]
+    zero1 = [a for a, k in kinds.items() if k == "zero1"]
+    if zero1:  # zero1 composes with tp only
+        kinds = {a: ("zero1" if k in ("dp", "fsdp") else k) for a, k in kinds.items()}
+    rules = {k: tuple(a for a, kk in kinds.items() if kk == k) for k in ("dp", "fsdp", "zero1")}
+    tp_axis = tp[0] if tp else None
+    if len(tp) > 1:  # one tp axis: the others replicate
+        rules["dp"] = rules["dp"] if zero1 else rules["dp"] + tuple(tp[1:])
+    sp = bool(tp_axis) and sequence and draw(st.booleans())
+    return models.Strategy("drawn", **rules, tp=tp_axis, sp=sp)
+
+
 @st.composite
 def configurations(draw):
     # A GPT compiles 4× slower than an MLP: the sequence-parallel strategies (GPT only) are
-    # drawn half as often as the others, and the others draw the MLP 2 times out of 3.
-    strategy = draw(st.sampled_from(STRATEGY_DRAWS))
-    kind = "gpt" if strategy in SEQUENCE_PARALLEL else draw(st.sampled_from(["mlp", "mlp", "gpt"]))
-    parallel = models.STRATEGIES[strategy]
-    meshes = [{"data": d, "model": m} for d, m in TWO_AXIS]
-    if len(parallel.axes) == 1:
-        meshes += [{parallel.axes[0]: n} for n in (1, 2, 4, 8)]
-    mesh = draw(st.sampled_from(meshes))
-    model = mesh.get("model", 1) if parallel.model else 1  # off the model axis roles are moot
-    data = mesh.get("data", 1) if parallel.data else 1
+    # drawn half as often as the others, and the others draw the MLP 2 times out of 3. One
+    # draw in three is a 3-axis mesh (replica × data × model) with a preset for it or a
+    # layout drawn axis by axis.
+    if draw(st.integers(0, 2)) == 0:
+        mesh = dict(zip(AXIS_NAMES, draw(st.sampled_from(THREE_AXIS)), strict=True))
+        kind = draw(st.sampled_from(["mlp", "mlp", "gpt"]))
+        presets = [n for n in STRATEGIES if kind == "gpt" or n not in SEQUENCE_PARALLEL]
+        if draw(st.booleans()):
+            strategy = draw(layouts(mesh, kind == "gpt"))
+        else:
+            strategy = models.STRATEGIES[draw(st.sampled_from(presets))]
+    else:
+        name = draw(st.sampled_from(STRATEGY_DRAWS_2D))
+        kind = "gpt" if name in SEQUENCE_PARALLEL else draw(st.sampled_from(["mlp", "mlp", "gpt"]))
+        strategy = models.STRATEGIES[name]
+        meshes = [{"data": d, "model": m} for d, m in TWO_AXIS]
+        if len(strategy.axes) == 1:
+            meshes += [{strategy.axes[0]: n} for n in (1, 2, 4, 8)]
+        mesh = draw(st.sampled_from(meshes))
+    model = mesh.get(strategy.tp, 1) if strategy.tp else 1  # off the tp axis roles are moot
+    data = int(np.prod([mesh.get(a, 1) for a in strategy.batch_axes]))
     if kind == "gpt":
-        net, plan, shape = gpt_config(draw, strategy in SEQUENCE_PARALLEL, model, data)
+        net, plan, shape = gpt_config(draw, strategy.sp, model, data)
     else:
         net, plan, shape = mlp_config(draw, model, data)
     plan = spell(draw, plan, param_shapes(net))
     opt = draw(st.sampled_from(["sgd", "sgd", "adam"]))
-    remat = parallel.data == "fsdp" and draw(st.sampled_from([False, False, False, True]))
+    remat = bool(strategy.fsdp) and draw(st.sampled_from([False, False, False, True]))
     return strategy, mesh, net, plan, shape, opt, remat
 
 
@@ -281,20 +321,34 @@ def worst(a, b, *, skip=()) -> tuple[float, str]:
     return out
 
 
-def floor_example(strategy: str):
-    """A fixed example of ``strategy`` on the 2×4 mesh: a GPT with the default plan under
-    sequence parallelism (Adam), else an MLP with a column→row pair (SGD). Hypothesis draws
-    cluster, so these make sure each strategy runs in every profile."""
-    mesh = {"data": 2, "model": 4}
-    if strategy in SEQUENCE_PARALLEL:
+def floor_example(name: str):
+    """A fixed example of preset ``name`` on the 2×4 mesh (2×2×2 with a replica axis): a GPT
+    with the default plan under sequence parallelism (Adam), else an MLP with a column→row pair
+    (SGD). Hypothesis draws cluster, so these make sure each preset runs in every profile."""
+    strategy = models.STRATEGIES[name]
+    mesh = ({"replica": 2, "data": 2, "model": 2} if shardops.REPLICA_AXIS in strategy.axes
+            else {"data": 2, "model": 4})  # fmt: skip
+    if name in SEQUENCE_PARALLEL:
         gpt = models.Gpt(vocab_size=12, d_model=8, num_heads=4, num_layers=1, context=8, d_ff=12)
         return strategy, mesh, gpt, gpt.plan(), (4, 8), "adam", False
     return strategy, mesh, models.Mlp((6, 8, 5)), [COLUMN, ROW], (8,), "sgd", False
 
 
+# Layouts no preset has, on 2×2×2: the kinds on other axes than their usual names.
+DRAWN_FLOOR = [
+    (models.Strategy("drawn", dp="model", fsdp="replica", tp="data"), models.Mlp((6, 8, 5)),
+     [COLUMN, ROW], (8,), "adam"),
+    (models.Strategy("drawn", zero1=("model", "replica"), tp="data"), models.Mlp((6, 8, 5)),
+     [COLUMN, ROW], (8,), "adam"),
+]  # fmt: skip
+
+
 def floor_examples(test):
     for strategy in STRATEGIES:
         test = example(config=floor_example(strategy), seed=0)(test)
+    mesh = {"replica": 2, "data": 2, "model": 2}
+    for strategy, net, plan, shape, opt in DRAWN_FLOOR:
+        test = example(config=(strategy, mesh, net, plan, shape, opt, False), seed=1)(test)
     return test
 
 
@@ -305,10 +359,11 @@ def floor_examples(test):
 @floor_examples
 def test_any_strategy_and_plan_trains_like_the_reference(config, seed):
     strategy, mesh_shape, net, plan, shape, opt, remat = config
-    event(f"strategy {strategy}")
+    event(f"strategy {strategy.name}")
+    event(f"mesh axes {len(mesh_shape)}")
     event(f"model {'gpt' if isinstance(net, models.Gpt) else 'mlp'}")
     event(f"optimizer {opt}")
-    note(f"{strategy} on {mesh_shape}: {net.name}, batch {shape}, {opt}, remat={remat}")
+    note(f"{strategy.table()}\non {mesh_shape}: {net.name}, batch {shape}, {opt}, remat={remat}")
     note(f"plan {plan}")
 
     params, (xs, ys) = init(net, seed), batches(net, shape, seed)

@@ -7,6 +7,7 @@ Multi-process saves and resumes, and the examples' ``--resume``, are in test_dis
 import functools
 import itertools
 import os
+import pathlib
 import signal
 import sys
 import tempfile
@@ -30,15 +31,15 @@ from shardops_models.training.checkpoint import CheckpointMismatch, Checkpoints
 MLP = models.Mlp((16, 32, 8))
 GPT = models.Gpt(vocab_size=16, d_model=16, num_heads=8, num_layers=1, context=8, d_ff=32)
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1), (2, 2), (1, 2)]
+MESHES_3 = [(2, 2, 2), (2, 4, 1), (1, 2, 4)]  # replica × data × model
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1, momentum=0.9), "adam": lambda: optax.adam(1e-3)}
 
 
 @functools.cache
 def setup_for(model, strategy: str, mesh_shape, opt: str):
+    names = ("data", "model") if len(mesh_shape) == 2 else ("replica", "data", "model")
     mesh = (
-        None
-        if strategy == "ref"
-        else shardops.make_mesh(dict(zip(("data", "model"), mesh_shape, strict=True)))
+        None if strategy == "ref" else shardops.make_mesh(dict(zip(names, mesh_shape, strict=True)))
     )
     return models.build(strategy, mesh, optimizer=OPTIMIZERS[opt](), model=model)
 
@@ -102,10 +103,12 @@ def check_moves(tmp_path, model, a, b, opt: str, seed: int, ckpt_module=checkpoi
 
 
 def layouts(model):
-    strategies = [s for s in models.strategies_for(model) if s != "ref"]
+    two = [s for s in models.strategies_for(model, ("data", "model")) if s != "ref"]
+    three = [s for s in models.strategies_for(model) if s != "ref"]
     return st.one_of(
         st.just(("ref", (1, 1))),
-        st.tuples(st.sampled_from(strategies), st.sampled_from(MESHES)),
+        st.tuples(st.sampled_from(two), st.sampled_from(MESHES)),
+        st.tuples(st.sampled_from(three), st.sampled_from(MESHES_3)),
     )
 
 
@@ -127,6 +130,16 @@ def test_the_layout_chain_of_the_issue(tmp_path):
     chain = [("2d", (4, 2)), ("fsdp_tp", (2, 4)), ("dp", (8, 1)), ("tp", (1, 8)), ("ref", (1, 1))]
     for a, b in itertools.pairwise(chain):
         check_moves(tmp_path, MLP, a, b, "adam", seed=1)
+
+
+def test_moves_between_two_and_three_axis_layouts_and_zero1():
+    """2d 4×2 → hsdp_tp 2×2×2 → zero1 8×1 → hsdp 2×4×1 → zero1_tp 1×2×4 → fsdp_tp 2×4, each
+    restoring the previous one's save, the GPT with Adam: bit for bit."""
+    chain = [("2d", (4, 2)), ("hsdp_tp", (2, 2, 2)), ("zero1", (8, 1)), ("hsdp", (2, 4, 1)),
+             ("zero1_tp", (1, 2, 4)), ("fsdp_tp", (2, 4))]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        for a, b in itertools.pairwise(chain):
+            check_moves(pathlib.Path(tmp), GPT, a, b, "adam", seed=2)
 
 
 # --- another model is refused, with what differs

@@ -1,0 +1,200 @@
+"""A strategy is a layout: which mesh axes carry each kind of parallelism, for a mesh of any
+number of axes with any names (MaxText's ``logical_axis_rules``, as one table).
+
+    kind    mesh axes        the batch  parameters                  gradients
+    dp      e.g. replica     split      replicated                  AllReduced (autodiff's, of pcast)
+    fsdp    e.g. data        split      split, AllGathered per      ReduceScattered
+                                        stage just in time
+    zero1   e.g. data        split      replicated; the optimizer   ReduceScattered; parameters
+                                        state split                 AllGathered after the update
+    tp      one axis, model  —          split by each layer's plan  the kernels' own
+                                        role (Megatron)
+    sp      on tp's axis     —          as tp; activations split    the kernels' own
+                                        along S between layers
+
+    HSDP × TP on replica=2 × data=2 × model=2:
+        Strategy("hsdp_tp", dp=("replica",), fsdp=("data",), tp="model")
+        the batch over (replica, data); parameters replicated over replica, split over data,
+        tensor-parallel over model; a gradient is ReduceScattered over data, then its shard
+        AllReduced over replica.
+
+Mesh axes a strategy does not name hold replicas (every device along them runs the same step).
+Today's nine strategies are presets (``STRATEGIES``) on the axes ``data`` and ``model``, and
+``hsdp``, ``hsdp_tp``, ``hsdp_sp``, ``zero1`` and ``zero1_tp`` add ``replica``. A kind the
+library adds later (context, expert, pipeline) is one more field with its own rows here; the
+existing kinds keep theirs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from shardops import DATA_AXIS, MODEL_AXIS, REPLICA_AXIS
+
+BATCH_KINDS = ("dp", "zero1", "fsdp")
+"""The kinds that split the batch, in the order the batch splits over them (major first)."""
+
+KIND_DOCS = {
+    "dp": "the batch split; parameters replicated; gradients AllReduced",
+    "fsdp": "the batch split; parameters split, AllGathered just in time; gradients ReduceScattered",
+    "zero1": "the batch split; parameters replicated, optimizer state split; gradients "
+    "ReduceScattered, parameters AllGathered after the update",
+    "tp": "each layer's weights split by its plan role (Megatron tensor parallelism)",
+    "sp": "tp, with activations split along the sequence between layers",
+}  # fmt: skip
+
+
+def _axes(value, kind: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, Sequence) or not all(isinstance(a, str) and a for a in value):
+        raise TypeError(
+            f"Strategy: {kind} takes a mesh axis name or a tuple of them; got {value!r}"
+        )
+    return tuple(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """Which mesh axes carry each kind of parallelism (see the module docstring).
+
+    Arguments:
+        name: what tables and errors call it.
+        dp: axes over which parameters are replicated and gradients AllReduced.
+        fsdp: axes over which parameters are split (the FSDP rule picks the dim) and gathered
+            just in time; gradients ReduceScattered.
+        zero1: axes over which the optimizer state is split; parameters stay replicated.
+        tp: the axis of tensor parallelism (each parameter's plan role splits it).
+        sp: sequence parallelism on the ``tp`` axis.
+    """
+
+    name: str
+    dp: tuple[str, ...] = ()
+    fsdp: tuple[str, ...] = ()
+    zero1: tuple[str, ...] = ()
+    tp: str | None = None
+    sp: bool = False
+
+    def __post_init__(self):
+        for kind in BATCH_KINDS:
+            object.__setattr__(self, kind, _axes(getattr(self, kind), kind))
+        if self.tp is not None and (not isinstance(self.tp, str) or not self.tp):
+            raise TypeError(f"Strategy {self.name!r}: tp takes one mesh axis name; got {self.tp!r}")
+        if self.sp and self.tp is None:
+            raise ValueError(
+                f"Strategy {self.name!r}: sp splits activations over the tp axis; name it, "
+                f"e.g. tp={MODEL_AXIS!r}"
+            )
+        if self.zero1 and (self.fsdp or self.dp):
+            raise ValueError(
+                f"Strategy {self.name!r}: zero1 keeps parameters replicated and splits only the "
+                f"optimizer state; it composes with tp, not with dp or fsdp (for parameters "
+                f"split over one axis and replicated over another use fsdp with dp: HSDP)"
+            )
+        seen: dict[str, str] = {}
+        for kind, axes in (*((k, getattr(self, k)) for k in BATCH_KINDS),
+                           ("tp", (self.tp,) if self.tp else ())):  # fmt: skip
+            for axis in axes:
+                if axis in seen:
+                    raise ValueError(
+                        f"Strategy {self.name!r}: mesh axis {axis!r} carries both {seen[axis]} "
+                        f"and {kind}; each axis carries one kind of parallelism"
+                    )
+                seen[axis] = kind
+
+    # --- what the rest of the library asks
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every mesh axis the strategy names."""
+        return self.batch_axes + ((self.tp,) if self.tp else ())
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The axes the batch is split over (dim 0), major first."""
+        return self.dp + self.zero1 + self.fsdp
+
+    @property
+    def data(self) -> str | None:
+        """The data-parallel kind that holds the parameters: ``"fsdp"`` (split; with dp
+        too: HSDP), ``"zero1"``, ``"dp"`` or None."""
+        return "fsdp" if self.fsdp else "zero1" if self.zero1 else "dp" if self.dp else None
+
+    @property
+    def model(self) -> str | None:
+        """``"sp"``, ``"tp"`` or None."""
+        return "sp" if self.sp else "tp" if self.tp else None
+
+    @property
+    def rules(self) -> dict[str, tuple[str, ...]]:
+        """Kind → mesh axes, for the kinds the strategy uses."""
+        out = {k: getattr(self, k) for k in BATCH_KINDS if getattr(self, k)}
+        if self.tp:
+            out["sp" if self.sp else "tp"] = (self.tp,)
+        return out
+
+    def table(self) -> str:
+        """The layout as a table: kind, mesh axes, what it does."""
+        rows = [f"{self.name}:"] + [
+            f"  {kind:<6} {' × '.join(axes):<16} {KIND_DOCS[kind]}"
+            for kind, axes in self.rules.items()
+        ]
+        if len(rows) == 1:
+            rows.append("  (no parallelism: one device's step)")
+        return "\n".join(rows)
+
+    def check_mesh(self, shape: dict[str, int]) -> None:
+        """A one-line ValueError when the mesh lacks an axis the strategy names."""
+        missing = [a for a in self.axes if a not in shape]
+        if missing:
+            spec = ",".join(f"{a}=N" for a in self.axes)
+            raise ValueError(
+                f"mesh {','.join(f'{k}={v}' for k, v in shape.items())}: strategy {self.name!r} "
+                f"needs mesh axes {self.axes} (missing {tuple(missing)}); e.g. {spec}"
+            )
+
+
+STRATEGIES = {
+    s.name: s
+    for s in (
+        Strategy("ref"),
+        Strategy("dp", dp=DATA_AXIS),
+        Strategy("fsdp", fsdp=DATA_AXIS),
+        Strategy("tp", tp=MODEL_AXIS),
+        Strategy("sp", tp=MODEL_AXIS, sp=True),
+        Strategy("2d", dp=DATA_AXIS, tp=MODEL_AXIS),
+        Strategy("fsdp_tp", fsdp=DATA_AXIS, tp=MODEL_AXIS),
+        Strategy("dp_sp", dp=DATA_AXIS, tp=MODEL_AXIS, sp=True),
+        Strategy("fsdp_sp", fsdp=DATA_AXIS, tp=MODEL_AXIS, sp=True),
+        Strategy("hsdp", dp=REPLICA_AXIS, fsdp=DATA_AXIS),
+        Strategy("hsdp_tp", dp=REPLICA_AXIS, fsdp=DATA_AXIS, tp=MODEL_AXIS),
+        Strategy("hsdp_sp", dp=REPLICA_AXIS, fsdp=DATA_AXIS, tp=MODEL_AXIS, sp=True),
+        Strategy("zero1", zero1=DATA_AXIS),
+        Strategy("zero1_tp", zero1=DATA_AXIS, tp=MODEL_AXIS),
+    )
+}
+"""The presets, by name (``2d`` is dp × tp, the seed's name for it)."""
+
+ALIASES = {"dp_tp": "2d"}
+
+
+def strategies_for(model, axes=None) -> list[str]:
+    """The preset names that apply to ``model``: all, or without sp for a model that has no
+    sequence dimension (the MLP); with ``axes``, only those whose mesh axes are among them
+    (``axes=("data", "model")``: the presets of a 2-axis mesh)."""
+    sequence = getattr(model, "sequence", False)
+    fits = (lambda s: True) if axes is None else (lambda s: set(s.axes) <= set(axes))
+    return sorted(n for n, s in STRATEGIES.items() if (sequence or not s.sp) and fits(s))
+
+
+def strategy_named(name) -> Strategy:
+    """A preset by name (or a ``Strategy``, returned as it is)."""
+    if isinstance(name, Strategy):
+        return name
+    name = ALIASES.get(name, name)
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}")
+    return STRATEGIES[name]
