@@ -73,8 +73,10 @@ class Hardware:
         return self.flops.get(dtype_name, self.flops.get("float32", min(self.flops.values())))
 
     def axes_bandwidth(self, axes: tuple[str, ...]) -> float:
-        """The bandwidth of a collective over ``axes``: its slowest axis's."""
-        return min(self.bandwidth[a] for a in axes)
+        """The bandwidth of a collective over ``axes``: its slowest axis's. An axis the
+        hardware does not list (``replica``, or one of your own) gets ``data``'s, the outer
+        link."""
+        return min(self.bandwidth.get(a, self.bandwidth[DATA_AXIS]) for a in axes)
 
 
 # H100 SXM figures from NVIDIA's H100 datasheet (dense, no sparsity) and the JAX scaling book's

@@ -51,6 +51,7 @@ import tempfile
 import time
 from typing import Any
 
+import shardops
 from shardops import BFLOAT16, DATA_AXIS, FLOAT32, MIXED_BFLOAT16, MODEL_AXIS, Precision
 from shardops.inspect import ring_bytes
 from shardops_models.search._hardware import HARDWARE, Hardware, calibrate, hardware_named
@@ -117,8 +118,8 @@ class Candidate:
     """One strategy on one mesh, with its predicted costs (per device, one train step)."""
 
     strategy: str
-    mesh: tuple[int, int]
-    """``(data, model)``."""
+    mesh: tuple[int, ...]
+    """The mesh's axis sizes, e.g. ``(data, model)``; ``axes`` names them."""
     replicas: int
     """Devices computing the same step: the size of an axis the strategy leaves unused."""
     budget: dict
@@ -143,10 +144,16 @@ class Candidate:
     model: Any = dataclasses.field(default=None, repr=False, compare=False)
     options: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     """What ``compiled_ledger`` needs to rebuild the step: batch, seq, optimizer, precision."""
+    axes: tuple[str, ...] = (DATA_AXIS, MODEL_AXIS)
+    """The mesh's axis names."""
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return dict(zip(self.axes, self.mesh, strict=True))
 
     @property
     def mesh_text(self) -> str:
-        return f"{self.mesh[0]}×{self.mesh[1]}"
+        return _mesh_text(self.axes, self.mesh)
 
     @property
     def name(self) -> str:
@@ -155,6 +162,7 @@ class Candidate:
     def as_dict(self) -> dict:
         out = {
             "rank": self.rank, "strategy": self.strategy, "mesh": list(self.mesh),
+            "axes": list(self.axes),
             "replicas": self.replicas, "budget": _keyed(self.budget),
             "ring_bytes": {_axes(a): v for a, v in self.ring_bytes.items()},
             "collectives": {_axes(a): v for a, v in self.collectives.items()},
@@ -177,8 +185,20 @@ class Candidate:
 @dataclasses.dataclass(frozen=True)
 class RuledOut:
     strategy: str
-    mesh: tuple[int, int]
+    mesh: tuple[int, ...]
     reason: str
+    axes: tuple[str, ...] = (DATA_AXIS, MODEL_AXIS)
+
+    @property
+    def mesh_text(self) -> str:
+        return _mesh_text(self.axes, self.mesh)
+
+
+def _mesh_text(axes, sizes) -> str:
+    """``4×2`` on data × model; ``replica=2×data=2×model=2`` on any other axes."""
+    if tuple(axes) == (DATA_AXIS, MODEL_AXIS):
+        return "×".join(map(str, sizes))
+    return "×".join(f"{a}={n}" for a, n in zip(axes, sizes, strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,8 +227,8 @@ class Search:
             "model": self.model_name, "batch": self.batch, "devices": self.devices,
             "hardware": dataclasses.asdict(self.hardware), "seconds": self.seconds,
             "candidates": [candidate.as_dict() for candidate in self.candidates],
-            "ruled_out": [{"strategy": r.strategy, "mesh": list(r.mesh), "reason": r.reason}
-                          for r in self.ruled_out],
+            "ruled_out": [{"strategy": r.strategy, "mesh": list(r.mesh), "axes": list(r.axes),
+                           "reason": r.reason} for r in self.ruled_out],
         }  # fmt: skip
 
     def table(self):
@@ -238,6 +258,7 @@ def search(
     compile_top: int = 0,
     recount: bool = False,
     timeout: float = 1800,
+    meshes=None,
 ) -> Search:
     """Every strategy × mesh factorisation of ``devices`` for ``model``, ranked by the cost model.
 
@@ -255,6 +276,10 @@ def search(
         memory_limit: bytes per device; a candidate whose peak exceeds it is ruled out. Default:
             ``hardware.memory``.
         strategies: the strategy names to consider (default all that apply to the model).
+        meshes: the meshes to consider, as axis sizes (``{"replica": 2, "data": 2, "model":
+            2}`` or a spec, ``shardops.parse_mesh``), each of ``devices`` devices; default every
+            ``data × model`` factorisation of ``devices``. On a mesh of other axes every preset
+            whose axes it has is a candidate (``models.strategies_for(model, axes)``).
         compile_top: compile the best this many candidates (``compiled_ledger``), never run them.
         recount: re-time the compiled candidates with the number of collectives the compiled
             program runs instead of the number the jaxpr asks for (XLA combines independent
@@ -275,13 +300,13 @@ def search(
         return _search_in_subprocess(
             model, batch, devices, seq=seq, optimizer=optimizer, precision=precision,
             hardware=hw, memory_limit=memory_limit, strategies=strategies,
-            compile_top=compile_top, recount=recount, timeout=timeout,
+            compile_top=compile_top, recount=recount, timeout=timeout, meshes=meshes,
         )  # fmt: skip
     start = time.perf_counter()
     model = model_named(model)
     limit = hw.memory if memory_limit is None else memory_limit
     candidates, ruled_out = [], []
-    for strategy, mesh_shape in strategy_meshes(model, devices, strategies):
+    for strategy, mesh_shape in strategy_meshes(model, devices, strategies, meshes):
         reason = _reason_ruled_out(model, strategy, mesh_shape, batch, seq)
         if reason is None:
             try:
@@ -296,9 +321,10 @@ def search(
         if reason is None:
             candidates.append(candidate)
         else:
-            ruled_out.append(RuledOut(strategy, mesh_shape, reason))
+            ruled_out.append(RuledOut(strategy, tuple(mesh_shape.values()), reason,
+                                      tuple(mesh_shape)))  # fmt: skip
     if not candidates:
-        why = "; ".join(f"{r.strategy} {r.mesh[0]}×{r.mesh[1]}: {r.reason}" for r in ruled_out)
+        why = "; ".join(f"{r.strategy} {r.mesh_text}: {r.reason}" for r in ruled_out)
         raise ValueError(
             f"no strategy and mesh of {devices} devices works for batch {batch}: {why}"
         )
@@ -331,53 +357,86 @@ def recounted(candidate: Candidate, hardware) -> Candidate:
                                step_time=candidate.compute_time + sum(comm.values()))  # fmt: skip
 
 
-def strategy_meshes(model, devices: int, strategies=None) -> list[tuple[str, tuple[int, int]]]:
-    """Every (strategy, (data, model)) with ``data · model = devices``."""
+def strategy_meshes(model, devices: int, strategies=None, meshes=None) -> list[tuple[str, dict]]:
+    """Every (strategy, mesh shape): by default each preset on ``data × model`` with
+    ``data · model = devices``; with ``meshes``, each preset whose axes a mesh has, on it."""
+    import shardops
     import shardops_models as models
 
-    axes = (DATA_AXIS, MODEL_AXIS)  # the meshes searched: data × model
-    # ZeRO-1 is searched on request only: its compiled step holds a few hundred bytes more than
-    # the jaxpr's peak (program_cost), which the memory rule does not model yet.
-    names = ([n for n in models.strategies_for(model, axes) if not models.STRATEGIES[n].zero1]
-             if strategies is None else list(strategies))  # fmt: skip
-    for name in names:
-        if name not in models.STRATEGIES:
-            raise ValueError(f"unknown strategy {name!r}; choose from {sorted(models.STRATEGIES)}")
-    names = [n for n in names if n != "ref"]
-    meshes = [(devices // m, m) for m in range(1, devices + 1) if devices % m == 0]
-    return [(name, mesh) for name in names for mesh in meshes]
+    if meshes is None:
+        meshes = [{DATA_AXIS: devices // m, MODEL_AXIS: m}
+                  for m in range(1, devices + 1) if devices % m == 0]  # fmt: skip
+    else:
+        meshes = [shardops.parse_mesh(m) if isinstance(m, str) else dict(m) for m in meshes]
+        for shape in meshes:
+            if math.prod(shape.values()) != devices:
+                raise ValueError(f"mesh {_mesh_text(tuple(shape), tuple(shape.values()))} has "
+                                 f"{math.prod(shape.values())} devices, not {devices}")  # fmt: skip
+    if strategies is not None:
+        for name in strategies:
+            if name not in models.STRATEGIES:
+                raise ValueError(
+                    f"unknown strategy {name!r}; choose from {sorted(models.STRATEGIES)}"
+                )
+    out = []
+    for shape in meshes:
+        if strategies is None:
+            # ZeRO-1 is searched on request only: its compiled step holds a few hundred bytes
+            # more than the jaxpr's peak (program_cost), which the memory rule does not model.
+            names = [n for n in models.strategies_for(model, tuple(shape))
+                     if not models.STRATEGIES[n].zero1]  # fmt: skip
+        else:
+            names = list(strategies)
+        out += [(name, shape) for name in names if name != "ref"]
+    return out
 
 
-def _reason_ruled_out(model, strategy, mesh_shape, batch, seq) -> str | None:
-    """Why ``strategy`` on ``mesh_shape`` is not worth listing, or None (checks that need no
-    build: duplicates, the batch and the sequence)."""
+def _effective(strategy, shape: dict) -> dict:
+    """The kinds of ``strategy`` on the axes of ``shape`` that hold more than one device."""
+    out = {}
+    for kind, axes in strategy.rules.items():
+        kept = tuple(a for a in axes if shape.get(a, 1) > 1)
+        if kept:
+            out[kind] = kept
+    return out
+
+
+def _reason_ruled_out(model, strategy, shape: dict, batch, seq) -> str | None:
+    """Why ``strategy`` on the mesh ``shape`` is not worth listing, or None (checks that need
+    no build: the mesh's axes, duplicates, the batch and the sequence)."""
     import shardops_models as models
 
     s = models.STRATEGIES[strategy]
-    d, m = mesh_shape
-    data = s.data if d > 1 else None
-    model_part = s.model if m > 1 else None
+    missing = [a for a in s.axes if a not in shape]
+    if missing:
+        return f"the mesh has no axis {', '.join(map(repr, missing))}"
+    mine = _effective(s, shape)
     same = next((t.name for t in models.STRATEGIES.values()
-                 if (t.data, t.model) == (data, model_part)), None)  # fmt: skip
+                 if set(t.axes) <= set(shape) and _effective(t, shape) == mine), None)  # fmt: skip
     if same != strategy:
-        if same == "ref":
+        if not mine:
             return "no parallelism: every device runs the whole single-device step"
-        unused = "model" if data else "data"
-        return f"same program as {same} {d}×{m} (the '{unused}' axis it would split has size 1)"
-    if s.model == "sp" and not getattr(model, "sequence", False):
+        unused = [a for a in s.axes if shape[a] == 1]
+        where = _mesh_text(tuple(shape), tuple(shape.values()))
+        return (f"same program as {same} {where} (the {', '.join(map(repr, unused))} axis it "
+                f"would split has size 1)")  # fmt: skip
+    if s.sp and not getattr(model, "sequence", False):
         return "sp splits the sequence; this model has none"
-    if s.batch_axes and batch % d:
-        return f"batch {batch} does not split over data = {d}; use a multiple of {d}"
-    if s.model == "sp":
+    n = math.prod(shape[a] for a in s.batch_axes)
+    if s.batch_axes and batch % n:
+        return (f"batch {batch} does not split over {' × '.join(s.batch_axes)} = {n}; use a "
+                f"multiple of {n}")  # fmt: skip
+    if s.sp:
         tokens = model.context if seq is None else seq
-        if tokens % m:
-            return f"sequence {tokens} does not split over model = {m} (sp splits it)"
+        if tokens % shape[s.tp]:
+            return f"sequence {tokens} does not split over {s.tp} = {shape[s.tp]} (sp splits it)"
     return None
 
 
 def predict(model, strategy: str, mesh_shape, batch: int, *, seq=None, optimizer="adam",
             precision=FLOAT32, hardware="h100-nvlink", memory_limit=None) -> Candidate:  # fmt: skip
     """The predicted costs of one candidate (it traces the step; compiles nothing).
+    ``mesh_shape``: axis sizes (a dict), or ``(data, model)``.
 
     Raises ``ValueError`` (from ``models.build``) when the model does not split over the mesh."""
     import jax
@@ -386,8 +445,8 @@ def predict(model, strategy: str, mesh_shape, batch: int, *, seq=None, optimizer
     from shardops import make_mesh
 
     hw = hardware_named(hardware)
-    d, m = mesh_shape
-    mesh = make_mesh({DATA_AXIS: d, MODEL_AXIS: m})
+    shape = _shape(mesh_shape)
+    mesh = make_mesh(shape)
     setup = models.build(strategy, mesh, optimizer=_optimizer(optimizer), model=model,
                          precision=precision)  # fmt: skip
     budget = setup.collective_budget(batch, seq)
@@ -407,17 +466,25 @@ def predict(model, strategy: str, mesh_shape, batch: int, *, seq=None, optimizer
     compute = (cost.flops / hw.flops_for(_dtype_name(precision.compute_dtype))
                + cost.elementwise_bytes / hw.memory_bandwidth)  # fmt: skip
     s = models.STRATEGIES[strategy]
-    replicas = (m if not s.model else 1) * (d if not s.data else 1)
+    replicas = math.prod(n for a, n in shape.items() if a not in s.axes)  # axes it leaves unused
     state = _state_bytes_per_device(args[0])
     limit = hw.memory if memory_limit is None else memory_limit
     return Candidate(
-        strategy=strategy, mesh=(d, m), replicas=replicas, budget=budget, ring_bytes=ring,
+        strategy=strategy, mesh=tuple(shape.values()), axes=tuple(shape), replicas=replicas,
+        budget=budget, ring_bytes=ring,
         collectives=cost.collectives, comm_time=comm, flops=cost.flops,
         elementwise_bytes=cost.elementwise_bytes, compute_time=compute, state_bytes=state,
         peak_bytes=cost.peak_bytes, fits=cost.peak_bytes <= limit,
         step_time=compute + sum(comm.values()), model=model,
         options={"batch": batch, "seq": seq, "optimizer": optimizer, "precision": precision},
     )  # fmt: skip
+
+
+def _shape(mesh_shape) -> dict[str, int]:
+    if isinstance(mesh_shape, dict):
+        return dict(mesh_shape)
+    d, m = mesh_shape
+    return {DATA_AXIS: d, MODEL_AXIS: m}
 
 
 def _dtype_name(dtype) -> str:
@@ -445,8 +512,7 @@ def compiled_ledger(candidate: Candidate) -> CompiledLedger:
     from shardops.inspect import Ledger, hlo_collectives, lowered_collectives
 
     o = candidate.options
-    d, m = candidate.mesh
-    mesh = make_mesh({DATA_AXIS: d, MODEL_AXIS: m})
+    mesh = make_mesh(candidate.mesh_shape)
     setup = models.build(candidate.strategy, mesh, optimizer=_optimizer(o["optimizer"]),
                          model=candidate.model, precision=o["precision"])  # fmt: skip
     args = setup.abstract_step_args(o["batch"], o["seq"])
@@ -551,7 +617,7 @@ def _table(p: Search):
     title = (f"{p.model_name}, batch {p.batch}, {p.devices} devices, hardware {hw.name} "
              f"(ranked by predicted step time)")  # fmt: skip
     table = Table(title=title)
-    for name, justify in (("rank", "right"), ("strategy", "left"), ("mesh d×m", "left"),
+    for name, justify in (("rank", "right"), ("strategy", "left"), ("mesh", "left"),
                           ("replicas", "right"), ("ring MB/device", "left"),
                           ("collectives", "left"), ("comm ms", "right"),
                           ("compute ms", "right"), ("peak MB/device", "right"),
@@ -565,7 +631,7 @@ def _table(p: Search):
             "yes" if lay.fits else "no", _ms(lay.step_time),
         )  # fmt: skip
     for r in p.ruled_out:
-        table.add_row("-", r.strategy, f"{r.mesh[0]}×{r.mesh[1]}", "", f"ruled out: {r.reason}",
+        table.add_row("-", r.strategy, r.mesh_text, "", f"ruled out: {r.reason}",
                       "", "", "", "", "", "", style="dim")  # fmt: skip
     return table
 
@@ -634,6 +700,9 @@ def main(argv=None) -> Search | None:
         help="memory per device; candidates that need more are ruled out",
     )
     p.add_argument("--strategies", nargs="*", default=None)
+    p.add_argument("--mesh", default=None, metavar="SPEC",
+                   help="search this mesh only, e.g. replica=2,data=2,model=2 or 4x2 (default: "
+                        "every data×model of --devices)")  # fmt: skip
     p.add_argument(
         "--compile-top",
         type=int,
@@ -650,8 +719,18 @@ def main(argv=None) -> Search | None:
     if args.worker:
         _worker(*args.worker)
         return None
+    meshes = None
+    if args.mesh is not None:
+        try:
+            shape = shardops.parse_mesh(args.mesh)
+        except ValueError as e:
+            p.error(f"--{e}")
+        n = math.prod(shape.values())
+        if args.devices is not None and args.devices != n:
+            p.error(f"--mesh {args.mesh} has {n} devices but --devices is {args.devices}")
+        args.devices, meshes = n, [shape]
     if args.batch is None or args.devices is None:
-        p.error("--batch and --devices are required")
+        p.error("--batch and --devices (or --mesh) are required")
     if args.devices < 1:
         p.error(f"--devices must be a positive integer; got {args.devices}")
     if args.batch < 1:
@@ -678,7 +757,8 @@ def main(argv=None) -> Search | None:
         result = search(args.model, args.batch, args.devices, seq=args.seq,
                       optimizer=args.optimizer, precision=PRECISIONS[args.precision],
                       hardware=hardware, memory_limit=memory, strategies=args.strategies,
-                      compile_top=args.compile_top, recount=args.recount)  # fmt: skip
+                      compile_top=args.compile_top, recount=args.recount,
+                      meshes=meshes)  # fmt: skip
     except ValueError as e:
         p.error(str(e))
     from rich.console import Console

@@ -19,15 +19,24 @@ JAX_NAMES = {
 }
 
 
-def explain(mesh: Mesh, fn, /, *args, **kwargs) -> list[str]:
+def explain(mesh: Mesh, fn, /, *args, traced: bool = False, **kwargs) -> list[str]:
     """One sentence per collective of the compiled ``fn(*args)``: layer, collective, mesh axis,
     tensor, bytes, and the reason. Layers are recognised by their ``named_scope`` and their
-    collectives over ``MODEL_AXIS``; everything else is explained by kind and pass. E.g.
+    collectives over ``MODEL_AXIS``; everything else is explained by kind and pass. With
+    ``traced=True`` it reads the traced program instead (``shardops.inspect.traced_collectives``:
+    the budget's own source; nothing compiles, ``mesh`` may be an ``AbstractMesh``), one
+    sentence per collective the program asks for, before XLA combines any. E.g.
 
         row_parallel_dense: psum over 'model' of f32[64,10] (2.5 KiB), because the contraction
         dim is split over 'model' (each device holds partial sums y{U_model})
     """
-    return [sentence(c) for c in ledger(mesh, fn, *args, **kwargs).collectives if c.bytes]
+    if traced:
+        from shardops.inspect._traced import traced_collectives
+
+        found = traced_collectives(mesh, fn, *args, **kwargs)
+    else:
+        found = ledger(mesh, fn, *args, **kwargs).collectives
+    return [sentence(c) for c in found if c.bytes]
 
 
 def sentence(c: Collective) -> str:

@@ -62,7 +62,7 @@ def test_weight_png_shows_how_2d_and_fsdp_tp_differ(tmp_path):
     assert drawn["fsdp_tp layer 1 w"][((64, 128), (0, 10))] == (2,)
 
 
-def _explain_layer(layer, **options):
+def _explain_layer(layer, traced=False, **options):
     mesh = shardops.make_mesh({"data": 4, "model": 2})
     fn = getattr(shardops, f"{layer}_parallel_dense")
     x, w, b = jnp.ones((64, 32)), jnp.ones((32, 16)), jnp.ones(16)
@@ -76,7 +76,7 @@ def _explain_layer(layer, **options):
 
         return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, b)
 
-    return "\n".join(shardops.inspect.explain(mesh, forward_and_grads, x, w, b))
+    return "\n".join(shardops.inspect.explain(mesh, forward_and_grads, x, w, b, traced=traced))
 
 
 @pytest.mark.parametrize(
@@ -90,8 +90,9 @@ def _explain_layer(layer, **options):
         ("column", {"gather_output": True}, ["gather_output asks for the full y"]),
     ],
 )  # fmt: skip
-def test_explain_each_kernel_option(layer, options, phrases):
-    text = _explain_layer(layer, **options)
+@pytest.mark.parametrize("traced", [False, True], ids=["compiled", "traced"])
+def test_explain_each_kernel_option(layer, options, phrases, traced):
+    text = _explain_layer(layer, traced=traced, **options)
     for phrase in phrases:
         assert phrase in text, text
     assert "over 'data'" in text and "gradients are summed" in text  # the data-parallel grads
