@@ -4,11 +4,16 @@
     python benchmarks/strategies.py --quick        # a small end-to-end run (CI); times mean nothing
     python benchmarks/strategies.py --tables-only  # docs/benchmarks.md's tables from the stored JSON
     python benchmarks/strategies.py --platform gpu # the same tables on the GPUs present
+    python benchmarks/strategies.py --only gpt --strategy hsdp_tp --mesh replica=2,data=2,model=2
+                                                   # one case, on a mesh of named axes
 
 For the seed's MLP (784-512-10, batch 256), a wider one (784-2048-2048-10, batch 1024) and a
 GPT (``models.Gpt()``: 4 layers, width 128, 4 heads, vocabulary 256; batch 16 × 128 tokens),
 and for each strategy × mesh, it measures in one process:
 
+- the cases: every strategy on a data × model mesh, and HSDP (``hsdp``, ``hsdp_tp``) on named
+  axes ``replica × data (× model)``; ``--strategy`` (with ``--mesh``, one case on any mesh, a
+  temporary results folder) picks.
 - variant rows: the same strategy and mesh with one option of ``models.build`` changed:
   ``collective_matmul="ring"`` / ``"bidirectional"`` (``tp ring``), ``fsdp_dense=
   "gather_weights"`` (the behaviour before the per-layer choice) and ``remat=True``.
@@ -70,12 +75,27 @@ SIMULATED_DEVICES = 8
 
 
 class Case(NamedTuple):
-    """A strategy on a mesh (data × model), with its variants: ``(label, build options)`` pairs
-    timed in the same rotation as the plain step."""
+    """A strategy on a mesh (``(data, model)``, or named axis sizes such as ``{"replica": 2,
+    "data": 4}``), with its variants: ``(label, build options)`` pairs timed in the same
+    rotation as the plain step."""
 
     strategy: str
-    mesh: tuple[int, int]
+    mesh: tuple[int, int] | dict
     variants: tuple = ()
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """The mesh as axis sizes."""
+        if isinstance(self.mesh, dict):
+            return dict(self.mesh)
+        return {"data": self.mesh[0], "model": self.mesh[1]}
+
+
+def mesh_text(shape: dict) -> str:
+    """``4x2`` on data × model, ``replica=2,data=4`` on any other axes (``--mesh``'s spelling)."""
+    if tuple(shape) == ("data", "model"):
+        return f"{shape['data']}x{shape['model']}"
+    return ",".join(f"{a}={n}" for a, n in shape.items())
 
 
 RING = ("ring", {"collective_matmul": "ring"})
@@ -90,6 +110,8 @@ MLP_CASES = [
     Case("2d", (2, 4)),
     Case("fsdp", (8, 1), (GATHER_WEIGHTS, REMAT)),
     Case("fsdp_tp", (4, 2), (RING, BIDIRECTIONAL, GATHER_WEIGHTS)),
+    Case("hsdp", {"replica": 2, "data": 4}),
+    Case("hsdp_tp", {"replica": 2, "data": 2, "model": 2}),
 ]
 # The GPT's 4 heads allow a model axis of at most 4. Model-only strategies run on 1×4 (the batch
 # is not split, so a data axis would only hold replicas computing the same step); the others on
@@ -103,6 +125,8 @@ GPT_CASES = [
     Case("fsdp_tp", (2, 4)),
     Case("dp_sp", (2, 4)),
     Case("fsdp_sp", (2, 4), (RING, BIDIRECTIONAL, REMAT)),
+    Case("hsdp", {"replica": 2, "data": 4}, (REMAT,)),
+    Case("hsdp_tp", {"replica": 2, "data": 2, "model": 2}),
 ]
 PLAIN_MLP_CASES = [case._replace(variants=()) for case in MLP_CASES]  # the quick wide MLP
 # Both axes and every GPT kernel, a ring, a remat; CI-fast.
@@ -185,6 +209,13 @@ def cases_on(bench, n_devices: int) -> tuple[list[Case], list[str]]:
     limit = model_axis_limit(bench.model)
     cases, skipped, seen = [], [], {}
     for case in bench.cases:
+        if isinstance(case.mesh, dict):  # named axes: run as written, where the devices fit
+            if math.prod(case.mesh.values()) == n_devices:
+                cases.append(case)
+            else:
+                skipped.append(f"{case.strategy} {mesh_text(case.shape)}: needs "
+                               f"{math.prod(case.mesh.values())} devices")  # fmt: skip
+            continue
         mapped = mesh_for(case.mesh, n_devices, batch=bench.batch, model_limit=limit)
         where = f"{case.strategy} {case.mesh[0]}x{case.mesh[1]} → {mapped[0]}x{mapped[1]}"
         if (case.strategy, mapped) in seen:
@@ -293,9 +324,9 @@ def paired(t, a, b) -> dict:
 def bench_group(case, model, batch, *, steps, warmup, rng, devices):
     """One row per shardops program of ``case`` (plain, then each variant), every program of
     the group timed in one rotation."""
-    strategy, mesh_shape = case.strategy, case.mesh
-    n = mesh_shape[0] * mesh_shape[1]
-    mesh = shardops.make_mesh({"data": mesh_shape[0], "model": mesh_shape[1]}, devices=devices[:n])
+    strategy, shape = case.strategy, case.shape
+    n = math.prod(shape.values())
+    mesh = shardops.make_mesh(shape, devices=devices[:n])
     opt = optax.sgd(0.01)  # a small rate keeps thousands of benchmark steps finite
     variants = [(strategy, {})] + [(f"{strategy} {name}", opts) for name, opts in case.variants]
     setups = {label: models.build(strategy, mesh, optimizer=opt, model=model, **opts)
@@ -337,7 +368,7 @@ def bench_group(case, model, batch, *, steps, warmup, rng, devices):
         if (
             stray
         ):  # shardops' collectives always run over mesh axes (shardops.inspect.ledger checks it)
-            raise AssertionError(f"{label} {mesh_shape}: collectives over no mesh axes: {stray}")
+            raise AssertionError(f"{label} {shape}: collectives over no mesh axes: {stray}")
         # The same shardops.inspect.ring_bytes turns both the compiled HLO's V and the model's V (the
         # strategy's collective_budget) into ring bytes: agreement checks V, not the formulas.
         model_bytes = s.cost_model(batch, seq)
@@ -345,7 +376,7 @@ def bench_group(case, model, batch, *, steps, warmup, rng, devices):
         rows[label] = {
             "label": label,
             "strategy": strategy,
-            "mesh": f"{mesh_shape[0]}x{mesh_shape[1]}",
+            "mesh": mesh_text(shape),
             "options": dict(variants)[label],
             "ring_bytes_model": {axes_key(a): v for a, v in model_bytes.items()},
             "ring_bytes_shardops": ring_bytes_per_group(colls),
@@ -561,6 +592,13 @@ def main(argv=None):
         "--only", nargs="*", default=None, help="run only these tables (seed, wide, gpt)"
     )
     p.add_argument(
+        "--strategy",
+        default=None,
+        help="run only this strategy's cases (with --mesh: this one case, plain)",
+    )
+    p.add_argument("--mesh", default=None, metavar="SPEC",
+                   help="with --strategy: its mesh, e.g. replica=2,data=2,model=2 or 4x2")  # fmt: skip
+    p.add_argument(
         "--out", default=None,
         help=f"results folder (default {RESULTS}; with --quick a temporary folder)",
     )  # fmt: skip
@@ -573,9 +611,19 @@ def main(argv=None):
         help="rewrite docs/benchmarks.md's tables (and strategies.md) from the stored JSON; run nothing",
     )  # fmt: skip
     args = p.parse_args(argv)
+    if args.mesh is not None and args.strategy is None:
+        p.error("--mesh needs --strategy")
+    if args.mesh is not None:
+        try:
+            shardops.parse_mesh(args.mesh)
+            models.STRATEGIES[args.strategy].check_mesh(shardops.parse_mesh(args.mesh))
+        except (ValueError, KeyError) as e:
+            p.error(f"--mesh {args.mesh}: {e}")
+    picked = args.strategy is not None
     stem = "strategies" if args.platform == "cpu" else f"strategies_{args.platform}"
-    if args.out is None:
-        args.out = tempfile.mkdtemp(prefix="shardops_bench_") if args.quick else str(RESULTS)
+    if args.out is None:  # a run of picked cases never overwrites the committed tables
+        args.out = (tempfile.mkdtemp(prefix="shardops_bench_") if args.quick or picked
+                    else str(RESULTS))  # fmt: skip
     out = pathlib.Path(args.out)
     committed = out.resolve() == RESULTS.resolve() and args.platform == "cpu"
     if args.tables_only:
@@ -604,6 +652,10 @@ def main(argv=None):
     for name, bench in benches(args.quick, args.steps).items():
         if args.only is not None and name not in args.only:
             continue
+        if args.strategy is not None:
+            bench = bench._replace(cases=(
+                [Case(args.strategy, shardops.parse_mesh(args.mesh))] if args.mesh
+                else [c for c in bench.cases if c.strategy == args.strategy]))  # fmt: skip
         block_start = time.perf_counter()
         rows, cases = [], bench.cases
         if args.platform != "cpu":
@@ -619,7 +671,7 @@ def main(argv=None):
             except ValueError as e:  # a mapped mesh the model cannot split
                 if args.platform == "cpu":
                     raise
-                print(f"{name:>5} skip {case.strategy} {case.mesh[0]}x{case.mesh[1]}: {e}")
+                print(f"{name:>5} skip {case.strategy} {mesh_text(case.shape)}: {e}")
                 continue
             for row in group:
                 rows.append(row)

@@ -152,14 +152,17 @@ class Parallel:
         return jax.checkpoint(run)(params, *args) if self.remat else run(params, *args)
 
     def _materialise_all(self, params):
-        """Every ``Param`` of a stage, ready. Without remat, the split leaves that share a dtype
-        and varying axes travel together: one AllGather over ``data`` (one ReduceScatter back)
-        instead of one per leaf (``shardops.comm.gather_many_to_region``); XLA:CPU does not combine
+        """Every ``Param`` of a stage, ready. The split leaves that share a dtype and varying
+        axes travel together: one AllGather over the fsdp axes (one ReduceScatter back) instead
+        of one per leaf (``shardops.comm.gather_many_to_region``); XLA:CPU does not combine
         gathers by itself. (It does combine the replicated leaves' gradient AllReduces, so those
-        stay one ``copy_to_region`` each: bundling them by hand only adds copies.) With remat
-        each leaf is gathered alone, so the backward re-gathers only what it reads."""
+        stay one ``copy_to_region`` each: bundling them by hand only adds copies.) Under remat
+        the backward re-gathers the whole bundle, the leaves its backward does not read (a
+        bias, an embedding table) included: more bytes than one gather per leaf, and on the
+        GPT 45 collectives a step instead of 190 (1.35× → 1.03× GSPMD's step, measured in
+        ``benchmarks/strategies.py``)."""
         leaves, tree = jax.tree.flatten(params, is_leaf=is_param)
-        if not self.strategy.fsdp or self.remat:
+        if not self.strategy.fsdp:
             return tree.unflatten([self._materialise(p) for p in leaves])
         ready: list = [None] * len(leaves)
         gather = {}
