@@ -1,5 +1,5 @@
 """Shared checks of the GPT (``models.Gpt``) under every strategy: 5 steps equal an independent
-reference, and the compiled collectives equal the plan-derived budget.
+reference, and the compiled collectives equal the budget traced from the step.
 
 The reference is ``jax.value_and_grad(model.reference_loss)``: the GPT in plain ``jax.numpy``
 (no shardops layer, no ``models.strategies.parallel``) with the same optax optimizer, so a bug in the
@@ -142,5 +142,5 @@ def check_budget(setup, compiled, batch_shape) -> None:
     expected = setup.collective_budget(*batch_shape)
     assert totals == expected, (
         f"GPT {setup.strategy} on {dict(setup.mesh.shape)}: compiled collectives {totals} "
-        f"!= plan-derived budget {expected}"
+        f"!= the traced budget {expected}"
     )

@@ -158,9 +158,9 @@ class Parallel:
         gathers by itself. (It does combine the replicated leaves' gradient AllReduces, so those
         stay one ``copy_to_region`` each: bundling them by hand only adds copies.) Under remat
         the backward re-gathers the whole bundle, the leaves its backward does not read (a
-        bias, an embedding table) included: more bytes than one gather per leaf, and on the
-        GPT 45 collectives a step instead of 190 (1.35× → 1.03× GSPMD's step, measured in
-        ``benchmarks/strategies.py``)."""
+        bias, an embedding table) included: a few more bytes than one gather per leaf, and on
+        the GPT 45 collectives a step instead of 190 (``fsdp remat`` 1.29× → 0.96× GSPMD's
+        step, ``docs/benchmarks.md``)."""
         leaves, tree = jax.tree.flatten(params, is_leaf=is_param)
         if not self.strategy.fsdp:
             return tree.unflatten([self._materialise(p) for p in leaves])

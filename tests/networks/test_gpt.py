@@ -1,5 +1,5 @@
 """The GPT (``models.Gpt``) under every strategy on every mesh: 5 steps of SGD and of Adam equal
-the plain-jnp reference, and the compiled collectives equal the plan-derived budget exactly."""
+the plain-jnp reference, and the compiled collectives equal the budget traced from the step exactly."""
 
 import jax
 import numpy as np
