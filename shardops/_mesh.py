@@ -62,7 +62,7 @@ def parse_mesh(spec: str) -> dict[str, int]:
     number of named axes, major first), or ``"4x2"``, shorthand for ``data=4,model=2``.
 
     Raises ``ValueError`` with one line that says what was expected."""
-    text = str(spec).strip().lower().replace("×", "x").replace(" ", "")
+    text = str(spec).strip().replace(" ", "")  # axis names keep their case
     if "=" in text:
         sizes: dict[str, int] = {}
         for part in text.split(","):
@@ -74,7 +74,7 @@ def parse_mesh(spec: str) -> dict[str, int]:
                 )
             sizes[name] = int(size)
         return sizes
-    parts = text.split("x")
+    parts = text.lower().replace("×", "x").split("x")
     if len(parts) == 2 and all(p.isdigit() and int(p) >= 1 for p in parts):
         return {DATA_AXIS: int(parts[0]), MODEL_AXIS: int(parts[1])}
     raise ValueError(

@@ -222,6 +222,8 @@ BF16_BUDGET_MESHES = {
     "dp": {"data": 4}, "fsdp": {"data": 4}, "tp": {"model": 4}, "sp": {"model": 4},
     "2d": {"data": 2, "model": 4}, "fsdp_tp": {"data": 2, "model": 4},
     "dp_sp": {"data": 2, "model": 4}, "fsdp_sp": {"data": 2, "model": 4},
+    "hsdp_sp": {"replica": 2, "data": 2, "model": 2}, "zero1": {"data": 4},
+    "zero1_tp": {"data": 2, "model": 4},
 }  # fmt: skip
 
 

@@ -19,8 +19,9 @@ number of axes with any names (MaxText's ``logical_axis_rules``, as one table).
         AllReduced over replica.
 
 Mesh axes a strategy does not name hold replicas (every device along them runs the same step).
-Today's nine strategies are presets (``STRATEGIES``) on the axes ``data`` and ``model``, and
-``hsdp``, ``hsdp_tp``, ``hsdp_sp``, ``zero1`` and ``zero1_tp`` add ``replica``. A kind the
+Today's nine strategies are presets (``STRATEGIES``) on the axes ``data`` and ``model``;
+``hsdp``, ``hsdp_tp`` and ``hsdp_sp`` add ``replica``, and ``zero1`` and ``zero1_tp`` put
+ZeRO-1 on ``data``. A kind the
 library adds later (context, expert, pipeline) is one more field with its own rows here; the
 existing kinds keep theirs.
 """

@@ -3,8 +3,9 @@ layout of kinds of parallelism over named mesh axes, ``models.strategies.layout`
 
 A model's forward is written once against ``Parallel`` (the context): it runs each group of
 parameters (a *stage*: a layer, a transformer block) through ``ctx.stage(fn, params, x)``,
-which materialises them for the data-parallel axes (``pcast`` over the dp and zero1 axes,
-AllGather over the fsdp axes, recomputed in the backward pass under remat), and calls layers as ``ctx.dense(p, x)``, ``ctx.embed``,
+which materialises them for the data-parallel axes (``pcast`` over the dp axes, AllGather over
+the fsdp axes, recomputed in the backward pass under remat; zero1's parameters arrive varying
+already), and calls layers as ``ctx.dense(p, x)``, ``ctx.embed``,
 ``ctx.attention``, ``ctx.layer_norm``, ``ctx.cross_entropy``. The *plan* (``models.strategies.plan``)
 gives each parameter its role, and the role picks the kernel: a ``column`` dense under ``tp``
 is ``shardops.layers.column_parallel_dense_kernel``, under ``dp`` it is ``shardops.dense``. The
@@ -347,14 +348,14 @@ class Parallel:
         _check_logits_cover_labels(self, logits, labels)
         if split:
             return shardops.layers.vocab_parallel_cross_entropy_kernel(
-                logits, labels, precision=self.precision
+                logits, labels, axis_name=self.tp, precision=self.precision
             )
         logits = logits.astype(jnp.float32)  # [..., V] in f32
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
     def argmax(self, logits, *, split: bool):
         if split:
-            return shardops.layers.vocab_parallel_argmax_kernel(logits)
+            return shardops.layers.vocab_parallel_argmax_kernel(logits, axis_name=self.tp)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     # --- for a layer of your own: the shard-dependent pieces, by kind of parallelism

@@ -657,8 +657,11 @@ class _Body:
 
     def _loss_and_grads(self, params, x, y):
         zero1 = self.composition.zero1
-        if zero1:  # varying over zero1's axes: each device's gradients stay its partial sums
-            params = jax.tree.map(lambda p: lax.pcast(p, zero1, to="varying"), params)
+        if zero1:  # varying over zero1's axes, in float32 (as dp's copy_to_region gives them):
+            # each device's gradients leave the backward as its float32 partial sums
+            accum = self.precision.accum_dtype
+            params = jax.tree.map(lambda p: lax.pcast(p.astype(accum), zero1, to="varying"),
+                                  params)  # fmt: skip
         loss, grads = jax.value_and_grad(self.local_loss)(params, x, y)
         if self.batch_axes:
             loss = lax.psum(loss, self.batch_axes)  # the global loss: AllReduce of one f32
@@ -666,8 +669,9 @@ class _Body:
 
     def loss_and_grads(self, params, x, y):
         loss, grads = self._loss_and_grads(params, x, y)
-        if self.composition.zero1:  # the partial sums → the gradients, laid out like params
-            grads = lax.psum(grads, self.composition.zero1)
+        if self.composition.zero1:  # the partial sums (f32) → the gradients, laid out like params
+            grads = jax.tree.map(lambda g, p: lax.psum(g, self.composition.zero1).astype(p.dtype),
+                                 grads, params)  # fmt: skip
         return loss, grads
 
     def step(self, state: TrainState, x, y):
@@ -681,9 +685,10 @@ class _Body:
         return TrainState(params, opt_state), loss
 
     def _zero1_update(self, state: TrainState, partial) -> TrainState:
-        """ZeRO-1: ReduceScatter each gradient ``g{U_zero1}`` over zero1's axes along the dim
-        its optimizer state splits (an AllReduce where none splits), update this device's
-        shard of the parameter and of the state, and AllGather the parameter back."""
+        """ZeRO-1: ReduceScatter each gradient ``g{U_zero1}`` (float32) over zero1's axes along
+        the dim its optimizer state splits (an AllReduce where none splits), cast it to the
+        parameter's dtype, update this device's shard of the parameter and of the state, and
+        AllGather the parameter back."""
         axes = self.composition.zero1
         n = math.prod(lax.axis_size(a) for a in axes)
         dims = self.zero1_dims
@@ -704,7 +709,8 @@ class _Body:
                 return p
             return lax.all_gather(p, axes, axis=d, tiled=True, to="invarying")
 
-        grads = jax.tree.map(grad_shard, partial, dims)
+        grads = jax.tree.map(lambda g, d, p: grad_shard(g, d).astype(p.dtype), partial, dims,
+                             state.params)  # fmt: skip
         shards = jax.tree.map(param_shard, state.params, dims)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, shards)
         shards = optax.apply_updates(shards, updates)

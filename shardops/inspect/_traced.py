@@ -72,6 +72,13 @@ PRIMITIVE_KINDS = {
 }
 """The jaxpr primitives that communicate, and the HLO collective each one lowers to."""
 
+UNCOUNTED = frozenset({
+    "ragged_all_to_all", "psend", "precv", "all_gather_reduced", "unreduced_psum",
+    "unreduced_reduce_scatter",
+})  # fmt: skip
+"""Collective primitives the walk does not count: a program that issues one is refused, never
+given a budget that leaves it out."""
+
 KEEP_REMAT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 """``jax.jit(..., compiler_options=KEEP_REMAT)``: XLA:CPU keeps remat's recomputed collectives
 (see the module docstring)."""
@@ -91,11 +98,13 @@ def hlo_dtype(dtype) -> str:
     dt = np.dtype(dtype)
     if dt.name == "bfloat16":
         return "bf16"
+    if dt.name.startswith("float8_"):  # ml_dtypes' float8_e4m3fn → HLO's f8e4m3fn
+        return "f8" + dt.name.removeprefix("float8_")
     if dt.kind == "b":
         return "pred"
     prefix = {"f": "f", "i": "s", "u": "u", "c": "c"}.get(dt.kind)
     if prefix is None:
-        return dt.name  # float8 variants print as their own names
+        raise ValueError(f"no HLO name for dtype {dt.name!r}")
     return f"{prefix}{dt.itemsize * 8}"
 
 
@@ -157,6 +166,11 @@ class _Walk:
             if name in PRIMITIVE_KINDS:
                 self.collective(eqn, here, times)
                 continue
+            if name in UNCOUNTED:
+                raise ValueError(
+                    f"{name} in {here!r}: the traced budget does not count this collective; "
+                    f"read the compiled program instead (shardops.inspect.ledger)"
+                )
             subs = list(_sub_jaxprs(eqn))
             if not subs:
                 continue
@@ -172,6 +186,11 @@ class _Walk:
 
     def collective(self, eqn, op_name: str, times: int) -> None:
         kind = PRIMITIVE_KINDS[eqn.primitive.name]
+        if eqn.params.get("axis_index_groups") is not None:
+            raise ValueError(
+                f"{eqn.primitive.name} with axis_index_groups in {op_name!r}: the traced budget "
+                f"counts collectives over whole mesh axes only"
+            )
         named = _axes_of(eqn)
         unknown = [a for a in named if a not in self.sizes]
         if unknown:
@@ -227,9 +246,7 @@ def _join(stack: str, name: str) -> str:
 def _sub_jaxprs(eqn):
     from jax.extend.core import ClosedJaxpr, Jaxpr
 
-    for key, value in eqn.params.items():
-        if eqn.primitive.name == "custom_jvp_call" and key != "call_jaxpr":
-            continue
+    for value in eqn.params.values():
         for item in value if isinstance(value, list | tuple) else (value,):
             if isinstance(item, ClosedJaxpr):
                 yield _live(item.jaxpr)
