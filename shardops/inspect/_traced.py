@@ -27,7 +27,8 @@ What XLA does to the requested collectives before running them (``RUNS_AS``):
 
 - **XLA:CPU runs every bfloat16 (and float16) collective in float32**: twice the bytes of
   what was asked for (measured for all five kinds: all-reduce, all-gather, reduce-scatter,
-  all-to-all, collective-permute). GPU and TPU run them as asked.
+  all-to-all, collective-permute). ``RUNS_AS`` takes GPU and TPU to run them as asked; that
+  is not measured here (no accelerator was lent to the machine that wrote this).
 - **XLA combines** independent collectives of one kind and group into one tuple-shaped op
   (XLA:CPU: all-reduces). That changes the number of ops, not the bytes per kind, axes and pass
   (``Ledger.by_pass`` splits a combined tuple by its elements' names).
@@ -37,7 +38,8 @@ What XLA does to the requested collectives before running them (``RUNS_AS``):
   trace counts; ``shardops_models`` compiles every remat step so.
 - **Loops**: the trace counts a ``scan``'s body once per iteration; the compiled reading
   (``shardops.inspect.ledger``) reads the program text, where the loop body appears once.
-- Dead collectives (a result nothing reads) are removed before lowering, here and by JAX alike.
+- Dead collectives (a result nothing reads) are removed before lowering, here and by JAX alike
+  (``jax.jit(..., keep_unused=True)`` keeps dead ones in the compiled program, not here).
 """
 
 from __future__ import annotations
