@@ -91,11 +91,7 @@ class Case(NamedTuple):
         return {"data": self.mesh[0], "model": self.mesh[1]}
 
 
-def mesh_text(shape: dict) -> str:
-    """``4x2`` on data × model, ``replica=2,data=4`` on any other axes (``--mesh``'s spelling)."""
-    if tuple(shape) == ("data", "model"):
-        return f"{shape['data']}x{shape['model']}"
-    return ",".join(f"{a}={n}" for a, n in shape.items())
+mesh_text = shardops.format_mesh  # 4x2, or replica=2,data=4: --mesh's spelling
 
 
 RING = ("ring", {"collective_matmul": "ring"})

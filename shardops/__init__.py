@@ -3,7 +3,7 @@
 The surface, by concept (each subpackage has its own short ``__all__``):
 
 - **mesh**: ``make_mesh``, ``abstract_mesh`` (no devices: traces at any size), ``parse_mesh``
-  (``replica=2,data=2,model=2`` or ``4x2``), ``DATA_AXIS`` / ``MODEL_AXIS`` / ``REPLICA_AXIS`` /
+  (``replica=2,data=2,model=2`` or ``4x2``) and ``format_mesh``, ``DATA_AXIS`` / ``MODEL_AXIS`` / ``REPLICA_AXIS`` /
   ``SEQUENCE_DIM``, ``axis_size``, ``check_divisible``, ``check_devices``; PartitionSpec entries
   (``spec_entry``, ``entry_axes``, ``spec_entries``, ``normalized_spec``) and ``varying_axes``
   inside ``shard_map``.
@@ -24,6 +24,7 @@ from shardops._mesh import (
     axis_size,
     check_divisible,
     entry_axes,
+    format_mesh,
     make_mesh,
     normalized_spec,
     parse_mesh,
@@ -71,6 +72,7 @@ __all__ = [  # noqa: RUF022 (grouped by concept, as the docstring lists them)
     "check_devices",
     "check_divisible",
     "entry_axes",
+    "format_mesh",
     "abstract_mesh",
     "make_mesh",
     "normalized_spec",

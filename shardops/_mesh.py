@@ -83,6 +83,14 @@ def parse_mesh(spec: str) -> dict[str, int]:
     )
 
 
+def format_mesh(axis_sizes: Mapping[str, int]) -> str:
+    """Axis sizes as ``parse_mesh`` reads them back: ``4x2`` for ``data=4, model=2``,
+    ``replica=2,data=4`` for any other axes."""
+    if tuple(axis_sizes) == (DATA_AXIS, MODEL_AXIS):
+        return f"{axis_sizes[DATA_AXIS]}x{axis_sizes[MODEL_AXIS]}"
+    return ",".join(f"{name}={size}" for name, size in axis_sizes.items())
+
+
 def abstract_mesh(axis_sizes: Mapping[str, int], *, axis_types: str = "auto") -> AbstractMesh:
     """A mesh of named axis sizes with no devices behind it (``jax.sharding.AbstractMesh``):
     programs trace against it at any size, e.g. ``{"data": 64, "model": 64}`` for 4,096

@@ -195,10 +195,10 @@ class RuledOut:
 
 
 def _mesh_text(axes, sizes) -> str:
-    """``4×2`` on data × model; ``replica=2×data=2×model=2`` on any other axes."""
-    if tuple(axes) == (DATA_AXIS, MODEL_AXIS):
-        return "×".join(map(str, sizes))
-    return "×".join(f"{a}={n}" for a, n in zip(axes, sizes, strict=True))
+    """``4×2`` on data × model; ``replica=2,data=2,model=2`` (``--mesh``'s spelling) on any
+    other axes."""
+    text = shardops.format_mesh(dict(zip(axes, sizes, strict=True)))
+    return text.replace("x", "×") if tuple(axes) == (DATA_AXIS, MODEL_AXIS) else text
 
 
 @dataclasses.dataclass(frozen=True)

@@ -119,17 +119,6 @@ class Strategy:
         return self.dp + self.zero1 + self.fsdp
 
     @property
-    def data(self) -> str | None:
-        """The data-parallel kind that holds the parameters: ``"fsdp"`` (split; with dp
-        too: HSDP), ``"zero1"``, ``"dp"`` or None."""
-        return "fsdp" if self.fsdp else "zero1" if self.zero1 else "dp" if self.dp else None
-
-    @property
-    def model(self) -> str | None:
-        """``"sp"``, ``"tp"`` or None."""
-        return "sp" if self.sp else "tp" if self.tp else None
-
-    @property
     def rules(self) -> dict[str, tuple[str, ...]]:
         """Kind → mesh axes, for the kinds the strategy uses."""
         out = {k: getattr(self, k) for k in BATCH_KINDS if getattr(self, k)}

@@ -16,7 +16,6 @@ own collectives are the only record of what a layer moves.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 
 import jax
@@ -216,7 +215,7 @@ class Parallel:
         role, pending = p["w"].role, getattr(p.get("w"), "pending", None)
         if pending is not None:
             w = p["w"].value  # w[K_data, F'] or w[K', F_data]: this device's block
-            n = math.prod(lax.axis_size(a) for a in self.strategy.fsdp)
+            n = lax.axis_size(self.strategy.fsdp)
             seen = tuple(d * n if i == pending else d for i, d in enumerate(w.shape))
             if moves_activations(self.fsdp_dense, seen, pending, x.shape, n, self.precision):
                 return dense_moving_activations(

@@ -151,7 +151,8 @@ class Setup:
     layout: Strategy = None
     """The strategy's layout: which mesh axes carry each kind of parallelism."""
     _traces: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-    """``step_jaxpr`` and ``budget`` per (batch, seq): each step is traced once."""
+    """``abstract_step_args``, ``step_jaxpr`` and ``budget`` per (batch, seq): each step is
+    traced once."""
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -323,7 +324,14 @@ class Setup:
 
     def abstract_step_args(self, batch: int, seq: int | None = None):
         """``(state, x, y)`` of ``train_step`` as ``jax.ShapeDtypeStruct`` with their
-        NamedShardings: what tracing and lowering need, with no array allocated."""
+        NamedShardings: what tracing and lowering need, with no array allocated (made once
+        per (batch, seq))."""
+        key = ("args", batch, seq)
+        if key not in self._traces:
+            self._traces[key] = self._abstract_step_args(batch, seq)
+        return self._traces[key]
+
+    def _abstract_step_args(self, batch: int, seq: int | None):
         self.check_batch_size(batch)
         mesh = self.mesh
 
@@ -690,7 +698,7 @@ class _Body:
         parameter's dtype, update this device's shard of the parameter and of the state, and
         AllGather the parameter back."""
         axes = self.composition.zero1
-        n = math.prod(lax.axis_size(a) for a in axes)
+        n = lax.axis_size(axes)
         dims = self.zero1_dims
 
         def grad_shard(g, d):  # g[.., K, ..]{U_zero1} → g[.., K_zero1, ..]

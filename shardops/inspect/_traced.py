@@ -67,8 +67,7 @@ PRIMITIVE_KINDS = {
     "pmin": ALL_REDUCE,
     "all_gather": ALL_GATHER,
     "all_gather_invariant": ALL_GATHER,
-    "reduce_scatter": REDUCE_SCATTER,
-    "psum_scatter": REDUCE_SCATTER,
+    "reduce_scatter": REDUCE_SCATTER,  # lax.psum_scatter's primitive
     "all_to_all": ALL_TO_ALL,
     "ppermute": COLLECTIVE_PERMUTE,
 }

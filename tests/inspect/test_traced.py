@@ -217,3 +217,16 @@ def test_a_collective_over_an_axis_the_mesh_lacks_is_an_error(mesh):
 def test_an_unknown_backend_is_an_error(mesh):
     with pytest.raises(ValueError, match="backend must be one of"):
         traced_ledger(mesh, sharded(mesh, everything), X, backend="tpu-v9")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "name", "nbytes"),
+    [(jnp.float32, "f32", 4), (jnp.bfloat16, "bf16", 2), (jnp.float16, "f16", 2),
+     (jnp.int32, "s32", 4), (jnp.uint8, "u8", 1), (jnp.bool_, "pred", 1),
+     (jnp.float8_e4m3fn, "f8e4m3fn", 1), (jnp.float8_e5m2, "f8e5m2", 1)],
+)  # fmt: skip
+def test_dtypes_get_the_names_and_sizes_of_the_compiled_reading(dtype, name, nbytes):
+    from shardops.inspect._hlo import _DTYPE_BYTES
+    from shardops.inspect._traced import hlo_dtype
+
+    assert hlo_dtype(dtype) == name and _DTYPE_BYTES[name] == nbytes == jnp.dtype(dtype).itemsize

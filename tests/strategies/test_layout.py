@@ -298,8 +298,10 @@ def test_a_mesh_spec_that_does_not_fit_is_one_line(strategy, spec, message):
     assert "\n" not in str(caught.value)
 
 
-def test_mesh_specs_parse():
+def test_mesh_specs_parse_and_format_back():
     assert shardops.parse_mesh("4x2") == {"data": 4, "model": 2}
+    for spec in ("4x2", "1x8", "replica=2,data=2,model=2", "model=2,data=4", "Pod=2,chip=4"):
+        assert shardops.format_mesh(shardops.parse_mesh(spec)) == spec  # the order kept too
     assert shardops.parse_mesh("replica=2,data=2,model=2") == {"replica": 2, "data": 2, "model": 2}
     assert run_mesh("ref", "4x2") is None
     assert dict(run_mesh("hsdp_tp", "replica=2,data=2,model=2").shape) == {

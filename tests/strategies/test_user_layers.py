@@ -1,5 +1,6 @@
 """A layer of the user's own inside ``models.build``: a hand-written gated MLP with its own
-``psum``, and a bias sliced by ``axis_index``. Nobody wrote cost code for them, and the budget
+``psum``, with a bias sliced by ``axis_index``, and with its hidden units gathered
+(``ctx.gather``). Nobody wrote cost code for them, and the budget
 (read from the traced step) equals the compiled step per kind, axes and pass, equals the bytes
 worked out by hand, and the training equals the unsharded model."""
 
@@ -8,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _mutants import mutant
 
 import shardops
 import shardops_models as models
+from shardops_models.strategies import parallel
 
 V, D, F, S = 16, 8, 16, 4  # vocabulary, width, gated width, sequence
 BATCH = 8
@@ -21,13 +24,16 @@ class GatedLM:
 
     The gated MLP is written by hand: ``gate``, ``up`` are column-parallel blocks
     ``w[D, F_model]``, ``down`` a row-parallel block ``w[F_model, D]`` whose partial sums the
-    layer reduces itself (``ctx.psum``); with ``sliced_bias`` a bias ``b[F]`` stays replicated
-    and each device adds its block, cut at ``ctx.axis_index() · F/p``."""
+    layer reduces itself (``ctx.psum``). Variant ``"axis_index"``: a bias ``b[F]`` stays
+    replicated and each device adds its block of ``F / ctx.axis_size()``, cut at
+    ``ctx.axis_index() · F/p``. Variant ``"gather"``: ``down`` is replicated and the layer
+    gathers ``h[b, S, F_model]`` (``ctx.gather``) before it."""
 
     name, sequence, context = "gated lm", True, S
 
-    def __init__(self, sliced_bias: bool = False):
-        self.sliced_bias = sliced_bias
+    def __init__(self, variant: str = "psum"):
+        self.variant = variant
+        self.sliced_bias = variant == "axis_index"
 
     def init(self, key, dtype=None):
         ks = jax.random.split(key, 6)
@@ -47,7 +53,8 @@ class GatedLM:
         return params
 
     def plan(self):
-        mlp = {"gate": models.COLUMN, "up": models.COLUMN, "down": models.ROW}
+        down = models.REPLICATED if self.variant == "gather" else models.ROW
+        mlp = {"gate": models.COLUMN, "up": models.COLUMN, "down": down}
         if self.sliced_bias:
             mlp["bias"] = models.REPLICATED
         return {"embed": models.REPLICATED, "mlp": mlp, "head": models.REPLICATED}
@@ -58,8 +65,10 @@ class GatedLM:
             h = jax.nn.silu(x @ gate) * (x @ up)  # h[b, S, F_model]
             if self.sliced_bias:
                 bias = ctx.array(p["bias"])  # b[F], whole on every device
-                f_local = h.shape[-1]
+                f_local = bias.shape[0] // ctx.axis_size()  # F/p
                 h = h + jax.lax.dynamic_slice_in_dim(bias, ctx.axis_index() * f_local, f_local)
+            if self.variant == "gather":
+                return x + ctx.gather(h) @ down  # h[b, S, F] · down[F, D], replicated
             return x + ctx.psum(h @ down)  # y{U_model} → y[b, S, D]
 
         x = ctx.stage(ctx.embed, params["embed"], ids)  # x[b, S, D]
@@ -94,21 +103,33 @@ CASES = [("2d", {"data": 4, "model": 2}), ("tp", {"model": 8}), ("fsdp_tp", {"da
          ("dp", {"data": 8})]  # fmt: skip
 
 
-@pytest.mark.parametrize("sliced_bias", [False, True], ids=["psum", "axis_index"])
+VARIANTS = ["psum", "axis_index", "gather"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(("strategy", "shape"), CASES, ids=[c[0] for c in CASES])
-def test_the_budget_of_a_hand_written_layer_is_its_compiled_step(strategy, shape, sliced_bias):
-    model = GatedLM(sliced_bias)
+def test_the_budget_of_a_hand_written_layer_is_its_compiled_step(strategy, shape, variant):
+    model = GatedLM(variant)
     mesh = shardops.make_mesh(shape)
     setup = models.build(strategy, mesh, model=model, optimizer=optax.sgd(0.5))
+    ids, labels = batch()
+    state = setup.shard(model.init(jax.random.key(0)))
+    compiled = shardops.inspect.ledger(
+        mesh, setup.train_step, state, *setup.place_batch(ids, labels)
+    )
+    budget = setup.budget(BATCH, S)
+    assert budget.by_pass() == compiled.by_pass()
+    assert budget.totals() == compiled.totals()
+    check_one_step(setup, model)
+
+
+def check_one_step(setup, model):
+    """One SGD step of ``setup`` equals the unsharded model's: the loss and every parameter
+    (each of which moves)."""
     ids, labels = batch()
     params = model.init(jax.random.key(0))
     state = setup.shard(params)
     xb, yb = setup.place_batch(ids, labels)
-    compiled = shardops.inspect.ledger(mesh, setup.train_step, state, xb, yb)
-    budget = setup.budget(BATCH, S)
-    assert budget.by_pass() == compiled.by_pass()
-    assert budget.totals() == compiled.totals()
-    # and the layer trains like the unsharded model: one SGD step's loss and parameters
     loss, grads = jax.value_and_grad(reference_loss, argnums=1)(model, params, ids, labels)
     new_state, got = setup.train_step(state, xb, yb)
     np.testing.assert_allclose(got, loss, rtol=2e-6)
@@ -134,8 +155,8 @@ def test_the_budget_of_the_hand_written_layer_has_the_bytes_worked_out_by_hand()
     data: dp all-reduces every gradient once: table 512, gate + up + down 3 × 256, head 512
     (bias 64), and the forward loss, 4 bytes."""
     mesh = shardops.make_mesh({"data": 4, "model": 2})
-    for sliced_bias, bias in ((False, 0), (True, 64)):
-        setup = models.build("2d", mesh, model=GatedLM(sliced_bias), optimizer=optax.sgd(0.5))
+    for variant, bias in (("psum", 0), ("axis_index", 64)):
+        setup = models.build("2d", mesh, model=GatedLM(variant), optimizer=optax.sgd(0.5))
         assert setup.budget(BATCH, S).by_pass() == {
             "forward": {("all-reduce", ("model",)): 256, ("all-reduce", ("data",)): 4},
             "backward": {
@@ -144,3 +165,66 @@ def test_the_budget_of_the_hand_written_layer_has_the_bytes_worked_out_by_hand()
             },
             "optimizer": {},
         }
+
+
+# --- mutants of the ctx pieces a layer of one's own uses (models/strategies/parallel.py)
+
+CTX_MUTANTS = {
+    # every device told it is alone on the model axis: its bias block is the whole bias
+    "axis_size_one": (
+        "axis_size",
+        "        return lax.axis_size(axis) if axis else 1\n",
+        "        return 1\n",
+        "axis_index",
+    ),
+    # every device takes the first block of the bias
+    "axis_index_zero": (
+        "axis_index",
+        "        return lax.axis_index(axis) if axis else jnp.int32(0)\n",
+        "        return jnp.int32(0)\n",
+        "axis_index",
+    ),
+    # the hidden units gathered along the sequence instead of the features, then reshaped to
+    # the right shape: h[b, S·p, F/p] read as h[b, S, F], a transposed layout
+    "gather_along_the_sequence": (
+        "gather",
+        "        return shardops.comm.gather_from_region(y_block, mesh_axis, axis % y_block.ndim)\n",
+        "        return shardops.comm.gather_from_region(y_block, mesh_axis, 1).reshape("
+        "*y_block.shape[:-1], -1)\n",
+        "gather",
+    ),
+    # the partial sums left unreduced
+    "psum_dropped": (
+        "psum",
+        "        return shardops.comm.reduce_from_region(y_partial, axis) if axis else y_partial\n",
+        "        return y_partial\n",
+        "psum",
+    ),
+}
+
+
+def check_mutant(monkeypatch, name: str, replace: bool) -> None:
+    method, line, new, variant = CTX_MUTANTS[name]
+    bad = mutant(parallel, name, line, new if replace else line)
+    monkeypatch.setattr(parallel.Parallel, method, getattr(bad.Parallel, method))
+    model = GatedLM(variant)
+    setup = models.build("2d", shardops.make_mesh({"data": 4, "model": 2}), model=model,
+                         optimizer=optax.sgd(0.5))  # fmt: skip
+    check_one_step(setup, model)
+
+
+@pytest.mark.parametrize("name", CTX_MUTANTS)
+def test_unmutated_ctx_copy_passes(monkeypatch, name):
+    check_mutant(monkeypatch, name, replace=False)
+
+
+@pytest.mark.parametrize("name", CTX_MUTANTS)
+def test_ctx_mutant_is_caught(monkeypatch, name):
+    with pytest.raises((AssertionError, ValueError, TypeError)) as caught:
+        check_mutant(monkeypatch, name, replace=True)
+    if not isinstance(caught.value, AssertionError):  # a shape or type verdict must name it
+        assert (
+            "shape" in str(caught.value)
+            or "vma" in str(caught.value)
+            or "out_specs" in str(caught.value)
+        ), caught.value
