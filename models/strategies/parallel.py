@@ -55,6 +55,29 @@ from shardops_models.strategies.plan import (
     VOCAB,
 )
 
+# Why the strategy's own collectives run (shardops.comm.because; explain reads them).
+_FSDP_GATHER = shardops.comm.Reason("fsdp_gather", forward={
+    "all_gather": "weights stored split over {axis} (FSDP) are gathered just before use",
+}, backward={
+    "psum_scatter": "it is the transpose of the weights' all_gather: gradients are summed and "
+                    "each device keeps its shard over {axis}",
+})  # fmt: skip
+_REPLICATED = shardops.comm.Reason("replicated_parameters", backward={
+    "psum": "parameters replicated over {axis} meet a batch split over {axis}: their gradients "
+            "are summed",
+})  # fmt: skip
+_SEQUENCE_BLOCK = shardops.comm.Reason("embedding_sequence_block", backward={
+    "psum": "every device looks up the whole sequence and keeps its block over {axis} "
+            "(sequence parallelism): the zero-padded dx are summed",
+})  # fmt: skip
+_CTX_PSUM = shardops.comm.Reason("ctx_psum", forward={
+    "psum": "the layer's partial sums over {axis} are reduced (ctx.psum)",
+})  # fmt: skip
+_CTX_GATHER = shardops.comm.Reason("ctx_gather", forward={
+    "all_gather": "the layer asks for all of a value whose blocks are split over {axis} "
+                  "(ctx.gather)",
+})  # fmt: skip
+
 
 @jax.tree_util.register_pytree_node_class
 class Param:
@@ -176,8 +199,10 @@ class Parallel:
         for group in gather.values():
             values = [leaves[i].value for i, _ in group]
             dims = [d for _, d in group]
-            for (i, _), value in zip(group, shardops.comm.gather_many_to_region(
-                    values, self.strategy.fsdp, dims, accum, self.strategy.dp), strict=True):  # fmt: skip
+            with shardops.comm.because(_FSDP_GATHER, self.strategy.fsdp):
+                gathered = shardops.comm.gather_many_to_region(values, self.strategy.fsdp, dims,
+                                                               accum, self.strategy.dp)  # fmt: skip
+            for (i, _), value in zip(group, gathered, strict=True):
                 ready[i] = Param(value, leaves[i].role, leaves[i].spec, leaves[i].path, True)
         return tree.unflatten(ready)
 
@@ -190,12 +215,14 @@ class Parallel:
             value = self._gather(value, dim)
         elif self.strategy.dp or self.strategy.fsdp:  # replicated over them: dx AllReduced
             axes = self.strategy.dp + self.strategy.fsdp
-            value = shardops.comm.copy_to_region(value, axes, self.precision.accum_dtype)
+            with shardops.comm.because(_REPLICATED, axes):
+                value = shardops.comm.copy_to_region(value, axes, self.precision.accum_dtype)
         return Param(value, p.role, p.spec, p.path, ready=True)
 
     def _gather(self, value, dim: int):
-        return shardops.comm.gather_to_region(value, self.strategy.fsdp, dim,
-                                              self.precision.accum_dtype, self.strategy.dp)  # fmt: skip
+        with shardops.comm.because(_FSDP_GATHER, self.strategy.fsdp):
+            return shardops.comm.gather_to_region(value, self.strategy.fsdp, dim,
+                                                  self.precision.accum_dtype, self.strategy.dp)  # fmt: skip
 
     def split_dim(self, spec) -> int | None:
         """The dim of a leaf split over the fsdp axes (by its PartitionSpec), or None."""
@@ -259,7 +286,8 @@ class Parallel:
                              f"the plan says {role!r}")  # fmt: skip
         x = jnp.take(table, ids, axis=0).astype(self.precision.compute_dtype)  # x[B, S, D]
         if self.sequence_parallel:  # keep this device's part of S; dx AllReduced over model
-            x = shardops.comm.copy_to_region(x, self.tp, self.precision.accum_dtype)
+            with shardops.comm.because(_SEQUENCE_BLOCK, self.tp):
+                x = shardops.comm.copy_to_region(x, self.tp, self.precision.accum_dtype)
             x = _sequence_block(x, self.tp).astype(self.precision.compute_dtype)  # x[B, S/p, D]
         return x
 
@@ -386,7 +414,10 @@ class Parallel:
         replicated: AllReduce over ``kind``'s axis (``shardops.comm.reduce_from_region``);
         the identity where the strategy has no such axis."""
         axis = self.axis_name(kind)
-        return shardops.comm.reduce_from_region(y_partial, axis) if axis else y_partial
+        if not axis:
+            return y_partial
+        with shardops.comm.because(_CTX_PSUM, axis):
+            return shardops.comm.reduce_from_region(y_partial, axis)
 
     def gather(self, y_block, *, axis: int = -1, kind: str = "model"):
         """``y[.., F_model]`` (this device's block along ``axis``) → ``y[.., F]``, replicated:
@@ -395,7 +426,8 @@ class Parallel:
         mesh_axis = self.axis_name(kind)
         if mesh_axis is None:
             return y_block
-        return shardops.comm.gather_from_region(y_block, mesh_axis, axis % y_block.ndim)
+        with shardops.comm.because(_CTX_GATHER, mesh_axis):
+            return shardops.comm.gather_from_region(y_block, mesh_axis, axis % y_block.ndim)
 
     def array(self, param):
         """The local array of a parameter inside ``ctx.stage``: its block over ``model`` (by

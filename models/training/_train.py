@@ -59,6 +59,31 @@ from shardops_models.strategies.plan import (
 
 COLLECTIVE_MATMULS = shardops.layers.COLLECTIVE_MATMULS
 
+# Why the step's own collectives run (shardops.comm.because; explain reads them).
+_Reason, _because = shardops.comm.Reason, shardops.comm.because
+_GLOBAL_LOSS = _Reason("global_loss", forward={
+    "psum": "each device's loss covers its shard of the batch over {axis}: the global loss is "
+            "their sum",
+})  # fmt: skip
+_METRICS = _Reason("global_metrics", forward={
+    "psum": "each device's metric sums cover its shard of the batch over {axis}: they are added",
+})  # fmt: skip
+_ZERO1_GRADS = _Reason("zero1_gradients", forward={
+    "psum": "ZeRO-1: each device's float32 partial gradients over {axis} are summed",
+})  # fmt: skip
+_ZERO1_UPDATE = _Reason("zero1_update", forward={
+    "psum_scatter": "ZeRO-1: each device updates only its shard over {axis} of the optimizer "
+                    "state, so the partial gradients are reduced and scattered",
+    "psum": "ZeRO-1: this gradient has no dim its shard could split over {axis}: its partial "
+            "sums are reduced whole",
+    "all_gather": "ZeRO-1: each device updated its shard over {axis} of the parameter: the "
+                  "shards are gathered back",
+})  # fmt: skip
+_WHOLE_LOGITS = _Reason("whole_logits", forward={
+    "all_gather": "a caller outside the mesh asks for all the logits, whose vocabulary is split "
+                  "over {axis}",
+})  # fmt: skip
+
 INIT_LR = 1.0
 DECAY_RATE = 0.95
 DECAY_STEPS = 5
@@ -517,6 +542,9 @@ class _DeviceChecked:
     def lower(self, *args, **kwargs):
         return self.jitted.lower(*args, **kwargs)
 
+    def trace(self, *args, **kwargs):
+        return self.jitted.trace(*args, **kwargs)
+
 
 def _check_batch(model, parallel: Strategy, mesh, x, y=None) -> None:
     """The model's own shape check, then a batch (and, under sp, a sequence) that splits."""
@@ -672,14 +700,17 @@ class _Body:
                                   params)  # fmt: skip
         loss, grads = jax.value_and_grad(self.local_loss)(params, x, y)
         if self.batch_axes:
-            loss = lax.psum(loss, self.batch_axes)  # the global loss: AllReduce of one f32
+            with _because(_GLOBAL_LOSS, self.batch_axes):  # AllReduce of one f32
+                loss = lax.psum(loss, self.batch_axes)
         return loss, grads
 
     def loss_and_grads(self, params, x, y):
         loss, grads = self._loss_and_grads(params, x, y)
         if self.composition.zero1:  # the partial sums (f32) → the gradients, laid out like params
-            grads = jax.tree.map(lambda g, p: lax.psum(g, self.composition.zero1).astype(p.dtype),
-                                 grads, params)  # fmt: skip
+            with _because(_ZERO1_GRADS, self.composition.zero1):
+                grads = jax.tree.map(
+                    lambda g, p: lax.psum(g, self.composition.zero1).astype(p.dtype), grads, params
+                )
         return loss, grads
 
     def step(self, state: TrainState, x, y):
@@ -717,26 +748,31 @@ class _Body:
                 return p
             return lax.all_gather(p, axes, axis=d, tiled=True, to="invarying")
 
-        grads = jax.tree.map(lambda g, d, p: grad_shard(g, d).astype(p.dtype), partial, dims,
-                             state.params)  # fmt: skip
+        with _because(_ZERO1_UPDATE, axes):
+            grads = jax.tree.map(lambda g, d, p: grad_shard(g, d).astype(p.dtype), partial, dims,
+                                 state.params)  # fmt: skip
         shards = jax.tree.map(param_shard, state.params, dims)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, shards)
         shards = optax.apply_updates(shards, updates)
-        return TrainState(jax.tree.map(param_whole, shards, dims), opt_state)
+        with _because(_ZERO1_UPDATE, axes):
+            params = jax.tree.map(param_whole, shards, dims)
+        return TrainState(params, opt_state)
 
     def logits(self, params, x):
         tree, logits = self.forward(self.eval_ctx, params, x)
         if self.composition.tp and _output_split(self.model, tree, self.eval_ctx):
             # logits[b, ..., V_model] → the full vocabulary, for a caller outside the mesh
-            logits = lax.all_gather(logits, self.composition.tp, axis=logits.ndim - 1,
-                                    tiled=True, to="invarying")  # fmt: skip
+            with _because(_WHOLE_LOGITS, self.composition.tp):
+                logits = lax.all_gather(logits, self.composition.tp, axis=logits.ndim - 1,
+                                        tiled=True, to="invarying")  # fmt: skip
         return logits
 
     def evaluate(self, params, x, y):
         tree, logits = self.forward(self.eval_ctx, params, x)
         sums = self.model.metrics(self.eval_ctx, tree, logits, y)
         if self.batch_axes:  # this device's sums → the global batch's: AllReduce of 3 scalars
-            sums = lax.psum(sums, self.batch_axes)
+            with _because(_METRICS, self.batch_axes):
+                sums = lax.psum(sums, self.batch_axes)
         return Metrics(*sums)
 
 

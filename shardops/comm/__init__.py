@@ -8,6 +8,8 @@
   (one-way or bidirectional), equal to the builtins and spelling out what they hide.
 - **Collective matmul**: ``all_gather_matmul`` and ``matmul_reduce_scatter`` interleave a ring's
   steps with blocks of the matmul.
+- **Reasons**: ``with because(Reason(...), axis_name):`` says, next to a collective, why it runs;
+  ``shardops.inspect.explain`` reads it back from the program (``REASONS``: every one made).
 """
 
 from shardops.comm._collective_matmul import all_gather_matmul, matmul_reduce_scatter
@@ -19,10 +21,14 @@ from shardops.comm._mappings import (
     reduce_from_region,
     reduce_scatter_from_region,
 )
+from shardops.comm._reasons import REASONS, Reason, because
 from shardops.comm._ring import ring_all_gather, ring_all_reduce, ring_pairs, ring_reduce_scatter
 
 __all__ = [
+    "REASONS",
+    "Reason",
     "all_gather_matmul",
+    "because",
     "copy_to_region",
     "gather_from_region",
     "gather_many_to_region",

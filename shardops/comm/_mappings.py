@@ -30,6 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from shardops.comm._reasons import Reason, because
+
+_REPLICA_SHARDS = Reason("replica_gradient_shards", backward={
+    "psum": "the weights are replicated over {axis} while the batch splits over it (HSDP): each "
+            "replica's gradient shard is summed, after the reduce-scatter",
+})  # fmt: skip
+
 
 def copy_to_region(x, axis_name, accum_dtype):
     """``x`` (replicated over ``axis_name``) as a varying ``accum_dtype`` value.
@@ -69,7 +76,8 @@ def _gather_fwd(axis_name, axis, accum_dtype, replicated_over, x):
 def _gather_bwd(axis_name, axis, accum_dtype, replicated_over, x_kind, g):
     dx = lax.psum_scatter(g.astype(accum_dtype), axis_name, scatter_dimension=axis, tiled=True)
     if replicated_over:
-        dx = lax.psum(dx, replicated_over)  # the shard's AllReduce over the replicas
+        with because(_REPLICA_SHARDS, replicated_over):
+            dx = lax.psum(dx, replicated_over)  # the shard's AllReduce over the replicas
     return (dx.astype(x_kind.dtype),)
 
 
@@ -144,7 +152,8 @@ def _gather_many_bwd(axis_name, axes, accum_dtype, replicated_over, residuals, g
     flat = _blocks([g.astype(accum_dtype) for g in gs], axes, n)  # [N, Σ|x_i|] in accum
     mine = lax.psum_scatter(flat, axis_name, scatter_dimension=0)  # [Σ|x_i|]: this device's
     if replicated_over:
-        mine = lax.psum(mine, replicated_over)
+        with because(_REPLICA_SHARDS, replicated_over):
+            mine = lax.psum(mine, replicated_over)
     out, start = [], 0
     for kind, shape in zip(kinds, shapes, strict=True):
         size = int(np.prod(shape))

@@ -6,9 +6,10 @@ import re
 
 from jax.sharding import Mesh
 
-from shardops._axes import DATA_AXIS, MODEL_AXIS
+from shardops.comm._reasons import reason_for
 from shardops.inspect._hlo import Collective
 from shardops.inspect._ledger import ledger
+from shardops.inspect._passes import pass_of
 
 JAX_NAMES = {
     "all-reduce": "psum",
@@ -21,8 +22,11 @@ JAX_NAMES = {
 
 def explain(mesh: Mesh, fn, /, *args, traced: bool = False, **kwargs) -> list[str]:
     """One sentence per collective of the compiled ``fn(*args)``: layer, collective, mesh axis,
-    tensor, bytes, and the reason. Layers are recognised by their ``named_scope`` and their
-    collectives over ``MODEL_AXIS``; everything else is explained by kind and pass. With
+    tensor, bytes, and the reason. Layers are named by their ``named_scope("shardops.<layer>")``;
+    the reason is the sentence the kernel wrote next to the collective (``shardops.comm.because``,
+    read back from the program's op names, for whatever the mesh axes are called); a collective
+    no kernel explains (autodiff's reduction of a replicated value's gradient, a loss's sum) is
+    explained by its kind and pass. With
     ``traced=True`` it reads the traced program instead (``shardops.inspect.traced_collectives``:
     the budget's own source; nothing compiles, ``mesh`` may be an ``AbstractMesh``), one
     sentence per collective the program asks for, before XLA combines any. E.g.
@@ -39,10 +43,12 @@ def explain(mesh: Mesh, fn, /, *args, traced: bool = False, **kwargs) -> list[st
     return [sentence(c) for c in found if c.bytes]
 
 
+_PASS_WORDS = {"optimizer": "optimizer", "mixed": "forward and backward passes"}
+
+
 def sentence(c: Collective) -> str:
     layers = sorted(set(re.findall(r"shardops\.(\w+)", c.op_name)))
-    backward = "transpose" in c.op_name
-    where = ", ".join(layers) if layers else ("backward pass" if backward else "forward pass")
+    where = ", ".join(layers) if layers else _PASS_WORDS.get(c.pass_, f"{c.pass_} pass")
     axes = " × ".join(repr(a) for a in c.axes)
     if len(c.shapes) > 2:
         what = f"{len(c.shapes)} tensors"
@@ -51,97 +57,31 @@ def sentence(c: Collective) -> str:
     name = JAX_NAMES[c.kind]
     if c.kind == "all-reduce":  # HLO names the kind, the scope names max/min reductions
         name = next((n for n in ("pmax", "pmin") if n in c.op_name.split("/")[-1]), name)
-    return (
-        f"{where}: {name} over {axes} of {what} ({_size(c.bytes)}), because "
-        f"{_reason(c, layers, backward)}"
-    )
+    return f"{where}: {name} over {axes} of {what} ({_size(c.bytes)}), because {_reason(c, name)}"
 
 
-def _reason(c: Collective, layers: list[str], backward: bool) -> str:
+def _reason(c: Collective, name: str) -> str:
+    """Each element's reason, in order, once each: the sentence of the ``because`` scope it ran
+    in (``shardops.comm.Reason``, written in the kernel), else what autodiff or a program does
+    with a collective of its kind, shape and pass."""
     axis = " × ".join(repr(a) for a in c.axes)
-    rank = max(len(s) for _, s in c.shapes) if c.shapes else 0
-    kind = c.kind
-    if "dense_moving_activations" in layers:
-        return _moving_activations_reason(kind, axis, backward, DATA_AXIS in c.axes)
-    if MODEL_AXIS not in c.axes:
-        layers = []  # the layers' own collectives run over their weight axis (the default name)
-    if layers == ["row_parallel_dense"]:
-        if not backward and kind == "all-reduce":
-            return (
-                f"the contraction dim is split over {axis} (each device holds partial sums y{{U}})"
-            )
-        if not backward and kind == "reduce-scatter":
-            return f"the contraction dim is split over {axis} and the output is kept split: partial sums are reduced and scattered"
-        if backward and kind == "all-gather":
-            return "it is the transpose of the forward psum_scatter: each device needs all of dy"
-        if backward and kind == "all-reduce" and rank == 1:
-            return f"the bias is replicated but the output is split over {axis}: its gradient is summed"
-        if backward and kind == "all-reduce":
-            return f"the replicated input was sliced over {axis}: each device's zero-padded dx is summed"
-    if layers == ["column_parallel_dense"]:
-        if backward and kind == "all-reduce":
-            return f"x is replicated over {axis} but each device multiplies it by its own columns of w: the partial dx are summed (Megatron's f)"
-        if backward and kind == "reduce-scatter":
-            return f"it is the transpose of the sequence-parallel gather: dx partial sums are reduced and split back over {axis}"
-        if kind == "all-gather" and "invariant" in c.op_name:
-            return f"gather_output asks for the full y, whose columns are split over {axis}"
-        if kind == "all-gather":
-            return f"the input is split over {axis} along its batch or sequence dim (sequence parallelism) and the layer needs all of it"
-    if layers == ["vocab_parallel_embedding"]:
-        if not backward and kind in ("all-reduce", "reduce-scatter"):
-            kept = (
-                "" if kind == "all-reduce" else ", and the result is kept split along the sequence"
-            )
-            return f"the table's rows are split over {axis}: each device looks up only the ids in its rows (zeros elsewhere), and the partial embeddings are summed{kept}"
-        if backward and kind == "all-gather":
-            return "it is the transpose of the forward psum_scatter: each device needs all of dx"
-    if layers == ["vocab_parallel_cross_entropy"] or layers == ["vocab_parallel_argmax"]:
-        return f"the vocabulary is split over {axis}: the row max and the sums of exp and of the target logit are combined across devices, so the logits are never gathered"
-    if layers == ["head_parallel_attention"]:
-        if not backward and kind == "all-reduce":
-            return f"the heads are split over {axis}: the output projection's partial sums y{{U}} are reduced"
-        if not backward and kind == "reduce-scatter":
-            return f"the heads are split over {axis}: the output projection's partial sums are reduced and scattered along the sequence"
-        if not backward and kind == "all-gather":
-            return f"the input is split along the sequence over {axis} (sequence parallelism) and every head needs all of it"
-        if backward and kind == "all-reduce" and rank == 1:
-            return f"the output bias is replicated but the output is split over {axis}: its gradient is summed"
-        if backward and kind == "all-reduce":
-            return f"x is replicated over {axis} but each device projects it with its own heads: the partial dx are summed"
-        if backward and kind == "reduce-scatter":
-            return f"it is the transpose of the sequence-parallel gather: dx partial sums are reduced and split back over {axis}"
-        if backward and kind == "all-gather":
-            return "it is the transpose of the forward psum_scatter: each device needs all of dy"
-    if kind == "all-reduce" and rank == 0 and len(c.shapes) == 1:
+    found: list[str] = []
+    for op_name, (_, shape) in zip(c.op_names, c.shapes, strict=True):
+        backward = pass_of(op_name) == "backward"
+        text = reason_for(op_name, name, backward, c.axes) if c.axes else None
+        if text is None:
+            text = _unscoped_reason(c.kind, len(shape), backward, axis)
+        if text not in found:
+            found.append(text)
+    return "; and ".join(found)
+
+
+def _unscoped_reason(kind: str, rank: int, backward: bool, axis: str) -> str:
+    if kind == "all-reduce" and rank == 0:
         return f"each device computed a partial sum from its shard along {axis} (a loss, a metric, a dot product): the partial sums are added"
-    if backward and kind == "all-reduce":
-        return f"parameters replicated over {axis} meet activations split over {axis} (a batch or sequence shard): their gradients are summed"
-    if kind == "all-gather" and not backward:
-        return f"weights stored split over {axis} (FSDP) are gathered just before use"
-    if kind == "all-gather":
-        return f"weights stored split over {axis} are gathered again for the backward pass (remat)"
-    if kind == "reduce-scatter" and backward:
-        return f"it is the transpose of the weights' all_gather: gradients are summed and each device keeps its shard over {axis}"
+    if kind == "all-reduce" and backward:
+        return f"parameters replicated over {axis} meet activations split over {axis} (a batch or sequence shard): their gradients are summed (autodiff inserts this reduction)"
     return f"the program moves data between devices along {axis}"
-
-
-def _moving_activations_reason(kind: str, axis: str, backward: bool, data: bool) -> str:
-    """A dense layer under FSDP that moves its activations instead of gathering its weight
-    (``models/strategies/fsdp.py``)."""
-    why = "FSDP moves this layer's activations instead of gathering its weight (they are smaller)"
-    if not data:  # the layer's own tensor-parallel reduction, over model
-        if backward:
-            return f"x is replicated over {axis} but each device multiplies it by its own columns of w: the partial dx are summed (Megatron's f)"
-        return f"the layer's contraction is also split over {axis} (tensor parallelism): its partial sums are reduced"
-    reasons = {
-        ("all-to-all", False): f"{why}: activations are exchanged over {axis} between the batch layout and a layout split along features",
-        ("reduce-scatter", False): f"{why}: each device multiplied the whole batch by its block of the contraction, so the output's partial sums are reduced and each device keeps its rows",
-        ("all-gather", False): f"{why}: each device needs the whole batch's input for its block of output features",
-        ("all-gather", True): "it is the transpose of the forward psum_scatter: each device needs dy for the whole batch",
-        ("all-to-all", True): "it is the transpose of the forward all_to_all: the gradient returns to the other layout",
-        ("reduce-scatter", True): f"it is the transpose of the input's all_gather: the dx partial sums are reduced and split back over {axis} along the batch",
-    }  # fmt: skip
-    return reasons.get((kind, backward), f"{why}; the program moves data along {axis}")
 
 
 def _size(nbytes: int) -> str:

@@ -42,6 +42,7 @@ _OPTIMIZER = re.compile(rf"(?:^|[/(]){OPTIMIZER_SCOPE}(?:[/)]|$)")
 # Transformations JAX wraps a name in: jvp(layer), transpose(jvp(layer)), jit(f), …
 _WRAPPER = re.compile(r"(?:jvp|transpose|vmap|jit|pjit|remat|checkpoint|custom_jvp_call|custom_vjp_call)\((.*)\)")  # fmt: skip
 _PLUMBING = {"shard_map", "checkpoint", "rematted_computation", ""}
+_REASON = "because."  # shardops.comm._reasons.SCOPE
 
 
 def pass_of(op_name: str) -> str:
@@ -72,14 +73,16 @@ def passes_of(op_name: str, n: int) -> tuple[str, ...]:
 
 def scopes_of(op_name: str) -> tuple[str, ...]:
     """The named scopes of one op's name, outermost first, without the program's own jit,
-    autodiff's wrappers, ``shard_map`` and the primitive: ``jit(step)/shard_map/
-    transpose(jvp(shardops.row_parallel_dense))/psum`` → ``("shardops.row_parallel_dense",)``."""
+    autodiff's wrappers, ``shard_map``, the reasons' ``because.*`` scopes (``shardops.comm.
+    because``: why, not where) and the primitive: ``jit(step)/shard_map/
+    transpose(jvp(shardops.row_parallel_dense))/because.row_partial_sums[model]/psum`` →
+    ``("shardops.row_parallel_dense",)``."""
     parts = _split_top(op_name, "/")[:-1]  # the last part is the primitive
     if parts and parts[0].startswith("jit("):
         parts = parts[1:]  # the compiled program itself
     found: list[str] = []
     for name in _unwrapped(parts):
-        if name not in _PLUMBING and name not in found:
+        if name not in _PLUMBING and not name.startswith(_REASON) and name not in found:
             found.append(name)
     return tuple(found)
 

@@ -110,12 +110,16 @@ def hlo_dtype(dtype) -> str:
 
 
 def traced_collectives(mesh, fn, /, *args, **kwargs) -> list[Collective]:
-    """The collectives ``fn(*args, **kwargs)`` asks for, from its jaxpr (``jax.make_jaxpr``;
-    the arguments may be ``jax.ShapeDtypeStruct``). ``mesh`` is the ``Mesh`` or
-    ``AbstractMesh`` its ``shard_map`` runs over."""
+    """The collectives ``fn(*args, **kwargs)`` asks for, from its jaxpr (``jax.make_jaxpr``, or
+    ``fn.trace`` where ``fn`` is jitted, so a jit with its own ``compiler_options`` is traced as
+    the top-level program it is; the arguments may be ``jax.ShapeDtypeStruct``). ``mesh`` is the
+    ``Mesh`` or ``AbstractMesh`` its ``shard_map`` runs over."""
     import jax
 
-    closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    if callable(getattr(fn, "trace", None)):
+        closed = fn.trace(*args, **kwargs).jaxpr
+    else:
+        closed = jax.make_jaxpr(fn)(*args, **kwargs)
     return jaxpr_collectives(closed.jaxpr, mesh)
 
 

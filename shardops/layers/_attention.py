@@ -47,6 +47,7 @@ from shardops.comm._mappings import (
     reduce_from_region,
     reduce_scatter_from_region,
 )
+from shardops.comm._reasons import Reason, because
 from shardops.layers._common import (
     bound_axis_size,
     check_axes,
@@ -54,11 +55,37 @@ from shardops.layers._common import (
     check_replicated_over,
     check_sharded_over,
     run_layer,
+    scoped,
 )
 from shardops.layers._params import init_dense
 
 PROJECTIONS = ("wq", "wk", "wv", "wo")
 BIASES = ("bq", "bk", "bv", "bo")
+
+# Why each collective of the kernel runs (``shardops.comm.because``; ``explain`` reads them).
+_INPUT = Reason("attention_replicated_input", backward={
+    "psum": "x is replicated over {axis} but each device projects it with its own heads: the "
+            "partial dx are summed",
+})  # fmt: skip
+_GATHER = Reason("attention_sequence_gather", forward={
+    "all_gather": "the input is split along the sequence over {axis} (sequence parallelism) and "
+                  "every head needs all of it",
+}, backward={
+    "psum_scatter": "it is the transpose of the sequence-parallel gather: dx partial sums are "
+                    "reduced and split back over {axis}",
+})  # fmt: skip
+_REDUCE = Reason("attention_partial_sums", forward={
+    "psum": "the heads are split over {axis}: the output projection's partial sums y{U} are "
+            "reduced",
+    "psum_scatter": "the heads are split over {axis}: the output projection's partial sums are "
+                    "reduced and scattered along the sequence",
+}, backward={
+    "all_gather": "it is the transpose of the forward psum_scatter: each device needs all of dy",
+})  # fmt: skip
+_BIAS = Reason("attention_output_bias", backward={
+    "psum": "the output bias is replicated but the output is split over {axis}: its gradient is "
+            "summed",
+})  # fmt: skip
 
 
 class AttentionSpecs(NamedTuple):
@@ -131,6 +158,7 @@ def init_attention(
     return params
 
 
+@scoped("head_parallel_attention")
 def head_parallel_attention_kernel(
     x,
     params,
@@ -174,19 +202,24 @@ def head_parallel_attention_kernel(
     accum = precision.accum_dtype
     if sequence_parallel:
         # x_block[B, S/p, D] → x[B, S, D] once for Q, K, V; backward: one ReduceScatter of dx.
-        x = gather_to_region(x, axis_name, SEQUENCE_DIM, accum)  # x[B, S, D] in accum
+        with because(_GATHER, axis_name):
+            x = gather_to_region(x, axis_name, SEQUENCE_DIM, accum)  # x[B, S, D] in accum
     else:
         # Megatron's "f" once for Q, K, V: identity forward, one AllReduce of dx backward.
-        x = copy_to_region(x, axis_name, accum)  # x[B, S, D] in accum
+        with because(_INPUT, axis_name):
+            x = copy_to_region(x, axis_name, accum)  # x[B, S, D] in accum
     y_partial = _attend(x, params, heads, head_dim, causal, precision)  # y[B, S, D]{U_model}
     bo = params.get("bo")
     if sequence_parallel:
-        y = reduce_scatter_from_region(y_partial, axis_name, SEQUENCE_DIM)  # y[B, S/p, D] in accum
+        with because(_REDUCE, axis_name):  # y[B, S/p, D] in accum
+            y = reduce_scatter_from_region(y_partial, axis_name, SEQUENCE_DIM)
         if bo is not None:
             # bo[D] is replicated but y is a sequence shard: dbo is all-reduced over model.
-            bo = copy_to_region(bo, axis_name, accum)  # bo[D] in accum
+            with because(_BIAS, axis_name):
+                bo = copy_to_region(bo, axis_name, accum)  # bo[D] in accum
     else:
-        y = reduce_from_region(y_partial, axis_name)  # y[B, S, D] in accum
+        with because(_REDUCE, axis_name):
+            y = reduce_from_region(y_partial, axis_name)  # y[B, S, D] in accum
     return precision.finish(y, bo)  # + bo once, after the reduction; y in compute dtype
 
 

@@ -3,6 +3,8 @@ checks of a layer's mesh and options, and ``run_layer``, which builds the ``shar
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax import lax
 from jax.sharding import AxisType, Mesh
@@ -89,6 +91,21 @@ def check_axes(mesh: Mesh, axis_name: str, batch_axis: str | None) -> None:
             f"batch_axis and axis_name are both {axis_name!r}; the batch and the weights must be "
             f"split over different mesh axes"
         )
+
+
+def scoped(layer: str):
+    """Run the kernel under ``jax.named_scope("shardops.<layer>")``, so that profiles, the ledger
+    and ``explain`` name its collectives also when it is called from a user's own shard_map."""
+
+    def wrap(kernel):
+        @functools.wraps(kernel)
+        def run(*args, **kwargs):
+            with jax.named_scope(f"shardops.{layer}"):
+                return kernel(*args, **kwargs)
+
+        return run
+
+    return wrap
 
 
 def run_layer(op: str, kernel, mesh: Mesh, args: dict, in_specs: dict, out_specs):

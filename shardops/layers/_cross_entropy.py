@@ -32,15 +32,29 @@ from jax.sharding import PartitionSpec as P
 from shardops._axes import MODEL_AXIS
 from shardops._mesh import axis_size, check_divisible, spec_entry, varying_axes
 from shardops._precision import FLOAT32, Precision
+from shardops.comm._reasons import Reason, because
 from shardops.layers._common import (
     bound_axis_size,
     check_axes,
     check_precision,
     check_replicated_over,
     run_layer,
+    scoped,
 )
 from shardops.layers._embedding import _check_in_range, _check_vocab_size
 from shardops.layers._params import padded_size
+
+# Why the kernels' collectives run (``shardops.comm.because``; ``explain`` reads them).
+_LOSS = Reason("vocabulary_loss", forward={
+    "*": "the vocabulary is split over {axis}: the row max and the sums of exp and of the "
+         "target logit are combined across devices, so the logits are never gathered",
+})  # fmt: skip
+_ARGMAX = Reason("vocabulary_argmax", forward={
+    "pmax": "the vocabulary is split over {axis}: the row maxima are combined across devices, "
+            "so the logits are never gathered",
+    "pmin": "the vocabulary is split over {axis}: the first index holding the row max wins "
+            "across devices, so the logits are never gathered",
+})  # fmt: skip
 
 
 class CrossEntropySpecs(NamedTuple):
@@ -64,6 +78,7 @@ def vocab_parallel_cross_entropy_specs(
     return CrossEntropySpecs(logits=P(*lead, axis_name), labels=P(*lead), loss=P(*lead))
 
 
+@scoped("vocab_parallel_cross_entropy")
 def vocab_parallel_cross_entropy_kernel(
     logits,
     labels,
@@ -103,17 +118,21 @@ def vocab_parallel_cross_entropy_kernel(
     real = start + jnp.arange(v_local) < vocab_size  # [V/p]: not padding
     logits = jnp.where(real, logits, -jnp.inf)  # [..., V/p], padding −∞
     local_max = jnp.max(logits, axis=-1)  # [...]
-    global_max = lax.pmax(lax.stop_gradient(local_max), axis_name)  # [...]
+    with because(_LOSS, axis_name):
+        global_max = lax.pmax(lax.stop_gradient(local_max), axis_name)  # [...]
     shifted = logits - global_max[..., None]  # [..., V/p], ≤ 0
-    sum_exp = lax.psum(jnp.sum(jnp.exp(shifted), axis=-1), axis_name)  # [...]
+    with because(_LOSS, axis_name):
+        sum_exp = lax.psum(jnp.sum(jnp.exp(shifted), axis=-1), axis_name)  # [...]
     local_label = labels - start  # [...]
     owns = (local_label >= 0) & (local_label < v_local) & (labels < vocab_size)  # [...]
     index = jnp.where(owns, local_label, 0)[..., None]  # [..., 1] in [0, V/p)
     picked = jnp.take_along_axis(shifted, index, axis=-1)[..., 0]  # [...] shifted target logit
-    target = lax.psum(jnp.where(owns, picked, 0.0), axis_name)  # [...]
+    with because(_LOSS, axis_name):
+        target = lax.psum(jnp.where(owns, picked, 0.0), axis_name)  # [...]
     return jnp.log(sum_exp) - target  # loss[...] in accum
 
 
+@scoped("vocab_parallel_argmax")
 def vocab_parallel_argmax_kernel(
     logits, *, vocab_size: int | None = None, axis_name: str = MODEL_AXIS
 ):
@@ -133,10 +152,12 @@ def vocab_parallel_argmax_kernel(
     real = start + jnp.arange(v_local) < vocab_size  # [V/p]: not padding
     logits = jnp.where(real, logits, -jnp.inf)  # [..., V/p], padding never wins
     local_max = jnp.max(logits, axis=-1)  # [...]
-    global_max = lax.pmax(local_max, axis_name)  # [...]
+    with because(_ARGMAX, axis_name):
+        global_max = lax.pmax(local_max, axis_name)  # [...]
     local_index = (jnp.argmax(logits, axis=-1) + start).astype(jnp.int32)  # [...]
     candidate = jnp.where(local_max == global_max, local_index, p * v_local)  # [...]
-    return lax.pmin(candidate, axis_name)  # index[...]: first device holding the max wins
+    with because(_ARGMAX, axis_name):
+        return lax.pmin(candidate, axis_name)  # index[...]: first device holding the max wins
 
 
 def vocab_parallel_cross_entropy(

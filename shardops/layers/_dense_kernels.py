@@ -11,9 +11,6 @@ Notation (the JAX scaling book): ``w[D, F_model]`` is split over mesh axis ``mod
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -26,6 +23,7 @@ from shardops.comm._mappings import (
     reduce_from_region,
     reduce_scatter_from_region,
 )
+from shardops.comm._reasons import Reason, because
 from shardops.layers import _collective_dense
 from shardops.layers._collective_dense import check_collective_matmul
 from shardops.layers._common import (
@@ -34,25 +32,50 @@ from shardops.layers._common import (
     check_reduce,
     check_replicated_over,
     check_sharded_over,
+    scoped,
 )
 
+# Why each collective of these kernels runs (``shardops.comm.because``; ``explain`` reads them).
+_COLUMN_INPUT = Reason("column_replicated_input", backward={
+    "psum": "x is replicated over {axis} but each device multiplies it by its own columns of w: "
+            "the partial dx are summed (Megatron's f)",
+})  # fmt: skip
+_COLUMN_GATHER = Reason("column_sequence_gather", forward={
+    "all_gather": "the input is split over {axis} along its batch or sequence dim (sequence "
+                  "parallelism) and the layer needs all of it",
+    "ppermute": "collective matmul: the input's blocks, split over {axis} along its batch or "
+                "sequence dim, pass round a ring while each device multiplies the block it holds",
+}, backward={
+    "psum_scatter": "it is the transpose of the sequence-parallel gather: dx partial sums are "
+                    "reduced and split back over {axis}",
+    "ppermute": "collective matmul's backward: dx partial sums pass round the ring over {axis}, "
+                "each device adding its block's, until each holds its own",
+})  # fmt: skip
+_COLUMN_OUTPUT = Reason("column_gather_output", forward={
+    "all_gather": "gather_output asks for the full y, whose columns are split over {axis}",
+})  # fmt: skip
+_ROW_REDUCE = Reason("row_partial_sums", forward={
+    "psum": "the contraction dim is split over {axis} (each device holds partial sums y{U})",
+    "psum_scatter": "the contraction dim is split over {axis} and the output is kept split: "
+                    "partial sums are reduced and scattered",
+    "ppermute": "collective matmul: the contraction dim is split over {axis}; partial sums pass "
+                "round a ring, each device adding its product for the block passing by",
+    "all_gather": "collective matmul's psum: the ring's reduced blocks are gathered, so every "
+                  "device holds all of y",
+}, backward={
+    "all_gather": "it is the transpose of the forward psum_scatter: each device needs all of dy",
+    "ppermute": "collective matmul's backward: dy's blocks pass round the ring over {axis}, each "
+                "device computing dx for the block passing by",
+})  # fmt: skip
+_ROW_INPUT = Reason("row_replicated_input", backward={
+    "psum": "the replicated input was sliced over {axis}: each device's zero-padded dx is summed",
+})  # fmt: skip
+_ROW_BIAS = Reason("row_bias", backward={
+    "psum": "the bias is replicated but the output is split over {axis}: its gradient is summed",
+})  # fmt: skip
 
-def _scoped(layer: str):
-    """Run the kernel under ``jax.named_scope("shardops.<layer>")``, so that profiles, the ledger
-    and ``explain`` name its collectives also when it is called from a user's own shard_map."""
 
-    def wrap(kernel):
-        @functools.wraps(kernel)
-        def scoped(*args, **kwargs):
-            with jax.named_scope(f"shardops.{layer}"):
-                return kernel(*args, **kwargs)
-
-        return scoped
-
-    return wrap
-
-
-@_scoped("column_parallel_dense")
+@scoped("column_parallel_dense")
 def column_parallel_dense_kernel(
     x,
     w,
@@ -116,17 +139,21 @@ def column_parallel_dense_kernel(
                          "an even block (a multiple of 2 × the axis size in the global array)")  # fmt: skip
         # x_block[.., S/p, .., D] travels the ring; backward: a ring ReduceScatter of dx in accum.
         bidirectional = collective_matmul == "bidirectional"
-        y_acc = _collective_dense.all_gather_dense(  # y[.., S, .., F/p] in accum
-            x, w, axis_name, axis=gather_dimension, bidirectional=bidirectional, precision=precision
-        )
+        with because(_COLUMN_GATHER, axis_name):
+            y_acc = _collective_dense.all_gather_dense(  # y[.., S, .., F/p] in accum
+                x, w, axis_name, axis=gather_dimension, bidirectional=bidirectional,
+                precision=precision,
+            )  # fmt: skip
     else:
         if gather_input:
             # x_block[.., S/p, .., D] → x[.., S, .., D]; backward: ReduceScatter of dx in accum.
-            x = gather_to_region(x, axis_name, gather_dimension, accum)  # x[..., D] in accum
+            with because(_COLUMN_GATHER, axis_name):
+                x = gather_to_region(x, axis_name, gather_dimension, accum)  # x[..., D] in accum
         else:
             check_replicated_over(x, axis_name, "x", op)
             # Megatron's "f": identity forward; backward: AllReduce of dx over model in accum.
-            x = copy_to_region(x, axis_name, accum)  # x[..., D] in accum
+            with because(_COLUMN_INPUT, axis_name):
+                x = copy_to_region(x, axis_name, accum)  # x[..., D] in accum
         y_acc = precision.matmul(x, w)  # y[..., F/p] in accum
     y_block = precision.finish(y_acc, b)  # y[..., F/p]
     f_local = w.shape[1]
@@ -135,12 +162,13 @@ def column_parallel_dense_kernel(
         y_block = y_block * _valid_columns(axis_name, f_local, out_features, y_block.dtype)
     if gather_output:
         # invariant output: its cotangent is replicated, so the transpose is a local slice.
-        y = gather_from_region(y_block, axis_name, y_block.ndim - 1)
+        with because(_COLUMN_OUTPUT, axis_name):
+            y = gather_from_region(y_block, axis_name, y_block.ndim - 1)
         return y if out_features is None else y[..., :out_features]  # y[..., F]
     return y_block
 
 
-@_scoped("row_parallel_dense")
+@scoped("row_parallel_dense")
 def row_parallel_dense_kernel(
     x,
     w,
@@ -208,7 +236,8 @@ def row_parallel_dense_kernel(
                 f"{f_local} rows × {p} devices on {axis_name!r} = {f_local * p}"
             )
         # Its transpose all-reduces the zero-padded dx[..., F] over model, in accum_dtype.
-        x = copy_to_region(x, axis_name, precision.accum_dtype)  # x[..., F] in accum
+        with because(_ROW_INPUT, axis_name):
+            x = copy_to_region(x, axis_name, precision.accum_dtype)  # x[..., F] in accum
         if x.shape[-1] < f_local * p:  # the logical F: pad to the stored (padded) F
             pad = [(0, 0)] * (x.ndim - 1) + [(0, f_local * p - x.shape[-1])]
             x = jnp.pad(x, pad)  # x[..., F_padded]
@@ -250,25 +279,22 @@ def row_parallel_dense_kernel(
             else _collective_dense.dense_reduce_scatter
         )
         bidirectional = collective_matmul == "bidirectional"
-        y = ring_dense(  # y[B, D] replicated (psum) or y[.., S/p, .., D], in accum
-            x,
-            w,
-            axis_name,
-            scatter_dimension=scatter_dimension,
-            bidirectional=bidirectional,
-            precision=precision,
-        )
+        with because(_ROW_REDUCE, axis_name):
+            y = ring_dense(  # y[B, D] replicated (psum) or y[.., S/p, .., D], in accum
+                x, w, axis_name, scatter_dimension=scatter_dimension,
+                bidirectional=bidirectional, precision=precision,
+            )  # fmt: skip
     else:
         y_partial = precision.matmul(x, w)  # y[B, D]{U_model}
-        if reduce == "psum":
-            y = reduce_from_region(y_partial, axis_name)  # y[B, D]
-        else:
-            y = reduce_scatter_from_region(
-                y_partial, axis_name, scatter_dimension
-            )  # y[.., S/p, .., D] or y[..., D/p]
+        with because(_ROW_REDUCE, axis_name):
+            if reduce == "psum":
+                y = reduce_from_region(y_partial, axis_name)  # y[B, D]
+            else:  # y[.., S/p, .., D] or y[..., D/p]
+                y = reduce_scatter_from_region(y_partial, axis_name, scatter_dimension)
     if reduce == "psum_scatter" and b is not None and scatter_dimension != y.ndim - 1:
         # b[D] is replicated but y is a batch/sequence shard: db all-reduces over model.
-        b = copy_to_region(b, axis_name, precision.accum_dtype)  # b[D] in accum
+        with because(_ROW_BIAS, axis_name):
+            b = copy_to_region(b, axis_name, precision.accum_dtype)  # b[D] in accum
     if b is not None and b.shape != y.shape[-1:]:
         raise ValueError(
             f"{op}: local bias has shape {b.shape} but the reduced output has {y.shape[-1]} "

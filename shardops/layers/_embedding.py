@@ -31,6 +31,7 @@ from shardops._axes import MODEL_AXIS, SEQUENCE_DIM
 from shardops._mesh import axis_size, check_divisible, spec_entry
 from shardops._precision import FLOAT32, Precision, _reduce_to
 from shardops.comm._mappings import reduce_from_region, reduce_scatter_from_region
+from shardops.comm._reasons import Reason, because
 from shardops.layers._common import (
     bound_axis_size,
     check_axes,
@@ -39,8 +40,20 @@ from shardops.layers._common import (
     check_replicated_over,
     check_sharded_over,
     run_layer,
+    scoped,
 )
 from shardops.layers._params import padded_size
+
+# Why the kernel's collective runs (``shardops.comm.because``; ``explain`` reads it).
+_ROWS = Reason("embedding_rows", forward={
+    "psum": "the table's rows are split over {axis}: each device looks up only the ids in its "
+            "rows (zeros elsewhere), and the partial embeddings are summed",
+    "psum_scatter": "the table's rows are split over {axis}: each device looks up only the ids "
+                    "in its rows (zeros elsewhere), and the partial embeddings are summed, and "
+                    "the result is kept split along the sequence",
+}, backward={
+    "all_gather": "it is the transpose of the forward psum_scatter: each device needs all of dx",
+})  # fmt: skip
 
 
 class EmbeddingSpecs(NamedTuple):
@@ -79,6 +92,7 @@ def vocab_parallel_embedding_specs(
     return EmbeddingSpecs(ids=P(*token_dims), table=P(axis_name, None), x=P(*x_dims))
 
 
+@scoped("vocab_parallel_embedding")
 def vocab_parallel_embedding_kernel(
     ids,
     table,
@@ -133,12 +147,11 @@ def vocab_parallel_embedding_kernel(
     found = (local >= 0) & (local < v_local) & (ids < vocab_size)  # [B, S]: here, not padding
     rows = jnp.where(found, local, 0)  # [B, S] in [0, V/p)
     x_partial = _lookup_rows(np.dtype(precision.accum_dtype), table, rows, found)  # x[B, S, D]{U}
-    if reduce == "psum":
-        x = reduce_from_region(x_partial, axis_name)  # x[B, S, D] in accum
-    else:
-        x = reduce_scatter_from_region(
-            x_partial, axis_name, scatter_dimension
-        )  # x[B, S/p, D] in accum
+    with because(_ROWS, axis_name):
+        if reduce == "psum":
+            x = reduce_from_region(x_partial, axis_name)  # x[B, S, D] in accum
+        else:  # x[B, S/p, D] in accum
+            x = reduce_scatter_from_region(x_partial, axis_name, scatter_dimension)
     return x.astype(precision.compute_dtype)  # one rounding
 
 

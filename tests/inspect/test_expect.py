@@ -340,6 +340,8 @@ def test_a_combined_name_that_cannot_be_split_is_mixed(mesh):
          ("shardops.row_parallel_dense",)),
         ("jit(f)/shard_map/transpose(jvp(shardops.row_parallel_dense))/psum", "backward",
          ("shardops.row_parallel_dense",)),
+        ("jit(f)/shard_map/transpose(jvp(shardops.row_parallel_dense))/because.row_bias[model]/psum",
+         "backward", ("shardops.row_parallel_dense",)),  # a reason is not a layer
         ("jit(run)/shard_map/transpose(jvp(jvp()))/checkpoint/rematted_computation/all_gather",
          "backward", ()),
         ("jit(run)/shard_map/optimizer/psum_invariant", "optimizer", ("optimizer",)),

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
@@ -88,6 +89,11 @@ def _explain_layer(layer, traced=False, **options):
         ("column", {}, ["column_parallel_dense: psum over 'model'", "Megatron's f"]),
         ("column", {"gather_input": True}, ["all_gather over 'model'", "sequence parallelism", "split back over 'model'"]),
         ("column", {"gather_output": True}, ["gather_output asks for the full y"]),
+        ("row", {"reduce": "psum_scatter", "collective_matmul": "ring"},
+         ["ppermute over 'model'", "partial sums pass round a ring", "dy's blocks pass round"]),
+        ("column", {"gather_input": True, "collective_matmul": "bidirectional"},
+         ["ppermute over 'model'", "pass round a ring while each device multiplies",
+          "dx partial sums pass round the ring"]),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("traced", [False, True], ids=["compiled", "traced"])
@@ -95,7 +101,11 @@ def test_explain_each_kernel_option(layer, options, phrases, traced):
     text = _explain_layer(layer, traced=traced, **options)
     for phrase in phrases:
         assert phrase in text, text
-    assert "over 'data'" in text and "gradients are summed" in text  # the data-parallel grads
+    # the data-parallel grads: autodiff's reduction, also where it is traced inside a kernel's
+    # reason scope (the ring's matmuls): a scope explains only collectives over its own axes
+    data = [line for line in text.splitlines() if "over 'data'" in line]
+    assert data and all("gradients are summed" in line for line in data), data
+    assert "the program moves data" not in text, text
 
 
 def explain_fsdp(fsdp_dense):
@@ -129,7 +139,104 @@ def test_explain_fsdp_step_that_moves_activations():
     assert any("all_gather over 'data' of f32[64,512]" in line and "dy for the whole batch" in line
                for line in moving)  # fmt: skip
     # what is left outside the layers: b1's gather and its gradient, b2's and the loss's sums
-    assert not any("gathered again for the backward pass (remat)" in line for line in lines)
+    assert not any("remat recomputes" in line for line in lines)
+    assert not any("FSDP) are gathered" in line for line in lines if "over 'data' of f32[" in line
+                   and "512" in line.split(" of ")[1].split(" (")[0])  # fmt: skip
+
+
+def _explain_step(layout, shape, model, traced=True):
+    setup = models.build(layout, shardops.make_mesh(shape), model=model, optimizer=optax.adam(0.1))
+    state = setup.init(jax.random.key(0))
+    ids = np.random.default_rng(0).integers(0, 16, (8, 9)).astype(np.int32)
+    args = (state, *setup.place_batch(ids[:, :-1], ids[:, 1:]))
+    return shardops.inspect.explain(setup.mesh, setup.train_step, *args, traced=traced)
+
+
+EXPLAINED_GPT = models.Gpt(vocab_size=16, d_model=16, num_heads=4, num_layers=1, context=8, d_ff=32)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_explain_says_the_same_on_axes_of_any_names(sp):
+    """A GPT under HSDP × TP (or × SP) on replica × data × model, and the same layout on axes
+    named pod × host × chip: the same sentences, axis for axis. Every reason is the kernel's
+    or autodiff's own; none is the catch-all."""
+    preset = models.STRATEGIES["hsdp_sp" if sp else "hsdp_tp"]
+    mine = models.Strategy("mine", dp="pod", fsdp="host", tp="chip", sp=sp)
+    named = _explain_step(preset, {"replica": 2, "data": 2, "model": 2}, EXPLAINED_GPT)
+    renamed = _explain_step(mine, {"pod": 2, "host": 2, "chip": 2}, EXPLAINED_GPT)
+    back = {"'pod'": "'replica'", "'host'": "'data'", "'chip'": "'model'"}
+    for new, old in back.items():
+        renamed = [line.replace(new, old) for line in renamed]
+    assert renamed == named
+    text = "\n".join(named)
+    assert "the program moves data" not in text, text
+    for phrase in (
+        "vocab_parallel_embedding: psum" + ("_scatter" if sp else "") + " over 'model'",
+        "head_parallel_attention: " + ("all_gather" if sp else "psum") + " over 'model'",
+        "vocab_parallel_cross_entropy: pmax over 'model'",
+        "all_gather over 'data' of f32[",
+        "weights stored split over 'data' (FSDP)",
+        "psum over 'replica' of",
+        "the weights are replicated over 'replica'",
+        "psum over 'replica' × 'data' of f32[] (4 B), because each device's loss covers",
+    ):
+        assert phrase in text, (phrase, text)
+
+
+def test_explain_zero1_step():
+    lines = _explain_step("zero1_tp", {"data": 4, "model": 2}, EXPLAINED_GPT)
+    optimizer = [line for line in lines if line.startswith("optimizer:")]
+    assert any(
+        "psum_scatter over 'data'" in line
+        and "ZeRO-1: each device updates only its shard over 'data' of the optimizer state" in line
+        for line in optimizer
+    ), lines
+    assert any("all_gather over 'data'" in line and "the shards are gathered back" in line
+               for line in optimizer), lines  # fmt: skip
+    assert not any("over 'data'" in line for line in lines if line.startswith("backward")), lines
+
+
+def test_remat_regathers_are_said_to_be_recomputed():
+    setup = models.build("fsdp", shardops.make_mesh({"data": 8}), optimizer=optax.sgd(1.0),
+                         fsdp_dense="gather_weights", remat=True)  # fmt: skip
+    state = setup.init(jax.random.key(0))
+    x, y = np.zeros((64, 784), np.float32), np.eye(10, dtype=np.float32)[np.zeros(64, int)]
+    for traced in (True, False):
+        lines = shardops.inspect.explain(setup.mesh, setup.train_step, state,
+                                         *setup.place_batch(x, y), traced=traced)  # fmt: skip
+        again = [line for line in lines if "remat recomputes" in line]
+        assert again and all(line.startswith("backward pass: all_gather over 'data'")
+                             and "(FSDP) are gathered" in line for line in again), lines  # fmt: skip
+        # the last stage's weights are gathered again (the first's backward does not use w1)
+        forward = {line.split(" (")[0].split(" of ")[1] for line in lines
+                   if line.startswith("forward pass: all_gather")}  # fmt: skip
+        assert {line.split(" (")[0].split(" of ")[1] for line in again} < forward, lines
+
+
+def test_a_reason_of_your_own():
+    """``because`` in a user's shard_map: explain reads its sentence, traced and compiled; over
+    other axes than it names it is not used."""
+    mesh = shardops.make_mesh({"rows": 4, "cols": 2})
+    mine = shardops.comm.Reason("test_views_block_sums", forward={
+        "psum": "each device summed its block over {axis}",
+    }, backward={"*": "not this one"})  # fmt: skip
+
+    outer = shardops.comm.Reason("test_views_outer", forward={"*": "the outer scope's"})
+
+    def body(x):
+        with shardops.comm.because(outer, "cols"), shardops.comm.because(mine, "cols"):
+            s = lax.psum(x.sum(axis=-1), "cols")  # explained by mine, the innermost
+            return lax.psum(s, "rows")  # over rows: not mine
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P("rows", "cols"), out_specs=P())
+    for traced in (True, False):
+        lines = shardops.inspect.explain(mesh, fn, np.ones((8, 4), np.float32), traced=traced)
+        assert (
+            "psum over 'cols' of f32[2] (8 B), because each device summed its block over 'cols'"
+            in lines[0]
+        )
+        assert not any("summed its block over 'rows'" in line for line in lines), lines
+        assert not any("outer scope" in line for line in lines), lines
 
 
 def test_params_on_0_3_and_a_batch_on_4_7():

@@ -24,6 +24,8 @@ F32, BF16, MIXED = shardops.FLOAT32, shardops.BFLOAT16, shardops.MIXED_BFLOAT16
 
 # Used by the "gradient scaled by the axis size" mutant: identity forward, cotangent × p.
 GRAD_TIMES = """
+import jax
+
 @jax.custom_vjp
 def _grad_times(w, p):
     return w

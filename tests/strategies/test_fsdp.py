@@ -161,8 +161,8 @@ def test_collectives_follow_the_policy(precision):
 MUTANTS = {
     # No reduction over data: each device keeps its own rows of its partial sums.
     "output_not_reduced": (
-        "        y = lax.psum_scatter(y, data, scatter_dimension=0, tiled=True)  # y[B_data, .., F']\n",
-        "        y = lax.dynamic_slice_in_dim(y, lax.axis_index(data) * (y.shape[0] // lax.axis_size(data)), y.shape[0] // lax.axis_size(data), 0)\n",
+        "            y = lax.psum_scatter(y, data, scatter_dimension=0, tiled=True)\n",
+        "            y = lax.dynamic_slice_in_dim(y, lax.axis_index(data) * (y.shape[0] // lax.axis_size(data)), y.shape[0] // lax.axis_size(data), 0)\n",
         MLP_CASES[0],
         FLOAT32,
     ),
@@ -176,8 +176,8 @@ MUTANTS = {
     # The row layer's model reduction forgotten on the F-split path: check_vma refuses the
     # program (the loss would vary over model), before anything runs.
     "row_not_reduced": (
-        "        if row:\n            y = lax.psum(y, model)\n        y = lax.all_to_all(",
-        "        if False:\n            y = lax.psum(y, model)\n        y = lax.all_to_all(",
+        "            with because(_ROW_SUMS, model):\n                y = lax.psum(y, model)\n        with because(_EXCHANGE, data):  # y[B_data, ..., F'] in accum\n",
+        "            with because(_ROW_SUMS, model):\n                y = y\n        with because(_EXCHANGE, data):  # y[B_data, ..., F'] in accum\n",
         MLP_CASES[3],
         FLOAT32,
     ),

@@ -180,8 +180,8 @@ HELPER_MUTANTS = {
     # fsdp: a stage's bundle of split leaves gathered with its gradients reduced in bf16.
     "data_gradient_bundle_reduce_scattered_in_bf16": (
         parallel, ("Parallel", "wrap"), ("shardops_models.training._train",),
-        "                    values, self.strategy.fsdp, dims, accum, self.strategy.dp), strict=True):  # fmt: skip\n",
-        "                    values, self.strategy.fsdp, dims, values[0].dtype, self.strategy.dp), strict=True):\n",
+        "                                                               accum, self.strategy.dp)  # fmt: skip\n",
+        "                                                               values[0].dtype, self.strategy.dp)\n",
         "flow", ("fsdp_tp", {"data": 2, "model": 4}, BF16),
     ),
     # fsdp: the plain all_gather, whose transpose reduce-scatters bf16 gradients.

@@ -196,8 +196,8 @@ CTX_MUTANTS = {
     # the partial sums left unreduced
     "psum_dropped": (
         "psum",
-        "        return shardops.comm.reduce_from_region(y_partial, axis) if axis else y_partial\n",
-        "        return y_partial\n",
+        "            return shardops.comm.reduce_from_region(y_partial, axis)\n",
+        "            return y_partial\n",
         "psum",
     ),
 }
