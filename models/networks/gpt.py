@@ -33,6 +33,25 @@ PAD_LABEL = -1
 """A label that counts nowhere in ``metrics`` (how a whole set's last chunk is padded)."""
 
 
+def check_token_range(vocab_size: int, **arrays) -> None:
+    """Concrete token arrays (a batch being placed) hold ids in ``[0, vocab_size)``, else a
+    ValueError naming the array, the range and the ids found; traced or abstract arrays (inside
+    ``jit``, a budget's shapes) and arrays on other processes are not read."""
+    for name, a in arrays.items():
+        if (a is None or isinstance(a, jax.core.Tracer) or not isinstance(a, (np.ndarray, jax.Array))
+                or not getattr(a, "is_fully_addressable", True) or not a.size):  # fmt: skip
+            continue
+        a = np.asarray(a)
+        bad = (a < 0) | (a >= vocab_size)
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"{name} hold {int(bad.sum())} token(s) outside [0, {vocab_size}) (the model's "
+                f"vocabulary), e.g. {int(a[where])} at {name}{list(where)}; min {int(a.min())}, "
+                f"max {int(a.max())}"
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class Gpt:
     """A decoder-only transformer: ``num_layers`` blocks of width ``d_model`` with ``num_heads``
@@ -180,6 +199,7 @@ class Gpt:
                 f"labels must be integer tokens shaped like ids {tuple(ids.shape)} (the next "
                 f"token at each position); got {labels.dtype}{tuple(labels.shape)}"
             )
+        check_token_range(self.vocab_size, ids=ids, labels=labels)
 
     # --- the independent reference
 

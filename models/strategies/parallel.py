@@ -312,46 +312,57 @@ class Parallel:
             x, params, num_heads=num_heads, causal=causal, precision=self.precision
         )
 
-    def _layer_norm(self, p, x):
+    def _layer_norm(self, p, x, eps):
         return shardops.layer_norm(
-            x, self._optional(p, "scale"), self._optional(p, "bias")
+            x, self._optional(p, "scale"), self._optional(p, "bias"), eps=eps
         )  # same layout as x; under sp dscale, dbias are AllReduced over model (check_vma)
 
-    def _rms_norm(self, p, x):
-        return shardops.rms_norm(x, self._optional(p, "scale"))
+    def _rms_norm(self, p, x, eps):
+        return shardops.rms_norm(x, self._optional(p, "scale"), eps=eps)
 
     # --- layers, each tapped for shardops.inspect.compare (the identity outside it)
 
     def dense(self, p, x):
         """``x[..., D] · w + b`` by the role of ``p["w"]``: column-parallel, row-parallel or
         local. Under sp, ``x[B, S_model, D]`` is gathered along S by a column layer and a row
-        layer's output is reduce-scattered back along S."""
+        layer's output is reduce-scattered back along S. Keys: ``w``, optionally ``b``."""
+        _check_keys(p, "dense", LAYER_KEYS["dense"])
         p_model = lax.axis_size(self.tp) if self.model_parallel and p["w"].role == ROW else 1
         k = x.shape[-1] * p_model  # D: a row layer's x holds D/p of it
         return self._tap(self._dense(p, x), p, k=k, features_split=self.is_split(p))
 
     def embed(self, p, ids):
         """``table[ids]``: vocab-parallel under tp (the AllReduce, or under sp the
-        ReduceScatter along S, of the rows each device holds), else a local lookup."""
+        ReduceScatter along S, of the rows each device holds), else a local lookup. Keys:
+        ``table``."""
+        _check_keys(p, "embed", LAYER_KEYS["embed"])
         return self._tap(self._embed(p, ids), p, k=1)
 
     def attention(self, p, x, *, num_heads: int, causal: bool = True):
-        """Self-attention: head-parallel under tp (sp: x gathered along S once), else local."""
+        """Self-attention: head-parallel under tp (sp: x gathered along S once), else local.
+        Keys: ``wq``, ``wk``, ``wv``, ``wo``, optionally ``bq``, ``bk``, ``bv``, ``bo``."""
+        _check_keys(p, "attention", LAYER_KEYS["attention"])
         y = self._attention(p, x, num_heads=num_heads, causal=causal)
         seq = x.shape[SEQUENCE_DIM] * (lax.axis_size(self.tp) if self.sequence_parallel else 1)
         return self._tap(y, p, k=max(x.shape[-1], seq))  # K: D (projections), S (p · v)
 
-    def layer_norm(self, p, x):
-        return self._tap(self._layer_norm(p, x), p, k=x.shape[-1])
+    def layer_norm(self, p, x, *, eps: float = 1e-5):
+        """``shardops.layer_norm`` of ``x[..., D]``. Keys, both optional: ``scale``, ``bias``."""
+        _check_keys(p, "layer_norm", LAYER_KEYS["layer_norm"])
+        return self._tap(self._layer_norm(p, x, eps), p, k=x.shape[-1])
 
-    def rms_norm(self, p, x):
-        return self._tap(self._rms_norm(p, x), p, k=x.shape[-1])
+    def rms_norm(self, p, x, *, eps: float = 1e-6):
+        """``shardops.rms_norm`` of ``x[..., D]``. Keys, optional: ``scale``."""
+        _check_keys(p, "rms_norm", LAYER_KEYS["rms_norm"])
+        return self._tap(self._rms_norm(p, x, eps), p, k=x.shape[-1])
 
     def _tap(self, y, p, *, k: int, features_split: bool = False):
         """``shardops.inspect.tap`` of a layer's output, named by its parameters' path, with the layout
         of the strategy: the batch over its batch axes, and over the tp axis the features (a
         column layer) or the sequence (between layers under sp) when ``y`` varies over it."""
-        leaf = next(q for q in jax.tree.leaves(p, is_leaf=is_param) if is_param(q))
+        leaf = next((q for q in jax.tree.leaves(p, is_leaf=is_param) if is_param(q)), None)
+        if leaf is None:  # a layer without parameters (a norm with no scale): no name to tap by
+            return y
         name = leaf.path[: leaf.path.rfind("[")]
         spec = None
         if self.strategy.axes:
@@ -455,6 +466,46 @@ class Parallel:
                 return self._gather(leaf.value, leaf.pending)
             return leaf.value
         return leaf
+
+
+LAYER_KEYS = {
+    "dense": (("w",), ("b",)),
+    "embed": (("table",), ()),
+    "attention": (("wq", "wk", "wv", "wo"), ("bq", "bk", "bv", "bo")),
+    "layer_norm": ((), ("scale", "bias")),
+    "rms_norm": ((), ("scale",)),
+}
+"""Each ``ctx`` layer's parameter keys: (required, optional)."""
+
+_HINTS = {
+    "weight": "Hugging Face's norm 'weight' is 'scale' here; its Linear 'weight[out, in]' is "
+              "'w[in, out]' (transposed)",
+    "kernel": "Flax's 'kernel' is 'w' here, 'bias' is 'b'",
+    "embedding": "Flax's 'embedding' is 'table' here",
+}  # fmt: skip
+
+
+def _check_keys(p, layer: str, keys) -> None:
+    """Refuse a parameter dict that lacks a key ``layer`` needs or holds one it does not use,
+    naming the layer, the parameters' path, the keys expected and the keys given."""
+    required, optional = keys
+    if not isinstance(p, dict):
+        raise TypeError(f"ctx.{layer} takes a dict of parameters (keys {list(required + optional)}); "
+                        f"got {type(p).__name__}")  # fmt: skip
+    missing = [k for k in required if k not in p]
+    unknown = sorted(set(p) - set(required) - set(optional), key=str)
+    if not (missing or unknown):
+        return
+    leaf = next((q for q in jax.tree.leaves(p, is_leaf=is_param) if is_param(q)), None)
+    where = f" at {leaf.path[: leaf.path.rfind('[')] or 'the top'}" if leaf is not None else ""
+    what = [f"missing {missing}"] if missing else []
+    what += [f"unknown {unknown}"] if unknown else []
+    hints = [_HINTS[k] for k in unknown if k in _HINTS]
+    expected = f"{list(required)}" + (f", optionally {list(optional)}" if optional else "")
+    raise ValueError(
+        f"ctx.{layer}{where}: expects parameter keys {expected}; got {sorted(p, key=str)} "
+        f"({', '.join(what)})." + (f" {'; '.join(hints)}." if hints else "")
+    )
 
 
 def _check_logits_cover_labels(ctx, logits, labels) -> None:

@@ -43,22 +43,50 @@ def leaf_roles(plan, params):
     Raises a ValueError naming the path when the plan does not fit the tree or a role is
     unknown.
     """
-    try:
-        roles = jax.tree.map(
-            lambda role, sub: jax.tree.map(lambda _: role, sub, is_leaf=is_shape), plan, params
-        )
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"the plan must be a prefix of the parameter tree (one role per layer or per leaf); "
-            f"plan {jax.tree.structure(plan)} does not fit params {jax.tree.structure(params)}: "
-            f"{e}"
-        ) from None
+    _check_prefix(plan, params, "")
+    roles = jax.tree.map(
+        lambda role, sub: jax.tree.map(lambda _: role, sub, is_leaf=is_shape), plan, params
+    )
     for path, role in jax.tree_util.tree_leaves_with_path(roles):
         if role not in ROLES:
             raise ValueError(
                 f"plan{jax.tree_util.keystr(path)}: unknown role {role!r}; choose one of {ROLES}"
             )
     return roles
+
+
+def _check_prefix(plan, params, path: str) -> None:
+    """``plan`` fits ``params`` as a prefix, else a ValueError naming the first path where it
+    does not: a key the plan lacks or adds, a list of another length, a subtree for a leaf."""
+    hint = "(one role per layer or per leaf)"
+    where = f"plan{path}" if path else "plan (the top level)"
+    if isinstance(plan, str) or plan is None:
+        return  # a role (checked by the caller) for the whole subtree
+    if is_shape(params):
+        pass  # a leaf: only a role fits it (below)
+    elif isinstance(plan, dict) and isinstance(params, dict):
+        missing = sorted(set(params) - set(plan), key=str)
+        extra = sorted(set(plan) - set(params), key=str)
+        if missing or extra:
+            said = [f"no role for {missing}"] if missing else []
+            said += [f"roles for {extra}, which the parameters do not have"] if extra else []
+            raise ValueError(
+                f"{where}: {' and '.join(said)}; the parameters there "
+                f"have keys {sorted(params, key=str)} {hint}"
+            )
+        for k in params:
+            _check_prefix(plan[k], params[k], f"{path}[{k!r}]")
+        return
+    elif isinstance(plan, (list, tuple)) and type(plan) is type(params):
+        if len(plan) != len(params):
+            raise ValueError(f"{where}: {len(plan)} role(s) for {len(params)} parameter "
+                             f"subtrees {hint}")  # fmt: skip
+        for i, (q, sub) in enumerate(zip(plan, params, strict=True)):
+            _check_prefix(q, sub, f"{path}[{i}]")
+        return
+    got = "a leaf" if is_shape(params) else type(params).__name__
+    raise ValueError(f"{where}: a {type(plan).__name__} where the parameters have {got}; "
+                     f"give a role (one of {ROLES}) or a tree of them {hint}")  # fmt: skip
 
 
 def model_spec(role: str, path, shape: tuple[int, ...], axis: str = MODEL_AXIS) -> P:

@@ -760,7 +760,17 @@ class _Body:
 
     def logits(self, params, x):
         tree, logits = self.forward(self.eval_ctx, params, x)
-        if self.composition.tp and _output_split(self.model, tree, self.eval_ctx):
+        tp = self.composition.tp
+        if tp and getattr(self.model, "output_layer", None) is None and (
+                set(shardops.varying_axes(logits)) & set(entry_axes(tp))):  # fmt: skip
+            raise ValueError(
+                f"setup.logits: {type(self.model).__name__}'s logits{tuple(logits.shape)} "
+                f"(per device) vary over the tp axis {tp!r}, and the model has no "
+                f"output_layer(params) saying which layer makes them: define it (return the "
+                f"head's parameter dict, as models.Gpt does) so that logits split over the "
+                f"vocabulary are gathered"
+            )
+        if tp and _output_split(self.model, tree, self.eval_ctx):
             # logits[b, ..., V_model] → the full vocabulary, for a caller outside the mesh
             with _because(_WHOLE_LOGITS, self.composition.tp):
                 logits = lax.all_gather(logits, self.composition.tp, axis=logits.ndim - 1,

@@ -124,12 +124,20 @@ def _spec_at(specs, path):
     return specs
 
 
-def _matching_specs(params, specs):
+def _matching_specs(params, specs, path: str = ""):
+    """``specs`` cut to ``params``' structure at every depth: a key of ``specs`` that
+    ``params`` lacks (an absent bias) is dropped; a key of ``params`` that ``specs`` lacks is an
+    error naming its path. A ``PartitionSpec`` (or ``None``) applies to the whole subtree."""
     if isinstance(specs, dict) and isinstance(params, dict):
         unknown = set(params) - set(specs)
         if unknown:
             raise ValueError(
-                f"shard_params: no PartitionSpec for {sorted(unknown)}; specs has {sorted(specs)}"
+                f"shard_params: no PartitionSpec for {sorted(unknown, key=str)} in "
+                f"params{path or ' (the top level)'}; specs{path} has keys {sorted(specs, key=str)}"
             )
-        specs = {k: specs[k] for k in params}
+        return {k: _matching_specs(params[k], specs[k], f"{path}[{k!r}]") for k in params}
+    if isinstance(specs, (list, tuple)) and not isinstance(specs, P) and (
+            type(specs) is type(params) and len(specs) == len(params)):  # fmt: skip
+        return type(specs)(_matching_specs(p, s, f"{path}[{i}]")
+                           for i, (p, s) in enumerate(zip(params, specs, strict=True)))  # fmt: skip
     return specs

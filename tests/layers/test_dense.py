@@ -1,5 +1,6 @@
 """Every kernel option, on every mesh, equals the float64 reference: forward and gradients."""
 
+import numpy as np
 import pytest
 from _cover import cover, cover_meshes
 from _dense_checks import COLUMN_OPTIONS, MESHES, POLICIES, ROW_OPTIONS, check_dense
@@ -76,3 +77,23 @@ def test_bias_added_once_after_the_reduction():
     for options in ROW_OPTIONS:
         y = shardops.row_parallel_dense(jnp.zeros((8, 16)), w, b, mesh=mesh, **options)
         np.testing.assert_array_equal(np.asarray(y), np.broadcast_to(np.asarray(b), (8, 8)))
+
+
+def test_shard_params_takes_the_specs_at_any_depth():
+    """The layer's specs for a tree of layers: a nested dict and a list, each without a bias;
+    the absent ``b`` is ignored at every depth, a leaf with no spec is an error naming its path."""
+    mesh = shardops.make_mesh({"data": 4, "model": 2})
+    column = shardops.column_parallel_dense_specs().params  # {"w": P(None, model), "b": …}
+    row = shardops.row_parallel_dense_specs().params
+    params = {"mlp": {"up": {"w": np.ones((8, 4))}, "down": {"w": np.ones((4, 8))}},
+              "layers": [{"w": np.ones((8, 4))}]}  # fmt: skip
+    out = shardops.shard_params(params, mesh, {"mlp": {"up": column, "down": row},
+                                               "layers": [column]})  # fmt: skip
+    assert out["mlp"]["up"]["w"].sharding.spec == column["w"]
+    assert out["mlp"]["down"]["w"].sharding.spec == row["w"]
+    assert out["layers"][0]["w"].sharding.spec == column["w"]
+    with pytest.raises(
+        ValueError, match=r"no PartitionSpec for \['gain'\] in params\['mlp'\]\['up'\]"
+    ):
+        shardops.shard_params({"mlp": {"up": {"w": np.ones((8, 4)), "gain": np.ones(4)}}}, mesh,
+                              {"mlp": {"up": column}})  # fmt: skip

@@ -131,3 +131,20 @@ def test_a_replicated_head_under_sequence_parallelism_is_a_clear_error():
         setup.train_step(state, *setup.place_batch(ids, labels))
     with pytest.raises(ValueError, match="give it the plan's role 'column'"):
         setup.collective_budget(BATCH, SEQ)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "where"), [("ids", 16, "[1, 2]"), ("ids", -1, "[1, 2]"), ("labels", 99, "[1, 2]")]
+)  # fmt: skip
+def test_tokens_outside_the_vocabulary_are_refused_when_a_batch_is_placed(field, value, where):
+    tiny = models.Gpt(vocab_size=16, d_model=16, num_heads=2, num_layers=1, context=8)
+    setup = models.build(
+        "tp", shardops.make_mesh({"model": 2}), model=tiny, optimizer=optax.sgd(0.1)
+    )
+    batch = {"ids": np.zeros((4, 8), np.int32), "labels": np.ones((4, 8), np.int32)}
+    batch[field][1, 2] = value
+    with pytest.raises(ValueError, match=rf"{field} hold 1 token\(s\) outside \[0, 16\) \(the "
+                       rf"model's vocabulary\), e.g. {value} at {field}\{where[:-1]}\]"):  # fmt: skip
+        setup.place_batch(batch["ids"], batch["labels"])
+    batch[field][1, 2] = 15  # the last id is in range
+    setup.place_batch(batch["ids"], batch["labels"])

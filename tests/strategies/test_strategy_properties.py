@@ -435,18 +435,24 @@ def test_a_role_that_splits_an_uneven_dim_names_the_parameter(net, plan, model, 
 
 
 @pytest.mark.parametrize(
-    ("net", "plan"),
+    ("net", "plan", "message"),
     [
-        (MLP, [COLUMN, ROW, REPLICATED]),  # a role too many
-        (MLP, [REPLICATED]),  # a role too few
-        (GPT, {k: v for k, v in gpt_plan().items() if k != "head"}),  # a layer missing
-        (GPT, gpt_plan(blocks=gpt_plan()["blocks"][:1])),  # a block missing
-        (GPT, gpt_plan(up={"w": COLUMN})),  # a per-leaf role missing a leaf
+        (MLP, [COLUMN, ROW, REPLICATED], r"plan \(the top level\): 3 role\(s\) for 2 parameter subtrees"),
+        (MLP, [REPLICATED], r"plan \(the top level\): 1 role\(s\) for 2"),
+        (GPT, {k: v for k, v in gpt_plan().items() if k != "head"},
+         r"plan \(the top level\): no role for \['head'\]; the parameters there have keys"),
+        (GPT, gpt_plan(blocks=gpt_plan()["blocks"][:1]), r"plan\['blocks'\]: 1 role\(s\) for 2"),
+        (GPT, gpt_plan(up={"w": COLUMN}), r"plan\['blocks'\]\[0\]\['up'\]: no role for \['b'\]"),
+        (GPT, gpt_plan(up={"w": COLUMN, "b": COLUMN, "bias": COLUMN}),
+         r"plan\['blocks'\]\[0\]\['up'\]: roles for \['bias'\], which the parameters do not have"),
+        (GPT, gpt_plan(up=[COLUMN]), r"plan\['blocks'\]\[0\]\['up'\]: a list where the parameters have dict"),
     ],
-    ids=["mlp-long", "mlp-short", "gpt-no-head", "gpt-one-block", "gpt-leaf-missing"],
-)
-def test_a_plan_that_is_not_a_prefix_of_the_params_is_refused(net, plan):
-    with pytest.raises(ValueError, match=r"the plan must be a prefix of the parameter tree"):
+    ids=["mlp-long", "mlp-short", "gpt-no-head", "gpt-one-block", "gpt-leaf-missing",
+         "gpt-leaf-extra", "gpt-list-for-dict"],
+)  # fmt: skip
+def test_a_plan_that_is_not_a_prefix_of_the_params_is_refused(net, plan, message):
+    """The error names the first place the plan does not fit, and what it lacks or adds."""
+    with pytest.raises(ValueError, match=message):
         build_tp(net, plan, 2)
 
 

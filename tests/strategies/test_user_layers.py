@@ -228,3 +228,102 @@ def test_ctx_mutant_is_caught(monkeypatch, name):
             or "vma" in str(caught.value)
             or "out_specs" in str(caught.value)
         ), caught.value
+
+
+class KeyedLM:
+    """ids → table → rms_norm(norm) → dense(head): the parameter dicts are the test's to name."""
+
+    name, sequence, context = "keyed lm", True, S
+
+    def __init__(self, norm: dict, head: dict):
+        self.norm, self.head = norm, head
+
+    def init(self, key, dtype=None):
+        k1, k2 = jax.random.split(key)
+        return {"embed": {"table": jax.random.normal(k1, (V, D))}, "norm": dict(self.norm),
+                "head": {k: jax.random.normal(k2, s) for k, s in self.head.items()}}  # fmt: skip
+
+    def plan(self):
+        return {"embed": models.REPLICATED, "norm": models.REPLICATED, "head": models.COLUMN}
+
+    def apply(self, ctx, params, ids):
+        x = ctx.stage(ctx.embed, params["embed"], ids)
+        x = ctx.stage(ctx.rms_norm, params["norm"], x)
+        return ctx.stage(ctx.dense, params["head"], x)
+
+    def loss_sum(self, ctx, params, logits, labels):
+        return ctx.cross_entropy(logits, labels, split=ctx.is_split(params["head"])).sum()
+
+    def check_batch(self, ids, labels=None):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("norm", "head", "message"),
+    [
+        ({"weight": jnp.full(D, 2.0)}, {"w": (D, V)},
+         r"ctx.rms_norm at \['norm'\]: expects parameter keys \[\], optionally \['scale'\]; got "
+         r"\['weight'\] \(unknown \['weight'\]\). Hugging Face's norm 'weight' is 'scale' here"),
+        ({}, {"kernel": (D, V)},
+         r"ctx.dense at \['head'\]: expects parameter keys \['w'\], optionally \['b'\]; got "
+         r"\['kernel'\] \(missing \['w'\], unknown \['kernel'\]\). Flax's 'kernel' is 'w' here"),
+        ({}, {"w": (D, V), "b": (V,), "gain": (V,)}, r"ctx.dense at \['head'\].*unknown \['gain'\]"),
+    ],
+    ids=["hf-norm-weight", "flax-kernel", "extra-key"],
+)  # fmt: skip
+@pytest.mark.parametrize("strategy", ["ref", "2d"])
+def test_a_layer_refuses_parameter_keys_it_does_not_use(norm, head, message, strategy):
+    mesh = None if strategy == "ref" else shardops.make_mesh({"data": 4, "model": 2})
+    setup = models.build(strategy, mesh, model=KeyedLM(norm, head), optimizer=optax.sgd(0.1))
+    params = setup.shard(KeyedLM(norm, head).init(jax.random.key(0))).params
+    with pytest.raises(ValueError, match=message):
+        setup.loss_and_grads(params, *setup.place_batch(*batch()))
+
+
+def test_the_norm_scale_is_used_and_trained():
+    """The documented key: the scale multiplies the output and gets its gradient."""
+    model = KeyedLM({"scale": jnp.full(D, 2.0)}, {"w": (D, V)})
+    setup = models.build("2d", shardops.make_mesh({"data": 4, "model": 2}), model=model,
+                         optimizer=optax.sgd(0.1))  # fmt: skip
+    params = model.init(jax.random.key(0))
+    _, grads = setup.loss_and_grads(setup.shard(params).params, *setup.place_batch(*batch()))
+
+    def reference(params, ids, labels):
+        x = params["embed"]["table"][ids]
+        x = (
+            x
+            * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+            * params["norm"]["scale"]
+        )
+        logits = x @ params["head"]["w"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum() / labels.size
+
+    expected = jax.grad(reference)(params, *batch())
+    got = setup.gather(grads)
+    assert float(jnp.abs(expected["norm"]["scale"]).max()) > 1e-3
+    np.testing.assert_allclose(
+        got["norm"]["scale"], expected["norm"]["scale"], rtol=1e-5, atol=1e-7
+    )
+    np.testing.assert_allclose(got["head"]["w"], expected["head"]["w"], rtol=1e-5, atol=1e-7)
+
+
+class HeadedLM(KeyedLM):
+    def output_layer(self, params):
+        return params["head"]
+
+
+def test_setup_logits_needs_to_know_the_output_layer_of_split_logits():
+    mesh = shardops.make_mesh({"data": 4, "model": 2})
+    ids, _ = batch()
+    args = ({"scale": jnp.ones(D)}, {"w": (D, V)})
+    params = KeyedLM(*args).init(jax.random.key(0))
+    plain = models.build("2d", mesh, model=KeyedLM(*args), optimizer=optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"setup.logits: KeyedLM's logits\(2, 4, 8\) \(per device\) "
+                       r"vary over the tp axis 'model', and the model has no output_layer"):  # fmt: skip
+        plain.logits(plain.shard(params).params, plain.place_batch(ids))
+    headed = models.build("2d", mesh, model=HeadedLM(*args), optimizer=optax.sgd(0.1))
+    ref = models.build("ref", model=HeadedLM(*args), optimizer=optax.sgd(0.1))
+    got = headed.logits(headed.shard(params).params, headed.place_batch(ids))
+    expected = ref.logits(ref.shard(params).params, ref.place_batch(ids))
+    assert got.shape == (BATCH, S, V)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
