@@ -33,8 +33,9 @@ PAD_LABEL = -1
 """A label that counts nowhere in ``metrics`` (how a whole set's last chunk is padded)."""
 
 
-def check_token_range(vocab_size: int, **arrays) -> None:
-    """Concrete token arrays (a batch being placed) hold ids in ``[0, vocab_size)``, else a
+def check_token_range(vocab_size: int, allowed=(), **arrays) -> None:
+    """Concrete token arrays (a batch being placed) hold ids in ``[0, vocab_size)`` (or one of
+    ``allowed``: the labels' ``PAD_LABEL``), else a
     ValueError naming the array, the range and the ids found; traced or abstract arrays (inside
     ``jit``, a budget's shapes) and arrays on other processes are not read."""
     for name, a in arrays.items():
@@ -42,7 +43,7 @@ def check_token_range(vocab_size: int, **arrays) -> None:
                 or not getattr(a, "is_fully_addressable", True) or not a.size):  # fmt: skip
             continue
         a = np.asarray(a)
-        bad = (a < 0) | (a >= vocab_size)
+        bad = ((a < 0) | (a >= vocab_size)) & ~np.isin(a, allowed)
         if bad.any():
             where = tuple(int(i) for i in np.argwhere(bad)[0])
             raise ValueError(
@@ -199,7 +200,8 @@ class Gpt:
                 f"labels must be integer tokens shaped like ids {tuple(ids.shape)} (the next "
                 f"token at each position); got {labels.dtype}{tuple(labels.shape)}"
             )
-        check_token_range(self.vocab_size, ids=ids, labels=labels)
+        check_token_range(self.vocab_size, ids=ids)
+        check_token_range(self.vocab_size, allowed=(PAD_LABEL,), labels=labels)
 
     # --- the independent reference
 

@@ -26,6 +26,7 @@ The innermost matching scope wins.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
@@ -104,11 +105,15 @@ def because(reason: Reason, axis_name: str | Sequence[str]):
     if not isinstance(reason, Reason):
         raise TypeError(f"because: reason must be a shardops.comm.Reason; got {reason!r}")
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    if not axes or not all(isinstance(a, str) and a.isidentifier() for a in axes):
+    if not axes or not all(isinstance(a, str) for a in axes):
         raise ValueError(
             f"because({reason.name!r}, ...): axis_name must be a mesh axis name or a tuple of "
-            f"them (identifiers); got {axis_name!r}"
+            f"them; got {axis_name!r}"
         )
+    if not all(a.isidentifier() for a in axes):
+        # a name the op-name syntax cannot carry ('data-par', 'tensor.model'): the kernel runs
+        # as ever, and explain gives the collective its generic reason
+        return contextlib.nullcontext()
     return jax.named_scope(f"{SCOPE}.{reason.name}[{','.join(axes)}]")
 
 

@@ -55,3 +55,14 @@ def test_because_names_the_reason_and_its_axes_in_the_program():
         because("test_reasons_scope", "pod")
     with pytest.raises(ValueError, match="axis_name must be a mesh axis name"):
         because(r, ())
+
+
+def test_a_kernel_on_axes_whose_names_are_not_identifiers_still_runs():
+    """A scope cannot carry 'tensor.model' in an op name: the kernel runs unexplained, as before."""
+    mesh = shardops.make_mesh({"data-par": 4, "tensor.model": 2})
+    x, w = jnp.ones((8, 32)), jnp.ones((32, 16))
+    y = shardops.row_parallel_dense(
+        x, w, mesh=mesh, axis_name="tensor.model", batch_axis="data-par"
+    )
+    assert y.shape == (8, 16)
+    assert (jnp.asarray(y) == 32.0).all()

@@ -134,7 +134,8 @@ def test_a_replicated_head_under_sequence_parallelism_is_a_clear_error():
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "where"), [("ids", 16, "[1, 2]"), ("ids", -1, "[1, 2]"), ("labels", 99, "[1, 2]")]
+    ("field", "value", "where"), [("ids", 16, "[1, 2]"), ("ids", -1, "[1, 2]"), ("labels", 99, "[1, 2]"),
+     ("labels", -2, "[1, 2]")]
 )  # fmt: skip
 def test_tokens_outside_the_vocabulary_are_refused_when_a_batch_is_placed(field, value, where):
     tiny = models.Gpt(vocab_size=16, d_model=16, num_heads=2, num_layers=1, context=8)
