@@ -9,7 +9,8 @@ The surface, by concept (each subpackage has its own short ``__all__``):
   inside ``shard_map``.
 - **precision**: ``Precision`` and the policies ``FLOAT32``, ``MIXED_BFLOAT16``, ``BFLOAT16``.
 - **layers** (``shardops.layers``, its kernels there too): column/row-parallel dense,
-  vocab-parallel embedding and cross-entropy, head-parallel attention, norms, parameters.
+  vocab-parallel embedding and cross-entropy, head-parallel attention (RoPE, grouped-query,
+  packed sequences), the gated MLP (SwiGLU), norms, parameters.
 - ``shardops.comm``: the communication patterns the kernels are built from.
 - ``shardops.inspect``: collectives, ledger, explain, layouts, the divergence locator.
 - ``shardops.testing``: the derived error bound, dtype flow, collective budgets.
@@ -38,14 +39,17 @@ from shardops.layers import (
     CrossEntropySpecs,
     DenseSpecs,
     EmbeddingSpecs,
+    GatedMlpSpecs,
     attention,
     column_parallel_dense,
     column_parallel_dense_specs,
     dense,
+    gated_mlp,
     head_parallel_attention,
     head_parallel_attention_specs,
     init_attention,
     init_dense,
+    init_gated_mlp,
     layer_norm,
     pad_params,
     padded_size,
@@ -53,6 +57,8 @@ from shardops.layers import (
     row_parallel_dense,
     row_parallel_dense_specs,
     shard_params,
+    tensor_parallel_gated_mlp,
+    tensor_parallel_gated_mlp_specs,
     unpad,
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
@@ -90,14 +96,17 @@ __all__ = [  # noqa: RUF022 (grouped by concept, as the docstring lists them)
     "CrossEntropySpecs",
     "DenseSpecs",
     "EmbeddingSpecs",
+    "GatedMlpSpecs",
     "attention",
     "column_parallel_dense",
     "column_parallel_dense_specs",
     "dense",
+    "gated_mlp",
     "head_parallel_attention",
     "head_parallel_attention_specs",
     "init_attention",
     "init_dense",
+    "init_gated_mlp",
     "layer_norm",
     "pad_params",
     "padded_size",
@@ -105,6 +114,8 @@ __all__ = [  # noqa: RUF022 (grouped by concept, as the docstring lists them)
     "row_parallel_dense",
     "row_parallel_dense_specs",
     "shard_params",
+    "tensor_parallel_gated_mlp",
+    "tensor_parallel_gated_mlp_specs",
     "unpad",
     "vocab_parallel_argmax",
     "vocab_parallel_cross_entropy",

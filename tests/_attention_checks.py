@@ -74,6 +74,9 @@ attention = _attention
 
 POLICIES = {p.name: p for p in (shardops.FLOAT32, shardops.BFLOAT16, shardops.MIXED_BFLOAT16)}
 EXP_ULPS = 2  # allowed error of float32 exp, in ulps (measured ≤ 1 on XLA:CPU)
+# Allowed absolute error of float32 cos and sin, in eps: measured ≤ 0.28 eps on XLA:CPU over
+# 2·10⁶ angles in [0, 200] and the RoPE angles of positions 0 … 4095.
+TRIG_EPS = 1.0
 
 # policy name → (max |err| / bound, max |err|, where); recorded by passing checks only.
 WORST: dict[str, tuple[float, float, str]] = {}
@@ -197,36 +200,118 @@ def softmax_backward(p: Bounded, dp: Bounded) -> Bounded:
 # --- the reference --------------------------------------------------------------------------
 
 
-def attention_reference(x, params, ct, *, num_heads, causal, precision) -> dict[str, Bounded]:
+def document_positions(segment_ids) -> np.ndarray:
+    """``positions[B, S]``: each token's index within its document (a run of equal segment
+    ids), by a plain loop: the reference's own count, not the kernel's ``cummax``."""
+    seg = np.asarray(segment_ids)
+    out = np.zeros(seg.shape, np.int64)
+    for b in range(seg.shape[0]):
+        for s in range(1, seg.shape[1]):
+            out[b, s] = 0 if seg[b, s] != seg[b, s - 1] else out[b, s - 1] + 1
+    return out
+
+
+def rotation(positions, head_dim: int, theta: float) -> tuple[Bounded, Bounded]:
+    """``cos, sin[B, 1, S, hd/2]`` of the angles ``position · θ^(−2d/hd)`` in float64, with the
+    bound on the kernel's float32 values: its frequency is rounded to float32 and multiplied by
+    the position in float32 (two relative roundings: ``|Δangle| ≤ angle·(eps + eps²)``), then
+    cos and sin are evaluated in float32 (``TRIG_EPS``)."""
+    freqs = float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.asarray(positions, np.float64)[:, None, :, None] * freqs  # [B, 1, S, hd/2]
+    e = angles * (EPS + EPS**2) + TRIG_EPS * EPS  # |cos(a + δ) − cos(a)| ≤ |δ|
+    return Bounded(np.cos(angles), e), Bounded(np.sin(angles), e)
+
+
+def negated(a: Bounded) -> Bounded:
+    return Bounded(-a.v, a.e)
+
+
+def halves(t: Bounded) -> tuple[Bounded, Bounded]:
+    half = t.v.shape[-1] // 2
+    return t.map(lambda a: a[..., :half]), t.map(lambda a: a[..., half:])
+
+
+def joined(a: Bounded, b: Bounded) -> Bounded:
+    return Bounded(np.concatenate([a.v, b.v], -1), np.concatenate([a.e, b.e], -1))
+
+
+def rotated(t: Bounded, cos: Bounded, sin: Bounded) -> Bounded:
+    """Hugging Face's rotate-half: dims ``d`` and ``d + hd/2`` form a pair, rotated by the
+    angle: ``(t1·cos − t2·sin, t2·cos + t1·sin)``, in float32."""
+    t1, t2 = halves(t)
+    return joined(plus(times(t1, cos), negated(times(t2, sin))),
+                  plus(times(t2, cos), times(t1, sin)))  # fmt: skip
+
+
+def unrotated(g: Bounded, cos: Bounded, sin: Bounded) -> Bounded:
+    """The transpose of ``rotated`` applied to a cotangent: ``(g1·cos + g2·sin,
+    g2·cos − g1·sin)``, in float32."""
+    g1, g2 = halves(g)
+    return joined(plus(times(g1, cos), times(g2, sin)),
+                  plus(times(g2, cos), negated(times(g1, sin))))  # fmt: skip
+
+
+def attention_reference(x, params, ct, *, num_heads, causal, precision, num_kv_heads=None,
+                        rope_theta=None, positions=None, segment_ids=None,
+                        kv_devices: int = 1) -> dict[str, Bounded]:  # fmt: skip
     """Exact forward and gradients of ``sum(ct · attention(x))``, with bounds (module docstring).
+
+    Grouped-query attention: query head ``j`` reads KV head ``j // (H / KV)``. Rotary
+    embeddings (``rope_theta``) rotate q and k at ``positions`` (default: each token's index
+    within its document when ``segment_ids`` are given, else ``0 … S−1``); ``segment_ids``
+    keep attention within a document. ``kv_devices = p`` when ``wk``, ``wv`` are replicated over
+    a model axis of ``p`` devices: device ``d`` then computes the KV cotangent of its own query
+    heads only, and the partial sums meet in the weight gradients and ``dx`` (each rounded
+    before its product, as the kernel rounds it), so the bound follows the kernel's order.
 
     Returns ``{"y": ..., "x": dx, "wq": dwq, ...}``: each a ``Bounded`` in the dtype the kernel
     stores it in (compute dtype for ``y`` and ``dx``, param dtype for parameter gradients).
     """
     compute, param = precision.compute_dtype, precision.param_dtype
     batch, seq, _ = x.shape
-    inner = params["wq"].shape[1]
-    hd = inner // num_heads
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    group = num_heads // kv
+    hd = params["wq"].shape[1] // num_heads
     scale = 1.0 / math.sqrt(hd)
-    visible = np.tril(np.ones((seq, seq), bool)) if causal else None  # key j ≤ query i
+    visible = np.ones((1, 1, seq, seq), bool)
+    if causal:
+        visible = visible & np.tril(np.ones((seq, seq), bool))  # key j ≤ query i
+    if segment_ids is not None:
+        seg = np.asarray(segment_ids)
+        visible = visible & (seg[:, None, :, None] == seg[:, None, None, :])  # [B, 1, S, S]
+    visible = None if visible.all() else visible
 
-    def heads(t: Bounded) -> Bounded:  # [B, S, H·hd] → [B, H, S, hd]
-        return t.map(lambda a: a.reshape(batch, seq, num_heads, hd).transpose(0, 2, 1, 3))
+    def heads(t: Bounded, n: int) -> Bounded:  # [B, S, n·hd] → [B, n, S, hd]
+        return t.map(lambda a: a.reshape(batch, seq, n, hd).transpose(0, 2, 1, 3))
 
-    def merged(t: Bounded) -> Bounded:  # [B, H, S, hd] → [B, S, H·hd]
-        return t.map(lambda a: a.transpose(0, 2, 1, 3).reshape(batch, seq, inner))
+    def merged(t: Bounded) -> Bounded:  # [B, n, S, hd] → [B, S, n·hd]
+        return t.map(lambda a: a.transpose(0, 2, 1, 3).reshape(batch, seq, -1))
+
+    def grouped(t: Bounded) -> Bounded:  # [B, H, ...] → [B, KV, H/KV, ...]: query j → KV j // g
+        return t.map(lambda a: a.reshape(batch, kv, group, *a.shape[2:]))
+
+    def for_queries(t: Bounded) -> Bounded:  # [B, KV, S, hd] → [B, H, S, hd]
+        return t.map(lambda a: np.repeat(a, group, axis=1))
 
     xs = exact(x)  # x[B, S, D], compute dtype
     p = {name: exact(a) for name, a in params.items()}
     w = {name: rounded(p[name], compute) for name in ("wq", "wk", "wv", "wo")}  # as multiplied
+    n_heads = {"q": num_heads, "k": kv, "v": kv}
 
-    # Forward: projections (accum), rounded where the attention products read them.
-    proj = {n: product("bsd,df->bsf", xs, w[f"w{n}"], p.get(f"b{n}")) for n in "qkv"}
-    qc, kc, vc = (rounded(heads(proj[n]), compute) for n in "qkv")  # [B, H, S, hd]
-    scores = scaled(product("bhqd,bhkd->bhqk", qc, kc), scale)  # [B, H, S, S]
+    # Forward: projections (accum), rotated, rounded where the attention products read them.
+    proj = {n: heads(product("bsd,df->bsf", xs, w[f"w{n}"], p.get(f"b{n}")), n_heads[n])
+            for n in "qkv"}  # fmt: skip
+    if rope_theta is not None:
+        if positions is None:
+            positions = (document_positions(segment_ids) if segment_ids is not None
+                         else np.broadcast_to(np.arange(seq), (batch, seq)))  # fmt: skip
+        cos, sin = rotation(positions, hd, rope_theta)
+        proj["q"], proj["k"] = rotated(proj["q"], cos, sin), rotated(proj["k"], cos, sin)
+    qc, kc, vc = (rounded(proj[n], compute) for n in "qkv")  # [B, H or KV, S, hd]
+    scores = scaled(product("bhqd,bhkd->bhqk", qc, for_queries(kc)), scale)  # [B, H, S, S]
     probs = softmax(scores, visible)  # [B, H, S, S]
     pc = rounded(probs, compute)
-    o = merged(product("bhqk,bhkd->bhqd", pc, vc))  # o[B, S, H·hd] in accum
+    o = merged(product("bhqk,bhkd->bhqd", pc, for_queries(vc)))  # o[B, S, H·hd] in accum
     oc = rounded(o, compute)
     y = product("bsf,fd->bsd", oc, w["wo"], p.get("bo"))  # y[B, S, D] (psum'd) + bo
     out = {"y": rounded(y, compute)}
@@ -236,19 +321,32 @@ def attention_reference(x, params, ct, *, num_heads, causal, precision) -> dict[
     if "bo" in p:
         out["bo"] = rounded(total(g, (0, 1)), param)
     out["wo"] = rounded(product("bsf,bsd->fd", oc, g), param)
-    do = rounded(heads(product("bsd,fd->bsf", g, w["wo"])), compute)  # do[B, H, S, hd]
-    dp = product("bhqd,bhkd->bhqk", do, vc)  # dP[B, H, S, S]
-    dv = product("bhqk,bhqd->bhkd", pc, do)  # dv[B, H, S, hd]
+    do = rounded(heads(product("bsd,fd->bsf", g, w["wo"]), num_heads), compute)  # [B, H, S, hd]
+    dp = product("bhqd,bhkd->bhqk", do, for_queries(vc))  # dP[B, H, S, S]
     ds = rounded(scaled(softmax_backward(probs, dp), scale), compute)  # d scores_raw
-    dq = product("bhqk,bhkd->bhqd", ds, kc)
-    dk = product("bhqk,bhqd->bhkd", ds, qc)
-    grads = {n: merged(t) for n, t in (("q", dq), ("k", dk), ("v", dv))}  # [B, S, H·hd] accum
-    grads_c = {n: rounded(t, compute) for n, t in grads.items()}
-    out["x"] = rounded(products("bsf,df->bsd", [(grads_c[n], w[f"w{n}"]) for n in "qkv"]), compute)
+    dq = product("bhqk,bhkd->bhqd", ds, for_queries(kc))  # [B, H, S, hd]
+    # dk, dv: each KV head's sum over its group's query heads (and the queries), as the
+    # partial sums of each device's query heads when K/V are replicated over kv_devices.
+    dk, dv = [], []
+    per_device = num_heads // kv_devices
+    for d in range(kv_devices):
+        mine = np.zeros((1, num_heads, 1, 1))
+        mine[:, d * per_device : (d + 1) * per_device] = 1.0  # this device's query heads
+        ds_d, do_d = (Bounded(t.v * mine, t.e * mine) for t in (ds, do))
+        dk.append(product("bngqk,bngqd->bnkd", grouped(ds_d), grouped(qc)))  # [B, KV, S, hd]
+        dv.append(product("bngqk,bngqd->bnkd", grouped(pc), grouped(do_d)))
+    if rope_theta is not None:
+        dq = unrotated(dq, cos, sin)
+        dk = [unrotated(t, cos, sin) for t in dk]
+    grads = {"q": [merged(dq)], "k": [merged(t) for t in dk], "v": [merged(t) for t in dv]}
+    grads_c = {n: [rounded(t, compute) for t in ts] for n, ts in grads.items()}
+    out["x"] = rounded(products("bsf,df->bsd", [(t, w[f"w{n}"]) for n in "qkv"
+                                                for t in grads_c[n]]), compute)  # fmt: skip
     for n in "qkv":
-        out[f"w{n}"] = rounded(product("bsd,bsf->df", xs, grads_c[n]), param)
+        out[f"w{n}"] = rounded(products("bsd,bsf->df", [(xs, t) for t in grads_c[n]]), param)
         if f"b{n}" in p:
-            out[f"b{n}"] = rounded(total(grads[n], (0, 1)), param)
+            stacked = Bounded(np.stack([t.v for t in grads[n]]), np.stack([t.e for t in grads[n]]))
+            out[f"b{n}"] = rounded(total(stacked, (0, 1, 2)), param)
     return out
 
 
@@ -257,16 +355,20 @@ def attention_reference(x, params, ct, *, num_heads, causal, precision) -> dict[
 
 @functools.partial(
     jax.jit,
-    static_argnames=("mesh", "num_heads", "causal", "batch_axis", "sequence_parallel", "precision"),
-)
+    static_argnames=("mesh", "num_heads", "num_kv_heads", "causal", "rope_theta", "batch_axis",
+                     "sequence_parallel", "precision"),
+)  # fmt: skip
 def sharded_forward_and_grads(
-    x, params, ct, *, mesh, num_heads, causal, batch_axis, sequence_parallel, precision
-):
+    x, params, ct, positions=None, segment_ids=None, *, mesh, num_heads, causal, batch_axis,
+    sequence_parallel, precision, num_kv_heads=None, rope_theta=None,
+):  # fmt: skip
     """``y`` and ``d sum(ct·y) / d(x, params)`` through the sharded layer, in one program."""
     fn = attention.head_parallel_attention  # looked up at trace time (mutation tests)
 
     def loss(x, params):
-        y = fn(x, params, mesh=mesh, num_heads=num_heads, causal=causal, batch_axis=batch_axis,
+        y = fn(x, params, mesh=mesh, num_heads=num_heads, num_kv_heads=num_kv_heads,
+               causal=causal, rope_theta=rope_theta, positions=positions,
+               segment_ids=segment_ids, batch_axis=batch_axis,
                sequence_parallel=sequence_parallel, precision=precision)  # fmt: skip
         return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
 
@@ -274,22 +376,22 @@ def sharded_forward_and_grads(
     return y, grads
 
 
-def random_inputs(
-    rng, batch, seq, d_model, num_heads, head_dim, precision, use_bias=True, temperature=1.0
-):
+def random_inputs(rng, batch, seq, d_model, num_heads, head_dim, precision, use_bias=True,
+                  temperature=1.0, num_kv_heads=None):  # fmt: skip
     """``x[B, S, D]``, full params and ``ct[B, S, D]``. Weights ~ N(0, 1/fan_in), so scores are
     O(1); ``temperature`` scales wq and wk by its square root: scores × temperature (peaked or
-    flat attention)."""
+    flat attention). ``wk``, ``wv`` have ``num_kv_heads`` heads (default H)."""
     inner = num_heads * head_dim
+    kv_inner = (num_heads if num_kv_heads is None else num_kv_heads) * head_dim
     x = rng.standard_normal((batch, seq, d_model)).astype(precision.compute_dtype)
-    shapes = {"wq": (d_model, inner), "wk": (d_model, inner), "wv": (d_model, inner),
+    shapes = {"wq": (d_model, inner), "wk": (d_model, kv_inner), "wv": (d_model, kv_inner),
               "wo": (inner, d_model)}  # fmt: skip
     params = {
         n: (rng.standard_normal(s) / math.sqrt(s[0])).astype(precision.param_dtype)
         for n, s in shapes.items()
     }
     if use_bias:
-        for n, size in (("bq", inner), ("bk", inner), ("bv", inner), ("bo", d_model)):
+        for n, size in (("bq", inner), ("bk", kv_inner), ("bv", kv_inner), ("bo", d_model)):
             params[n] = (0.5 * rng.standard_normal(size)).astype(precision.param_dtype)
     for n in ("wq", "wk"):
         params[n] = (params[n].astype(np.float64) * math.sqrt(temperature)).astype(params[n].dtype)
@@ -297,13 +399,25 @@ def random_inputs(
     return x, params, ct
 
 
-def place(mesh, batch_axis, sequence_parallel, x, params, ct):
+def random_segments(rng, batch: int, seq: int, documents: int) -> np.ndarray:
+    """``segment_ids[B, S]`` (int32): each row packs up to ``documents`` documents, cut at
+    random places (a document of one token included), numbered from a random start."""
+    out = np.zeros((batch, seq), np.int32)
+    for b in range(batch):
+        cuts = np.sort(rng.choice(np.arange(1, seq), size=min(documents, seq) - 1, replace=False))
+        out[b] = rng.integers(0, 100) + np.searchsorted(cuts, np.arange(seq), side="right")
+    return out
+
+
+def place(mesh, batch_axis, sequence_parallel, x, params, ct, *tokens, replicate_kv=False):
     specs = attention.head_parallel_attention_specs(
-        batch_axis=batch_axis, sequence_parallel=sequence_parallel
+        batch_axis=batch_axis, sequence_parallel=sequence_parallel, replicate_kv=replicate_kv
     )
     x = jax.device_put(x, NamedSharding(mesh, specs.x))
     ct = jax.device_put(ct, NamedSharding(mesh, specs.y))
-    return x, shardops.shard_params(params, mesh, specs.params), ct
+    tokens = [None if t is None else jax.device_put(t, NamedSharding(mesh, specs.tokens))
+              for t in tokens]  # fmt: skip
+    return x, shardops.shard_params(params, mesh, specs.params), ct, *tokens
 
 
 def check_attention(
@@ -315,31 +429,51 @@ def check_attention(
     d_model: int = 32,
     num_heads: int = 8,
     head_dim: int = 4,
+    num_kv_heads: int | None = None,
     causal: bool = False,
     sequence_parallel: bool = False,
     use_bias: bool = True,
     temperature: float = 1.0,
+    rope_theta: float | None = None,
+    documents: int = 1,
+    position_offset: int | None = None,
     seed: int = 0,
 ) -> float:
-    """Assert forward and every gradient are within the bound; return the worst ratio."""
+    """Assert forward and every gradient are within the bound; return the worst ratio.
+
+    ``documents > 1`` packs that many documents per row (``segment_ids``); with ``rope_theta``
+    their positions restart at each document, unless ``position_offset`` gives every row the
+    explicit positions ``offset … offset + S − 1`` (a continued sequence)."""
     mesh, batch_axis = mesh_for(mesh_shape)
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    replicate_kv = not attention.splits_kv_heads(kv, mesh_shape[-1])
     rng = np.random.default_rng(seed)
     x, params, ct = random_inputs(rng, batch, seq, d_model, num_heads, head_dim, precision,
-                                  use_bias, temperature)  # fmt: skip
+                                  use_bias, temperature, num_kv_heads)  # fmt: skip
+    segment_ids = random_segments(rng, batch, seq, documents) if documents > 1 else None
+    positions = None
+    if position_offset is not None:
+        positions = np.broadcast_to(position_offset + np.arange(seq, dtype=np.int32), (batch, seq))
+    tokens = dict(num_kv_heads=num_kv_heads, rope_theta=rope_theta, positions=positions,
+                  segment_ids=segment_ids)  # fmt: skip
     ref = attention_reference(x, params, ct, num_heads=num_heads, causal=causal,
-                              precision=precision)  # fmt: skip
+                              precision=precision, **tokens,
+                              kv_devices=mesh_shape[-1] if replicate_kv else 1)  # fmt: skip
     y, (dx, dparams) = sharded_forward_and_grads(
-        *place(mesh, batch_axis, sequence_parallel, x, params, ct),
-        mesh=mesh, num_heads=num_heads, causal=causal, batch_axis=batch_axis,
-        sequence_parallel=sequence_parallel, precision=precision,
+        *place(mesh, batch_axis, sequence_parallel, x, params, ct, positions, segment_ids,
+               replicate_kv=replicate_kv),
+        mesh=mesh, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal,
+        rope_theta=rope_theta, batch_axis=batch_axis, sequence_parallel=sequence_parallel,
+        precision=precision,
     )  # fmt: skip
     assert y.dtype == precision.compute_dtype and dx.dtype == precision.compute_dtype
     assert all(g.dtype == precision.param_dtype for g in dparams.values())
     got = {"y": y, "x": dx, **dparams}
     assert sorted(got) == sorted(ref), (sorted(got), sorted(ref))
     where = (
-        f"mesh {mesh_shape} B={batch} S={seq} D={d_model} H={num_heads} hd={head_dim} "
-        f"causal={causal} sp={sequence_parallel} bias={use_bias} T={temperature} seed={seed}"
+        f"mesh {mesh_shape} B={batch} S={seq} D={d_model} H={num_heads} KV={kv} hd={head_dim} "
+        f"causal={causal} sp={sequence_parallel} bias={use_bias} T={temperature} "
+        f"rope={rope_theta} docs={documents} offset={position_offset} seed={seed}"
     )
     worst, worst_abs, worst_name = 0.0, 0.0, ""
     for name, want in ref.items():
@@ -366,30 +500,58 @@ def check_attention(
     return worst
 
 
-def check_attention_dtype_flow(mesh_shape, precision, *, causal=True, sequence_parallel=False):
+def _fixed_case(
+    mesh_shape,
+    precision,
+    *,
+    causal,
+    sequence_parallel,
+    num_kv_heads=None,
+    rope_theta=None,
+    documents=1,
+):
+    """Placed arguments and static options of the fixed case the dtype-flow and collective
+    checks read: x[B=4, S=8, D=32], 8 query heads of 4 (``num_kv_heads`` KV heads)."""
+    mesh, batch_axis = mesh_for(mesh_shape)
+    kv = 8 if num_kv_heads is None else num_kv_heads
+    replicate_kv = not attention.splits_kv_heads(kv, mesh_shape[-1])
+    rng = np.random.default_rng(0)
+    x, params, ct = random_inputs(rng, 4, 8, 32, 8, 4, precision, num_kv_heads=num_kv_heads)
+    segment_ids = random_segments(rng, 4, 8, documents) if documents > 1 else None
+    args = place(mesh, batch_axis, sequence_parallel, x, params, ct, None, segment_ids,
+                 replicate_kv=replicate_kv)  # fmt: skip
+    kwargs = dict(mesh=mesh, num_heads=8, num_kv_heads=num_kv_heads, causal=causal,
+                  rope_theta=rope_theta, batch_axis=batch_axis,
+                  sequence_parallel=sequence_parallel, precision=precision)  # fmt: skip
+    return args, kwargs
+
+
+def check_attention_dtype_flow(mesh_shape, precision, *, causal=True, sequence_parallel=False,
+                               **options):  # fmt: skip
     """The jaxpr of forward + gradients follows ``precision``: 3 projections, 2 attention products
     and the output projection forward, two products each backward, every sum in accum."""
-    mesh, batch_axis = mesh_for(mesh_shape)
-    x, params, ct = random_inputs(np.random.default_rng(0), 4, 8, 32, 8, 4, precision)
-    args = place(mesh, batch_axis, sequence_parallel, x, params, ct)
-    kwargs = dict(mesh=mesh, num_heads=8, causal=causal, batch_axis=batch_axis,
-                  sequence_parallel=sequence_parallel, precision=precision)  # fmt: skip
+    args, kwargs = _fixed_case(mesh_shape, precision, causal=causal,
+                               sequence_parallel=sequence_parallel, **options)  # fmt: skip
     problems = dtype_flow_violations(sharded_forward_and_grads, *args, policy=precision, **kwargs)
     assert not problems, "\n".join(problems)
     flow = dtype_flow(sharded_forward_and_grads, *args, **kwargs)
     assert sum(name == "dot_general" for name, *_ in flow) == 18, flow  # 6 forward, 12 backward
 
 
-def requested_and_compiled(mesh_shape, precision, *, sequence_parallel, causal=True):
-    """``(requested, compiled)`` bytes per (kind, axes) of forward + gradients (``Ledger``)."""
-    mesh, batch_axis = mesh_for(mesh_shape)
-    x, params, ct = random_inputs(np.random.default_rng(0), 4, 8, 32, 8, 4, precision)
-    args = place(mesh, batch_axis, sequence_parallel, x, params, ct)
-    kwargs = dict(mesh=mesh, num_heads=8, causal=causal, batch_axis=batch_axis,
-                  sequence_parallel=sequence_parallel, precision=precision)  # fmt: skip
-    led = shardops.inspect.ledger(
+def attention_ledger(mesh_shape, precision, *, sequence_parallel, causal=True, **options):
+    """The ``Ledger`` of forward + gradients of the fixed case (``_fixed_case``)."""
+    args, kwargs = _fixed_case(mesh_shape, precision, causal=causal,
+                               sequence_parallel=sequence_parallel, **options)  # fmt: skip
+    mesh = kwargs["mesh"]
+    return shardops.inspect.ledger(
         mesh, functools.partial(sharded_forward_and_grads, **kwargs), *args
     )
+
+
+def requested_and_compiled(mesh_shape, precision, *, sequence_parallel, causal=True, **options):
+    """``(requested, compiled)`` bytes per (kind, axes) of forward + gradients (``Ledger``)."""
+    led = attention_ledger(mesh_shape, precision, sequence_parallel=sequence_parallel,
+                           causal=causal, **options)  # fmt: skip
     return led.totals(requested=True), led.totals()
 
 

@@ -291,14 +291,14 @@ class Parallel:
             x = _sequence_block(x, self.tp).astype(self.precision.compute_dtype)  # x[B, S/p, D]
         return x
 
-    def _attention(self, p, x, *, num_heads: int, causal: bool = True):
+    def _attention(self, p, x, **options):
         """Self-attention: head-parallel under tp (sp: x gathered along S once), else local."""
         params = {k: self._arrays(p, k, "attention") for k in p}
         roles = {q.role for q in p.values()}
         if self.model_parallel and roles == {HEAD}:
             return shardops.layers.head_parallel_attention_kernel(
-                x, params, num_heads=num_heads, causal=causal, axis_name=self.tp,
-                sequence_parallel=self.sequence_parallel, precision=self.precision,
+                x, params, axis_name=self.tp, sequence_parallel=self.sequence_parallel,
+                precision=self.precision, **options,
             )  # fmt: skip
         if roles - {HEAD, REPLICATED} or len(roles) > 1:
             raise ValueError(f"attention parameters take one role, head or replicated; the plan "
@@ -308,9 +308,7 @@ class Parallel:
                 "under sequence parallelism attention must have the head role (it sees the "
                 "whole sequence): set the plan's attention role to 'head'"
             )
-        return shardops.attention(
-            x, params, num_heads=num_heads, causal=causal, precision=self.precision
-        )
+        return shardops.attention(x, params, precision=self.precision, **options)
 
     def _layer_norm(self, p, x, eps):
         return shardops.layer_norm(
@@ -338,13 +336,52 @@ class Parallel:
         _check_keys(p, "embed", LAYER_KEYS["embed"])
         return self._tap(self._embed(p, ids), p, k=1)
 
-    def attention(self, p, x, *, num_heads: int, causal: bool = True):
-        """Self-attention: head-parallel under tp (sp: x gathered along S once), else local.
-        Keys: ``wq``, ``wk``, ``wv``, ``wo``, optionally ``bq``, ``bk``, ``bv``, ``bo``."""
+    def attention(self, p, x, *, num_heads: int, num_kv_heads: int | None = None,
+                  causal: bool = True, rope_theta: float | None = None, positions=None,
+                  segment_ids=None):  # fmt: skip
+        """Self-attention of ``x[b, S, D]`` (sp: ``x[b, S_model, D]``): head-parallel under tp
+        (sp: x gathered along S once), else local. ``num_kv_heads`` < ``num_heads`` is
+        grouped-query attention; ``rope_theta`` rotary positions at ``positions[b, S]`` (each
+        token's global position; default ``0 … S−1``, restarting at each document of
+        ``segment_ids[b, S]``, which keep attention within a document). ``positions`` and
+        ``segment_ids`` cover the whole sequence, also under sp. Keys: ``wq``, ``wk``, ``wv``,
+        ``wo``, optionally ``bq``, ``bk``, ``bv``, ``bo`` (``shardops.init_attention``)."""
         _check_keys(p, "attention", LAYER_KEYS["attention"])
-        y = self._attention(p, x, num_heads=num_heads, causal=causal)
+        y = self._attention(p, x, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal,
+                            rope_theta=rope_theta, positions=positions,
+                            segment_ids=segment_ids)  # fmt: skip
         seq = x.shape[SEQUENCE_DIM] * (lax.axis_size(self.tp) if self.sequence_parallel else 1)
         return self._tap(y, p, k=max(x.shape[-1], seq))  # K: D (projections), S (p · v)
+
+    def gated_mlp(self, p, x, *, activation: Callable = jax.nn.silu):
+        """``down(activation(gate(x)) ⊙ up(x))`` of ``x[b, S, D]`` (SwiGLU by default): under
+        tp gate and up column-parallel and down row-parallel, ``x`` entering the region once
+        for both (``shardops.layers.tensor_parallel_gated_mlp_kernel``), else local. Keys:
+        ``gate``, ``up``, ``down``, each a dense layer's ``w`` and optional ``b``
+        (``shardops.init_gated_mlp``)."""
+        _check_keys(p, "gated_mlp", LAYER_KEYS["gated_mlp"])
+        for name in ("gate", "up", "down"):
+            _check_keys(p[name], "gated_mlp", LAYER_KEYS["dense"])
+        roles = tuple(p[name]["w"].role for name in ("gate", "up", "down"))
+        params = {k: {n: self._value(q, "gated_mlp") for n, q in p[k].items()} for k in p}
+        if self.model_parallel and roles == (COLUMN, COLUMN, ROW):
+            y = shardops.layers.tensor_parallel_gated_mlp_kernel(
+                x, params, axis_name=self.tp, sequence_parallel=self.sequence_parallel,
+                activation=activation, precision=self.precision,
+            )  # fmt: skip
+        elif set(roles) - {REPLICATED} and self.model_parallel:
+            where = _layer_path([p[name]["w"].path for name in ("gate", "up", "down")])
+            raise ValueError(
+                f"{where}: under tp a gated MLP takes the "
+                f"roles gate column, up column, down row (or all replicated); the plan says "
+                f"{dict(zip(('gate', 'up', 'down'), roles, strict=True))}"
+            )
+        elif self.sequence_parallel:
+            raise ValueError("under sequence parallelism the gated MLP must be tensor-parallel "
+                             "(gate and up column, down row): it sees the whole sequence")  # fmt: skip
+        else:
+            y = shardops.gated_mlp(x, params, activation=activation, precision=self.precision)
+        return self._tap(y, p, k=p["down"]["w"].shape[0] * self.axis_size())  # K: F
 
     def layer_norm(self, p, x, *, eps: float = 1e-5):
         """``shardops.layer_norm`` of ``x[..., D]``. Keys, both optional: ``scale``, ``bias``."""
@@ -360,10 +397,10 @@ class Parallel:
         """``shardops.inspect.tap`` of a layer's output, named by its parameters' path, with the layout
         of the strategy: the batch over its batch axes, and over the tp axis the features (a
         column layer) or the sequence (between layers under sp) when ``y`` varies over it."""
-        leaf = next((q for q in jax.tree.leaves(p, is_leaf=is_param) if is_param(q)), None)
-        if leaf is None:  # a layer without parameters (a norm with no scale): no name to tap by
+        paths = [q.path for q in jax.tree.leaves(p, is_leaf=is_param) if is_param(q)]
+        if not paths:  # a layer without parameters (a norm with no scale): no name to tap by
             return y
-        name = leaf.path[: leaf.path.rfind("[")]
+        name = _layer_path(paths)
         spec = None
         if self.strategy.axes:
             varying = varying_axes(y)
@@ -474,6 +511,7 @@ LAYER_KEYS = {
     "attention": (("wq", "wk", "wv", "wo"), ("bq", "bk", "bv", "bo")),
     "layer_norm": ((), ("scale", "bias")),
     "rms_norm": ((), ("scale",)),
+    "gated_mlp": (("gate", "up", "down"), ()),
 }
 """Each ``ctx`` layer's parameter keys: (required, optional)."""
 
@@ -506,6 +544,18 @@ def _check_keys(p, layer: str, keys) -> None:
         f"ctx.{layer}{where}: expects parameter keys {expected}; got {sorted(p, key=str)} "
         f"({', '.join(what)})." + (f" {'; '.join(hints)}." if hints else "")
     )
+
+
+def _layer_path(paths) -> str:
+    """The path of the layer whose parameters have ``paths`` (``"['blocks'][0]['up']"`` for
+    ``…['up']['w']`` and ``…['up']['b']``): their common prefix, to a whole key."""
+    if len(paths) == 1:
+        return paths[0][: paths[0].rfind("[")]
+    n = 0
+    while all(len(q) > n and q[n] == paths[0][n] for q in paths):
+        n += 1
+    prefix = paths[0][:n]
+    return prefix[: prefix.rfind("]") + 1]
 
 
 def _check_logits_cover_labels(ctx, logits, labels) -> None:

@@ -8,8 +8,10 @@ a per-leaf one):
     column       w[D, F], b[F]                                  w[D, F_model], b[F_model]
     row          w[F, D], b[D]                                  w[F_model, D], b[D]
     vocab        table[V, D]                                    table[V_model, D]
-    head         wq, wk, wv[D, H·hd], bq, bk, bv[H·hd],         by heads: w[D, (H·hd)_model],
-                 wo[H·hd, D], bo[D]                             b[(H·hd)_model], wo[(H·hd)_model, D]
+    head         wq[D, H·hd], bq[H·hd], wk, wv[D, KV·hd],       by heads: w[D, (H·hd)_model],
+                 bk, bv[KV·hd], wo[H·hd, D], bo[D]              b[(H·hd)_model], wo[(H·hd)_model, D];
+                                                                wk, wv, bk, bv by KV head, or
+                                                                replicated when p ∤ KV
     replicated   anything                                       nothing
 
     plan = {"embed": "vocab", "blocks": [{"attn": "head", "up": "column", "down": "row",
@@ -35,6 +37,7 @@ ROLES = (COLUMN, ROW, VOCAB, HEAD, REPLICATED)
 _HEAD_COLUMN = ("wq", "wk", "wv", "bq", "bk", "bv")
 _HEAD_ROW = ("wo",)
 _HEAD_REPLICATED = ("bo",)
+_HEAD_KV = ("wk", "wv", "bk", "bv")  # split by KV head, or replicated (``model_specs``)
 
 
 def leaf_roles(plan, params):
@@ -128,14 +131,51 @@ def replicated(shape: tuple[int, ...]) -> P:
     return P(*(None,) * len(shape))
 
 
-def model_specs(roles, shapes, axis: str = MODEL_AXIS):
-    """PartitionSpecs over ``axis`` (the tp axis) of a tree of leaf ``shapes`` with leaf ``roles``."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, role, shape: model_spec(role, path, shape, axis),
-        roles,
-        shapes,
-        is_leaf=is_shape,
-    )
+def model_specs(roles, shapes, axis: str = MODEL_AXIS, axis_size: int = 1,
+                num_heads: int | None = None):  # fmt: skip
+    """PartitionSpecs over ``axis`` (the tp axis) of a tree of leaf ``shapes`` with leaf ``roles``.
+
+    Under the head role, ``wk``, ``wv`` (``bk``, ``bv``) split by KV head when ``axis_size``
+    divides the KV heads, and are replicated otherwise (grouped-query attention with fewer KV
+    heads than devices: ``shardops.layers.head_parallel_attention_specs(replicate_kv=True)``).
+    The KV heads are read off the shapes: ``KV = wk.shape[1] / hd`` with ``hd = wq.shape[1] /
+    num_heads`` (the model's ``num_heads``; not needed where ``wk`` is as wide as ``wq``).
+    """
+
+    def spec(path, role, shape):
+        if role == HEAD and _last_key(path) in _HEAD_KV and _kv_replicated(
+                path, shapes, axis, axis_size, num_heads):  # fmt: skip
+            return replicated(shape)
+        return model_spec(role, path, shape, axis)
+
+    return jax.tree_util.tree_map_with_path(spec, roles, shapes, is_leaf=is_shape)
+
+
+def _kv_replicated(path, shapes, axis, axis_size: int, num_heads) -> bool:
+    """Whether the attention block at ``path[:-1]`` has fewer KV heads than ``axis_size``
+    divides (its K/V are then replicated over ``axis``)."""
+    block = shapes
+    for key in path[:-1]:
+        block = block[getattr(key, "key", getattr(key, "idx", None))]
+    if "wq" not in block or "wk" not in block:
+        return False
+    inner, kv_inner = block["wq"][-1], block["wk"][-1]
+    if kv_inner == inner:
+        return False  # multi-head: as many KV heads as query heads, split with them
+    where = f"params{jax.tree_util.keystr(path[:-1])}"
+    if num_heads is None:
+        raise ValueError(
+            f"{where}: wk is narrower than wq (grouped-query attention), so the head role must "
+            f"know the query heads to count the KV heads: give the model a num_heads attribute"
+        )
+    head_dim = inner // num_heads
+    kv_heads = kv_inner // head_dim
+    if head_dim * num_heads != inner or kv_heads * head_dim != kv_inner:
+        raise ValueError(
+            f"{where}: wq[D, {inner}] and wk[D, {kv_inner}] do not hold whole heads of "
+            f"{inner}/{num_heads} (num_heads={num_heads})"
+        )
+    return kv_heads % axis_size != 0
 
 
 def split_over(spec: P, axis: str) -> bool:

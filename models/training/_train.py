@@ -458,7 +458,7 @@ def build(
         mesh = None
     else:
         _check_mesh(parallel, mesh, model, roles, shapes)
-    specs = _param_specs(parallel, roles, shapes, mesh)
+    specs = _param_specs(parallel, model, roles, shapes, mesh)
     opt_specs = None if mesh is None else opt_state_specs(optimizer, model, _opt_param_specs(
         parallel, specs, shapes, mesh))  # fmt: skip
     batch_spec = P(shardops.spec_entry(*parallel.batch_axes))
@@ -567,11 +567,16 @@ def _shapes(model):
     return jax.tree.map(lambda a: tuple(a.shape), abstract)
 
 
-def _param_specs(parallel: Strategy, roles, shapes, mesh):
+def _tp_specs(model, roles, shapes, axis: str, p: int):
+    """The split of every leaf over the tp ``axis`` (size ``p``) by its plan role."""
+    return model_specs(roles, shapes, axis, p, getattr(model, "num_heads", None))
+
+
+def _param_specs(parallel: Strategy, model, roles, shapes, mesh):
     if mesh is None:
         return None
     if parallel.tp:
-        specs = model_specs(roles, shapes, parallel.tp)
+        specs = _tp_specs(model, roles, shapes, parallel.tp, mesh.shape[parallel.tp])
     else:
         specs = jax.tree.map(replicated, shapes, is_leaf=is_shape)
     if parallel.fsdp:
@@ -821,7 +826,11 @@ def _check_mesh(parallel: Strategy, mesh, model, roles, shapes) -> None:
         return
     axis = parallel.tp
     p = mesh.shape[axis]
-    specs = model_specs(roles, shapes, axis)
+    heads = getattr(model, "num_heads", None)
+    if heads is not None and HEAD in jax.tree.leaves(roles):
+        kv_heads = getattr(model, "num_kv_heads", None) or heads
+        shardops.layers.check_head_counts("build", heads, kv_heads, axis, p)
+    specs = _tp_specs(model, roles, shapes, axis, p)
     for (path, shape), spec, role in zip(
         jax.tree_util.tree_leaves_with_path(shapes, is_leaf=is_shape), _spec_leaves(specs),
         jax.tree.leaves(roles), strict=True,
@@ -840,9 +849,3 @@ def _check_mesh(parallel: Strategy, mesh, model, roles, shapes) -> None:
                     f"not divisible by mesh axis {axis!r} (size {p}); the plan makes it {role}. "
                     f"Choose a multiple of {p}, a smaller {axis!r} axis, or role 'replicated'"
                 )
-    heads = getattr(model, "num_heads", None)
-    if heads is not None and HEAD in jax.tree.leaves(roles) and heads % p:
-        raise ValueError(
-            f"num_heads = {heads} is not divisible by mesh axis {axis!r} (size {p}); each "
-            f"device must hold whole heads. Choose num_heads a multiple of {p}."
-        )

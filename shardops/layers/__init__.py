@@ -6,20 +6,25 @@
 | dense | ``column_parallel_dense``, ``row_parallel_dense`` | ``*_dense_kernel`` | ``*_dense_specs`` → ``DenseSpecs`` |
 | embedding | ``vocab_parallel_embedding`` | ``vocab_parallel_embedding_kernel`` | ``vocab_parallel_embedding_specs`` |
 | loss | ``vocab_parallel_cross_entropy``, ``vocab_parallel_argmax`` | ``*_kernel`` | ``vocab_parallel_cross_entropy_specs`` |
-| attention | ``head_parallel_attention`` | ``head_parallel_attention_kernel`` | ``head_parallel_attention_specs`` |
+| attention | ``head_parallel_attention`` (RoPE, GQA/MQA, packed segments) | ``head_parallel_attention_kernel`` | ``head_parallel_attention_specs`` |
+| gated MLP | ``tensor_parallel_gated_mlp`` (SwiGLU) | ``tensor_parallel_gated_mlp_kernel`` | ``tensor_parallel_gated_mlp_specs`` |
 | norms | ``layer_norm``, ``rms_norm`` (any sharding of the leading dims) | | |
 
-Unsharded references: ``dense``, ``attention``. Parameters: ``init_dense``, ``init_attention``,
+Unsharded references: ``dense``, ``attention``, ``gated_mlp``. Parameters: ``init_dense``,
+``init_attention``, ``init_gated_mlp``,
 ``shard_params`` (full weights onto a mesh, padded where a dim does not divide).
 """
 
 from shardops.layers._attention import (
     AttentionSpecs,
     attention,
+    check_head_counts,
     head_parallel_attention,
     head_parallel_attention_kernel,
     head_parallel_attention_specs,
     init_attention,
+    segment_positions,
+    splits_kv_heads,
 )
 from shardops.layers._collective_dense import COLLECTIVE_MATMULS
 from shardops.layers._cross_entropy import (
@@ -44,6 +49,14 @@ from shardops.layers._embedding import (
     vocab_parallel_embedding_kernel,
     vocab_parallel_embedding_specs,
 )
+from shardops.layers._mlp import (
+    GatedMlpSpecs,
+    gated_mlp,
+    init_gated_mlp,
+    tensor_parallel_gated_mlp,
+    tensor_parallel_gated_mlp_kernel,
+    tensor_parallel_gated_mlp_specs,
+)
 from shardops.layers._norms import layer_norm, rms_norm
 from shardops.layers._params import dense, init_dense, pad_params, padded_size, shard_params, unpad
 
@@ -53,16 +66,20 @@ __all__ = [
     "CrossEntropySpecs",
     "DenseSpecs",
     "EmbeddingSpecs",
+    "GatedMlpSpecs",
     "attention",
+    "check_head_counts",
     "column_parallel_dense",
     "column_parallel_dense_kernel",
     "column_parallel_dense_specs",
     "dense",
+    "gated_mlp",
     "head_parallel_attention",
     "head_parallel_attention_kernel",
     "head_parallel_attention_specs",
     "init_attention",
     "init_dense",
+    "init_gated_mlp",
     "layer_norm",
     "pad_params",
     "padded_size",
@@ -70,7 +87,12 @@ __all__ = [
     "row_parallel_dense",
     "row_parallel_dense_kernel",
     "row_parallel_dense_specs",
+    "segment_positions",
     "shard_params",
+    "splits_kv_heads",
+    "tensor_parallel_gated_mlp",
+    "tensor_parallel_gated_mlp_kernel",
+    "tensor_parallel_gated_mlp_specs",
     "unpad",
     "vocab_parallel_argmax",
     "vocab_parallel_argmax_kernel",

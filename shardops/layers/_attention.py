@@ -1,11 +1,12 @@
 """Head-parallel self-attention (the Megatron attention block): per-device kernel, layer, specs.
 
-The heads are split over mesh axis ``model``: each device holds ``H/p`` whole heads. The Q, K
-and V projections are column-parallel by heads, attention runs locally per head, and the output
-projection is row-parallel:
+The heads are split over mesh axis ``model``: each device holds ``H/p`` whole query heads. The
+Q, K and V projections are column-parallel by heads, attention runs locally per head, and the
+output projection is row-parallel:
 
-    x[B, S, D] · wq[D, (H·hd)_model] + bq → q[B, S, H_model, hd]          (and k, v alike)
-    softmax(q · kᵀ / √hd, over keys) · v   → o[B, S, H_model, hd]          (local, per head)
+    x[B, S, D] · wq[D, (H·hd)_model] + bq → q[B, S, H_model, hd]        (k, v: KV heads, below)
+    rope(q), rope(k) at each token's position                          (optional, per head)
+    softmax(q · kᵀ / √hd + mask, over keys) · v → o[B, S, H_model, hd]  (local, per head)
     o[B, S, (H·hd)_model] · wo[(H·hd)_model, D] → y[B, S, D]{U_model} → psum → + bo
 
 One forward AllReduce over ``model`` per block (or, with sequence parallelism, the
@@ -13,17 +14,38 @@ AllGather/ReduceScatter pair), as in Megatron. ``x`` enters the model-parallel r
 (one ``copy_to_region`` or ``gather_to_region`` shared by Q, K and V), so the backward reduces
 ``dx`` once, not three times.
 
+Grouped-query attention (``num_kv_heads`` = KV dividing H; multi-query is KV = 1): query head
+``j`` reads KV head ``j // (H/KV)``, as in Hugging Face's ``repeat_kv``. When ``p`` divides KV,
+``wk``/``wv`` split by KV head like ``wq`` (device ``i`` holds KV heads ``i·KV/p …``, exactly
+the ones its query heads read). Otherwise (KV < p, or p not dividing KV) ``wk``/``wv`` are
+stored replicated over ``model`` and each device projects only the KV heads its query heads
+read: no forward collective, and in the backward the gradients of ``wk``, ``wv`` (``bk``,
+``bv``) are AllReduced over ``model`` in ``accum_dtype``, the devices that do not read a head
+adding zeros.
+
+Rotary position embeddings (``rope_theta``) follow **Hugging Face's rotate-half convention**:
+dims ``d`` and ``d + hd/2`` of a head form a pair rotated by ``position · θ^(−2d/hd)``. Meta's
+original Llama code rotates interleaved pairs ``(2d, 2d+1)``; Hugging Face permutes the rows of
+``q_proj``/``k_proj`` when it converts those checkpoints, so weights in Hugging Face's layout
+are the ones that fit here. Positions are each token's *global* position (``positions[B, S]``,
+default ``0 … S−1``, or, with ``segment_ids``, restarting at 0 at each document): under sequence
+parallelism the rotation is applied after the AllGather of ``x``, to the whole sequence.
+
+``segment_ids[B, S]`` (packed sequences): a query attends only to keys of its own segment
+(and, with ``causal``, not after itself).
+
 Precision (``shardops._precision``): every product, the attention's ``q·kᵀ`` and ``p·v``
 included, multiplies compute-dtype operands and accumulates in ``accum_dtype``, forward and
 backward (a custom VJP, like the dense matmul's: plain autodiff of a bf16 ``einsum`` would
-accumulate its transposes in bf16). Scores, mask and softmax are float32. Under a bf16 policy
-the values are rounded to bf16 exactly where a product reads them (``q``, ``k``, ``v``, the
-probabilities, ``o``, and each cotangent a backward product reads) and once more at the output;
-every sum, and every collective that reduces, runs in float32.
+accumulate its transposes in bf16). Scores, mask, rotation and softmax are float32. Under a bf16
+policy the values are rounded to bf16 exactly where a product reads them (``q``, ``k``, ``v``
+after the rotation, the probabilities, ``o``, and each cotangent a backward product reads) and
+once more at the output; every sum (a KV head's gradient over its query heads included), and
+every collective that reduces, runs in float32.
 
 Notation (the JAX scaling book): ``w[D, F_model]`` is split over ``model`` along F;
 ``y[B, S, D]{U_model}`` holds partial sums not yet reduced over ``model``; ``p`` is the size of
-``model``; ``H`` the number of heads, ``hd`` the head dim.
+``model``; ``H`` the number of query heads, ``KV`` of key/value heads, ``hd`` the head dim.
 """
 
 from __future__ import annotations
@@ -35,6 +57,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -61,6 +84,7 @@ from shardops.layers._params import init_dense
 
 PROJECTIONS = ("wq", "wk", "wv", "wo")
 BIASES = ("bq", "bk", "bv", "bo")
+KV_KEYS = ("wk", "wv", "bk", "bv")
 
 # Why each collective of the kernel runs (``shardops.comm.because``; ``explain`` reads them).
 _INPUT = Reason("attention_replicated_input", backward={
@@ -86,11 +110,19 @@ _BIAS = Reason("attention_output_bias", backward={
     "psum": "the output bias is replicated but the output is split over {axis}: its gradient is "
             "summed",
 })  # fmt: skip
+_SHARED_KV = Reason("attention_shared_kv_heads", backward={
+    "psum": "{axis} does not divide the key/value heads, so wk and wv are replicated over it and "
+            "each device projects the KV heads its query heads read: their gradients are summed "
+            "(zeros from the devices that do not read a head)",
+})  # fmt: skip
 
 
 class AttentionSpecs(NamedTuple):
-    """PartitionSpecs of the attention block: input ``x``, the Q/K/V weights ``w_qkv`` and biases
-    ``b_qkv``, the output projection ``w_out`` and bias ``b_out``, and the output ``y``."""
+    """PartitionSpecs of the attention block: input ``x``, the Q weight ``w_qkv`` and bias
+    ``b_qkv`` (also K and V's when they split by KV head), the K/V weights ``w_kv`` and biases
+    ``b_kv``, the output projection ``w_out`` and bias ``b_out``, the output ``y``, and the
+    per-token integer inputs ``tokens`` (``positions``, ``segment_ids``: ``[B, S]``, the whole
+    sequence on every device of ``model``, also under sequence parallelism)."""
 
     x: P
     w_qkv: P
@@ -98,13 +130,21 @@ class AttentionSpecs(NamedTuple):
     w_out: P
     b_out: P
     y: P
+    w_kv: P
+    b_kv: P
+    tokens: P
 
     @property
     def params(self) -> dict[str, P]:
         """The specs of the parameter dict (``init_attention``'s keys), for ``shard_params``."""
-        qkv = {"wq": self.w_qkv, "wk": self.w_qkv, "wv": self.w_qkv}
-        return {**qkv, "bq": self.b_qkv, "bk": self.b_qkv, "bv": self.b_qkv,
-                "wo": self.w_out, "bo": self.b_out}  # fmt: skip
+        return {"wq": self.w_qkv, "wk": self.w_kv, "wv": self.w_kv, "bq": self.b_qkv,
+                "bk": self.b_kv, "bv": self.b_kv, "wo": self.w_out, "bo": self.b_out}  # fmt: skip
+
+
+def splits_kv_heads(num_kv_heads: int, axis_size: int) -> bool:
+    """Whether ``wk``/``wv`` split by KV head over a model axis of ``axis_size`` devices (it
+    divides ``num_kv_heads``), or are stored replicated over it (``replicate_kv``)."""
+    return num_kv_heads % axis_size == 0
 
 
 def head_parallel_attention_specs(
@@ -112,18 +152,23 @@ def head_parallel_attention_specs(
     axis_name: str = MODEL_AXIS,
     batch_axis: str | None = None,
     sequence_parallel: bool = False,
+    replicate_kv: bool = False,
 ) -> AttentionSpecs:
     """Layout of ``head_parallel_attention``: ``x[B_batch, S, D] → y[B_batch, S, D]``.
 
-    Weights ``w[D, (H·hd)_model]`` (Q, K, V) and ``w[(H·hd)_model, D]`` (output), biases
-    ``b[(H·hd)_model]`` and ``b[D]`` (replicated). ``sequence_parallel`` splits ``x`` and ``y``
-    along S too: ``x[B_batch, S_model, D]``.
+    Weights ``w[D, (H·hd)_model]`` (Q, and K, V by KV head) and ``w[(H·hd)_model, D]``
+    (output), biases ``b[(H·hd)_model]`` and ``b[D]`` (replicated). ``sequence_parallel`` splits
+    ``x`` and ``y`` along S too: ``x[B_batch, S_model, D]``. ``replicate_kv``: ``wk, wv[D,
+    KV·hd]`` and ``bk, bv`` replicated over ``axis_name``, as they must be when its size does not
+    divide the KV heads (``not splits_kv_heads(num_kv_heads, p)``).
     """
     seq = axis_name if sequence_parallel else None
     x = P(spec_entry(batch_axis), seq, None)
+    w_qkv, b_qkv = P(None, axis_name), P(axis_name)
     return AttentionSpecs(
-        x=x, w_qkv=P(None, axis_name), b_qkv=P(axis_name), w_out=P(axis_name, None),
-        b_out=P(None), y=x,
+        x=x, w_qkv=w_qkv, b_qkv=b_qkv, w_out=P(axis_name, None), b_out=P(None), y=x,
+        w_kv=P(None, None) if replicate_kv else w_qkv, b_kv=P(None) if replicate_kv else b_qkv,
+        tokens=P(spec_entry(batch_axis), None),
     )  # fmt: skip
 
 
@@ -133,21 +178,26 @@ def init_attention(
     num_heads: int,
     head_dim: int,
     *,
+    num_kv_heads: int | None = None,
     use_bias: bool = True,
     dtype=jnp.float32,
 ) -> dict[str, jax.Array]:
     """Full parameters of an attention block, independent of any mesh.
 
-    Returns ``{"wq", "wk", "wv": w[d_model, H·hd], "bq", "bk", "bv": b[H·hd],
-    "wo": w[H·hd, d_model], "bo": b[d_model]}`` (biases zero, or absent without ``use_bias``),
-    each projection initialised as ``shardops.init_dense``. Shard it with
-    ``shard_params(params, mesh, head_parallel_attention_specs().params)``.
+    Returns ``{"wq": w[d_model, H·hd], "wk", "wv": w[d_model, KV·hd], "bq": b[H·hd], "bk",
+    "bv": b[KV·hd], "wo": w[H·hd, d_model], "bo": b[d_model]}`` (``KV = num_kv_heads``, default
+    H; biases zero, or absent without ``use_bias``), each projection initialised as
+    ``shardops.init_dense``. Shard it with ``shard_params(params, mesh,
+    head_parallel_attention_specs(replicate_kv=...).params)``.
     """
-    for name, n in (("d_model", d_model), ("num_heads", num_heads), ("head_dim", head_dim)):
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    for name, n in (("d_model", d_model), ("num_heads", num_heads), ("head_dim", head_dim),
+                    ("num_kv_heads", kv)):  # fmt: skip
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"init_attention: {name} must be a positive int; got {n!r}")
-    inner = num_heads * head_dim
-    shapes = {"q": (d_model, inner), "k": (d_model, inner), "v": (d_model, inner),
+    _check_groups("init_attention", num_heads, kv)
+    inner, kv_inner = num_heads * head_dim, kv * head_dim
+    shapes = {"q": (d_model, inner), "k": (d_model, kv_inner), "v": (d_model, kv_inner),
               "o": (inner, d_model)}  # fmt: skip
     params = {}
     for k, (name, (d_in, d_out)) in zip(jax.random.split(key, 4), shapes.items(), strict=True):
@@ -158,28 +208,68 @@ def init_attention(
     return params
 
 
+def segment_positions(segment_ids):
+    """``positions[B, S]``: each token's position within its segment (a packed document: a run
+    of equal ids), restarting at 0 where the id changes. ``segment_ids[B, S]`` integers."""
+    segment_ids = jnp.asarray(segment_ids)
+    seq = segment_ids.shape[-1]
+    index = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), segment_ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[..., :1], bool), segment_ids[..., 1:] != segment_ids[..., :-1]],
+        axis=-1,
+    )  # [B, S]: True where a segment begins
+    first = lax.cummax(jnp.where(starts, index, 0), axis=segment_ids.ndim - 1)  # its start
+    return index - first
+
+
+class _KvHeads(NamedTuple):
+    """Which KV heads a device projects and which one each of its query heads reads."""
+
+    count: int
+    """KV heads this device projects."""
+    index: jax.Array | None
+    """``index[H_local]``: the local KV head of each local query head when it is not the
+    contiguous grouping ``j // (H_local / count)`` (a traced array), else None."""
+
+
 @scoped("head_parallel_attention")
 def head_parallel_attention_kernel(
     x,
     params,
     *,
     num_heads: int,
+    num_kv_heads: int | None = None,
     causal: bool = False,
+    rope_theta: float | None = None,
+    positions=None,
+    segment_ids=None,
     axis_name: str = MODEL_AXIS,
     sequence_parallel: bool = False,
     precision: Precision = FLOAT32,
 ):
     """Head-parallel self-attention on local blocks: ``x[B, S, D] → y[B, S, D]``, ``H/p`` heads per device.
 
-    Arguments (local blocks, ``p`` = size of ``axis_name``, ``H = num_heads``):
+    Arguments (local blocks, ``p`` = size of ``axis_name``, ``H = num_heads``, ``KV =
+    num_kv_heads``):
         x: ``x[B, S, D]`` replicated over ``axis_name``; with ``sequence_parallel`` the
             sequence shard ``x[B, S/p, D]`` (device ``i`` holds positions ``i·S/p …``).
-        params: local shards ``{"wq", "wk", "wv": w[D, (H/p)·hd], "wo": w[(H/p)·hd, D]}`` and,
-            optionally, ``"bq", "bk", "bv": b[(H/p)·hd]`` and the replicated ``"bo": b[D]``.
-            Device ``i`` holds heads ``i·H/p … (i+1)·H/p − 1`` (columns ``h·hd … h·hd + hd − 1``
-            of the full ``wq`` are head ``h``).
+        params: local shards ``{"wq": w[D, (H/p)·hd], "wo": w[(H/p)·hd, D]}``, ``"wk", "wv"``
+            either split by KV head, ``w[D, (KV/p)·hd]`` (p must divide KV), or replicated,
+            ``w[D, KV·hd]`` (any KV; the kernel tells them apart by whether they vary over
+            ``axis_name``), and optionally ``"bq"``, ``"bk", "bv"`` (laid out like their
+            weights) and the replicated ``"bo": b[D]``. Device ``i`` holds query heads
+            ``i·H/p … (i+1)·H/p − 1`` (columns ``h·hd … h·hd + hd − 1`` of the full ``wq`` are
+            head ``h``, and likewise for ``wk``, ``wv`` and KV heads).
         num_heads: the global H; it must divide by ``p``.
+        num_kv_heads: the global KV (default H); it must divide H.
         causal: position ``i`` attends to keys ``j ≤ i`` only.
+        rope_theta: rotary position embeddings of base ``θ`` on q and k (Hugging Face's
+            rotate-half convention, module docstring), or None for none. hd must be even.
+        positions: ``positions[B, S]`` integers, each token's global position (the whole
+            sequence, also under ``sequence_parallel``; replicated over ``axis_name``). Default:
+            ``segment_positions(segment_ids)`` with ``segment_ids``, else ``0 … S−1``.
+        segment_ids: ``segment_ids[B, S]`` integers (same layout): a query attends only to
+            keys of its own segment.
 
     Returns:
         ``y[B, S, D]`` in ``precision.compute_dtype``, replicated over ``axis_name``; with
@@ -193,12 +283,18 @@ def head_parallel_attention_kernel(
         projections' ``dx`` are summed locally first), in ``accum_dtype``, then cast to ``x``'s
         dtype once. ``sequence_parallel``: ReduceScatter of ``dx`` and AllGather of ``dy``, both
         in ``accum_dtype``, and an AllReduce of ``dbo[D]`` (``bo`` is replicated, ``y`` is not).
-        Attention itself, and every weight gradient, is local; with ``x`` split over a batch
-        axis, the weight gradients are all-reduced over that axis (in ``accum_dtype``).
+        Replicated ``wk``, ``wv``: an AllReduce of each of their gradients (and ``bk``, ``bv``'s).
+        Attention itself, and every other weight gradient, is local; with ``x`` split over a
+        batch axis, the weight gradients are all-reduced over that axis (in ``accum_dtype``).
     """
     op = "head_parallel_attention_kernel"
     p = bound_axis_size(axis_name, op)
-    heads, head_dim = _check_local(op, x, params, num_heads, p, axis_name, sequence_parallel)
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    heads, head_dim, shared = _check_local(op, x, params, num_heads, kv_heads, p, axis_name,
+                                           sequence_parallel)  # fmt: skip
+    seq = x.shape[SEQUENCE_DIM] * (p if sequence_parallel else 1)
+    tokens = _check_tokens(op, positions, segment_ids, (x.shape[0], seq), axis_name, rope_theta)
+    _check_rope(op, rope_theta, head_dim)
     accum = precision.accum_dtype
     if sequence_parallel:
         # x_block[B, S/p, D] → x[B, S, D] once for Q, K, V; backward: one ReduceScatter of dx.
@@ -208,7 +304,11 @@ def head_parallel_attention_kernel(
         # Megatron's "f" once for Q, K, V: identity forward, one AllReduce of dx backward.
         with because(_INPUT, axis_name):
             x = copy_to_region(x, axis_name, accum)  # x[B, S, D] in accum
-    y_partial = _attend(x, params, heads, head_dim, causal, precision)  # y[B, S, D]{U_model}
+    if shared:
+        params, kv = _shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum)
+    else:
+        kv = _KvHeads(kv_heads // p, None)
+    y_partial = _attend(x, params, heads, kv, head_dim, causal, rope_theta, *tokens, precision)
     bo = params.get("bo")
     if sequence_parallel:
         with because(_REDUCE, axis_name):  # y[B, S/p, D] in accum
@@ -223,18 +323,51 @@ def head_parallel_attention_kernel(
     return precision.finish(y, bo)  # + bo once, after the reduction; y in compute dtype
 
 
-def _attend(x, params, heads: int, head_dim: int, causal: bool, precision: Precision):
+def _shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum):
+    """Replicated ``wk``, ``wv`` (``bk``, ``bv``): this device's slice of the KV heads its query
+    heads read, entered into the region (the backward AllReduces their gradients).
+
+    Device ``i``'s query heads ``i·H/p + j`` read KV heads ``(i·H/p + j) // g`` (``g = H/KV``):
+    a run of at most ``count`` consecutive heads (the longest run over the devices; 1 when KV
+    divides p), sliced from ``first = min(lowest, KV − count)``.
+    """
+    local, group = num_heads // p, num_heads // kv_heads
+    runs = [((i + 1) * local - 1) // group - (i * local) // group + 1 for i in range(p)]
+    count = max(runs)
+    i = lax.axis_index(axis_name)
+    first = jnp.minimum((i * local) // group, kv_heads - count)  # first KV head it projects
+    index = (i * local + jnp.arange(local)) // group - first  # [H/p]: local KV head per query
+    sliced = dict(params)
+    for name in KV_KEYS:
+        if name in params:
+            with because(_SHARED_KV, axis_name):
+                w = copy_to_region(params[name], axis_name, accum)  # w[D, KV·hd] in accum
+            dim = w.ndim - 1  # the heads × head_dim dim of w[D, KV·hd] and b[KV·hd]
+            if count < kv_heads:
+                w = lax.dynamic_slice_in_dim(w, first * head_dim, count * head_dim, axis=dim)
+            sliced[name] = w  # w[D, count·hd] in accum
+    return sliced, _KvHeads(count, None if count == 1 else index)
+
+
+def _attend(x, params, heads: int, kv: _KvHeads, head_dim: int, causal: bool, rope_theta,
+            positions, segment_ids, precision: Precision):  # fmt: skip
     """The local heads' attention and output projection: ``x[B, S, D]`` → ``y[B, S, D]``, in
     ``accum_dtype``, a partial sum over heads when the heads are split (``y{U_model}``)."""
     batch, seq, _ = x.shape
-    q = _project(x, params["wq"], params.get("bq"), heads, precision)  # q[B·H/p, S, hd]
-    k = _project(x, params["wk"], params.get("bk"), heads, precision)  # k[B·H/p, S, hd]
-    v = _project(x, params["wv"], params.get("bv"), heads, precision)  # v[B·H/p, S, hd]
+    q = _project(x, params["wq"], params.get("bq"), heads, precision)  # q[B, H/p, S, hd]
+    k = _project(x, params["wk"], params.get("bk"), kv.count, precision)  # k[B, n, S, hd]
+    v = _project(x, params["wv"], params.get("bv"), kv.count, precision)  # v[B, n, S, hd]
+    if rope_theta is not None:
+        cos, sin = _rotation(positions, seq, head_dim, rope_theta)  # [B, 1, S, hd/2] each
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    k, v = _for_query_heads(k, kv, heads), _for_query_heads(v, kv, heads)  # [B, H/p, S, hd]
+    q, k, v = (t.reshape(batch * heads, seq, head_dim) for t in (q, k, v))  # [B·H/p, S, hd]
     scores = _product("nqd,nkd->nqk", q, k, precision)  # scores[B·H/p, S_query, S_key] in accum
     scores = scores * (1.0 / math.sqrt(head_dim))  # scores[B·H/p, S, S]
-    if causal:
-        visible = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]  # [S, S]: key j ≤ query i
-        scores = jnp.where(visible, scores, -jnp.inf)  # [B·H/p, S, S], the future masked
+    visible = _visible(seq, causal, segment_ids)  # [B or 1, 1, S, S] or None
+    if visible is not None:
+        scores = scores.reshape(batch, heads, seq, seq)
+        scores = jnp.where(visible, scores, -jnp.inf).reshape(batch * heads, seq, seq)
     probs = jax.nn.softmax(scores, axis=-1)  # probs[B·H/p, S, S] in accum, normalised over keys
     o = _product("nqk,nkd->nqd", probs, v, precision)  # o[B·H/p, S, hd] in accum
     o = o.reshape(batch, heads, seq, head_dim).transpose(0, 2, 1, 3)  # o[B, S, H/p, hd]
@@ -242,33 +375,91 @@ def _attend(x, params, heads: int, head_dim: int, causal: bool, precision: Preci
     return precision.matmul(o, params["wo"])  # y[B, S, D] in accum
 
 
-def attention(x, params, *, num_heads: int, causal: bool = False, precision: Precision = FLOAT32):
+def _visible(seq: int, causal: bool, segment_ids):
+    """``visible[B or 1, 1, S_query, S_key]``: the keys each query may attend to, or None."""
+    visible = None
+    if causal:
+        visible = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]  # [S, S]: key j ≤ query i
+        visible = visible[None, None]
+    if segment_ids is not None:
+        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B, 1, S, S]
+        visible = same if visible is None else same & visible
+    return visible
+
+
+def _rotation(positions, seq: int, head_dim: int, theta: float):
+    """``cos, sin[B or 1, 1, S, hd/2]`` in float32 of the angles ``position · θ^(−2d/hd)``.
+
+    The frequencies are computed in float64 at trace time and rounded once to float32."""
+    freqs = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [hd/2]
+    if positions is None:
+        positions = jnp.arange(seq)[None]  # [1, S]
+    angles = positions.astype(jnp.float32)[:, None, :, None] * freqs.astype(np.float32)
+    return jnp.cos(angles), jnp.sin(angles)  # [B, 1, S, hd/2]
+
+
+def _rotate(t, cos, sin):
+    """Hugging Face's ``t·cos + rotate_half(t)·sin`` on ``t[B, n, S, hd]`` in float32: the
+    pairs are dims ``(d, d + hd/2)``."""
+    half = t.shape[-1] // 2
+    t1, t2 = t[..., :half], t[..., half:]
+    return jnp.concatenate([t1 * cos - t2 * sin, t2 * cos + t1 * sin], axis=-1)
+
+
+def _for_query_heads(t, kv: _KvHeads, heads: int):
+    """``t[B, n, S, hd]`` (the KV heads) → ``[B, H/p, S, hd]``, the KV head of each query head;
+    the backward sums each KV head's cotangent over its query heads (in ``t``'s dtype)."""
+    n = t.shape[1]
+    if n == heads:
+        return t
+    if kv.index is not None:
+        return jnp.take(t, kv.index, axis=1)  # an uneven run (replicated KV)
+    return jnp.repeat(t, heads // n, axis=1)  # contiguous groups: query head j reads j // g
+
+
+def attention(
+    x,
+    params,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    causal: bool = False,
+    rope_theta: float | None = None,
+    positions=None,
+    segment_ids=None,
+    precision: Precision = FLOAT32,
+):
     """Unsharded multi-head self-attention: ``x[B, S, D] → y[B, S, D]``, no collectives.
 
     The same computation (and precision discipline) as ``head_parallel_attention_kernel`` with
     every head on one device: the reference it is checked against, and the attention of a
-    strategy that does not split heads. ``params`` as ``init_attention`` makes them.
+    strategy that does not split heads. ``params`` as ``init_attention`` makes them; the other
+    arguments as the kernel's (``positions``, ``segment_ids``: ``[B, S]`` integers).
     """
-    _check_args("attention", x, params, num_heads, causal, precision, dtypes=False)
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    op = "attention"
+    _check_args(op, x, params, num_heads, kv_heads, causal, precision, dtypes=False)
     head_dim = params["wq"].shape[1] // num_heads
+    _check_rope(op, rope_theta, head_dim)
+    tokens = _check_tokens(op, positions, segment_ids, x.shape[:2], None, rope_theta)
     x = x.astype(precision.accum_dtype)  # x[B, S, D] in accum, as the kernel's region entry
-    y = _attend(x, params, num_heads, head_dim, causal, precision)  # y[B, S, D] in accum
+    kv = _KvHeads(kv_heads, None)
+    y = _attend(x, params, num_heads, kv, head_dim, causal, rope_theta, *tokens, precision)
     return precision.finish(y, params.get("bo"))  # y in compute dtype
 
 
 def _project(x, w, b, heads: int, precision: Precision):
-    """``x[B, S, D] · w[D, (H/p)·hd] + b → [B·H/p, S, hd]`` in ``accum_dtype``, one row per
-    (example, local head): the attention products are batched over that one leading dim
-    (XLA:CPU cannot run some layouts of a bf16 product with two batch dims, ``[B, H/p]``).
+    """``x[B, S, D] · w[D, n·hd] + b → [B, n, S, hd]`` in ``accum_dtype``: ``n`` heads.
 
-    Column ``h·hd + d`` of the local ``w`` is dim ``d`` of local head ``h``.
+    Column ``h·hd + d`` of the local ``w`` is dim ``d`` of local head ``h``. (The attention
+    products are then batched over one leading dim, ``[B·H/p]``: XLA:CPU cannot run some
+    layouts of a bf16 product with two batch dims, ``[B, H/p]``.)
     """
-    y = precision.matmul(x, w)  # [B, S, (H/p)·hd] in accum
+    y = precision.matmul(x, w)  # [B, S, n·hd] in accum
     if b is not None:
-        y = y + b.astype(precision.accum_dtype)  # [B, S, (H/p)·hd]
+        y = y + b.astype(precision.accum_dtype)  # [B, S, n·hd]
     batch, seq, _ = y.shape
-    y = y.reshape(batch, seq, heads, -1).transpose(0, 2, 1, 3)  # [B, H/p, S, hd]
-    return y.reshape(batch * heads, seq, -1)  # [B·H/p, S, hd]
+    return y.reshape(batch, seq, heads, -1).transpose(0, 2, 1, 3)  # [B, n, S, hd]
 
 
 def _product(spec: str, a, b, precision: Precision):
@@ -329,7 +520,11 @@ def head_parallel_attention(
     *,
     mesh: Mesh,
     num_heads: int,
+    num_kv_heads: int | None = None,
     causal: bool = False,
+    rope_theta: float | None = None,
+    positions=None,
+    segment_ids=None,
     axis_name: str = MODEL_AXIS,
     batch_axis: str | None = None,
     sequence_parallel: bool = False,
@@ -341,33 +536,41 @@ def head_parallel_attention(
         x: ``x[B, S, D]`` in ``precision.compute_dtype``, split over ``batch_axis`` (if given)
             along B; with ``sequence_parallel`` also over ``axis_name`` along S (S must divide).
         params: full-shape parameters as ``init_attention`` makes them, in
-            ``precision.param_dtype``, laid out as ``head_parallel_attention_specs(...).params`` (or left to
-            ``shard_map`` to place): ``wq, wk, wv: w[D, H·hd]``, ``wo: w[H·hd, D]``, optional
-            biases ``bq, bk, bv: b[H·hd]``, ``bo: b[D]``.
+            ``precision.param_dtype``, laid out as ``head_parallel_attention_specs(...).params``
+            (or left to ``shard_map`` to place): ``wq: w[D, H·hd]``, ``wk, wv: w[D, KV·hd]``,
+            ``wo: w[H·hd, D]``, optional biases ``bq: b[H·hd]``, ``bk, bv: b[KV·hd]``,
+            ``bo: b[D]``. K/V split by KV head when ``axis_name``'s size divides KV, else they
+            are replicated (``replicate_kv``).
         mesh: the mesh (Auto or Explicit axes).
         num_heads: H; it must divide by the size of ``axis_name`` (each device holds whole
             heads), and ``wq.shape[1]`` by H (``hd = wq.shape[1] / H``).
+        num_kv_heads: KV key/value heads (default H; 1 is multi-query attention); it must
+            divide H. Query head ``j`` reads KV head ``j // (H/KV)``.
         causal: position ``i`` attends to keys ``j ≤ i`` only.
+        rope_theta: rotary position embeddings of base ``θ`` (Hugging Face's rotate-half
+            convention; module docstring), or None.
+        positions: ``positions[B, S]`` integers, laid out as ``specs.tokens`` (the whole
+            sequence, split over ``batch_axis`` only); default as the kernel's.
+        segment_ids: ``segment_ids[B, S]`` integers (same layout): attention within a segment.
         sequence_parallel: take and return the sequence shard ``x[B, S_model, D]``.
 
     Returns:
         ``y[B, S, D]`` in ``precision.compute_dtype``, laid out as ``head_parallel_attention_specs(...).y``.
 
     Communication: see ``head_parallel_attention_kernel``. Forward one AllReduce of
-    ``y[B, S, D]`` over ``axis_name``; backward one AllReduce of ``dx[B, S, D]``. With
-    ``sequence_parallel``: AllGather ``x`` and ReduceScatter ``y`` forward, AllGather ``dy`` and
-    ReduceScatter ``dx`` (+ AllReduce of ``dbo[D]``) backward.
+    ``y[B, S, D]`` over ``axis_name``; backward one AllReduce of ``dx[B, S, D]`` (and, with
+    replicated K/V, one of each of their gradients). With ``sequence_parallel``: AllGather ``x``
+    and ReduceScatter ``y`` forward, AllGather ``dy`` and ReduceScatter ``dx`` (+ AllReduce of
+    ``dbo[D]``) backward.
     """
     op = "head_parallel_attention"
     check_axes(mesh, axis_name, batch_axis)
-    _check_args(op, x, params, num_heads, causal, precision)
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    _check_args(op, x, params, num_heads, kv_heads, causal, precision)
+    _check_rope(op, rope_theta, params["wq"].shape[1] // num_heads)
+    _check_tokens(op, positions, segment_ids, x.shape[:2], None, rope_theta)
     p = axis_size(mesh, axis_name)
-    if num_heads % p:
-        raise ValueError(
-            f"{op}: num_heads={num_heads} is not divisible by mesh axis {axis_name!r} (size "
-            f"{p}); each device must hold whole heads. Choose num_heads a multiple of {p} (e.g. "
-            f"{-(-num_heads // p) * p}), or a mesh whose {axis_name!r} axis divides {num_heads}."
-        )
+    check_head_counts(op, num_heads, kv_heads, axis_name, p)
     check_divisible(
         argument="x", dim=0, dim_name="batch", size=x.shape[0], mesh=mesh, axes=(batch_axis,)
     )
@@ -375,30 +578,111 @@ def head_parallel_attention(
         check_divisible(argument="x", dim=SEQUENCE_DIM, dim_name="sequence", size=x.shape[1],
                         mesh=mesh, axes=(axis_name,))  # fmt: skip
     specs = head_parallel_attention_specs(
-        axis_name=axis_name, batch_axis=batch_axis, sequence_parallel=sequence_parallel
-    )
+        axis_name=axis_name, batch_axis=batch_axis, sequence_parallel=sequence_parallel,
+        replicate_kv=not splits_kv_heads(kv_heads, p),
+    )  # fmt: skip
     param_specs = {name: specs.params[name] for name in params}
     kernel = functools.partial(
         head_parallel_attention_kernel,
         num_heads=num_heads,
+        num_kv_heads=kv_heads,
         causal=causal,
+        rope_theta=rope_theta,
         axis_name=axis_name,
         sequence_parallel=sequence_parallel,
         precision=precision,
     )
     args, in_specs = {"x": x, "params": params}, {"x": specs.x, "params": param_specs}
-    return run_layer(op, kernel, mesh, args, in_specs, specs.y)
+    for name, tokens in (("positions", positions), ("segment_ids", segment_ids)):
+        if tokens is not None:
+            args[name], in_specs[name] = tokens, specs.tokens
+    names = tuple(args)
+
+    def run(*values):
+        given = dict(zip(names, values, strict=True))
+        return kernel(given.pop("x"), given.pop("params"), **given)
+
+    return run_layer(op, run, mesh, args, in_specs, specs.y)
 
 
 # --- checks -----------------------------------------------------------------------------------
 
 
-def _check_args(op: str, x, params, num_heads, causal, precision, *, dtypes=True) -> None:
+def check_head_counts(op: str, num_heads: int, num_kv_heads: int, axis_name: str, p: int):
+    """Heads that can be split over ``axis_name`` (size ``p``), else a ValueError naming the
+    heads, the KV heads and the axis."""
+    _check_groups(op, num_heads, num_kv_heads)
+    if num_heads % p:
+        raise ValueError(
+            f"{op}: num_heads={num_heads} is not divisible by mesh axis {axis_name!r} (size "
+            f"{p}); each device must hold whole query heads (num_kv_heads={num_kv_heads}). "
+            f"Choose num_heads a multiple of {p} (e.g. {-(-num_heads // p) * p}), or a mesh "
+            f"whose {axis_name!r} axis divides {num_heads}."
+        )
+
+
+def _check_groups(op: str, num_heads, num_kv_heads) -> None:
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+        raise ValueError(f"{op}: num_kv_heads must be a positive int; got {num_kv_heads!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"{op}: num_kv_heads={num_kv_heads} does not divide num_heads={num_heads}; each "
+            f"key/value head serves a group of num_heads/num_kv_heads query heads. Choose "
+            f"num_kv_heads among {[d for d in range(1, num_heads + 1) if num_heads % d == 0]}."
+        )
+
+
+def _check_rope(op: str, rope_theta, head_dim: int) -> None:
+    if rope_theta is None:
+        return
+    if (
+        isinstance(rope_theta, bool)
+        or not isinstance(rope_theta, int | float)
+        or not (rope_theta > 1)
+    ):
+        raise ValueError(f"{op}: rope_theta must be a number > 1 (e.g. 10000.0) or None; got "
+                         f"{rope_theta!r}")  # fmt: skip
+    if head_dim % 2:
+        raise ValueError(
+            f"{op}: rotary embeddings rotate pairs of dims (d, d + hd/2), so head_dim must be "
+            f"even; got head_dim={head_dim}"
+        )
+
+
+def _check_tokens(op: str, positions, segment_ids, shape, axis_name, rope_theta):
+    """``positions`` and ``segment_ids``: ``[B, S]`` integers (replicated over ``axis_name``
+    inside the kernel); returns them with the default positions filled in (None without RoPE)."""
+    if positions is not None and rope_theta is None:
+        raise ValueError(
+            f"{op}: positions are given but rope_theta is None; positions only place the rotary "
+            f"embeddings. Pass rope_theta (e.g. 10000.0), or drop positions."
+        )
+    for name, tokens in (("positions", positions), ("segment_ids", segment_ids)):
+        if tokens is None:
+            continue
+        if not hasattr(tokens, "shape") or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            got = getattr(tokens, "dtype", type(tokens).__name__)
+            raise TypeError(f"{op}: {name} must be an integer array [B, S]; got {got}")
+        if tuple(tokens.shape) != tuple(shape):
+            raise ValueError(
+                f"{op}: {name} must have shape (B, S) = {tuple(shape)}, one per token of the "
+                f"whole sequence (also under sequence parallelism); got {tuple(tokens.shape)}"
+            )
+        if axis_name is not None:
+            check_replicated_over(tokens, axis_name, name, op)
+    if rope_theta is not None and positions is None and segment_ids is not None:
+        positions = segment_positions(segment_ids)  # restart at each document
+    return positions, segment_ids
+
+
+def _check_args(op: str, x, params, num_heads, num_kv_heads, causal, precision, *,
+                dtypes=True) -> None:  # fmt: skip
     """Global shapes, dtypes (unless ``dtypes=False``: params may arrive in ``accum_dtype``,
     as a strategy's gathers give them) and names, before anything is traced."""
     check_precision(op, precision)
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
         raise ValueError(f"{op}: num_heads must be a positive int; got {num_heads!r}")
+    _check_groups(op, num_heads, num_kv_heads)
     if not isinstance(causal, bool):
         raise TypeError(f"{op}: causal must be a bool; got {causal!r}")
     if not hasattr(x, "shape") or len(x.shape) != 3:
@@ -425,14 +709,26 @@ def _check_args(op: str, x, params, num_heads, causal, precision, *, dtypes=True
             f"num_heads={num_heads}; wq must be w[D, num_heads · head_dim]"
         )
     head_dim = inner // num_heads
-    expected = {"wk": wq, "wv": wq, "wo": (inner, d_model), "bq": (inner,), "bk": (inner,),
-                "bv": (inner,), "bo": (d_model,)}  # fmt: skip
+    kv_inner = num_kv_heads * head_dim
+    expected = {"wk": (d_model, kv_inner), "wv": (d_model, kv_inner), "wo": (inner, d_model),
+                "bq": (inner,), "bk": (kv_inner,), "bv": (kv_inner,), "bo": (d_model,)}  # fmt: skip
     for name, want in expected.items():
         if name in shapes and shapes[name] != want:
+            hint = ""
+            cols = shapes[name][-1]
+            if (
+                name in ("wk", "wv")
+                and cols % head_dim == 0
+                and num_heads % (cols // head_dim) == 0
+            ):
+                hint = (f" For grouped-query attention with {cols // head_dim} KV heads pass "
+                        f"num_kv_heads={cols // head_dim}.")  # fmt: skip
             raise ValueError(
                 f"{op}: {name} has shape {shapes[name]} but wq{wq} with num_heads={num_heads} "
-                f"means head_dim={head_dim} and D={d_model}, so {name} must be {want}. Q, K and "
-                f"V use the same heads × head_dim; wo maps them back to D."
+                f"means head_dim={head_dim} and D={d_model}, so {name} must be {want}"
+                f"{f' (num_kv_heads={num_kv_heads})' if name in KV_KEYS else ''}. Q uses "
+                f"heads × head_dim, K and V "
+                f"KV heads × head_dim; wo maps the heads back to D.{hint}"
             )
     if dtypes:
         precision.check_activation("x", x.dtype)
@@ -454,15 +750,28 @@ def _check_param_names(op: str, params) -> None:
         )
 
 
-def _check_local(op, x, params, num_heads, p, axis_name, sequence_parallel) -> tuple[int, int]:
-    """Local blocks inside ``shard_map``: heads per device and head dim."""
+def _check_local(op, x, params, num_heads, num_kv_heads, p, axis_name, sequence_parallel):
+    """Local blocks inside ``shard_map``: heads per device, head dim, and whether K/V are
+    replicated over ``axis_name`` (shared KV heads)."""
     _check_param_names(op, params)
-    if num_heads % p:
-        raise ValueError(
-            f"{op}: num_heads={num_heads} is not divisible by mesh axis {axis_name!r} (size {p})"
-        )
-    for name in PROJECTIONS:
+    check_head_counts(op, num_heads, num_kv_heads, axis_name, p)
+    for name in ("wq", "wo"):
         check_sharded_over(params[name], axis_name, name, op)
+    kv_split = {name: axis_name in varying_axes(params[name]) for name in KV_KEYS if name in params}
+    if len(set(kv_split.values())) > 1:
+        raise ValueError(
+            f"{op}: wk, wv (and bk, bv) must all be split over mesh axis {axis_name!r} or all "
+            f"replicated over it; split: {sorted(k for k, s in kv_split.items() if s)}, "
+            f"replicated: {sorted(k for k, s in kv_split.items() if not s)}"
+        )
+    shared = not kv_split["wk"]
+    if not shared and num_kv_heads % p:
+        raise ValueError(
+            f"{op}: num_kv_heads={num_kv_heads} is not divisible by mesh axis {axis_name!r} "
+            f"(size {p}), so wk and wv cannot split by KV head (num_heads={num_heads}). Give "
+            f"them (and bk, bv) replicated in_specs, head_parallel_attention_specs("
+            f"replicate_kv=True): each device then projects the KV heads its query heads read."
+        )
     if x.ndim != 3:
         raise ValueError(f"{op}: x must be the local block x[B, S, D]; got shape {x.shape}")
     if sequence_parallel:
@@ -481,4 +790,15 @@ def _check_local(op, x, params, num_heads, p, axis_name, sequence_parallel) -> t
             f"{op}: local wq{tuple(wq.shape)} must be w[D, (H/p)·hd] with D = {x.shape[-1]} "
             f"and H/p = {num_heads}/{p} = {heads} heads on this device"
         )
-    return heads, wq.shape[1] // heads
+    head_dim = wq.shape[1] // heads
+    kv_local = num_kv_heads if shared else num_kv_heads // p
+    for name in ("wk", "wv"):
+        w = params[name]
+        if tuple(w.shape) != (x.shape[-1], kv_local * head_dim):
+            how = "replicated" if shared else "split by KV head"
+            raise ValueError(
+                f"{op}: local {name}{tuple(w.shape)} must be w[D, {kv_local}·hd] = "
+                f"{(x.shape[-1], kv_local * head_dim)}: num_kv_heads={num_kv_heads} {how} over "
+                f"{axis_name!r} (size {p}), hd={head_dim}"
+            )
+    return heads, head_dim, shared

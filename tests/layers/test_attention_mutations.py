@@ -54,13 +54,52 @@ def _psum_grad_bwd(_, g):
 _psum_grad.defvjp(_psum_grad_fwd, _psum_grad_bwd)
 """
 
-K_LINE = '    k = _project(x, params["wk"], params.get("bk"), heads, precision)  # k[B·H/p, S, hd]'
-V_LINE = '    v = _project(x, params["wv"], params.get("bv"), heads, precision)  # v[B·H/p, S, hd]'
+K_LINE = (
+    '    k = _project(x, params["wk"], params.get("bk"), kv.count, precision)  # k[B, n, S, hd]'
+)
+V_LINE = (
+    '    v = _project(x, params["wv"], params.get("bv"), kv.count, precision)  # v[B, n, S, hd]'
+)
 OTHER_HEADS = (
     'lax.all_gather(params["{w}"], MODEL_AXIS, axis=1, tiled=True)[:, : params["{w}"].shape[1]]'
 )
 MASK = "visible = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]"
 PSUM = "        y = reduce_from_region(y_partial, axis_name)  # y[B, S, D] in accum"
+REPEAT = (
+    "    return jnp.repeat(t, heads // n, axis=1)  # contiguous groups: query head j reads j // g"
+)
+SHARED_INDEX = (
+    "    index = (i * local + jnp.arange(local)) // group - first  # [H/p]: local KV head per query"
+)
+ROTATE_HALF = (
+    "    t1, t2 = t[..., :half], t[..., half:]\n"
+    "    return jnp.concatenate([t1 * cos - t2 * sin, t2 * cos + t1 * sin], axis=-1)"
+)
+POSITIONS = "        positions = jnp.arange(seq)[None]  # [1, S]"
+SEGMENTS = "        visible = same if visible is None else same & visible"
+SHARED_COPY = (
+    "                w = copy_to_region(params[name], axis_name, accum)  # w[D, KV·hd] in accum"
+)
+# Used by "replicated_kv_gradient_not_reduced": enters the region (varying over model) but its
+# backward keeps device 0's cotangent instead of summing them.
+UNREDUCED = """
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _unreduced(w, axis):
+    return lax.pcast(w, axis, to="varying")
+
+
+def _unreduced_fwd(w, axis):
+    return _unreduced(w, axis), None
+
+
+def _unreduced_bwd(axis, _, g):
+    return (lax.all_gather(g, axis, to="invarying")[0],)
+
+
+_unreduced.defvjp(_unreduced_fwd, _unreduced_bwd)
+"""
 # The output projection's partial sums y[B, S, D]{U_model} (``_attend``, before the kernel's psum).
 Y_PARTIAL = '    return precision.matmul(o, params["wo"])  # y[B, S, D] in accum'
 
@@ -80,8 +119,8 @@ ATTENTION_MUTANTS = {
     ),
     # Columns grouped into heads the wrong way (strided instead of contiguous blocks).
     "heads_grouped_by_stride": (
-        "    y = y.reshape(batch, seq, heads, -1).transpose(0, 2, 1, 3)  # [B, H/p, S, hd]",
-        "    y = y.reshape(batch, seq, -1, heads).transpose(0, 3, 1, 2)  # [B, H/p, S, hd]",
+        "    return y.reshape(batch, seq, heads, -1).transpose(0, 2, 1, 3)  # [B, n, S, hd]",
+        "    return y.reshape(batch, seq, -1, heads).transpose(0, 3, 1, 2)  # [B, n, S, hd]",
         "", (F32, False, False), "numbers",
     ),
     "softmax_over_queries": (
@@ -140,7 +179,48 @@ ATTENTION_MUTANTS = {
         "    return _einsum_of(spec, a, b, compute, accum, precision.matmul_precision)",
         "", (BF16, True, True), "dtype flow",
     ),
+    # --- modern decoders (the options each is judged with: MODERN_OPTIONS)
+    # Query head j reads KV head j % KV (tiled) instead of Hugging Face's j // (H/KV).
+    "query_head_reads_kv_head_j_mod_kv": (
+        REPEAT, REPEAT.replace("jnp.repeat(t, heads // n, axis=1)", "jnp.tile(t, (1, heads // n, 1, 1))"),
+        "", (F32, True, False, "gqa_wide"), "numbers",
+    ),
+    "replicated_kv_head_j_mod_kv": (
+        SHARED_INDEX, SHARED_INDEX.replace("// group - first", "% kv_heads"),
+        "", (F32, True, False, "gqa_spanning"), "numbers",
+    ),
+    # Meta's interleaved pairs (2d, 2d+1) rotated instead of Hugging Face's (d, d + hd/2).
+    "rope_on_interleaved_pairs": (
+        ROTATE_HALF,
+        "    t1, t2 = t[..., ::2], t[..., 1::2]\n"
+        "    return jnp.stack([t1 * cos - t2 * sin, t2 * cos + t1 * sin], axis=-1).reshape(t.shape)",
+        "", (F32, True, False, "gqa"), "numbers",
+    ),
+    # Positions counted from 0 on each sequence shard (RoPE applied before the gather).
+    "positions_restart_on_each_sequence_shard": (
+        POSITIONS, POSITIONS.replace("jnp.arange(seq)[None]",
+                                     "(jnp.arange(seq) % (seq // lax.axis_size('model')))[None]"),
+        "", (F32, True, True, "gqa"), "numbers",
+    ),
+    # The segment mask dropped: a token attends across a document boundary.
+    "attention_across_documents": (
+        SEGMENTS, "        visible = visible", "", (F32, False, False, "packed"), "numbers",
+    ),
+    # A replicated KV head's gradient left unreduced over model: each device keeps device 0's.
+    "replicated_kv_gradient_not_reduced": (
+        SHARED_COPY, SHARED_COPY.replace("copy_to_region(params[name], axis_name, accum)",
+                                         "_unreduced(params[name].astype(accum), axis_name)"),
+        UNREDUCED, (F32, True, False, "gqa"), "numbers",
+    ),
 }  # fmt: skip
+
+# The options of the modern-decoder configurations (``check_attention`` keywords).
+MODERN_OPTIONS = {
+    "gqa": dict(num_kv_heads=2, rope_theta=10000.0),
+    "gqa_wide": dict(d_model=64, num_heads=16, num_kv_heads=8),  # 2 KV heads a device on 4
+    "gqa_spanning": dict(d_model=48, num_heads=12, num_kv_heads=6, rope_theta=10000.0),
+    "packed": dict(num_kv_heads=4, rope_theta=10000.0, documents=3),
+}
 
 # x entering the region as a plain (invariant) cast: still the right numbers, but each of the
 # three projections' matmuls then all-reduces its own dx: three backward AllReduces, not one.
@@ -190,11 +270,12 @@ def swap(monkeypatch):
 
 
 def suite_check(config, caught_by="any"):
-    precision, causal, sequence_parallel = config
+    precision, causal, sequence_parallel, *modern = config
+    options = MODERN_OPTIONS[modern[0]] if modern else {}
     if caught_by in ("numbers", "any"):
         for mesh_shape in [(4,), (2, 4)]:
             check_attention(mesh_shape, precision, batch=4, seq=8, causal=causal,
-                            sequence_parallel=sequence_parallel)  # fmt: skip
+                            sequence_parallel=sequence_parallel, **options)  # fmt: skip
     if caught_by in ("dtype flow", "any"):
         check_attention_dtype_flow((2, 4), precision, causal=causal,
                                    sequence_parallel=sequence_parallel)  # fmt: skip
@@ -204,7 +285,9 @@ def suite_check(config, caught_by="any"):
 CONFIGS = sorted({m[3] for m in ATTENTION_MUTANTS.values()}, key=repr)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0].name}-causal{c[1]}-sp{c[2]}")
+@pytest.mark.parametrize(
+    "config", CONFIGS, ids=lambda c: f"{c[0].name}-causal{c[1]}-sp{c[2]}-" + "".join(c[3:])
+)
 def test_unmutated_copy_passes(swap, config):
     """The harness itself causes no failure: a copy with a no-op replacement passes."""
     swap("attention", load("attention", MASK, MASK, ""))
