@@ -3,6 +3,8 @@
     setup = models.build("2d", shardops.make_mesh({"data": 4, "model": 2}),
                          optimizer=models.seed_sgd(steps_per_epoch))          # the seed's MLP
     setup = models.build("fsdp_tp", mesh, model=models.Gpt(), optimizer=optax.adam(3e-4))
+    setup = models.build("hsdp_tp", mesh, model=models.Llama(num_kv_heads=2),
+                         optimizer=optax.chain(shardops.clip_by_global_norm(1.0), optax.adamw(3e-4)))
     state = setup.init(jax.random.key(0))
     state, loss = setup.train_step(state, *setup.place_batch(x, y))
 
@@ -21,10 +23,19 @@ from shardops_models.networks._mlp import (
     mlp_forward,
 )
 from shardops_models.networks.gpt import Gpt
+from shardops_models.networks.llama import Llama
 from shardops_models.networks.mlp import Mlp, tp_plan
 from shardops_models.strategies.fsdp import fsdp_spec
 from shardops_models.strategies.parallel import STRATEGIES, Parallel, Strategy, strategies_for
-from shardops_models.strategies.plan import COLUMN, HEAD, REPLICATED, ROLES, ROW, VOCAB
+from shardops_models.strategies.plan import (
+    COLUMN,
+    HEAD,
+    REPLICATED,
+    ROLES,
+    ROW,
+    VOCAB,
+    stacked,
+)
 from shardops_models.training._train import (
     DECAY_RATE,
     DECAY_STEPS,
@@ -54,6 +65,7 @@ __all__ = [
     "STRATEGIES",
     "VOCAB",
     "Gpt",
+    "Llama",
     "Metrics",
     "Mlp",
     "Parallel",
@@ -72,6 +84,7 @@ __all__ = [
     "seed_schedule",
     "seed_sgd",
     "shard_tree",
+    "stacked",
     "strategies_for",
     "tp_plan",
 ]

@@ -11,6 +11,8 @@ The surface, by concept (each subpackage has its own short ``__all__``):
 - **layers** (``shardops.layers``, its kernels there too): column/row-parallel dense,
   vocab-parallel embedding and cross-entropy, head-parallel attention (RoPE, grouped-query,
   packed sequences), the gated MLP (SwiGLU), norms, parameters.
+- **training**: ``clip_by_global_norm`` and ``global_norm`` (an optax transform whose norm is
+  the global gradients', whatever their sharding).
 - ``shardops.comm``: the communication patterns the kernels are built from.
 - ``shardops.inspect``: collectives, ledger, explain, layouts, the divergence locator.
 - ``shardops.testing``: the derived error bound, dtype flow, collective budgets.
@@ -19,6 +21,7 @@ The surface, by concept (each subpackage has its own short ``__all__``):
 
 from shardops import comm, inspect, layers, testing
 from shardops._axes import DATA_AXIS, MODEL_AXIS, REPLICA_AXIS, SEQUENCE_DIM
+from shardops._clip import clip_by_global_norm, global_norm
 from shardops._devices import DeviceMismatchError, check_devices
 from shardops._mesh import (
     abstract_mesh,
@@ -122,6 +125,9 @@ __all__ = [  # noqa: RUF022 (grouped by concept, as the docstring lists them)
     "vocab_parallel_cross_entropy_specs",
     "vocab_parallel_embedding",
     "vocab_parallel_embedding_specs",
+    # training
+    "clip_by_global_norm",
+    "global_norm",
     # subpackages
     "comm",
     "inspect",

@@ -54,50 +54,79 @@ def cases():
     return out
 
 
-def optimizer(name: str) -> optax.GradientTransformation:
+def optimizer(name: str, clip: float | None = None, *, sharded: bool = True, sgd_lr: float = 4.0):
+    """SGD (at ``sgd_lr``) or Adam, after global-norm clipping at ``clip``
+    (``shardops.clip_by_global_norm`` for the strategies, optax's own for the reference:
+    ``sharded=False``)."""
     # Adam divides by |g| + eps: with the default eps = 1e-8, an entry whose gradient is tiny
     # (~1e-9, e.g. a rarely used position's) turns its float32 rounding noise into a step of
     # ~lr · noise / eps, up to 2e-5 after 5 steps. eps = 1e-6 bounds that amplification; the
     # leaves' real gradients (≥ 1e-5) still take full Adam steps.
-    return optax.sgd(4.0) if name == "sgd" else optax.adam(1e-3, eps=1e-6)
+    opt = optax.sgd(sgd_lr) if name == "sgd" else optax.adam(1e-3, eps=1e-6)
+    if clip is None:
+        return opt
+    clipping = shardops.clip_by_global_norm if sharded else optax.clip_by_global_norm
+    return optax.chain(clipping(clip), opt)
 
 
-def gpt_batches(seed: int = 0):
+def lm_batches(model, seed: int = 0, batch: int = BATCH, seq: int = SEQ):
     """``ids[STEPS, B, S]`` and next-token ``labels`` (int32) from one random token stream."""
-    tokens = np.random.default_rng(seed).integers(0, GPT.vocab_size, (STEPS, BATCH, SEQ + 1))
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, model.vocab_size, (STEPS, batch, seq + 1))
+    bos = getattr(model, "bos_id", None)
+    if bos is not None:  # packed documents: a new one begins at ~1 token in 5
+        tokens = np.where(rng.random(tokens.shape) < 0.2, bos, tokens)
     return tokens[..., :-1].astype(np.int32), tokens[..., 1:].astype(np.int32)
 
 
-def reference_trajectory(params, ids, labels, opt):
-    value_and_grad = jax.jit(jax.value_and_grad(GPT.reference_loss))
+def gpt_batches(seed: int = 0):
+    return lm_batches(GPT, seed)
+
+
+def reference_trajectory(model, params, ids, labels, opt):
+    value_and_grad = jax.jit(jax.value_and_grad(model.reference_loss))
     opt_state = opt.init(params)
-    losses, grads = [], []
+    losses, grads, norms = [], [], []
     for x, y in zip(ids, labels, strict=True):
         loss, g = value_and_grad(params, x, y)
         updates, opt_state = opt.update(g, opt_state, params)
         params = optax.apply_updates(params, updates)
         losses.append(float(loss))
         grads.append(jax.device_get(g))
-    return np.array(losses), grads, jax.device_get(params)
+        norms.append(float(optax.tree.norm(g)))
+    return np.array(losses), grads, jax.device_get(params), norms
 
 
 @functools.cache
-def _reference(opt_name: str):
-    """The initial params, the batches and the reference trajectory under ``opt_name``,
-    computed once per session: every strategy, mesh and mutant shares it (read-only)."""
-    params = GPT.init(jax.random.key(0))
-    ids, labels = gpt_batches()
-    return params, ids, labels, reference_trajectory(params, ids, labels, optimizer(opt_name))
+def _reference(model, opt_name: str, clip: float | None = None, sgd_lr: float = 4.0):
+    """The initial params, the batches and the reference trajectory of ``model`` under
+    ``opt_name``, computed once per session: every strategy, mesh and mutant shares it."""
+    params = model.init(jax.random.key(0))
+    ids, labels = lm_batches(model)
+    opt = optimizer(opt_name, clip, sharded=False, sgd_lr=sgd_lr)
+    return params, ids, labels, reference_trajectory(model, params, ids, labels, opt)
 
 
-def check_gpt_trajectory(strategy, mesh_name, opt_name, *, build=models.build, plan=None,
-                         remat=False, budget=False) -> dict:  # fmt: skip
-    """Assert 5 steps' losses, gradients and params equal the plain reference; with
-    ``budget``, also that the compiled train step's collectives equal ``collective_budget``."""
-    tol = TOL[opt_name]
-    params, ids, labels, (ref_losses, ref_grads, ref_params) = _reference(opt_name)
+def check_gpt_trajectory(strategy, mesh_name, opt_name, **options) -> dict:
+    """``check_lm_trajectory`` of the GPT."""
+    return check_lm_trajectory(GPT, strategy, mesh_name, opt_name, **options)
+
+
+def check_lm_trajectory(model, strategy, mesh_name, opt_name, *, build=models.build, plan=None,
+                        remat=False, budget=False, clip=None, sgd_lr=4.0, tol=None) -> dict:  # fmt: skip
+    """Assert 5 steps' losses, gradients and params of ``model`` equal its plain reference;
+    with ``budget``, also that the compiled train step's collectives equal
+    ``collective_budget``; with ``clip``, the gradients are clipped to that global norm (and
+    the reference's norm must exceed it, so the clipping is exercised)."""
+    tol = tol or TOL[opt_name]
+    params, ids, labels, (ref_losses, ref_grads, ref_params, norms) = _reference(
+        model, opt_name, clip, sgd_lr
+    )
+    if clip is not None:
+        assert min(norms) > 1.5 * clip, f"clip={clip} never binds: gradient norms {norms}"
     mesh = mesh_for(MESHES.get(mesh_name))
-    setup = build(strategy, mesh, optimizer=optimizer(opt_name), model=GPT, plan=plan, remat=remat)
+    setup = build(strategy, mesh, optimizer=optimizer(opt_name, clip, sgd_lr=sgd_lr),
+                  model=model, plan=plan, remat=remat)  # fmt: skip
     state = setup.shard(params)
     # One compiled step serves the budget check and the 5 steps. Gradients are the optimizer's
     # input, checked on the SGD runs only (Adam's check is its losses and parameters).
@@ -117,7 +146,8 @@ def check_gpt_trajectory(strategy, mesh_name, opt_name, *, build=models.build, p
         "grads": max((max_diff(g, r) for g, r in zip(grads, ref_grads, strict=False)), default=0.0),
         "params": max_diff(final, ref_params),
     }
-    where = f"GPT {strategy} on {mesh_name} with {opt_name}" + (" (remat)" if remat else "")
+    where = (f"{model.name} {strategy} on {mesh_name} with {opt_name}" + (" (remat)" if remat
+             else "") + (f" clip {clip}" if clip else ""))  # fmt: skip
     for k, err in errors.items():
         assert err <= tol[k], f"{where}: max |{k} − reference| = {err:.3e} > {tol[k]:.0e}"
     for (path, start), end in zip(jax.tree_util.tree_leaves_with_path(params),
@@ -127,7 +157,8 @@ def check_gpt_trajectory(strategy, mesh_name, opt_name, *, build=models.build, p
             f"{jax.tree_util.keystr(path)} moved only {moved:.2e} in {STEPS} steps: the check "
             f"could not see a zeroed or doubled gradient"
         )
-    key = (f"gpt {strategy}" + ("+remat" if remat else ""), mesh_name, opt_name)
+    key = (f"{model.name.split()[0]} {strategy}" + ("+remat" if remat else ""), mesh_name,
+           opt_name)  # fmt: skip
     old = GPT_ERRORS.get(key, {})
     GPT_ERRORS[key] = {k: max(v, old.get(k, 0.0)) for k, v in errors.items()}
     return errors

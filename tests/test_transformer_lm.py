@@ -74,7 +74,7 @@ def test_trains_like_the_reference_and_samples(tmp_path, strategy, mesh, source)
         ("2x2x2", "more than two axes need their names"),
         ("3x2", "--batch-size 8 must be a multiple of 3"),
         ("4x4", "--mesh 4x4 needs 16 devices; this process has 8"),
-        ("1x8", "num_heads = 4 is not divisible by mesh axis 'model' (size 8)"),
+        ("1x8", "num_heads=4 is not divisible by mesh axis 'model' (size 8)"),
     ],
 )
 def test_a_bad_mesh_is_a_one_line_error(mesh, message):

@@ -24,37 +24,16 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import shardops
+from shardops_models.networks._lm import PAD_LABEL, LanguageModel, check_token_range
 from shardops_models.strategies.plan import COLUMN, HEAD, REPLICATED, ROW, VOCAB
 
-PAD_LABEL = -1
-"""A label that counts nowhere in ``metrics`` (how a whole set's last chunk is padded)."""
-
-
-def check_token_range(vocab_size: int, allowed=(), **arrays) -> None:
-    """Concrete token arrays (a batch being placed) hold ids in ``[0, vocab_size)`` (or one of
-    ``allowed``: the labels' ``PAD_LABEL``), else a
-    ValueError naming the array, the range and the ids found; traced or abstract arrays (inside
-    ``jit``, a budget's shapes) and arrays on other processes are not read."""
-    for name, a in arrays.items():
-        if (a is None or isinstance(a, jax.core.Tracer) or not isinstance(a, (np.ndarray, jax.Array))
-                or not getattr(a, "is_fully_addressable", True) or not a.size):  # fmt: skip
-            continue
-        a = np.asarray(a)
-        bad = ((a < 0) | (a >= vocab_size)) & ~np.isin(a, allowed)
-        if bad.any():
-            where = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(
-                f"{name} hold {int(bad.sum())} token(s) outside [0, {vocab_size}) (the model's "
-                f"vocabulary), e.g. {int(a[where])} at {name}{list(where)}; min {int(a.min())}, "
-                f"max {int(a.max())}"
-            )
+__all__ = ["PAD_LABEL", "Gpt", "check_token_range"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Gpt:
+class Gpt(LanguageModel):
     """A decoder-only transformer: ``num_layers`` blocks of width ``d_model`` with ``num_heads``
     heads of ``d_model / num_heads``, an MLP of ``d_ff`` (default 4·d_model), learned positions
     up to ``context``, causal attention and a separate (untied) output head."""
@@ -66,7 +45,6 @@ class Gpt:
     context: int = 128
     d_ff: int | None = None
     init_scale: float = 0.02
-    sequence = True  # x[B, S, D]: sequence parallelism applies
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_heads", "num_layers", "context"):
@@ -167,42 +145,6 @@ class Gpt:
         """The layer whose output is the logits (split over the vocabulary under a column head)."""
         return params["head"]
 
-    def loss_sum(self, ctx, params, logits, labels):
-        """Σ over the local positions of the next-token cross-entropy (float32)."""
-        return jnp.sum(ctx.cross_entropy(logits, labels, split=ctx.is_split(params["head"])))
-
-    def metrics(self, ctx, params, logits, labels):
-        """Local ``(loss_sum, correct, count)`` over positions whose label is not ``PAD_LABEL``."""
-        split = ctx.is_split(params["head"])
-        real = labels != PAD_LABEL  # [b, S]
-        target = jnp.where(real, labels, 0)
-        losses = ctx.cross_entropy(logits, target, split=split)  # [b, S] f32
-        hits = (ctx.argmax(logits, split=split) == target) & real
-        return (jnp.sum(jnp.where(real, losses, 0.0)), jnp.sum(hits, dtype=jnp.int32),
-                jnp.sum(real, dtype=jnp.int32))  # fmt: skip
-
-    def check_batch(self, ids, labels=None) -> None:
-        """``ids[B, S]`` of integer tokens, ``S ≤ context``, and integer ``labels[B, S]``."""
-        if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(
-                f"ids must be integer tokens of shape (batch, sequence); got "
-                f"{ids.dtype}{tuple(ids.shape)}"
-            )
-        if ids.shape[1] > self.context:
-            raise ValueError(
-                f"ids dim 1 (sequence) = {ids.shape[1]} exceeds the model's context "
-                f"{self.context}; cut the sequences or build Gpt(context={ids.shape[1]})"
-            )
-        if labels is not None and (
-            tuple(labels.shape) != tuple(ids.shape) or not jnp.issubdtype(labels.dtype, jnp.integer)
-        ):
-            raise ValueError(
-                f"labels must be integer tokens shaped like ids {tuple(ids.shape)} (the next "
-                f"token at each position); got {labels.dtype}{tuple(labels.shape)}"
-            )
-        check_token_range(self.vocab_size, ids=ids)
-        check_token_range(self.vocab_size, allowed=(PAD_LABEL,), labels=labels)
-
     # --- the independent reference
 
     def reference_logits(self, params, ids):
@@ -218,10 +160,6 @@ class Gpt:
             h = jax.nn.gelu(h @ p["up"]["w"] + p["up"]["b"])
             x = x + h @ p["down"]["w"] + p["down"]["b"]
         return _layer_norm_reference(x, params["ln_f"]) @ params["head"]["w"]
-
-    def reference_loss(self, params, ids, labels):
-        logits = self.reference_logits(params, ids)
-        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
 
     def _attention_reference(self, x, p, mask):
         b, s, _ = x.shape

@@ -50,37 +50,47 @@ from jax.sharding import PartitionSpec as P
 
 import shardops
 from shardops import DATA_AXIS, entry_axes, spec_entries, spec_entry
+from shardops_models.strategies.plan import StackedRole
 
 # --- the rule: which dim of a leaf splits over data
 
 
-def with_fsdp(specs, shapes, mesh: Mesh, axes=(DATA_AXIS,)):
+def with_fsdp(specs, shapes, mesh: Mesh, axes=(DATA_AXIS,), roles=None):
     """Add sharding over ``axes`` (the fsdp axes; or zero1's, for the optimizer state) to every
-    leaf that can take it (the FSDP rule, ``fsdp_spec``)."""
+    leaf that can take it (the FSDP rule, ``fsdp_spec``). With the plan's ``roles``, a leaf of
+    stacked layers (``StackedRole``) is never split along its layer dim 0."""
     axes = tuple(axes)
     n = math.prod(mesh.shape[a] for a in axes)
+    if roles is None:
+        roles = jax.tree.map(lambda _: None, specs, is_leaf=lambda s: isinstance(s, P))
     return jax.tree.map(
-        lambda spec, shape: fsdp_spec(shape, spec, mesh, n, axes),
+        lambda spec, shape, role: fsdp_spec(shape, spec, mesh, n, axes,
+                                            stacked=isinstance(role, StackedRole)),
         specs,
         shapes,
+        roles,
         is_leaf=lambda s: isinstance(s, P),
-    )
+    )  # fmt: skip
 
 
-def fsdp_spec(shape: tuple[int, ...], spec: P, mesh: Mesh, n: int, axes=(DATA_AXIS,)) -> P:
+def fsdp_spec(shape: tuple[int, ...], spec: P, mesh: Mesh, n: int, axes=(DATA_AXIS,), *,
+              stacked: bool = False) -> P:  # fmt: skip
     """The FSDP rule for one leaf: split the largest dimension whose size (after any ``model``
     split) divides by ``n`` (the size of the fsdp ``axes``), preferring dimensions not split
     over ``model``; on a ``model``-split dimension the fsdp axes become the minor ones, so
     gathering over them rebuilds exactly the ``model`` shard. A leaf that no dimension lets us
     split (e.g. ``b2[10]`` over 4 or 8 devices) stays replicated over them; its gradient is
-    all-reduced.
+    all-reduced. ``stacked``: dim 0 holds stacked layers and is not a candidate (each layer is
+    gathered inside the scan).
     """
     entries = spec_entries(spec, len(shape))
 
     def local(d):
         return shape[d] // math.prod(mesh.shape[a] for a in entry_axes(entries[d]))
 
-    free = sorted((d for d in range(len(shape)) if entries[d] is None), key=lambda d: -shape[d])
+    first = 1 if stacked else 0
+    free = sorted((d for d in range(first, len(shape)) if entries[d] is None),
+                  key=lambda d: -shape[d])  # fmt: skip
     split = sorted(
         (d for d in range(len(shape)) if entries[d] is not None), key=lambda d: -local(d)
     )

@@ -53,6 +53,7 @@ from shardops_models.strategies.plan import (
     REPLICATED,
     ROW,
     VOCAB,
+    StackedRole,
 )
 
 # Why the strategy's own collectives run (shardops.comm.because; explain reads them).
@@ -87,20 +88,33 @@ class Param:
     refuse a parameter that is not ready (a forward that skipped ``ctx.stage`` would compute
     with an FSDP shard)."""
 
-    __slots__ = ("path", "pending", "ready", "role", "spec", "value")
+    __slots__ = ("logical", "path", "pending", "ready", "role", "spec", "uses", "value")
 
-    def __init__(self, value, role: str, spec, path: str, ready: bool = False, pending=None):
+    def __init__(self, value, role: str, spec, path: str, ready: bool = False, pending=None,
+                 logical=None):  # fmt: skip
         self.value, self.role, self.spec, self.path, self.ready = value, role, spec, path, ready
+        self.uses = 0
+        """How many stages of this forward have used it so far (not part of the pytree: each
+        trace wraps fresh ``Param`` objects)."""
         self.pending = pending
         """The dim still split over ``data`` (a dense weight whose gather waits for the layer
         to choose its route, ``models.strategies.fsdp``), or None."""
+        self.logical = logical
+        """The model's own (global) shape: the stored one pads a dim the tp axis does not
+        divide (``models.training``); the layers mask what lies beyond it."""
 
     def tree_flatten(self):
-        return (self.value,), (self.role, self.spec, self.path, self.ready, self.pending)
+        aux = (self.role, self.spec, self.path, self.ready, self.pending, self.logical)
+        return (self.value,), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         return cls(children[0], *aux)
+
+    def replace(self, **changes) -> Param:
+        """A copy with some fields changed (``value``, ``ready``, ``pending``, …)."""
+        fields = {k: getattr(self, k) for k in self.__slots__ if k != "uses"}
+        return Param(**{**fields, **changes})
 
     @property
     def shape(self):
@@ -114,14 +128,22 @@ def is_param(x) -> bool:
     return isinstance(x, Param)
 
 
-def wrap(params, roles, specs):
-    """The parameter tree as ``Param`` leaves (not yet materialised)."""
+def wrap(params, roles, specs, logical=None):
+    """The parameter tree as ``Param`` leaves (not yet materialised); ``logical``: the model's
+    own shapes (a tree of tuples) where they differ from the stored ones (padding)."""
+    if logical is None:
+        logical = jax.tree.map(lambda _: None, roles)
+
+    def param(path, value, role, spec, shape):
+        return Param(value, role, spec, jax.tree_util.keystr(path), logical=shape)
+
     return jax.tree_util.tree_map_with_path(
-        lambda path, v, role, spec: Param(v, role, spec, jax.tree_util.keystr(path)),
-        params,
-        roles,
-        specs,
+        param, params, roles, specs, logical, is_leaf=lambda x: x is None or _is_shape(x)
     )
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
 
 
 def values(tree):
@@ -169,12 +191,22 @@ class Parallel:
         ReduceScatter. With remat the stage is ``jax.checkpoint``-ed: the backward pass gathers
         again."""
 
+        # A leaf an earlier stage of this forward used (a tied embedding's table, in the head)
+        # is gathered again for this use: its gather reads it through an optimization barrier
+        # numbered by the use, which XLA's CSE cannot merge with an earlier use's gather (the
+        # steps compile with ``KEEP_REMAT``), so the whole table is not kept alive in between.
+        leaves = jax.tree.leaves(params, is_leaf=is_param)
+        used = [q.uses if is_param(q) else 0 for q in leaves]
+        for q in leaves:
+            if is_param(q):
+                q.uses += 1
+
         def run(params, *args):
-            return fn(self._materialise_all(params), *args)
+            return fn(self._materialise_all(params, used), *args)
 
         return jax.checkpoint(run)(params, *args) if self.remat else run(params, *args)
 
-    def _materialise_all(self, params):
+    def _materialise_all(self, params, used=None):
         """Every ``Param`` of a stage, ready. The split leaves that share a dtype and varying
         axes travel together: one AllGather over the fsdp axes (one ReduceScatter back) instead
         of one per leaf (``shardops.comm.gather_many_to_region``); XLA:CPU does not combine
@@ -185,6 +217,7 @@ class Parallel:
         the GPT 45 collectives a step instead of 190 (``fsdp remat`` 1.29× → 0.96× GSPMD's
         step, ``docs/benchmarks.md``)."""
         leaves, tree = jax.tree.flatten(params, is_leaf=is_param)
+        used = used or [0] * len(leaves)
         if not self.strategy.fsdp:
             return tree.unflatten([self._materialise(p) for p in leaves])
         ready: list = [None] * len(leaves)
@@ -198,26 +231,29 @@ class Parallel:
         accum = self.precision.accum_dtype
         for group in gather.values():
             values = [leaves[i].value for i, _ in group]
+            uses = max(used[i] for i, _ in group)
+            if uses:  # used by an earlier stage: gathered anew (see ``stage``)
+                values, _ = lax.optimization_barrier((values, jnp.int32(uses)))
             dims = [d for _, d in group]
             with shardops.comm.because(_FSDP_GATHER, self.strategy.fsdp):
                 gathered = shardops.comm.gather_many_to_region(values, self.strategy.fsdp, dims,
                                                                accum, self.strategy.dp)  # fmt: skip
             for (i, _), value in zip(group, gathered, strict=True):
-                ready[i] = Param(value, leaves[i].role, leaves[i].spec, leaves[i].path, True)
+                ready[i] = leaves[i].replace(value=value, ready=True)
         return tree.unflatten(ready)
 
     def _materialise(self, p: Param) -> Param:
         value = p.value
         dim = self.split_dim(p.spec)
         if dim is not None and self._may_move_activations(p):
-            return Param(value, p.role, p.spec, p.path, ready=True, pending=dim)
+            return p.replace(ready=True, pending=dim)
         if dim is not None:
             value = self._gather(value, dim)
         elif self.strategy.dp or self.strategy.fsdp:  # replicated over them: dx AllReduced
             axes = self.strategy.dp + self.strategy.fsdp
             with shardops.comm.because(_REPLICATED, axes):
                 value = shardops.comm.copy_to_region(value, axes, self.precision.accum_dtype)
-        return Param(value, p.role, p.spec, p.path, ready=True)
+        return p.replace(value=value, ready=True)
 
     def _gather(self, value, dim: int):
         with shardops.comm.because(_FSDP_GATHER, self.strategy.fsdp):
@@ -256,7 +292,8 @@ class Parallel:
         if self.model_parallel and role == COLUMN:
             return shardops.layers.column_parallel_dense_kernel(
                 x, w, b, gather_input=sp, gather_dimension=SEQUENCE_DIM, axis_name=self.tp,
-                precision=self.precision, collective_matmul=ring,
+                out_features=_logical(p["w"], 1), precision=self.precision,
+                collective_matmul=ring,
             )  # fmt: skip
         if self.model_parallel and role == ROW:
             reduce = "psum_scatter" if sp else "psum"
@@ -264,7 +301,8 @@ class Parallel:
             scatter = SEQUENCE_DIM if x.ndim > 2 else 0
             return shardops.layers.row_parallel_dense_kernel(
                 x, w, b, reduce=reduce, scatter_dimension=scatter, axis_name=self.tp,
-                precision=self.precision, collective_matmul=ring,
+                in_features=_logical(p["w"], 0), precision=self.precision,
+                collective_matmul=ring,
             )  # fmt: skip
         if role not in (COLUMN, ROW, REPLICATED):
             raise ValueError(f"{p['w'].path}: a dense layer takes role column, row or "
@@ -279,7 +317,7 @@ class Parallel:
             reduce = "psum_scatter" if self.sequence_parallel else "psum"
             return shardops.layers.vocab_parallel_embedding_kernel(
                 ids, table, reduce=reduce, scatter_dimension=SEQUENCE_DIM, axis_name=self.tp,
-                precision=self.precision,
+                vocab_size=_logical(p["table"], 0), precision=self.precision,
             )  # fmt: skip
         if role not in (VOCAB, REPLICATED):
             raise ValueError(f"{p['table'].path}: an embedding takes role vocab or replicated; "
@@ -327,7 +365,13 @@ class Parallel:
         _check_keys(p, "dense", LAYER_KEYS["dense"])
         p_model = lax.axis_size(self.tp) if self.model_parallel and p["w"].role == ROW else 1
         k = x.shape[-1] * p_model  # D: a row layer's x holds D/p of it
-        return self._tap(self._dense(p, x), p, k=k, features_split=self.is_split(p))
+        return self._tap(
+            self._dense(p, x),
+            p,
+            k=k,
+            features_split=self.is_split(p),
+            features=_logical(p["w"], 1) if self.is_split(p) else None,
+        )
 
     def embed(self, p, ids):
         """``table[ids]``: vocab-parallel under tp (the AllReduce, or under sp the
@@ -367,7 +411,8 @@ class Parallel:
         if self.model_parallel and roles == (COLUMN, COLUMN, ROW):
             y = shardops.layers.tensor_parallel_gated_mlp_kernel(
                 x, params, axis_name=self.tp, sequence_parallel=self.sequence_parallel,
-                activation=activation, precision=self.precision,
+                hidden=_logical(p["gate"]["w"], 1), activation=activation,
+                precision=self.precision,
             )  # fmt: skip
         elif set(roles) - {REPLICATED} and self.model_parallel:
             where = _layer_path([p[name]["w"].path for name in ("gate", "up", "down")])
@@ -393,14 +438,15 @@ class Parallel:
         _check_keys(p, "rms_norm", LAYER_KEYS["rms_norm"])
         return self._tap(self._rms_norm(p, x, eps), p, k=x.shape[-1])
 
-    def _tap(self, y, p, *, k: int, features_split: bool = False):
+    def _tap(self, y, p, *, k: int, features_split: bool = False, features: int | None = None,
+             suffix: str = ""):  # fmt: skip
         """``shardops.inspect.tap`` of a layer's output, named by its parameters' path, with the layout
         of the strategy: the batch over its batch axes, and over the tp axis the features (a
         column layer) or the sequence (between layers under sp) when ``y`` varies over it."""
         paths = [q.path for q in jax.tree.leaves(p, is_leaf=is_param) if is_param(q)]
         if not paths:  # a layer without parameters (a norm with no scale): no name to tap by
             return y
-        name = _layer_path(paths)
+        name = _layer_path(paths) + suffix
         spec = None
         if self.strategy.axes:
             varying = varying_axes(y)
@@ -411,27 +457,107 @@ class Parallel:
             if self.tp in varying:
                 entries[-1 if features_split else SEQUENCE_DIM] = self.tp
             spec = P(*entries)
-        return shardops.inspect.tap(y, name, spec=spec, k=k)
+        shape = None if features is None else (*(None,) * (y.ndim - 1), features)
+        return shardops.inspect.tap(y, name, spec=spec, k=k, shape=shape)  # padding cut off
 
     def is_split(self, p) -> bool:
-        """Whether ``dense(p, ·)``'s output is split along its features (a column layer)."""
+        """Whether ``dense(p, ·)``'s (or ``tied_head(p, ·)``'s) output is split along its
+        features: a column layer (a vocab table) under tp."""
+        if "table" in p:
+            return self.model_parallel and p["table"].role == VOCAB
         return self.model_parallel and p["w"].role == COLUMN
 
-    def cross_entropy(self, logits, labels, *, split: bool):
+    def tied_head(self, p, x):
+        """Logits ``x[b, S, D] · table[V, D]ᵀ`` of the embedding's own table (tied input and
+        output embeddings): under tp vocab-parallel, ``logits[b, S, V_model]`` never gathered,
+        ``x`` entering the region as a column layer's input (sp: gathered along S), so
+        ``dx`` is AllReduced (sp: ReduceScattered) over the tp axis; else a local product.
+        The table's gradient is the sum of both uses (autodiff adds them; under FSDP each use
+        gathers it and ReduceScatters its part). Keys: ``table``."""
+        _check_keys(p, "tied_head", LAYER_KEYS["embed"])
+        table, role = self._arrays(p, "table", "tied_head"), p["table"].role
+        w = table.T  # w[D, V(_model)]: the table's rows as output columns
+        if self.model_parallel and role == VOCAB:
+            sp = self.sequence_parallel and x.ndim > 2
+            y = shardops.layers.column_parallel_dense_kernel(
+                x, w, gather_input=sp, gather_dimension=SEQUENCE_DIM, axis_name=self.tp,
+                out_features=_logical(p["table"], 0), precision=self.precision,
+            )  # fmt: skip
+        elif role in (VOCAB, REPLICATED):
+            if self.sequence_parallel:
+                raise ValueError("under sequence parallelism a tied head must be vocab-parallel: "
+                                 "give the embedding the plan's role 'vocab'")  # fmt: skip
+            y = shardops.dense(x, w, precision=self.precision)
+        else:
+            raise ValueError(f"{p['table'].path}: a tied head takes role vocab or replicated; "
+                             f"the plan says {role!r}")  # fmt: skip
+        return self._tap(
+            y,
+            p,
+            k=x.shape[-1],
+            features_split=self.is_split(p),
+            features=_logical(p["table"], 0) if self.is_split(p) else None,
+            suffix=" (tied head)",  # the embedding's own tap has the plain name
+        )
+
+    def cross_entropy(self, logits, labels, *, split: bool, vocab_size: int | None = None):
         """Per-position loss ``[...]`` in float32 of integer ``labels``; ``split``: the logits
-        are ``logits[..., V_model]`` (a column head) and the loss is vocab-parallel."""
+        are ``logits[..., V_model]`` (a column head) and the loss is vocab-parallel.
+        ``vocab_size``: the logical V when the logits hold padded columns (masked out)."""
         _check_logits_cover_labels(self, logits, labels)
         if split:
             return shardops.layers.vocab_parallel_cross_entropy_kernel(
-                logits, labels, axis_name=self.tp, precision=self.precision
-            )
+                logits, labels, vocab_size=vocab_size, axis_name=self.tp,
+                precision=self.precision,
+            )  # fmt: skip
         logits = logits.astype(jnp.float32)  # [..., V] in f32
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        return optax.softmax_cross_entropy_with_integer_labels(logits[..., :vocab_size], labels)
 
-    def argmax(self, logits, *, split: bool):
+    def argmax(self, logits, *, split: bool, vocab_size: int | None = None):
+        """The arg-max over the vocabulary (int32), padded columns (from ``vocab_size`` on)
+        excluded."""
         if split:
-            return shardops.layers.vocab_parallel_argmax_kernel(logits, axis_name=self.tp)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return shardops.layers.vocab_parallel_argmax_kernel(
+                logits, vocab_size=vocab_size, axis_name=self.tp
+            )
+        return jnp.argmax(logits[..., :vocab_size], axis=-1).astype(jnp.int32)
+
+    def scan(self, fn: Callable, params, x):
+        """``x = fn(layer, x)`` for each layer of ``params``, whose leaves stack the layers
+        along dim 0 (the plan's ``stacked`` roles), with ``lax.scan``: one compiled block
+        whatever the depth. Each layer runs as a stage (``ctx.stage``: FSDP gathers one
+        layer's weights at a time, inside the loop; remat re-gathers them in the backward)."""
+        leaves = [q for q in jax.tree.leaves(params, is_leaf=is_param) if is_param(q)]
+        if not leaves or any(not isinstance(q.role, StackedRole) for q in leaves):
+            raise ValueError(
+                "ctx.scan runs layers stacked along dim 0: give their subtree the plan role "
+                "models.strategies.plan.stacked(...) (every leaf "
+                f"{'is' if leaves else 'must be'} a stacked leaf; got "
+                f"{sorted({str(q.path) for q in leaves if not isinstance(q.role, StackedRole)})})"
+            )
+        layers = {q.value.shape[0] for q in leaves}
+        if len(layers) != 1:
+            raise ValueError(f"ctx.scan: the stacked leaves hold different numbers of layers "
+                             f"{sorted(layers)}; every leaf stacks the same layers on dim 0")  # fmt: skip
+        per_layer = jax.tree.map(  # each leaf: the layer's role, spec and shape; values stacked
+            lambda q: q.replace(role=q.role.layer, spec=P(*q.spec[1:]),
+                                logical=None if q.logical is None else q.logical[1:]),
+            params, is_leaf=is_param,
+        )  # fmt: skip
+
+        if shardops.inspect.tapping():  # the locator: each layer tapped under its own name
+            root = _layer_path([q.path for q in leaves])  # "['blocks']"
+            for i in range(layers.pop()):
+                layer = jax.tree.map(
+                    lambda q, i=i: q.replace(value=q.value[i], path=q.path.replace(
+                        root, f"{root}[{i}]", 1)), per_layer, is_leaf=is_param)  # fmt: skip
+                x = self.stage(fn, layer, x)
+            return x
+
+        def body(x, layer):
+            return self.stage(fn, layer, x), None
+
+        return lax.scan(body, x, per_layer)[0]
 
     # --- for a layer of your own: the shard-dependent pieces, by kind of parallelism
 
@@ -544,6 +670,11 @@ def _check_keys(p, layer: str, keys) -> None:
         f"ctx.{layer}{where}: expects parameter keys {expected}; got {sorted(p, key=str)} "
         f"({', '.join(what)})." + (f" {'; '.join(hints)}." if hints else "")
     )
+
+
+def _logical(p: Param, dim: int) -> int | None:
+    """The model's own size of ``p``'s dim ``dim`` (None where nothing is padded)."""
+    return None if p.logical is None else p.logical[dim]
 
 
 def _layer_path(paths) -> str:

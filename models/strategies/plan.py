@@ -25,6 +25,9 @@ decides two things: the layout (``model_specs``, here) and the kernel that runs 
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 from jax.sharding import PartitionSpec as P
 
@@ -40,16 +43,50 @@ _HEAD_REPLICATED = ("bo",)
 _HEAD_KV = ("wk", "wv", "bk", "bv")  # split by KV head, or replicated (``model_specs``)
 
 
+class StackedRole(str):
+    """The role of a leaf that stacks one layer per index of its dim 0 (run by ``ctx.scan``
+    with ``lax.scan``): equal, as a string, to ``layer``, the role of one layer's slice, so
+    every test of a role reads it alike. Dim 0 is never split: the tp split is the layer's,
+    one dim further, and FSDP splits another dim."""
+
+    __slots__ = ()
+
+    @property
+    def layer(self) -> str:
+        """The role of one layer (a plain ``str``)."""
+        return str.__str__(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """A plan node for a subtree whose leaves stack layers along dim 0: ``plan`` is one
+    layer's plan (``stacked``)."""
+
+    plan: Any
+
+
+def stacked(plan) -> Stacked:
+    """The plan of layers stacked along dim 0 (``[L, …]`` leaves, for ``ctx.scan``), given as
+    one layer's plan: ``{"blocks": stacked({"attn": "head", "mlp": …})}``."""
+    return Stacked(plan)
+
+
 def leaf_roles(plan, params):
-    """The role of every leaf of ``params``: ``plan``'s role broadcast over its subtree.
+    """The role of every leaf of ``params``: ``plan``'s role broadcast over its subtree (a
+    ``StackedRole`` under a ``stacked`` node).
 
     Raises a ValueError naming the path when the plan does not fit the tree or a role is
     unknown.
     """
     _check_prefix(plan, params, "")
-    roles = jax.tree.map(
-        lambda role, sub: jax.tree.map(lambda _: role, sub, is_leaf=is_shape), plan, params
-    )
+
+    def broadcast(role, sub):
+        if isinstance(role, Stacked):
+            layer = jax.tree.map(lambda s: s[1:], sub, is_leaf=is_shape)
+            return jax.tree.map(StackedRole, leaf_roles(role.plan, layer))
+        return jax.tree.map(lambda _: role, sub, is_leaf=is_shape)
+
+    roles = jax.tree.map(broadcast, plan, params, is_leaf=lambda x: isinstance(x, Stacked))
     for path, role in jax.tree_util.tree_leaves_with_path(roles):
         if role not in ROLES:
             raise ValueError(
@@ -65,6 +102,17 @@ def _check_prefix(plan, params, path: str) -> None:
     where = f"plan{path}" if path else "plan (the top level)"
     if isinstance(plan, str) or plan is None:
         return  # a role (checked by the caller) for the whole subtree
+    if isinstance(plan, Stacked):
+        leaves = jax.tree.leaves(params, is_leaf=is_shape)
+        if not leaves or any(not is_shape(s) or len(s) < 1 for s in leaves):
+            raise ValueError(f"{where}: stacked(...) needs leaves [L, …] that stack the "
+                             f"layers along dim 0")  # fmt: skip
+        if len({s[0] for s in leaves}) != 1:
+            raise ValueError(f"{where}: stacked(...) leaves hold different numbers of layers "
+                             f"{sorted({s[0] for s in leaves})} along dim 0")  # fmt: skip
+        layer = jax.tree.map(lambda s: s[1:], params, is_leaf=is_shape)
+        _check_prefix(plan.plan, layer, path)
+        return
     if is_shape(params):
         pass  # a leaf: only a role fits it (below)
     elif isinstance(plan, dict) and isinstance(params, dict):
@@ -99,6 +147,8 @@ def model_spec(role: str, path, shape: tuple[int, ...], axis: str = MODEL_AXIS) 
     Every leaf a role splits must have the shape the role expects; the error names the leaf,
     the role and both shapes.
     """
+    if isinstance(role, StackedRole):  # [L, …]: dim 0 holds the layers, never split
+        return P(None, *model_spec(role.layer, path, shape[1:], axis))
     name = _last_key(path)
     where = f"params{jax.tree_util.keystr(path)}"
     if role == REPLICATED:

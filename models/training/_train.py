@@ -50,7 +50,6 @@ from shardops_models.strategies.parallel import (
 )
 from shardops_models.strategies.plan import (
     HEAD,
-    VOCAB,
     is_shape,
     leaf_roles,
     model_specs,
@@ -175,6 +174,10 @@ class Setup:
     classes: a strategy that splits them gathers the logits at the end)."""
     layout: Strategy = None
     """The strategy's layout: which mesh axes carry each kind of parallelism."""
+    padding: Padding = None
+    """The model's shapes and the stored ones: a dim the tp axis does not divide is stored
+    padded with zeros (``Padding``); ``shard`` pads, ``gather`` and checkpoints see the
+    model's own shapes."""
     _traces: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     """``abstract_step_args``, ``step_jaxpr`` and ``budget`` per (batch, seq): each step is
     traced once."""
@@ -204,7 +207,9 @@ class Setup:
         for path, leaf in jax.tree_util.tree_leaves_with_path(params):
             self.precision.check_param(f"params{jax.tree_util.keystr(path)}", leaf.dtype)
         _check_concrete(self.mesh, "shard")
+        self.padding.check_logical(params)
         params = jax.device_get(params)  # host copies: never alias the caller's buffers
+        params = self.padding.pad(params)  # the stored shapes (zeros in the padding)
         opt_state = self.optimizer.init(params)
         if self.mesh is None:
             return TrainState(jax.device_put(params), jax.device_put(opt_state))
@@ -214,8 +219,10 @@ class Setup:
         )
 
     def gather(self, tree):
-        """Full host (numpy) copies of a sharded tree: lossless inverse of ``shard``."""
-        return gather_tree(tree)
+        """Full host (numpy) copies of a sharded tree: lossless inverse of ``shard``. A
+        ``TrainState`` or a tree shaped like the params (gradients) comes back in the model's
+        own shapes (the padding sliced off)."""
+        return self.padding.unpad_tree(gather_tree(tree), self.optimizer)
 
     @property
     def batch_multiple(self) -> int:
@@ -363,8 +370,7 @@ class Setup:
         def placed(a, spec):
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
 
-        params = jax.eval_shape(lambda: self.model.init(jax.random.key(0),
-                                                        dtype=self.precision.param_dtype))  # fmt: skip
+        params = self.padding.abstract(self.precision.param_dtype)  # the stored shapes
         opt_state = jax.eval_shape(self.optimizer.init, params)
         params = jax.tree.map(lambda s, a: placed(a, s), self.param_specs, params, is_leaf=_is_spec)
         opt_state = jax.tree.map(lambda s, a: placed(a, s), self.opt_specs, opt_state,
@@ -458,13 +464,14 @@ def build(
         mesh = None
     else:
         _check_mesh(parallel, mesh, model, roles, shapes)
-    specs = _param_specs(parallel, model, roles, shapes, mesh)
-    opt_specs = None if mesh is None else opt_state_specs(optimizer, model, _opt_param_specs(
-        parallel, specs, shapes, mesh))  # fmt: skip
+    padding, specs = _layout(parallel, model, roles, shapes, mesh)
+    stored = padding.stored
+    opt_param_specs = None if mesh is None else _opt_param_specs(parallel, specs, stored, mesh,
+                                                                 roles)  # fmt: skip
+    opt_specs = None if mesh is None else opt_state_specs(optimizer, padding, opt_param_specs)
     batch_spec = P(shardops.spec_entry(*parallel.batch_axes))
     body = _Body(model, parallel, roles, specs, optimizer, remat, precision, fsdp_dense,
-                 collective_matmul, None if mesh is None else _opt_param_specs(
-                     parallel, specs, shapes, mesh))  # fmt: skip
+                 collective_matmul, opt_param_specs, padding)  # fmt: skip
 
     if mesh is None:
         step, loss_and_grads, evaluate = body.step, body.loss_and_grads, body.evaluate
@@ -488,12 +495,16 @@ def build(
         return run
 
     # XLA:CPU expands optimization barriers before a late CSE pass, which then merges remat's
-    # backward re-gather into the forward gather (keeping the full weights alive after all).
-    # With remat, keep the barriers for these programs; other programs are unaffected.
+    # backward re-gather into the forward gather, and a second stage's gather of one weight (a
+    # tied table) into the first's, keeping the full weights alive after all. With remat keep
+    # the barriers in these programs, and under fsdp in the train step (``Parallel.stage``
+    # puts one before a weight's second gather); other programs are unaffected.
     options = shardops.inspect.KEEP_REMAT if remat else None
+    step_options = shardops.inspect.KEEP_REMAT if remat or parallel.fsdp else None
 
-    def jit(fn, name, **kwargs):
-        return _DeviceChecked(jax.jit(checked(fn), compiler_options=options, **kwargs), mesh, name)
+    def jit(fn, name, compiler_options=options, **kwargs):
+        jitted = jax.jit(checked(fn), compiler_options=compiler_options, **kwargs)
+        return _DeviceChecked(jitted, mesh, name)
 
     return Setup(
         strategy=parallel.name,
@@ -506,11 +517,12 @@ def build(
         fsdp_dense=fsdp_dense,
         collective_matmul=collective_matmul,
         layout=parallel,
+        padding=padding,
         param_specs=specs,
         opt_specs=opt_specs,
         batch_spec=batch_spec,
         step=step,
-        train_step=jit(step, "train_step", donate_argnums=0),
+        train_step=jit(step, "train_step", step_options, donate_argnums=0),
         loss_and_grads=jit(loss_and_grads, "loss_and_grads"),
         evaluate=jit(evaluate, "evaluate"),
         logits=jit(logits, "logits"),
@@ -572,24 +584,36 @@ def _tp_specs(model, roles, shapes, axis: str, p: int):
     return model_specs(roles, shapes, axis, p, getattr(model, "num_heads", None))
 
 
-def _param_specs(parallel: Strategy, model, roles, shapes, mesh):
+def _layout(parallel: Strategy, model, roles, shapes, mesh) -> tuple[Padding, Any]:
+    """The stored shapes (``Padding``) and the PartitionSpecs of the params: the tp split by
+    each leaf's plan role, a dim the tp axis does not divide padded up to a multiple of it,
+    then the fsdp split of the stored shapes (``None`` specs for ``ref``)."""
     if mesh is None:
-        return None
+        return Padding(shapes, shapes), None
     if parallel.tp:
-        specs = _tp_specs(model, roles, shapes, parallel.tp, mesh.shape[parallel.tp])
+        p = mesh.shape[parallel.tp]
+        specs = _tp_specs(model, roles, shapes, parallel.tp, p)
+        stored = jax.tree.map(
+            lambda spec, shape: tuple(
+                shardops.padded_size(n, p) if parallel.tp in entry_axes(e) else n
+                for n, e in zip(shape, shardops.spec_entries(spec, len(shape)), strict=True)
+            ),
+            specs, shapes, is_leaf=_is_spec,
+        )  # fmt: skip
     else:
         specs = jax.tree.map(replicated, shapes, is_leaf=is_shape)
+        stored = shapes
     if parallel.fsdp:
-        specs = with_fsdp(specs, shapes, mesh, parallel.fsdp)
-    return specs
+        specs = with_fsdp(specs, stored, mesh, parallel.fsdp, roles)
+    return Padding(shapes, stored), specs
 
 
-def _opt_param_specs(parallel: Strategy, specs, shapes, mesh):
+def _opt_param_specs(parallel: Strategy, specs, shapes, mesh, roles):
     """The layout of the optimizer state's parameter-shaped leaves: the parameters' own, or
     under zero1 split over its axes by the FSDP rule (the parameters stay replicated)."""
     if not parallel.zero1:
         return specs
-    return with_fsdp(specs, shapes, mesh, parallel.zero1)
+    return with_fsdp(specs, shapes, mesh, parallel.zero1, roles)
 
 
 def _or_minus_one(d: int | None) -> int:
@@ -612,9 +636,9 @@ def _layout_name(path) -> str:
     return keys
 
 
-def opt_state_specs(optimizer: optax.GradientTransformation, model, specs):
+def opt_state_specs(optimizer: optax.GradientTransformation, padding: Padding, specs):
     """PartitionSpecs of ``optimizer``'s state: param-shaped leaves like the params, others P()."""
-    state = jax.eval_shape(optimizer.init, jax.eval_shape(model.init, jax.random.key(0)))
+    state = jax.eval_shape(optimizer.init, padding.abstract(jnp.float32))
     return optax.tree_map_params(
         optimizer,
         lambda _, spec: spec,
@@ -664,8 +688,10 @@ class _Body:
     """
 
     def __init__(self, model, parallel, roles, specs, optimizer, remat, precision, fsdp_dense,
-                 collective_matmul, opt_param_specs=None):  # fmt: skip
+                 collective_matmul, opt_param_specs, padding):  # fmt: skip
         self.model, self.composition, self.optimizer = model, parallel, optimizer
+        # The layers mask what lies beyond the model's shapes (only where something is padded).
+        self.logical = padding.logical if padding.padded else None
         self.roles, self.precision = roles, precision
         self.specs = specs if specs is not None else jax.tree.map(lambda _: P(), roles)
         # zero1: the dim of each parameter its optimizer state splits over zero1's axes (−1:
@@ -685,7 +711,7 @@ class _Body:
         )
 
     def forward(self, ctx, params, x):
-        tree = wrap(params, self.roles, self.specs)
+        tree = wrap(params, self.roles, self.specs, self.logical)
         return tree, self.model.apply(ctx, tree, self._inputs(x))
 
     def _global_batch(self, local: int) -> int:
@@ -780,6 +806,8 @@ class _Body:
             with _because(_WHOLE_LOGITS, self.composition.tp):
                 logits = lax.all_gather(logits, self.composition.tp, axis=logits.ndim - 1,
                                         tiled=True, to="invarying")  # fmt: skip
+            vocab = _output_features(self.model.output_layer(tree))
+            logits = logits[..., :vocab]  # the padded vocabulary's columns dropped
         return logits
 
     def evaluate(self, params, x, y):
@@ -794,6 +822,112 @@ class _Body:
 def _output_split(model, tree, ctx) -> bool:
     head = getattr(model, "output_layer", None)
     return head is not None and ctx.is_split(head(tree))
+
+
+def _output_features(head) -> int | None:
+    """The model's own number of output features of the output layer (a dense ``w[D, V]`` or
+    a tied ``table[V, D]``), or None where it is not padded."""
+    leaf = head["table"] if "table" in head else head["w"]
+    if leaf.logical is None:
+        return None
+    return leaf.logical[0] if "table" in head else leaf.logical[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Padding:
+    """The model's parameter shapes (``logical``) and the stored ones (``stored``, trees of
+    tuples): a dim split over the tp axis that its size does not divide (a vocabulary of 97 on
+    4 devices, d_ff = 172 on 8) is stored padded with zeros up to a multiple of it
+    (``shardops.padded_size``), and the layers are told the logical size, so the padding
+    reaches no output, loss, metric or gradient (``models.strategies.parallel``). Budgets and
+    memory count the stored bytes; ``Setup.gather`` and checkpoints see the logical shapes."""
+
+    logical: Any
+    stored: Any
+
+    @property
+    def padded(self) -> bool:
+        """Whether any leaf is stored padded."""
+        return jax.tree.leaves(self.logical, is_leaf=is_shape) != jax.tree.leaves(
+            self.stored, is_leaf=is_shape)  # fmt: skip
+
+    def abstract(self, dtype):
+        """The stored params as ``jax.ShapeDtypeStruct``s of ``dtype``."""
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), self.stored,
+                            is_leaf=is_shape)  # fmt: skip
+
+    def check_logical(self, params) -> None:
+        """``params`` has the model's own shapes (what ``model.init`` makes)."""
+        for (path, leaf), shape in zip(jax.tree_util.tree_leaves_with_path(params),
+                                       jax.tree.leaves(self.logical, is_leaf=is_shape),
+                                       strict=True):  # fmt: skip
+            if tuple(leaf.shape) != shape:
+                raise ValueError(f"params{jax.tree_util.keystr(path)} has shape "
+                                 f"{tuple(leaf.shape)}; the model's is {shape} (pass the "
+                                 f"model's own, unpadded parameters)")  # fmt: skip
+
+    def pad(self, params):
+        """Model-shaped leaves → stored ones, zero-padded (numpy in, numpy out)."""
+        if not self.padded:
+            return params
+        return jax.tree.map(_pad_to, params, self.stored, is_leaf=_is_array)
+
+    def unpad(self, params):
+        """Stored leaves → the model's shapes (any array type; a slice)."""
+        if not self.padded:
+            return params
+        return jax.tree.map(_unpad_to, params, self.logical, is_leaf=_is_array)
+
+    def unpad_tree(self, tree, optimizer):
+        """``unpad`` of a ``TrainState`` (its params and the optimizer state's param-shaped
+        leaves) or of a params-shaped tree; anything else as it is."""
+        return self._map_tree(tree, optimizer, _unpad_to, self.logical)
+
+    def pad_tree(self, tree, optimizer):
+        """``pad`` of a ``TrainState`` or a params-shaped tree (the inverse of ``unpad_tree``;
+        any array type)."""
+        return self._map_tree(tree, optimizer, _pad_to, self.stored)
+
+    def _map_tree(self, tree, optimizer, fn, shapes):
+        if not self.padded:
+            return tree
+        if isinstance(tree, TrainState):
+            opt_state = optax.tree_map_params(optimizer, fn, tree.opt_state, shapes,
+                                              is_leaf=is_shape)  # fmt: skip
+            return TrainState(jax.tree.map(fn, tree.params, shapes, is_leaf=_is_array),
+                              opt_state)  # fmt: skip
+        if jax.tree.structure(tree) == jax.tree.structure(shapes, is_leaf=is_shape):
+            return jax.tree.map(fn, tree, shapes, is_leaf=_is_array)
+        return tree
+
+    def logical_specs(self, specs, mesh):
+        """``specs`` (of the stored leaves) with the split dropped on each dim whose model
+        size its mesh axes do not divide: a layout the model's own shapes can take (a
+        checkpoint's arrays are written from it and read into it)."""
+
+        def spec_for(spec, shape):
+            entries = shardops.spec_entries(spec, len(shape))
+            return P(*(e if n % math.prod(mesh.shape[a] for a in entry_axes(e)) == 0 else None
+                       for n, e in zip(shape, entries, strict=True)))  # fmt: skip
+
+        return jax.tree.map(spec_for, specs, self.logical, is_leaf=_is_spec)
+
+
+def _is_array(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _pad_to(a, shape):
+    if tuple(a.shape) == tuple(shape):
+        return a
+    widths = [(0, s - n) for n, s in zip(a.shape, shape, strict=True)]
+    return np.pad(np.asarray(a), widths) if isinstance(a, np.ndarray) else jnp.pad(a, widths)
+
+
+def _unpad_to(a, shape):
+    if tuple(a.shape) == tuple(shape):
+        return a
+    return a[tuple(slice(0, n) for n in shape)]
 
 
 def model_batch(model, batch: int, seq: int | None):
@@ -830,22 +964,18 @@ def _check_mesh(parallel: Strategy, mesh, model, roles, shapes) -> None:
     if heads is not None and HEAD in jax.tree.leaves(roles):
         kv_heads = getattr(model, "num_kv_heads", None) or heads
         shardops.layers.check_head_counts("build", heads, kv_heads, axis, p)
+    # A vocabulary or a width the axis does not divide is padded (``Padding``); heads are not:
+    # each device holds whole heads.
     specs = _tp_specs(model, roles, shapes, axis, p)
     for (path, shape), spec, role in zip(
         jax.tree_util.tree_leaves_with_path(shapes, is_leaf=is_shape), _spec_leaves(specs),
         jax.tree.leaves(roles), strict=True,
     ):  # fmt: skip
         for dim, entry in enumerate(spec):
-            if entry_axes(entry) and shape[dim] % p:
-                what = (
-                    "vocabulary"
-                    if role == VOCAB
-                    else "heads × head_dim"
-                    if role == HEAD
-                    else "features"
-                )
+            if entry_axes(entry) and shape[dim] % p and role == HEAD:
                 raise ValueError(
-                    f"params{jax.tree_util.keystr(path)} dim {dim} ({what}) = {shape[dim]} is "
-                    f"not divisible by mesh axis {axis!r} (size {p}); the plan makes it {role}. "
-                    f"Choose a multiple of {p}, a smaller {axis!r} axis, or role 'replicated'"
+                    f"params{jax.tree_util.keystr(path)} dim {dim} (heads × head_dim) = "
+                    f"{shape[dim]} is not divisible by mesh axis {axis!r} (size {p}); the plan "
+                    f"makes it head, and each device holds whole heads. Choose num_heads a "
+                    f"multiple of {p}, a smaller {axis!r} axis, or role 'replicated'"
                 )

@@ -19,6 +19,10 @@ restore target, so a checkpoint of ``2d`` on 4×2 restores as ``fsdp_tp`` on 2×
 type or a config field (``sizes``, ``d_model`` …), a parameter that is missing, extra, or of
 another shape or dtype, a parameter whose plan role differs, or another optimizer state.
 
+**The model's own shapes.** A dim the tp axis does not divide is stored padded
+(``models.training``'s ``Padding``); a checkpoint holds the arrays without the padding, so it
+restores onto a mesh that pads differently (a vocabulary of 97: 100 on model = 4, 104 on 8).
+
 **Atomic.** orbax writes a step into a temporary directory and renames it when every process
 has finished (a rename is atomic on a POSIX file system): a process killed mid-save leaves the
 previous steps intact and the partial one invisible (``steps``, ``latest_step`` and
@@ -33,12 +37,13 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from shardops_models.strategies.plan import leaf_roles
-from shardops_models.training._train import Setup, TrainState
+from shardops_models.strategies.plan import is_shape, leaf_roles
+from shardops_models.training._train import Padding, Setup, TrainState
 
 FORMAT = 1
 KEEP = 3
@@ -103,6 +108,7 @@ class Checkpoints:
         }
         if step in self._manager.all_steps():
             self._manager.delete(step)
+        state = _logical_state(setup, state)  # the model's own shapes, padding cut off
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -139,7 +145,8 @@ class Checkpoints:
         restored = self._manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract_state(setup)))
         )["state"]
-        return TrainState(restored["params"], restored["opt_state"]), record["extra"]
+        state = TrainState(restored["params"], restored["opt_state"])
+        return _stored_state(setup, state), record["extra"]
 
     def _step(self, step: int | None) -> int:
         steps = self.steps()
@@ -228,14 +235,51 @@ def _param_shapes(setup: Setup):
 
 
 def _abstract_state(setup: Setup) -> dict:
-    """The restore target: params and optimizer state as ``ShapeDtypeStruct``s carrying the
-    setup's sharding of every leaf."""
+    """The restore target: params and optimizer state in the model's own shapes, as
+    ``ShapeDtypeStruct``s carrying the setup's sharding of every leaf (the logical layout,
+    where the setup pads a dim)."""
     params = _param_shapes(setup)
     opt_state = jax.eval_shape(setup.optimizer.init, params)
+    specs = _logical_specs(setup)
     return {
-        "params": _with_shardings(params, setup, setup.param_specs),
-        "opt_state": _with_shardings(opt_state, setup, setup.opt_specs),
+        "params": _with_shardings(params, setup, specs.params),
+        "opt_state": _with_shardings(opt_state, setup, specs.opt_state),
     }
+
+
+def _logical_specs(setup: Setup) -> TrainState:
+    """The setup's specs of params and optimizer state, for the model's own shapes."""
+    if setup.mesh is None or not setup.padding.padded:
+        return TrainState(setup.param_specs, setup.opt_specs)
+    padding, mesh = setup.padding, setup.mesh
+    opt = optax.tree_map_params(
+        setup.optimizer, lambda spec, shape: Padding(shape, shape).logical_specs(spec, mesh),
+        setup.opt_specs, padding.logical, is_leaf=lambda x: isinstance(x, P) or is_shape(x),
+    )  # fmt: skip
+    return TrainState(padding.logical_specs(setup.param_specs, mesh), opt)
+
+
+def _logical_state(setup: Setup, state: TrainState) -> TrainState:
+    """``state`` in the model's own shapes (the padding sliced off), laid out for saving."""
+    if setup.mesh is None or not setup.padding.padded:
+        return state
+    shardings = _shardings(setup, _logical_specs(setup))
+    return jax.jit(lambda s: setup.padding.unpad_tree(s, setup.optimizer),
+                   out_shardings=shardings)(state)  # fmt: skip
+
+
+def _stored_state(setup: Setup, state: TrainState) -> TrainState:
+    """A restored (model-shaped) state padded to the setup's stored shapes and layout."""
+    if setup.mesh is None or not setup.padding.padded:
+        return state
+    shardings = _shardings(setup, TrainState(setup.param_specs, setup.opt_specs))
+    return jax.jit(lambda s: setup.padding.pad_tree(s, setup.optimizer),
+                   out_shardings=shardings)(state)  # fmt: skip
+
+
+def _shardings(setup: Setup, specs: TrainState) -> TrainState:
+    return jax.tree.map(lambda s: NamedSharding(setup.mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))  # fmt: skip
 
 
 def _with_shardings(shapes, setup: Setup, specs):

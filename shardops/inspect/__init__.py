@@ -26,7 +26,7 @@ from shardops.inspect._hlo import (
     lowered_collectives,
 )
 from shardops.inspect._ledger import Ledger, ledger, ring_bytes
-from shardops.inspect._locate import Report, compare, tap
+from shardops.inspect._locate import Report, compare, tap, tapping
 from shardops.inspect._passes import OPTIMIZER_SCOPE, PASSES, pass_of, split_op_name
 from shardops.inspect._traced import (
     KEEP_REMAT,
@@ -80,6 +80,7 @@ __all__ = [
     "show_layout",
     "split_op_name",
     "tap",
+    "tapping",
     "tiles_of",
     "traced_collectives",
     "traced_ledger",

@@ -16,6 +16,9 @@ for all-reduce, all-gather, collective-permute and all-to-all, and N × the resu
 reduce-scatter (N = group size). A group of one device moves nothing: 0 bytes. Ring algorithms
 send about V(N−1)/N per device for AllGather/ReduceScatter and twice that for AllReduce.
 
+A collective inside a ``while`` loop (a ``lax.scan``) is listed once per iteration, by the trip
+count XLA knows (``known_trip_count``).
+
 Each collective also says which pass it belongs to (``Collective.pass_``: forward, backward or
 optimizer), read from its ``op_name``, element by element for XLA's combined tuples
 (``shardops.inspect._passes``).
@@ -141,23 +144,88 @@ def lower(fn, /, *args, **kwargs):
 
 
 def hlo_collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
-    """Parse the collectives out of compiled HLO text. See the module docstring."""
-    found, starts = [], {}
+    """Parse the collectives out of compiled HLO text. See the module docstring.
+
+    A collective inside a ``while`` loop is listed once per iteration (XLA's
+    ``known_trip_count``, nested loops multiplied), so a ``lax.scan`` of L layers lists each
+    layer's collectives L times, as the traced program does; a loop whose trip count XLA does
+    not know is refused when it holds a collective."""
+    runs = _runs_per_computation(hlo_text)
+    found, starts, here = [], {}, None
     for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            here = header["name"]
+            continue
         m = _INSTR.match(line)
         if not m:
             continue
         if m["async"] == "-start":
-            starts[m["name"]] = m
+            starts[m["name"]] = (m, here)
             continue
         attrs_from = m
         if m["async"] == "-done":
             start_name = m["operands"].strip().split()[-1].lstrip("%")
-            attrs_from = starts.pop(start_name, m)
-        found.append(_collective(m["kind"], m["type"], attrs_from["attrs"], mesh))
-    for m in starts.values():  # a -start without a -done still runs once
-        found.append(_collective(m["kind"], m["type"], m["attrs"], mesh))
+            attrs_from = starts.pop(start_name, (m, here))[0]
+        collective = _collective(m["kind"], m["type"], attrs_from["attrs"], mesh)
+        found += [collective] * _runs(runs, here, collective)
+    for m, where in starts.values():  # a -start without a -done still runs
+        collective = _collective(m["kind"], m["type"], m["attrs"], mesh)
+        found += [collective] * _runs(runs, where, collective)
     return found
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+_CALLEE = re.compile(
+    r"\b(?P<how>to_apply|calls|body|condition|true_computation|false_computation)=%?(?P<name>[\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _runs_per_computation(hlo_text: str) -> dict[str, int | None]:
+    """How many times each computation runs per call of the entry: the product of the trip
+    counts of the ``while`` loops around it (None: a loop XLA does not know the count of)."""
+    calls: dict[str, list[tuple[str, int | None]]] = {}
+    order, entry, here = [], None, None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            here = header["name"]
+            order.append(here)
+            if line.startswith("ENTRY"):
+                entry = here
+            continue
+        if here is None:
+            continue
+        trips = _TRIPS.search(line)
+        for m in _CALLEE.finditer(line):
+            loop = m["how"] in ("body", "condition") and " while(" in line
+            factor = (int(trips[1]) if trips else None) if loop else 1
+            calls.setdefault(here, []).append((m["name"], factor))
+        for m in _BRANCHES.finditer(line):
+            for name in m["names"].split(","):
+                calls.setdefault(here, []).append((name.strip().lstrip("%"), 1))
+    runs: dict[str, int | None] = {name: 0 for name in order}
+    runs[entry if entry is not None else (order[-1] if order else "")] = 1
+    for name in reversed(order):  # callers are printed after their callees
+        n = runs.get(name, 0)
+        for callee, factor in calls.get(name, ()):
+            add = None if n is None or factor is None else n * factor
+            old = runs.get(callee, 0)
+            runs[callee] = None if add is None or old is None else old + add
+    return runs
+
+
+def _runs(runs: dict, computation, collective: Collective) -> int:
+    n = runs.get(computation, 1) if computation is not None else 1
+    if n is None:
+        raise ValueError(
+            f"a while loop whose trip count XLA does not know runs a {collective.kind} over "
+            f"{collective.axes} ({collective.op_name}): its bytes per step cannot be read from "
+            f"the program. Use lax.scan or a fori_loop with static bounds."
+        )
+    return n
 
 
 def _collective(kind: str, type_text: str, attrs: str, mesh: Mesh) -> Collective:

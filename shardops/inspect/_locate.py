@@ -72,10 +72,10 @@ class _Session:
         self.recorded: list = []  # (name, what, coords, value) as the callbacks gave them
         self.lock = threading.Lock()
 
-    def traced(self, name, k, spec, axes, sizes):
+    def traced(self, name, k, spec, axes, sizes, shape=None):
         if name not in self.k:
             self.order.append(name)
-        self.k[name], self.layout[name] = k, (spec, axes, sizes)
+        self.k[name], self.layout[name] = k, (spec, axes, sizes, shape)
 
     def record(self, name, what, coords, value):
         """Called on a device's thread, in the middle of its program: keep the arrays as they
@@ -95,8 +95,11 @@ class _Session:
         blocks = self.blocks.get((name, what))
         if not blocks:
             return None, 0.0
-        spec, axes, sizes = self.layout[name]
-        return _assemble(blocks, spec, axes, sizes)
+        spec, axes, sizes, shape = self.layout[name]
+        value, replicas = _assemble(blocks, spec, axes, sizes)
+        if shape is not None:  # the padding cut off
+            value = value[tuple(slice(None) if n is None else slice(0, n) for n in shape)]
+        return value, replicas
 
 
 _STATE = threading.local()
@@ -116,7 +119,13 @@ def _active(session: _Session):
         _STATE.session = previous
 
 
-def tap(x: jax.Array, name: str, *, spec=None, k: int = 1) -> jax.Array:
+def tapping() -> bool:
+    """Whether a ``compare`` is recording taps now (a model may then unroll a ``lax.scan`` of
+    layers so that each layer is tapped under a name of its own)."""
+    return _session() is not None
+
+
+def tap(x: jax.Array, name: str, *, spec=None, k: int = 1, shape=None) -> jax.Array:
     """``x`` unchanged; under ``shardops.inspect.compare``, records ``x`` and its gradient as layer
     ``name``.
 
@@ -130,6 +139,9 @@ def tap(x: jax.Array, name: str, *, spec=None, k: int = 1) -> jax.Array:
             ``shard_map``: None.
         k: the contraction length K that made ``x`` (a dense layer's input features), for the
             bound of float reordering.
+        shape: the global value's own shape where the blocks hold padding (a vocabulary of 97
+            stored as 100): an int per dim to cut the assembled value to, or None to keep the
+            dim whole, e.g. ``(None, None, 97)``.
 
     Costs nothing outside ``compare``: it is the identity, traced away.
     """
@@ -160,7 +172,7 @@ def tap(x: jax.Array, name: str, *, spec=None, k: int = 1) -> jax.Array:
             f"an unsharded reference_fn, e.g. the same model built with strategy 'ref'"
         )
     sizes = tuple(mesh.shape[a] for a in axes)
-    session.traced(name, int(k), spec, axes, sizes)
+    session.traced(name, int(k), spec, axes, sizes, shape)
 
     def record(what, value):
         coords = [lax.axis_index(a) for a in axes]  # here: the backward is traced apart

@@ -36,8 +36,8 @@ What XLA does to the requested collectives before running them (``RUNS_AS``):
   remat's recomputed collectives into the forward's (the backward gathers nothing again, and
   the full weights stay alive). Compiled with ``compiler_options=KEEP_REMAT`` it runs what the
   trace counts; ``shardops_models`` compiles every remat step so.
-- **Loops**: the trace counts a ``scan``'s body once per iteration; the compiled reading
-  (``shardops.inspect.ledger``) reads the program text, where the loop body appears once.
+- **Loops**: the trace counts a ``scan``'s body once per iteration; so does the compiled
+  reading (``shardops.inspect.ledger``), by the trip count XLA records on the ``while`` loop.
 - Dead collectives (a result nothing reads) are removed before lowering, here and by JAX alike
   (``jax.jit(..., keep_unused=True)`` keeps dead ones in the compiled program, not here).
 """

@@ -11,11 +11,14 @@ import pytest
 from _gpt_checks import GPT, check_gpt_trajectory
 
 import shardops_models as models
-from shardops_models.networks import gpt
+from shardops_models.networks import _lm, gpt
 from shardops_models.training import _train
 
 LOCAL_TARGETS = "        targets = self._global_batch(y.shape[0]) * math.prod(y.shape[1:])\n"
-SPLIT_LOSS = '        return jnp.sum(ctx.cross_entropy(logits, labels, split=ctx.is_split(params["head"])))\n'
+SPLIT_LOSS = (
+    "        return jnp.sum(ctx.cross_entropy(logits, labels, split=split, "
+    "vocab_size=self.vocab_size))\n"
+)
 
 
 def mutant(module, old: str, new: str):
@@ -28,8 +31,8 @@ def mutant(module, old: str, new: str):
 
 
 def gpt_build(old: str, new: str):
-    """``build`` whose GPT comes from a mutated copy of models/networks/gpt.py."""
-    cls = mutant(gpt, old, new).Gpt
+    """``build`` whose GPT's loss comes from a mutated copy of models/networks/_lm.py."""
+    cls = type("MutantGpt", (gpt.Gpt,), {"loss_sum": mutant(_lm, old, new).LanguageModel.loss_sum})
 
     def build(*args, model, **kwargs):
         return _train.build(*args, model=cls(**{f: getattr(model, f) for f in FIELDS}), **kwargs)
@@ -70,7 +73,7 @@ def test_dropped_vocab_reduction_is_caught(case):
     """The loss computed as if each device held the whole vocabulary: the max, Σ exp and
     target-logit AllReduces over model are dropped. check_vma refuses it when the step traces
     (the loss varies over model but leaves the mesh as one value); only that verdict counts."""
-    build = gpt_build(SPLIT_LOSS, SPLIT_LOSS.replace('ctx.is_split(params["head"])', "False"))
+    build = gpt_build(SPLIT_LOSS, SPLIT_LOSS.replace("split=split", "split=False"))
     with pytest.raises((AssertionError, ValueError)) as caught:
         check_gpt_trajectory(*case, "sgd", build=build)
     if isinstance(caught.value, ValueError):

@@ -1,0 +1,224 @@
+"""A Llama-style decoder built only from shardops layers, for every strategy.
+
+    ids[B, S] → embed: table[V, D][ids]                                       (stage "embed")
+      → L × block (stacked [L, …], one lax.scan):                             (one stage a layer)
+            x + attention(rms_norm(x))   RoPE, KV heads shared by query heads, causal
+            x + down(silu(gate(h)) ⊙ up(h)),  h = rms_norm(x)                 (SwiGLU)
+      → rms_norm → head w[D, V], or the embedding's table[V, D]ᵀ (tied)       (stage "head")
+      → cross-entropy against the next tokens labels[B, S]
+
+No biases, as in Llama. The blocks' parameters stack the layers along dim 0 (``[L, D, …]``)
+and run with ``ctx.scan``: one compiled block whatever the depth, the layout pipeline
+parallelism will cut. The plan is Megatron's: the table split by vocabulary, attention by heads
+(K and V by KV head, or replicated where the tp axis does not divide the KV heads), gate and up
+column-, down row-parallel, the head column-parallel (a tied head is the vocab-parallel table
+itself), norms replicated. A vocabulary or d_ff the tp axis does not divide is padded and
+masked (``models.training``).
+
+Packed sequences: with ``bos_id`` set, each ``bos_id`` token starts a new document; attention
+stays within a document and the rotary positions restart at 0 at each.
+
+``reference_logits`` is the same model in plain ``jax.numpy`` (no shardops layer), written
+independently: Hugging Face's ``repeat_kv`` grouping and rotate-half RoPE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from shardops_models.networks._lm import LanguageModel
+from shardops_models.strategies.plan import COLUMN, HEAD, REPLICATED, ROW, VOCAB, stacked
+
+
+def default_d_ff(d_model: int) -> int:
+    """Llama's hidden size: ⅔ of 4·D (the gated MLP's three matrices cost what a 4·D MLP's
+    two do), rounded up to a multiple of 16."""
+    return 16 * math.ceil(8 * d_model / 3 / 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama(LanguageModel):
+    """A Llama decoder: ``num_layers`` blocks of width ``d_model``, ``num_heads`` query heads
+    of ``d_model / num_heads`` sharing ``num_kv_heads`` key/value heads (grouped-query
+    attention; 1: multi-query), a SwiGLU MLP of ``d_ff`` (default ``default_d_ff``), rotary
+    positions of base ``rope_theta``, RMSNorm with ``norm_eps``, and an output head of its own
+    or tied to the embedding (``tie_embeddings``)."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    d_ff: int | None = None
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5  # Llama 2 and 3's rms_norm_eps
+    tie_embeddings: bool = False
+    context: int = 128  # the longest sequence a batch may hold (RoPE has no table to outgrow)
+    bos_id: int | None = None  # packed documents: each begins at this token
+    init_scale: float = 0.02  # Hugging Face's initializer_range
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                     "context"):  # fmt: skip
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"Llama: {name} must be a positive int; got {n!r}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"Llama: d_model={self.d_model} must divide by num_heads="
+                             f"{self.num_heads} (head_dim = d_model / num_heads)")  # fmt: skip
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"Llama: num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} "
+                f"(each KV head serves num_heads / num_kv_heads query heads)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"Llama: head_dim = {self.head_dim} must be even (RoPE rotates "
+                             f"pairs of dims)")  # fmt: skip
+        if self.bos_id is not None and not 0 <= self.bos_id < self.vocab_size:
+            raise ValueError(f"Llama: bos_id={self.bos_id} is not a token of the vocabulary "
+                             f"[0, {self.vocab_size})")  # fmt: skip
+        if self.d_ff is None:
+            object.__setattr__(self, "d_ff", default_d_ff(self.d_model))
+
+    @property
+    def name(self) -> str:
+        return (f"llama L={self.num_layers} D={self.d_model} H={self.num_heads}/"
+                f"{self.num_kv_heads} F={self.d_ff} V={self.vocab_size}"
+                f"{' tied' if self.tie_embeddings else ''} S≤{self.context}")  # fmt: skip
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    def init(self, key, dtype=None):
+        """Full parameters, each matrix normal × ``init_scale`` (Hugging Face's init), norms
+        ones; the blocks stacked ``[L, …]``. Drawn in float32, then cast to ``dtype``."""
+        d, f, v, n = self.d_model, self.d_ff, self.vocab_size, self.num_layers
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        normal = jax.nn.initializers.normal(self.init_scale)
+        shapes = {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
+                  "gate": (d, f), "up": (d, f), "down": (f, d)}  # fmt: skip
+        k_embed, k_head, *keys = jax.random.split(key, 2 + len(shapes))
+        w = {name: normal(k, (n, *shape)) for k, (name, shape) in zip(keys, shapes.items(),
+                                                                        strict=True)}  # fmt: skip
+        params = {
+            "embed": {"table": normal(k_embed, (v, d))},  # table[V, D]
+            "blocks": {
+                "attn_norm": {"scale": jnp.ones((n, d))},
+                "attn": {k: w[k] for k in ("wq", "wk", "wv", "wo")},
+                "mlp_norm": {"scale": jnp.ones((n, d))},
+                "mlp": {k: {"w": w[k]} for k in ("gate", "up", "down")},
+            },
+            "norm": {"scale": jnp.ones((d,))},
+        }
+        if not self.tie_embeddings:
+            params["head"] = {"w": normal(k_head, (d, v))}  # w[D, V]
+        return params if dtype is None else jax.tree.map(lambda a: a.astype(dtype), params)
+
+    def plan(self):
+        """Megatron's roles (see the module docstring); the blocks stacked."""
+        block = {"attn_norm": REPLICATED, "attn": HEAD, "mlp_norm": REPLICATED,
+                 "mlp": {"gate": COLUMN, "up": COLUMN, "down": ROW}}  # fmt: skip
+        plan = {"embed": VOCAB, "blocks": stacked(block), "norm": REPLICATED}
+        if not self.tie_embeddings:
+            plan["head"] = COLUMN
+        return plan
+
+    # --- the forward, once for every strategy
+
+    def apply(self, ctx, params, ids):
+        """Logits ``[b, S, V]`` (``[b, S, V_model]`` under a split head) of ``ids[b, S]``."""
+        segment_ids = self.segment_ids(ids)  # [b, S] or None
+        x = ctx.stage(self._embed(ctx), {"embed": params["embed"]}, ids)  # x[b, S(_model), D]
+        x = ctx.scan(self._block(ctx, segment_ids), params["blocks"], x)
+        head = {"norm": params["norm"], "out": self.output_layer(params)}
+        return ctx.stage(self._head(ctx), head, x)  # logits[b, S, V(_model)]
+
+    def segment_ids(self, ids):
+        """``segment_ids[b, S]``: the document of each token (one per ``bos_id``), or None."""
+        if self.bos_id is None:
+            return None
+        return jnp.cumsum(ids == self.bos_id, axis=1, dtype=jnp.int32)
+
+    def _embed(self, ctx):
+        def embed(p, ids):
+            return ctx.embed(p["embed"], ids)  # x[b, S, D] (sp: x[b, S_model, D])
+
+        return embed
+
+    def _block(self, ctx, segment_ids):
+        def block(p, x):
+            h = ctx.rms_norm(p["attn_norm"], x, eps=self.norm_eps)
+            x = x + ctx.attention(p["attn"], h, num_heads=self.num_heads,
+                                  num_kv_heads=self.num_kv_heads, causal=True,
+                                  rope_theta=self.rope_theta, segment_ids=segment_ids)  # fmt: skip
+            h = ctx.rms_norm(p["mlp_norm"], x, eps=self.norm_eps)
+            return x + ctx.gated_mlp(p["mlp"], h)  # x[b, S, D] (sp: x[b, S_model, D])
+
+        return block
+
+    def _head(self, ctx):
+        def head(p, x):
+            x = ctx.rms_norm(p["norm"], x, eps=self.norm_eps)
+            if self.tie_embeddings:
+                return ctx.tied_head(p["out"], x)  # x · tableᵀ: logits[b, S, V(_model)]
+            return ctx.dense(p["out"], x)
+
+        return head
+
+    def output_layer(self, params):
+        """The layer whose output is the logits: the head, or the embedding when tied."""
+        return params["embed"] if self.tie_embeddings else params["head"]
+
+    # --- the independent reference
+
+    def reference_logits(self, params, ids):
+        """The model in plain ``jax.numpy`` (no shardops), float32: ``logits[B, S, V]``."""
+        params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+        b, s = ids.shape
+        hd, group = self.head_dim, self.num_heads // self.num_kv_heads
+        causal = np.tril(np.ones((s, s), bool))[None, None]  # (1, 1, S, S)
+        if self.bos_id is None:
+            mask, positions = causal, jnp.broadcast_to(jnp.arange(s), (b, s))
+        else:
+            doc = jnp.cumsum(ids == self.bos_id, axis=1)  # (B, S): the document of each token
+            same = doc[:, :, None] == doc[:, None, :]  # (B, S, S)
+            mask = causal & same[:, None]
+            positions = jnp.arange(s) - jnp.argmax(same, axis=2)  # from the document's first
+        inv_freq = 1.0 / (self.rope_theta ** (np.arange(0, hd, 2) / hd))  # (hd/2,)
+        angles = positions[..., None] * inv_freq.astype(np.float32)  # (B, S, hd/2)
+        cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, :, None]  # (B, S, 1, hd)
+        sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, :, None]
+
+        def rope(t):  # (B, S, heads, hd): Hugging Face's apply_rotary_pos_emb
+            rotated = jnp.concatenate([-t[..., hd // 2 :], t[..., : hd // 2]], -1)
+            return t * cos + rotated * sin
+
+        def rms(x, scale):
+            return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + self.norm_eps) * scale
+
+        x = params["embed"]["table"][ids]
+        blocks = params["blocks"]
+        for i in range(self.num_layers):
+            p = jax.tree.map(lambda a, i=i: a[i], blocks)
+            h = rms(x, p["attn_norm"]["scale"])
+            q = rope((h @ p["attn"]["wq"]).reshape(b, s, self.num_heads, hd))
+            k = rope((h @ p["attn"]["wk"]).reshape(b, s, self.num_kv_heads, hd))
+            v = (h @ p["attn"]["wv"]).reshape(b, s, self.num_kv_heads, hd)
+            k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)  # repeat_kv
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+            weights = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+            o = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, s, -1)
+            x = x + o @ p["attn"]["wo"]
+            h = rms(x, p["mlp_norm"]["scale"])
+            mlp = p["mlp"]
+            x = x + (jax.nn.silu(h @ mlp["gate"]["w"]) * (h @ mlp["up"]["w"])) @ mlp["down"]["w"]
+        x = rms(x, params["norm"]["scale"])
+        if self.tie_embeddings:
+            return x @ params["embed"]["table"].T
+        return x @ params["head"]["w"]

@@ -1,0 +1,176 @@
+"""The Llama (``models.Llama``: RoPE, grouped-query attention, SwiGLU, RMSNorm, stacked blocks
+under ``lax.scan``, optionally tied embeddings and packed documents) under every strategy: 5
+steps of SGD and of Adam with global-norm clipping on equal the plain-jnp reference, the
+compiled collectives equal the budget traced from the step, and a vocabulary of 97 and a d_ff
+of 172 train padded on model = 2, 4 and 8."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from _cover import FULL
+from _gpt_checks import BATCH, MESHES, SEQ, check_lm_trajectory, lm_batches
+
+import shardops
+import shardops_models as models
+from shardops_models.networks._lm import PAD_LABEL
+
+# 8 query heads share 2 KV heads (replicated over model = 4 and 8, split over 2), vocabulary 97
+# and d_ff 172 (padded on every model axis > 1), 2 stacked layers.
+# Weights drawn × 0.1 (not Llama's 0.02), so that attention is not uniform and every leaf,
+# wq and wk included, moves enough in 5 steps for the check to see a wrong gradient.
+GQA = models.Llama(vocab_size=97, d_model=32, num_layers=2, num_heads=8, num_kv_heads=2,
+                   d_ff=172, context=SEQ, init_scale=0.1)  # fmt: skip
+# Multi-query attention, the output head tied to the embedding, packed documents (token 1
+# begins one).
+TIED_MQA = models.Llama(vocab_size=97, d_model=32, num_layers=2, num_heads=8, num_kv_heads=1,
+                        d_ff=172, context=SEQ, tie_embeddings=True, bos_id=1,
+                        init_scale=0.1)  # fmt: skip
+MODELS = {"gqa": GQA, "tied_mqa": TIED_MQA}
+CLIP = 0.25  # below every reference gradient norm (≥ 0.95): the clipping binds at every step
+# Each clipped SGD step moves the parameters by SGD_LR · CLIP in norm: 0.125, a tenth of
+# their norm, so 5 steps stay in the smooth region where float32 differences do not grow.
+SGD_LR = 0.5
+
+
+def _cases():
+    """Every strategy once per optimizer by default (the models and meshes taken in turn, the
+    model-8 mesh first where a strategy has it: vocabulary 97 padded to 104); every strategy ×
+    mesh with its axes × optimizer × model under SHARDOPS_FULL=1."""
+    names = sorted(s for s in models.STRATEGIES if s != "ref")
+    out = []
+    for i, name in enumerate(names):
+        axes = set(models.STRATEGIES[name].axes)
+        meshes = [m for m, shape in MESHES.items() if axes <= set(shape)]
+        if FULL:
+            out += [(m, name, mesh, o) for mesh in meshes for o in ("sgd", "adam") for m in MODELS]
+            continue
+        for j, opt in enumerate(("sgd", "adam")):
+            model = ("gqa", "tied_mqa")[(i + j) % 2]
+            mesh = "model8" if "model8" in meshes and j == 0 else meshes[(i + j) % len(meshes)]
+            out.append((model, name, mesh, opt))
+    return out
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("case", CASES, ids="-".join)
+def test_trajectory_and_budget(case):
+    model, strategy, mesh, opt = case
+    check_lm_trajectory(MODELS[model], strategy, mesh, opt, clip=CLIP, sgd_lr=SGD_LR, budget=True)
+
+
+def test_the_cases_cover_every_strategy_model_and_optimizer():
+    strategies = set(models.STRATEGIES) - {"ref"}
+    assert {(s, o) for _, s, _, o in CASES} == {(s, o) for s in strategies for o in ("sgd", "adam")}
+    assert {m for m, *_ in CASES} == set(MODELS)
+    assert {(m, o) for m, _, _, o in CASES} == {(m, o) for m in MODELS for o in ("sgd", "adam")}
+    three_axes = {mesh for *_, mesh, _ in CASES if len(MESHES[mesh]) == 3}
+    assert three_axes, "a 3-axis layout"
+    assert any(mesh == "model8" for _, _, mesh, _ in CASES)  # vocabulary 97 on model = 8
+
+
+@pytest.mark.parametrize("strategy", ["fsdp_tp", "hsdp_sp"])
+def test_remat_trajectory_and_budget(strategy):
+    """Remat inside the scan: each layer's weights gathered again in the backward pass."""
+    check_lm_trajectory(GQA, strategy, "2x2x2" if strategy.startswith("hsdp") else "4x2", "sgd",
+                        clip=CLIP, sgd_lr=SGD_LR, remat=True, budget=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_ref_strategy_equals_the_plain_reference(model):
+    llama = MODELS[model]
+    setup = models.build("ref", optimizer=optax.sgd(0.1), model=llama)
+    params = llama.init(jax.random.key(1))
+    ids, labels = (a[0] for a in lm_batches(llama, 1))
+    np.testing.assert_allclose(np.asarray(setup.logits(params, ids)),
+                               llama.reference_logits(params, ids), atol=2e-6)  # fmt: skip
+    loss, _ = setup.loss_and_grads(params, ids, labels)
+    np.testing.assert_allclose(float(loss), float(llama.reference_loss(params, ids, labels)),
+                               rtol=1e-6)  # fmt: skip
+
+
+@pytest.mark.parametrize(("model", "strategy", "mesh"), [("gqa", "fsdp_sp", {"data": 2, "model": 4}),
+                         ("tied_mqa", "tp", {"model": 8}), ("tied_mqa", "2d", {"data": 4, "model": 2})],
+                         ids=str)  # fmt: skip
+def test_evaluate_and_logits_never_see_the_padding(model, strategy, mesh):
+    """Vocabulary 97 stored as 100 or 104: ``logits`` returns 97 columns equal to the
+    reference, ``evaluate``'s loss and arg-max never pick a padded column, and ``PAD_LABEL``
+    positions count nowhere."""
+    llama = MODELS[model]
+    setup = models.build(strategy, shardops.make_mesh(mesh), optimizer=optax.sgd(0.1),
+                         model=llama)  # fmt: skip
+    params = llama.init(jax.random.key(2))
+    ids, labels = (np.array(a[0]) for a in lm_batches(llama, 2))
+    labels[-4:, 5:] = PAD_LABEL
+    real = labels != PAD_LABEL
+    logits = np.asarray(llama.reference_logits(params, ids))  # [B, S, 97]
+    picked = np.take_along_axis(jax.nn.log_softmax(logits), np.where(real, labels, 0)[..., None],
+                                -1)[..., 0]  # fmt: skip
+    state = setup.shard(params)
+    metrics = setup.evaluate(state.params, *setup.place_batch(ids, labels))
+    assert int(metrics.count) == real.sum()
+    assert int(metrics.correct) == ((logits.argmax(-1) == labels) & real).sum()
+    np.testing.assert_allclose(float(metrics.loss_sum), -picked[real].sum(), rtol=1e-5)
+    got = np.asarray(setup.logits(state.params, setup.place_batch(ids)))
+    assert got.shape == (BATCH, SEQ, 97)
+    np.testing.assert_allclose(got, logits, atol=2e-6)
+    # The stored table holds the padding (zero rows); gather gives the model's own shapes.
+    stored = state.params["embed"]["table"]
+    assert stored.shape[0] == shardops.padded_size(97, mesh["model"]) > 97
+    assert not np.asarray(stored)[97:].any()
+    back = setup.gather(state)
+    assert back.params["embed"]["table"].shape == (97, 32)
+    np.testing.assert_array_equal(back.params["embed"]["table"], params["embed"]["table"])
+
+
+def test_the_stacked_layers_compile_one_block():
+    """The blocks run under one lax.scan: the train step's jaxpr holds one scan of length L
+    (and its transpose), not L copies of the block."""
+    llama = models.Llama(vocab_size=64, d_model=32, num_layers=6, num_heads=4, num_kv_heads=2,
+                         context=SEQ)  # fmt: skip
+    setup = models.build("fsdp_tp", shardops.make_mesh({"data": 2, "model": 4}),
+                         optimizer=optax.sgd(0.1), model=llama)  # fmt: skip
+    text = str(setup.step_jaxpr(BATCH, SEQ))
+    assert text.count("length=6") >= 2  # forward and backward scans
+    assert text.count("dot_general") < 6 * 7  # the 7 block matmuls appear in the loop bodies
+
+
+def test_config_and_build_errors():
+    with pytest.raises(ValueError, match=r"num_kv_heads=3 must divide num_heads=8"):
+        models.Llama(d_model=32, num_heads=8, num_kv_heads=3)
+    with pytest.raises(ValueError, match=r"head_dim = 3 must be even"):
+        models.Llama(d_model=24, num_heads=8, num_kv_heads=2)
+    with pytest.raises(ValueError, match=r"bos_id=99 is not a token of the vocabulary"):
+        models.Llama(vocab_size=97, bos_id=99)
+    odd = models.Llama(vocab_size=97, d_model=48, num_heads=6, num_kv_heads=2, context=SEQ)
+    with pytest.raises(ValueError, match=r"build: num_heads=6 is not divisible by mesh axis "
+                                         r"'model' \(size 4\); each device must hold whole query "
+                                         r"heads \(num_kv_heads=2\)"):  # fmt: skip
+        models.build("tp", shardops.make_mesh({"data": 2, "model": 4}), model=odd,
+                     optimizer=optax.sgd(0.1))  # fmt: skip
+    setup = models.build("tp", shardops.make_mesh({"model": 2}), model=GQA,
+                         optimizer=optax.sgd(0.1))  # fmt: skip
+    with pytest.raises(ValueError, match=r"ids hold 1 token\(s\) outside \[0, 97\)"):
+        bad = np.zeros((4, 8), np.int32)
+        bad[0, 0] = 97
+        setup.place_batch(bad, np.zeros((4, 8), np.int32))
+    with pytest.raises(ValueError, match=r"params\['embed'\]\['table'\] has shape \(100, 32\); "
+                                         r"the model's is \(97, 32\)"):  # fmt: skip
+        setup.shard(dict(GQA.init(jax.random.key(0)), embed={"table": np.zeros((100, 32),
+                                                                                np.float32)}))  # fmt: skip
+
+
+def test_the_locator_taps_each_stacked_layer_and_the_padded_head():
+    """Under ``compare`` the scan is unrolled, so each layer is a row of its own
+    (``['blocks'][1]['mlp']``); the padded vocabulary is cut off the head's tap; the tied
+    head is a row apart from the embedding."""
+    setup = models.build("fsdp_sp", shardops.make_mesh({"data": 2, "model": 4}),
+                         optimizer=optax.sgd(0.1), model=TIED_MQA)  # fmt: skip
+    state = setup.init(jax.random.key(0))
+    ids, labels = (a[0] for a in lm_batches(TIED_MQA))
+    report = models.locate(setup, state.params, ids, labels)
+    assert report.within_bound, report.verdict()
+    assert {"['blocks'][0]['attn']", "['blocks'][1]['mlp']", "['embed'] (tied head)",
+            "['embed']"} <= set(report.layers)  # fmt: skip
