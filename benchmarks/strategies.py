@@ -124,9 +124,27 @@ GPT_CASES = [
     Case("hsdp", {"replica": 2, "data": 4}, (REMAT,)),
     Case("hsdp_tp", {"replica": 2, "data": 2, "model": 2}),
 ]
+# Every strategy on the Llama (8 heads: a model axis up to 8; 2 KV heads, replicated over model =
+# 4 and 8): model-only strategies on 1×8, the others on 2×4 or named axes, data-only on 8×1.
+LLAMA_CASES = [
+    Case("dp", (8, 1)),
+    Case("fsdp", (8, 1), (REMAT,)),
+    Case("zero1", (8, 1)),
+    Case("tp", (1, 8)),
+    Case("sp", (1, 8)),
+    Case("2d", (2, 4)),
+    Case("fsdp_tp", (2, 4)),
+    Case("dp_sp", (2, 4)),
+    Case("fsdp_sp", (2, 4), (REMAT,)),
+    Case("zero1_tp", (2, 4)),
+    Case("hsdp", {"replica": 2, "data": 4}),
+    Case("hsdp_tp", {"replica": 2, "data": 2, "model": 2}),
+    Case("hsdp_sp", {"replica": 2, "data": 2, "model": 2}),
+]
 PLAIN_MLP_CASES = [case._replace(variants=()) for case in MLP_CASES]  # the quick wide MLP
 # Both axes and every GPT kernel, a ring, a remat; CI-fast.
 QUICK_GPT_CASES = [Case("tp", (1, 4), (RING,)), Case("fsdp_sp", (2, 4), (REMAT,))]
+QUICK_LLAMA_CASES = [Case("fsdp_tp", (2, 4))]  # replicated KV heads, the scan, FSDP's gathers
 
 
 class Bench(NamedTuple):
@@ -151,27 +169,44 @@ def gpt(model, batch, steps, warmup, cases=GPT_CASES):
     return Bench(title, model, batch, cases, steps, warmup)
 
 
+def llama(model, batch, steps, warmup, cases=LLAMA_CASES):
+    title = (f"Llama: {model.num_layers} layers (one scan), width {model.d_model}, "
+             f"{model.num_heads} heads sharing {model.num_kv_heads} KV heads, SwiGLU {model.d_ff}, "
+             f"vocabulary {model.vocab_size}; batch {batch} × {model.context} tokens")  # fmt: skip
+    return Bench(title, model, batch, cases, steps, warmup)
+
+
 def benches(quick: bool, steps: int | None) -> dict[str, Bench]:
     if quick:
         n = steps or 3
         tiny_gpt = models.Gpt(vocab_size=64, d_model=32, num_heads=4, num_layers=2, context=16)
+        tiny_llama = models.Llama(vocab_size=64, d_model=32, num_layers=2, num_heads=8,
+                                  num_kv_heads=2, context=16)  # fmt: skip
         return {
             "seed": mlp((784, 64, 10), 64, n, 1),
             "wide": mlp((784, 128, 128, 10), 64, n, 1)._replace(cases=PLAIN_MLP_CASES),
             "gpt": gpt(tiny_gpt, 8, n, 1, QUICK_GPT_CASES),
+            "llama": llama(tiny_llama, 8, n, 1, QUICK_LLAMA_CASES),
         }
     return {
         "seed": mlp((784, 512, 10), 256, steps or 60, 5),
         "wide": mlp((784, 2048, 2048, 10), 1024, steps or 60, 5),
         "gpt": gpt(models.Gpt(), 16, steps or 20, 3),
+        "llama": llama(LLAMA, 16, steps or 20, 3),
     }
+
+
+LLAMA = models.Llama(vocab_size=256, d_model=128, num_layers=4, num_heads=8, num_kv_heads=2,
+                     context=128)  # fmt: skip
+"""The benchmark's Llama: the GPT's width, depth and batch, 8 heads sharing 2 KV heads."""
 
 
 def model_axis_limit(model) -> int:
     """A number every model-axis size must divide: the GPT's heads (and its vocabulary,
     sequence and width), the MLP's hidden widths."""
     if getattr(model, "sequence", False):
-        return math.gcd(model.num_heads, model.vocab_size, model.context, model.d_model)
+        return math.gcd(model.num_heads, model.vocab_size, model.context, model.d_model,
+                        model.d_ff)  # fmt: skip
     return math.gcd(*model.sizes[1:-1])
 
 
@@ -503,13 +538,16 @@ def markdown(results) -> str:
         lines += [
             f"### {block['title']}",
             "",
-            "| strategy | mesh | step ms | ÷ GSPMD (IQR) | ÷ single device (IQR) | GSPMD ÷ single | ÷ pmap | ÷ plain (IQR) | ring MB/device: model | shardops | GSPMD | state MB/device | state ÷ dp | peak MB/device: shardops | GSPMD | temp MB: shardops | GSPMD | temp saved MB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| strategy | mesh | step ms | tokens/s | ÷ GSPMD (IQR) | ÷ single device (IQR) | GSPMD ÷ single | ÷ pmap | ÷ plain (IQR) | ring MB/device: model | shardops | GSPMD | state MB/device | state ÷ dp | peak MB/device: shardops | GSPMD | temp MB: shardops | GSPMD | temp saved MB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]  # fmt: skip
+        lm = block.get("gpt") or block.get("lm")
         for r in block["rows"]:
             state_vs_dp = r["state_bytes_per_device"] / r["single_device_state_bytes"]
+            tokens = ("" if lm is None else
+                      f"{block['batch'] * lm['context'] / r['step_ms']['shardops'] * 1e3:,.0f}")  # fmt: skip
             lines.append(
-                f"| {r.get('label', r['strategy'])} | {r['mesh']} | {r['step_ms']['shardops']:.2f} | "
+                f"| {r.get('label', r['strategy'])} | {r['mesh']} | {r['step_ms']['shardops']:.2f} | {tokens} | "
                 f"{fmt_ratio(r['vs_gspmd'])} | {fmt_ratio(r['vs_single'])} | "
                 f"{r['gspmd_vs_single']['median']:.2f} | {fmt_ratio(r.get('vs_pmap'))} | "
                 f"{fmt_ratio(r.get('vs_plain'))} | "
@@ -585,7 +623,7 @@ def main(argv=None):
         help="timed steps per program (default 60 for the MLPs, 20 for the GPT; quick 3)",
     )  # fmt: skip
     p.add_argument(
-        "--only", nargs="*", default=None, help="run only these tables (seed, wide, gpt)"
+        "--only", nargs="*", default=None, help="run only these tables (seed, wide, gpt, llama)"
     )
     p.add_argument(
         "--strategy",
@@ -680,8 +718,8 @@ def main(argv=None):
                  "warmup": bench.warmup, "rows": rows}  # fmt: skip
         if isinstance(bench.model, models.Mlp):
             block["sizes"] = list(bench.model.sizes)
-        else:
-            block["gpt"] = dataclasses.asdict(bench.model)
+        else:  # a language model's config (the tokens per step: batch × context)
+            block["gpt" if name == "gpt" else "lm"] = dataclasses.asdict(bench.model)
         block["seconds"] = time.perf_counter() - block_start
         results["models"][name] = block
     results["seconds"] = time.perf_counter() - start

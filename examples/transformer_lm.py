@@ -1,4 +1,4 @@
-"""Train a small byte-level GPT on real text with any strategy, on a 4×2 mesh by default.
+"""Train a small byte-level GPT or Llama on real text with any strategy, on a 4×2 mesh by default.
 
 The model (``models.Gpt``): 4 blocks of width 128 with 4 heads, an MLP of 512, learned
 positions up to a context of 128 bytes, an untied head over the 256 byte values: 0.87M
@@ -7,7 +7,15 @@ batches of 8 windows of 128 bytes: about a minute on 2 CPU cores with 8 simulate
 The loss falls from 5.61 to a validation loss of 2.56 nats per byte, and with
 ``--compare-reference`` the final losses of fsdp_tp and of the unsharded model agree to 3.4e-7.
 
+``--model llama`` trains ``models.Llama`` instead: the same width, depth and heads, 2 key/value
+heads shared by the 4 query heads, rotary positions, a SwiGLU MLP of 352, RMSNorm, the blocks
+under one ``lax.scan`` (``--tie-embeddings``: the head is the embedding's table), with the
+gradients clipped to a global norm of 1 (``shardops.clip_by_global_norm``, right under every
+strategy). Both models report tokens/s and the model FLOPs utilisation: the training FLOPs
+(PaLM's count) per second over the machine's measured float32 matmul peak.
+
     python examples/transformer_lm.py                                  # fsdp_tp on data=4 × model=2
+    python examples/transformer_lm.py --model llama --strategy hsdp_tp --mesh replica=2,data=2,model=2
     python examples/transformer_lm.py --strategy sp --mesh 2x4 --steps 500
     python examples/transformer_lm.py --compare-reference --steps 300 --mesh 4x2 \\
         --plot examples/transformer_lm.png --metrics-json /tmp/lm.json
@@ -51,6 +59,7 @@ import shardops
 import shardops.distributed
 import shardops_models as models
 from shardops_models.data import text
+from shardops_models.search import matmul_flops
 from shardops_models.training import checkpoint, loop
 from shardops_models.training.meshes import mesh_for, mesh_text
 
@@ -68,6 +77,9 @@ def parse_mesh(spec: str) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt", choices=("gpt", "llama"),
+                   help="models.Gpt (learned positions, GELU MLP) or models.Llama (RoPE, "
+                        "grouped-query attention, SwiGLU, RMSNorm)")  # fmt: skip
     p.add_argument("--strategy", default="fsdp_tp", choices=sorted(models.STRATEGIES))
     p.add_argument("--mesh", default="4x2", type=parse_mesh,
                    help="axis sizes: 4x2 (data×model, the default), 8x1, 2x4, or named, e.g. "
@@ -80,6 +92,13 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=128, help="d_model")
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="llama: key/value heads (default: heads / 2)")  # fmt: skip
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="llama: the output head is the embedding's table")  # fmt: skip
+    p.add_argument("--clip", type=float, default=None, metavar="NORM",
+                   help="clip the gradients to this global norm (default: 1.0 for llama, none "
+                        "for gpt)")  # fmt: skip
     p.add_argument("--context", type=int, default=128, help="bytes per window")
     p.add_argument("--log-every", type=int, default=50, metavar="N",
                    help="print the loss every N steps")  # fmt: skip
@@ -116,17 +135,37 @@ def parse_args(argv=None):
         p.error("--resume needs --checkpoint-dir")
     if args.resume and args.compare_reference:
         p.error("--compare-reference compares whole runs from the init: not with --resume")
+    if args.model == "gpt" and (args.kv_heads is not None or args.tie_embeddings):
+        p.error("--kv-heads and --tie-embeddings are options of --model llama")
+    if args.clip is None and args.model == "llama":
+        args.clip = 1.0
+    if args.clip is not None and not args.clip > 0:
+        p.error(f"--clip must be a positive norm; got {args.clip}")
     return p, args
 
 
+def make_model(args):
+    """``models.Gpt`` or ``models.Llama`` of the arguments' sizes, over the 256 byte values."""
+    if args.model == "gpt":
+        return models.Gpt(vocab_size=text.VOCAB_SIZE, d_model=args.width, num_heads=args.heads,
+                          num_layers=args.layers, context=args.context)  # fmt: skip
+    kv_heads = args.kv_heads if args.kv_heads is not None else max(1, args.heads // 2)
+    return models.Llama(vocab_size=text.VOCAB_SIZE, d_model=args.width, num_heads=args.heads,
+                        num_kv_heads=kv_heads, num_layers=args.layers, context=args.context,
+                        tie_embeddings=args.tie_embeddings)  # fmt: skip
+
+
 def make_optimizer(args) -> optax.GradientTransformation:
-    """Adam, warm-up then cosine decay to lr/10. Elementwise, so it acts on local shards exactly
-    as on the full arrays (a global-norm clip would need a reduction over the mesh)."""
+    """Adam, warm-up then cosine decay to lr/10, after clipping to a global norm of
+    ``--clip``: ``shardops.clip_by_global_norm`` reduces the norm over the axes each gradient
+    is split over (optax's own would clip each device's shards by their own norm)."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, warmup_steps=min(args.warmup, args.steps - 1),
         decay_steps=args.steps, end_value=args.lr / 10,
     )  # fmt: skip
-    return optax.adam(schedule)
+    if args.clip is None:
+        return optax.adam(schedule)
+    return optax.chain(shardops.clip_by_global_norm(args.clip), optax.adam(schedule))
 
 
 def train_batches(tokens, batch_size: int, context: int, seed: int, rows: slice):
@@ -233,8 +272,7 @@ def main(argv=None) -> int:
         parser.error("--strategy ref and --compare-reference run the unsharded model in one "
                      "process: run them without the launcher")  # fmt: skip
     try:
-        model = models.Gpt(vocab_size=text.VOCAB_SIZE, d_model=args.width, num_heads=args.heads,
-                           num_layers=args.layers, context=args.context)  # fmt: skip
+        model = make_model(args)
         mesh = mesh_for(args.strategy, args.mesh)
         optimizer = make_optimizer(args)
         setup = models.build(args.strategy, mesh, model=model, optimizer=optimizer)
@@ -374,6 +412,17 @@ def main(argv=None) -> int:
     which = f" ({done + 1}–{args.steps} of {args.steps}, resumed at step {done})" if done else ""
     log(f"Trained {trained} steps{which} in {train_seconds:.1f} s (first step, with compilation, "
           f"{first_step_seconds:.1f} s; {tokens_per_second:,.0f} tokens/s)")  # fmt: skip
+    # Model FLOPs utilisation: the model's training FLOPs per second (PaLM's count) over the
+    # machine's float32 matmul peak, measured now on the devices this run used.
+    model_flops = model.train_flops_per_token(args.context) * tokens_per_second
+    devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
+    here = [d for d in devices if d.process_index == jax.process_index()]
+    peak = len(devices) * matmul_flops(here)  # every device of the run busy at once
+    mfu = model_flops / peak
+    log(f"Model FLOPs utilisation {mfu:.1%}: {model_flops / 1e9:.2f} GFLOP/s of the model's "
+        f"training ({model.train_flops_per_token(args.context) / 1e6:.2f} MFLOP per token) over "
+        f"a measured peak of {peak / 1e9:.1f} GFLOP/s (float32 matmuls on all {len(devices)} "
+        f"devices at once)")  # fmt: skip
 
     relative_diff = None
     if ref is not None:
@@ -420,7 +469,8 @@ def main(argv=None) -> int:
             "timing": {"train_seconds": train_seconds, "first_step_seconds": first_step_seconds,
                        "total_seconds": total_seconds, "tokens_per_second": tokens_per_second,
                        "resumed_at": done, "steps_trained": trained,
-                       "tokens_trained": tokens_trained},
+                       "tokens_trained": tokens_trained, "model_flops_per_second": model_flops,
+                       "peak_flops_per_second": peak, "mfu": mfu},
             "sample": sample,
         }  # fmt: skip
         with open(args.metrics_json, "w") as f:

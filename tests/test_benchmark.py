@@ -146,6 +146,7 @@ def test_quick_mode_runs_end_to_end(tmp_path):
                  "fsdp_tp bidirectional", "fsdp_tp gather_weights", "hsdp", "hsdp_tp"],
         "wide": ["dp", "tp", "2d", "2d", "fsdp", "fsdp_tp", "hsdp", "hsdp_tp"],
         "gpt": ["tp", "tp ring", "fsdp_sp", "fsdp_sp remat"],
+        "llama": ["fsdp_tp"],
     }  # fmt: skip
     for block in results["models"].values():
         for row in block["rows"]:

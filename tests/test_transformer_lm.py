@@ -66,6 +66,51 @@ def test_trains_like_the_reference_and_samples(tmp_path, strategy, mesh, source)
     assert plot_path.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_the_llama_trains_like_the_reference_and_reports_its_flops(tmp_path):
+    """``--model llama`` (tied, MQA, clipped by default) on a 3-axis mesh: the sharded and
+    unsharded runs agree, and the MFU line's figures are the model's FLOPs over a measured
+    peak: FLOP/s = the model's FLOPs per token × tokens/s."""
+    metrics_path = tmp_path / "llama.json"
+    proc = run(
+        "--model", "llama", "--kv-heads", "1", "--tie-embeddings", "--strategy", "hsdp_tp",
+        "--mesh", "replica=2,data=2,model=2", "--text-source", "stdlib", "--steps", "20",
+        "--log-every", "10", "--eval-every", "0", "--eval-batches", "2", "--sample-tokens", "8",
+        "--compare-reference", "--metrics-json", str(metrics_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    record = json.loads(metrics_path.read_text())
+    assert record["model"].startswith("llama L=4 D=128 H=4/1 F=352 V=256 tied")
+    assert record["args"]["clip"] == 1.0  # the Llama's default
+    assert record["final_relative_diff"] < 1e-3, record["final_relative_diff"]
+    assert record["final_loss"] < 0.8 * record["losses"][0]
+    timing = record["timing"]
+    import shardops_models as models
+
+    llama = models.Llama(vocab_size=256, d_model=128, num_layers=4, num_heads=4, num_kv_heads=1,
+                         context=128, tie_embeddings=True)  # fmt: skip
+    assert timing["model_flops_per_second"] == pytest.approx(
+        llama.train_flops_per_token(128) * timing["tokens_per_second"]
+    )
+    assert 0 < timing["mfu"] < 1
+    assert timing["mfu"] == pytest.approx(
+        timing["model_flops_per_second"] / timing["peak_flops_per_second"]
+    )
+    assert "Model FLOPs utilisation" in proc.stdout and "tokens/s" in proc.stdout
+
+
+def test_llama_flops_per_token_by_hand():
+    """PaLM's count for L=2, D=8, H=4 (hd 2), KV=2, F=16, V=10, S=6: per block the Q, K, V,
+    O projections 8·(4+2+2)·2 + 4·2·8 = 192 and the MLP 3·8·16 = 384; the head 80; so
+    6·(2·576 + 80) = 7392, plus attention 12·2·4·2·6 = 1152."""
+    import shardops_models as models
+
+    llama = models.Llama(vocab_size=10, d_model=8, num_layers=2, num_heads=4, num_kv_heads=2,
+                         d_ff=16)  # fmt: skip
+    assert llama.train_flops_per_token(6) == 7392 + 1152
+    gpt = models.Gpt(vocab_size=10, d_model=8, num_heads=2, num_layers=2, d_ff=16)
+    assert gpt.train_flops_per_token(6) == 6 * (2 * (4 * 64 + 2 * 128) + 80) + 12 * 2 * 8 * 6
+
+
 @pytest.mark.parametrize(
     ("mesh", "message"),
     [

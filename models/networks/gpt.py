@@ -99,6 +99,14 @@ class Gpt(LanguageModel):
         }
         return params if dtype is None else jax.tree.map(lambda a: a.astype(dtype), params)
 
+    def train_flops_per_token(self, seq: int) -> float:
+        """Model FLOPs of one training step per token at sequence length ``seq``, as PaLM
+        counts them: 6 × the matmul parameters (4·D² attention, 2·D·F MLP per block, the
+        head) + 12 · L · D · S for attention's two products."""
+        d, n = self.d_model, self.num_layers
+        matmul = n * (4 * d * d + 2 * d * self.d_ff) + d * self.vocab_size
+        return 6 * matmul + 12 * n * d * seq
+
     def plan(self):
         """Megatron's roles (see the module docstring)."""
         block = {"ln1": REPLICATED, "attn": HEAD, "ln2": REPLICATED, "up": COLUMN, "down": ROW}

@@ -120,6 +120,16 @@ class Llama(LanguageModel):
             params["head"] = {"w": normal(k_head, (d, v))}  # w[D, V]
         return params if dtype is None else jax.tree.map(lambda a: a.astype(dtype), params)
 
+    def train_flops_per_token(self, seq: int) -> float:
+        """Model FLOPs of one training step per token at sequence length ``seq``, as PaLM
+        counts them (appendix B): 6 × the matmul parameters (the head included; the embedding
+        lookup is not a matmul) + 12 · L · H · hd · S for attention's two products, causal
+        masking not subtracted."""
+        d, f, hd, n = self.d_model, self.d_ff, self.head_dim, self.num_layers
+        block = d * (self.num_heads + 2 * self.num_kv_heads) * hd + self.num_heads * hd * d
+        matmul = n * (block + 3 * d * f) + d * self.vocab_size
+        return 6 * matmul + 12 * n * self.num_heads * hd * seq
+
     def plan(self):
         """Megatron's roles (see the module docstring); the blocks stacked."""
         block = {"attn_norm": REPLICATED, "attn": HEAD, "mlp_norm": REPLICATED,

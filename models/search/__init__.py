@@ -13,7 +13,13 @@ Its parts: ``_search`` (candidates, ranking, the table and the command line), ``
 compute rates, collective efficiencies; ``calibrate()`` measures them here).
 """
 
-from shardops_models.search._hardware import HARDWARE, Hardware, calibrate, hardware_named
+from shardops_models.search._hardware import (
+    HARDWARE,
+    Hardware,
+    calibrate,
+    hardware_named,
+    matmul_flops,
+)
 from shardops_models.search._program_cost import program_cost
 from shardops_models.search._search import (
     MODELS,
@@ -41,6 +47,7 @@ __all__ = [
     "compiled_ledger",
     "hardware_named",
     "main",
+    "matmul_flops",
     "model_named",
     "predict",
     "program_cost",

@@ -133,6 +133,34 @@ def hardware_named(name) -> Hardware:
     return HARDWARE[name]
 
 
+def matmul_flops(devices=None, dtype="float32", *, size: int = 512, repeats: int = 9) -> float:
+    """The matmul FLOP/s of one device while every one of ``devices`` (default all) multiplies
+    ``a[size, size] @ a`` at once (simulated devices sharing cores are measured sharing them):
+    the median of ``repeats`` timed runs. × the devices: the machine's measured peak, the
+    denominator of a model FLOPs utilisation."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shardops import make_mesh
+
+    devices = list(jax.devices() if devices is None else devices)
+    mesh = make_mesh({DATA_AXIS: len(devices)}, devices=devices)
+    a = jax.device_put(jnp.ones((len(devices) * size, size), dtype),
+                       NamedSharding(mesh, P(DATA_AXIS)))  # fmt: skip
+    fn = jax.jit(jax.shard_map(lambda a: a @ a, mesh=mesh, in_specs=P(DATA_AXIS),
+                               out_specs=P(DATA_AXIS)))  # fmt: skip
+    jax.block_until_ready(fn(a))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(a))
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / float(np.median(times))
+
+
 def calibrate(devices=None, *, repeats: int = 9, memory: float | None = None) -> Hardware:
     """Measure this machine's devices: the ``Hardware`` that ``search`` needs, from
     microbenchmarks that know nothing of any model or layout.
@@ -176,12 +204,8 @@ def calibrate(devices=None, *, repeats: int = 9, memory: float | None = None) ->
             times.append(time.perf_counter() - start)
         return float(np.median(times)), fn
 
-    flops = {}
-    for dtype in (jnp.float32, jnp.bfloat16):
-        k = 512
-        a = jax.device_put(jnp.ones((n * k, k), dtype), split)
-        t, _ = timed(lambda a: a @ a, a)
-        flops[jnp.dtype(dtype).name] = 2 * k**3 / t
+    flops = {jnp.dtype(d).name: matmul_flops(devices, d, repeats=repeats)
+             for d in (jnp.float32, jnp.bfloat16)}  # fmt: skip
 
     def chain(x):
         return jnp.exp(x * 0.5 + 1.0) * x  # 4 ops

@@ -142,8 +142,8 @@ def test_remat_recomputation_is_counted_in_the_backward(mesh):
 
 
 def test_a_scan_counts_its_body_length_times_and_nested_jits_are_entered(mesh):
-    """The trace counts what runs: the body 3 times. The compiled reading counts the loop
-    body's instruction once (it reads the program text)."""
+    """The trace counts what runs: the body 3 times, and so does the compiled reading (by
+    the trip count XLA records on the while loop)."""
 
     @jax.jit
     def inner(x):
@@ -157,7 +157,7 @@ def test_a_scan_counts_its_body_length_times_and_nested_jits_are_entered(mesh):
 
     fn = sharded(mesh, body)
     assert traced_ledger(mesh, fn, X).totals(requested=True) == {(AR, ("model",)): 3 * 128}
-    assert shardops.inspect.ledger(mesh, fn, X).totals() == {(AR, ("model",)): 128}
+    assert shardops.inspect.ledger(mesh, fn, X).totals() == {(AR, ("model",)): 3 * 128}
 
 
 def test_a_cond_counts_once_and_differing_branches_are_refused(mesh):

@@ -373,3 +373,29 @@ def test_explain_names_the_transformer_layers():
         "so the logits are never gathered",
     ):
         assert phrase in text, text
+
+
+def test_explain_reads_the_llamas_own_reasons():
+    """A tied multi-query Llama under fsdp_tp on model = 4, clipped: the replicated KV heads'
+    gradient AllReduce, the gated MLP's single dx reduction and the clip's norm are each said
+    in their kernel's words; nothing falls to the catch-all."""
+    llama = models.Llama(vocab_size=17, d_model=16, num_layers=2, num_heads=4, num_kv_heads=1,
+                         d_ff=24, context=8, tie_embeddings=True)  # fmt: skip
+    opt = optax.chain(shardops.clip_by_global_norm(1.0), optax.sgd(0.1))
+    setup = models.build("fsdp_tp", shardops.make_mesh({"data": 2, "model": 4}), optimizer=opt,
+                         model=llama)  # fmt: skip
+    state = setup.init(jax.random.key(0))
+    ids = np.random.default_rng(0).integers(0, 17, (8, 9)).astype(np.int32)
+    lines = shardops.inspect.explain(setup.mesh, setup.train_step, state,
+                                     *setup.place_batch(ids[:, :-1], ids[:, 1:]), traced=True)  # fmt: skip
+    text = "\n".join(lines)
+    assert "the program moves data" not in text, text
+    for phrase in (
+        "head_parallel_attention: psum over 'model' of f32[16,4] (256 B), because 'model' does "
+        "not divide the key/value heads",
+        "gated_mlp: psum over 'model' of f32[4,8,16] (2.0 KiB), because x is replicated over "
+        "'model' but each device multiplies it by its own columns of the gate and up weights",
+        "optimizer: psum over 'data' × 'model' of f32[] (4 B), because each device holds the "
+        "gradients' shards split over 'data' × 'model': their squared sums are added",
+    ):
+        assert phrase in text, (phrase, text)

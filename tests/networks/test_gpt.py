@@ -104,10 +104,12 @@ def test_evaluate_and_logits_equal_the_reference_with_padding(strategy):
 def test_build_errors_name_the_leaf_the_axis_and_both_sizes():
     mesh = shardops.make_mesh({"data": 2, "model": 4})
     odd = models.Gpt(vocab_size=66, d_model=32, num_heads=4, num_layers=1, context=16)
-    with pytest.raises(
-        ValueError, match=r"\['embed'\]\['table'\] dim 0 \(vocabulary\) = 66 .*'model' \(size 4\)"
-    ):
-        models.build("tp", mesh, optimizer=optax.sgd(0.1), model=odd)
+    padded = models.build("tp", mesh, optimizer=optax.sgd(0.1), model=odd)  # 66 stored as 68
+    assert padded.padding.stored["embed"]["table"] == (68, 32)
+    with pytest.raises(ValueError, match=r"build: num_heads=6 is not divisible by mesh axis "
+                                         r"'model' \(size 4\)"):  # fmt: skip
+        models.build("tp", mesh, optimizer=optax.sgd(0.1),
+                     model=models.Gpt(d_model=48, num_heads=6, num_layers=1, context=16))  # fmt: skip
     with pytest.raises(ValueError, match="no sequence dimension"):
         models.build("sp", mesh, optimizer=optax.sgd(0.1))  # the MLP
     setup = models.build("sp", mesh, optimizer=optax.sgd(0.1), model=GPT)

@@ -174,3 +174,38 @@ def test_the_locator_taps_each_stacked_layer_and_the_padded_head():
     assert report.within_bound, report.verdict()
     assert {"['blocks'][0]['attn']", "['blocks'][1]['mlp']", "['embed'] (tied head)",
             "['embed']"} <= set(report.layers)  # fmt: skip
+
+
+def _table_gathers(setup, state, ids, labels) -> list[str]:
+    """The passes of the compiled train step's AllGathers over data that assemble this model
+    device's block of the tied table: [98 / 2, 32] f32 on model = 2."""
+    compiled = setup.train_step.lower(state, *setup.place_batch(ids, labels)).compile()
+    block = 98 // 2 * 32 * 4
+    return [c.pass_ for c in shardops.inspect.collectives(setup.mesh, compiled)
+            if c.kind == "all-gather" and c.axes == ("data",) and c.bytes == block]  # fmt: skip
+
+
+def test_fsdp_gathers_a_tied_table_once_per_use(monkeypatch):
+    """Under fsdp_sp on 4×2 the tied table is gathered for the embedding and again for the head
+    (and for neither's backward without remat). The two gathers are alike, and XLA's CSE
+    merges them (keeping the whole table alive in between) in the mutant without the
+    use-numbered barrier."""
+    mesh = shardops.make_mesh({"data": 4, "model": 2})
+    setup = models.build("fsdp_sp", mesh, optimizer=optax.sgd(0.1), model=TIED_MQA)
+    state = setup.init(jax.random.key(0))
+    ids, labels = (a[0] for a in lm_batches(TIED_MQA))
+    assert _table_gathers(setup, state, ids, labels) == ["forward", "forward"]
+
+    from _mutants import mutant
+
+    from shardops_models.strategies import parallel
+
+    line = "                values, _ = lax.optimization_barrier((values, jnp.int32(uses)))"
+    merged = mutant(parallel, "no_barrier", line, "                pass")
+    merged.Param, merged.is_param = parallel.Param, parallel.is_param  # the real parameters
+    monkeypatch.setattr(parallel.Parallel, "_materialise_all",
+                        merged.Parallel._materialise_all)  # fmt: skip
+    jax.clear_caches()
+    setup = models.build("fsdp_sp", mesh, optimizer=optax.sgd(0.1), model=TIED_MQA)
+    assert _table_gathers(setup, setup.init(jax.random.key(0)), ids, labels) == ["forward"]
+    jax.clear_caches()

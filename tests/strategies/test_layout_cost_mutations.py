@@ -47,10 +47,7 @@ from shardops_models.strategies import fsdp as _fsdp_rule
 from shardops_models.training import _train
 
 FREE_FIRST = "    for d in free + split:\n"
-LARGEST_FREE = (
-    "    free = sorted((d for d in range(len(shape)) if entries[d] is None), "
-    "key=lambda d: -shape[d])\n"
-)
+LARGEST_FREE = "                  key=lambda d: -shape[d])  # fmt: skip\n"
 DATA_MINOR = "            entries[d] = spec_entry(*entry_axes(entries[d]), *axes)\n"
 
 # name → (old line, new line, a layout case and a shard-index case that must catch it)

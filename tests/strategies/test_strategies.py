@@ -224,11 +224,10 @@ def test_bad_strategy_inputs():
         match=r"strategy '2d' needs mesh axes \('data', 'model'\), but the mesh has \('data',\) \(missing \('model',\)\)",
     ):
         models.build("2d", mesh_for({"data": 8}), optimizer=sgd)
-    with pytest.raises(
-        ValueError,
-        match=r"params\[0\]\['b'\] dim 0 \(features\) = 30 is not divisible by mesh axis 'model' \(size 4\); the plan makes it column",
-    ):
-        models.build("tp", mesh_for({"model": 4}), optimizer=sgd, sizes=(784, 30, 10))
+    # A width the model axis does not divide is stored padded (30 → 32 on 4), not refused.
+    padded = models.build("tp", mesh_for({"model": 4}), optimizer=sgd, sizes=(784, 30, 10))
+    assert padded.padding.stored[0] == {"w": (784, 32), "b": (32,)}
+    assert padded.padding.logical[0] == {"w": (784, 30), "b": (30,)}
     with pytest.raises(TypeError, match="strategy 'dp' needs a jax.sharding.Mesh"):
         models.build("dp", None, optimizer=sgd)
     with pytest.raises(ValueError, match="remat re-gathers FSDP weights"):

@@ -234,9 +234,11 @@ def test_helper_mutant_is_caught(monkeypatch, name):
 
 
 # Memory-only options of models/training/_train.py: values cannot show them, the compiled program can.
-TRAIN_STEP = '        train_step=jit(step, "train_step", donate_argnums=0),\n'
+TRAIN_STEP = '        train_step=jit(step, "train_step", step_options, donate_argnums=0),\n'
 LOSS_AND_GRADS = '        loss_and_grads=jit(loss_and_grads, "loss_and_grads"),\n'
-REMAT_OPTIONS = "    options = shardops.inspect.KEEP_REMAT if remat else None\n"
+REMAT_OPTIONS = (
+    "    step_options = shardops.inspect.KEEP_REMAT if remat or parallel.fsdp else None\n"
+)
 DONATION_MUTANTS = {
     # The train step keeps the old state: two states in memory at every step.
     "train_step_not_donated": (TRAIN_STEP, TRAIN_STEP.replace(", donate_argnums=0", "")),
@@ -265,7 +267,7 @@ def test_remat_without_its_compiler_option_is_caught():
     """remat's compiler option (keep XLA:CPU's optimization barriers for the late CSE pass)
     changes no value and no requested byte: without it XLA merges the backward re-gather into
     the forward gather, and only the compiled program's all-gathers show it."""
-    build = mutant_build(REMAT_OPTIONS, "    options = None\n")
+    build = mutant_build(REMAT_OPTIONS, "    step_options = None\n")
     with pytest.raises(AssertionError):
         check_remat_regathers(build)
 

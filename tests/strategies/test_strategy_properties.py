@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 import shardops
 import shardops_models as models
 from shardops_models import COLUMN, HEAD, REPLICATED, ROW, VOCAB
+from shardops_models.strategies.plan import is_shape
 
 STEPS = 3
 SEQUENCE_PARALLEL = ("sp", "dp_sp", "fsdp_sp")
@@ -413,25 +414,44 @@ def build_tp(net, plan, model: int):
 
 
 @pytest.mark.parametrize(
-    ("net", "plan", "model", "leaf"),
+    ("net", "plan", "model", "leaf", "dim"),
     [
-        # leaves in tree order: a dense layer's b before its w, "down" before "up"
-        (GPT, gpt_plan(), 4, "params['blocks'][0]['down']['w'] dim 0 (features) = 30"),
-        (GPT, gpt_plan(down=REPLICATED), 4, "params['blocks'][0]['up']['b'] dim 0 (features) = 30"),
-        (GPT, gpt_plan(blocks=REPLICATED, head=REPLICATED), 8,
-         "params['embed']['table'] dim 0 (vocabulary) = 12"),
-        (GPT, gpt_plan(blocks=REPLICATED, embed=REPLICATED), 8,
-         "params['head']['w'] dim 1 (features) = 12"),
-        (MLP, [COLUMN, ROW], 4, "params[0]['b'] dim 0 (features) = 30"),
-        (MLP, [{"w": REPLICATED, "b": REPLICATED}, {"w": COLUMN, "b": COLUMN}], 4,
-         "params[1]['b'] dim 0 (features) = 10"),
+        (GPT, gpt_plan(), 4, "['blocks'][0]['down']['w']", 0),  # d_ff 30 on 4: row
+        (GPT, gpt_plan(), 4, "['blocks'][0]['up']['b']", 0),  # and column
+        (GPT, gpt_plan(blocks=REPLICATED, head=REPLICATED), 8, "['embed']['table']", 0),  # 12 on 8
+        (GPT, gpt_plan(blocks=REPLICATED, embed=REPLICATED), 8, "['head']['w']", 1),
+        (MLP, [COLUMN, ROW], 4, "[0]['b']", 0),
     ],
-    ids=["gpt-row", "gpt-column", "gpt-vocab", "gpt-head", "mlp-column", "mlp-per-leaf"],
+    ids=["gpt-row", "gpt-column", "gpt-vocab", "gpt-head", "mlp-column"],
 )  # fmt: skip
-def test_a_role_that_splits_an_uneven_dim_names_the_parameter(net, plan, model, leaf):
-    expected = f"{leaf} is not divisible by mesh axis 'model' (size {model})"
-    with pytest.raises(ValueError, match=re.escape(expected)):
-        build_tp(net, plan, model)
+def test_a_role_that_splits_an_uneven_dim_pads_it_and_equals_the_reference(net, plan, model,
+                                                                            leaf, dim):  # fmt: skip
+    """Every role over a dim the model axis does not divide: the leaf is stored padded to a
+    multiple of the axis, and the loss and gradients (in the model's own shapes) equal the
+    unsharded model's."""
+    setup = build_tp(net, plan, model)
+    stored = dict(jax.tree_util.tree_leaves_with_path(setup.padding.stored, is_leaf=is_shape))
+    logical = dict(jax.tree_util.tree_leaves_with_path(setup.padding.logical, is_leaf=is_shape))
+    key = next(k for k in stored if jax.tree_util.keystr(k) == leaf)
+    assert logical[key][dim] % model and stored[key][dim] == shardops.padded_size(
+        logical[key][dim], model
+    )
+    ref = models.build("ref", optimizer=optax.sgd(0.1), model=net, plan=plan)
+    params = net.init(jax.random.key(0))
+    if isinstance(net, models.Mlp):
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((8, 8)).astype(np.float32)
+        y = np.eye(10, dtype=np.float32)[rng.integers(0, 10, 8)]
+    else:
+        tokens = np.random.default_rng(0).integers(0, 12, (4, 9)).astype(np.int32)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+    state = setup.shard(params)
+    loss, grads = setup.loss_and_grads(state.params, *setup.place_batch(x, y))
+    want_loss, want_grads = ref.loss_and_grads(params, x, y)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=2e-6)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(setup.gather(grads)),
+                                 jax.tree.leaves(want_grads), strict=True):  # fmt: skip
+        np.testing.assert_allclose(got, want, atol=2e-7, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize(

@@ -364,7 +364,7 @@ def test_a_process_killed_mid_save_leaves_the_last_checkpoint_readable(tmp_path)
 
 # --- mutants of the checkpoint module, caught by the checks above
 
-OPT_TARGET = '        "opt_state": _with_shardings(opt_state, setup, setup.opt_specs),\n'
+OPT_TARGET = '        "opt_state": _with_shardings(opt_state, setup, specs.opt_state),\n'
 PLAN = '    for what, name in (("params", "params"), ("plan", "plan role of params"),\n'
 
 
@@ -420,8 +420,8 @@ MUTANTS = {
     "opt_state_restored_replicated": (
         OPT_TARGET,
         OPT_TARGET.replace(
-            "setup.opt_specs)",
-            "jax.tree.map(lambda s: P(), setup.opt_specs, is_leaf=lambda s: isinstance(s, P)))",
+            "specs.opt_state)",
+            "jax.tree.map(lambda s: P(), specs.opt_state, is_leaf=lambda s: isinstance(s, P)))",
         ),
         moved_2d_to_fsdp_tp,
     ),
