@@ -16,6 +16,7 @@ own collectives are the only record of what a layer moves.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -54,6 +55,7 @@ from shardops_models.strategies.plan import (
     ROW,
     VOCAB,
     StackedRole,
+    is_shape,
 )
 
 # Why the strategy's own collectives run (shardops.comm.because; explain reads them).
@@ -138,12 +140,8 @@ def wrap(params, roles, specs, logical=None):
         return Param(value, role, spec, jax.tree_util.keystr(path), logical=shape)
 
     return jax.tree_util.tree_map_with_path(
-        param, params, roles, specs, logical, is_leaf=lambda x: x is None or _is_shape(x)
+        param, params, roles, specs, logical, is_leaf=lambda x: x is None or is_shape(x)
     )
-
-
-def _is_shape(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
 
 
 def values(tree):
@@ -426,7 +424,8 @@ class Parallel:
                              "(gate and up column, down row): it sees the whole sequence")  # fmt: skip
         else:
             y = shardops.gated_mlp(x, params, activation=activation, precision=self.precision)
-        return self._tap(y, p, k=p["down"]["w"].shape[0] * self.axis_size())  # K: F
+        split = self.model_parallel and roles == (COLUMN, COLUMN, ROW)
+        return self._tap(y, p, k=p["down"]["w"].shape[0] * (self.axis_size() if split else 1))
 
     def layer_norm(self, p, x, *, eps: float = 1e-5):
         """``shardops.layer_norm`` of ``x[..., D]``. Keys, both optional: ``scale``, ``bias``."""
@@ -555,7 +554,14 @@ class Parallel:
             return x
 
         def body(x, layer):
-            return self.stage(fn, layer, x), None
+            y = self.stage(fn, layer, x)
+            if jax.typeof(y) != jax.typeof(x):
+                raise ValueError(
+                    f"ctx.scan: each layer must return what it takes (a residual stream), "
+                    f"{jax.typeof(x)}; the layer of {_layer_path([q.path for q in leaves])} "
+                    f"returned {jax.typeof(y)}"
+                )
+            return y, None
 
         return lax.scan(body, x, per_layer)[0]
 
@@ -605,8 +611,23 @@ class Parallel:
 
     def array(self, param):
         """The local array of a parameter inside ``ctx.stage``: its block over ``model`` (by
-        its plan role), whole over ``data`` (gathered under fsdp)."""
-        return self._value(param, "array")
+        its plan role), whole over ``data`` (gathered under fsdp). A parameter stored padded
+        (a dim the tp axis does not divide) is refused: its block would hold padding that no
+        layer of yours masks."""
+        value = self._value(param, "array")
+        if isinstance(param, Param) and param.logical is not None:
+            stored = tuple(n * math.prod(lax.axis_size(a) for a in entry_axes(e))
+                           for n, e in zip(value.shape, _tp_entries(param.spec, self.tp,
+                                                                   value.ndim), strict=True))  # fmt: skip
+            if stored != tuple(param.logical):
+                raise ValueError(
+                    f"ctx.array: {param.path} is stored padded, {stored} for the model's "
+                    f"{tuple(param.logical)} (its plan role {param.role!r} splits a dim the tp "
+                    f"axis {self.tp!r} does not divide): the padding would reach your layer "
+                    f"unmasked. Use a size the axis divides, role 'replicated', or a shardops "
+                    f"layer (ctx.dense, ctx.embed, ctx.gated_mlp), which mask it."
+                )
+        return value
 
     # --- helpers
 
@@ -670,6 +691,12 @@ def _check_keys(p, layer: str, keys) -> None:
         f"ctx.{layer}{where}: expects parameter keys {expected}; got {sorted(p, key=str)} "
         f"({', '.join(what)})." + (f" {'; '.join(hints)}." if hints else "")
     )
+
+
+def _tp_entries(spec, tp, ndim: int):
+    """``spec``'s entries with only the tp axis kept (a stage's value is whole over the rest)."""
+    entries = list(spec) + [None] * (ndim - len(spec))
+    return [tp if tp in entry_axes(e) else None for e in entries]
 
 
 def _logical(p: Param, dim: int) -> int | None:

@@ -83,7 +83,11 @@ def leaf_roles(plan, params):
     def broadcast(role, sub):
         if isinstance(role, Stacked):
             layer = jax.tree.map(lambda s: s[1:], sub, is_leaf=is_shape)
-            return jax.tree.map(StackedRole, leaf_roles(role.plan, layer))
+            inner = leaf_roles(role.plan, layer)
+            if any(isinstance(r, StackedRole) for r in jax.tree.leaves(inner)):
+                raise ValueError("stacked(...) inside stacked(...) is not supported: one "
+                                 "scan runs the layers stacked along one dim 0")  # fmt: skip
+            return jax.tree.map(StackedRole, inner)
         return jax.tree.map(lambda _: role, sub, is_leaf=is_shape)
 
     roles = jax.tree.map(broadcast, plan, params, is_leaf=lambda x: isinstance(x, Stacked))
@@ -181,8 +185,7 @@ def replicated(shape: tuple[int, ...]) -> P:
     return P(*(None,) * len(shape))
 
 
-def model_specs(roles, shapes, axis: str = MODEL_AXIS, axis_size: int = 1,
-                num_heads: int | None = None):  # fmt: skip
+def model_specs(roles, shapes, axis: str, axis_size: int, num_heads: int | None = None):
     """PartitionSpecs over ``axis`` (the tp axis) of a tree of leaf ``shapes`` with leaf ``roles``.
 
     Under the head role, ``wk``, ``wv`` (``bk``, ``bv``) split by KV head when ``axis_size``

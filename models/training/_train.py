@@ -857,7 +857,15 @@ class Padding:
                             is_leaf=is_shape)  # fmt: skip
 
     def check_logical(self, params) -> None:
-        """``params`` has the model's own shapes (what ``model.init`` makes)."""
+        """``params`` has the model's own tree and shapes (what ``model.init`` makes)."""
+        want = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+            self.logical, is_leaf=is_shape)}  # fmt: skip
+        got = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)}
+        if want != got:
+            raise ValueError(
+                f"params are not the model's tree: missing {sorted(want - got)}, unknown "
+                f"{sorted(got - want)} (pass what model.init makes)"
+            )
         for (path, leaf), shape in zip(jax.tree_util.tree_leaves_with_path(params),
                                        jax.tree.leaves(self.logical, is_leaf=is_shape),
                                        strict=True):  # fmt: skip
@@ -880,7 +888,7 @@ class Padding:
 
     def unpad_tree(self, tree, optimizer):
         """``unpad`` of a ``TrainState`` (its params and the optimizer state's param-shaped
-        leaves) or of a params-shaped tree; anything else as it is."""
+        leaves), of an optimizer state, or of a params-shaped tree; anything else as it is."""
         return self._map_tree(tree, optimizer, _unpad_to, self.logical)
 
     def pad_tree(self, tree, optimizer):
@@ -898,19 +906,24 @@ class Padding:
                               opt_state)  # fmt: skip
         if jax.tree.structure(tree) == jax.tree.structure(shapes, is_leaf=is_shape):
             return jax.tree.map(fn, tree, shapes, is_leaf=_is_array)
+        opt_state = jax.eval_shape(optimizer.init, self.abstract(jnp.float32))
+        if jax.tree.structure(tree) == jax.tree.structure(opt_state):
+            return optax.tree_map_params(optimizer, fn, tree, shapes, is_leaf=is_shape)
         return tree
 
     def logical_specs(self, specs, mesh):
         """``specs`` (of the stored leaves) with the split dropped on each dim whose model
         size its mesh axes do not divide: a layout the model's own shapes can take (a
         checkpoint's arrays are written from it and read into it)."""
+        return jax.tree.map(lambda spec, shape: logical_spec(spec, shape, mesh), specs,
+                            self.logical, is_leaf=_is_spec)  # fmt: skip
 
-        def spec_for(spec, shape):
-            entries = shardops.spec_entries(spec, len(shape))
-            return P(*(e if n % math.prod(mesh.shape[a] for a in entry_axes(e)) == 0 else None
-                       for n, e in zip(shape, entries, strict=True)))  # fmt: skip
 
-        return jax.tree.map(spec_for, specs, self.logical, is_leaf=_is_spec)
+def logical_spec(spec, shape, mesh) -> P:
+    """``spec`` with the split dropped on each dim of ``shape`` its mesh axes do not divide."""
+    entries = shardops.spec_entries(spec, len(shape))
+    return P(*(e if n % math.prod(mesh.shape[a] for a in entry_axes(e)) == 0 else None
+               for n, e in zip(shape, entries, strict=True)))  # fmt: skip
 
 
 def _is_array(x) -> bool:

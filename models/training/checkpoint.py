@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from shardops_models.strategies.plan import is_shape, leaf_roles
-from shardops_models.training._train import Padding, Setup, TrainState
+from shardops_models.training._train import Setup, TrainState, logical_spec
 
 FORMAT = 1
 KEEP = 3
@@ -253,7 +253,7 @@ def _logical_specs(setup: Setup) -> TrainState:
         return TrainState(setup.param_specs, setup.opt_specs)
     padding, mesh = setup.padding, setup.mesh
     opt = optax.tree_map_params(
-        setup.optimizer, lambda spec, shape: Padding(shape, shape).logical_specs(spec, mesh),
+        setup.optimizer, lambda spec, shape: logical_spec(spec, shape, mesh),
         setup.opt_specs, padding.logical, is_leaf=lambda x: isinstance(x, P) or is_shape(x),
     )  # fmt: skip
     return TrainState(padding.logical_specs(setup.param_specs, mesh), opt)

@@ -185,7 +185,10 @@ _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 def _runs_per_computation(hlo_text: str) -> dict[str, int | None]:
     """How many times each computation runs per call of the entry: the product of the trip
-    counts of the ``while`` loops around it (None: a loop XLA does not know the count of)."""
+    counts of the ``while`` loops around it (None: a loop XLA does not know the count of). A
+    conditional counts its first branch once and its others not at all (the traced reader
+    refuses branches that communicate differently); a computation reached by no edge read
+    here counts once, as the program text shows it."""
     calls: dict[str, list[tuple[str, int | None]]] = {}
     order, entry, here = [], None, None
     for line in hlo_text.splitlines():
@@ -202,14 +205,15 @@ def _runs_per_computation(hlo_text: str) -> dict[str, int | None]:
         for m in _CALLEE.finditer(line):
             loop = m["how"] in ("body", "condition") and " while(" in line
             factor = (int(trips[1]) if trips else None) if loop else 1
+            factor = 0 if m["how"] == "false_computation" else factor  # one branch runs
             calls.setdefault(here, []).append((m["name"], factor))
         for m in _BRANCHES.finditer(line):
-            for name in m["names"].split(","):
-                calls.setdefault(here, []).append((name.strip().lstrip("%"), 1))
-    runs: dict[str, int | None] = {name: 0 for name in order}
+            for i, name in enumerate(m["names"].split(",")):
+                calls.setdefault(here, []).append((name.strip().lstrip("%"), int(i == 0)))
+    runs: dict[str, int | None] = {}
     runs[entry if entry is not None else (order[-1] if order else "")] = 1
     for name in reversed(order):  # callers are printed after their callees
-        n = runs.get(name, 0)
+        n = runs.get(name, 1)  # reached by no edge read here: once
         for callee, factor in calls.get(name, ()):
             add = None if n is None or factor is None else n * factor
             old = runs.get(callee, 0)

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -228,8 +229,11 @@ class _KvHeads(NamedTuple):
     count: int
     """KV heads this device projects."""
     index: jax.Array | None
-    """``index[H_local]``: the local KV head of each local query head when it is not the
-    contiguous grouping ``j // (H_local / count)`` (a traced array), else None."""
+    """``index[H_local]``: the local KV head of each local query head (a traced array) where
+    K/V are replicated and this device reads more than one KV head (the run need not align
+    with the grouping: H = 6, KV = 2 on 3 devices gives device 1 the query heads 2, 3 of KV
+    heads 0, 1); None where every local query head reads local KV head ``j // (H_local /
+    count)`` (K/V split by KV head, or one KV head per device)."""
 
 
 @scoped("head_parallel_attention")
@@ -410,10 +414,10 @@ def _for_query_heads(t, kv: _KvHeads, heads: int):
     """``t[B, n, S, hd]`` (the KV heads) → ``[B, H/p, S, hd]``, the KV head of each query head;
     the backward sums each KV head's cotangent over its query heads (in ``t``'s dtype)."""
     n = t.shape[1]
+    if kv.index is not None:  # replicated K/V: each query head's own KV head, by index
+        return jnp.take(t, kv.index, axis=1)
     if n == heads:
         return t
-    if kv.index is not None:
-        return jnp.take(t, kv.index, axis=1)  # an uneven run (replicated KV)
     return jnp.repeat(t, heads // n, axis=1)  # contiguous groups: query head j reads j // g
 
 
@@ -637,7 +641,7 @@ def _check_rope(op: str, rope_theta, head_dim: int) -> None:
         return
     if (
         isinstance(rope_theta, bool)
-        or not isinstance(rope_theta, int | float)
+        or not isinstance(rope_theta, numbers.Real)
         or not (rope_theta > 1)
     ):
         raise ValueError(f"{op}: rope_theta must be a number > 1 (e.g. 10000.0) or None; got "

@@ -151,11 +151,11 @@ def tensor_parallel_gated_mlp_kernel(
         bias, an AllReduce of ``dbd[D]``. Weight gradients are local.
     """
     op = "tensor_parallel_gated_mlp_kernel"
-    bound_axis_size(axis_name, op)
+    p = bound_axis_size(axis_name, op)
     _check_params(op, params)
     for name in PROJECTIONS:
         check_sharded_over(params[name]["w"], axis_name, f"params[{name!r}]['w']", op)
-    _check_local(op, x, params)
+    _check_local(op, x, params, hidden, p)
     accum = precision.accum_dtype
     if sequence_parallel:
         # x_block[B, S/p, D] → x[B, S, D] once for gate and up; backward: one ReduceScatter.
@@ -281,7 +281,7 @@ def _check_global(op: str, x, params) -> None:
                              f"{tuple(b.shape)}")  # fmt: skip
 
 
-def _check_local(op: str, x, params) -> None:
+def _check_local(op: str, x, params, hidden, p: int) -> None:
     wg, wu, wd = (params[n]["w"] for n in PROJECTIONS)
     if wg.shape != wu.shape or wg.shape[0] != x.shape[-1] or wd.shape != (wg.shape[1], x.shape[-1]):
         raise ValueError(
@@ -289,6 +289,17 @@ def _check_local(op: str, x, params) -> None:
             f"{x.shape[-1]}; got gate {tuple(wg.shape)}, up {tuple(wu.shape)}, down "
             f"{tuple(wd.shape)}"
         )
+    for name, want in (("gate", wg.shape[1]), ("up", wg.shape[1]), ("down", x.shape[-1])):
+        b = params[name].get("b")
+        if b is not None and tuple(b.shape) != (want,):
+            how = "replicated" if name == "down" else "split like its w"
+            raise ValueError(f"{op}: local params[{name!r}]['b'] must be b[{want}] ({how}); "
+                             f"got {tuple(b.shape)}")  # fmt: skip
+    stored = wg.shape[1] * p
+    if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, int)
+                               or not 0 < hidden <= stored):  # fmt: skip
+        raise ValueError(f"{op}: hidden={hidden!r} must be an int in [1, {stored}] (the stored "
+                         f"F = {wg.shape[1]} × {p} devices)")  # fmt: skip
 
 
 __all__ = [

@@ -170,6 +170,7 @@ def test_a_cond_counts_once_and_differing_branches_are_refused(mesh):
 
     fn = sharded(mesh, same)
     assert traced_ledger(mesh, fn, X).totals(requested=True) == {(AR, ("data",)): 128}
+    assert shardops.inspect.ledger(mesh, fn, X).totals() == {(AR, ("data",)): 128}  # one branch
     with pytest.raises(ValueError, match="cond .* issues different collectives in its branches"):
         traced_ledger(mesh, sharded(mesh, different), X)
 

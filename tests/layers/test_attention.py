@@ -127,6 +127,16 @@ def test_rope_at_given_positions(sequence_parallel):
                     sequence_parallel=sequence_parallel)  # fmt: skip
 
 
+@pytest.mark.parametrize("mesh_shape", [(3,), (2, 3)], ids=str)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated", "seq_parallel"])
+def test_kv_heads_misaligned_with_the_devices(mesh_shape, sequence_parallel):
+    """6 query heads, 2 KV heads on model = 3: each device holds 2 query heads, and device 1's
+    read KV heads 0 and 1 (a run as long as its query heads, but not their grouping)."""
+    check_attention(mesh_shape, F32, batch=4, seq=12, d_model=24, num_heads=6, head_dim=4,
+                    num_kv_heads=2, causal=True, rope_theta=10000.0, documents=2,
+                    sequence_parallel=sequence_parallel)  # fmt: skip
+
+
 def test_kv_heads_spanning_two_per_device():
     """12 query heads, 6 KV heads on model = 4: 3 query heads per device read KV heads that
     straddle devices (device 1 reads KV heads 1 and 2), so wk, wv are replicated and each

@@ -65,6 +65,9 @@ OTHER_HEADS = (
 )
 MASK = "visible = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]"
 PSUM = "        y = reduce_from_region(y_partial, axis_name)  # y[B, S, D] in accum"
+KV_INDEX = (
+    "    if kv.index is not None:  # replicated K/V: each query head's own KV head, by index\n"
+)
 REPEAT = (
     "    return jnp.repeat(t, heads // n, axis=1)  # contiguous groups: query head j reads j // g"
 )
@@ -189,6 +192,12 @@ ATTENTION_MUTANTS = {
         SHARED_INDEX, SHARED_INDEX.replace("// group - first", "% kv_heads"),
         "", (F32, True, False, "gqa_spanning"), "numbers",
     ),
+    # The replicated K/V's per-query index skipped where a device reads as many KV heads as
+    # it holds query heads (H = 6, KV = 2 on 3 devices: device 1 would pair 2, 3 with 0, 1).
+    "replicated_kv_index_skipped": (
+        KV_INDEX, "    if n == heads:\n        return t\n" + KV_INDEX,
+        "", (F32, True, False, "gqa_misaligned"), "numbers",
+    ),
     # Meta's interleaved pairs (2d, 2d+1) rotated instead of Hugging Face's (d, d + hd/2).
     "rope_on_interleaved_pairs": (
         ROTATE_HALF,
@@ -218,6 +227,9 @@ ATTENTION_MUTANTS = {
 MODERN_OPTIONS = {
     "gqa": dict(num_kv_heads=2, rope_theta=10000.0),
     "gqa_wide": dict(d_model=64, num_heads=16, num_kv_heads=8),  # 2 KV heads a device on 4
+    "gqa_misaligned": dict(
+        d_model=24, num_heads=6, num_kv_heads=2, rope_theta=10000.0, meshes=[(3,), (2, 3)]
+    ),
     "gqa_spanning": dict(d_model=48, num_heads=12, num_kv_heads=6, rope_theta=10000.0),
     "packed": dict(num_kv_heads=4, rope_theta=10000.0, documents=3),
 }
@@ -271,9 +283,10 @@ def swap(monkeypatch):
 
 def suite_check(config, caught_by="any"):
     precision, causal, sequence_parallel, *modern = config
-    options = MODERN_OPTIONS[modern[0]] if modern else {}
+    options = dict(MODERN_OPTIONS[modern[0]]) if modern else {}
+    meshes = options.pop("meshes", [(4,), (2, 4)])
     if caught_by in ("numbers", "any"):
-        for mesh_shape in [(4,), (2, 4)]:
+        for mesh_shape in meshes:
             check_attention(mesh_shape, precision, batch=4, seq=8, causal=causal,
                             sequence_parallel=sequence_parallel, **options)  # fmt: skip
     if caught_by in ("dtype flow", "any"):

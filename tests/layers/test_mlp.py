@@ -35,6 +35,7 @@ from _attention_checks import (
 from _cover import cover_meshes
 from _dense_checks import MESHES, mesh_for
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import shardops
 from shardops.layers import _mlp
@@ -193,9 +194,10 @@ def test_bf16_policies(mesh_shape, policy):
 
 @pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)], ids=str)
 def test_uneven_hidden_is_padded_and_masked(mesh_shape):
-    """F = 20 on model = 8 (stored 24) and on 4: padded units never reach y or a gradient."""
-    check_gated_mlp(mesh_shape, F32, f=20, sequence_parallel=True)
-    check_gated_mlp(mesh_shape, F32, f=20)
+    """F = 18 on model = 8 (stored 24) and on 4 (stored 20): padded units never reach y or a
+    gradient."""
+    check_gated_mlp(mesh_shape, F32, f=18, sequence_parallel=True)
+    check_gated_mlp(mesh_shape, F32, f=18)
 
 
 # data=2 × model=4, x[B=8, S=8, D=16], F = 32: BL = 4 local rows; V = bytes of x, y, dx.
@@ -257,6 +259,19 @@ def test_bad_input():
         run(x, mlp.init_gated_mlp(jax.random.key(0), 16, 30))
     with pytest.raises(TypeError, match=r"x has dtype float32 but precision policy BFLOAT16"):
         run(x, params, precision=shardops.BFLOAT16)
+    with pytest.raises(ValueError, match=r"hidden=40 must be in \[1, 32\]"):
+        run(x, params, hidden=40)
+    # The kernel in a user's shard_map: a bias laid out unlike its weight, a bad hidden.
+    biased = mlp.init_gated_mlp(jax.random.key(0), 16, 32, use_bias=True)
+    specs = mlp.tensor_parallel_gated_mlp_specs()
+    wrong = {**specs.params, "gate": {"w": specs.w_in, "b": P(None)}}
+    with pytest.raises(ValueError, match=r"local params\['gate'\]\['b'\] must be b\[8\] "
+                                         r"\(split like its w\); got \(32,\)"):  # fmt: skip
+        jax.shard_map(mlp.tensor_parallel_gated_mlp_kernel, mesh=mesh,
+                      in_specs=(specs.x, wrong), out_specs=specs.y)(x, biased)  # fmt: skip
+    with pytest.raises(ValueError, match=r"hidden=0 must be an int in \[1, 32\]"):
+        jax.shard_map(functools.partial(mlp.tensor_parallel_gated_mlp_kernel, hidden=0),
+                      mesh=mesh, in_specs=(specs.x, specs.params), out_specs=specs.y)(x, biased)  # fmt: skip
 
 
 # --- mutants of the kernel, caught by the checks above ------------------------------------------
@@ -303,12 +318,12 @@ def mutant(monkeypatch):
 def test_mutant_is_caught(mutant, name):
     mutant(*MUTANTS[name])
     with pytest.raises(AssertionError):
-        check_gated_mlp((2, 4), shardops.BFLOAT16, f=20, sequence_parallel=True)
-        check_gated_mlp((8,), F32, f=20)
+        check_gated_mlp((2, 4), shardops.BFLOAT16, f=18, sequence_parallel=True)
+        check_gated_mlp((8,), F32, f=18)
 
 
 def test_unmutated_copy_passes(mutant):
     old = next(iter(MUTANTS.values()))[0]
     mutant(old, old)
-    check_gated_mlp((2, 4), shardops.BFLOAT16, f=20, sequence_parallel=True)
-    check_gated_mlp((8,), F32, f=20)
+    check_gated_mlp((2, 4), shardops.BFLOAT16, f=18, sequence_parallel=True)
+    check_gated_mlp((8,), F32, f=18)

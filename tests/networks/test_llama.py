@@ -209,3 +209,56 @@ def test_fsdp_gathers_a_tied_table_once_per_use(monkeypatch):
     setup = models.build("fsdp_sp", mesh, optimizer=optax.sgd(0.1), model=TIED_MQA)
     assert _table_gathers(setup, setup.init(jax.random.key(0)), ids, labels) == ["forward"]
     jax.clear_caches()
+
+
+def test_misuse_of_padded_parameters_and_stacked_layers_is_a_clear_error():
+    """ctx.array of a padded parameter, a stacked plan inside a stacked plan, a scanned layer
+    that changes its input's shape, and params that are not the model's tree."""
+    tiny = models.Llama(vocab_size=97, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2,
+                        d_ff=24, context=8)  # fmt: skip
+
+    class Peeks(models.Llama):
+        def _head(self, ctx):
+            def head(p, x):
+                ctx.array(p["out"]["w"])  # w[D, 97] stored as [D, 100] on model = 4
+                return ctx.dense(p["out"], x)
+
+            return head
+
+    peek = Peeks(**{f: getattr(tiny, f) for f in ("vocab_size", "d_model", "num_layers",
+                                                  "num_heads", "num_kv_heads", "d_ff", "context")})  # fmt: skip
+    mesh = shardops.make_mesh({"model": 4})
+    setup = models.build("tp", mesh, optimizer=optax.sgd(0.1), model=peek)
+    ids = np.zeros((4, 8), np.int32)
+    with pytest.raises(ValueError, match=r"ctx.array: \['head'\]\['w'\] is stored padded, "
+                                         r"\(16, 100\) for the model's \(16, 97\)"):  # fmt: skip
+        setup.loss_and_grads(setup.init(jax.random.key(0)).params, *setup.place_batch(ids, ids))
+
+    class Grows(models.Llama):
+        def _block(self, ctx, segment_ids):
+            return lambda p, x: x[..., :8]  # not a residual stream
+
+    grows = Grows(**{f: getattr(tiny, f) for f in ("vocab_size", "d_model", "num_layers",
+                                                   "num_heads", "num_kv_heads", "d_ff", "context")})  # fmt: skip
+    setup = models.build("ref", optimizer=optax.sgd(0.1), model=grows)
+    with pytest.raises(ValueError, match=r"ctx.scan: each layer must return what it takes .* "
+                                         r"the layer of \['blocks'\] returned"):  # fmt: skip
+        setup.loss_and_grads(grows.init(jax.random.key(0)), ids, ids)
+
+    nested = {**tiny.plan(), "blocks": models.stacked(models.stacked(REPLICATED_BLOCK))}
+    # (here the inner layers' leaves differ in their next dim; where they did not, leaf_roles
+    # refuses stacked(...) inside stacked(...) by name)
+    with pytest.raises(ValueError, match=r"plan\['blocks'\]: stacked\(...\) leaves hold "
+                                         r"different numbers of layers"):  # fmt: skip
+        models.build("tp", mesh, optimizer=optax.sgd(0.1), model=tiny, plan=nested)
+
+    setup = models.build("tp", mesh, optimizer=optax.sgd(0.1), model=tiny)
+    params = tiny.init(jax.random.key(0))
+    del params["head"]
+    with pytest.raises(ValueError, match=r"params are not the model's tree: missing "
+                                         r"\[\"\['head'\]\['w'\]\"\], unknown \[\]"):  # fmt: skip
+        setup.shard(params)
+
+
+REPLICATED_BLOCK = {"attn_norm": models.REPLICATED, "attn": models.REPLICATED,
+                    "mlp_norm": models.REPLICATED, "mlp": models.REPLICATED}  # fmt: skip

@@ -1,6 +1,7 @@
 """Mutants of the Llama's training path, each caught by the trajectory check against the
-plain-jnp reference (tests/_gpt_checks.py): a tied head whose table gets the gradient of one
-use only, and clipping by each device's norm of its own gradient shards."""
+plain-jnp reference (tests/_gpt_checks.py), or refused by check_vma when the step traces (a
+norm that varies over the mesh where the update needs one value): a tied head whose table gets
+the gradient of one use only, and clipping by each device's norm of its own gradient shards."""
 
 import jax
 import pytest

@@ -480,3 +480,13 @@ def test_an_unknown_role_names_its_place_in_the_plan():
     with pytest.raises(ValueError, match=re.escape("plan['blocks'][0]['up']['b']: unknown role "
                                                    "'colum'; choose one of")):  # fmt: skip
         build_tp(GPT, gpt_plan(up="colum"), 2)
+
+
+def test_stacked_inside_stacked_is_refused():
+    from shardops_models.strategies.plan import leaf_roles
+
+    shapes = {"w": (2, 3, 4, 4), "b": (2, 3, 4)}
+    with pytest.raises(ValueError, match=r"stacked\(...\) inside stacked\(...\) is not supported"):
+        leaf_roles(models.stacked(models.stacked({"w": COLUMN, "b": COLUMN})), shapes)
+    roles = leaf_roles(models.stacked({"w": COLUMN, "b": COLUMN}), shapes)
+    assert roles == {"w": "column", "b": "column"} and roles["w"].layer == "column"

@@ -167,6 +167,12 @@ def test_padded_parameters_move_between_meshes_that_pad_differently(tmp_path):
             table = restored.params["embed"]["table"]
             assert table.shape == (rows, 16)
             assert not np.asarray(table)[97:].any()
+            mu, nu = (restored.opt_state[0].mu["embed"]["table"],
+                      restored.opt_state[0].nu["embed"]["table"])  # fmt: skip
+            assert mu.shape == nu.shape == (rows, 16)
+            assert not np.asarray(mu)[97:].any() and not np.asarray(nu)[97:].any()
+            # gather of the optimizer state alone gives the model's shapes too
+            assert other.gather(restored.opt_state)[0].mu["embed"]["table"].shape == (97, 16)
             for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(other.gather(restored)),
                                     jax.tree.leaves(want), strict=True):  # fmt: skip
                 np.testing.assert_array_equal(a, b, err_msg=f"{strategy}: {path}")
