@@ -1,15 +1,17 @@
 """Benchmark every strategy and its variants against GSPMD, jax.pmap and the single-device step.
 
-    python benchmarks/strategies.py                # the full tables (about 17 minutes on 2 cores)
+    python benchmarks/strategies.py                # the full tables (about 23 minutes on 2 cores)
     python benchmarks/strategies.py --quick        # a small end-to-end run (CI); times mean nothing
     python benchmarks/strategies.py --tables-only  # docs/benchmarks.md's tables from the stored JSON
     python benchmarks/strategies.py --platform gpu # the same tables on the GPUs present
     python benchmarks/strategies.py --only gpt --strategy hsdp_tp --mesh replica=2,data=2,model=2
                                                    # one case, on a mesh of named axes
 
-For the seed's MLP (784-512-10, batch 256), a wider one (784-2048-2048-10, batch 1024) and a
-GPT (``models.Gpt()``: 4 layers, width 128, 4 heads, vocabulary 256; batch 16 × 128 tokens),
-and for each strategy × mesh, it measures in one process:
+For the seed's MLP (784-512-10, batch 256), a wider one (784-2048-2048-10, batch 1024), a
+GPT (``models.Gpt()``: 4 layers, width 128, 4 heads, vocabulary 256; batch 16 × 128 tokens) and
+a Llama (``LLAMA``: the same sizes, 8 heads sharing 2 KV heads, the blocks under one scan; every
+strategy), and for each strategy × mesh, it measures in one process (tokens/s for the
+language models: the global batch's tokens over the step time):
 
 - the cases: every strategy on a data × model mesh, and HSDP (``hsdp``, ``hsdp_tp``) on named
   axes ``replica × data (× model)``; ``--strategy`` (with ``--mesh``, one case on any mesh, a
@@ -18,7 +20,7 @@ and for each strategy × mesh, it measures in one process:
   ``collective_matmul="ring"`` / ``"bidirectional"`` (``tp ring``), ``fsdp_dense=
   "gather_weights"`` (the behaviour before the per-layer choice) and ``remat=True``.
 - step time: the median of the timed steps after warm-up (60 per program for the MLPs, 20 for
-  the GPT). One (model, strategy, mesh) group's programs (the plain step, its variants, GSPMD,
+  the GPT and the Llama). One (model, strategy, mesh) group's programs (the plain step, its variants, GSPMD,
   the single-device step and, for the MLP's ``dp``, pmap) are timed in rotation, one step each
   (every other round in reverse order), so that every ratio is a *paired* ratio from
   neighbouring steps on this noisy machine; it reports the median paired ratio and its

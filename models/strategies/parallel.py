@@ -241,6 +241,8 @@ class Parallel:
         return tree.unflatten(ready)
 
     def _materialise(self, p: Param) -> Param:
+        if p.ready:  # entered the region already (a stacked leaf, by ``scan``)
+            return p
         value = p.value
         dim = self.split_dim(p.spec)
         if dim is not None and self._may_move_activations(p):
@@ -538,6 +540,13 @@ class Parallel:
         if len(layers) != 1:
             raise ValueError(f"ctx.scan: the stacked leaves hold different numbers of layers "
                              f"{sorted(layers)}; every leaf stacks the same layers on dim 0")  # fmt: skip
+        # A leaf replicated over the batch axes enters the region once, stacked: its gradient
+        # is AllReduced once after the backward loop, not layer by layer inside it (the same
+        # bytes in one collective instead of L). A split one is gathered layer by layer.
+        params = jax.tree.map(
+            lambda q: self._materialise(q) if self.split_dim(q.spec) is None else q, params,
+            is_leaf=is_param,
+        )  # fmt: skip
         per_layer = jax.tree.map(  # each leaf: the layer's role, spec and shape; values stacked
             lambda q: q.replace(role=q.role.layer, spec=P(*q.spec[1:]),
                                 logical=None if q.logical is None else q.logical[1:]),
