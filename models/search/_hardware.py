@@ -133,6 +133,23 @@ def hardware_named(name) -> Hardware:
     return HARDWARE[name]
 
 
+def _timed(mesh, body, x, repeats: int):
+    """``(median seconds, jitted)`` of ``body`` run on every device of the 1-axis ``mesh`` at
+    once (``x`` split over it), after one untimed run."""
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(DATA_AXIS), out_specs=P(DATA_AXIS)))
+    jax.block_until_ready(fn(x))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), fn
+
+
 def matmul_flops(devices=None, dtype="float32", *, size: int = 512, repeats: int = 9) -> float:
     """The matmul FLOP/s of one device while every one of ``devices`` (default all) multiplies
     ``a[size, size] @ a`` at once (simulated devices sharing cores are measured sharing them):
@@ -140,7 +157,6 @@ def matmul_flops(devices=None, dtype="float32", *, size: int = 512, repeats: int
     denominator of a model FLOPs utilisation."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -150,15 +166,7 @@ def matmul_flops(devices=None, dtype="float32", *, size: int = 512, repeats: int
     mesh = make_mesh({DATA_AXIS: len(devices)}, devices=devices)
     a = jax.device_put(jnp.ones((len(devices) * size, size), dtype),
                        NamedSharding(mesh, P(DATA_AXIS)))  # fmt: skip
-    fn = jax.jit(jax.shard_map(lambda a: a @ a, mesh=mesh, in_specs=P(DATA_AXIS),
-                               out_specs=P(DATA_AXIS)))  # fmt: skip
-    jax.block_until_ready(fn(a))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(a))
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / float(np.median(times))
+    return 2 * size**3 / _timed(mesh, lambda a: a @ a, a, repeats)[0]
 
 
 def calibrate(devices=None, *, repeats: int = 9, memory: float | None = None) -> Hardware:
@@ -180,7 +188,6 @@ def calibrate(devices=None, *, repeats: int = 9, memory: float | None = None) ->
     """
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from jax import lax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -195,14 +202,7 @@ def calibrate(devices=None, *, repeats: int = 9, memory: float | None = None) ->
     split = NamedSharding(mesh, P(DATA_AXIS))
 
     def timed(body, x):
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(DATA_AXIS), out_specs=P(DATA_AXIS)))
-        jax.block_until_ready(fn(x))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            times.append(time.perf_counter() - start)
-        return float(np.median(times)), fn
+        return _timed(mesh, body, x, repeats)
 
     flops = {jnp.dtype(d).name: matmul_flops(devices, d, repeats=repeats)
              for d in (jnp.float32, jnp.bfloat16)}  # fmt: skip
