@@ -1,0 +1,19 @@
+"""Checkpoints of other libraries in and out of shardops' models.
+
+ckpt = interop.HfLlama("path/to/llama")        # a transformers Llama: config + safetensors
+setup = models.build("tp", mesh, model=ckpt.model(), optimizer=optax.adamw(1e-4))
+state = ckpt.load(setup)                        # each process reads only its slices
+interop.save_hf_llama("out/", setup, state)    # LlamaForCausalLM.from_pretrained("out/")
+"""
+
+from shardops_models.interop.hf_llama import (
+    NAMES,
+    HfLlama,
+    UnsupportedConfig,
+    hf_config,
+    llama_from_config,
+    save_hf_llama,
+)
+
+__all__ = ["NAMES", "HfLlama", "UnsupportedConfig", "hf_config", "llama_from_config",
+           "save_hf_llama"]  # fmt: skip

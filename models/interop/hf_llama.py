@@ -1,0 +1,411 @@
+"""Hugging Face Llama checkpoints in and out of ``models.Llama``, under any strategy and mesh.
+
+    ckpt = interop.HfLlama("path/to/llama")             # config.json + *.safetensors
+    setup = models.build("fsdp_tp", mesh, model=ckpt.model(), optimizer=optax.adamw(3e-4))
+    state = ckpt.load(setup)                             # each process reads only its slices
+    ...
+    interop.save_hf_llama("out/", setup, state)         # transformers' from_pretrained loads it
+
+A checkpoint is the folder ``save_pretrained`` writes: ``config.json`` and either
+``model.safetensors`` or the sharded ``model-0000i-of-0000n.safetensors`` with
+``model.safetensors.index.json``. Reading uses ``safetensors.safe_open(...).get_slice``: each
+device's block is read straight from the file (``jax.make_array_from_callback``), so a process
+reads only what its devices hold, never a whole tensor it does not need (``elements_read``
+counts it), and never the other processes' blocks.
+
+**Names and layouts** (transformers stores a linear layer's weight ``[out, in]``; shardops
+stores ``w[in, out]``, and the blocks stacked ``[L, …]``):
+
+=================================  ==========================================  ===============
+shardops parameter                 transformers tensor                         layout
+=================================  ==========================================  ===============
+``embed.table[V, D]``              ``model.embed_tokens.weight[V, D]``          as is
+``blocks.attn_norm.scale[L, D]``   ``model.layers.{l}.input_layernorm.weight``  stacked
+``blocks.attn.wq[L, D, H·hd]``     ``model.layers.{l}.self_attn.q_proj.weight``  stacked, ᵀ
+``blocks.attn.wk[L, D, KV·hd]``    ``model.layers.{l}.self_attn.k_proj.weight``  stacked, ᵀ
+``blocks.attn.wv[L, D, KV·hd]``    ``model.layers.{l}.self_attn.v_proj.weight``  stacked, ᵀ
+``blocks.attn.wo[L, H·hd, D]``     ``model.layers.{l}.self_attn.o_proj.weight``  stacked, ᵀ
+``blocks.mlp_norm.scale[L, D]``    ``model.layers.{l}.post_attention_layernorm.weight``  stacked
+``blocks.mlp.gate.w[L, D, F]``     ``model.layers.{l}.mlp.gate_proj.weight``     stacked, ᵀ
+``blocks.mlp.up.w[L, D, F]``       ``model.layers.{l}.mlp.up_proj.weight``       stacked, ᵀ
+``blocks.mlp.down.w[L, F, D]``     ``model.layers.{l}.mlp.down_proj.weight``     stacked, ᵀ
+``norm.scale[D]``                  ``model.norm.weight[D]``                     as is
+``head.w[D, V]``                   ``lm_head.weight[V, D]`` (absent when tied)  ᵀ
+=================================  ==========================================  ===============
+
+No permutation of ``q_proj``/``k_proj``: transformers' Llama rotates halves (``rotate_half``),
+as shardops' attention does (``shardops.layers``' attention docstring). A padded dim (a
+vocabulary the tp axis does not divide) is read from the file's logical size and zero-filled
+beyond it. A tied checkpoint's ``lm_head.weight``, where a file holds one, is not read: the
+model (like transformers) uses the embedding.
+
+**Config.** ``llama_from_config`` maps ``vocab_size``, ``hidden_size``,
+``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
+``num_key_value_heads``, ``rms_norm_eps``, ``rope_parameters.rope_theta`` (or the older
+top-level ``rope_theta``), ``tie_word_embeddings`` and ``max_position_embeddings`` (the
+context). What the model cannot compute is refused with the field named: another
+``model_type``, ``rope_scaling`` or a ``rope_type`` other than ``"default"``, ``head_dim`` ≠
+``hidden_size / num_attention_heads``, ``attention_bias`` or ``mlp_bias``, a ``hidden_act``
+other than ``silu``, a non-zero ``attention_dropout``. ``pretraining_tp`` only changes how
+transformers slices its matmuls (the same function) and is accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import ml_dtypes  # noqa: F401  (numpy knows "bfloat16": safetensors reads BF16 tensors)
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from shardops_models.networks.llama import Llama
+from shardops_models.strategies.plan import is_shape
+from shardops_models.training._train import Setup, TrainState
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+# shardops path → (transformers name, with {l} for the layer; transposed: stored [out, in]).
+NAMES: dict[tuple[str, ...], tuple[str, bool]] = {
+    ("embed", "table"): ("model.embed_tokens.weight", False),
+    ("blocks", "attn_norm", "scale"): ("model.layers.{l}.input_layernorm.weight", False),
+    ("blocks", "attn", "wq"): ("model.layers.{l}.self_attn.q_proj.weight", True),
+    ("blocks", "attn", "wk"): ("model.layers.{l}.self_attn.k_proj.weight", True),
+    ("blocks", "attn", "wv"): ("model.layers.{l}.self_attn.v_proj.weight", True),
+    ("blocks", "attn", "wo"): ("model.layers.{l}.self_attn.o_proj.weight", True),
+    ("blocks", "mlp_norm", "scale"): ("model.layers.{l}.post_attention_layernorm.weight", False),
+    ("blocks", "mlp", "gate", "w"): ("model.layers.{l}.mlp.gate_proj.weight", True),
+    ("blocks", "mlp", "up", "w"): ("model.layers.{l}.mlp.up_proj.weight", True),
+    ("blocks", "mlp", "down", "w"): ("model.layers.{l}.mlp.down_proj.weight", True),
+    ("norm", "scale"): ("model.norm.weight", False),
+    ("head", "w"): ("lm_head.weight", True),
+}
+# Tensors a file may hold that the model derives (older transformers saved RoPE's frequencies).
+DERIVED = ("rotary_emb.inv_freq",)
+
+# Config fields the model cannot honour, with the value it computes: (field, test of a value).
+_UNSUPPORTED = (
+    ("rope_scaling", lambda v: v is None, "RoPE scaling (Llama 3.1's, YaRN …) is not implemented"),
+    ("attention_bias", lambda v: not v, "models.Llama has no attention biases"),
+    ("mlp_bias", lambda v: not v, "models.Llama has no MLP biases"),
+    ("hidden_act", lambda v: v == "silu", "models.Llama's gated MLP is SwiGLU (silu)"),
+    ("attention_dropout", lambda v: not v, "models.Llama trains without dropout"),
+)
+
+
+class UnsupportedConfig(ValueError):
+    """A transformers config field whose value ``models.Llama`` cannot compute."""
+
+
+def llama_from_config(config: dict | str | os.PathLike, **overrides) -> Llama:
+    """The ``models.Llama`` of a transformers Llama config (a dict, ``config.json`` or its
+    folder); ``overrides`` replace fields (``context=``, ``bos_id=``). Unsupported fields are
+    an ``UnsupportedConfig`` naming the field (module docstring)."""
+    if not isinstance(config, dict):
+        path = os.fspath(config)
+        path = os.path.join(path, CONFIG) if os.path.isdir(path) else path
+        with open(path) as f:
+            config = json.load(f)
+    if config.get("model_type") != "llama":
+        raise UnsupportedConfig(
+            f"config model_type={config.get('model_type')!r}: only 'llama' (LlamaForCausalLM) "
+            f"checkpoints load into models.Llama"
+        )
+    for field, supported, why in _UNSUPPORTED:
+        if field in config and not supported(config[field]):
+            raise UnsupportedConfig(f"config {field}={config[field]!r} is not supported: {why}")
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise UnsupportedConfig(
+            f"config rope_parameters.rope_type={rope['rope_type']!r} is not supported: only "
+            f"'default' RoPE (no scaling) is implemented"
+        )
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                           "num_hidden_layers", "num_attention_heads") if k not in config]  # fmt: skip
+    if missing:
+        raise UnsupportedConfig(f"config lacks {missing}: not a Llama config")
+    heads, width = config["num_attention_heads"], config["hidden_size"]
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim * heads != width:
+        raise UnsupportedConfig(
+            f"config head_dim={head_dim} is not supported: models.Llama's head_dim is "
+            f"hidden_size / num_attention_heads = {width} / {heads}"
+        )
+    fields = {
+        "vocab_size": config["vocab_size"],
+        "d_model": width,
+        "d_ff": config["intermediate_size"],
+        "num_layers": config["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": config.get("num_key_value_heads") or heads,
+        "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "context": config.get("max_position_embeddings", 2048),
+    }
+    return Llama(**{**fields, **overrides})
+
+
+def hf_config(model: Llama, dtype="float32") -> dict:
+    """The transformers ``config.json`` of ``model`` (``LlamaForCausalLM``)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.d_model,
+        "intermediate_size": model.d_ff,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_heads,
+        "num_key_value_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": model.context,
+        "rms_norm_eps": model.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
+        "rope_theta": model.rope_theta,  # transformers < 5 reads it here
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": model.tie_embeddings,
+        "dtype": str(np.dtype(dtype)),
+        "torch_dtype": str(np.dtype(dtype)),
+        "bos_token_id": model.bos_id,
+    }
+
+
+class HfLlama:
+    """A transformers Llama checkpoint folder, read lazily (module docstring).
+
+    ``model()`` is its ``models.Llama``; ``load(setup)`` reads its parameters into ``setup``'s
+    layout; ``elements_read`` counts the elements this process has read from the files.
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = os.path.abspath(os.fspath(directory))
+        config = os.path.join(self.directory, CONFIG)
+        if not os.path.exists(config):
+            raise FileNotFoundError(f"{self.directory} has no {CONFIG}: not a transformers "
+                                    f"checkpoint folder (save_pretrained writes one)")  # fmt: skip
+        with open(config) as f:
+            self.config = json.load(f)
+        self.files = self._weight_map()  # tensor name → file name
+        self.elements_read = 0
+
+    def model(self, **overrides) -> Llama:
+        """``llama_from_config(self.config, **overrides)``."""
+        return llama_from_config(self.config, **overrides)
+
+    def _weight_map(self) -> dict[str, str]:
+        index = os.path.join(self.directory, INDEX)
+        if os.path.exists(index):
+            with open(index) as f:
+                return dict(json.load(f)["weight_map"])
+        single = os.path.join(self.directory, SINGLE)
+        if not os.path.exists(single):
+            raise FileNotFoundError(f"{self.directory} has neither {SINGLE} nor {INDEX}")
+        with safe_open(single, "numpy") as f:
+            return dict.fromkeys(f.keys(), SINGLE)
+
+    def load(self, setup: Setup, *, optimizer_state: bool = True):
+        """The checkpoint's parameters laid out for ``setup`` (any strategy and mesh of the same
+        ``models.Llama``), in its param dtype: a ``TrainState`` with a fresh optimizer state,
+        or the params alone with ``optimizer_state=False``. Every process of a multi-process
+        run calls it and reads only the blocks its devices hold."""
+        model = setup.model
+        if not isinstance(model, Llama):
+            raise TypeError(f"HfLlama.load needs a setup of models.Llama; got {type(model)}")
+        expected = self.model(context=model.context, bos_id=model.bos_id,
+                              init_scale=model.init_scale)  # fmt: skip
+        if expected != model:
+            diff = [f"{f}: {getattr(expected, f)!r} in the checkpoint, {getattr(model, f)!r} "
+                    f"in the setup" for f in expected.__dataclass_fields__
+                    if getattr(expected, f) != getattr(model, f)]  # fmt: skip
+            raise ValueError(f"the setup's model is not the checkpoint's ({self.directory}): "
+                             + "; ".join(diff) + " (build the setup with model=ckpt.model())")  # fmt: skip
+        self._check_tensors(model)
+        dtype = np.dtype(setup.precision.param_dtype)
+        logical, stored = setup.padding.logical, setup.padding.stored
+        shardings = _shardings(setup)
+        handles: dict[str, Any] = {}
+        try:
+
+            def leaf(path, shape, stored_shape, sharding):
+                key = tuple(k.key for k in path)
+                name, transposed = NAMES[key]
+                read = _BlockReader(self, handles, name, transposed, key[0] == "blocks",
+                                    tuple(shape), tuple(stored_shape), dtype)  # fmt: skip
+                return jax.make_array_from_callback(tuple(stored_shape), sharding, read)
+
+            params = jax.tree_util.tree_map_with_path(leaf, logical, stored, shardings,
+                                                      is_leaf=is_shape)  # fmt: skip
+        finally:
+            for handle in handles.values():
+                handle.__exit__(None, None, None)
+        if not optimizer_state:
+            return params
+        opt_shardings = (None if setup.mesh is None else
+                         jax.tree.map(lambda s: NamedSharding(setup.mesh, s), setup.opt_specs,
+                                      is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)))  # fmt: skip
+        opt_state = jax.jit(setup.optimizer.init, out_shardings=opt_shardings)(params)
+        return TrainState(params, opt_state)
+
+    def _check_tensors(self, model: Llama) -> None:
+        """Every tensor the model needs is in the files, and no tensor it would ignore is."""
+        want = set()
+        for key, (name, _) in NAMES.items():
+            if key[0] == "head" and model.tie_embeddings:
+                continue
+            want |= {name.format(l=i) for i in range(model.num_layers)} if "{l}" in name else {name}
+        have = set(self.files)
+        missing = sorted(want - have)
+        extra = sorted(n for n in have - want
+                       if not n.endswith(DERIVED) and not (model.tie_embeddings
+                                                           and n == "lm_head.weight"))  # fmt: skip
+        if missing or extra:
+            raise ValueError(
+                f"{self.directory}: the files do not hold models.Llama's tensors: missing "
+                f"{missing[:6]}{' …' if len(missing) > 6 else ''}, not understood "
+                f"{extra[:6]}{' …' if len(extra) > 6 else ''} (a bias or another architecture "
+                f"would be silently dropped)"
+            )
+
+    def _open(self, handles: dict, name: str):
+        file = self.files[name]
+        if file not in handles:
+            handle = safe_open(os.path.join(self.directory, file), "numpy")
+            handles[file] = handle.__enter__()
+        return handles[file]
+
+
+class _BlockReader:
+    """``make_array_from_callback``'s callback for one parameter: the block at a device's
+    index, read from the file's tensor(s) (one per layer when stacked), transposed to
+    shardops' ``[in, out]``, zero-filled beyond the logical shape (padding). Each distinct
+    block is read once (replicas ask for it again)."""
+
+    def __init__(self, ckpt: HfLlama, handles, name, transposed, stacked, shape, stored_shape,
+                 dtype):  # fmt: skip
+        self.ckpt, self.handles, self.name = ckpt, handles, name
+        self.transposed, self.stacked, self.dtype = transposed, stacked, dtype
+        self.shape, self.stored_shape = shape, stored_shape
+        self.blocks: dict[tuple, np.ndarray] = {}
+
+    def __call__(self, index):
+        key = tuple((s.start, s.stop) for s in index)
+        if key not in self.blocks:
+            self.blocks[key] = self._read(index)
+        return self.blocks[key]
+
+    def _read(self, index):
+        stored = [s.stop - s.start for s in _bounded(index, self.stored_shape)]
+        block = np.zeros(stored, self.dtype)
+        # The part of the block inside the logical shape; the rest is padding (zeros).
+        inside = [slice(s.start, min(s.stop, n))
+                  for s, n in zip(_bounded(index, self.stored_shape), self.shape, strict=True)]  # fmt: skip
+        if any(s.start >= s.stop for s in inside):
+            return block
+        if self.stacked:
+            layers = range(inside[0].start, inside[0].stop)
+            part = np.stack([self._tensor(self.name.format(l=i), inside[1:]) for i in layers])
+        else:
+            part = self._tensor(self.name, inside)
+        block[tuple(slice(0, n) for n in part.shape)] = part
+        return block
+
+    def _tensor(self, name: str, inside: list[slice]) -> np.ndarray:
+        """``name``'s slice ``inside`` in shardops' layout (the file's slice, transposed)."""
+        view = self.ckpt._open(self.handles, name).get_slice(name)
+        part = view[tuple(reversed(inside)) if self.transposed else tuple(inside)]
+        self.ckpt.elements_read += part.size
+        return (part.T if self.transposed else part).astype(self.dtype)
+
+
+def _bounded(index, shape) -> list[slice]:
+    """A device's index (slices that may be open, ``slice(None)``) as bounded slices."""
+    return [slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True)]
+
+
+def _shardings(setup: Setup):
+    if setup.mesh is None:
+        device = SingleDeviceSharding(jax.local_devices()[0])
+        return jax.tree.map(lambda _: device, setup.padding.stored, is_leaf=is_shape)
+    return jax.tree.map(lambda s: NamedSharding(setup.mesh, s), setup.param_specs,
+                        is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))  # fmt: skip
+
+
+def save_hf_llama(directory: str | os.PathLike, setup: Setup, state, *,
+                  max_shard_bytes: int | None = None, dtype=None) -> list[str]:  # fmt: skip
+    """Write ``state`` (a ``TrainState`` or the params, laid out by ``setup``) as a transformers
+    Llama checkpoint in ``directory``: ``config.json`` and ``model.safetensors``, or, when the
+    tensors exceed ``max_shard_bytes``, ``model-0000i-of-0000n.safetensors`` files of at most
+    that size each (a tensor is never split) with ``model.safetensors.index.json``.
+
+    Every process calls it (the arrays are gathered one at a time); process 0 writes. ``dtype``
+    (default the params') is the files' dtype. Returns the files written (process 0).
+    """
+    model = setup.model
+    if not isinstance(model, Llama):
+        raise TypeError(f"save_hf_llama needs a setup of models.Llama; got {type(model)}")
+    params = state.params if isinstance(state, TrainState) else state
+    directory = os.path.abspath(os.fspath(directory))
+    tensors: dict[str, np.ndarray] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        key = tuple(k.key for k in path)
+        name, transposed = NAMES[key]
+        logical = _logical_shape(setup, path)
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)
+        whole = np.asarray(jax.device_get(leaf))[tuple(slice(0, n) for n in logical)]
+        whole = whole.astype(dtype or whole.dtype)
+        layers = [(name.format(l=i), whole[i]) for i in range(len(whole))] if "{l}" in name \
+            else [(name, whole)]  # fmt: skip
+        for n, a in layers:
+            tensors[n] = np.ascontiguousarray(a.T if transposed else a)
+    files: list[str] = []
+    if jax.process_index() == 0:
+        os.makedirs(directory, exist_ok=True)
+        out_dtype = dtype or next(iter(tensors.values())).dtype
+        with open(os.path.join(directory, CONFIG), "w") as f:
+            json.dump(hf_config(model, out_dtype), f, indent=2)
+        files = _write(directory, tensors, max_shard_bytes)
+    return files
+
+
+def _logical_shape(setup: Setup, path) -> tuple[int, ...]:
+    node = setup.padding.logical
+    for k in path:
+        node = node[k.key]
+    return tuple(node)
+
+
+def _write(directory: str, tensors: dict[str, np.ndarray], max_shard_bytes: int | None):
+    """safetensors files of at most ``max_shard_bytes`` each (transformers' sharded form)."""
+    metadata = {"format": "pt"}  # transformers reads a file only with a known format
+    total = sum(a.nbytes for a in tensors.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(tensors, os.path.join(directory, SINGLE), metadata=metadata)
+        return [SINGLE]
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, a in tensors.items():
+        if shards[-1] and size + a.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = a
+        size += a.nbytes
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for file, shard in zip(names, shards, strict=True):
+        save_file(shard, os.path.join(directory, file), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, file))
+    with open(os.path.join(directory, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return [*names, INDEX]
