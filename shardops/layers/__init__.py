@@ -7,6 +7,7 @@
 | embedding | ``vocab_parallel_embedding`` | ``vocab_parallel_embedding_kernel`` | ``vocab_parallel_embedding_specs`` |
 | loss | ``vocab_parallel_cross_entropy``, ``vocab_parallel_argmax`` | ``*_kernel`` | ``vocab_parallel_cross_entropy_specs`` |
 | attention | ``head_parallel_attention`` (RoPE, GQA/MQA, packed segments) | ``head_parallel_attention_kernel`` | ``head_parallel_attention_specs`` |
+| decoding attention | | ``cached_attention_kernel`` (a KV cache of ``kv_cache_heads`` per device) | as attention's |
 | gated MLP | ``tensor_parallel_gated_mlp`` (SwiGLU) | ``tensor_parallel_gated_mlp_kernel`` | ``tensor_parallel_gated_mlp_specs`` |
 | norms | ``layer_norm``, ``rms_norm`` (any sharding of the leading dims) | | |
 
@@ -18,11 +19,13 @@ Unsharded references: ``dense``, ``attention``, ``gated_mlp``. Parameters: ``ini
 from shardops.layers._attention import (
     AttentionSpecs,
     attention,
+    cached_attention_kernel,
     check_head_counts,
     head_parallel_attention,
     head_parallel_attention_kernel,
     head_parallel_attention_specs,
     init_attention,
+    kv_cache_heads,
     segment_positions,
     splits_kv_heads,
 )
@@ -68,6 +71,7 @@ __all__ = [
     "EmbeddingSpecs",
     "GatedMlpSpecs",
     "attention",
+    "cached_attention_kernel",
     "check_head_counts",
     "column_parallel_dense",
     "column_parallel_dense_kernel",
@@ -80,6 +84,7 @@ __all__ = [
     "init_attention",
     "init_dense",
     "init_gated_mlp",
+    "kv_cache_heads",
     "layer_norm",
     "pad_params",
     "padded_size",

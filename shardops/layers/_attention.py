@@ -327,6 +327,105 @@ def head_parallel_attention_kernel(
     return precision.finish(y, bo)  # + bo once, after the reduction; y in compute dtype
 
 
+def kv_cache_heads(num_heads: int, num_kv_heads: int, axis_size: int) -> int:
+    """KV heads a device projects, and caches when decoding, under head parallelism over
+    ``axis_size`` devices: ``KV/p`` when ``p`` divides KV (K/V split by KV head), else the
+    longest run of KV heads a device's query heads read (K/V replicated; 1 when KV divides
+    p). The decoding cache holds ``[B, that, S_max, hd]`` per device and layer."""
+    if num_kv_heads % axis_size == 0:
+        return num_kv_heads // axis_size
+    local, group = num_heads // axis_size, num_heads // num_kv_heads
+    return max(((i + 1) * local - 1) // group - (i * local) // group + 1
+               for i in range(axis_size))  # fmt: skip
+
+
+@scoped("cached_attention")
+def cached_attention_kernel(
+    x,
+    params,
+    cache,
+    start,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    rope_theta: float | None = None,
+    axis_name: str = MODEL_AXIS,
+    precision: Precision = FLOAT32,
+):
+    """Causal head-parallel attention of new tokens against a KV cache (decoding), on local
+    blocks: ``x[B, s, D]`` at positions ``start … start+s−1`` → ``y[B, s, D]`` and the cache
+    with their keys and values written in.
+
+    The prompt's prefill is one call (``start`` = 0, ``s`` = its length), each generated token
+    another (``s`` = 1). Every row of the batch is at the same position.
+
+    Arguments (``p`` = size of ``axis_name``):
+        x: ``x[B, s, D]`` replicated over ``axis_name``.
+        params: as ``head_parallel_attention_kernel``'s (``wk``, ``wv`` split by KV head or
+            replicated; biases optional).
+        cache: ``(k, v)``, each ``[B, n, S_max, hd]`` in ``precision.compute_dtype`` with
+            ``n = kv_cache_heads(H, KV, p)``: this device's KV heads (the ones its query heads
+            read; where K/V are replicated, devices that read the same KV head each cache it).
+            Positions ``≥ start`` may hold anything: they are overwritten or masked.
+        start: int32 scalar (may be traced), the position of ``x``'s first token; rotary
+            positions continue from it.
+
+    Returns:
+        ``(y, (k, v))``: ``y[B, s, D]`` in ``precision.compute_dtype`` replicated over
+        ``axis_name``, and the cache with positions ``start … start+s−1`` written.
+
+    Communication over ``axis_name``: one AllReduce ``y[B, s, D]{U_model} → y`` in
+    ``accum_dtype``, as the training kernel's forward; nothing else (the cache never moves).
+    """
+    op = "cached_attention_kernel"
+    p = bound_axis_size(axis_name, op)
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    heads, head_dim, shared = _check_local(op, x, params, num_heads, kv_heads, p, axis_name,
+                                           False)  # fmt: skip
+    _check_rope(op, rope_theta, head_dim)
+    k_cache, v_cache = cache
+    batch, seq, _ = x.shape
+    want = (batch, kv_cache_heads(num_heads, kv_heads, p), k_cache.shape[2], head_dim)
+    for name, c in (("k", k_cache), ("v", v_cache)):
+        if tuple(c.shape) != want or c.dtype != np.dtype(precision.compute_dtype):
+            raise ValueError(
+                f"{op}: the {name} cache must be [B, n, S_max, hd] = {want} in "
+                f"{np.dtype(precision.compute_dtype)} (n = kv_cache_heads({num_heads}, "
+                f"{kv_heads}, {p})); got {c.dtype}{tuple(c.shape)}"
+            )
+    accum = precision.accum_dtype
+    x = x.astype(accum)  # replicated over model: no region entry is needed without a backward
+    if shared:
+        params, kv = _shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum)
+    else:
+        kv = _KvHeads(kv_heads // p, None)
+    q = _project(x, params["wq"], params.get("bq"), heads, precision)  # q[B, H/p, s, hd]
+    k = _project(x, params["wk"], params.get("bk"), kv.count, precision)  # k[B, n, s, hd]
+    v = _project(x, params["wv"], params.get("bv"), kv.count, precision)  # v[B, n, s, hd]
+    positions = start + jnp.arange(seq, dtype=jnp.int32)  # [s]: the tokens' global positions
+    if rope_theta is not None:
+        cos, sin = _rotation(positions[None], seq, head_dim, rope_theta)  # [1, 1, s, hd/2]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    compute = precision.compute_dtype
+    at = (0, 0, start, 0)
+    k_cache = lax.dynamic_update_slice(k_cache, k.astype(compute), at)  # [B, n, S_max, hd]
+    v_cache = lax.dynamic_update_slice(v_cache, v.astype(compute), at)
+    keys = _for_query_heads(k_cache, kv, heads)  # [B, H/p, S_max, hd]
+    values = _for_query_heads(v_cache, kv, heads)
+    size = k_cache.shape[2]
+    q = q.reshape(batch * heads, seq, head_dim)
+    keys, values = (t.reshape(batch * heads, size, head_dim) for t in (keys, values))
+    scores = _product("nqd,nkd->nqk", q, keys, precision) * (1.0 / math.sqrt(head_dim))
+    visible = jnp.arange(size)[None, :] <= positions[:, None]  # [s, S_max]: key j ≤ query i
+    probs = jax.nn.softmax(jnp.where(visible[None], scores, -jnp.inf), axis=-1)
+    o = _product("nqk,nkd->nqd", probs, values, precision)  # o[B·H/p, s, hd] in accum
+    o = o.reshape(batch, heads, seq, head_dim).transpose(0, 2, 1, 3)
+    y_partial = precision.matmul(o.reshape(batch, seq, heads * head_dim), params["wo"])
+    with because(_REDUCE, axis_name):
+        y = lax.psum(y_partial, axis_name)  # y[B, s, D] in accum
+    return precision.finish(y, params.get("bo")), (k_cache, v_cache)
+
+
 def _shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum):
     """Replicated ``wk``, ``wv`` (``bk``, ``bv``): this device's slice of the KV heads its query
     heads read, entered into the region (the backward AllReduces their gradients).

@@ -1,0 +1,10 @@
+"""Generating text from shardops' models: KV-cache decoding under tensor parallelism.
+
+decoder = generation.Decoder(model, mesh, batch=8, max_len=256)
+tokens = decoder.generate(decoder.place(params), prompt, steps=64, temperature=0.8,
+                          key=jax.random.key(0))
+"""
+
+from shardops_models.generation.decoding import Decoder
+
+__all__ = ["Decoder"]

@@ -1,0 +1,246 @@
+"""KV-cache decoding of ``models.Llama`` under tensor parallelism.
+
+    decoder = generation.Decoder(model, shardops.make_mesh({"data": 2, "model": 4}),
+                                 batch=8, max_len=256)
+    params = decoder.place(params)                       # full params → the decoding layout
+    tokens = decoder.generate(params, prompt, steps=64)  # greedy; temperature=, key= to sample
+
+The prompt ``prompt[B, S_p]`` is *prefilled* in one pass that writes every layer's keys and
+values into the cache; then each new token is one step that attends to the cache and appends
+its own K/V, at position ``S_p + t`` (rotary positions continue from the prompt). All rows of
+a batch share the prompt length. ``generate`` runs prefill and every step in one compiled
+program (a ``lax.scan`` over the steps: one dispatch, nothing in flight to bound).
+
+**Layout** (the ``2d`` strategy's: Megatron's tensor parallelism over ``model``, the batch over
+``data``): each device holds ``H/p`` query heads and the weights of ``2d``; the cache
+``k, v[L, B/d, n, S_max, hd]`` per device holds the KV heads its query heads read: split by
+KV head (``n = KV/p``) where ``model`` divides the KV heads, else the KV heads replicated like
+their weights (``n = kv_cache_heads(H, KV, p)``; devices whose query heads read the same KV
+head each cache it). A vocabulary or d_ff the model axis does not divide is padded and masked
+as in training.
+
+**Sampling.** Greedy is the vocab-parallel argmax (an AllReduce(max) and an AllReduce(min) of
+``B/d`` numbers; the logits are never gathered). With ``temperature`` > 0 a token is drawn by
+the Gumbel-max trick, ``argmax(logits/T + g)``, with ``g[B, V]`` drawn from the step's key for
+the whole batch and vocabulary and each device adding its own block: the draw equals the
+unsharded one's for the same key, whatever the mesh.
+
+**Per step** (one token, batch ``b = B/d`` per device), over ``model``: the embedding's
+AllReduce of ``x[b, 1, D]``, two AllReduces of ``[b, 1, D]`` per layer (attention's output
+and the MLP's), and the argmax's two of ``[b, 1]``; all float32. Nothing over ``data``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardops
+from shardops.layers import (
+    cached_attention_kernel,
+    column_parallel_dense_kernel,
+    kv_cache_heads,
+    tensor_parallel_gated_mlp_kernel,
+    vocab_parallel_argmax_kernel,
+    vocab_parallel_embedding_kernel,
+)
+from shardops_models.networks.llama import Llama
+from shardops_models.training._train import build
+
+STRATEGY = "2d"  # the decoding layout: tp over model, the batch over data
+
+
+class Decoder:
+    """Prefill and one-token steps of ``model`` on ``mesh`` (axes ``data`` and ``model``),
+    for batches of ``batch`` rows and sequences of at most ``max_len`` tokens (the cache's
+    length; at most the model's context). ``precision``: the compute policy, the cache in
+    its compute dtype."""
+
+    def __init__(self, model: Llama, mesh, *, batch: int, max_len: int,
+                 precision: shardops.Precision = shardops.FLOAT32):  # fmt: skip
+        if not isinstance(model, Llama):
+            raise TypeError(f"Decoder decodes a models.Llama; got {type(model).__name__}")
+        if not 1 <= max_len <= model.context:
+            raise ValueError(f"max_len={max_len} must be in [1, {model.context}] (the model's "
+                             f"context; build the model with a longer one)")  # fmt: skip
+        self.model, self.mesh, self.max_len, self.precision = model, mesh, max_len, precision
+        self.setup = build(STRATEGY, mesh, model=model, optimizer=optax.identity(),
+                           precision=precision)  # fmt: skip
+        self.setup.check_batch_size(batch)
+        self.batch = batch
+        layout = self.setup.layout
+        self.tp, self.data = layout.tp, layout.batch_axes
+        p = mesh.shape[self.tp]
+        self.cache_heads = kv_cache_heads(model.num_heads, model.num_kv_heads, p)
+        self.param_specs = self.setup.param_specs
+        row = shardops.spec_entry(*self.data)
+        # The cache: [L, B, p·n, S_max, hd] globally, device (i, j) holding rows i, heads j.
+        self.cache_spec = P(None, row, self.tp, None, None)
+        self.batch_spec = P(row)
+        self._row = row
+
+    # --- placement
+
+    def place(self, params):
+        """Full (host) params of the model, as ``model.init`` or ``Setup.gather`` give them, laid
+        out for decoding (padded where the model axis does not divide a dim)."""
+        return self.setup.shard(params).params
+
+    def init_cache(self):
+        """An empty cache: ``(k, v)``, each ``[L, B, p·n, S_max, hd]`` zeros in the compute
+        dtype, device (i, j) holding batch rows of data index i and its n KV heads."""
+        m = self.model
+        shape = (m.num_layers, self.batch, self.mesh.shape[self.tp] * self.cache_heads,
+                 self.max_len, m.head_dim)  # fmt: skip
+        sharding = NamedSharding(self.mesh, self.cache_spec)
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.precision.compute_dtype),
+                        out_shardings=sharding)  # fmt: skip
+        return zeros(), zeros()
+
+    # --- the programs
+
+    @functools.cached_property
+    def _forward(self):
+        """``(params, cache, ids[B, s], start) → (logits[B, s, V_pad], cache)``: s new tokens
+        at positions ``start …``, the logits split over the vocabulary."""
+        specs = (self.param_specs, (self.cache_spec,) * 2, self.batch_spec, P())
+        out = (P(self._row, None, self.tp), (self.cache_spec,) * 2)
+        return jax.shard_map(self._local_forward, mesh=self.mesh, in_specs=specs, out_specs=out)
+
+    def _local_forward(self, params, cache, ids, start):
+        m, tp, prec = self.model, self.tp, self.precision
+        logical = self.setup.padding.logical
+        vocab = m.vocab_size
+        x = vocab_parallel_embedding_kernel(
+            ids, params["embed"]["table"], vocab_size=vocab, axis_name=tp, precision=prec
+        )  # x[b, s, D]
+        hidden = logical["blocks"]["mlp"]["gate"]["w"][2]
+
+        def layer(carry, p):
+            x, (k_all, v_all), i = carry
+            h = shardops.rms_norm(x, p["attn_norm"]["scale"], eps=m.norm_eps)
+            layer_cache = (k_all[i], v_all[i])
+            a, (k, v) = cached_attention_kernel(
+                h, p["attn"], layer_cache, start, num_heads=m.num_heads,
+                num_kv_heads=m.num_kv_heads, rope_theta=m.rope_theta, axis_name=tp,
+                precision=prec,
+            )  # fmt: skip
+            x = x + a
+            h = shardops.rms_norm(x, p["mlp_norm"]["scale"], eps=m.norm_eps)
+            x = x + tensor_parallel_gated_mlp_kernel(h, p["mlp"], axis_name=tp, hidden=hidden,
+                                                     precision=prec)  # fmt: skip
+            return (x, (k_all.at[i].set(k), v_all.at[i].set(v)), i + 1), None
+
+        (x, cache, _), _ = lax.scan(layer, (x, cache, 0), params["blocks"])
+        x = shardops.rms_norm(x, params["norm"]["scale"], eps=m.norm_eps)
+        w = params["embed"]["table"].T if m.tie_embeddings else params["head"]["w"]
+        logits = column_parallel_dense_kernel(
+            x, w, axis_name=tp, out_features=vocab, precision=prec
+        )  # [b, s, V_pad/p]
+        return logits, cache
+
+    def _local_next(self, logits, key, temperature):
+        """The next token ``[b]`` of each row from its last logits ``[b, V_pad/p]``: argmax, or
+        with ``temperature`` > 0 the Gumbel-max draw of the whole batch's noise."""
+        vocab = self.model.vocab_size
+        logits = logits.astype(jnp.float32)
+        if temperature > 0:
+            b, v_local = logits.shape
+            noise = jax.random.gumbel(key, (self.batch, vocab), jnp.float32)  # g[B, V]
+            p = lax.axis_size(self.tp)
+            noise = jnp.pad(noise, ((0, 0), (0, p * v_local - vocab)))  # [B, V_pad]
+            row = _axis_index(self.data) * b
+            noise = lax.dynamic_slice(
+                noise, (row, lax.axis_index(self.tp) * v_local), (b, v_local)
+            )  # this device's block
+            logits = logits / temperature + noise
+        return vocab_parallel_argmax_kernel(logits, vocab_size=vocab, axis_name=self.tp)
+
+    def logits(self, params, cache, ids, start):
+        """``(logits[B, s, V], cache)``: the logits of ``ids[B, s]`` at positions ``start …``
+        (float32, padding cut off) and the cache with their K/V written. ``cache`` is donated.
+        The prefill is ``start`` = 0 with the prompt; a step, one token at the next position."""
+        self._check(ids, start)
+        return self._logits(params, cache, ids, jnp.int32(start))
+
+    @functools.cached_property
+    def _logits(self):
+        vocab = self.model.vocab_size
+
+        def run(params, cache, ids, start):
+            logits, cache = self._forward(params, cache, ids, start)
+            return logits[..., :vocab].astype(jnp.float32), cache
+
+        return jax.jit(run, donate_argnums=1)
+
+    def generate(self, params, prompt, steps: int, *, temperature: float = 0.0, key=None):
+        """``tokens[B, steps]``: the continuation of ``prompt[B, S_p]`` (placed or host ints),
+        greedy (``temperature`` = 0) or sampled at ``temperature`` with ``key`` (one key for the
+        whole batch; step ``t`` uses ``fold_in(key, t)``). ``S_p + steps ≤ max_len``."""
+        prompt = jnp.asarray(prompt) if not isinstance(prompt, jax.Array) else prompt
+        self._check(prompt, 0, prompt.shape[1] + steps - 1)
+        if temperature < 0:
+            raise ValueError(f"temperature must be ≥ 0 (0: greedy); got {temperature}")
+        if temperature > 0 and key is None:
+            raise ValueError("sampling (temperature > 0) needs key=jax.random.key(...)")
+        key = jax.random.key(0) if key is None else key
+        prompt = jax.device_put(prompt, NamedSharding(self.mesh, self.batch_spec))
+        return self.generate_program(steps, float(temperature))(params, prompt, key)
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019  (one program per (steps, temperature))
+    def generate_program(self, steps: int, temperature: float = 0.0):
+        """The jitted ``(params, prompt[B, S_p], key) → tokens[B, steps]`` program behind
+        ``generate`` (placed arguments; for ``shardops.inspect``): the prefill and ``steps − 1``
+        one-token steps in a ``lax.scan``, the cache created and kept inside it."""
+        m = self.model
+        local_batch = self.batch // self.setup.batch_multiple
+
+        def local(params, prompt, key):
+            shape = (m.num_layers, local_batch, self.cache_heads, self.max_len, m.head_dim)
+            cache = (jnp.zeros(shape, self.precision.compute_dtype),) * 2
+            cache = jax.tree.map(lambda c: lax.pcast(c, (*self.data, self.tp),
+                                                     to="varying"), cache)  # fmt: skip
+            logits, cache = self._local_forward(params, cache, prompt, jnp.int32(0))
+            first = self._local_next(logits[:, -1], jax.random.fold_in(key, 0), temperature)
+
+            def step(carry, t):
+                cache, token = carry
+                logits, cache = self._local_forward(params, cache, token[:, None],
+                                                    prompt.shape[1] + t - 1)  # fmt: skip
+                token = self._local_next(logits[:, -1], jax.random.fold_in(key, t), temperature)
+                return (cache, token), token
+
+            _, rest = lax.scan(step, (cache, first), jnp.arange(1, steps, dtype=jnp.int32))
+            return jnp.concatenate([first[:, None], rest.T], axis=1)  # [b, steps]
+
+        specs = (self.param_specs, self.batch_spec, P())
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=self.batch_spec)
+        return jax.jit(fn)
+
+    def _check(self, ids, start, last=None):
+        if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"ids must be integer tokens [batch, tokens]; got "
+                             f"{ids.dtype}{tuple(ids.shape)}")  # fmt: skip
+        if ids.shape[0] != self.batch:
+            raise ValueError(f"ids dim 0 (batch) = {ids.shape[0]}; this decoder was built for "
+                             f"batch={self.batch}")  # fmt: skip
+        last = start + ids.shape[1] - 1 if last is None else last
+        if isinstance(start, int | np.integer) and not 0 <= start <= last < self.max_len:
+            raise ValueError(f"positions {start} … {last} do not fit the cache of max_len="
+                             f"{self.max_len}; build the Decoder with a longer max_len")  # fmt: skip
+        self.model.check_batch(ids)  # token range, when concrete
+
+
+def _axis_index(axes: tuple[str, ...]):
+    """The linear index of this device over ``axes`` (major to minor), 0 for none."""
+    index = 0
+    for a in axes:
+        index = index * lax.axis_size(a) + lax.axis_index(a)
+    return index

@@ -1,0 +1,144 @@
+"""KV-cache decoding (``shardops_models.generation.Decoder``) against transformers' float64
+forward of the same checkpoint (``_hf_checks``): the cached logits of a prefill and 32 one-token
+steps equal a full recompute within the float32 bound, under tp (1×8) and 2d (2×4, 4×2: KV
+heads replicated and split); greedy tokens equal the unsharded model's wherever the top-2
+margin exceeds that bound; sampling draws the same tokens on every mesh for one key, from
+softmax(logits / T); the compiled program's collectives are the documented ones."""
+
+import collections
+
+import jax
+import numpy as np
+import pytest
+import torch
+from _gpt_checks import MESHES
+from _hf_checks import check_close, checkpoint, hf_logits, tokens
+from _model_checks import mesh_for
+
+from shardops.inspect import collectives
+from shardops_models.generation import Decoder
+from shardops_models.interop import HfLlama
+
+PROMPT, STEPS, BATCH = 8, 32, 8
+MAX_LEN = PROMPT + STEPS
+
+
+def _decoder(name, mesh_name, batch=BATCH):
+    ckpt = HfLlama(checkpoint(name))
+    decoder = Decoder(ckpt.model(), mesh_for(MESHES[mesh_name]), batch=batch, max_len=MAX_LEN)
+    return decoder, ckpt.load(decoder.setup, optimizer_state=False)
+
+
+@pytest.mark.parametrize("name, mesh_name, heads", [
+    ("gqa", "1x8", "2 KV heads replicated on 8 (one cached per device)"),
+    ("gqa", "2x4", "2 KV heads replicated on 4, batch split over data"),
+    ("gqa", "4x2", "2 KV heads split over 2"),
+    ("mqa_tied", "2x4", "1 KV head, tied head"),
+])  # fmt: skip
+def test_cached_logits_of_every_step_equal_a_full_recompute(name, mesh_name, heads):
+    decoder, params = _decoder(name, mesh_name)
+    ids, _ = tokens(decoder.model.vocab_size, seed=2, seq=MAX_LEN)
+    cache = decoder.init_cache()
+    logits, cache = decoder.logits(params, cache, ids[:, :PROMPT], 0)  # the prefill
+    steps = [np.asarray(logits)]
+    for t in range(PROMPT, MAX_LEN):  # teacher-forced: the true next token, one at a time
+        logits, cache = decoder.logits(params, cache, ids[:, t : t + 1], t)
+        steps.append(np.asarray(logits))
+    check_close(np.concatenate(steps, axis=1), checkpoint(name), ids, f"{name} {mesh_name}")
+
+
+@pytest.mark.parametrize("mesh_name", ["1x8", "2x4"])
+def test_greedy_tokens_equal_the_unsharded_model_where_the_margin_is_clear(mesh_name):
+    decoder, params = _decoder("gqa", mesh_name)
+    prompt, _ = tokens(97, seed=3, seq=PROMPT)
+    got = np.asarray(decoder.generate(params, prompt, STEPS))
+    assert got.shape == (BATCH, STEPS)
+    text = np.concatenate([prompt, got], axis=1)
+    path = checkpoint("gqa")
+    exact = hf_logits(path, text[:, :-1], torch.float64)[:, PROMPT - 1 :]  # [B, STEPS, V]
+    bound = 2 * np.abs(hf_logits(path, text[:, :-1])[:, PROMPT - 1 :] - exact).max() + 4 * (
+        np.finfo(np.float32).eps * np.abs(exact).max())  # fmt: skip
+    top2 = np.sort(exact, axis=-1)[..., -2:]
+    clear = top2[..., 1] - top2[..., 0] > 2 * bound  # a float32 error cannot swap them
+    assert clear.mean() > 0.95, f"only {clear.mean():.0%} of steps have a clear top-2 margin"
+    np.testing.assert_array_equal(got[clear], exact.argmax(-1)[clear])
+
+
+def test_sampling_draws_the_same_tokens_on_every_mesh():
+    """One key, the whole batch's Gumbel noise: a mesh that gave each data shard the noise of
+    rows 0 … b−1, or each model shard the first vocabulary block's, draws other tokens."""
+    prompt, _ = tokens(97, seed=4, seq=PROMPT)
+    draws = {}
+    for mesh_name in ("1x1", "1x8", "2x4"):
+        shape = {"data": 1, "model": 1} if mesh_name == "1x1" else MESHES[mesh_name]
+        ckpt = HfLlama(checkpoint("gqa"))
+        decoder = Decoder(ckpt.model(), mesh_for(shape), batch=BATCH, max_len=MAX_LEN)
+        params = ckpt.load(decoder.setup, optimizer_state=False)
+        draws[mesh_name] = np.asarray(decoder.generate(params, prompt, 8, temperature=0.8,
+                                                       key=jax.random.key(7)))  # fmt: skip
+    np.testing.assert_array_equal(draws["1x8"], draws["1x1"])
+    np.testing.assert_array_equal(draws["2x4"], draws["1x1"])
+    greedy = np.asarray(decoder.generate(params, prompt, 8))
+    assert (draws["2x4"] != greedy).any()  # sampling, not the argmax
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_sampling_follows_softmax_of_logits_over_temperature(temperature):
+    """512 rows of one prompt, one token each: the mean log-probability of the draws under
+    softmax(logits / T) (transformers' float64 logits) is its expectation −H within 5 standard
+    errors; drawing at 1/T or T = 1 would miss by 10 or more."""
+    rows = 512
+    decoder, params = _decoder("gqa", "2x4", batch=rows)
+    prompt = np.repeat(tokens(97, seed=5, seq=PROMPT)[0][:1], rows, axis=0)
+    drawn = np.asarray(decoder.generate(params, prompt, 1, temperature=temperature,
+                                        key=jax.random.key(11)))[:, 0]  # fmt: skip
+    z = hf_logits(checkpoint("gqa"), prompt[:1], torch.float64)[0, -1] / temperature
+    logp = z - z.max() - np.log(np.exp(z - z.max()).sum())
+    p = np.exp(logp)
+    mean, sd = (p * logp).sum(), np.sqrt((p * logp**2).sum() - (p * logp).sum() ** 2)
+    assert abs(logp[drawn].mean() - mean) < 5 * sd / np.sqrt(rows), (logp[drawn].mean(), mean)
+    assert len(set(drawn.tolist())) > 5  # not one token for every row
+
+
+@pytest.mark.parametrize("mesh_name", ["2x4", "4x2"])
+def test_the_compiled_program_runs_the_documented_collectives(mesh_name):
+    """Over model, per token fed (the prompt's S_p at once, then one per step): the
+    embedding's AllReduce of x[b, s, D] and two per layer (attention, MLP), float32; per token
+    drawn, the argmax's AllReduce(max) and AllReduce(min) of [b]. Nothing over data."""
+    decoder, params = _decoder("gqa", mesh_name)
+    m, steps = decoder.model, 5
+    data, model = (MESHES[mesh_name][a] for a in ("data", "model"))
+    b = BATCH // data
+    prompt = jax.device_put(tokens(97, seq=PROMPT)[0],
+                            jax.sharding.NamedSharding(decoder.mesh, decoder.batch_spec))  # fmt: skip
+    program = decoder.generate_program(steps)
+    listed = collectives(decoder.mesh, program, params, prompt, jax.random.key(0))
+    found = collections.Counter((c.kind, c.axes, c.dtypes, c.bytes) for c in listed)
+    per_layer = 2 * m.num_layers + 1
+    want = collections.Counter({
+        ("all-reduce", ("model",), ("f32",), b * PROMPT * m.d_model * 4): per_layer,
+        ("all-reduce", ("model",), ("f32",), b * 1 * m.d_model * 4): per_layer * (steps - 1),
+        ("all-reduce", ("model",), ("f32",), b * 4): steps,  # pmax of the local maxima
+        ("all-reduce", ("model",), ("s32",), b * 4): steps,  # pmin of the candidate indices
+    })  # fmt: skip
+    assert found == want
+    assert model > 1
+
+
+def test_bad_decoding_requests_are_clear_errors():
+    decoder, params = _decoder("gqa", "2x4")
+    prompt, _ = tokens(97, seq=PROMPT)
+    with pytest.raises(ValueError, match="do not fit the cache of max_len=40"):
+        decoder.generate(params, prompt, MAX_LEN)
+    with pytest.raises(ValueError, match="built for batch=8"):
+        decoder.generate(params, prompt[:4], 4)
+    with pytest.raises(ValueError, match="needs key="):
+        decoder.generate(params, prompt, 4, temperature=1.0)
+    with pytest.raises(ValueError, match="temperature must be"):
+        decoder.generate(params, prompt, 4, temperature=-1.0)
+    with pytest.raises(ValueError, match="outside"):
+        decoder.generate(params, prompt + 200, 4)
+    with pytest.raises(ValueError, match="max_len=65 must be in"):
+        Decoder(decoder.model, decoder.mesh, batch=8, max_len=65)
+    with pytest.raises(ValueError, match="batch size 7"):
+        Decoder(decoder.model, decoder.mesh, batch=7, max_len=8)
