@@ -59,6 +59,7 @@ import shardops
 import shardops.distributed
 import shardops_models as models
 from shardops_models.data import text
+from shardops_models.generation import Decoder
 from shardops_models.search import matmul_flops
 from shardops_models.training import checkpoint, loop
 from shardops_models.training.meshes import mesh_for, mesh_text
@@ -106,9 +107,14 @@ def parse_args(argv=None):
                    help="validation loss every N steps (and at the end); 0: only at the end")  # fmt: skip
     p.add_argument("--eval-batches", type=int, default=8,
                    help="validation batches (of --batch-size windows) per evaluation")  # fmt: skip
-    p.add_argument("--sample-tokens", type=int, default=200, help="bytes to generate at the end")
+    p.add_argument("--sample-tokens", type=int, default=None,
+                   help="bytes to generate at the end (default: 200 for gpt; for llama, what "
+                        "the context leaves after the prompt)")  # fmt: skip
     p.add_argument("--prompt-bytes", type=int, default=64, help="prompt length (validation text)")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--compare-decoding", action="store_true",
+                   help="llama: also generate greedily by recomputing the whole prefix for "
+                        "every byte, and compare its time and bytes with the KV cache's")  # fmt: skip
     p.add_argument("--text-source", default="auto", choices=text.SOURCES)
     p.add_argument("--locate", action="store_true",
                    help="compare one gradient step with the unsharded model layer by layer "
@@ -126,6 +132,10 @@ def parse_args(argv=None):
     for name in ("steps", "batch_size", "log_every", "eval_batches", "prompt_bytes"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
+    if args.sample_tokens is None:
+        args.sample_tokens = (
+            200 if args.model == "gpt" else max(args.context - args.prompt_bytes, 0)
+        )
     for name in ("warmup", "eval_every", "sample_tokens"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be ≥ 0; got {getattr(args, name)}")
@@ -217,6 +227,31 @@ def generate(setup, params, prompt: np.ndarray, n_tokens: int, *, temperature: f
             token = int(jax.random.categorical(jax.random.fold_in(key, i), last / temperature))
         tokens.append(token)
     return np.asarray(tokens[len(prompt) :], np.int32)
+
+
+def decode(setup, params, prompt: np.ndarray, n_tokens: int, *, temperature: float, key):
+    """The Llama's continuation of ``prompt`` by KV-cache decoding (``generation.Decoder``):
+    on every device of the run, the model axis of the training mesh (1 without one) splitting
+    the heads and the rest the batch, whose rows all start from ``prompt`` (row 0 is shown).
+    Returns ``(tokens, seconds, compile_seconds, rows)``: the timed call is the second one."""
+    mesh = setup.mesh
+    tp = setup.layout.tp if mesh is not None else None
+    model_size = mesh.shape[tp] if tp else 1
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    decode_mesh = shardops.make_mesh({"data": len(devices) // model_size, "model": model_size},
+                                     devices=devices)  # fmt: skip
+    rows = len(devices) // model_size
+    decoder = Decoder(setup.model, decode_mesh, batch=rows, max_len=len(prompt) + n_tokens)
+    params = decoder.place(setup.gather(params))  # any training layout → the decoding one
+    prompts = np.repeat(np.asarray(prompt, np.int32)[None], rows, axis=0)
+    options = {"temperature": temperature, "key": key}
+    start = time.perf_counter()
+    tokens = decoder.generate(params, prompts, n_tokens, **options)
+    jax.block_until_ready(tokens)
+    compiled = time.perf_counter() - start
+    start = time.perf_counter()
+    tokens = models.gather_tree(decoder.generate(params, prompts, n_tokens, **options))
+    return tokens[0], time.perf_counter() - start, compiled, rows
 
 
 class Progress:
@@ -435,16 +470,42 @@ def main(argv=None) -> int:
     log(f"Validation loss {valid['loss']:.4f} ({valid['loss'] / math.log(2):.3f} bits per byte), "
           f"accuracy {valid['accuracy']:.3f}, on {args.eval_batches}×{eval_batch} windows")  # fmt: skip
 
-    sample = None
+    sample, timing_decode = None, {}
     if args.sample_tokens:
         start = int(np.argmax(corpus.valid == ord("\n"))) + 1  # the validation text's second line
         prompt = corpus.valid[start : start + args.prompt_bytes]
-        generated = generate(setup, state.params, prompt, args.sample_tokens,
-                             temperature=args.temperature, key=jax.random.key(args.seed))  # fmt: skip
+        key = jax.random.key(args.seed)
+        if isinstance(model, models.Llama):
+            n = min(args.sample_tokens, model.context - len(prompt))
+            if n < args.sample_tokens:
+                log(f"Decoding {n} bytes, not {args.sample_tokens}: the prompt's {len(prompt)} "
+                    f"and the sample must fit the {model.context} positions the model was "
+                    f"trained on (--context)")  # fmt: skip
+            generated, seconds, compiled, rows = decode(
+                setup, state.params, prompt, n, temperature=args.temperature, key=key)  # fmt: skip
+            log(f"KV-cache decoding: {rows} × {n} bytes in {seconds:.3f} s, "
+                f"{rows * n / seconds:,.0f} tokens/s ({n / seconds:,.0f} per sequence; the "
+                f"program compiled and ran first in {compiled:.1f} s)")  # fmt: skip
+            timing_decode = {"decode_seconds": seconds, "decode_rows": rows,
+                             "decode_tokens_per_second": rows * n / seconds}  # fmt: skip
+            if args.compare_decoding:
+                start = time.perf_counter()
+                recomputed = generate(setup, state.params, prompt, n, temperature=0.0, key=key)
+                slow = time.perf_counter() - start
+                cached = decode(setup, state.params, prompt, n, temperature=0.0, key=key)
+                same = int(np.sum(cached[0] == recomputed))
+                log(f"Greedy, {n} bytes: full recompute {slow:.2f} s ({n / slow:,.0f} tokens/s) "
+                    f"vs KV cache {cached[1]:.3f} s ({n / cached[1]:,.0f} tokens/s per "
+                    f"sequence): {slow / cached[1]:.1f}× faster; {same} of {n} bytes the "
+                    f"same")  # fmt: skip
+                timing_decode["recompute_seconds"] = slow
+        else:
+            generated = generate(setup, state.params, prompt, args.sample_tokens,
+                                 temperature=args.temperature, key=key)  # fmt: skip
         sample = {"prompt": text.decode(prompt), "generated": text.decode(generated),
                   "temperature": args.temperature}  # fmt: skip
         how = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
-        log(f"Sample ({args.sample_tokens} bytes, {how}) after a {len(prompt)}-byte prompt "
+        log(f"Sample ({len(generated)} bytes, {how}) after a {len(prompt)}-byte prompt "
               f"from the validation text, between the markers:")  # fmt: skip
         log(f"{sample['prompt']}⟦{sample['generated']}⟧")
 
@@ -470,7 +531,7 @@ def main(argv=None) -> int:
                        "total_seconds": total_seconds, "tokens_per_second": tokens_per_second,
                        "resumed_at": done, "steps_trained": trained,
                        "tokens_trained": tokens_trained, "model_flops_per_second": model_flops,
-                       "peak_flops_per_second": peak, "mfu": mfu},
+                       "peak_flops_per_second": peak, "mfu": mfu, **timing_decode},
             "sample": sample,
         }  # fmt: skip
         with open(args.metrics_json, "w") as f:

@@ -75,7 +75,7 @@ def test_the_llama_trains_like_the_reference_and_reports_its_flops(tmp_path):
         "--model", "llama", "--kv-heads", "1", "--tie-embeddings", "--strategy", "hsdp_tp",
         "--mesh", "replica=2,data=2,model=2", "--text-source", "stdlib", "--steps", "20",
         "--log-every", "10", "--eval-every", "0", "--eval-batches", "2", "--sample-tokens", "8",
-        "--compare-reference", "--metrics-json", str(metrics_path),
+        "--compare-reference", "--compare-decoding", "--metrics-json", str(metrics_path),
     )  # fmt: skip
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     record = json.loads(metrics_path.read_text())
@@ -96,6 +96,13 @@ def test_the_llama_trains_like_the_reference_and_reports_its_flops(tmp_path):
         timing["model_flops_per_second"] / timing["peak_flops_per_second"]
     )
     assert "Model FLOPs utilisation" in proc.stdout and "tokens/s" in proc.stdout
+    # The sample comes from the KV-cache decoder on the 8 devices (model = 2 splits the heads,
+    # 4 rows over the rest), timed against recomputing the prefix for every byte.
+    assert "KV-cache decoding: 4 × 8 bytes in " in proc.stdout, proc.stdout
+    assert "Greedy, 8 bytes: full recompute " in proc.stdout
+    assert timing["decode_rows"] == 4 and timing["decode_tokens_per_second"] > 0
+    assert timing["recompute_seconds"] > 0
+    assert len(record["sample"]["generated"].encode("utf-8", "surrogateescape")) >= 1
 
 
 def test_llama_flops_per_token_by_hand():
