@@ -306,3 +306,13 @@ def test_multi_process_page_checkpoint_moves_bit_for_bit(tmp_path_factory):
     assert ns["extra"] == {"epoch": 0}
     for a, b in zip(jax.tree.leaves(ns["state"]), jax.tree.leaves(ns["moved"]), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_hugging_face_page_matches_transformers_and_decodes(tmp_path_factory):
+    import numpy as np
+
+    ns = run_page("docs/hugging-face-and-decoding.md", tmp_path_factory)
+    assert np.abs(ns["logits"] - ns["theirs"].numpy()).max() < 1e-4
+    model = ns["ckpt"].model()
+    assert (model.num_heads, model.num_kv_heads, model.vocab_size) == (8, 2, 97)
+    assert np.asarray(ns["greedy"]).shape == np.asarray(ns["sampled"]).shape == (8, 16)
