@@ -108,12 +108,12 @@ def parse_args(argv=None):
     p.add_argument("--eval-batches", type=int, default=8,
                    help="validation batches (of --batch-size windows) per evaluation")  # fmt: skip
     p.add_argument("--sample-tokens", type=int, default=None,
-                   help="bytes to generate at the end (default: 200 for gpt; for llama, what "
-                        "the context leaves after the prompt)")  # fmt: skip
+                   help="bytes to generate at the end, with the KV cache (default and most: "
+                        "what the context leaves after the prompt)")  # fmt: skip
     p.add_argument("--prompt-bytes", type=int, default=64, help="prompt length (validation text)")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--compare-decoding", action="store_true",
-                   help="llama: also generate greedily by recomputing the whole prefix for "
+                   help="also generate greedily by recomputing the whole prefix for "
                         "every byte, and compare its time and bytes with the KV cache's")  # fmt: skip
     p.add_argument("--text-source", default="auto", choices=text.SOURCES)
     p.add_argument("--locate", action="store_true",
@@ -133,9 +133,7 @@ def parse_args(argv=None):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
     if args.sample_tokens is None:
-        args.sample_tokens = (
-            200 if args.model == "gpt" else max(args.context - args.prompt_bytes, 0)
-        )
+        args.sample_tokens = max(args.context - args.prompt_bytes, 0)
     for name in ("warmup", "eval_every", "sample_tokens"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be ≥ 0; got {getattr(args, name)}")
@@ -206,7 +204,9 @@ def validation_loss(setup, params, valid_batches) -> tuple[float, float]:
 
 
 def generate(setup, params, prompt: np.ndarray, n_tokens: int, *, temperature: float, key):
-    """``n_tokens`` bytes after ``prompt`` ``(P,)``, one ``setup.logits`` call per byte.
+    """``n_tokens`` bytes after ``prompt`` ``(P,)``, one ``setup.logits`` call per byte: the
+    whole prefix recomputed for every byte (what ``--compare-decoding`` times against the KV
+    cache of ``decode``).
 
     Every call sees the same window ``ids[batch_multiple, context]`` (the last ``context``
     bytes, padded on the right; only row 0 is used), so the forward compiles once. Causal
@@ -230,7 +230,7 @@ def generate(setup, params, prompt: np.ndarray, n_tokens: int, *, temperature: f
 
 
 def decode(setup, params, prompt: np.ndarray, n_tokens: int, *, temperature: float, key):
-    """The Llama's continuation of ``prompt`` by KV-cache decoding (``generation.Decoder``):
+    """The model's continuation of ``prompt`` by KV-cache decoding (``generation.Decoder``):
     on every device of the run, the model axis of the training mesh (1 without one) splitting
     the heads and the rest the batch, whose rows all start from ``prompt`` (row 0 is shown).
     Returns ``(tokens, seconds, compile_seconds, rows)``: the timed call is the second one."""
@@ -475,33 +475,29 @@ def main(argv=None) -> int:
         start = int(np.argmax(corpus.valid == ord("\n"))) + 1  # the validation text's second line
         prompt = corpus.valid[start : start + args.prompt_bytes]
         key = jax.random.key(args.seed)
-        if isinstance(model, models.Llama):
-            n = min(args.sample_tokens, model.context - len(prompt))
-            if n < args.sample_tokens:
-                log(f"Decoding {n} bytes, not {args.sample_tokens}: the prompt's {len(prompt)} "
-                    f"and the sample must fit the {model.context} positions the model was "
-                    f"trained on (--context)")  # fmt: skip
-            generated, seconds, compiled, rows = decode(
-                setup, state.params, prompt, n, temperature=args.temperature, key=key)  # fmt: skip
-            log(f"KV-cache decoding: {rows} × {n} bytes in {seconds:.3f} s, "
-                f"{rows * n / seconds:,.0f} tokens/s ({n / seconds:,.0f} per sequence; the "
-                f"program compiled and ran first in {compiled:.1f} s)")  # fmt: skip
-            timing_decode = {"decode_seconds": seconds, "decode_rows": rows,
-                             "decode_tokens_per_second": rows * n / seconds}  # fmt: skip
-            if args.compare_decoding:
-                start = time.perf_counter()
-                recomputed = generate(setup, state.params, prompt, n, temperature=0.0, key=key)
-                slow = time.perf_counter() - start
-                cached = decode(setup, state.params, prompt, n, temperature=0.0, key=key)
-                same = int(np.sum(cached[0] == recomputed))
-                log(f"Greedy, {n} bytes: full recompute {slow:.2f} s ({n / slow:,.0f} tokens/s) "
-                    f"vs KV cache {cached[1]:.3f} s ({n / cached[1]:,.0f} tokens/s per "
-                    f"sequence): {slow / cached[1]:.1f}× faster; {same} of {n} bytes the "
-                    f"same")  # fmt: skip
-                timing_decode["recompute_seconds"] = slow
-        else:
-            generated = generate(setup, state.params, prompt, args.sample_tokens,
-                                 temperature=args.temperature, key=key)  # fmt: skip
+        n = min(args.sample_tokens, model.context - len(prompt))
+        if n < args.sample_tokens:
+            log(f"Decoding {n} bytes, not {args.sample_tokens}: the prompt's {len(prompt)} "
+                f"and the sample must fit the model's context of {model.context} positions "
+                f"(--context)")  # fmt: skip
+        generated, seconds, compiled, rows = decode(
+            setup, state.params, prompt, n, temperature=args.temperature, key=key)  # fmt: skip
+        log(f"KV-cache decoding: {rows} × {n} bytes in {seconds:.3f} s, "
+            f"{rows * n / seconds:,.0f} tokens/s ({n / seconds:,.0f} per sequence; the "
+            f"program compiled and ran first in {compiled:.1f} s)")  # fmt: skip
+        timing_decode = {"decode_seconds": seconds, "decode_rows": rows,
+                         "decode_tokens_per_second": rows * n / seconds}  # fmt: skip
+        if args.compare_decoding:
+            start = time.perf_counter()
+            recomputed = generate(setup, state.params, prompt, n, temperature=0.0, key=key)
+            slow = time.perf_counter() - start
+            cached = decode(setup, state.params, prompt, n, temperature=0.0, key=key)
+            same = int(np.sum(cached[0] == recomputed))
+            log(f"Greedy, {n} bytes: full recompute {slow:.2f} s ({n / slow:,.0f} tokens/s) "
+                f"vs KV cache {cached[1]:.3f} s ({n / cached[1]:,.0f} tokens/s per "
+                f"sequence): {slow / cached[1]:.1f}× faster; {same} of {n} bytes the "
+                f"same")  # fmt: skip
+            timing_decode["recompute_seconds"] = slow
         sample = {"prompt": text.decode(prompt), "generated": text.decode(generated),
                   "temperature": args.temperature}  # fmt: skip
         how = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"

@@ -63,6 +63,8 @@ def test_trains_like_the_reference_and_samples(tmp_path, strategy, mesh, source)
     sample = record["sample"]
     assert len(sample["prompt"]) > 0 and f"{sample['prompt']}⟦" in out
     assert "Sample (24 bytes, temperature 0.8)" in out
+    rows = 8 // int(mesh.split("x")[1])  # the decoder: the model axis splits heads, rows the rest
+    assert f"KV-cache decoding: {rows} × 24 bytes in " in out, out
     assert plot_path.read_bytes()[:8] == PNG_MAGIC
 
 

@@ -1,4 +1,4 @@
-"""KV-cache decoding of ``models.Llama`` under tensor parallelism.
+"""KV-cache decoding of ``models.Llama`` and ``models.Gpt`` under tensor parallelism.
 
     decoder = generation.Decoder(model, shardops.make_mesh({"data": 2, "model": 4}),
                                  batch=8, max_len=256)
@@ -47,14 +47,17 @@ from shardops.layers import (
     cached_attention_kernel,
     column_parallel_dense_kernel,
     kv_cache_heads,
+    row_parallel_dense_kernel,
     tensor_parallel_gated_mlp_kernel,
     vocab_parallel_argmax_kernel,
     vocab_parallel_embedding_kernel,
 )
+from shardops_models.networks.gpt import Gpt
 from shardops_models.networks.llama import Llama
 from shardops_models.training._train import build
 
 STRATEGY = "2d"  # the decoding layout: tp over model, the batch over data
+GPT_EPS = 1e-5  # the GPT's layer norms (ctx.layer_norm's default)
 
 
 class Decoder:
@@ -63,13 +66,15 @@ class Decoder:
     length; at most the model's context). ``precision``: the compute policy, the cache in
     its compute dtype."""
 
-    def __init__(self, model: Llama, mesh, *, batch: int, max_len: int,
+    def __init__(self, model: Llama | Gpt, mesh, *, batch: int, max_len: int,
                  precision: shardops.Precision = shardops.FLOAT32):  # fmt: skip
-        if not isinstance(model, Llama):
-            raise TypeError(f"Decoder decodes a models.Llama; got {type(model).__name__}")
+        if not isinstance(model, Llama | Gpt):
+            raise TypeError(f"Decoder decodes a models.Llama or models.Gpt; got "
+                            f"{type(model).__name__}")  # fmt: skip
         if not 1 <= max_len <= model.context:
             raise ValueError(f"max_len={max_len} must be in [1, {model.context}] (the model's "
-                             f"context; build the model with a longer one)")  # fmt: skip
+                             f"context: the GPT's learned positions end there, the Llama was "
+                             f"trained up to it; build the model with a longer one)")  # fmt: skip
         self.model, self.mesh, self.max_len, self.precision = model, mesh, max_len, precision
         self.setup = build(STRATEGY, mesh, model=model, optimizer=optax.identity(),
                            precision=precision)  # fmt: skip
@@ -78,13 +83,18 @@ class Decoder:
         layout = self.setup.layout
         self.tp, self.data = layout.tp, layout.batch_axes
         p = mesh.shape[self.tp]
-        self.cache_heads = kv_cache_heads(model.num_heads, model.num_kv_heads, p)
+        self.cache_heads = kv_cache_heads(model.num_heads, self.kv_heads, p)
         self.param_specs = self.setup.param_specs
         row = shardops.spec_entry(*self.data)
         # The cache: [L, B, p·n, S_max, hd] globally, device (i, j) holding rows i, heads j.
         self.cache_spec = P(None, row, self.tp, None, None)
         self.batch_spec = P(row)
         self._row = row
+
+    @property
+    def kv_heads(self) -> int:
+        """The model's KV heads (the GPT's attention has one per query head)."""
+        return getattr(self.model, "num_kv_heads", self.model.num_heads)
 
     # --- placement
 
@@ -115,6 +125,41 @@ class Decoder:
         return jax.shard_map(self._local_forward, mesh=self.mesh, in_specs=specs, out_specs=out)
 
     def _local_forward(self, params, cache, ids, start):
+        if isinstance(self.model, Gpt):
+            return self._gpt_forward(params, cache, ids, start)
+        return self._llama_forward(params, cache, ids, start)
+
+    def _gpt_forward(self, params, cache, ids, start):
+        """The GPT (``models.Gpt``'s forward, its blocks unrolled) on ``ids[b, s]`` at
+        positions ``start …``: the learned positions read at those positions."""
+        m, tp, prec = self.model, self.tp, self.precision
+        logical = self.setup.padding.logical
+        x = vocab_parallel_embedding_kernel(ids, params["embed"]["table"], vocab_size=m.vocab_size,
+                                            axis_name=tp, precision=prec)  # fmt: skip
+        positions = start + jnp.arange(ids.shape[1], dtype=jnp.int32)  # [s]
+        x = x + jnp.take(params["pos"]["table"], positions, axis=0).astype(x.dtype)  # x[b, s, D]
+        k_all, v_all = cache
+        for i, p in enumerate(params["blocks"]):
+            h = shardops.layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"], eps=GPT_EPS)
+            a, (k, v) = cached_attention_kernel(h, p["attn"], (k_all[i], v_all[i]), start,
+                                                num_heads=m.num_heads, axis_name=tp,
+                                                precision=prec)  # fmt: skip
+            k_all, v_all = k_all.at[i].set(k), v_all.at[i].set(v)
+            x = x + a
+            h = shardops.layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"], eps=GPT_EPS)
+            f = logical["blocks"][i]["up"]["w"][1]
+            h = column_parallel_dense_kernel(
+                h, p["up"]["w"], p["up"]["b"], axis_name=tp, out_features=f, precision=prec
+            )  # h[b, s, F/p]
+            x = x + row_parallel_dense_kernel(jax.nn.gelu(h), p["down"]["w"], p["down"]["b"],
+                                              axis_name=tp, in_features=f, precision=prec)  # fmt: skip
+        x = shardops.layer_norm(x, params["ln_f"]["scale"], params["ln_f"]["bias"], eps=GPT_EPS)
+        logits = column_parallel_dense_kernel(x, params["head"]["w"], params["head"].get("b"),
+                                              axis_name=tp, out_features=m.vocab_size,
+                                              precision=prec)  # fmt: skip
+        return logits, (k_all, v_all)
+
+    def _llama_forward(self, params, cache, ids, start):
         m, tp, prec = self.model, self.tp, self.precision
         logical = self.setup.padding.logical
         vocab = m.vocab_size
@@ -223,6 +268,20 @@ class Decoder:
         specs = (self.param_specs, self.batch_spec, P())
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=self.batch_spec)
         return jax.jit(fn)
+
+    def budget(self, prompt_len: int, steps: int, *, temperature: float = 0.0):
+        """The ``shardops.inspect.Ledger`` of ``generate_program(steps, temperature)`` on a
+        prompt of ``prompt_len`` tokens, from its trace (compiling nothing): the collectives the
+        module docstring lists, per kind, mesh axes and bytes."""
+        params = self.setup.padding.abstract(self.precision.param_dtype)
+        params = jax.tree.map(
+            lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                 sharding=NamedSharding(self.mesh, spec)),
+            params, self.param_specs)  # fmt: skip
+        prompt = jax.ShapeDtypeStruct((self.batch, prompt_len), jnp.int32,
+                                      sharding=NamedSharding(self.mesh, self.batch_spec))  # fmt: skip
+        return shardops.inspect.traced_ledger(self.mesh, self.generate_program(steps, temperature),
+                                              params, prompt, jax.random.key(0))  # fmt: skip
 
     def _check(self, ids, start, last=None):
         if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):

@@ -15,6 +15,7 @@ from _gpt_checks import MESHES
 from _hf_checks import check_close, checkpoint, hf_logits, tokens
 from _model_checks import mesh_for
 
+import shardops_models as models
 from shardops.inspect import collectives
 from shardops_models.generation import Decoder
 from shardops_models.interop import HfLlama
@@ -123,6 +124,11 @@ def test_the_compiled_program_runs_the_documented_collectives(mesh_name):
     })  # fmt: skip
     assert found == want
     assert model > 1
+    # The decoder's budget, traced without compiling, is the compiled program's.
+    totals = collections.Counter()
+    for (kind, axes, _, size), n in found.items():
+        totals[(kind, axes)] += size * n
+    assert decoder.budget(PROMPT, steps).totals() == dict(totals)
 
 
 def test_bad_decoding_requests_are_clear_errors():
@@ -142,3 +148,66 @@ def test_bad_decoding_requests_are_clear_errors():
         Decoder(decoder.model, decoder.mesh, batch=8, max_len=65)
     with pytest.raises(ValueError, match="batch size 7"):
         Decoder(decoder.model, decoder.mesh, batch=7, max_len=8)
+
+
+# The GPT: learned positions, layer norms, biases, 4 heads (split on model = 4), an odd
+# vocabulary (66, padded to 68 on 4), d_ff 72 (padded to 76), weights × 0.1.
+GPT = models.Gpt(vocab_size=66, d_model=32, num_heads=4, num_layers=2, d_ff=72, context=MAX_LEN,
+                 init_scale=0.1)  # fmt: skip
+
+
+def _gpt_float64(params, ids):
+    """The GPT in float64 numpy, written from its definition (models/networks/gpt.py's
+    docstring): logits[B, S, V]."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    b, s = ids.shape
+    heads, hd = GPT.num_heads, GPT.d_model // GPT.num_heads
+
+    def norm(x, q):
+        mu = x.mean(-1, keepdims=True)
+        return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * q["scale"] + q[
+            "bias"
+        ]
+
+    def split(t):
+        return t.reshape(b, s, heads, hd).transpose(0, 2, 1, 3)
+
+    x = p["embed"]["table"][ids] + p["pos"]["table"][:s]
+    for blk in p["blocks"]:
+        a, h = blk["attn"], norm(x, blk["ln1"])
+        q, k = split(h @ a["wq"] + a["bq"]), split(h @ a["wk"] + a.get("bk", 0))
+        v = split(h @ a["wv"] + a["bv"])
+        scores = np.where(np.tril(np.ones((s, s), bool)), q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd),
+                          -np.inf)  # fmt: skip
+        w = np.exp(scores - scores.max(-1, keepdims=True))
+        o = (w / w.sum(-1, keepdims=True)) @ v
+        x = x + o.transpose(0, 2, 1, 3).reshape(b, s, -1) @ a["wo"] + a["bo"]
+        u = norm(x, blk["ln2"]) @ blk["up"]["w"] + blk["up"]["b"]
+        gelu = 0.5 * u * (1 + np.tanh(np.sqrt(2 / np.pi) * (u + 0.044715 * u**3)))
+        x = x + gelu @ blk["down"]["w"] + blk["down"]["b"]
+    return norm(x, p["ln_f"]) @ p["head"]["w"]
+
+
+@pytest.mark.parametrize("mesh_name", ["1x1", "2x4"])
+def test_gpt_cached_logits_equal_a_float64_recompute(mesh_name):
+    """The GPT decodes too (its learned positions read at the cache's positions): a prefill
+    and 32 steps within 4 times the float32 error of the GPT's own plain-jnp reference against
+    the float64 forward, plus 4 ulps of the largest logit."""
+    shape = {"data": 1, "model": 1} if mesh_name == "1x1" else MESHES[mesh_name]
+    decoder = Decoder(GPT, mesh_for(shape), batch=BATCH, max_len=MAX_LEN)
+    full = GPT.init(jax.random.key(3))
+    params = decoder.place(full)
+    ids, _ = tokens(GPT.vocab_size, seed=6, seq=MAX_LEN)
+    cache = decoder.init_cache()
+    logits, cache = decoder.logits(params, cache, ids[:, :PROMPT], 0)
+    steps = [np.asarray(logits)]
+    for t in range(PROMPT, MAX_LEN):
+        logits, cache = decoder.logits(params, cache, ids[:, t : t + 1], t)
+        steps.append(np.asarray(logits))
+    got = np.concatenate(steps, axis=1)
+    exact = _gpt_float64(full, ids)
+    own = np.abs(np.asarray(GPT.reference_logits(full, ids)) - exact).max()
+    bound = 4 * own + 4 * np.finfo(np.float32).eps * np.abs(exact).max()
+    assert np.abs(got - exact).max() <= bound, (np.abs(got - exact).max(), bound)
+    greedy = np.asarray(decoder.generate(params, ids[:, :PROMPT], 4))
+    assert greedy.shape == (BATCH, 4)
