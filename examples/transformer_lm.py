@@ -134,6 +134,9 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
     if args.sample_tokens is None:
         args.sample_tokens = max(args.context - args.prompt_bytes, 0)
+    if args.sample_tokens and args.prompt_bytes >= args.context:
+        p.error(f"--prompt-bytes {args.prompt_bytes} leaves no room in the --context of "
+                f"{args.context} for --sample-tokens (the sample is decoded within the context)")  # fmt: skip
     for name in ("warmup", "eval_every", "sample_tokens"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be ≥ 0; got {getattr(args, name)}")

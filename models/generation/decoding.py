@@ -71,6 +71,12 @@ class Decoder:
         if not isinstance(model, Llama | Gpt):
             raise TypeError(f"Decoder decodes a models.Llama or models.Gpt; got "
                             f"{type(model).__name__}")  # fmt: skip
+        if getattr(model, "bos_id", None) is not None:
+            raise ValueError(
+                f"Decoder: the model packs documents (bos_id={model.bos_id}); decoding keeps one "
+                f"document a row and does not restart positions at bos_id. Decode "
+                f"dataclasses.replace(model, bos_id=None), one document a prompt."
+            )
         if not 1 <= max_len <= model.context:
             raise ValueError(f"max_len={max_len} must be in [1, {model.context}] (the model's "
                              f"context: the GPT's learned positions end there, the Llama was "
@@ -90,6 +96,7 @@ class Decoder:
         self.cache_spec = P(None, row, self.tp, None, None)
         self.batch_spec = P(row)
         self._row = row
+        self._programs: dict[tuple[int, float], object] = {}
 
     @property
     def kv_heads(self) -> int:
@@ -124,12 +131,13 @@ class Decoder:
         out = (P(self._row, None, self.tp), (self.cache_spec,) * 2)
         return jax.shard_map(self._local_forward, mesh=self.mesh, in_specs=specs, out_specs=out)
 
-    def _local_forward(self, params, cache, ids, start):
-        if isinstance(self.model, Gpt):
-            return self._gpt_forward(params, cache, ids, start)
-        return self._llama_forward(params, cache, ids, start)
+    def _local_forward(self, params, cache, ids, start, *, last_only: bool = False):
+        """The model on ``ids[b, s]`` at positions ``start …``: ``(logits[b, s or 1, V_pad/p],
+        cache)``; ``last_only``: the head on the last position alone (what a draw reads)."""
+        forward = self._gpt_forward if isinstance(self.model, Gpt) else self._llama_forward
+        return forward(params, cache, ids, start, last_only)
 
-    def _gpt_forward(self, params, cache, ids, start):
+    def _gpt_forward(self, params, cache, ids, start, last_only):
         """The GPT (``models.Gpt``'s forward, its blocks unrolled) on ``ids[b, s]`` at
         positions ``start …``: the learned positions read at those positions."""
         m, tp, prec = self.model, self.tp, self.precision
@@ -153,13 +161,14 @@ class Decoder:
             )  # h[b, s, F/p]
             x = x + row_parallel_dense_kernel(jax.nn.gelu(h), p["down"]["w"], p["down"]["b"],
                                               axis_name=tp, in_features=f, precision=prec)  # fmt: skip
+        x = x[:, -1:] if last_only else x
         x = shardops.layer_norm(x, params["ln_f"]["scale"], params["ln_f"]["bias"], eps=GPT_EPS)
         logits = column_parallel_dense_kernel(x, params["head"]["w"], params["head"].get("b"),
                                               axis_name=tp, out_features=m.vocab_size,
                                               precision=prec)  # fmt: skip
         return logits, (k_all, v_all)
 
-    def _llama_forward(self, params, cache, ids, start):
+    def _llama_forward(self, params, cache, ids, start, last_only):
         m, tp, prec = self.model, self.tp, self.precision
         logical = self.setup.padding.logical
         vocab = m.vocab_size
@@ -184,6 +193,7 @@ class Decoder:
             return (x, (k_all.at[i].set(k), v_all.at[i].set(v)), i + 1), None
 
         (x, cache, _), _ = lax.scan(layer, (x, cache, 0), params["blocks"])
+        x = x[:, -1:] if last_only else x
         x = shardops.rms_norm(x, params["norm"]["scale"], eps=m.norm_eps)
         w = params["embed"]["table"].T if m.tie_embeddings else params["head"]["w"]
         logits = column_parallel_dense_kernel(
@@ -212,6 +222,10 @@ class Decoder:
         """``(logits[B, s, V], cache)``: the logits of ``ids[B, s]`` at positions ``start …``
         (float32, padding cut off) and the cache with their K/V written. ``cache`` is donated.
         The prefill is ``start`` = 0 with the prompt; a step, one token at the next position."""
+        if isinstance(start, jax.core.Tracer):
+            raise TypeError("start must be a concrete position (an int): the cache's bounds are "
+                            "checked before the step runs")  # fmt: skip
+        start = int(start)
         self._check(ids, start)
         return self._logits(params, cache, ids, jnp.int32(start))
 
@@ -230,6 +244,8 @@ class Decoder:
         greedy (``temperature`` = 0) or sampled at ``temperature`` with ``key`` (one key for the
         whole batch; step ``t`` uses ``fold_in(key, t)``). ``S_p + steps ≤ max_len``."""
         prompt = jnp.asarray(prompt) if not isinstance(prompt, jax.Array) else prompt
+        if isinstance(steps, bool) or not isinstance(steps, int | np.integer) or steps < 1:
+            raise ValueError(f"steps must be a positive int (tokens to generate); got {steps!r}")
         self._check(prompt, 0, prompt.shape[1] + steps - 1)
         if temperature < 0:
             raise ValueError(f"temperature must be ≥ 0 (0: greedy); got {temperature}")
@@ -239,7 +255,6 @@ class Decoder:
         prompt = jax.device_put(prompt, NamedSharding(self.mesh, self.batch_spec))
         return self.generate_program(steps, float(temperature))(params, prompt, key)
 
-    @functools.lru_cache(maxsize=8)  # noqa: B019  (one program per (steps, temperature))
     def generate_program(self, steps: int, temperature: float = 0.0):
         """The jitted ``(params, prompt[B, S_p], key) → tokens[B, steps]`` program behind
         ``generate`` (placed arguments; for ``shardops.inspect``): the prefill and ``steps − 1``
@@ -252,7 +267,8 @@ class Decoder:
             cache = (jnp.zeros(shape, self.precision.compute_dtype),) * 2
             cache = jax.tree.map(lambda c: lax.pcast(c, (*self.data, self.tp),
                                                      to="varying"), cache)  # fmt: skip
-            logits, cache = self._local_forward(params, cache, prompt, jnp.int32(0))
+            logits, cache = self._local_forward(params, cache, prompt, jnp.int32(0),
+                                                last_only=True)  # fmt: skip
             first = self._local_next(logits[:, -1], jax.random.fold_in(key, 0), temperature)
 
             def step(carry, t):
@@ -291,7 +307,7 @@ class Decoder:
             raise ValueError(f"ids dim 0 (batch) = {ids.shape[0]}; this decoder was built for "
                              f"batch={self.batch}")  # fmt: skip
         last = start + ids.shape[1] - 1 if last is None else last
-        if isinstance(start, int | np.integer) and not 0 <= start <= last < self.max_len:
+        if not 0 <= start <= last < self.max_len:
             raise ValueError(f"positions {start} … {last} do not fit the cache of max_len="
                              f"{self.max_len}; build the Decoder with a longer max_len")  # fmt: skip
         self.model.check_batch(ids)  # token range, when concrete

@@ -43,10 +43,13 @@ model (like transformers) uses the embedding.
 ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
 ``num_key_value_heads``, ``rms_norm_eps``, ``rope_parameters.rope_theta`` (or the older
 top-level ``rope_theta``), ``tie_word_embeddings`` and ``max_position_embeddings`` (the
-context). What the model cannot compute is refused with the field named: another
+context). What the model cannot compute, or would train differently, is refused with the
+field named: another
 ``model_type``, ``rope_scaling`` or a ``rope_type`` other than ``"default"``, ``head_dim`` ≠
 ``hidden_size / num_attention_heads``, ``attention_bias`` or ``mlp_bias``, a ``hidden_act``
-other than ``silu``, a non-zero ``attention_dropout``. ``pretraining_tp`` only changes how
+other than ``silu`` (or its other name ``swish``), a non-zero ``attention_dropout``. The
+tensors' shapes must be the ones the config gives (a config that disagrees with its files is
+refused before anything is read). ``pretraining_tp`` only changes how
 transformers slices its matmuls (the same function) and is accepted.
 """
 
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import jax
@@ -95,7 +99,7 @@ _UNSUPPORTED = (
     ("rope_scaling", lambda v: v is None, "RoPE scaling (Llama 3.1's, YaRN …) is not implemented"),
     ("attention_bias", lambda v: not v, "models.Llama has no attention biases"),
     ("mlp_bias", lambda v: not v, "models.Llama has no MLP biases"),
-    ("hidden_act", lambda v: v == "silu", "models.Llama's gated MLP is SwiGLU (silu)"),
+    ("hidden_act", lambda v: v in ("silu", "swish"), "models.Llama's gated MLP is SwiGLU (silu)"),
     ("attention_dropout", lambda v: not v, "models.Llama trains without dropout"),
 )
 
@@ -122,10 +126,11 @@ def llama_from_config(config: dict | str | os.PathLike, **overrides) -> Llama:
         if field in config and not supported(config[field]):
             raise UnsupportedConfig(f"config {field}={config[field]!r} is not supported: {why}")
     rope = config.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
+    rope_type = rope.get("rope_type", rope.get("type", "default"))  # "type": older configs
+    if rope_type != "default":
         raise UnsupportedConfig(
-            f"config rope_parameters.rope_type={rope['rope_type']!r} is not supported: only "
-            f"'default' RoPE (no scaling) is implemented"
+            f"config rope_parameters.rope_type={rope_type!r} is not supported: only 'default' "
+            f"RoPE (no scaling) is implemented"
         )
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                            "num_hidden_layers", "num_attention_heads") if k not in config]  # fmt: skip
@@ -205,6 +210,11 @@ class HfLlama:
 
     def _weight_map(self) -> dict[str, str]:
         index = os.path.join(self.directory, INDEX)
+        if os.path.exists(index) and os.path.exists(os.path.join(self.directory, SINGLE)):
+            raise ValueError(
+                f"{self.directory} holds both {SINGLE} and {INDEX}: two checkpoints in one "
+                f"folder (transformers would read {SINGLE}); remove the stale one"
+            )
         if os.path.exists(index):
             with open(index) as f:
                 return dict(json.load(f)["weight_map"])
@@ -230,9 +240,9 @@ class HfLlama:
                     if getattr(expected, f) != getattr(model, f)]  # fmt: skip
             raise ValueError(f"the setup's model is not the checkpoint's ({self.directory}): "
                              + "; ".join(diff) + " (build the setup with model=ckpt.model())")  # fmt: skip
-        self._check_tensors(model)
-        dtype = np.dtype(setup.precision.param_dtype)
         logical, stored = setup.padding.logical, setup.padding.stored
+        self._check_tensors(model, logical)
+        dtype = np.dtype(setup.precision.param_dtype)
         shardings = _shardings(setup)
         handles: dict[str, Any] = {}
         try:
@@ -257,8 +267,9 @@ class HfLlama:
         opt_state = jax.jit(setup.optimizer.init, out_shardings=opt_shardings)(params)
         return TrainState(params, opt_state)
 
-    def _check_tensors(self, model: Llama) -> None:
-        """Every tensor the model needs is in the files, and no tensor it would ignore is."""
+    def _check_tensors(self, model: Llama, logical) -> None:
+        """Every tensor the model needs is in the files with the shape the config gives, and no
+        tensor it would ignore is."""
         want = set()
         for key, (name, _) in NAMES.items():
             if key[0] == "head" and model.tie_embeddings:
@@ -275,6 +286,30 @@ class HfLlama:
                 f"{missing[:6]}{' …' if len(missing) > 6 else ''}, not understood "
                 f"{extra[:6]}{' …' if len(extra) > 6 else ''} (a bias or another architecture "
                 f"would be silently dropped)"
+            )
+        handles: dict[str, Any] = {}
+        wrong = []
+        try:
+            for path, shape in jax.tree_util.tree_leaves_with_path(logical, is_leaf=is_shape):
+                key = tuple(k.key for k in path)
+                name, transposed = NAMES[key]
+                shape = tuple(shape[1:] if key[0] == "blocks" else shape)
+                want = shape[::-1] if transposed else shape
+                names = ([name.format(l=i) for i in range(model.num_layers)] if "{l}" in name
+                         else [name])  # fmt: skip
+                for n in names:
+                    got = tuple(self._open(handles, n).get_slice(n).get_shape())
+                    if got != want:
+                        wrong.append(f"{n} is {list(got)}, the config gives {list(want)}")
+        finally:
+            for handle in handles.values():
+                handle.__exit__(None, None, None)
+        if wrong:
+            raise ValueError(
+                f"{self.directory}: tensors whose shapes disagree with config.json (vocab_size, "
+                f"hidden_size, intermediate_size, heads): "
+                + "; ".join(wrong[:4])
+                + (f"; … and {len(wrong) - 4} more" if len(wrong) > 4 else "")
             )
 
     def _open(self, handles: dict, name: str):
@@ -348,8 +383,12 @@ def save_hf_llama(directory: str | os.PathLike, setup: Setup, state, *,
     tensors exceed ``max_shard_bytes``, ``model-0000i-of-0000n.safetensors`` files of at most
     that size each (a tensor is never split) with ``model.safetensors.index.json``.
 
-    Every process calls it (the arrays are gathered one at a time); process 0 writes. ``dtype``
-    (default the params') is the files' dtype. Returns the files written (process 0).
+    Every process calls it (the arrays are gathered one at a time); process 0 writes, into a
+    folder every process can read (a shared file system across hosts), replacing the weight
+    files of a checkpoint saved there before; all return once the files are written.
+    ``dtype`` (default the params') is the files' dtype. Returns the files written (process 0).
+    A model trained on packed documents (``bos_id``) is saved as it is: transformers attends
+    across documents.
     """
     model = setup.model
     if not isinstance(model, Llama):
@@ -372,11 +411,22 @@ def save_hf_llama(directory: str | os.PathLike, setup: Setup, state, *,
     files: list[str] = []
     if jax.process_index() == 0:
         os.makedirs(directory, exist_ok=True)
+        _remove_weights(directory)  # a checkpoint saved here before, in either form
         out_dtype = dtype or next(iter(tensors.values())).dtype
         with open(os.path.join(directory, CONFIG), "w") as f:
             json.dump(hf_config(model, out_dtype), f, indent=2)
         files = _write(directory, tensors, max_shard_bytes)
+    if jax.process_count() > 1:  # the others return once the files are written
+        multihost_utils.sync_global_devices(f"save_hf_llama {directory}")
     return files
+
+
+def _remove_weights(directory: str) -> None:
+    """The weight files of a checkpoint already in ``directory`` (single or index-sharded):
+    left beside a new one, transformers or ``HfLlama`` could read the stale weights."""
+    for name in os.listdir(directory):
+        if name in (SINGLE, INDEX) or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name):
+            os.remove(os.path.join(directory, name))
 
 
 def _logical_shape(setup: Setup, path) -> tuple[int, ...]:

@@ -368,7 +368,8 @@ def cached_attention_kernel(
             read; where K/V are replicated, devices that read the same KV head each cache it).
             Positions ``≥ start`` may hold anything: they are overwritten or masked.
         start: int32 scalar (may be traced), the position of ``x``'s first token; rotary
-            positions continue from it.
+            positions continue from it. ``start + s ≤ S_max``: the caller checks it
+            (``lax.dynamic_update_slice`` would clamp a write past the end).
 
     Returns:
         ``(y, (k, v))``: ``y[B, s, D]`` in ``precision.compute_dtype`` replicated over

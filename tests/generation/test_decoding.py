@@ -6,6 +6,7 @@ margin exceeds that bound; sampling draws the same tokens on every mesh for one 
 softmax(logits / T); the compiled program's collectives are the documented ones."""
 
 import collections
+import dataclasses
 
 import jax
 import numpy as np
@@ -108,8 +109,7 @@ def test_the_compiled_program_runs_the_documented_collectives(mesh_name):
     drawn, the argmax's AllReduce(max) and AllReduce(min) of [b]. Nothing over data."""
     decoder, params = _decoder("gqa", mesh_name)
     m, steps = decoder.model, 5
-    data, model = (MESHES[mesh_name][a] for a in ("data", "model"))
-    b = BATCH // data
+    b = BATCH // MESHES[mesh_name]["data"]
     prompt = jax.device_put(tokens(97, seq=PROMPT)[0],
                             jax.sharding.NamedSharding(decoder.mesh, decoder.batch_spec))  # fmt: skip
     program = decoder.generate_program(steps)
@@ -123,7 +123,6 @@ def test_the_compiled_program_runs_the_documented_collectives(mesh_name):
         ("all-reduce", ("model",), ("s32",), b * 4): steps,  # pmin of the candidate indices
     })  # fmt: skip
     assert found == want
-    assert model > 1
     # The decoder's budget, traced without compiling, is the compiled program's.
     totals = collections.Counter()
     for (kind, axes, _, size), n in found.items():
@@ -134,8 +133,15 @@ def test_the_compiled_program_runs_the_documented_collectives(mesh_name):
 def test_bad_decoding_requests_are_clear_errors():
     decoder, params = _decoder("gqa", "2x4")
     prompt, _ = tokens(97, seq=PROMPT)
+    assert np.asarray(decoder.generate(params, prompt, MAX_LEN - PROMPT)).shape == (8, STEPS)
     with pytest.raises(ValueError, match="do not fit the cache of max_len=40"):
-        decoder.generate(params, prompt, MAX_LEN)
+        decoder.generate(params, prompt, MAX_LEN - PROMPT + 1)
+    with pytest.raises(ValueError, match="steps must be a positive int"):
+        decoder.generate(params, prompt, 0)
+    with pytest.raises(ValueError, match="do not fit the cache"):
+        decoder.logits(params, decoder.init_cache(), prompt[:, :1], MAX_LEN)
+    with pytest.raises(ValueError, match="packs documents"):
+        Decoder(dataclasses.replace(decoder.model, bos_id=1), decoder.mesh, batch=8, max_len=8)
     with pytest.raises(ValueError, match="built for batch=8"):
         decoder.generate(params, prompt[:4], 4)
     with pytest.raises(ValueError, match="needs key="):
@@ -209,5 +215,11 @@ def test_gpt_cached_logits_equal_a_float64_recompute(mesh_name):
     own = np.abs(np.asarray(GPT.reference_logits(full, ids)) - exact).max()
     bound = 4 * own + 4 * np.finfo(np.float32).eps * np.abs(exact).max()
     assert np.abs(got - exact).max() <= bound, (np.abs(got - exact).max(), bound)
+    # The first greedy token is the argmax of the prompt's last logits, where the margin is clear.
     greedy = np.asarray(decoder.generate(params, ids[:, :PROMPT], 4))
     assert greedy.shape == (BATCH, 4)
+    last = exact[:, PROMPT - 1]
+    top2 = np.sort(last, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2 * bound
+    assert clear.sum() >= BATCH - 1, top2
+    np.testing.assert_array_equal(greedy[clear, 0], last.argmax(-1)[clear])

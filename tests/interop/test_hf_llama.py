@@ -6,9 +6,11 @@ block is read once, from its slice; what the model cannot compute is refused by 
 
 import json
 import os
+import re
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -145,20 +147,63 @@ def _edited_config(tmp_path, **changes):
     return path
 
 
-@pytest.mark.parametrize("field, value", [
-    ("model_type", "mistral"),
-    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
-    ("rope_parameters.rope_type", "yarn"),
-    ("head_dim", 16),
-    ("attention_bias", True),
-    ("mlp_bias", True),
-    ("hidden_act", "gelu"),
-    ("attention_dropout", 0.1),
+@pytest.mark.parametrize("field, value, named", [
+    ("model_type", "mistral", "model_type"),
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "rope_scaling"),
+    ("rope_parameters.rope_type", "yarn", "rope_parameters.rope_type"),
+    ("rope_parameters", {"type": "linear", "factor": 4.0, "rope_theta": 500.0},
+     "rope_parameters.rope_type='linear'"),  # older configs name it "type"
+    ("head_dim", 16, "head_dim"),
+    ("attention_bias", True, "attention_bias"),
+    ("mlp_bias", True, "mlp_bias"),
+    ("hidden_act", "gelu", "hidden_act"),
+    ("attention_dropout", 0.1, "attention_dropout"),
 ])  # fmt: skip
-def test_an_unsupported_config_field_is_refused_by_name(tmp_path, field, value):
+def test_an_unsupported_config_field_is_refused_by_name(tmp_path, field, value, named):
     path = _edited_config(tmp_path, **{field: value})
-    with pytest.raises(UnsupportedConfig, match=field.replace(".", r"\.")):
+    with pytest.raises(UnsupportedConfig, match=re.escape(named)):
         HfLlama(path).model()
+
+
+def test_tensors_whose_shapes_disagree_with_the_config_are_refused(tmp_path):
+    """intermediate_size 88 in the files, 80 in the config: refused before anything is read
+    (a clamped slice would silently drop 8 hidden units)."""
+    path = _edited_config(tmp_path, intermediate_size=80)
+    ckpt = HfLlama(path)
+    setup = models.build("ref", model=ckpt.model(), optimizer=optax.sgd(0.1))
+    with pytest.raises(
+        ValueError, match=r"gate_proj.weight is \[88, 64\], the config gives \[80, 64\]"
+    ):
+        ckpt.load(setup)
+    assert ckpt.elements_read == 0
+
+
+def test_saving_over_a_checkpoint_of_the_other_form_replaces_its_weights(tmp_path):
+    """A sharded save over a single-file one (and back): neither transformers (which reads
+    model.safetensors first) nor HfLlama (the index first) can read the stale weights."""
+    _, setup, state = _load("gqa", "tp", "1x8")
+    out = tmp_path / "out"
+    save_hf_llama(out, setup, state)  # one file
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    files = save_hf_llama(out, setup, zeros, max_shard_bytes=20_000)  # sharded, all zeros
+    assert sorted(os.listdir(out)) == sorted(["config.json", *files])
+    hf = LlamaForCausalLM.from_pretrained(out)
+    assert float(hf.model.embed_tokens.weight.detach().abs().max()) == 0.0
+    save_hf_llama(out, setup, state)  # one file again
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    (out / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match="holds both model.safetensors and"):
+        HfLlama(out)
+
+
+def test_saved_in_bfloat16_transformers_reads_the_rounded_weights(tmp_path):
+    _, setup, state = _load("mqa_tied", "2d", "2x4")
+    save_hf_llama(tmp_path, setup, state, dtype=jnp.bfloat16)
+    hf = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert hf.config.dtype == torch.bfloat16 or str(hf.config.dtype).endswith("bfloat16")
+    want = setup.gather(state.params)["blocks"]["mlp"]["down"]["w"][0].T.astype(jnp.bfloat16)
+    got = hf.model.layers[0].mlp.down_proj.weight.detach().float().numpy()
+    np.testing.assert_array_equal(got, np.asarray(want, np.float32))
 
 
 def test_a_missing_or_unexpected_tensor_is_refused_by_name(tmp_path):
