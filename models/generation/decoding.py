@@ -21,9 +21,10 @@ as in training.
 
 **Sampling.** Greedy is the vocab-parallel argmax (an AllReduce(max) and an AllReduce(min) of
 ``B/d`` numbers; the logits are never gathered). With ``temperature`` > 0 a token is drawn by
-the Gumbel-max trick, ``argmax(logits/T + g)``, with ``g[B, V]`` drawn from the step's key for
-the whole batch and vocabulary and each device adding its own block: the draw equals the
-unsharded one's for the same key, whatever the mesh.
+the Gumbel-max trick, ``argmax(logits/T + g)``: entry ``(r, v)`` of ``g`` is drawn from the
+step's key folded with the global row ``r`` and token id ``v``, each device drawing only its
+``[B/d, V/p]`` block, so the draw equals the unsharded one's for the same key, whatever the
+mesh.
 
 **Per step** (one token, batch ``b = B/d`` per device), over ``model``: the embedding's
 AllReduce of ``x[b, 1, D]``, two AllReduces of ``[b, 1, D]`` per layer (attention's output
@@ -203,18 +204,14 @@ class Decoder:
 
     def _local_next(self, logits, key, temperature):
         """The next token ``[b]`` of each row from its last logits ``[b, V_pad/p]``: argmax, or
-        with ``temperature`` > 0 the Gumbel-max draw of the whole batch's noise."""
+        with ``temperature`` > 0 the Gumbel-max draw (``_gumbel``)."""
         vocab = self.model.vocab_size
         logits = logits.astype(jnp.float32)
         if temperature > 0:
             b, v_local = logits.shape
-            noise = jax.random.gumbel(key, (self.batch, vocab), jnp.float32)  # g[B, V]
-            p = lax.axis_size(self.tp)
-            noise = jnp.pad(noise, ((0, 0), (0, p * v_local - vocab)))  # [B, V_pad]
-            row = _axis_index(self.data) * b
-            noise = lax.dynamic_slice(
-                noise, (row, lax.axis_index(self.tp) * v_local), (b, v_local)
-            )  # this device's block
+            rows = _axis_index(self.data) * b + jnp.arange(b)  # [b]: global batch rows
+            cols = lax.axis_index(self.tp) * v_local + jnp.arange(v_local)  # [V_pad/p]: token ids
+            noise = _gumbel(key, rows, cols)  # g[b, V_pad/p]: this device's block only
             logits = logits / temperature + noise
         return vocab_parallel_argmax_kernel(logits, vocab_size=vocab, axis_name=self.tp)
 
@@ -311,6 +308,18 @@ class Decoder:
             raise ValueError(f"positions {start} … {last} do not fit the cache of max_len="
                              f"{self.max_len}; build the Decoder with a longer max_len")  # fmt: skip
         self.model.check_batch(ids)  # token range, when concrete
+
+
+def _gumbel(key, rows, cols):
+    """``g[len(rows), len(cols)]``: standard Gumbel noise, entry ``(r, v)`` drawn from ``key``
+    folded with the global row ``r`` and token id ``v``, so that it does not depend on which
+    device draws it (the same draw on every mesh) and each device draws only its block."""
+
+    def entry(r, v):
+        return jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(key, r), v), (),
+                                 jnp.float32)  # fmt: skip
+
+    return jax.vmap(jax.vmap(entry, (None, 0)), (0, None))(rows, cols)
 
 
 def _axis_index(axes: tuple[str, ...]):

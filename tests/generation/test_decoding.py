@@ -38,15 +38,29 @@ def _decoder(name, mesh_name, batch=BATCH):
     ("mqa_tied", "2x4", "1 KV head, tied head"),
 ])  # fmt: skip
 def test_cached_logits_of_every_step_equal_a_full_recompute(name, mesh_name, heads):
-    decoder, params = _decoder(name, mesh_name)
-    ids, _ = tokens(decoder.model.vocab_size, seed=2, seq=MAX_LEN)
+    check_teacher_forced(name, mesh_name)
+
+
+def teacher_forced(decoder, params, ids, steps: int = STEPS):
+    """The logits of a prefill of PROMPT tokens, then ``steps`` one-token steps fed the true
+    next token: ``[B, PROMPT + steps, V]``."""
     cache = decoder.init_cache()
     logits, cache = decoder.logits(params, cache, ids[:, :PROMPT], 0)  # the prefill
-    steps = [np.asarray(logits)]
-    for t in range(PROMPT, MAX_LEN):  # teacher-forced: the true next token, one at a time
+    out = [np.asarray(logits)]
+    for t in range(PROMPT, PROMPT + steps):
         logits, cache = decoder.logits(params, cache, ids[:, t : t + 1], t)
-        steps.append(np.asarray(logits))
-    check_close(np.concatenate(steps, axis=1), checkpoint(name), ids, f"{name} {mesh_name}")
+        out.append(np.asarray(logits))
+    return np.concatenate(out, axis=1)
+
+
+def check_teacher_forced(name, mesh_name, decoder_type=Decoder, steps: int = STEPS):
+    ckpt = HfLlama(checkpoint(name))
+    decoder = decoder_type(ckpt.model(), mesh_for(MESHES[mesh_name]), batch=BATCH,
+                           max_len=MAX_LEN)  # fmt: skip
+    params = ckpt.load(decoder.setup, optimizer_state=False)
+    ids, _ = tokens(decoder.model.vocab_size, seed=2, seq=PROMPT + steps)
+    check_close(teacher_forced(decoder, params, ids, steps), checkpoint(name), ids,
+                f"{name} {mesh_name}")  # fmt: skip
 
 
 @pytest.mark.parametrize("mesh_name", ["1x8", "2x4"])
@@ -67,14 +81,19 @@ def test_greedy_tokens_equal_the_unsharded_model_where_the_margin_is_clear(mesh_
 
 
 def test_sampling_draws_the_same_tokens_on_every_mesh():
-    """One key, the whole batch's Gumbel noise: a mesh that gave each data shard the noise of
-    rows 0 … b−1, or each model shard the first vocabulary block's, draws other tokens."""
+    check_same_draws()
+
+
+def check_same_draws(decoder_type=Decoder):
+    """One key, Gumbel noise keyed by global row and token id: a mesh that gave each data
+    shard the noise of rows 0 … b−1, or each model shard the first vocabulary block's, draws
+    other tokens."""
     prompt, _ = tokens(97, seed=4, seq=PROMPT)
     draws = {}
     for mesh_name in ("1x1", "1x8", "2x4"):
         shape = {"data": 1, "model": 1} if mesh_name == "1x1" else MESHES[mesh_name]
         ckpt = HfLlama(checkpoint("gqa"))
-        decoder = Decoder(ckpt.model(), mesh_for(shape), batch=BATCH, max_len=MAX_LEN)
+        decoder = decoder_type(ckpt.model(), mesh_for(shape), batch=BATCH, max_len=MAX_LEN)
         params = ckpt.load(decoder.setup, optimizer_state=False)
         draws[mesh_name] = np.asarray(decoder.generate(params, prompt, 8, temperature=0.8,
                                                        key=jax.random.key(7)))  # fmt: skip
@@ -86,11 +105,18 @@ def test_sampling_draws_the_same_tokens_on_every_mesh():
 
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
 def test_sampling_follows_softmax_of_logits_over_temperature(temperature):
+    check_sampling_distribution(temperature)
+
+
+def check_sampling_distribution(temperature, decoder_type=Decoder):
     """512 rows of one prompt, one token each: the mean log-probability of the draws under
     softmax(logits / T) (transformers' float64 logits) is its expectation −H within 5 standard
-    errors; drawing at 1/T or T = 1 would miss by 10 or more."""
+    errors; drawing at 1/T would miss by 28 (T = 0.5) and 20 (T = 2) standard errors, at
+    T = 1 by 17 and 8 (computed from the same logits)."""
     rows = 512
-    decoder, params = _decoder("gqa", "2x4", batch=rows)
+    ckpt = HfLlama(checkpoint("gqa"))
+    decoder = decoder_type(ckpt.model(), mesh_for(MESHES["2x4"]), batch=rows, max_len=MAX_LEN)
+    params = ckpt.load(decoder.setup, optimizer_state=False)
     prompt = np.repeat(tokens(97, seed=5, seq=PROMPT)[0][:1], rows, axis=0)
     drawn = np.asarray(decoder.generate(params, prompt, 1, temperature=temperature,
                                         key=jax.random.key(11)))[:, 0]  # fmt: skip
@@ -196,21 +222,19 @@ def _gpt_float64(params, ids):
 
 @pytest.mark.parametrize("mesh_name", ["1x1", "2x4"])
 def test_gpt_cached_logits_equal_a_float64_recompute(mesh_name):
+    check_gpt(mesh_name)
+
+
+def check_gpt(mesh_name, decoder_type=Decoder, steps: int = STEPS):
     """The GPT decodes too (its learned positions read at the cache's positions): a prefill
     and 32 steps within 4 times the float32 error of the GPT's own plain-jnp reference against
     the float64 forward, plus 4 ulps of the largest logit."""
     shape = {"data": 1, "model": 1} if mesh_name == "1x1" else MESHES[mesh_name]
-    decoder = Decoder(GPT, mesh_for(shape), batch=BATCH, max_len=MAX_LEN)
+    decoder = decoder_type(GPT, mesh_for(shape), batch=BATCH, max_len=MAX_LEN)
     full = GPT.init(jax.random.key(3))
     params = decoder.place(full)
-    ids, _ = tokens(GPT.vocab_size, seed=6, seq=MAX_LEN)
-    cache = decoder.init_cache()
-    logits, cache = decoder.logits(params, cache, ids[:, :PROMPT], 0)
-    steps = [np.asarray(logits)]
-    for t in range(PROMPT, MAX_LEN):
-        logits, cache = decoder.logits(params, cache, ids[:, t : t + 1], t)
-        steps.append(np.asarray(logits))
-    got = np.concatenate(steps, axis=1)
+    ids, _ = tokens(GPT.vocab_size, seed=6, seq=PROMPT + steps)
+    got = teacher_forced(decoder, params, ids, steps)
     exact = _gpt_float64(full, ids)
     own = np.abs(np.asarray(GPT.reference_logits(full, ids)) - exact).max()
     bound = 4 * own + 4 * np.finfo(np.float32).eps * np.abs(exact).max()
