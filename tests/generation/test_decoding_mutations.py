@@ -79,9 +79,9 @@ def decoder_type(monkeypatch):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("name", ["positions_restart", "noise_of_the_first_rows",
-                                  "logits_times_temperature", "gpt_positions_restart"])  # fmt: skip
+@pytest.mark.parametrize("name", ["positions_restart", "gpt_positions_restart"])
 def test_unmutated_copy_passes(decoder_type, name):
+    """A copy of each module (attention, decoding) passes the check its mutants fail."""
     _check(name, decoder_type(name, mutated=False))
 
 
