@@ -223,7 +223,9 @@ class Decoder:
             raise TypeError("start must be a concrete position (an int): the cache's bounds are "
                             "checked before the step runs")  # fmt: skip
         start = int(start)
+        ids = ids if isinstance(ids, jax.Array) else np.asarray(ids)
         self._check(ids, start)
+        ids = jax.device_put(ids, NamedSharding(self.mesh, self.batch_spec))
         return self._logits(params, cache, ids, jnp.int32(start))
 
     @functools.cached_property
@@ -240,7 +242,7 @@ class Decoder:
         """``tokens[B, steps]``: the continuation of ``prompt[B, S_p]`` (placed or host ints),
         greedy (``temperature`` = 0) or sampled at ``temperature`` with ``key`` (one key for the
         whole batch; step ``t`` uses ``fold_in(key, t)``). ``S_p + steps ≤ max_len``."""
-        prompt = jnp.asarray(prompt) if not isinstance(prompt, jax.Array) else prompt
+        prompt = prompt if isinstance(prompt, jax.Array) else np.asarray(prompt)  # host or placed
         if isinstance(steps, bool) or not isinstance(steps, int | np.integer) or steps < 1:
             raise ValueError(f"steps must be a positive int (tokens to generate); got {steps!r}")
         self._check(prompt, 0, prompt.shape[1] + steps - 1)

@@ -56,6 +56,7 @@ transformers slices its matmuls (the same function) and is accepted.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import Any
@@ -383,10 +384,12 @@ def save_hf_llama(directory: str | os.PathLike, setup: Setup, state, *,
     tensors exceed ``max_shard_bytes``, ``model-0000i-of-0000n.safetensors`` files of at most
     that size each (a tensor is never split) with ``model.safetensors.index.json``.
 
-    Every process calls it (the arrays are gathered one at a time); process 0 writes, into a
-    folder every process can read (a shared file system across hosts), replacing the weight
-    files of a checkpoint saved there before; all return once the files are written.
-    ``dtype`` (default the params') is the files' dtype. Returns the files written (process 0).
+    Every process calls it; the parameters are gathered one at a time, and each file is
+    written (by process 0) as soon as its tensors are in, so the host holds one parameter and
+    one file's tensors at a time, not the model. Process 0 writes into a folder every process
+    can read (a shared file system across hosts), replacing the weight files of a checkpoint
+    saved there before; all return once the files are written. ``dtype`` (default the
+    params') is the files' dtype. Returns the files written (process 0; ``[]`` elsewhere).
     A model trained on packed documents (``bos_id``) is saved as it is: transformers attends
     across documents.
     """
@@ -395,30 +398,81 @@ def save_hf_llama(directory: str | os.PathLike, setup: Setup, state, *,
         raise TypeError(f"save_hf_llama needs a setup of models.Llama; got {type(model)}")
     params = state.params if isinstance(state, TrainState) else state
     directory = os.path.abspath(os.fspath(directory))
-    tensors: dict[str, np.ndarray] = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        key = tuple(k.key for k in path)
-        name, transposed = NAMES[key]
-        logical = _logical_shape(setup, path)
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            leaf = multihost_utils.process_allgather(leaf, tiled=True)
-        whole = np.asarray(jax.device_get(leaf))[tuple(slice(0, n) for n in logical)]
-        whole = whole.astype(dtype or whole.dtype)
-        layers = [(name.format(l=i), whole[i]) for i in range(len(whole))] if "{l}" in name \
-            else [(name, whole)]  # fmt: skip
-        for n, a in layers:
-            tensors[n] = np.ascontiguousarray(a.T if transposed else a)
-    files: list[str] = []
-    if jax.process_index() == 0:
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    out_dtype = np.dtype(dtype or leaves[0][1].dtype)
+    plan = _plan(setup, leaves, out_dtype)  # (tensor name, bytes) in the order they are made
+    files = _files(plan, max_shard_bytes)  # tensor name → file
+    main = jax.process_index() == 0
+    if main:
         os.makedirs(directory, exist_ok=True)
         _remove_weights(directory)  # a checkpoint saved here before, in either form
-        out_dtype = dtype or next(iter(tensors.values())).dtype
         with open(os.path.join(directory, CONFIG), "w") as f:
             json.dump(hf_config(model, out_dtype), f, indent=2)
-        files = _write(directory, tensors, max_shard_bytes)
+    waiting = {
+        file: sum(f == file for f in files.values()) for file in dict.fromkeys(files.values())
+    }
+    pending: dict[str, dict[str, np.ndarray]] = {file: {} for file in waiting}
+    for path, leaf in leaves:
+        key = tuple(k.key for k in path)
+        name, transposed = NAMES[key]
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)  # every process calls it
+        if not main:
+            continue
+        whole = np.asarray(jax.device_get(leaf))[tuple(slice(0, n) for n in
+                                                       _logical_shape(setup, path))]  # fmt: skip
+        whole = whole.astype(out_dtype)
+        layers = ([(name.format(l=i), whole[i]) for i in range(len(whole))] if "{l}" in name
+                  else [(name, whole)])  # fmt: skip
+        for n, a in layers:
+            file = files[n]
+            pending[file][n] = np.ascontiguousarray(a.T if transposed else a)
+            if len(pending[file]) == waiting[file]:  # the file is complete: write it
+                save_file(
+                    pending.pop(file), os.path.join(directory, file), metadata={"format": "pt"}
+                )  # transformers reads only known formats
+    written = list(waiting)
+    if main and written != [SINGLE]:
+        index = {"metadata": {"total_size": sum(b for _, b in plan)}, "weight_map": files}
+        with open(os.path.join(directory, INDEX), "w") as f:
+            json.dump(index, f, indent=2)
+        written.append(INDEX)
     if jax.process_count() > 1:  # the others return once the files are written
         multihost_utils.sync_global_devices(f"save_hf_llama {directory}")
-    return files
+    return written if main else []
+
+
+def _plan(setup: Setup, leaves, dtype) -> list[tuple[str, int]]:
+    """``(transformers name, bytes)`` of every tensor, in the order ``save_hf_llama`` makes
+    them (the leaves', each stacked leaf layer by layer)."""
+    out = []
+    for path, _ in leaves:
+        name, _ = NAMES[tuple(k.key for k in path)]
+        shape = _logical_shape(setup, path)
+        if "{l}" in name:
+            out += [(name.format(l=i), math.prod(shape[1:]) * dtype.itemsize)
+                    for i in range(shape[0])]  # fmt: skip
+        else:
+            out.append((name, math.prod(shape) * dtype.itemsize))
+    return out
+
+
+def _files(plan: list[tuple[str, int]], max_shard_bytes: int | None) -> dict[str, str]:
+    """Tensor name → file: ``model.safetensors``, or consecutive tensors packed into files of
+    at most ``max_shard_bytes`` (transformers' ``model-0000i-of-0000n.safetensors``)."""
+    if max_shard_bytes is None or sum(b for _, b in plan) <= max_shard_bytes:
+        return {name: SINGLE for name, _ in plan}
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in plan:
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    n = len(shards)
+    return {name: f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            for i, names in enumerate(shards) for name in names}  # fmt: skip
 
 
 def _remove_weights(directory: str) -> None:
@@ -434,28 +488,3 @@ def _logical_shape(setup: Setup, path) -> tuple[int, ...]:
     for k in path:
         node = node[k.key]
     return tuple(node)
-
-
-def _write(directory: str, tensors: dict[str, np.ndarray], max_shard_bytes: int | None):
-    """safetensors files of at most ``max_shard_bytes`` each (transformers' sharded form)."""
-    metadata = {"format": "pt"}  # transformers reads a file only with a known format
-    total = sum(a.nbytes for a in tensors.values())
-    if max_shard_bytes is None or total <= max_shard_bytes:
-        save_file(tensors, os.path.join(directory, SINGLE), metadata=metadata)
-        return [SINGLE]
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, a in tensors.items():
-        if shards[-1] and size + a.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = a
-        size += a.nbytes
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for file, shard in zip(names, shards, strict=True):
-        save_file(shard, os.path.join(directory, file), metadata=metadata)
-        weight_map.update(dict.fromkeys(shard, file))
-    with open(os.path.join(directory, INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    return [*names, INDEX]

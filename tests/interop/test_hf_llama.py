@@ -23,6 +23,7 @@ from _processes import launcher, run
 from transformers import LlamaForCausalLM
 
 import shardops_models as models
+from shardops_models.generation import Decoder
 from shardops_models.interop import HfLlama, UnsupportedConfig, save_hf_llama
 
 
@@ -241,8 +242,9 @@ def test_each_process_of_a_two_process_run_reads_only_its_slices(tmp_path):
     """tp on 1×8 over 2 processes of 4 devices: each process reads half of every split matrix
     (its 4 devices' heads, d_ff columns and vocabulary rows: 52 of the 104 padded rows for
     process 0, the last 45 real ones for process 1) and all of the replicated K/V weights
-    (2 KV heads on 8 devices) and norms; the logits equal transformers', and the checkpoint
-    the two processes save loads in transformers with them."""
+    (2 KV heads on 8 devices) and norms; the logits equal transformers', the checkpoint the
+    two processes save loads in transformers with them, and they decode the tokens one process
+    decodes."""
     ids, _ = tokens(97)
     np.save(tmp_path / "ids.npy", ids)
     out, saved = tmp_path / "out", tmp_path / "saved"
@@ -259,4 +261,10 @@ def test_each_process_of_a_two_process_run_reads_only_its_slices(tmp_path):
         assert read == halves + replicated + 2 * rows[process] * d, (process, read)
     logits = np.load(f"{out}.npz")["logits"]
     check_close(logits, checkpoint("gqa"), ids, "2 processes")
+    # KV-cache decoding across the 2 processes: the tokens one process decodes on 1×8.
+    decoder = Decoder(HfLlama(checkpoint("gqa")).model(), mesh_for(MESHES["1x8"]), batch=len(ids),
+                      max_len=16)  # fmt: skip
+    params = HfLlama(checkpoint("gqa")).load(decoder.setup, optimizer_state=False)
+    alone = np.asarray(decoder.generate(params, ids[:, :8], 6))
+    np.testing.assert_array_equal(np.load(f"{out}.npz")["decoded"], alone)
     check_close(logits, str(saved), ids, "saved by 2 processes")
