@@ -209,7 +209,8 @@ class Decoder:
         logits = logits.astype(jnp.float32)
         if temperature > 0:
             b, v_local = logits.shape
-            rows = _axis_index(self.data) * b + jnp.arange(b)  # [b]: global batch rows
+            first_row = lax.axis_index(self.data) * b if self.data else 0
+            rows = first_row + jnp.arange(b)  # [b]: global batch rows
             cols = lax.axis_index(self.tp) * v_local + jnp.arange(v_local)  # [V_pad/p]: token ids
             noise = _gumbel(key, rows, cols)  # g[b, V_pad/p]: this device's block only
             logits = logits / temperature + noise
@@ -322,11 +323,3 @@ def _gumbel(key, rows, cols):
                                  jnp.float32)  # fmt: skip
 
     return jax.vmap(jax.vmap(entry, (None, 0)), (0, None))(rows, cols)
-
-
-def _axis_index(axes: tuple[str, ...]):
-    """The linear index of this device over ``axes`` (major to minor), 0 for none."""
-    index = 0
-    for a in axes:
-        index = index * lax.axis_size(a) + lax.axis_index(a)
-    return index

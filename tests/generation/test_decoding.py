@@ -18,6 +18,7 @@ from _model_checks import mesh_for
 
 import shardops_models as models
 from shardops.inspect import collectives
+from shardops.layers import kv_cache_heads
 from shardops_models.generation import Decoder
 from shardops_models.interop import HfLlama
 
@@ -84,23 +85,23 @@ def test_sampling_draws_the_same_tokens_on_every_mesh():
     check_same_draws()
 
 
-def check_same_draws(decoder_type=Decoder):
+def check_same_draws(decoder_type=Decoder, meshes=("1x1", "1x8", "2x4")):
     """One key, Gumbel noise keyed by global row and token id: a mesh that gave each data
     shard the noise of rows 0 … b−1, or each model shard the first vocabulary block's, draws
     other tokens."""
     prompt, _ = tokens(97, seed=4, seq=PROMPT)
     draws = {}
-    for mesh_name in ("1x1", "1x8", "2x4"):
+    for mesh_name in meshes:
         shape = {"data": 1, "model": 1} if mesh_name == "1x1" else MESHES[mesh_name]
         ckpt = HfLlama(checkpoint("gqa"))
         decoder = decoder_type(ckpt.model(), mesh_for(shape), batch=BATCH, max_len=MAX_LEN)
         params = ckpt.load(decoder.setup, optimizer_state=False)
         draws[mesh_name] = np.asarray(decoder.generate(params, prompt, 8, temperature=0.8,
                                                        key=jax.random.key(7)))  # fmt: skip
-    np.testing.assert_array_equal(draws["1x8"], draws["1x1"])
-    np.testing.assert_array_equal(draws["2x4"], draws["1x1"])
+    for mesh_name in meshes[1:]:
+        np.testing.assert_array_equal(draws[mesh_name], draws[meshes[0]], err_msg=mesh_name)
     greedy = np.asarray(decoder.generate(params, prompt, 8))
-    assert (draws["2x4"] != greedy).any()  # sampling, not the argmax
+    assert (draws[meshes[-1]] != greedy).any()  # sampling, not the argmax
 
 
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
@@ -247,3 +248,14 @@ def check_gpt(mesh_name, decoder_type=Decoder, steps: int = STEPS):
     clear = top2[:, 1] - top2[:, 0] > 2 * bound
     assert clear.sum() >= BATCH - 1, top2
     np.testing.assert_array_equal(greedy[clear, 0], last.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("heads, kv, p, n", [
+    (8, 2, 8, 1), (8, 2, 4, 1), (8, 2, 2, 1), (8, 4, 2, 2), (8, 8, 4, 2), (8, 1, 4, 1),
+    (6, 2, 3, 2),  # device 1 holds query heads 2, 3: KV heads 0 and 1
+    (12, 6, 4, 2),  # device 1 holds query heads 3, 4, 5: KV heads 1 and 2
+])  # fmt: skip
+def test_kv_cache_heads_are_the_ones_a_device_reads(heads, kv, p, n):
+    """The KV heads a device caches: KV/p where p divides KV, else the most any device's query
+    heads read (worked out by hand for each row)."""
+    assert kv_cache_heads(heads, kv, p) == n

@@ -36,8 +36,8 @@ DECODING = {  # mutant → (line of models/generation/decoding.py, its replaceme
         "        positions = jnp.arange(ids.shape[1], dtype=jnp.int32)",
     ),
     "noise_of_the_first_rows": (
-        "            rows = _axis_index(self.data) * b + jnp.arange(b)  # [b]: global batch rows",
-        "            rows = jnp.arange(b)",
+        "            first_row = lax.axis_index(self.data) * b if self.data else 0",
+        "            first_row = 0",
     ),
     "noise_of_the_first_vocabulary_block": (
         "            cols = lax.axis_index(self.tp) * v_local + jnp.arange(v_local)  # [V_pad/p]: token ids",
@@ -57,8 +57,10 @@ def _check(name, decoder_type):
         check_gpt("2x4", decoder_type, steps=8)
     elif name == "logits_times_temperature":
         check_sampling_distribution(0.5, decoder_type)
+    elif name == "noise_of_the_first_rows":
+        check_same_draws(decoder_type, meshes=("1x1", "2x4"))  # data = 2
     else:
-        check_same_draws(decoder_type)
+        check_same_draws(decoder_type, meshes=("1x1", "1x8"))  # model = 8
 
 
 @pytest.fixture
