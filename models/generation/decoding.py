@@ -114,13 +114,16 @@ class Decoder:
     def init_cache(self):
         """An empty cache: ``(k, v)``, each ``[L, B, p·n, S_max, hd]`` zeros in the compute
         dtype, device (i, j) holding batch rows of data index i and its n KV heads."""
+        return self._zeros(), self._zeros()
+
+    @functools.cached_property
+    def _zeros(self):
+        """The jitted zeros of one cache array (compiled once per decoder, not per call)."""
         m = self.model
         shape = (m.num_layers, self.batch, self.mesh.shape[self.tp] * self.cache_heads,
                  self.max_len, m.head_dim)  # fmt: skip
-        sharding = NamedSharding(self.mesh, self.cache_spec)
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.precision.compute_dtype),
-                        out_shardings=sharding)  # fmt: skip
-        return zeros(), zeros()
+        return jax.jit(lambda: jnp.zeros(shape, self.precision.compute_dtype),
+                       out_shardings=NamedSharding(self.mesh, self.cache_spec))  # fmt: skip
 
     # --- the programs
 
