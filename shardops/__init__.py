@@ -3,14 +3,15 @@
 The surface, by concept (each subpackage has its own short ``__all__``):
 
 - **mesh**: ``make_mesh``, ``abstract_mesh`` (no devices: traces at any size), ``parse_mesh``
-  (``replica=2,data=2,model=2`` or ``4x2``) and ``format_mesh``, ``DATA_AXIS`` / ``MODEL_AXIS`` / ``REPLICA_AXIS`` /
+  (``replica=2,data=2,model=2`` or ``4x2``) and ``format_mesh``, ``DATA_AXIS`` / ``MODEL_AXIS`` / ``REPLICA_AXIS`` / ``CONTEXT_AXIS`` /
   ``SEQUENCE_DIM``, ``axis_size``, ``check_divisible``, ``check_devices``; PartitionSpec entries
   (``spec_entry``, ``entry_axes``, ``spec_entries``, ``normalized_spec``) and ``varying_axes``
   inside ``shard_map``.
 - **precision**: ``Precision`` and the policies ``FLOAT32``, ``MIXED_BFLOAT16``, ``BFLOAT16``.
 - **layers** (``shardops.layers``, its kernels there too): column/row-parallel dense,
   vocab-parallel embedding and cross-entropy, head-parallel attention (RoPE, grouped-query,
-  packed sequences), the gated MLP (SwiGLU), norms, parameters.
+  packed sequences), context-parallel attention (all-gather, ring, Ulysses), the gated MLP
+  (SwiGLU), norms, parameters.
 - **training**: ``clip_by_global_norm`` and ``global_norm`` (an optax transform whose norm is
   the global gradients', whatever their sharding).
 - ``shardops.comm``: the communication patterns the kernels are built from.
@@ -20,7 +21,7 @@ The surface, by concept (each subpackage has its own short ``__all__``):
 """
 
 from shardops import comm, inspect, layers, testing
-from shardops._axes import DATA_AXIS, MODEL_AXIS, REPLICA_AXIS, SEQUENCE_DIM
+from shardops._axes import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, REPLICA_AXIS, SEQUENCE_DIM
 from shardops._clip import clip_by_global_norm, global_norm
 from shardops._devices import DeviceMismatchError, check_devices
 from shardops._mesh import (
@@ -46,6 +47,8 @@ from shardops.layers import (
     attention,
     column_parallel_dense,
     column_parallel_dense_specs,
+    context_parallel_attention,
+    context_parallel_attention_specs,
     dense,
     gated_mlp,
     head_parallel_attention,
@@ -74,6 +77,7 @@ __all__ = [  # noqa: RUF022 (grouped by concept, as the docstring lists them)
     # mesh
     "DATA_AXIS",
     "MODEL_AXIS",
+    "CONTEXT_AXIS",
     "REPLICA_AXIS",
     "SEQUENCE_DIM",
     "DeviceMismatchError",
@@ -106,6 +110,8 @@ __all__ = [  # noqa: RUF022 (grouped by concept, as the docstring lists them)
     "dense",
     "gated_mlp",
     "head_parallel_attention",
+    "context_parallel_attention",
+    "context_parallel_attention_specs",
     "head_parallel_attention_specs",
     "init_attention",
     "init_dense",

@@ -10,6 +10,10 @@ DATA_AXIS = "data"
 REPLICA_AXIS = "replica"
 """Mesh axis over which HSDP replicates the parameters it splits over ``data``."""
 
+CONTEXT_AXIS = "context"
+"""Mesh axis that splits the sequence of every activation, attention included (context
+parallelism)."""
+
 MODEL_AXIS = "model"
 """Mesh axis that splits weight matrices (tensor / model parallelism)."""
 

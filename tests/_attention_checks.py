@@ -166,8 +166,11 @@ def scaled(a: Bounded, c: float) -> Bounded:
     return Bounded(a.v * c, c * a.e + 2 * EPS * c * a.mag)
 
 
-def softmax(s: Bounded, visible) -> Bounded:
-    """Row softmax over the last dim of ``s[..., S]``; ``visible`` masks keys (or ``None``)."""
+def softmax(s: Bounded, visible, ring: int = 0) -> Bounded:
+    """Row softmax over the last dim of ``s[..., S]``; ``visible`` masks keys (or ``None``).
+
+    ``ring = N > 0``: evaluated as ring attention does (``RING_DOCS``): the bound gains
+    ``eps·(N·(C + 3) + max|s| + max|d| + 3·ln S)`` relative to ``P``."""
     vis = np.ones(s.v.shape, bool) if visible is None else np.broadcast_to(visible, s.v.shape)
     e_s = np.where(vis, s.e, 0.0)
     m = np.max(np.where(vis, s.v, -np.inf), axis=-1, keepdims=True)
@@ -183,13 +186,42 @@ def softmax(s: Bounded, visible) -> Bounded:
     d_hi = np.abs(d) + e_s + np.max(e_s, -1, keepdims=True)  # |s' − max s'|
     each = np.where(vis, d_hi + EXP_ULPS, 0.0)
     rel = EPS * (each + np.sum(p_hi * each, -1, keepdims=True) + s.v.shape[-1] + 2)
+    if ring:
+        s_max = np.max(np.where(vis, np.abs(s.v) + s.e, 0.0), -1, keepdims=True)
+        d_max = np.max(np.where(vis, d_hi, 0.0), -1, keepdims=True)
+        rel = rel + EPS * (ring * (EXP_ULPS + 3) + s_max + d_max + 3 * math.log(s.v.shape[-1]))
     return Bounded(p, np.where(vis, pert + rel * p_hi, 0.0))
 
 
-def softmax_backward(p: Bounded, dp: Bounded) -> Bounded:
-    """``ds = P ⊙ (dP − Σ_j P_j dP_j)`` over the last dim (masked keys have P = 0 exactly)."""
-    c = np.sum(p.v * dp.v, -1, keepdims=True)
-    e_c = np.sum(p.e * np.abs(dp.v) + p.mag * dp.e, -1, keepdims=True)
+RING_DOCS = """Ring attention's softmax, and its bound. The forward keeps a running max m and sum l
+over the N key blocks: each block's terms are exp(s − m_t) (the subtraction's rounding, |d|·u,
+and C ulps of exp, as one-pass), and each of the N rescales exp(m_old − m_new) · (o, l) adds C
+ulps, the subtraction's rounding (≤ |Δm|·u, Σ|Δm| ≤ max|d|) and two products: N·(C + 3)·eps
++ max|d|·eps relative to P. The backward recomputes P = exp(s − lse), lse = m + ln l: the
+argument's rounding (|s − lse| ≤ |d| + ln S) and lse's own (|m|·u ≤ max|s|·u, ln l's ≤ 2·ln
+S·u, l's relative error already counted) add max|s|·eps + 3·ln S·eps. Under bfloat16 the ring
+rounds the unnormalised exp(s − m_t) where the product reads it, not P, so the reference
+cannot emulate that rounding bit for bit: P carries a relative error of u(bf16) = 2⁻⁸ there
+instead (``loosely_rounded``), and the backward's Σ_j P_j dP_j is the ring's Σ_d dO_d·O_d (a
+product of hd terms, ``product``)."""
+
+
+def loosely_rounded(a: Bounded, dtype) -> Bounded:
+    """``a`` rounded to ``dtype`` at a point the reference does not see (a relative error of
+    half an ulp of ``dtype``, u = 2⁻⁸ for bfloat16); float32: unchanged."""
+    if np.dtype(dtype) == np.float32:
+        return a
+    u = float(np.finfo(dtype).eps) / 2
+    return Bounded(a.v, a.e + u * a.mag)
+
+
+def softmax_backward(p: Bounded, dp: Bounded, c: Bounded | None = None) -> Bounded:
+    """``ds = P ⊙ (dP − Σ_j P_j dP_j)`` over the last dim (masked keys have P = 0 exactly);
+    ``c[..., 1]``: the row sums ``Σ_j P_j dP_j`` as the kernel computes them, if not so."""
+    if c is None:
+        c = Bounded(np.sum(p.v * dp.v, -1, keepdims=True),
+                    np.sum(p.e * np.abs(dp.v) + p.mag * dp.e, -1, keepdims=True))  # fmt: skip
+    c, e_c = c.v, c.e
     v = p.v * (dp.v - c)
     e = p.e * (np.abs(dp.v - c) + dp.e + e_c) + np.abs(p.v) * (dp.e + e_c)
     n = p.v.shape[-1]
@@ -253,7 +285,7 @@ def unrotated(g: Bounded, cos: Bounded, sin: Bounded) -> Bounded:
 
 def attention_reference(x, params, ct, *, num_heads, causal, precision, num_kv_heads=None,
                         rope_theta=None, positions=None, segment_ids=None,
-                        kv_devices: int = 1) -> dict[str, Bounded]:  # fmt: skip
+                        kv_devices: int = 1, ring: int = 0) -> dict[str, Bounded]:  # fmt: skip
     """Exact forward and gradients of ``sum(ct · attention(x))``, with bounds (module docstring).
 
     Grouped-query attention: query head ``j`` reads KV head ``j // (H / KV)``. Rotary
@@ -263,6 +295,7 @@ def attention_reference(x, params, ct, *, num_heads, causal, precision, num_kv_h
     a model axis of ``p`` devices: device ``d`` then computes the KV cotangent of its own query
     heads only, and the partial sums meet in the weight gradients and ``dx`` (each rounded
     before its product, as the kernel rounds it), so the bound follows the kernel's order.
+    ``ring = N``: the softmax as ring attention over N devices computes it (``RING_DOCS``).
 
     Returns ``{"y": ..., "x": dx, "wq": dwq, ...}``: each a ``Bounded`` in the dtype the kernel
     stores it in (compute dtype for ``y`` and ``dx``, param dtype for parameter gradients).
@@ -309,9 +342,10 @@ def attention_reference(x, params, ct, *, num_heads, causal, precision, num_kv_h
         proj["q"], proj["k"] = rotated(proj["q"], cos, sin), rotated(proj["k"], cos, sin)
     qc, kc, vc = (rounded(proj[n], compute) for n in "qkv")  # [B, H or KV, S, hd]
     scores = scaled(product("bhqd,bhkd->bhqk", qc, for_queries(kc)), scale)  # [B, H, S, S]
-    probs = softmax(scores, visible)  # [B, H, S, S]
-    pc = rounded(probs, compute)
-    o = merged(product("bhqk,bhkd->bhqd", pc, for_queries(vc)))  # o[B, S, H·hd] in accum
+    probs = softmax(scores, visible, ring)  # [B, H, S, S]
+    pc = loosely_rounded(probs, compute) if ring else rounded(probs, compute)
+    o_heads = product("bhqk,bhkd->bhqd", pc, for_queries(vc))  # o[B, H, S, hd] in accum
+    o = merged(o_heads)  # o[B, S, H·hd]
     oc = rounded(o, compute)
     y = product("bsf,fd->bsd", oc, w["wo"], p.get("bo"))  # y[B, S, D] (psum'd) + bo
     out = {"y": rounded(y, compute)}
@@ -323,7 +357,10 @@ def attention_reference(x, params, ct, *, num_heads, causal, precision, num_kv_h
     out["wo"] = rounded(product("bsf,bsd->fd", oc, g), param)
     do = rounded(heads(product("bsd,fd->bsf", g, w["wo"]), num_heads), compute)  # [B, H, S, hd]
     dp = product("bhqd,bhkd->bhqk", do, for_queries(vc))  # dP[B, H, S, S]
-    ds = rounded(scaled(softmax_backward(probs, dp), scale), compute)  # d scores_raw
+    c = None
+    if ring:  # the ring's Σ_j P_j dP_j: Σ_d dO_d · O_d, O before its rounding
+        c = product("bhqd,bhqd->bhq", do, o_heads).map(lambda a: a[..., None])
+    ds = rounded(scaled(softmax_backward(probs, dp, c), scale), compute)  # d scores_raw
     dq = product("bhqk,bhkd->bhqd", ds, for_queries(kc))  # [B, H, S, hd]
     # dk, dv: each KV head's sum over its group's query heads (and the queries), as the
     # partial sums of each device's query heads when K/V are replicated over kv_devices.

@@ -7,6 +7,7 @@
 | embedding | ``vocab_parallel_embedding`` | ``vocab_parallel_embedding_kernel`` | ``vocab_parallel_embedding_specs`` |
 | loss | ``vocab_parallel_cross_entropy``, ``vocab_parallel_argmax`` | ``*_kernel`` | ``vocab_parallel_cross_entropy_specs`` |
 | attention | ``head_parallel_attention`` (RoPE, GQA/MQA, packed segments) | ``head_parallel_attention_kernel`` | ``head_parallel_attention_specs`` |
+| context-parallel attention | ``context_parallel_attention`` (all-gather K/V, ring, Ulysses; a sequence split over ``context``) | ``context_parallel_attention_kernel``, or ``head_parallel_attention_kernel(context=ContextParallel(...))`` | ``context_parallel_attention_specs`` |
 | decoding attention | | ``cached_attention_kernel`` (a KV cache of ``kv_cache_heads`` per device) | as attention's |
 | gated MLP | ``tensor_parallel_gated_mlp`` (SwiGLU) | ``tensor_parallel_gated_mlp_kernel`` | ``tensor_parallel_gated_mlp_specs`` |
 | norms | ``layer_norm``, ``rms_norm`` (any sharding of the leading dims) | | |
@@ -30,6 +31,15 @@ from shardops.layers._attention import (
     splits_kv_heads,
 )
 from shardops.layers._collective_dense import COLLECTIVE_MATMULS
+from shardops.layers._context_attention import METHODS as CONTEXT_METHODS
+from shardops.layers._context_attention import (
+    ContextParallel,
+    balanced_order,
+    context_parallel_attention,
+    context_parallel_attention_kernel,
+    context_parallel_attention_specs,
+    inverse_order,
+)
 from shardops.layers._cross_entropy import (
     CrossEntropySpecs,
     vocab_parallel_argmax,
@@ -65,17 +75,23 @@ from shardops.layers._params import dense, init_dense, pad_params, padded_size, 
 
 __all__ = [
     "COLLECTIVE_MATMULS",
+    "CONTEXT_METHODS",
     "AttentionSpecs",
+    "ContextParallel",
     "CrossEntropySpecs",
     "DenseSpecs",
     "EmbeddingSpecs",
     "GatedMlpSpecs",
     "attention",
+    "balanced_order",
     "cached_attention_kernel",
     "check_head_counts",
     "column_parallel_dense",
     "column_parallel_dense_kernel",
     "column_parallel_dense_specs",
+    "context_parallel_attention",
+    "context_parallel_attention_kernel",
+    "context_parallel_attention_specs",
     "dense",
     "gated_mlp",
     "head_parallel_attention",
@@ -84,6 +100,7 @@ __all__ = [
     "init_attention",
     "init_dense",
     "init_gated_mlp",
+    "inverse_order",
     "kv_cache_heads",
     "layer_norm",
     "pad_params",

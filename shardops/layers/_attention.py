@@ -249,6 +249,7 @@ def head_parallel_attention_kernel(
     segment_ids=None,
     axis_name: str = MODEL_AXIS,
     sequence_parallel: bool = False,
+    context=None,
     precision: Precision = FLOAT32,
 ):
     """Head-parallel self-attention on local blocks: ``x[B, S, D] → y[B, S, D]``, ``H/p`` heads per device.
@@ -274,6 +275,12 @@ def head_parallel_attention_kernel(
             ``segment_positions(segment_ids)`` with ``segment_ids``, else ``0 … S−1``.
         segment_ids: ``segment_ids[B, S]`` integers (same layout): a query attends only to
             keys of its own segment.
+        context: a ``shardops.layers.ContextParallel``: the sequence is also split over its
+            mesh axis, in the load-balanced layout (``shardops.layers._context_attention``),
+            and attention runs by its method. ``x``, ``positions`` and ``segment_ids`` then
+            hold this device's block of the sequence (``S`` above is the block's length);
+            positions default to the tokens' global positions, and with RoPE and
+            ``segment_ids`` they must be given (a document may begin on another device).
 
     Returns:
         ``y[B, S, D]`` in ``precision.compute_dtype``, replicated over ``axis_name``; with
@@ -297,7 +304,8 @@ def head_parallel_attention_kernel(
     heads, head_dim, shared = _check_local(op, x, params, num_heads, kv_heads, p, axis_name,
                                            sequence_parallel)  # fmt: skip
     seq = x.shape[SEQUENCE_DIM] * (p if sequence_parallel else 1)
-    tokens = _check_tokens(op, positions, segment_ids, (x.shape[0], seq), axis_name, rope_theta)
+    tokens = _check_tokens(op, positions, segment_ids, (x.shape[0], seq), axis_name, rope_theta,
+                           context)  # fmt: skip
     _check_rope(op, rope_theta, head_dim)
     accum = precision.accum_dtype
     if sequence_parallel:
@@ -312,7 +320,10 @@ def head_parallel_attention_kernel(
         params, kv = _shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum)
     else:
         kv = _KvHeads(kv_heads // p, None)
-    y_partial = _attend(x, params, heads, kv, head_dim, causal, rope_theta, *tokens, precision)
+    if context is not None:
+        context.check_local(op, seq, heads, heads if kv.index is not None else kv.count)
+    y_partial = _attend(x, params, heads, kv, head_dim, causal, rope_theta, *tokens, precision,
+                        context)  # fmt: skip
     bo = params.get("bo")
     if sequence_parallel:
         with because(_REDUCE, axis_name):  # y[B, S/p, D] in accum
@@ -454,16 +465,24 @@ def _shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum)
 
 
 def _attend(x, params, heads: int, kv: _KvHeads, head_dim: int, causal: bool, rope_theta,
-            positions, segment_ids, precision: Precision):  # fmt: skip
+            positions, segment_ids, precision: Precision, context=None):  # fmt: skip
     """The local heads' attention and output projection: ``x[B, S, D]`` → ``y[B, S, D]``, in
-    ``accum_dtype``, a partial sum over heads when the heads are split (``y{U_model}``)."""
+    ``accum_dtype``, a partial sum over heads when the heads are split (``y{U_model}``).
+    With ``context`` (a ``ContextParallel``) ``x`` is this device's block of the sequence and
+    its queries attend over the whole sequence by the context method."""
     batch, seq, _ = x.shape
     q = _project(x, params["wq"], params.get("bq"), heads, precision)  # q[B, H/p, S, hd]
     k = _project(x, params["wk"], params.get("bk"), kv.count, precision)  # k[B, n, S, hd]
     v = _project(x, params["wv"], params.get("bv"), kv.count, precision)  # v[B, n, S, hd]
     if rope_theta is not None:
+        if positions is None and context is not None:
+            positions = context.positions(seq)[None]  # [1, S]: the tokens' global positions
         cos, sin = _rotation(positions, seq, head_dim, rope_theta)  # [B, 1, S, hd/2] each
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    if context is not None:  # o[B, H/p, S, hd] over the whole sequence
+        o = context.attend(q, k, v, kv, heads, causal, segment_ids, precision)
+        o = o.transpose(0, 2, 1, 3).reshape(batch, seq, heads * head_dim)  # o[B, S, (H/p)·hd]
+        return precision.matmul(o, params["wo"])  # y[B, S, D] in accum
     k, v = _for_query_heads(k, kv, heads), _for_query_heads(v, kv, heads)  # [B, H/p, S, hd]
     q, k, v = (t.reshape(batch * heads, seq, head_dim) for t in (q, k, v))  # [B·H/p, S, hd]
     scores = _product("nqd,nkd->nqk", q, k, precision)  # scores[B·H/p, S_query, S_key] in accum
@@ -753,9 +772,10 @@ def _check_rope(op: str, rope_theta, head_dim: int) -> None:
         )
 
 
-def _check_tokens(op: str, positions, segment_ids, shape, axis_name, rope_theta):
+def _check_tokens(op: str, positions, segment_ids, shape, axis_name, rope_theta, context=None):
     """``positions`` and ``segment_ids``: ``[B, S]`` integers (replicated over ``axis_name``
-    inside the kernel); returns them with the default positions filled in (None without RoPE)."""
+    inside the kernel); returns them with the default positions filled in (None without RoPE,
+    or under ``context``, where the kernel fills in the tokens' global positions)."""
     if positions is not None and rope_theta is None:
         raise ValueError(
             f"{op}: positions are given but rope_theta is None; positions only place the rotary "
@@ -775,6 +795,13 @@ def _check_tokens(op: str, positions, segment_ids, shape, axis_name, rope_theta)
         if axis_name is not None:
             check_replicated_over(tokens, axis_name, name, op)
     if rope_theta is not None and positions is None and segment_ids is not None:
+        if context is not None:
+            raise ValueError(
+                f"{op}: with rotary embeddings, segment_ids and a sequence split over "
+                f"{context.axis_name!r}, pass positions: a document may begin on another "
+                f"device. Compute segment_positions(segment_ids) on the whole sequence and "
+                f"give each device its tokens' (context_parallel_attention does)."
+            )
         positions = segment_positions(segment_ids)  # restart at each document
     return positions, segment_ids
 

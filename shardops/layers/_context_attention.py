@@ -1,0 +1,682 @@
+"""Context-parallel attention: the sequence of every activation split over a mesh axis
+``context``, attention included (the context parallelism of MaxText, torchtitan and
+Megatron-Core), in three ways: all-gather of K/V, ring attention and Ulysses.
+
+The token layout (load-balanced, the same for the three)
+---------------------------------------------------------
+The ``S`` tokens are cut into ``2N`` chunks of ``c = S/(2N)`` (``N`` = size of ``context``);
+device ``i`` holds chunks ``i`` and ``2N−1−i``, in that order, so ``x[B, S_context, D]`` is
+``x[:, balanced_order(S, N)]`` split evenly over ``context``. Under a causal mask an early
+chunk sees few keys and a late one many; pairing them gives every device the same work, and
+with the ring every step the same work too (below). ``S`` must divide by ``2N``.
+``balanced_order(S, N)[t]`` is the global position of the ``t``-th token of the device-major
+layout; ``inverse_order`` undoes it (``y_natural = y_layout[:, inverse_order(S, N)]``). The
+layers on global arrays permute in and out themselves; a model permutes its tokens once,
+where they enter (``models.strategies``), and everything between attention calls is
+position-wise. Rotary positions and the causal mask use each token's *global* position.
+
+The attentions, on one device's projected blocks (``q[B, H, S/N, hd]``, ``k, v[B, KV, S/N, hd]``,
+after the rotation, in ``accum_dtype``; ``H``, ``KV``: the heads on this device, after any
+split over ``model``):
+
+    allgather   k, v: AllGather over context → k[B, KV, S, hd]; this device's queries attend
+                to every key. Backward: ReduceScatter of dk, dv (accum_dtype). The K/V
+                blocks' memory is not divided: the attention part stays O(S) per device.
+    ring        each device keeps its queries; the K/V blocks (only the KV heads, with their
+                segment ids) go round the ring with ppermute, N−1 steps, each step's scores
+                combined by an online softmax (running max and sum in float32). Backward: a
+                custom VJP passes K/V round again, the other way round the ring (the same
+                ppermutes XLA would merge with the forward's, keeping every block alive), N−1
+                steps, with dK/dV travelling beside them, then one more step returns dK/dV to
+                their owners (N ppermutes of dK/dV in accum_dtype). Autodiff through the
+                forward ring would keep every K/V block; this saves only q, k, v, the output
+                and the log-sum-exp.
+                Causal: at step t>0 device r holds the block of device j = r−t mod N. If j < r
+                every local query sees chunk j of the block and none sees chunk 2N−1−j; if
+                j > r only chunk 2N−1−r of the queries sees the block, all of it. Each is half
+                the block: every step after the first computes exactly half of a full block
+                (``lax.cond`` on j < r), on every device.
+    ulysses     AllToAll q, k, v: [B, H, S/N, hd] → [B, H/N, S, hd] (heads split, sequence
+                whole), local attention, AllToAll the output back. H and KV must divide by
+                N. Backward: the same four AllToAlls (accum_dtype).
+
+Every move of q, k, v or the output carries the values rounded to ``compute_dtype`` (the
+products read them so); every gradient moves and reduces in ``accum_dtype``.
+
+Notation (the JAX scaling book): ``x[B, S_context, D]`` is split along S over ``context``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from shardops._axes import CONTEXT_AXIS
+from shardops._mesh import axis_size, check_divisible, spec_entry, varying_axes
+from shardops._precision import FLOAT32, Precision
+from shardops.comm._reasons import Reason, because
+from shardops.layers import _attention
+from shardops.layers._common import bound_axis_size, check_axes, run_layer, scoped
+
+METHODS = ("allgather", "ring", "ulysses")
+"""The context-parallel attentions (module docstring)."""
+
+_GATHER_KV = Reason("context_kv_gather", forward={
+    "all_gather": "the sequence is split over {axis} (context parallelism) and every query "
+                  "needs every key and value",
+}, backward={
+    "psum_scatter": "it is the transpose of the K/V all_gather: each device's dk, dv partial "
+                    "sums are reduced and split back over {axis}",
+})  # fmt: skip
+_RING = Reason("context_ring", forward={
+    "ppermute": "ring attention over {axis}: each device passes its K/V block to the next",
+}, backward={
+    "ppermute": "ring attention's backward over {axis}: K/V blocks go round again, with their "
+                "dK/dV partial sums, which the last step returns to their owners",
+})  # fmt: skip
+_ULYSSES = Reason("context_ulysses", forward={
+    "all_to_all": "Ulysses over {axis}: the sequence split is traded for a head split around "
+                  "attention, and back",
+}, backward={
+    "all_to_all": "the transpose of Ulysses' all_to_all over {axis}",
+})  # fmt: skip
+_SEGMENTS = Reason("context_segments", forward={
+    "all_gather": "the keys' segment ids travel with the keys over {axis}",
+})  # fmt: skip
+
+
+def balanced_order(seq: int, n: int) -> np.ndarray:
+    """``order[S]``: the global position of each token of the load-balanced layout over ``n``
+    devices, device-major (device ``i`` holds chunks ``i`` and ``2n−1−i`` of ``seq/(2n)``)."""
+    if seq % (2 * n):
+        raise ValueError(
+            f"balanced_order: the sequence length {seq} must divide by 2 × the context size "
+            f"{n} = {2 * n} (each device holds two chunks)"
+        )
+    chunks = np.arange(seq).reshape(2 * n, seq // (2 * n))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
+
+
+def inverse_order(seq: int, n: int) -> np.ndarray:
+    """The permutation that undoes ``balanced_order``: ``t[:, balanced_order][:, inverse] == t``."""
+    return np.argsort(balanced_order(seq, n))
+
+
+def _local_positions(i, n: int, s: int):
+    """``[s]`` int32: the global positions of device ``i``'s ``s`` tokens (chunks ``i``, ``2n−1−i``)."""
+    c = s // 2
+    chunk = jnp.arange(c, dtype=jnp.int32)
+    return jnp.concatenate([i * c + chunk, (2 * n - 1 - i) * c + chunk])
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+    """Attention over a sequence split over mesh axis ``axis_name`` by ``method`` (one of
+    ``METHODS``): what ``head_parallel_attention_kernel(..., context=...)`` and
+    ``context_parallel_attention_kernel`` take."""
+
+    axis_name: str = CONTEXT_AXIS
+    method: str = "ring"
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"context-parallel attention method must be one of {METHODS}; got "
+                             f"{self.method!r}")  # fmt: skip
+        if not isinstance(self.axis_name, str) or not self.axis_name:
+            raise TypeError(f"ContextParallel: axis_name must be a mesh axis name; got "
+                            f"{self.axis_name!r}")  # fmt: skip
+
+    def positions(self, seq: int):
+        """``[seq]`` int32: the global positions of this device's ``seq`` tokens (inside
+        ``shard_map``)."""
+        n = lax.axis_size(self.axis_name)
+        return _local_positions(lax.axis_index(self.axis_name), n, seq)
+
+    def check_local(self, op: str, seq: int, heads: int, kv_heads: int) -> None:
+        """The local block fits the layout (two chunks) and, for Ulysses, the heads split."""
+        n = lax.axis_size(self.axis_name)
+        if seq % 2:
+            raise ValueError(
+                f"{op}: the local sequence block has {seq} tokens; the load-balanced layout "
+                f"over mesh axis {self.axis_name!r} (size {n}) holds two equal chunks per "
+                f"device, so the global S must divide by 2 × {n} = {2 * n}"
+            )
+        if self.method == "ulysses":
+            check_ulysses_heads(op, heads, kv_heads, self.axis_name, n)
+
+    def attend(self, q, k, v, kv, heads: int, causal: bool, segment_ids, precision: Precision):
+        """``o[B, H, s, hd]`` in ``accum_dtype`` of this device's queries over the whole
+        sequence. ``q[B, H, s, hd]``, ``k, v[B, n, s, hd]`` (``kv``: the ``_KvHeads`` of the
+        kernel), ``segment_ids[B, s]`` or None: this device's tokens."""
+        if kv.index is not None:  # replicated K/V read by index: send each query head's own
+            k = _attention._for_query_heads(k, kv, heads)  # [B, H, s, hd]
+            v = _attention._for_query_heads(v, kv, heads)
+        group = heads // k.shape[1]
+        run = {"allgather": _allgather, "ring": _ring, "ulysses": _ulysses}[self.method]
+        return run(q, k, v, segment_ids, group, causal, self.axis_name, precision)
+
+
+def check_ulysses_heads(op: str, heads: int, kv_heads: int, axis_name: str, n: int) -> None:
+    """Ulysses splits the (local) heads over the context axis: both counts must divide."""
+    for name, count in (("query heads", heads), ("key/value heads", kv_heads)):
+        if count % n:
+            raise ValueError(
+                f"{op}: Ulysses splits the heads over mesh axis {axis_name!r} (size {n}), but "
+                f"the {name} on each device, {count} (query heads {heads}, key/value heads "
+                f"{kv_heads}), do not divide by {n}. Use the 'ring' or 'allgather' method, or "
+                f"a context size dividing both."
+            )
+
+
+# --- moving rounded values: forward in compute_dtype, backward in accum_dtype -----------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _moved(move, transpose, compute, x):
+    """``move(x)`` of ``x`` rounded to ``compute`` (what the products read), returned in ``x``'s
+    dtype; the backward runs ``transpose`` on the cotangent in ``x``'s (accum) dtype."""
+    return move(x.astype(compute)).astype(x.dtype)
+
+
+def _moved_fwd(move, transpose, compute, x):
+    return _moved(move, transpose, compute, x), None
+
+
+def _moved_bwd(move, transpose, compute, _, g):
+    return (transpose(g),)
+
+
+_moved.defvjp(_moved_fwd, _moved_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gather:
+    axis_name: str
+    dim: int
+
+    def __call__(self, x):
+        return lax.all_gather(x, self.axis_name, axis=self.dim, tiled=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScatterSum:
+    axis_name: str
+    dim: int
+
+    def __call__(self, g):
+        return lax.psum_scatter(g, self.axis_name, scatter_dimension=self.dim, tiled=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _AllToAll:
+    axis_name: str
+    split: int
+    concat: int
+
+    def __call__(self, x):
+        return lax.all_to_all(x, self.axis_name, self.split, self.concat, tiled=True)
+
+
+def _visible(q_pos, k_pos, q_seg, k_seg, causal: bool):
+    """``visible[B or 1, 1, sq, sk]``: key ``j`` visible to query ``i`` (same segment and, with
+    ``causal``, ``k_pos[j] ≤ q_pos[i]``: global positions), or None."""
+    visible = None
+    if causal:
+        visible = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, sq, sk]
+    if q_seg is not None:
+        same = q_seg[:, None, :, None] == k_seg[:, None, None, :]  # [B, 1, sq, sk]
+        visible = same if visible is None else same & visible
+    return visible
+
+
+def _local_core(q, k, v, group: int, visible, precision: Precision):
+    """Attention of ``q[B, H, sq, hd]`` over ``k, v[B, H/group, sk, hd]`` (query head ``j``
+    reads KV head ``j // group``), masked by ``visible``: ``o[B, H, sq, hd]`` in accum."""
+    batch, heads, sq, hd = q.shape
+    sk = k.shape[2]
+    if group > 1:
+        k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)  # [B, H, sk, hd]
+    q = q.reshape(batch * heads, sq, hd)
+    k, v = (t.reshape(batch * heads, sk, hd) for t in (k, v))
+    scores = _attention._product("nqd,nkd->nqk", q, k, precision)  # [B·H, sq, sk] in accum
+    scores = scores * (1.0 / math.sqrt(hd))
+    if visible is not None:
+        scores = scores.reshape(batch, heads, sq, sk)
+        scores = jnp.where(visible, scores, -jnp.inf).reshape(batch * heads, sq, sk)
+    probs = jax.nn.softmax(scores, axis=-1)  # normalised over every key of the sequence
+    o = _attention._product("nqk,nkd->nqd", probs, v, precision)  # [B·H, sq, hd] in accum
+    return o.reshape(batch, heads, sq, hd)
+
+
+def _allgather(q, k, v, segment_ids, group, causal, axis, precision):
+    """K/V AllGathered over ``axis``; this device's queries attend locally (module docstring)."""
+    n, s = lax.axis_size(axis), q.shape[2]
+    compute = np.dtype(precision.compute_dtype)
+    with because(_GATHER_KV, axis):  # k[B, n, s, hd] → k[B, n, S, hd]; dk ReduceScattered
+        k_all = _moved(_Gather(axis, 2), _ScatterSum(axis, 2), compute, k)
+        v_all = _moved(_Gather(axis, 2), _ScatterSum(axis, 2), compute, v)
+    k_seg = None
+    if segment_ids is not None:
+        with because(_SEGMENTS, axis):
+            k_seg = lax.all_gather(segment_ids, axis, axis=1, tiled=True)  # [B, S]
+    q_pos = _local_positions(lax.axis_index(axis), n, s)  # [s]
+    k_pos = jnp.asarray(balanced_order(s * n, n), jnp.int32)  # [S]: device-major
+    visible = _visible(q_pos, k_pos, segment_ids, k_seg, causal)
+    return _local_core(q, k_all, v_all, group, visible, precision)
+
+
+def _ulysses(q, k, v, segment_ids, group, causal, axis, precision):
+    """AllToAll heads ↔ sequence around local attention (module docstring)."""
+    n, s = lax.axis_size(axis), q.shape[2]
+    compute = np.dtype(precision.compute_dtype)
+    to_heads, to_seq = _AllToAll(axis, 1, 2), _AllToAll(axis, 2, 1)
+    with because(_ULYSSES, axis):  # [B, h, S/N, hd] → [B, h/N, S, hd]
+        q, k, v = (_moved(to_heads, to_seq, compute, t) for t in (q, k, v))
+    seg = None
+    if segment_ids is not None:
+        with because(_SEGMENTS, axis):
+            seg = lax.all_gather(segment_ids, axis, axis=1, tiled=True)  # [B, S]
+    pos = jnp.asarray(balanced_order(s * n, n), jnp.int32)  # [S]: device-major
+    o = _local_core(q, k, v, group, _visible(pos, pos, seg, seg, causal), precision)
+    with because(_ULYSSES, axis):  # o[B, H/N, S, hd] → o[B, H, S/N, hd]
+        return _moved(to_seq, to_heads, compute, o)
+
+
+# --- ring attention ---------------------------------------------------------------------------
+
+
+def _ring(q, k, v, segment_ids, group, causal, axis, precision):
+    batch, heads, s, hd = q.shape
+    kv = k.shape[1]
+    qg = q.reshape(batch, kv, group, s, hd)  # query head j = kv_head · group + g
+    o = _ring_attention(axis, causal, np.dtype(precision.compute_dtype),
+                        precision.matmul_precision, qg, k, v, segment_ids)  # fmt: skip
+    return o.reshape(batch, heads, s, hd)
+
+
+def _pass_on(tree, axis: str, n: int, way: int = 1):
+    """Each device's blocks to the next device of the ring (``i → i+way mod n``)."""
+    perm = [(i, (i + way) % n) for i in range(n)]
+    with because(_RING, axis):
+        return jax.tree.map(lambda t: lax.ppermute(t, axis, perm), tree)
+
+
+def _filled(like, shape, value, dtype):
+    """A constant of ``shape`` varying over the mesh axes ``like`` varies over (a loop carry)."""
+    out = jnp.full(shape, value, dtype)
+    axes = tuple(sorted(varying_axes(like)))
+    return lax.pcast(out, axes, to="varying") if axes else out
+
+
+_ALL, _FIRST, _SECOND = "all", "first", "second"
+
+
+def _half(t, which: str, dim: int):
+    """``t`` along ``dim`` (the local tokens): all, or its first or second chunk."""
+    if which == _ALL:
+        return t
+    c = t.shape[dim] // 2
+    return lax.slice_in_dim(t, 0 if which == _FIRST else c, c if which == _FIRST else 2 * c,
+                            axis=dim)  # fmt: skip
+
+
+def _put_half(t, part, which: str, dim: int, add: bool = False):
+    """``t`` with its ``which`` chunk along ``dim`` replaced by (or, with ``add``, plus) ``part``."""
+    if which == _ALL:
+        return t + part if add else part
+    c = t.shape[dim] // 2
+    start = 0 if which == _FIRST else c
+    if add:
+        part = part + lax.slice_in_dim(t, start, start + c, axis=dim)
+    return lax.dynamic_update_slice_in_dim(t, part, start, axis=dim)
+
+
+def _blocks(step_fn, carry, t: int, causal: bool, earlier):
+    """Run ``step_fn(carry, rows, cols)`` on the part of step ``t``'s block that any query
+    sees: all of it at t = 0 or without ``causal``; else, on the held block's owner being
+    ``earlier`` than this device, every query against its first chunk, otherwise the second
+    chunk of the queries against all of it (module docstring)."""
+    if t == 0 or not causal:
+        return step_fn(carry, _ALL, _ALL)
+    return lax.cond(earlier, lambda c: step_fn(c, _ALL, _FIRST),
+                    lambda c: step_fn(c, _SECOND, _ALL), carry)  # fmt: skip
+
+
+def _einsum(spec, a, b, compute, matmul_precision):
+    """A product of compute-dtype operands accumulated in float32 (every ring product)."""
+    return jnp.einsum(spec, a.astype(compute), b.astype(compute),
+                      preferred_element_type=jnp.float32, precision=matmul_precision)  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _ring_attention(axis, causal, compute, matmul_precision, q, k, v, segment_ids):
+    """``o[B, KV, g, s, hd]`` (float32) of ``q[B, KV, g, s, hd]`` over the ring's K/V blocks."""
+    return _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, segment_ids)[0]
+
+
+def _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, segment_ids):
+    n, r = lax.axis_size(axis), lax.axis_index(axis)
+    s, hd = q.shape[3], q.shape[4]
+    scale = 1.0 / math.sqrt(hd)
+    q_pos = _local_positions(r, n, s)  # [s]: this device's global positions
+    qc = q.astype(compute)  # q[B, KV, g, s, hd]
+    kc, vc = k.astype(compute), v.astype(compute)  # the blocks that travel: k[B, KV, s, hd]
+    held = (kc, vc, segment_ids)
+    o = _filled(q, q.shape, 0.0, jnp.float32)  # running Σ p·v
+    m = _filled(q, q.shape[:-1], -jnp.inf, jnp.float32)  # running max of the scores
+    l = _filled(q, q.shape[:-1], 0.0, jnp.float32)  # noqa: E741  running Σ p
+
+    for t in range(n):
+        owner = (r - t) % n  # whose block this device holds now
+        k_pos = _local_positions(owner, n, s)
+
+        def step(carry, rows, cols, held=held, k_pos=k_pos):
+            o, m, l = carry  # noqa: E741
+            kb, vb, k_seg = held
+            q_seg = None if segment_ids is None else _half(segment_ids, rows, 1)
+            k_seg = None if k_seg is None else _half(k_seg, cols, 1)
+            scores = (
+                _einsum(
+                    "bkgqd,bksd->bkgqs",
+                    _half(qc, rows, 3),
+                    _half(kb, cols, 2),
+                    compute,
+                    matmul_precision,
+                )
+                * scale
+            )  # [B, KV, g, sq, sk] f32
+            visible = _visible(_half(q_pos, rows, 0), _half(k_pos, cols, 0), q_seg, k_seg, causal)
+            if visible is not None:
+                scores = jnp.where(visible[:, :, None], scores, -jnp.inf)
+            m_old, l_old = _half(m, rows, 3), _half(l, rows, 3)
+            m_new = jnp.maximum(m_old, scores.max(-1))  # [B, KV, g, sq]
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
+            p = jnp.exp(scores - m_safe[..., None])  # [B, KV, g, sq, sk]
+            rescale = jnp.exp(m_old - m_safe)  # the earlier blocks' terms, to the new max
+            l_new = l_old * rescale + p.sum(-1)
+            pv = _einsum("bkgqs,bksd->bkgqd", p, _half(vb, cols, 2), compute, matmul_precision)
+            o_new = _half(o, rows, 3) * rescale[..., None] + pv
+            return (_put_half(o, o_new, rows, 3), _put_half(m, m_new, rows, 3),
+                    _put_half(l, l_new, rows, 3))  # fmt: skip
+
+        o, m, l = _blocks(step, (o, m, l), t, causal, owner < r)  # noqa: E741
+        if t < n - 1:
+            held = _pass_on(held, axis, n)
+    out = o / l[..., None]  # [B, KV, g, s, hd] f32
+    lse = m + jnp.log(l)  # [B, KV, g, s]: the log-sum-exp of every query's scores
+    return out, (qc, kc, vc, segment_ids, out, lse)
+
+
+# The backward ring passes blocks i → i−1: the forward's i → i+1 on the same K/V would be the
+# same ppermute of the same values, which XLA merges (CSE; XLA:CPU drops optimization
+# barriers first), keeping every received block alive from the forward to the backward, O(S).
+_BACK = -1
+
+
+def _ring_bwd(axis, causal, compute, matmul_precision, residuals, do):
+    qc, kc, vc, segment_ids, out, lse = residuals
+    n, r = lax.axis_size(axis), lax.axis_index(axis)
+    s, hd = qc.shape[3], qc.shape[4]
+    scale = 1.0 / math.sqrt(hd)
+    q_pos = _local_positions(r, n, s)
+    doc = do.astype(compute)  # dO[B, KV, g, s, hd] as the products read it
+    delta = jnp.sum(doc.astype(jnp.float32) * out, -1)  # [B, KV, g, s]: Σ_j P_j dP_j
+    dq = _filled(qc, qc.shape, 0.0, jnp.float32)
+    dk = _filled(kc, kc.shape, 0.0, jnp.float32)  # the held block's dK, travelling with it
+    dv = _filled(vc, vc.shape, 0.0, jnp.float32)
+    held = (kc, vc, segment_ids)
+
+    for t in range(n):
+        owner = (r + t) % n  # the backward ring turns the other way (_BACK)
+        k_pos = _local_positions(owner, n, s)
+
+        def step(carry, rows, cols, held=held, k_pos=k_pos):
+            dq, dk, dv = carry
+            kb, vb, k_seg = held
+            q_seg = None if segment_ids is None else _half(segment_ids, rows, 1)
+            k_seg = None if k_seg is None else _half(k_seg, cols, 1)
+            q_r, do_r = _half(qc, rows, 3), _half(doc, rows, 3)
+            k_c, v_c = _half(kb, cols, 2), _half(vb, cols, 2)
+            scores = _einsum("bkgqd,bksd->bkgqs", q_r, k_c, compute, matmul_precision) * scale
+            p = jnp.exp(scores - _half(lse, rows, 3)[..., None])  # P[B, KV, g, sq, sk]
+            visible = _visible(_half(q_pos, rows, 0), _half(k_pos, cols, 0), q_seg, k_seg, causal)
+            if visible is not None:
+                p = jnp.where(visible[:, :, None], p, 0.0)
+            dv_part = _einsum("bkgqs,bkgqd->bksd", p, do_r, compute, matmul_precision)
+            dp = _einsum("bkgqd,bksd->bkgqs", do_r, v_c, compute, matmul_precision)
+            ds = p * (dp - _half(delta, rows, 3)[..., None]) * scale  # d scores_raw
+            dq_part = _einsum("bkgqs,bksd->bkgqd", ds, k_c, compute, matmul_precision)
+            dk_part = _einsum("bkgqs,bkgqd->bksd", ds, q_r, compute, matmul_precision)
+            return (_put_half(dq, dq_part, rows, 3, add=True),
+                    _put_half(dk, dk_part, cols, 2, add=True),
+                    _put_half(dv, dv_part, cols, 2, add=True))  # fmt: skip
+
+        dq, dk, dv = _blocks(step, (dq, dk, dv), t, causal, owner < r)
+        if t < n - 1:
+            held, (dk, dv) = _pass_on((held, (dk, dv)), axis, n, _BACK)
+    if n > 1:  # the block held last is device r−1's: its dK/dV go home
+        dk, dv = _pass_on((dk, dv), axis, n, _BACK)
+    return dq, dk, dv, None
+
+
+_ring_attention.defvjp(_ring_fwd, _ring_bwd)
+
+
+# --- the kernel without a model axis, the layer on global arrays, and its specs ---------------
+
+
+def context_parallel_attention_specs(
+    *,
+    context_axis: str = CONTEXT_AXIS,
+    model_axis: str | None = None,
+    batch_axis: str | None = None,
+    sequence_parallel: bool = False,
+    replicate_kv: bool = False,
+) -> _attention.AttentionSpecs:
+    """Layout of ``context_parallel_attention``: ``x[B_batch, S_context, D] → y`` alike, in
+    the load-balanced order; ``tokens`` (``positions``, ``segment_ids``) ``[B_batch,
+    S_context]``. With ``model_axis`` the weights split by heads as
+    ``head_parallel_attention_specs``'s (``replicate_kv`` likewise), and ``sequence_parallel``
+    splits each context block of ``x`` and ``y`` further over ``model``:
+    ``x[B, S_(context, model), D]``. Without it every weight is replicated."""
+    if sequence_parallel and model_axis is None:
+        raise ValueError("context_parallel_attention_specs: sequence_parallel splits the "
+                         "sequence over the model axis; give model_axis")  # fmt: skip
+    batch = spec_entry(batch_axis)
+    seq = spec_entry(context_axis, model_axis if sequence_parallel else None)
+    x = P(batch, seq, None)
+    tokens = P(batch, context_axis)
+    if model_axis is None:
+        w, b = P(None, None), P(None)
+        return _attention.AttentionSpecs(x=x, w_qkv=w, b_qkv=b, w_out=w, b_out=b, y=x, w_kv=w,
+                                         b_kv=b, tokens=tokens)  # fmt: skip
+    head = _attention.head_parallel_attention_specs(axis_name=model_axis,
+                                                    replicate_kv=replicate_kv)  # fmt: skip
+    return head._replace(x=x, y=x, tokens=tokens)
+
+
+@scoped("context_parallel_attention")
+def context_parallel_attention_kernel(
+    x,
+    params,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    causal: bool = False,
+    rope_theta: float | None = None,
+    positions=None,
+    segment_ids=None,
+    method: str = "ring",
+    context_axis: str = CONTEXT_AXIS,
+    model_axis: str | None = None,
+    sequence_parallel: bool = False,
+    precision: Precision = FLOAT32,
+):
+    """Self-attention of a sequence split over ``context_axis``, on local blocks:
+    ``x[B, S_context, D] → y[B, S_context, D]`` (the load-balanced layout, module docstring).
+
+    Arguments (local blocks; ``N`` = size of ``context_axis``, ``s = S/N``):
+        x: ``x[B, s, D]``, this device's two chunks of the sequence (with ``model_axis`` and
+            ``sequence_parallel``, its ``1/p`` of them along S, as head-parallel attention
+            takes it).
+        params: as ``attention``'s (every head here) or, with ``model_axis``, as
+            ``head_parallel_attention_kernel``'s (heads split over ``model_axis``).
+        positions, segment_ids: ``[B, s]`` integers, this device's tokens' (whole over
+            ``model_axis``). Positions default to the tokens' global positions; with RoPE and
+            ``segment_ids`` pass them (a document may begin on another device).
+        method: ``"allgather"``, ``"ring"`` or ``"ulysses"`` (module docstring).
+        Others as ``head_parallel_attention_kernel``'s.
+
+    Returns:
+        ``y[B, s, D]`` in ``precision.compute_dtype``, laid out as ``x``.
+
+    Communication over ``context_axis`` (f32 bytes per device, ``b`` local rows, ``KV``/``H``
+    the heads on this device, ``hd`` the head dim):
+        allgather: forward AllGather of k and v, ``2·4·b·S·KV·hd·(N−1)/N``; backward
+            ReduceScatter of dk, dv, the same bytes.
+        ring: forward ``N−1`` ppermutes of the K/V block, ``2·4·b·s·KV·hd`` each; backward
+            ``N−1`` of K/V and ``N`` of dK/dV (the last returns them to their owners).
+        ulysses: forward AllToAll of q, k, v and o, ``4·b·s·(2H + 2KV)·hd·(N−1)/N`` in all;
+            backward the same.
+        With ``segment_ids``, their int32 blocks travel with the keys. Over ``model_axis``:
+        as ``head_parallel_attention_kernel``. The weights' gradients are reduced over
+        ``context_axis`` in accum_dtype (they are replicated over it).
+    """
+    op = "context_parallel_attention_kernel"
+    context = ContextParallel(context_axis, method)
+    bound_axis_size(context_axis, op)
+    if model_axis is not None:
+        return _attention.head_parallel_attention_kernel(
+            x, params, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal,
+            rope_theta=rope_theta, positions=positions, segment_ids=segment_ids,
+            axis_name=model_axis, sequence_parallel=sequence_parallel, context=context,
+            precision=precision,
+        )  # fmt: skip
+    if sequence_parallel:
+        raise ValueError(f"{op}: sequence_parallel splits the sequence over the model axis; "
+                         f"give model_axis")  # fmt: skip
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    _attention._check_args(op, x, params, num_heads, kv_heads, causal, precision, dtypes=False)
+    head_dim = params["wq"].shape[1] // num_heads
+    _attention._check_rope(op, rope_theta, head_dim)
+    tokens = _attention._check_tokens(op, positions, segment_ids, x.shape[:2], None, rope_theta,
+                                      context)  # fmt: skip
+    context.check_local(op, x.shape[1], num_heads, kv_heads)
+    x = x.astype(precision.accum_dtype)  # x[B, s, D] in accum; no region over the context axis
+    kv = _attention._KvHeads(kv_heads, None)
+    y = _attention._attend(x, params, num_heads, kv, head_dim, causal, rope_theta, *tokens,
+                           precision, context)  # fmt: skip
+    return precision.finish(y, params.get("bo"))  # y[B, s, D] in compute dtype
+
+
+def context_parallel_attention(
+    x,
+    params,
+    *,
+    mesh: Mesh,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    causal: bool = False,
+    rope_theta: float | None = None,
+    positions=None,
+    segment_ids=None,
+    method: str = "ring",
+    context_axis: str = CONTEXT_AXIS,
+    model_axis: str | None = None,
+    batch_axis: str | None = None,
+    sequence_parallel: bool = False,
+    permute: bool = True,
+    precision: Precision = FLOAT32,
+):
+    """Self-attention of ``x[B, S, D]`` with the sequence split over ``context_axis``: ``→ y[B, S, D]``.
+
+    Arguments:
+        x: ``x[B, S, D]`` in ``precision.compute_dtype``, in the natural token order (or, with
+            ``permute=False``, already in the load-balanced layout, ``x[:, balanced_order(S,
+            N)]``, and ``y`` is returned in it). ``S`` must divide by ``2N``.
+        params: full parameters as ``init_attention`` makes them.
+        positions, segment_ids: ``[B, S]`` integers of the whole sequence, in ``x``'s order;
+            with RoPE, positions default to each token's position (restarting at each
+            document of ``segment_ids``), computed on the whole sequence.
+        method: ``"allgather"``, ``"ring"`` or ``"ulysses"``.
+        model_axis: split the heads over this axis too (Megatron); ``sequence_parallel``
+            splits each context block over it between layers.
+        batch_axis: the axis splitting B, if any.
+
+    With ``permute`` the tokens are put into the layout and back by a gather along S outside
+    the kernel (XLA moves them); a model does it once, where the tokens enter. Communication:
+    ``context_parallel_attention_kernel``.
+    """
+    op = "context_parallel_attention"
+    ContextParallel(context_axis, method)
+    check_axes(mesh, context_axis, batch_axis)
+    if model_axis is not None:
+        check_axes(mesh, model_axis, None)
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    _attention._check_args(op, x, params, num_heads, kv_heads, causal, precision)
+    _attention._check_rope(op, rope_theta, params["wq"].shape[1] // num_heads)
+    positions, segment_ids = _attention._check_tokens(op, positions, segment_ids, x.shape[:2],
+                                                      None, rope_theta)  # fmt: skip
+    n = axis_size(mesh, context_axis)
+    p = 1 if model_axis is None else axis_size(mesh, model_axis)
+    check_sequence(op, "x", x.shape[1], context_axis, n)
+    if sequence_parallel and x.shape[1] % (n * p):
+        check_divisible(argument="x", dim=1, dim_name="sequence", size=x.shape[1], mesh=mesh,
+                        axes=(context_axis, model_axis))  # fmt: skip
+    if model_axis is not None:
+        _attention.check_head_counts(op, num_heads, kv_heads, model_axis, p)
+    replicate_kv = model_axis is not None and not _attention.splits_kv_heads(kv_heads, p)
+    if method == "ulysses":
+        count = _attention.kv_cache_heads(num_heads, kv_heads, p)  # KV heads it projects
+        kv_sent = num_heads // p if replicate_kv and count > 1 else count
+        check_ulysses_heads(op, num_heads // p, kv_sent, context_axis, n)
+    check_divisible(argument="x", dim=0, dim_name="batch", size=x.shape[0], mesh=mesh,
+                    axes=(batch_axis,))  # fmt: skip
+    specs = context_parallel_attention_specs(
+        context_axis=context_axis, model_axis=model_axis, batch_axis=batch_axis,
+        sequence_parallel=sequence_parallel, replicate_kv=replicate_kv,
+    )  # fmt: skip
+    if permute:
+        order = balanced_order(x.shape[1], n)
+        x = x[:, order]
+        positions, segment_ids = (None if t is None else jnp.asarray(t)[:, order]
+                                  for t in (positions, segment_ids))  # fmt: skip
+    kernel = functools.partial(
+        context_parallel_attention_kernel, num_heads=num_heads, num_kv_heads=kv_heads,
+        causal=causal, rope_theta=rope_theta, method=method, context_axis=context_axis,
+        model_axis=model_axis, sequence_parallel=sequence_parallel, precision=precision,
+    )  # fmt: skip
+    args = {"x": x, "params": params}
+    in_specs = {"x": specs.x, "params": {name: specs.params[name] for name in params}}
+    for name, tokens in (("positions", positions), ("segment_ids", segment_ids)):
+        if tokens is not None:
+            args[name], in_specs[name] = tokens, specs.tokens
+    names = tuple(args)
+
+    def run(*values):
+        given = dict(zip(names, values, strict=True))
+        return kernel(given.pop("x"), given.pop("params"), **given)
+
+    y = run_layer(op, run, mesh, args, in_specs, specs.y)
+    return y[:, inverse_order(x.shape[1], n)] if permute else y
+
+
+def check_sequence(op: str, argument: str, seq: int, axis_name: str, n: int) -> None:
+    """The load-balanced layout's condition: ``2N`` divides S, else a ValueError naming the
+    argument, the dim, the axis and both sizes."""
+    if seq % (2 * n):
+        fit = -(-seq // (2 * n)) * 2 * n
+        raise ValueError(
+            f"{op}: {argument} dim 1 (sequence) = {seq} is not divisible by 2 × mesh axis "
+            f"{axis_name!r} (size {n}) = {2 * n}: the load-balanced context layout gives each "
+            f"device two equal chunks. Use a sequence length that is a multiple of {2 * n} "
+            f"(e.g. {fit}; pad with a label that counts nowhere), or a smaller context axis."
+        )
