@@ -482,7 +482,7 @@ def _attend(x, params, heads: int, kv: _KvHeads, head_dim: int, causal: bool, ro
     if context is not None:  # o[B, H/p, S, hd] over the whole sequence
         o = context.attend(q, k, v, kv, heads, causal, segment_ids, precision)
         o = o.transpose(0, 2, 1, 3).reshape(batch, seq, heads * head_dim)  # o[B, S, (H/p)·hd]
-        return precision.matmul(o, params["wo"])  # y[B, S, D] in accum
+        return precision.matmul(o, params["wo"])  # y[B, S_context, D] in accum
     k, v = _for_query_heads(k, kv, heads), _for_query_heads(v, kv, heads)  # [B, H/p, S, hd]
     q, k, v = (t.reshape(batch * heads, seq, head_dim) for t in (q, k, v))  # [B·H/p, S, hd]
     scores = _product("nqd,nkd->nqk", q, k, precision)  # scores[B·H/p, S_query, S_key] in accum

@@ -30,7 +30,8 @@ split over ``model``):
                 steps, with dK/dV travelling beside them, then one more step returns dK/dV to
                 their owners (N ppermutes of dK/dV in accum_dtype). Autodiff through the
                 forward ring would keep every K/V block; this saves only q, k, v, the output
-                and the log-sum-exp.
+                and the log-sum-exp. At N = 2 both ways are the same swap: XLA merges the
+                backward's K/V pass with the forward's and keeps the peer's block instead.
                 Causal: at step t>0 device r holds the block of device j = r−t mod N. If j < r
                 every local query sees chunk j of the block and none sees chunk 2N−1−j; if
                 j > r only chunk 2N−1−r of the queries sees the block, all of it. Each is half
@@ -374,7 +375,7 @@ def _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, segment_ids):
     m = _filled(q, q.shape[:-1], -jnp.inf, jnp.float32)  # running max of the scores
     l = _filled(q, q.shape[:-1], 0.0, jnp.float32)  # noqa: E741  running Σ p
 
-    for t in range(n):
+    for t in range(n):  # ring steps: the block of device r − t
         owner = (r - t) % n  # whose block this device holds now
         k_pos = _local_positions(owner, n, s)
 
@@ -382,7 +383,7 @@ def _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, segment_ids):
             o, m, l = carry  # noqa: E741
             kb, vb, k_seg = held
             q_seg = None if segment_ids is None else _half(segment_ids, rows, 1)
-            k_seg = None if k_seg is None else _half(k_seg, cols, 1)
+            k_seg = None if k_seg is None else _half(k_seg, cols, 1)  # the keys' ids, travelling
             scores = (
                 _einsum(
                     "bkgqd,bksd->bkgqs",
@@ -434,7 +435,7 @@ def _ring_bwd(axis, causal, compute, matmul_precision, residuals, do):
     dv = _filled(vc, vc.shape, 0.0, jnp.float32)
     held = (kc, vc, segment_ids)
 
-    for t in range(n):
+    for t in range(n):  # ring steps: the block of device r + t
         owner = (r + t) % n  # the backward ring turns the other way (_BACK)
         k_pos = _local_positions(owner, n, s)
 
@@ -442,7 +443,7 @@ def _ring_bwd(axis, causal, compute, matmul_precision, residuals, do):
             dq, dk, dv = carry
             kb, vb, k_seg = held
             q_seg = None if segment_ids is None else _half(segment_ids, rows, 1)
-            k_seg = None if k_seg is None else _half(k_seg, cols, 1)
+            k_seg = None if k_seg is None else _half(k_seg, cols, 1)  # the keys' ids (backward)
             q_r, do_r = _half(qc, rows, 3), _half(doc, rows, 3)
             k_c, v_c = _half(kb, cols, 2), _half(vb, cols, 2)
             scores = _einsum("bkgqd,bksd->bkgqs", q_r, k_c, compute, matmul_precision) * scale
@@ -543,7 +544,8 @@ def context_parallel_attention_kernel(
         allgather: forward AllGather of k and v, ``2·4·b·S·KV·hd·(N−1)/N``; backward
             ReduceScatter of dk, dv, the same bytes.
         ring: forward ``N−1`` ppermutes of the K/V block, ``2·4·b·s·KV·hd`` each; backward
-            ``N−1`` of K/V and ``N`` of dK/dV (the last returns them to their owners).
+            ``N−1`` of K/V (none at N = 2, where XLA reuses the forward's) and ``N`` of dK/dV
+            (the last returns them to their owners).
         ulysses: forward AllToAll of q, k, v and o, ``4·b·s·(2H + 2KV)·hd·(N−1)/N`` in all;
             backward the same.
         With ``segment_ids``, their int32 blocks travel with the keys. Over ``model_axis``:

@@ -1,0 +1,141 @@
+"""Mutation check: known context-parallel attention bugs, injected into copies of
+shardops/layers/_context_attention.py, are caught by the suite's own checks.
+
+Each mutant replaces one exact line of the real source (``_mutants.mutant``: the test fails if the
+line is not there exactly once), is swapped in where ``_context_checks`` looks the layer up, and
+must fail ``check_context_attention`` (forward and every gradient against float64) or the ledger
+formulas of ``test_context_attention``, on the one case named with it.
+"""
+
+import _context_checks
+import jax
+import pytest
+from _context_checks import CONTEXT, check_context_attention, context_ledger
+from _mutants import mutant
+from test_context_attention import HEADS, B, _expected, _weights
+
+from shardops.layers import _context_attention
+
+RING4 = ((CONTEXT, 4),)
+THREE = (("data", 2), (CONTEXT, 2), ("model", 2))
+
+# name → (line, replacement, (mesh, method, options) of the check that catches it)
+MUTANTS = {
+    # The forward ring stops one step short: each query misses one device's keys.
+    "ring_step_short": (
+        "    for t in range(n):  # ring steps: the block of device r − t",
+        "    for t in range(n - 1):  # ring steps: the block of device r − t",
+        (RING4, "ring", {"causal": False}),
+    ),
+    # The backward ring one step short: one block's dq, dk, dv contributions are lost.
+    "backward_ring_step_short": (
+        "    for t in range(n):  # ring steps: the block of device r + t",
+        "    for t in range(n - 1):  # ring steps: the block of device r + t",
+        (RING4, "ring", {"causal": False}),
+    ),
+    # The causal mask on local positions: every held block's keys masked as if they were the
+    # device's own tokens.
+    "ring_mask_on_local_positions": (
+        "        k_pos = _local_positions(owner, n, s)\n\n        def step(carry, rows, cols, "
+        "held=held, k_pos=k_pos):\n            o, m, l = carry",
+        "        k_pos = _local_positions(r, n, s)\n\n        def step(carry, rows, cols, "
+        "held=held, k_pos=k_pos):\n            o, m, l = carry",
+        (RING4, "ring", {}),
+    ),
+    "allgather_mask_on_local_positions": (
+        "    q_pos = _local_positions(lax.axis_index(axis), n, s)  # [s]",
+        "    q_pos = jnp.arange(s, dtype=jnp.int32)  # [s]",
+        (RING4, "allgather", {}),
+    ),
+    # The online softmax's rescale of the earlier blocks skipped.
+    "rescale_skipped": (
+        "            rescale = jnp.exp(m_old - m_safe)  # the earlier blocks' terms, to the new max",
+        "            rescale = jnp.ones_like(m_old)  # the earlier blocks' terms, to the new max",
+        (RING4, "ring", {"causal": False}),
+    ),
+    # The balancing permutation not undone on the output.
+    "permutation_not_inverted": (
+        "    return y[:, inverse_order(x.shape[1], n)] if permute else y",
+        "    return y",
+        (RING4, "allgather", {"causal": False}),
+    ),
+    # dK/dV left with the device that held them last, not returned home.
+    "dkv_not_returned_home": (
+        "        dk, dv = _pass_on((dk, dv), axis, n, _BACK)",
+        "        dk, dv = dk, dv",
+        (RING4, "ring", {}),
+    ),
+    # dK/dV sent on the forward way round: to the device after, not the owner (N > 2).
+    "dkv_to_the_wrong_device": (
+        "        dk, dv = _pass_on((dk, dv), axis, n, _BACK)",
+        "        dk, dv = _pass_on((dk, dv), axis, n, 1)",
+        (RING4, "ring", {}),
+    ),
+    # Ulysses' all-to-all splitting the head dim instead of the heads (the sequence gathered,
+    # every head kept with hd/N of its features): every shape still agrees.
+    "ulysses_wrong_dims": (
+        "    to_heads, to_seq = _AllToAll(axis, 1, 2), _AllToAll(axis, 2, 1)",
+        "    to_heads, to_seq = _AllToAll(axis, 3, 2), _AllToAll(axis, 2, 3)",
+        (RING4, "ulysses", {"num_kv_heads": 8}),
+    ),
+    # Segment ids that do not travel with the keys: a query attends across a document
+    # boundary that falls between two shards.
+    "ring_segments_stay_home": (
+        "k_seg = None if k_seg is None else _half(k_seg, cols, 1)  # the keys' ids, travelling",
+        "k_seg = None if k_seg is None else _half(segment_ids, cols, 1)  # the keys' ids, travelling",
+        (RING4, "ring", {"documents": 3}),
+    ),
+    "allgather_segments_stay_home": (
+        "            k_seg = lax.all_gather(segment_ids, axis, axis=1, tiled=True)  # [B, S]",
+        "            k_seg = jnp.tile(segment_ids, (1, n))  # [B, S]",
+        (THREE, "allgather", {"documents": 3, "num_kv_heads": 4}),
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture
+def swap(monkeypatch):
+    def use(name):
+        line, replacement, _ = MUTANTS[name]
+        module = mutant(_context_attention, name, line, replacement)
+        monkeypatch.setattr(_context_checks, "context", module)
+        jax.clear_caches()  # drop programs traced with the real module
+
+    yield use
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_mutant_is_caught(swap, name):
+    axes, method, options = MUTANTS[name][2]
+    options = {"num_kv_heads": 2, "causal": True, **options}
+    if method == "ulysses" and options["num_kv_heads"] % 4:
+        options["num_kv_heads"] = HEADS
+    swap(name)
+    with pytest.raises(AssertionError, match="bound"):
+        check_context_attention(axes, method, seq=32, **options)
+
+
+def test_the_real_module_passes_every_mutants_check():
+    for _, _, (axes, method, options) in MUTANTS.values():
+        check_context_attention(axes, method, seq=32, **{"num_kv_heads": 2, "causal": True,
+                                                         **options})  # fmt: skip
+
+
+def test_ring_ledger_catches_a_ring_that_sends_replicated_heads(swap):
+    """GQA sends only the KV heads: a ring that expands K/V to every query head before passing
+    them moves H/KV times the bytes (torchtitan 1283) and fails the ledger formula."""
+    MUTANTS["ring_sends_query_heads"] = (
+        "        if kv.index is not None:  # replicated K/V read by index: send each query head's own",
+        "        if True:  # replicated K/V read by index: send each query head's own",
+        None,
+    )
+    try:
+        swap("ring_sends_query_heads")
+        led = context_ledger(RING4, "ring", num_kv_heads=2)
+    finally:
+        del MUTANTS["ring_sends_query_heads"]
+    want, _ = _expected("ring", 4, b=B, h=HEADS, kv=2, documents=1)
+    want["backward"][("all-reduce", (CONTEXT,))] = _weights(HEADS, 2)
+    got = led.by_pass()
+    assert {p: got[p] for p in want} != want
