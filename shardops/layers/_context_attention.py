@@ -30,8 +30,8 @@ split over ``model``):
                 steps, with dK/dV travelling beside them, then one more step returns dK/dV to
                 their owners (N ppermutes of dK/dV in accum_dtype). Autodiff through the
                 forward ring would keep every K/V block; this saves only q, k, v, the output
-                and the log-sum-exp. At N = 2 both ways are the same swap: XLA merges the
-                backward's K/V pass with the forward's and keeps the peer's block instead.
+                and the log-sum-exp. At N = 2 both ways are the same swap (XLA would merge
+                the two passes): the forward keeps the one block it received instead.
                 Causal: at step t>0 device r holds the block of device j = r−t mod N. If j < r
                 every local query sees chunk j of the block and none sees chunk 2N−1−j; if
                 j > r only chunk 2N−1−r of the queries sees the block, all of it. Each is half
@@ -413,7 +413,10 @@ def _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, segment_ids):
             held = _pass_on(held, axis, n)
     out = o / l[..., None]  # [B, KV, g, s, hd] f32
     lse = m + jnp.log(l)  # [B, KV, g, s]: the log-sum-exp of every query's scores
-    return out, (qc, kc, vc, segment_ids, out, lse)
+    # At N = 2 the backward needs the one block the forward received: kept (a second pass
+    # would be the same swap of the same values, which XLA merges with this one anyway).
+    peer = held if n == 2 else None
+    return out, (qc, kc, vc, segment_ids, out, lse, peer)
 
 
 # The backward ring passes blocks i → i−1: the forward's i → i+1 on the same K/V would be the
@@ -423,7 +426,7 @@ _BACK = -1
 
 
 def _ring_bwd(axis, causal, compute, matmul_precision, residuals, do):
-    qc, kc, vc, segment_ids, out, lse = residuals
+    qc, kc, vc, segment_ids, out, lse, peer = residuals
     n, r = lax.axis_size(axis), lax.axis_index(axis)
     s, hd = qc.shape[3], qc.shape[4]
     scale = 1.0 / math.sqrt(hd)
@@ -462,7 +465,10 @@ def _ring_bwd(axis, causal, compute, matmul_precision, residuals, do):
 
         dq, dk, dv = _blocks(step, (dq, dk, dv), t, causal, owner < r)
         if t < n - 1:
-            held, (dk, dv) = _pass_on((held, (dk, dv)), axis, n, _BACK)
+            if peer is None:
+                held, (dk, dv) = _pass_on((held, (dk, dv)), axis, n, _BACK)
+            else:  # N = 2: the peer's block, kept by the forward
+                held, (dk, dv) = peer, _pass_on((dk, dv), axis, n, _BACK)
     if n > 1:  # the block held last is device r−1's: its dK/dV go home
         dk, dv = _pass_on((dk, dv), axis, n, _BACK)
     return dq, dk, dv, None
@@ -544,7 +550,7 @@ def context_parallel_attention_kernel(
         allgather: forward AllGather of k and v, ``2·4·b·S·KV·hd·(N−1)/N``; backward
             ReduceScatter of dk, dv, the same bytes.
         ring: forward ``N−1`` ppermutes of the K/V block, ``2·4·b·s·KV·hd`` each; backward
-            ``N−1`` of K/V (none at N = 2, where XLA reuses the forward's) and ``N`` of dK/dV
+            ``N−1`` of K/V (none at N = 2: the forward keeps its one) and ``N`` of dK/dV
             (the last returns them to their owners).
         ulysses: forward AllToAll of q, k, v and o, ``4·b·s·(2H + 2KV)·hd·(N−1)/N`` in all;
             backward the same.

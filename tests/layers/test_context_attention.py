@@ -167,8 +167,8 @@ def _expected(method, n, *, b, h, kv, documents):
         seg_block = 4 * b * s if seg else 0
         fwd = {("collective-permute", C): (n - 1) * (block + seg_block)}
         # K/V (and segment ids) round again the other way, N − 1 steps; dK/dV N steps (the
-        # last goes home). At N = 2 both ways are the same swap, and XLA merges the backward's
-        # K/V pass with the forward's (the peer's block is kept instead of sent again).
+        # last goes home). At N = 2 both ways are the same swap: the forward keeps the peer's
+        # block instead.
         again = n - 1 if n > 2 else 0
         bwd = {("collective-permute", C): again * (block + seg_block) + n * block}
         sent = {"forward": fwd[("collective-permute", C)],
@@ -206,12 +206,7 @@ def test_ledger_bytes_per_pass(method, n, kv, documents):
             for p, e in zip(c.passes, c.element_bytes, strict=True) if p == pass_
         )  # fmt: skip
         assert moved == pytest.approx(nbytes), (pass_, moved, nbytes)
-    requested, compiled = led.totals(requested=True), led.totals()  # all float32
-    if method == "ring" and n == 2:  # the K/V pass XLA merged (``_expected``)
-        merged = 2 * 4 * B * (S // 2) * kv * HD + (4 * B * (S // 2) if documents > 1 else 0)
-        key = ("collective-permute", C)
-        assert requested.pop(key) - compiled.pop(key) == merged
-    assert requested == compiled
+    assert led.totals(requested=True) == led.totals()  # all float32: as requested
 
 
 @pytest.mark.parametrize("method", CONTEXT_METHODS)
