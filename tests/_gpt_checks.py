@@ -41,6 +41,17 @@ MESHES = {
     "data8": {"data": 8},
     "model8": {"model": 8},
 }
+# Meshes with a context axis (tests/strategies/test_context_parallel.py), kept apart so that
+# the strategies without one are not also run on them as replicas.
+CP_MESHES = {
+    "context8": {"context": 8},
+    "2x4c": {"data": 2, "context": 4},
+    "2x2x2c": {"data": 2, "context": 2, "model": 2},
+    "c2x4": {"context": 2, "model": 4},
+    "c4x2": {"context": 4, "model": 2},
+    "r2d2c2": {"replica": 2, "data": 2, "context": 2},
+    "r2d1c2m2": {"replica": 2, "data": 1, "context": 2, "model": 2},
+}
 
 
 def cases():
@@ -124,7 +135,7 @@ def check_lm_trajectory(model, strategy, mesh_name, opt_name, *, build=models.bu
     )
     if clip is not None:
         assert min(norms) > 1.5 * clip, f"clip={clip} never binds: gradient norms {norms}"
-    mesh = mesh_for(MESHES.get(mesh_name))
+    mesh = mesh_for(MESHES.get(mesh_name, CP_MESHES.get(mesh_name)))
     setup = build(strategy, mesh, optimizer=optimizer(opt_name, clip, sgd_lr=sgd_lr),
                   model=model, plan=plan, remat=remat)  # fmt: skip
     state = setup.shard(params)

@@ -11,6 +11,16 @@ number of axes with any names (MaxText's ``logical_axis_rules``, as one table).
                                         role (Megatron)
     sp      on tp's axis     —          as tp; activations split    the kernels' own
                                         along S between layers
+    cp      one axis,        —          replicated                  AllReduced (autodiff's, of
+            context                                                 pcast)
+            every activation split along S in load-balanced chunks (x[B, S_context, D]); the
+            token ids enter whole and each device takes its tokens; attention by the layout's
+            ``cp_method``: all-gather of K/V, ring, or Ulysses (shardops.layers.
+            context_parallel_attention_kernel); the loss and metrics sum over the shards
+
+    Context × data × tensor on data=2 × context=2 × model=2:
+        Strategy("2d+ring", dp=("data",), tp="model", cp="context", cp_method="ring"),
+        or with_context("2d", "ring"), or strategy_named("2d+ring").
 
     HSDP × TP on replica=2 × data=2 × model=2:
         Strategy("hsdp_tp", dp=("replica",), fsdp=("data",), tp="model")
@@ -22,8 +32,9 @@ Mesh axes a strategy does not name hold replicas (every device along them runs t
 Today's nine strategies are presets (``STRATEGIES``) on the axes ``data`` and ``model``;
 ``hsdp``, ``hsdp_tp`` and ``hsdp_sp`` add ``replica``, and ``zero1`` and ``zero1_tp`` put
 ZeRO-1 on ``data``. A kind the
-library adds later (context, expert, pipeline) is one more field with its own rows here; the
-existing kinds keep theirs.
+library adds later (expert, pipeline) is one more field with its own rows here; the
+existing kinds keep theirs. Any preset composes with context parallelism: ``<preset>+<method>``
+(``with_context``).
 """
 
 from __future__ import annotations
@@ -31,7 +42,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from shardops import DATA_AXIS, MODEL_AXIS, REPLICA_AXIS
+from shardops import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, REPLICA_AXIS
+from shardops.layers import CONTEXT_METHODS
 
 BATCH_KINDS = ("dp", "zero1", "fsdp")
 """The kinds that split the batch, in the order the batch splits over them (major first)."""
@@ -43,6 +55,8 @@ KIND_DOCS = {
     "ReduceScattered, parameters AllGathered after the update",
     "tp": "each layer's weights split by its plan role (Megatron tensor parallelism)",
     "sp": "tp, with activations split along the sequence between layers",
+    "cp": "every activation split along the sequence (load-balanced chunks); parameters "
+          "replicated; gradients AllReduced; attention by",
 }  # fmt: skip
 
 
@@ -70,6 +84,10 @@ class Strategy:
         zero1: axes over which the optimizer state is split; parameters stay replicated.
         tp: the axis of tensor parallelism (each parameter's plan role splits it).
         sp: sequence parallelism on the ``tp`` axis.
+        cp: the axis of context parallelism (the sequence of every activation split over it).
+        cp_method: context-parallel attention, one of ``shardops.layers.CONTEXT_METHODS``:
+            ``"allgather"`` (K/V gathered), ``"ring"`` (K/V passed round a ring) or
+            ``"ulysses"`` (all-to-all between a sequence and a head split).
     """
 
     name: str
@@ -78,12 +96,19 @@ class Strategy:
     zero1: tuple[str, ...] = ()
     tp: str | None = None
     sp: bool = False
+    cp: str | None = None
+    cp_method: str = "ring"
 
     def __post_init__(self):
         for kind in BATCH_KINDS:
             object.__setattr__(self, kind, _axes(getattr(self, kind), kind))
         if self.tp is not None and (not isinstance(self.tp, str) or not self.tp):
             raise TypeError(f"Strategy {self.name!r}: tp takes one mesh axis name; got {self.tp!r}")
+        if self.cp is not None and (not isinstance(self.cp, str) or not self.cp):
+            raise TypeError(f"Strategy {self.name!r}: cp takes one mesh axis name; got {self.cp!r}")
+        if self.cp_method not in CONTEXT_METHODS:
+            raise ValueError(f"Strategy {self.name!r}: cp_method must be one of "
+                             f"{CONTEXT_METHODS}; got {self.cp_method!r}")  # fmt: skip
         if self.sp and self.tp is None:
             raise ValueError(
                 f"Strategy {self.name!r}: sp splits activations over the tp axis; name it, "
@@ -97,7 +122,8 @@ class Strategy:
             )
         seen: dict[str, str] = {}
         for kind, axes in (*((k, getattr(self, k)) for k in BATCH_KINDS),
-                           ("tp", (self.tp,) if self.tp else ())):  # fmt: skip
+                           ("tp", (self.tp,) if self.tp else ()),
+                           ("cp", (self.cp,) if self.cp else ())):  # fmt: skip
             for axis in axes:
                 if axis in seen:
                     raise ValueError(
@@ -111,7 +137,7 @@ class Strategy:
     @property
     def axes(self) -> tuple[str, ...]:
         """Every mesh axis the strategy names."""
-        return self.batch_axes + ((self.tp,) if self.tp else ())
+        return self.batch_axes + ((self.cp,) if self.cp else ()) + ((self.tp,) if self.tp else ())
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -122,14 +148,22 @@ class Strategy:
     def rules(self) -> dict[str, tuple[str, ...]]:
         """Kind → mesh axes, for the kinds the strategy uses."""
         out = {k: getattr(self, k) for k in BATCH_KINDS if getattr(self, k)}
+        if self.cp:
+            out["cp"] = (self.cp,)
         if self.tp:
             out["sp" if self.sp else "tp"] = (self.tp,)
         return out
+
+    @property
+    def reduce_axes(self) -> tuple[str, ...]:
+        """The axes a loss or metric sum is added over: the batch's and the sequence's."""
+        return self.batch_axes + ((self.cp,) if self.cp else ())
 
     def table(self) -> str:
         """The layout as a table: kind, mesh axes, what it does."""
         rows = [f"{self.name}:"] + [
             f"  {kind:<6} {' × '.join(axes):<16} {KIND_DOCS[kind]}"
+            + (f" {self.cp_method}" if kind == "cp" else "")
             for kind, axes in self.rules.items()
         ]
         if len(rows) == 1:
@@ -181,10 +215,28 @@ def strategies_for(model, axes=None) -> list[str]:
 
 
 def strategy_named(name) -> Strategy:
-    """A preset by name (or a ``Strategy``, returned as it is)."""
+    """A preset by name (or a ``Strategy``, returned as it is); ``"<preset>+<method>"`` is the
+    preset with context parallelism on ``context`` by that attention (``with_context``)."""
     if isinstance(name, Strategy):
         return name
+    if isinstance(name, str) and "+" in name:
+        base, method = name.split("+", 1)
+        if method not in CONTEXT_METHODS:
+            raise ValueError(f"unknown strategy {name!r}: after '+' name a context-parallel "
+                             f"attention, one of {CONTEXT_METHODS}; e.g. '{base}+ring'")  # fmt: skip
+        return with_context(base, method)
     name = ALIASES.get(name, name)
     if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}")
+        raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)} (add "
+                         f"'+ring', '+allgather' or '+ulysses' for context parallelism)")  # fmt: skip
     return STRATEGIES[name]
+
+
+def with_context(strategy, method: str = "ring", axis: str = CONTEXT_AXIS) -> Strategy:
+    """``strategy`` (a preset's name or a ``Strategy``) with context parallelism on mesh axis
+    ``axis`` by attention ``method``, named ``"<name>+<method>"``."""
+    base = strategy_named(strategy)
+    if base.cp is not None:
+        raise ValueError(f"strategy {base.name!r} already splits the sequence over {base.cp!r}")
+    name = f"{'cp' if base.name == 'ref' else base.name}+{method}"
+    return dataclasses.replace(base, name=name, cp=axis, cp_method=method)

@@ -177,6 +177,37 @@ class Parallel:
         """The mesh axis of tensor parallelism, or None."""
         return self.strategy.tp
 
+    @property
+    def context(self) -> shardops.layers.ContextParallel | None:
+        """The context-parallel attention (its axis and method), or None."""
+        if self.strategy.cp is None:
+            return None
+        return shardops.layers.ContextParallel(self.strategy.cp, self.strategy.cp_method)
+
+    @property
+    def _context_axes(self) -> tuple[str, ...]:
+        return (self.strategy.cp,) if self.strategy.cp else ()
+
+    @property
+    def _replicas(self) -> tuple[str, ...]:
+        """The axes an FSDP-split parameter is replicated over (its shard's gradient is
+        AllReduced over them): dp's and the context axis."""
+        return self.strategy.dp + self._context_axes
+
+    def local_tokens(self, tokens):
+        """This device's tokens of ``tokens[b, S, ...]`` (the whole sequence): under context
+        parallelism its block of the load-balanced layout, ``tokens[b, S_context, ...]``
+        (``shardops.layers.balanced_order``: chunks i and 2N−1−i of 2N); else ``tokens``.
+        ``ctx.embed`` and ``ctx.attention`` take their tokens whole and call it; call it on
+        any other per-token input of your own (labels, masks)."""
+        context = self.context
+        if context is None:
+            return tokens
+        n, seq = lax.axis_size(context.axis_name), tokens.shape[SEQUENCE_DIM]
+        shardops.layers.check_context_sequence("ctx.local_tokens", "tokens", seq,
+                                               context.axis_name, n)  # fmt: skip
+        return jnp.take(tokens, context.positions(seq // n), axis=SEQUENCE_DIM)
+
     # --- stages: the data-parallel axes
 
     def stage(self, fn: Callable, params, *args):
@@ -235,7 +266,7 @@ class Parallel:
             dims = [d for _, d in group]
             with shardops.comm.because(_FSDP_GATHER, self.strategy.fsdp):
                 gathered = shardops.comm.gather_many_to_region(values, self.strategy.fsdp, dims,
-                                                               accum, self.strategy.dp)  # fmt: skip
+                                                               accum, self._replicas)  # fmt: skip
             for (i, _), value in zip(group, gathered, strict=True):
                 ready[i] = leaves[i].replace(value=value, ready=True)
         return tree.unflatten(ready)
@@ -249,8 +280,8 @@ class Parallel:
             return p.replace(ready=True, pending=dim)
         if dim is not None:
             value = self._gather(value, dim)
-        elif self.strategy.dp or self.strategy.fsdp:  # replicated over them: dx AllReduced
-            axes = self.strategy.dp + self.strategy.fsdp
+        elif self.strategy.dp or self.strategy.fsdp or self.strategy.cp:  # dx AllReduced
+            axes = self.strategy.dp + self.strategy.fsdp + self._context_axes
             with shardops.comm.because(_REPLICATED, axes):
                 value = shardops.comm.copy_to_region(value, axes, self.precision.accum_dtype)
         return p.replace(value=value, ready=True)
@@ -258,7 +289,7 @@ class Parallel:
     def _gather(self, value, dim: int):
         with shardops.comm.because(_FSDP_GATHER, self.strategy.fsdp):
             return shardops.comm.gather_to_region(value, self.strategy.fsdp, dim,
-                                                  self.precision.accum_dtype, self.strategy.dp)  # fmt: skip
+                                                  self.precision.accum_dtype, self._replicas)  # fmt: skip
 
     def split_dim(self, spec) -> int | None:
         """The dim of a leaf split over the fsdp axes (by its PartitionSpec), or None."""
@@ -284,7 +315,7 @@ class Parallel:
                 return dense_moving_activations(
                     x, w, self._optional(p, "b"), split_dim=pending, role=role,
                     data_axes=self.strategy.fsdp, model_axis=self.tp,
-                    replicated_over=self.strategy.dp, precision=self.precision,
+                    replicated_over=self._replicas, precision=self.precision,
                 )  # fmt: skip
         w, b = self._arrays(p, "w", "dense"), self._optional(p, "b")
         sp = self.sequence_parallel and x.ndim > 2
@@ -311,8 +342,11 @@ class Parallel:
 
     def _embed(self, p, ids):
         """``table[ids]``: vocab-parallel under tp (the AllReduce, or under sp the
-        ReduceScatter along S, of the rows each device holds), else a local lookup."""
+        ReduceScatter along S, of the rows each device holds), else a local lookup. Under
+        context parallelism ``ids`` hold the whole sequence and each device looks up its own
+        tokens (``local_tokens``)."""
         table, role = self._arrays(p, "table", "embed"), p["table"].role
+        ids = self.local_tokens(ids)  # ids[b, S_context] under cp
         if self.model_parallel and role == VOCAB:
             reduce = "psum_scatter" if self.sequence_parallel else "psum"
             return shardops.layers.vocab_parallel_embedding_kernel(
@@ -330,23 +364,42 @@ class Parallel:
         return x
 
     def _attention(self, p, x, **options):
-        """Self-attention: head-parallel under tp (sp: x gathered along S once), else local."""
+        """Self-attention: head-parallel under tp (sp: x gathered along S once), else local;
+        under cp over the context axis by its method, the tokens' positions and segment ids
+        taken whole and sliced to this device's."""
         params = {k: self._arrays(p, k, "attention") for k in p}
         roles = {q.role for q in p.values()}
+        context = self.context
+        if context is not None:
+            options = self._context_tokens(options)
         if self.model_parallel and roles == {HEAD}:
             return shardops.layers.head_parallel_attention_kernel(
                 x, params, axis_name=self.tp, sequence_parallel=self.sequence_parallel,
-                precision=self.precision, **options,
+                context=context, precision=self.precision, **options,
             )  # fmt: skip
         if roles - {HEAD, REPLICATED} or len(roles) > 1:
             raise ValueError(f"attention parameters take one role, head or replicated; the plan "
                              f"says {sorted(roles)}")  # fmt: skip
+        if context is not None and not self.sequence_parallel:
+            return shardops.layers.context_parallel_attention_kernel(
+                x, params, method=context.method, context_axis=context.axis_name,
+                precision=self.precision, **options,
+            )  # fmt: skip
         if self.sequence_parallel:
             raise ValueError(
                 "under sequence parallelism attention must have the head role (it sees the "
                 "whole sequence): set the plan's attention role to 'head'"
             )
         return shardops.attention(x, params, precision=self.precision, **options)
+
+    def _context_tokens(self, options):
+        """``positions`` and ``segment_ids`` of the whole sequence → this device's (RoPE's
+        default positions within documents computed on the whole sequence first)."""
+        positions, segment_ids = options["positions"], options["segment_ids"]
+        if positions is None and segment_ids is not None and options["rope_theta"] is not None:
+            positions = shardops.layers.segment_positions(segment_ids)
+        return {**options, "positions": None if positions is None else self.local_tokens(positions),
+                "segment_ids": None if segment_ids is None else self.local_tokens(segment_ids)}  # fmt: skip
 
     def _layer_norm(self, p, x, eps):
         return shardops.layer_norm(
@@ -448,6 +501,13 @@ class Parallel:
         if not paths:  # a layer without parameters (a norm with no scale): no name to tap by
             return y
         name = _layer_path(paths) + suffix
+        if self.strategy.cp and shardops.inspect.tapping():
+            raise ValueError(
+                f"the divergence locator compares activations in the natural token order; under "
+                f"context parallelism ({self.strategy.name!r}) each device holds load-balanced "
+                f"chunks. Locate on the same strategy without '+{self.strategy.cp_method}' "
+                f"(the other axes' layers are the same)."
+            )
         spec = None
         if self.strategy.axes:
             varying = varying_axes(y)
@@ -579,12 +639,14 @@ class Parallel:
     def axis_name(self, kind: str = "model"):
         """The mesh axis or axes that carry ``kind`` under this strategy, or None where it has
         none: ``"model"``, the tp axis (tp and sp); ``"data"``, the batch axes (dp, zero1,
-        fsdp)."""
+        fsdp); ``"context"``, the cp axis (the sequence split)."""
         if kind == "model":
             return self.tp
         if kind == "data":
             return self.strategy.batch_axes or None
-        raise ValueError(f"kind must be 'model' or 'data'; got {kind!r}")
+        if kind == "context":
+            return self.strategy.cp
+        raise ValueError(f"kind must be 'model', 'data' or 'context'; got {kind!r}")
 
     def axis_index(self, kind: str = "model"):
         """This device's position along ``kind``'s mesh axis (``lax.axis_index``), 0 where

@@ -61,11 +61,16 @@ COLLECTIVE_MATMULS = shardops.layers.COLLECTIVE_MATMULS
 # Why the step's own collectives run (shardops.comm.because; explain reads them).
 _Reason, _because = shardops.comm.Reason, shardops.comm.because
 _GLOBAL_LOSS = _Reason("global_loss", forward={
-    "psum": "each device's loss covers its shard of the batch over {axis}: the global loss is "
-            "their sum",
+    "psum": "each device's loss covers its shard of the batch (and of the sequence) over "
+            "{axis}: the global loss is their sum",
 })  # fmt: skip
 _METRICS = _Reason("global_metrics", forward={
-    "psum": "each device's metric sums cover its shard of the batch over {axis}: they are added",
+    "psum": "each device's metric sums cover its shard of the batch (and of the sequence) over "
+            "{axis}: they are added",
+})  # fmt: skip
+_WHOLE_SEQUENCE = _Reason("whole_sequence", forward={
+    "all_gather": "a caller outside the mesh asks for the logits of every token, whose sequence "
+                  "is split over {axis} (context parallelism)",
 })  # fmt: skip
 _ZERO1_GRADS = _Reason("zero1_gradients", forward={
     "psum": "ZeRO-1: each device's float32 partial gradients over {axis} are summed",
@@ -457,6 +462,12 @@ def build(
             f"strategy {parallel.name!r} splits activations along the sequence; {model.name} "
             f"has no sequence dimension. Use the same strategy with tp instead of sp."
         )
+    if parallel.cp and not getattr(model, "sequence", False):
+        raise ValueError(
+            f"strategy {parallel.name!r} splits the sequence over {parallel.cp!r} (context "
+            f"parallelism); {model.name} has no sequence dimension. Drop "
+            f"'+{parallel.cp_method}'."
+        )
     shapes = _shapes(model)
     plan = model.plan() if plan is None else plan
     roles = leaf_roles(plan, shapes)
@@ -566,10 +577,14 @@ def _check_batch(model, parallel: Strategy, mesh, x, y=None) -> None:
             argument="x", dim=0, dim_name="batch", size=x.shape[0], mesh=mesh,
             axes=parallel.batch_axes,
         )  # fmt: skip
-    if parallel.sp:
+    n = 1
+    if parallel.cp:
+        n = mesh.shape[parallel.cp]
+        shardops.layers.check_context_sequence("the batch", "x", x.shape[1], parallel.cp, n)
+    if parallel.sp and (x.shape[1] // n) % mesh.shape[parallel.tp]:
         shardops.check_divisible(
             argument="x", dim=1, dim_name="sequence", size=x.shape[1], mesh=mesh,
-            axes=(parallel.tp,),
+            axes=(parallel.cp, parallel.tp) if parallel.cp else (parallel.tp,),
         )  # fmt: skip
 
 
@@ -700,6 +715,7 @@ class _Body:
             lambda spec: _or_minus_one(split_dim(spec, parallel.zero1)), opt_param_specs,
             is_leaf=_is_spec)  # fmt: skip
         self.batch_axes = parallel.batch_axes
+        self.reduce_axes = parallel.reduce_axes  # the batch's and the sequence's
         options = {"fsdp_dense": fsdp_dense, "collective_matmul": collective_matmul}
         self.ctx = Parallel(parallel, precision, remat, **options)
         self.eval_ctx = Parallel(parallel, precision, remat=False, **options)
@@ -719,8 +735,8 @@ class _Body:
 
     def local_loss(self, params, x, y):
         tree, logits = self.forward(self.ctx, params, x)
-        targets = self._global_batch(y.shape[0]) * math.prod(y.shape[1:])
-        return self.model.loss_sum(self.ctx, tree, logits, y) / targets
+        targets = self._global_batch(y.shape[0]) * math.prod(y.shape[1:])  # y: whole sequence
+        return self.model.loss_sum(self.ctx, tree, logits, self.ctx.local_tokens(y)) / targets
 
     def _loss_and_grads(self, params, x, y):
         zero1 = self.composition.zero1
@@ -730,9 +746,9 @@ class _Body:
             params = jax.tree.map(lambda p: lax.pcast(p.astype(accum), zero1, to="varying"),
                                   params)  # fmt: skip
         loss, grads = jax.value_and_grad(self.local_loss)(params, x, y)
-        if self.batch_axes:
-            with _because(_GLOBAL_LOSS, self.batch_axes):  # AllReduce of one f32
-                loss = lax.psum(loss, self.batch_axes)
+        if self.reduce_axes:
+            with _because(_GLOBAL_LOSS, self.reduce_axes):  # AllReduce of one f32
+                loss = lax.psum(loss, self.reduce_axes)
         return loss, grads
 
     def loss_and_grads(self, params, x, y):
@@ -808,14 +824,20 @@ class _Body:
                                         tiled=True, to="invarying")  # fmt: skip
             vocab = _output_features(self.model.output_layer(tree))
             logits = logits[..., :vocab]  # the padded vocabulary's columns dropped
+        cp = self.composition.cp
+        if cp:  # logits[b, S_context, V] in the layout → every token's, in order
+            with _because(_WHOLE_SEQUENCE, cp):
+                logits = lax.all_gather(logits, cp, axis=1, tiled=True, to="invarying")
+            n = lax.axis_size(cp)
+            logits = logits[:, shardops.layers.inverse_order(logits.shape[1], n)]
         return logits
 
     def evaluate(self, params, x, y):
         tree, logits = self.forward(self.eval_ctx, params, x)
-        sums = self.model.metrics(self.eval_ctx, tree, logits, y)
-        if self.batch_axes:  # this device's sums → the global batch's: AllReduce of 3 scalars
-            with _because(_METRICS, self.batch_axes):
-                sums = lax.psum(sums, self.batch_axes)
+        sums = self.model.metrics(self.eval_ctx, tree, logits, self.eval_ctx.local_tokens(y))
+        if self.reduce_axes:  # this device's sums → the global batch's: AllReduce of 3 scalars
+            with _because(_METRICS, self.reduce_axes):
+                sums = lax.psum(sums, self.reduce_axes)
         return Metrics(*sums)
 
 
@@ -969,6 +991,16 @@ def _check_mesh(parallel: Strategy, mesh, model, roles, shapes) -> None:
             f"{tuple(mesh.axis_names)} (missing {tuple(missing)}); build it with "
             f"shardops.make_mesh({{{', '.join(f'{a!r}: n' for a in parallel.axes)}}})"
         )
+    if parallel.cp and parallel.cp_method == "ulysses" and getattr(model, "num_heads", None):
+        heads = model.num_heads
+        kv_heads = getattr(model, "num_kv_heads", None) or heads
+        p = mesh.shape[parallel.tp] if parallel.tp else 1
+        if heads % p == 0:  # (a head count tp does not divide is refused below)
+            sent = shardops.layers.kv_cache_heads(heads, kv_heads, p)
+            if p > 1 and not shardops.layers.splits_kv_heads(kv_heads, p) and sent > 1:
+                sent = heads // p  # replicated K/V read by index: one per query head
+            shardops.layers.check_ulysses_heads("build", heads // p, sent, parallel.cp,
+                                                mesh.shape[parallel.cp])  # fmt: skip
     if not parallel.tp:
         return
     axis = parallel.tp

@@ -35,11 +35,13 @@ from shardops.layers._context_attention import METHODS as CONTEXT_METHODS
 from shardops.layers._context_attention import (
     ContextParallel,
     balanced_order,
+    check_ulysses_heads,
     context_parallel_attention,
     context_parallel_attention_kernel,
     context_parallel_attention_specs,
     inverse_order,
 )
+from shardops.layers._context_attention import check_sequence as check_context_sequence
 from shardops.layers._cross_entropy import (
     CrossEntropySpecs,
     vocab_parallel_argmax,
@@ -85,7 +87,9 @@ __all__ = [
     "attention",
     "balanced_order",
     "cached_attention_kernel",
+    "check_context_sequence",
     "check_head_counts",
+    "check_ulysses_heads",
     "column_parallel_dense",
     "column_parallel_dense_kernel",
     "column_parallel_dense_specs",

@@ -90,7 +90,7 @@ _ULYSSES = Reason("context_ulysses", forward={
     "all_to_all": "the transpose of Ulysses' all_to_all over {axis}",
 })  # fmt: skip
 _SEGMENTS = Reason("context_segments", forward={
-    "all_gather": "the keys' segment ids travel with the keys over {axis}",
+    "all_gather": "the keys' segment ids, split over {axis} with their tokens, are gathered",
 })  # fmt: skip
 
 
@@ -298,8 +298,12 @@ def _ring(q, k, v, segment_ids, group, causal, axis, precision):
     batch, heads, s, hd = q.shape
     kv = k.shape[1]
     qg = q.reshape(batch, kv, group, s, hd)  # query head j = kv_head · group + g
+    seg_all = None
+    if segment_ids is not None:  # every device's ids, once: each step slices its owner's
+        with because(_SEGMENTS, axis):
+            seg_all = lax.all_gather(segment_ids, axis, axis=1, tiled=True)  # [B, S]
     o = _ring_attention(axis, causal, np.dtype(precision.compute_dtype),
-                        precision.matmul_precision, qg, k, v, segment_ids)  # fmt: skip
+                        precision.matmul_precision, qg, k, v, seg_all)  # fmt: skip
     return o.reshape(batch, heads, s, hd)
 
 
@@ -358,19 +362,27 @@ def _einsum(spec, a, b, compute, matmul_precision):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _ring_attention(axis, causal, compute, matmul_precision, q, k, v, segment_ids):
-    """``o[B, KV, g, s, hd]`` (float32) of ``q[B, KV, g, s, hd]`` over the ring's K/V blocks."""
-    return _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, segment_ids)[0]
+def _ring_attention(axis, causal, compute, matmul_precision, q, k, v, seg_all):
+    """``o[B, KV, g, s, hd]`` (float32) of ``q[B, KV, g, s, hd]`` over the ring's K/V blocks;
+    ``seg_all[B, S]``: every device's segment ids, device-major (or None)."""
+    return _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, seg_all)[0]
 
 
-def _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, segment_ids):
+def _block_of(seg_all, owner, s: int):
+    """Device ``owner``'s ``s`` segment ids of the device-major ``seg_all[B, S]`` (or None)."""
+    if seg_all is None:
+        return None
+    return lax.dynamic_slice_in_dim(seg_all, owner * s, s, axis=1)
+
+
+def _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, seg_all):
     n, r = lax.axis_size(axis), lax.axis_index(axis)
     s, hd = q.shape[3], q.shape[4]
     scale = 1.0 / math.sqrt(hd)
     q_pos = _local_positions(r, n, s)  # [s]: this device's global positions
     qc = q.astype(compute)  # q[B, KV, g, s, hd]
     kc, vc = k.astype(compute), v.astype(compute)  # the blocks that travel: k[B, KV, s, hd]
-    held = (kc, vc, segment_ids)
+    held = (kc, vc)
     o = _filled(q, q.shape, 0.0, jnp.float32)  # running Σ p·v
     m = _filled(q, q.shape[:-1], -jnp.inf, jnp.float32)  # running max of the scores
     l = _filled(q, q.shape[:-1], 0.0, jnp.float32)  # noqa: E741  running Σ p
@@ -379,11 +391,12 @@ def _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, segment_ids):
         owner = (r - t) % n  # whose block this device holds now
         k_pos = _local_positions(owner, n, s)
 
-        def step(carry, rows, cols, held=held, k_pos=k_pos):
+        def step(carry, rows, cols, held=held, k_pos=k_pos, owner=owner):
             o, m, l = carry  # noqa: E741
-            kb, vb, k_seg = held
-            q_seg = None if segment_ids is None else _half(segment_ids, rows, 1)
-            k_seg = None if k_seg is None else _half(k_seg, cols, 1)  # the keys' ids, travelling
+            kb, vb = held
+            q_seg, k_seg = _block_of(seg_all, r, s), _block_of(seg_all, owner, s)  # ids: fwd
+            q_seg = None if q_seg is None else _half(q_seg, rows, 1)
+            k_seg = None if k_seg is None else _half(k_seg, cols, 1)
             scores = (
                 _einsum(
                     "bkgqd,bksd->bkgqs",
@@ -416,7 +429,7 @@ def _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, segment_ids):
     # At N = 2 the backward needs the one block the forward received: kept (a second pass
     # would be the same swap of the same values, which XLA merges with this one anyway).
     peer = held if n == 2 else None
-    return out, (qc, kc, vc, segment_ids, out, lse, peer)
+    return out, (qc, kc, vc, seg_all, out, lse, peer)
 
 
 # The backward ring passes blocks i → i−1: the forward's i → i+1 on the same K/V would be the
@@ -426,7 +439,7 @@ _BACK = -1
 
 
 def _ring_bwd(axis, causal, compute, matmul_precision, residuals, do):
-    qc, kc, vc, segment_ids, out, lse, peer = residuals
+    qc, kc, vc, seg_all, out, lse, peer = residuals
     n, r = lax.axis_size(axis), lax.axis_index(axis)
     s, hd = qc.shape[3], qc.shape[4]
     scale = 1.0 / math.sqrt(hd)
@@ -436,17 +449,18 @@ def _ring_bwd(axis, causal, compute, matmul_precision, residuals, do):
     dq = _filled(qc, qc.shape, 0.0, jnp.float32)
     dk = _filled(kc, kc.shape, 0.0, jnp.float32)  # the held block's dK, travelling with it
     dv = _filled(vc, vc.shape, 0.0, jnp.float32)
-    held = (kc, vc, segment_ids)
+    held = (kc, vc)
 
     for t in range(n):  # ring steps: the block of device r + t
         owner = (r + t) % n  # the backward ring turns the other way (_BACK)
         k_pos = _local_positions(owner, n, s)
 
-        def step(carry, rows, cols, held=held, k_pos=k_pos):
+        def step(carry, rows, cols, held=held, k_pos=k_pos, owner=owner):
             dq, dk, dv = carry
-            kb, vb, k_seg = held
-            q_seg = None if segment_ids is None else _half(segment_ids, rows, 1)
-            k_seg = None if k_seg is None else _half(k_seg, cols, 1)  # the keys' ids (backward)
+            kb, vb = held
+            q_seg, k_seg = _block_of(seg_all, r, s), _block_of(seg_all, owner, s)
+            q_seg = None if q_seg is None else _half(q_seg, rows, 1)
+            k_seg = None if k_seg is None else _half(k_seg, cols, 1)
             q_r, do_r = _half(qc, rows, 3), _half(doc, rows, 3)
             k_c, v_c = _half(kb, cols, 2), _half(vb, cols, 2)
             scores = _einsum("bkgqd,bksd->bkgqs", q_r, k_c, compute, matmul_precision) * scale
@@ -554,7 +568,8 @@ def context_parallel_attention_kernel(
             (the last returns them to their owners).
         ulysses: forward AllToAll of q, k, v and o, ``4·b·s·(2H + 2KV)·hd·(N−1)/N`` in all;
             backward the same.
-        With ``segment_ids``, their int32 blocks travel with the keys. Over ``model_axis``:
+        With ``segment_ids``, one AllGather of them (int32 ``[b, S]``; the ring slices each
+        step's block from it, so no ids go round the ring). Over ``model_axis``:
         as ``head_parallel_attention_kernel``. The weights' gradients are reduced over
         ``context_axis`` in accum_dtype (they are replicated over it).
     """

@@ -164,15 +164,16 @@ def _expected(method, n, *, b, h, kv, documents):
                 "backward": 8 * b * S * kv * HD * (n - 1) / n}  # fmt: skip
     elif method == "ring":
         block = 2 * 4 * b * s * kv * HD  # this device's k and v blocks
-        seg_block = 4 * b * s if seg else 0
-        fwd = {("collective-permute", C): (n - 1) * (block + seg_block)}
+        fwd = {("collective-permute", C): (n - 1) * block}
         # K/V (and segment ids) round again the other way, N − 1 steps; dK/dV N steps (the
         # last goes home). At N = 2 both ways are the same swap: the forward keeps the peer's
         # block instead.
         again = n - 1 if n > 2 else 0
-        bwd = {("collective-permute", C): again * (block + seg_block) + n * block}
-        sent = {"forward": fwd[("collective-permute", C)],
+        bwd = {("collective-permute", C): (again + n) * block}
+        sent = {"forward": fwd[("collective-permute", C)] + (4 * b * S * (n - 1) / n if seg else 0),
                 "backward": bwd[("collective-permute", C)]}  # fmt: skip
+        if seg:  # the segment ids gathered once (each step slices its block)
+            fwd[("all-gather", C)] = 4 * b * S
     else:
         a2a = 4 * b * s * (2 * h + 2 * kv) * HD  # q, o[b, s, h, hd]; k, v[b, s, kv, hd]
         fwd = {("all-to-all", C): a2a}

@@ -37,9 +37,9 @@ MUTANTS = {
     # device's own tokens.
     "ring_mask_on_local_positions": (
         "        k_pos = _local_positions(owner, n, s)\n\n        def step(carry, rows, cols, "
-        "held=held, k_pos=k_pos):\n            o, m, l = carry",
+        "held=held, k_pos=k_pos, owner=owner):\n            o, m, l = carry",
         "        k_pos = _local_positions(r, n, s)\n\n        def step(carry, rows, cols, "
-        "held=held, k_pos=k_pos):\n            o, m, l = carry",
+        "held=held, k_pos=k_pos, owner=owner):\n            o, m, l = carry",
         (RING4, "ring", {}),
     ),
     "allgather_mask_on_local_positions": (
@@ -81,8 +81,8 @@ MUTANTS = {
     # Segment ids that do not travel with the keys: a query attends across a document
     # boundary that falls between two shards.
     "ring_segments_stay_home": (
-        "k_seg = None if k_seg is None else _half(k_seg, cols, 1)  # the keys' ids, travelling",
-        "k_seg = None if k_seg is None else _half(segment_ids, cols, 1)  # the keys' ids, travelling",
+        "q_seg, k_seg = _block_of(seg_all, r, s), _block_of(seg_all, owner, s)  # ids: fwd",
+        "q_seg, k_seg = _block_of(seg_all, r, s), _block_of(seg_all, r, s)  # ids: fwd",
         (RING4, "ring", {"documents": 3}),
     ),
     "allgather_segments_stay_home": (

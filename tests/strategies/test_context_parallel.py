@@ -1,0 +1,169 @@
+"""Context parallelism composed with every strategy: the GPT and the Llama (GQA; tied MQA with
+packed documents) train 5 steps of SGD and of Adam equal to their plain-jnp references, with the
+sequence split over ``context`` and attention by all-gather, ring or Ulysses; the compiled
+collectives equal the budget traced from the step, per pass; evaluation and logits equal the
+reference; bad configurations are clear errors."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from _cover import FULL
+from _gpt_checks import BATCH, CP_MESHES, GPT, SEQ, check_lm_trajectory, gpt_batches
+from test_llama import CLIP, MODELS, SGD_LR
+
+import shardops
+import shardops_models as models
+from shardops.layers import CONTEXT_METHODS
+from shardops_models.networks._lm import PAD_LABEL
+from shardops_models.strategies.layout import strategy_named, with_context
+
+LMS = {"gpt": GPT, **MODELS}
+OPTIMIZERS = ("sgd", "adam")
+
+
+def _meshes(strategy: str) -> list[str]:
+    """The context meshes with the strategy's axes, those with the fewest other axes first."""
+    axes = set(with_context(strategy, "ring").axes)
+    fits = [m for m, shape in CP_MESHES.items() if axes <= set(shape)]
+    return sorted(fits, key=lambda m: len(set(CP_MESHES[m]) - axes))
+
+
+def _valid(model: str, method: str, mesh: str) -> bool:
+    """Ulysses splits the heads over context: the KV heads each device sends must divide."""
+    if method != "ulysses":
+        return True
+    shape = CP_MESHES[mesh]
+    lm = LMS[model]
+    kv = getattr(lm, "num_kv_heads", None) or lm.num_heads
+    return kv % (shape.get("model", 1) * shape["context"]) == 0
+
+
+# (model, method) pairs, each model with each method in turn (a Latin square's rows).
+PAIRS = [(model, CONTEXT_METHODS[(i + k) % 3]) for k in range(3) for i, model in enumerate(LMS)]
+
+
+def _cases():
+    """Every strategy (``ref`` too: context parallelism alone) with each optimizer, the
+    (model, method) pairs taken in turn on a mesh with the strategy's axes (the fewest others
+    first, in turn); under SHARDOPS_FULL=1 every strategy × method × model × optimizer."""
+    out, turn = [], 0
+    for name in sorted(models.STRATEGIES):
+        meshes = _meshes(name)
+        for j, opt in enumerate(OPTIMIZERS):
+            for pair in PAIRS if FULL else [None]:
+                for _ in range(len(PAIRS)):  # the next pair some mesh of the strategy takes
+                    model, method = pair or PAIRS[turn % len(PAIRS)]
+                    order = meshes[j % len(meshes) :] + meshes[: j % len(meshes)]
+                    mesh = next((m for m in order if _valid(model, method, m)), None)
+                    turn += pair is None
+                    if mesh is not None or pair is not None:
+                        break
+                if mesh is not None:
+                    out.append((model, f"{name}+{method}", mesh, opt))
+    # Context 8 alone (S = 16: chunks of one token): packed documents round the ring, and
+    # Ulysses with one head per device.
+    return [*out, ("tied_mqa", "ref+ring", "context8", "sgd"),
+            ("gpt", "ref+ulysses", "context8", "adam")]  # fmt: skip
+
+
+CASES = _cases()
+
+
+def test_cases_cover_every_strategy_method_model_and_optimizer():
+    strategies = {s.split("+")[0] for _, s, _, _ in CASES}
+    assert strategies == set(models.STRATEGIES)
+    assert {(s.split("+")[0], o) for _, s, _, o in CASES} == {
+        (s, o) for s in models.STRATEGIES for o in OPTIMIZERS
+    }
+    assert {s.split("+")[1] for _, s, _, _ in CASES} == set(CONTEXT_METHODS)
+    assert {m for m, _, _, _ in CASES} == set(LMS)
+    assert {CP_MESHES[m]["context"] for _, _, m, _ in CASES} >= {2, 4, 8}
+    assert any(len(CP_MESHES[m]) >= 3 for _, _, m, _ in CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids="-".join)
+def test_trajectory_and_budget(case):
+    model, strategy, mesh, opt = case
+    options = {} if model == "gpt" else {"clip": CLIP, "sgd_lr": SGD_LR}
+    check_lm_trajectory(LMS[model], strategy, mesh, opt, budget=True, **options)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "mesh"),
+    [("2d+ring", "2x2x2c"), ("fsdp_sp+allgather", "2x2x2c"), ("sp+ulysses", "c2x4")],
+)
+def test_budget_equals_the_compiled_step_per_pass(strategy, mesh):
+    """The budget traced from the step, per (kind, axes, pass), equals the compiled step's."""
+    setup = models.build(strategy, shardops.make_mesh(CP_MESHES[mesh]), model=GPT,
+                         optimizer=optax.adam(1e-3))  # fmt: skip
+    state = setup.init(jax.random.key(0))
+    ids, labels = (a[0] for a in gpt_batches())
+    compiled = shardops.inspect.ledger(setup.mesh, setup.train_step, state,
+                                       *setup.place_batch(ids, labels))  # fmt: skip
+    assert compiled.by_pass() == setup.budget(BATCH, SEQ).by_pass()
+    context = {k: v for p in compiled.by_pass().values() for k, v in p.items()
+               if "context" in k[1]}  # fmt: skip
+    assert context, "no collective over the context axis"
+
+
+@pytest.mark.parametrize("method", CONTEXT_METHODS)
+def test_evaluate_and_logits_equal_the_reference_with_padding(method):
+    """``evaluate`` sums loss and hits over every sequence shard, padding counting nowhere;
+    ``logits`` come back whole and in the natural token order."""
+    setup = models.build(f"fsdp_tp+{method}", shardops.make_mesh(CP_MESHES["2x2x2c"]),
+                         optimizer=optax.sgd(0.1), model=GPT)  # fmt: skip
+    params = GPT.init(jax.random.key(2))
+    ids, labels = (np.array(a[0]) for a in gpt_batches(2))
+    labels[-4:, 5:] = PAD_LABEL  # padded positions on every context shard
+    real = labels != PAD_LABEL
+    logits = np.asarray(GPT.reference_logits(params, ids))  # [B, S, V]
+    log_probs = jax.nn.log_softmax(logits)
+    picked = np.take_along_axis(log_probs, np.where(real, labels, 0)[..., None], -1)[..., 0]
+    state = setup.shard(params)
+    metrics = setup.evaluate(state.params, *setup.place_batch(ids, labels))
+    assert int(metrics.count) == real.sum()
+    assert int(metrics.correct) == ((logits.argmax(-1) == labels) & real).sum()
+    np.testing.assert_allclose(float(metrics.loss_sum), -picked[real].sum(), rtol=1e-5)
+    got = np.asarray(setup.logits(state.params, setup.place_batch(ids)))
+    assert got.shape == (BATCH, SEQ, GPT.vocab_size)
+    np.testing.assert_allclose(got, logits, atol=2e-6)
+
+
+# --- the layout and its errors ------------------------------------------------------------------
+
+
+def test_strategy_names_and_table():
+    s = strategy_named("hsdp_sp+ulysses")
+    assert (s.dp, s.fsdp, s.tp, s.sp, s.cp, s.cp_method) == (
+        ("replica",), ("data",), "model", True, "context", "ulysses")  # fmt: skip
+    assert s.axes == ("replica", "data", "context", "model")
+    assert s.reduce_axes == ("replica", "data", "context")
+    assert "cp     context" in s.table() and s.table().rstrip().endswith("sequence between layers")
+    assert with_context("ref", "allgather").name == "cp+allgather"
+    with pytest.raises(ValueError, match="one of .*'allgather', 'ring', 'ulysses'.*'2d\\+ring'"):
+        strategy_named("2d+rings")
+    with pytest.raises(ValueError, match="carries both tp and cp"):
+        models.Strategy("x", tp="model", cp="model")
+    with pytest.raises(ValueError, match="cp_method must be one of"):
+        models.Strategy("x", cp="context", cp_method="striped")
+    with pytest.raises(ValueError, match="already splits the sequence"):
+        with_context("2d+ring")
+
+
+def test_errors_name_the_dim_the_axis_and_both_sizes():
+    mesh = shardops.make_mesh(CP_MESHES["c4x2"])
+    setup = models.build("sp+ring", mesh, model=GPT, optimizer=optax.sgd(0.1))
+    state = setup.init(jax.random.key(0))
+    ids = np.zeros((BATCH, 12), np.int32)  # 12 % (2 × 4) ≠ 0
+    with pytest.raises(ValueError, match=r"x dim 1 \(sequence\) = 12 .*'context' \(size 4\) = 8"):
+        setup.train_step(state, ids, ids)
+    mlp = "no sequence dimension"
+    with pytest.raises(ValueError, match=mlp):
+        models.build("dp+ring", shardops.make_mesh(CP_MESHES["2x4c"]), optimizer=optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"key/value heads 2\), do not divide by 4"):
+        models.build("fsdp+ulysses", shardops.make_mesh(CP_MESHES["2x4c"]), model=MODELS["gqa"],
+                     optimizer=optax.sgd(0.1))  # fmt: skip
+    with pytest.raises(ValueError, match=r"missing \('context',\)"):
+        models.build("2d+ring", shardops.make_mesh({"data": 4, "model": 2}), model=GPT,
+                     optimizer=optax.sgd(0.1))  # fmt: skip

@@ -1,0 +1,71 @@
+"""Mutation check for context parallelism in the strategies: a loss summed over the batch shards
+but not the sequence's, tokens taken in contiguous blocks instead of the load-balanced layout,
+and logits not put back in token order are each caught by the suite's checks (the trajectory
+against the plain-jnp reference, evaluation and logits against it), while the unmutated copies
+pass."""
+
+import pytest
+from _gpt_checks import check_lm_trajectory
+from _mutants import mutant
+from test_context_parallel import LMS, test_evaluate_and_logits_equal_the_reference_with_padding
+
+import shardops_models as models
+from shardops_models.strategies import parallel
+from shardops_models.training import _train
+
+MUTANTS = {
+    # The loss and metrics summed over the batch axes only: each device's share of the sequence.
+    "loss_not_summed_over_the_sequence": (
+        _train,
+        "        self.reduce_axes = parallel.reduce_axes  # the batch's and the sequence's",
+        "        self.reduce_axes = parallel.batch_axes  # the batch's and the sequence's",
+    ),
+    # Each device's tokens as one contiguous block, while attention assumes the balanced layout.
+    "contiguous_tokens": (
+        parallel,
+        "        return jnp.take(tokens, context.positions(seq // n), axis=SEQUENCE_DIM)",
+        "        return lax.dynamic_slice_in_dim(tokens, lax.axis_index(context.axis_name) * (seq "
+        "// n), seq // n, axis=SEQUENCE_DIM)",
+    ),
+    # The logits gathered over context but left in the layout's order.
+    "logits_not_in_token_order": (
+        _train,
+        "            logits = logits[:, shardops.layers.inverse_order(logits.shape[1], n)]",
+        "            logits = logits",
+    ),
+}
+
+
+def build_with(name, mutated: bool = True):
+    """``build`` from copies of the modules, ``name``'s line replaced (or, unmutated, kept)."""
+    module, line, replacement = MUTANTS[name]
+    replacement = replacement if mutated else line
+    if module is _train:
+        return mutant(_train, name, line, replacement).build
+    copy = mutant(_train, name + "_train", "import shardops\n", "import shardops\n")
+    mutated = mutant(parallel, name, line, replacement)
+    copy.Parallel, copy.wrap, copy.split_dim = mutated.Parallel, mutated.wrap, mutated.split_dim
+    return copy.build
+
+
+def test_unmutated_copies_pass():
+    for name in ("loss_not_summed_over_the_sequence", "contiguous_tokens"):
+        check_lm_trajectory(LMS["gpt"], "2d+ring", "2x2x2c", "sgd",
+                            build=build_with(name, mutated=False))  # fmt: skip
+
+
+# A loss left varying over context fails shard_map's check of the step's outputs when it traces
+# (check_vma); contiguous tokens train to a different loss than the reference's.
+@pytest.mark.parametrize(("name", "error", "match"), [
+    ("loss_not_summed_over_the_sequence", ValueError, "possibly varying over {context}"),
+    ("contiguous_tokens", AssertionError, "reference"),
+])  # fmt: skip
+def test_trajectory_catches(name, error, match):
+    with pytest.raises(error, match=match):
+        check_lm_trajectory(LMS["gpt"], "2d+ring", "2x2x2c", "sgd", build=build_with(name))
+
+
+def test_logits_in_the_layouts_order_are_caught(monkeypatch):
+    monkeypatch.setattr(models, "build", build_with("logits_not_in_token_order"))
+    with pytest.raises(AssertionError, match="Not equal to tolerance"):
+        test_evaluate_and_logits_equal_the_reference_with_padding("ring")
