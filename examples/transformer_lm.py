@@ -20,6 +20,13 @@ strategy). Both models report tokens/s and the model FLOPs utilisation: the trai
     python examples/transformer_lm.py --compare-reference --steps 300 --mesh 4x2 \\
         --plot examples/transformer_lm.png --metrics-json /tmp/lm.json
 
+``--context-parallel ring`` (or ``allgather``, ``ulysses``) splits the sequence of every
+activation over the mesh's ``context`` axis too, attention by that method
+(``shardops.layers.context_parallel_attention_kernel``), composed with the strategy:
+
+    python examples/transformer_lm.py --strategy 2d --mesh data=2,context=2,model=2 \\
+        --context-parallel ring --context 1024 --compare-reference
+
 Text (``shardops_models.data.text``): tiny_shakespeare through tfds when it is prepared, else the
 Python standard library's source, which every machine has (one line says which).
 ``--compare-reference`` trains the unsharded model (strategy ``ref``) in lockstep, from the
@@ -85,6 +92,11 @@ def parse_args(argv=None):
     p.add_argument("--mesh", default="4x2", type=parse_mesh,
                    help="axis sizes: 4x2 (data×model, the default), 8x1, 2x4, or named, e.g. "
                         "replica=2,data=2,model=2")  # fmt: skip
+    p.add_argument("--context-parallel", choices=shardops.layers.CONTEXT_METHODS,
+                   metavar="METHOD",
+                   help="split the sequence over the mesh's 'context' axis as well, attention "
+                        "by METHOD: allgather, ring or ulysses (the strategy becomes "
+                        "STRATEGY+METHOD)")  # fmt: skip
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=8, help="windows of --context bytes")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
@@ -148,6 +160,11 @@ def parse_args(argv=None):
         p.error("--compare-reference compares whole runs from the init: not with --resume")
     if args.model == "gpt" and (args.kv_heads is not None or args.tie_embeddings):
         p.error("--kv-heads and --tie-embeddings are options of --model llama")
+    if args.context_parallel:
+        if args.locate:
+            p.error("--locate compares activations in token order; run it without "
+                    "--context-parallel (the other axes' layers are the same)")  # fmt: skip
+        args.strategy = f"{args.strategy}+{args.context_parallel}"
     if args.clip is None and args.model == "llama":
         args.clip = 1.0
     if args.clip is not None and not args.clip > 0:

@@ -107,6 +107,26 @@ def test_the_llama_trains_like_the_reference_and_reports_its_flops(tmp_path):
     assert len(record["sample"]["generated"].encode("utf-8", "surrogateescape")) >= 1
 
 
+@pytest.mark.parametrize(("model", "method"), [("gpt", "ring"), ("llama", "ulysses")])
+def test_context_parallel_trains_like_the_reference(tmp_path, model, method):
+    """``--context-parallel`` on data=2 × context=2 × model=2: the sequence split over context
+    (``STRATEGY+METHOD``) trains as the unsharded model does, and samples."""
+    metrics_path = tmp_path / "cp.json"
+    extra = ("--heads", "8", "--kv-heads", "4") if model == "llama" else ()  # GQA, 2 per device
+    proc = run(
+        "--model", model, *extra, "--strategy", "2d", "--mesh", "data=2,context=2,model=2",
+        "--context-parallel", method, "--context", "64", "--text-source", "stdlib",
+        "--steps", "8", "--log-every", "4", "--eval-every", "0", "--eval-batches", "2",
+        "--sample-tokens", "4", "--prompt-bytes", "16", "--compare-reference",
+        "--metrics-json", str(metrics_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    record = json.loads(metrics_path.read_text())
+    assert record["strategy"] == f"2d+{method}", record["strategy"]
+    assert record["final_relative_diff"] < 1e-5, record["final_relative_diff"]
+    assert f"strategy 2d+{method} on data=2 × context=2 × model=2" in proc.stdout
+
+
 def test_llama_flops_per_token_by_hand():
     """PaLM's count for L=2, D=8, H=4 (hd 2), KV=2, F=16, V=10, S=6: per block the Q, K, V,
     O projections 8·(4+2+2)·2 + 4·2·8 = 192 and the MLP 3·8·16 = 384; the head 80; so

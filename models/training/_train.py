@@ -735,7 +735,7 @@ class _Body:
 
     def local_loss(self, params, x, y):
         tree, logits = self.forward(self.ctx, params, x)
-        targets = self._global_batch(y.shape[0]) * math.prod(y.shape[1:])  # y: whole sequence
+        targets = self._global_batch(y.shape[0]) * math.prod(y.shape[1:])
         return self.model.loss_sum(self.ctx, tree, logits, self.ctx.local_tokens(y)) / targets
 
     def _loss_and_grads(self, params, x, y):

@@ -94,12 +94,12 @@ def test_mutant_is_caught(name, case):
     jax.clear_caches()
 
 
-EVAL_REDUCE = "            sums = lax.psum(sums, self.batch_axes)\n"
+EVAL_REDUCE = "            sums = lax.psum(sums, self.reduce_axes)\n"
 EVAL_MUTANTS = {
     # The global sums of loss and hits divided by this device's row count: off by the shards.
     "eval_count_not_reduced": (
         EVAL_REDUCE,
-        "            sums = (*lax.psum(sums[:2], self.batch_axes), sums[2])\n",
+        "            sums = (*lax.psum(sums[:2], self.reduce_axes), sums[2])\n",
     ),
     # Per-shard sums combined with the wrong collective.
     "eval_reduced_with_pmax": (EVAL_REDUCE, EVAL_REDUCE.replace("lax.psum", "lax.pmax")),
@@ -180,8 +180,8 @@ HELPER_MUTANTS = {
     # fsdp: a stage's bundle of split leaves gathered with its gradients reduced in bf16.
     "data_gradient_bundle_reduce_scattered_in_bf16": (
         parallel, ("Parallel", "wrap"), ("shardops_models.training._train",),
-        "                                                               accum, self.strategy.dp)  # fmt: skip\n",
-        "                                                               values[0].dtype, self.strategy.dp)\n",
+        "                                                               accum, self._replicas)  # fmt: skip\n",
+        "                                                               values[0].dtype, self._replicas)\n",
         "flow", ("fsdp_tp", {"data": 2, "model": 4}, BF16),
     ),
     # fsdp: the plain all_gather, whose transpose reduce-scatters bf16 gradients.
