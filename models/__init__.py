@@ -8,7 +8,8 @@
     state = setup.init(jax.random.key(0))
     state, loss = setup.train_step(state, *setup.place_batch(x, y))
 
-A strategy composes a data-axis strategy (dp, fsdp) with a model-axis one (tp, sp); a model
+A strategy composes a data-axis strategy (dp, fsdp) with a model-axis one (tp, sp) and,
+optionally, context parallelism (``"2d+ring"``: the sequence over ``context``); a model
 gives its parameters a plan of tensor-parallel roles (``models.strategies.plan``) and writes its forward
 once against the layer context (``models.strategies.parallel``).
 """
@@ -26,6 +27,7 @@ from shardops_models.networks.gpt import Gpt
 from shardops_models.networks.llama import Llama
 from shardops_models.networks.mlp import Mlp, tp_plan
 from shardops_models.strategies.fsdp import fsdp_spec
+from shardops_models.strategies.layout import strategy_named, with_context
 from shardops_models.strategies.parallel import STRATEGIES, Parallel, Strategy, strategies_for
 from shardops_models.strategies.plan import (
     COLUMN,
@@ -86,5 +88,7 @@ __all__ = [
     "shard_tree",
     "stacked",
     "strategies_for",
+    "strategy_named",
     "tp_plan",
+    "with_context",
 ]

@@ -187,3 +187,37 @@ def test_profile_prints_both_programs_side_by_side():
     # x[32, 784] → x[256, 98]: eight [32, 98] blocks exchanged
     assert "all-to-all         data" in shardops_part and "f32[32, 98]" in shardops_part
     assert "reduce-scatter     data            0.524 MB  f32[32, 512]" in shardops_part
+
+
+def test_context_parallel_quick_run_and_the_docs_tables(tmp_path):
+    """benchmarks/context_parallel.py end to end (tiny sizes): every method and GSPMD on context
+    1 and 2, memory from XLA's analysis, paired ratios; and docs/context-parallelism.md's tables
+    are the ones the committed JSON makes."""
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_context_parallel", ROOT / "benchmarks" / "context_parallel.py"
+    )
+    cp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cp)
+    page = (ROOT / "docs" / "context-parallelism.md").read_text()
+    committed = json.loads((cp.RESULTS / "context_parallel.json").read_text())
+    block = page.split(cp.START, 1)[1].split(cp.END, 1)[0]
+    assert block == "\n" + cp.markdown(committed), (
+        "docs/context-parallelism.md's tables differ from the committed JSON: run "
+        "`python benchmarks/context_parallel.py --tables-only`"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "context_parallel.py"), "--quick", "--out",
+         str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((tmp_path / "context_parallel.json").read_text())
+    labels = {(r["label"], r["n"]) for r in results["fixed_s"]}
+    assert labels == {(m, n) for m in ("allgather", "ring", "ulysses", "gspmd") for n in (1, 2)}
+    for r in results["fixed_s"]:
+        m = r["step"]
+        assert m["peak"] == m["argument"] + m["output"] - m["alias"] + m["temp"] > 0
+        assert (r["attention_temp"] is None) == (r["label"] == "gspmd")
+    assert {r["label"] for r in results["longest_s"]} == {"single", "allgather", "ring",
+                                                          "ulysses", "gspmd"}  # fmt: skip
+    for ratio in results["timing"]["vs_ring"].values():
+        assert ratio["q25"] <= ratio["median"] <= ratio["q75"]

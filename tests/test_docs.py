@@ -316,3 +316,16 @@ def test_hugging_face_page_matches_transformers_and_decodes(tmp_path_factory):
     model = ns["ckpt"].model()
     assert (model.num_heads, model.num_kv_heads, model.vocab_size) == (8, 2, 97)
     assert np.asarray(ns["greedy"]).shape == np.asarray(ns["sampled"]).shape == (8, 16)
+
+
+def test_context_parallelism_page_matches_attention_and_the_reference(tmp_path_factory):
+    """The three context-parallel attentions equal ``shardops.attention`` on the page's input,
+    and 2 Adam steps of the GPT under ``2d+ring`` end at the unsharded loss."""
+    ns = run_page("docs/context-parallelism.md", tmp_path_factory)
+    import numpy as np
+
+    assert set(ns["got"]) == {"allgather", "ring", "ulysses"}
+    for y in ns["got"].values():
+        np.testing.assert_allclose(np.asarray(y), np.asarray(ns["want"]), rtol=1e-5, atol=1e-5)
+    losses = ns["cp_losses"]
+    assert abs(losses["2d+ring"] - losses["ref"]) <= 1e-6 * losses["ref"], losses

@@ -47,6 +47,7 @@ from shardops_models.strategies.layout import (
     Strategy,
     strategies_for,
     strategy_named,
+    with_context,
 )
 from shardops_models.strategies.plan import (
     COLUMN,
@@ -822,5 +823,6 @@ __all__ = [
     "strategies_for",
     "strategy_named",
     "values",
+    "with_context",
     "wrap",
 ]
