@@ -442,8 +442,10 @@ class Parallel:
         grouped-query attention; ``rope_theta`` rotary positions at ``positions[b, S]`` (each
         token's global position; default ``0 … S−1``, restarting at each document of
         ``segment_ids[b, S]``, which keep attention within a document). ``positions`` and
-        ``segment_ids`` cover the whole sequence, also under sp. Keys: ``wq``, ``wk``, ``wv``,
-        ``wo``, optionally ``bq``, ``bk``, ``bv``, ``bo`` (``shardops.init_attention``)."""
+        ``segment_ids`` cover the whole sequence, also under sp and cp (under cp, ``x`` is
+        this device's block ``x[b, S_context, D]`` and attention runs by the layout's
+        ``cp_method``, ``shardops.layers.context_parallel_attention_kernel``). Keys: ``wq``,
+        ``wk``, ``wv``, ``wo``, optionally ``bq``, ``bk``, ``bv``, ``bo`` (``shardops.init_attention``)."""
         _check_keys(p, "attention", LAYER_KEYS["attention"])
         y = self._attention(p, x, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal,
                             rope_theta=rope_theta, positions=positions,

@@ -167,3 +167,22 @@ def test_errors_name_the_dim_the_axis_and_both_sizes():
     with pytest.raises(ValueError, match=r"missing \('context',\)"):
         models.build("2d+ring", shardops.make_mesh({"data": 4, "model": 2}), model=GPT,
                      optimizer=optax.sgd(0.1))  # fmt: skip
+
+
+@pytest.mark.parametrize("method", CONTEXT_METHODS)
+def test_bf16_policies_flow_and_reduce_in_float32(method):
+    """Under BFLOAT16 and MIXED_BFLOAT16 the step of ``fsdp_sp+<method>`` follows the policy
+    (``dtype_flow_violations`` finds nothing) and asks for every reduction in float32."""
+    from _model_checks import reductions_in_16_bits
+
+    mesh = shardops.make_mesh(CP_MESHES["2x2x2c"])
+    ids, labels = (a[0] for a in gpt_batches())
+    for precision in (shardops.BFLOAT16, shardops.MIXED_BFLOAT16):
+        setup = models.build(f"fsdp_sp+{method}", mesh, model=GPT, optimizer=optax.adam(1e-3),
+                             precision=precision)  # fmt: skip
+        state = setup.init(jax.random.key(0))
+        args = (state, *setup.place_batch(ids, labels))
+        problems = shardops.testing.dtype_flow_violations(setup.step, *args, policy=precision)
+        assert not problems, "\n".join(problems)
+        asked = shardops.inspect.lowered_collectives(setup.train_step.lower(*args).as_text(), mesh)
+        assert not reductions_in_16_bits([c for c in asked if c.bytes])
