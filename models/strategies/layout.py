@@ -106,6 +106,9 @@ class Strategy:
             raise TypeError(f"Strategy {self.name!r}: tp takes one mesh axis name; got {self.tp!r}")
         if self.cp is not None and (not isinstance(self.cp, str) or not self.cp):
             raise TypeError(f"Strategy {self.name!r}: cp takes one mesh axis name; got {self.cp!r}")
+        if self.cp is None and self.cp_method != "ring":
+            raise ValueError(f"Strategy {self.name!r}: cp_method={self.cp_method!r} without a "
+                             f"cp axis; name it, e.g. cp={CONTEXT_AXIS!r}")  # fmt: skip
         if self.cp_method not in CONTEXT_METHODS:
             raise ValueError(f"Strategy {self.name!r}: cp_method must be one of "
                              f"{CONTEXT_METHODS}; got {self.cp_method!r}")  # fmt: skip
@@ -238,5 +241,5 @@ def with_context(strategy, method: str = "ring", axis: str = CONTEXT_AXIS) -> St
     base = strategy_named(strategy)
     if base.cp is not None:
         raise ValueError(f"strategy {base.name!r} already splits the sequence over {base.cp!r}")
-    name = f"{'cp' if base.name == 'ref' else base.name}+{method}"
+    name = f"{base.name}+{method}"
     return dataclasses.replace(base, name=name, cp=axis, cp_method=method)

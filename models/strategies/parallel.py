@@ -11,6 +11,14 @@ gives each parameter its role, and the role picks the kernel: a ``column`` dense
 is ``shardops.layers.column_parallel_dense_kernel``, under ``dp`` it is ``shardops.dense``. The
 collective budget of any model is read from its traced step (``Setup.budget``): the kernels'
 own collectives are the only record of what a layer moves.
+
+Under context parallelism (``Strategy.cp``) every activation holds this device's tokens,
+``x[b, S_context, D]`` in the load-balanced layout (``shardops.layers.balanced_order``): token
+ids, positions and segment ids enter whole (``[b, S]``) and ``ctx.embed`` and ``ctx.attention``
+take this device's themselves. A layer of your own that mixes tokens (a convolution along S, an
+attention of your own) sees only this device's block, out of order: take its per-token inputs
+with ``ctx.local_tokens``, and gather what it needs with ``ctx.gather(..., axis=1,
+kind="context")`` (in token order).
 """
 
 from __future__ import annotations
@@ -676,12 +684,19 @@ class Parallel:
     def gather(self, y_block, *, axis: int = -1, kind: str = "model"):
         """``y[.., F_model]`` (this device's block along ``axis``) → ``y[.., F]``, replicated:
         AllGather over ``kind``'s axis (``shardops.comm.gather_from_region``; the backward
-        slices ``dy``, no communication); the identity where the strategy has no such axis."""
+        slices ``dy``, no communication); the identity where the strategy has no such axis.
+        ``kind="context"``: this device's tokens ``y[b, S_context, ..]`` (``axis=1``) → every
+        token's, in token order (the load-balanced layout undone)."""
         mesh_axis = self.axis_name(kind)
         if mesh_axis is None:
             return y_block
+        axis = axis % y_block.ndim
         with shardops.comm.because(_CTX_GATHER, mesh_axis):
-            return shardops.comm.gather_from_region(y_block, mesh_axis, axis % y_block.ndim)
+            y = shardops.comm.gather_from_region(y_block, mesh_axis, axis)
+        if kind == "context":
+            order = shardops.layers.inverse_order(y.shape[axis], lax.axis_size(mesh_axis))
+            y = jnp.take(y, order, axis=axis)
+        return y
 
     def array(self, param):
         """The local array of a parameter inside ``ctx.stage``: its block over ``model`` (by

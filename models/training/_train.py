@@ -991,10 +991,11 @@ def _check_mesh(parallel: Strategy, mesh, model, roles, shapes) -> None:
             f"{tuple(mesh.axis_names)} (missing {tuple(missing)}); build it with "
             f"shardops.make_mesh({{{', '.join(f'{a!r}: n' for a in parallel.axes)}}})"
         )
+    split_heads = HEAD in jax.tree.leaves(roles)
     if parallel.cp and parallel.cp_method == "ulysses" and getattr(model, "num_heads", None):
         heads = model.num_heads
         kv_heads = getattr(model, "num_kv_heads", None) or heads
-        p = mesh.shape[parallel.tp] if parallel.tp else 1
+        p = mesh.shape[parallel.tp] if parallel.tp and split_heads else 1
         if heads % p == 0:  # (a head count tp does not divide is refused below)
             sent = shardops.layers.kv_cache_heads(heads, kv_heads, p)
             if p > 1 and not shardops.layers.splits_kv_heads(kv_heads, p) and sent > 1:

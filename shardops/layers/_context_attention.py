@@ -22,8 +22,8 @@ split over ``model``):
     allgather   k, v: AllGather over context → k[B, KV, S, hd]; this device's queries attend
                 to every key. Backward: ReduceScatter of dk, dv (accum_dtype). The K/V
                 blocks' memory is not divided: the attention part stays O(S) per device.
-    ring        each device keeps its queries; the K/V blocks (only the KV heads, with their
-                segment ids) go round the ring with ppermute, N−1 steps, each step's scores
+    ring        each device keeps its queries; the K/V blocks (only the KV heads; segment ids
+                are gathered once) go round the ring with ppermute, N−1 steps, each step's scores
                 combined by an online softmax (running max and sum in float32). Backward: a
                 custom VJP passes K/V round again, the other way round the ring (the same
                 ppermutes XLA would merge with the forward's, keeping every block alive), N−1
@@ -157,12 +157,14 @@ class ContextParallel:
         """``o[B, H, s, hd]`` in ``accum_dtype`` of this device's queries over the whole
         sequence. ``q[B, H, s, hd]``, ``k, v[B, n, s, hd]`` (``kv``: the ``_KvHeads`` of the
         kernel), ``segment_ids[B, s]`` or None: this device's tokens."""
-        if kv.index is not None:  # replicated K/V read by index: send each query head's own
-            k = _attention._for_query_heads(k, kv, heads)  # [B, H, s, hd]
+        index = kv.index  # replicated K/V read by index: the KV heads move, then expand
+        if index is not None and self.method == "ulysses":  # the heads split needs each
+            k = _attention._for_query_heads(k, kv, heads)  # query head's K/V: [B, H, s, hd]
             v = _attention._for_query_heads(v, kv, heads)
-        group = heads // k.shape[1]
+            index = None
+        group = heads // k.shape[1] if index is None else 1
         run = {"allgather": _allgather, "ring": _ring, "ulysses": _ulysses}[self.method]
-        return run(q, k, v, segment_ids, group, causal, self.axis_name, precision)
+        return run(q, k, v, segment_ids, group, causal, self.axis_name, precision, index)
 
 
 def check_ulysses_heads(op: str, heads: int, kv_heads: int, axis_name: str, n: int) -> None:
@@ -257,13 +259,16 @@ def _local_core(q, k, v, group: int, visible, precision: Precision):
     return o.reshape(batch, heads, sq, hd)
 
 
-def _allgather(q, k, v, segment_ids, group, causal, axis, precision):
-    """K/V AllGathered over ``axis``; this device's queries attend locally (module docstring)."""
+def _allgather(q, k, v, segment_ids, group, causal, axis, precision, index=None):
+    """K/V AllGathered over ``axis``; this device's queries attend locally (module docstring).
+    ``index[H]``: the KV head each query head reads, where not by contiguous groups."""
     n, s = lax.axis_size(axis), q.shape[2]
     compute = np.dtype(precision.compute_dtype)
     with because(_GATHER_KV, axis):  # k[B, n, s, hd] → k[B, n, S, hd]; dk ReduceScattered
         k_all = _moved(_Gather(axis, 2), _ScatterSum(axis, 2), compute, k)
         v_all = _moved(_Gather(axis, 2), _ScatterSum(axis, 2), compute, v)
+    if index is not None:  # [B, H, S, hd]: each query head's KV head (dk summed back)
+        k_all, v_all = jnp.take(k_all, index, axis=1), jnp.take(v_all, index, axis=1)
     k_seg = None
     if segment_ids is not None:
         with because(_SEGMENTS, axis):
@@ -274,7 +279,7 @@ def _allgather(q, k, v, segment_ids, group, causal, axis, precision):
     return _local_core(q, k_all, v_all, group, visible, precision)
 
 
-def _ulysses(q, k, v, segment_ids, group, causal, axis, precision):
+def _ulysses(q, k, v, segment_ids, group, causal, axis, precision, index=None):
     """AllToAll heads ↔ sequence around local attention (module docstring)."""
     n, s = lax.axis_size(axis), q.shape[2]
     compute = np.dtype(precision.compute_dtype)
@@ -294,16 +299,16 @@ def _ulysses(q, k, v, segment_ids, group, causal, axis, precision):
 # --- ring attention ---------------------------------------------------------------------------
 
 
-def _ring(q, k, v, segment_ids, group, causal, axis, precision):
+def _ring(q, k, v, segment_ids, group, causal, axis, precision, index=None):
     batch, heads, s, hd = q.shape
-    kv = k.shape[1]
+    kv = k.shape[1] if index is None else heads  # by index: one query head per group
     qg = q.reshape(batch, kv, group, s, hd)  # query head j = kv_head · group + g
     seg_all = None
     if segment_ids is not None:  # every device's ids, once: each step slices its owner's
         with because(_SEGMENTS, axis):
             seg_all = lax.all_gather(segment_ids, axis, axis=1, tiled=True)  # [B, S]
     o = _ring_attention(axis, causal, np.dtype(precision.compute_dtype),
-                        precision.matmul_precision, qg, k, v, seg_all)  # fmt: skip
+                        precision.matmul_precision, qg, k, v, seg_all, index)  # fmt: skip
     return o.reshape(batch, heads, s, hd)
 
 
@@ -362,10 +367,25 @@ def _einsum(spec, a, b, compute, matmul_precision):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _ring_attention(axis, causal, compute, matmul_precision, q, k, v, seg_all):
+def _ring_attention(axis, causal, compute, matmul_precision, q, k, v, seg_all, index):
     """``o[B, KV, g, s, hd]`` (float32) of ``q[B, KV, g, s, hd]`` over the ring's K/V blocks;
-    ``seg_all[B, S]``: every device's segment ids, device-major (or None)."""
-    return _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, seg_all)[0]
+    ``seg_all[B, S]``: every device's segment ids, device-major (or None); ``index[H]`` (or
+    None): the held KV head of each query head (then ``KV`` = H, ``g`` = 1), the blocks
+    travelling with their own KV heads only."""
+    return _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, seg_all, index)[0]
+
+
+def _expand(t, index):
+    """``t[B, n, s, hd]`` → each query head's KV head ``[B, H, s, hd]`` (or ``t``)."""
+    return t if index is None else jnp.take(t, index, axis=1)
+
+
+def _fold(part, index, count: int):
+    """The transpose of ``_expand``: ``part[B, H, s, hd]`` summed into its ``count`` KV heads."""
+    if index is None:
+        return part
+    shape = (part.shape[0], count, *part.shape[2:])
+    return jnp.zeros(shape, part.dtype).at[:, index].add(part)
 
 
 def _block_of(seg_all, owner, s: int):
@@ -375,7 +395,7 @@ def _block_of(seg_all, owner, s: int):
     return lax.dynamic_slice_in_dim(seg_all, owner * s, s, axis=1)
 
 
-def _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, seg_all):
+def _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, seg_all, index):
     n, r = lax.axis_size(axis), lax.axis_index(axis)
     s, hd = q.shape[3], q.shape[4]
     scale = 1.0 / math.sqrt(hd)
@@ -393,7 +413,7 @@ def _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, seg_all):
 
         def step(carry, rows, cols, held=held, k_pos=k_pos, owner=owner):
             o, m, l = carry  # noqa: E741
-            kb, vb = held
+            kb, vb = (_expand(t, index) for t in held)
             q_seg, k_seg = _block_of(seg_all, r, s), _block_of(seg_all, owner, s)  # ids: fwd
             q_seg = None if q_seg is None else _half(q_seg, rows, 1)
             k_seg = None if k_seg is None else _half(k_seg, cols, 1)
@@ -429,7 +449,7 @@ def _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, seg_all):
     # At N = 2 the backward needs the one block the forward received: kept (a second pass
     # would be the same swap of the same values, which XLA merges with this one anyway).
     peer = held if n == 2 else None
-    return out, (qc, kc, vc, seg_all, out, lse, peer)
+    return out, (qc, kc, vc, seg_all, index, out, lse, peer)
 
 
 # The backward ring passes blocks i → i−1: the forward's i → i+1 on the same K/V would be the
@@ -439,7 +459,8 @@ _BACK = -1
 
 
 def _ring_bwd(axis, causal, compute, matmul_precision, residuals, do):
-    qc, kc, vc, seg_all, out, lse, peer = residuals
+    qc, kc, vc, seg_all, index, out, lse, peer = residuals
+    count = kc.shape[1]  # the KV heads held (by index: fewer than the query heads)
     n, r = lax.axis_size(axis), lax.axis_index(axis)
     s, hd = qc.shape[3], qc.shape[4]
     scale = 1.0 / math.sqrt(hd)
@@ -457,7 +478,7 @@ def _ring_bwd(axis, causal, compute, matmul_precision, residuals, do):
 
         def step(carry, rows, cols, held=held, k_pos=k_pos, owner=owner):
             dq, dk, dv = carry
-            kb, vb = held
+            kb, vb = (_expand(t, index) for t in held)
             q_seg, k_seg = _block_of(seg_all, r, s), _block_of(seg_all, owner, s)
             q_seg = None if q_seg is None else _half(q_seg, rows, 1)
             k_seg = None if k_seg is None else _half(k_seg, cols, 1)
@@ -474,8 +495,8 @@ def _ring_bwd(axis, causal, compute, matmul_precision, residuals, do):
             dq_part = _einsum("bkgqs,bksd->bkgqd", ds, k_c, compute, matmul_precision)
             dk_part = _einsum("bkgqs,bkgqd->bksd", ds, q_r, compute, matmul_precision)
             return (_put_half(dq, dq_part, rows, 3, add=True),
-                    _put_half(dk, dk_part, cols, 2, add=True),
-                    _put_half(dv, dv_part, cols, 2, add=True))  # fmt: skip
+                    _put_half(dk, _fold(dk_part, index, count), cols, 2, add=True),
+                    _put_half(dv, _fold(dv_part, index, count), cols, 2, add=True))  # fmt: skip
 
         dq, dk, dv = _blocks(step, (dq, dk, dv), t, causal, owner < r)
         if t < n - 1:
@@ -485,7 +506,7 @@ def _ring_bwd(axis, causal, compute, matmul_precision, residuals, do):
                 held, (dk, dv) = peer, _pass_on((dk, dv), axis, n, _BACK)
     if n > 1:  # the block held last is device r−1's: its dK/dV go home
         dk, dv = _pass_on((dk, dv), axis, n, _BACK)
-    return dq, dk, dv, None
+    return dq, dk, dv, None, None
 
 
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
@@ -646,11 +667,15 @@ def context_parallel_attention(
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     _attention._check_args(op, x, params, num_heads, kv_heads, causal, precision)
     _attention._check_rope(op, rope_theta, params["wq"].shape[1] // num_heads)
+    n = axis_size(mesh, context_axis)
+    check_sequence(op, "x", x.shape[1], context_axis, n)
+    if not permute and rope_theta is not None and positions is None and segment_ids is not None:
+        # the documents' positions, counted in token order (the ids are in the layout's)
+        natural = jnp.asarray(segment_ids)[:, inverse_order(x.shape[1], n)]
+        positions = _attention.segment_positions(natural)[:, balanced_order(x.shape[1], n)]
     positions, segment_ids = _attention._check_tokens(op, positions, segment_ids, x.shape[:2],
                                                       None, rope_theta)  # fmt: skip
-    n = axis_size(mesh, context_axis)
     p = 1 if model_axis is None else axis_size(mesh, model_axis)
-    check_sequence(op, "x", x.shape[1], context_axis, n)
     if sequence_parallel and x.shape[1] % (n * p):
         check_divisible(argument="x", dim=1, dim_name="sequence", size=x.shape[1], mesh=mesh,
                         axes=(context_axis, model_axis))  # fmt: skip
@@ -701,5 +726,5 @@ def check_sequence(op: str, argument: str, seq: int, axis_name: str, n: int) -> 
             f"{op}: {argument} dim 1 (sequence) = {seq} is not divisible by 2 × mesh axis "
             f"{axis_name!r} (size {n}) = {2 * n}: the load-balanced context layout gives each "
             f"device two equal chunks. Use a sequence length that is a multiple of {2 * n} "
-            f"(e.g. {fit}; pad with a label that counts nowhere), or a smaller context axis."
+            f"(e.g. {fit}), or a smaller context axis."
         )

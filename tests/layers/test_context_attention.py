@@ -142,6 +142,20 @@ def test_sequence_parallel_and_bias_free_on_three_axes():
                                 use_bias=False)  # fmt: skip
 
 
+def test_kv_heads_read_by_index():
+    """12 heads, 2 KV heads on model = 3: K/V replicated over model, and device 1's 4 query heads
+    read both KV heads (by index, not by contiguous groups). The ring and the all-gather move
+    the 2 KV heads and expand them after; Ulysses sends each query head's."""
+    axes = ((CONTEXT, 2), ("model", 3))
+    for method, precision in (("ring", F32), ("allgather", BF16), ("ring", BF16),
+                              ("ulysses", F32)):  # fmt: skip
+        check_context_attention(axes, method, precision, seq=32, num_heads=12, num_kv_heads=2,
+                                causal=True, rope_theta=10000.0, documents=2)  # fmt: skip
+    led = context_ledger(axes, "ring", num_heads=12, num_kv_heads=2)
+    block = 2 * 4 * B * (S // 2) * 2 * HD  # k, v[B, 2 KV heads, S/2, hd]: not 4 query heads'
+    assert led.by_pass()["forward"][("collective-permute", C)] == block
+
+
 # --- the ledger against formulas written here ----------------------------------------------------
 
 B, S, D, HD = 4, 16, 32, 4  # context_ledger's shapes: x[B, S, D], 8 heads of 4
@@ -305,6 +319,22 @@ def test_rope_with_segments_needs_global_positions_in_the_kernel(params):
         jax.shard_map(body, mesh=mesh, in_specs=(P(None, CONTEXT), P(None, CONTEXT)),
                       out_specs=P(None, CONTEXT))(jnp.zeros((2, 8, 32)),
                                                   jnp.zeros((2, 8), jnp.int32))  # fmt: skip
+
+
+def test_tokens_already_in_the_layout(params):
+    """``permute=False``: x, positions and segment ids given in the layout's order give the
+    layout's y; RoPE's default positions still restart at each document in token order."""
+    mesh = mesh_of(((CONTEXT, 2),))
+    x = jax.random.normal(jax.random.key(1), (2, 16, 32))
+    seg = jnp.asarray(np.repeat([[0, 1]], 8, axis=1).reshape(1, 16).repeat(2, 0))  # 2 documents
+    order = balanced_order(16, 2)
+    options = {"mesh": mesh, "num_heads": HEADS, "num_kv_heads": 2, "causal": True,
+               "rope_theta": 10000.0}  # fmt: skip
+    y = context_parallel_attention(x, params, segment_ids=seg, **options)
+    y_layout = context_parallel_attention(x[:, order], params, segment_ids=seg[:, order],
+                                          permute=False, **options)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(y_layout), np.asarray(y)[:, order], rtol=1e-6,
+                               atol=1e-6)  # fmt: skip
 
 
 def test_kernel_in_a_users_shard_map_equals_the_layer(params):

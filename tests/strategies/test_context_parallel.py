@@ -140,13 +140,18 @@ def test_strategy_names_and_table():
     assert s.axes == ("replica", "data", "context", "model")
     assert s.reduce_axes == ("replica", "data", "context")
     assert "cp     context" in s.table() and s.table().rstrip().endswith("sequence between layers")
-    assert with_context("ref", "allgather").name == "cp+allgather"
+    assert with_context("ref", "allgather").name == "ref+allgather"
+    assert strategy_named(with_context("fsdp_tp", "ulysses").name) == with_context(
+        "fsdp_tp", "ulysses"
+    )
     with pytest.raises(ValueError, match="one of .*'allgather', 'ring', 'ulysses'.*'2d\\+ring'"):
         strategy_named("2d+rings")
     with pytest.raises(ValueError, match="carries both tp and cp"):
         models.Strategy("x", tp="model", cp="model")
     with pytest.raises(ValueError, match="cp_method must be one of"):
         models.Strategy("x", cp="context", cp_method="striped")
+    with pytest.raises(ValueError, match="cp_method='ulysses' without a cp axis"):
+        models.Strategy("x", tp="model", cp_method="ulysses")
     with pytest.raises(ValueError, match="already splits the sequence"):
         with_context("2d+ring")
 
@@ -186,3 +191,42 @@ def test_bf16_policies_flow_and_reduce_in_float32(method):
         assert not problems, "\n".join(problems)
         asked = shardops.inspect.lowered_collectives(setup.train_step.lower(*args).as_text(), mesh)
         assert not reductions_in_16_bits([c for c in asked if c.bytes])
+
+
+def test_a_users_layer_reads_its_tokens_and_gathers_them_in_order():
+    """``ctx.local_tokens`` gives this device's block of the layout; ``ctx.gather(...,
+    kind="context")`` puts every token back in order (and its gradient goes to the block)."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    ctx = models.Parallel(with_context("ref", "ring"))
+    mesh = shardops.make_mesh({"context": 4})
+    tokens = jnp.arange(32, dtype=jnp.float32).reshape(2, 16)
+
+    def body(tokens):
+        local = ctx.local_tokens(tokens)  # [2, 4]: chunks i and 7 − i of 8
+        return local, ctx.gather(local, axis=1, kind="context")
+
+    local, whole = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=(P(None, "context"),
+                                                                          P()))(tokens)  # fmt: skip
+    order = shardops.layers.balanced_order(16, 4)
+    np.testing.assert_array_equal(np.asarray(local), np.asarray(tokens)[:, order])
+    np.testing.assert_array_equal(np.asarray(whole), np.asarray(tokens))
+    assert ctx.axis_name("context") == "context" and ctx.axis_name("data") is None
+
+
+def test_ulysses_counts_the_heads_each_device_holds():
+    """4 heads on context = 4 × model = 2: split by head over model, 2 per device do not divide
+    by 4 (refused at build); with attention replicated over model (a plan's choice) all 4 do."""
+    gpt4 = models.Gpt(vocab_size=64, d_model=32, num_heads=4, num_layers=1, context=16, d_ff=64)
+    mesh = shardops.make_mesh(CP_MESHES["c4x2"])
+    with pytest.raises(ValueError, match=r"query heads on each device.*\(query heads 2,"):
+        models.build("tp+ulysses", mesh, model=gpt4, optimizer=optax.sgd(0.1))
+    plan = gpt4.plan()
+    for block in plan["blocks"]:
+        block["attn"] = models.REPLICATED
+    setup = models.build("tp+ulysses", mesh, model=gpt4, plan=plan, optimizer=optax.sgd(0.1))
+    params = gpt4.init(jax.random.key(0))
+    ids, labels = (a[0] for a in gpt_batches())
+    loss, _ = setup.loss_and_grads(setup.shard(params).params, *setup.place_batch(ids, labels))
+    assert float(loss) == pytest.approx(float(gpt4.reference_loss(params, ids, labels)), rel=1e-6)
