@@ -83,11 +83,12 @@ def _valid(method, axes, kv, sequence_parallel, *_):
     return True
 
 
-# Every pair of values of any two factors (tests/_cover.py); the full product under
-# SHARDOPS_FULL=1. S = 32 divides by 2N and, with sequence parallelism, by N·p.
+# Every pair of values of any two factors (tests/_cover.py); every triple under
+# SHARDOPS_FULL=1 (the full product is ~1,900 programs). S = 32 divides by 2N and, with
+# sequence parallelism, by N·p.
 CASES = cover(
     CONTEXT_METHODS, MESHES, KV, [False, True], [False, True], [F32, BF16], [None, 10000.0], [1, 3],
-    valid=_valid,
+    valid=_valid, t=3 if FULL else 2, full=False,
 )  # fmt: skip
 
 
