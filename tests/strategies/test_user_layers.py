@@ -188,8 +188,8 @@ CTX_MUTANTS = {
     # the right shape: h[b, S·p, F/p] read as h[b, S, F], a transposed layout
     "gather_along_the_sequence": (
         "gather",
-        "        return shardops.comm.gather_from_region(y_block, mesh_axis, axis % y_block.ndim)\n",
-        "        return shardops.comm.gather_from_region(y_block, mesh_axis, 1).reshape("
+        "            y = shardops.comm.gather_from_region(y_block, mesh_axis, axis)\n",
+        "            y = shardops.comm.gather_from_region(y_block, mesh_axis, 1).reshape("
         "*y_block.shape[:-1], -1)\n",
         "gather",
     ),
