@@ -512,6 +512,13 @@ def check_attention(
         f"causal={causal} sp={sequence_parallel} bias={use_bias} T={temperature} "
         f"rope={rope_theta} docs={documents} offset={position_offset} seed={seed}"
     )
+    return assert_within_bounds(got, ref, where, precision)
+
+
+def assert_within_bounds(got: dict, ref: dict, where: str, precision, key: str | None = None):
+    """Every ``got[name]`` within its ``ref[name]`` bound, else an AssertionError naming the
+    value, the case and the worst element; records the worst ratio in ``WORST[key]`` (default
+    the policy's name) and returns it."""
     worst, worst_abs, worst_name = 0.0, 0.0, ""
     for name, want in ref.items():
         have = np.asarray(got[name], np.float64)
@@ -532,8 +539,9 @@ def check_attention(
             )
         if ratio > worst:
             worst, worst_abs, worst_name = ratio, float(err.max()), name
-    if worst > WORST.get(precision.name, (-1.0,))[0]:
-        WORST[precision.name] = (worst, worst_abs, f"{worst_name}: {where}")
+    key = precision.name if key is None else key
+    if worst > WORST.get(key, (-1.0,))[0]:
+        WORST[key] = (worst, worst_abs, f"{worst_name}: {where}")
     return worst
 
 

@@ -14,11 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _attention_checks import (
-    WORST,
+    assert_within_bounds,
     attention_reference,
     random_inputs,
     random_segments,
-    ratio_to_bound,
 )
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -116,26 +115,7 @@ def check_context_attention(
         f"hd={head_dim} causal={causal} sp={sequence_parallel} bias={use_bias} "
         f"T={temperature} rope={rope_theta} docs={documents} seed={seed}"
     )
-    worst, worst_err = 0.0, 0.0
-    for name, want in ref.items():
-        have = np.asarray(got[name], np.float64)
-        assert have.shape == want.v.shape, (name, have.shape, want.v.shape)
-        ratios = ratio_to_bound(have, want)
-        ratio = float(np.max(ratios))
-        if not ratio <= 1.0:
-            err = np.abs(have - want.v)
-            at = np.unravel_index(np.argmax(np.nan_to_num(ratios, nan=np.inf)), err.shape)
-            raise AssertionError(
-                f"{'d' if name != 'y' else ''}{name} of {where} under {precision.name}: max "
-                f"|err| = {err.max():.3e}; {ratio:.3g}× the bound at {at} "
-                f"({int(np.sum(~(ratios <= 1)))} of {err.size} elements outside the bound)"
-            )
-        if ratio >= worst:
-            worst, worst_err = ratio, float(np.max(np.abs(have - want.v)))
-    key = f"context {precision.name}"
-    if worst > WORST.get(key, (-1.0,))[0]:
-        WORST[key] = (worst, worst_err, where)
-    return worst
+    return assert_within_bounds(got, ref, where, precision, key=f"context {precision.name}")
 
 
 def context_ledger(axes, method, *, batch=4, seq=16, d_model=32, num_heads=8, head_dim=4,
