@@ -17,7 +17,9 @@ The surface, by concept (each subpackage has its own short ``__all__``):
 - ``shardops.comm``: the communication patterns the kernels are built from.
 - ``shardops.inspect``: collectives, ledger, explain, layouts, the divergence locator.
 - ``shardops.testing``: the derived error bound, dtype flow, collective budgets.
-- ``shardops.distributed`` / ``python -m shardops.launch``: multi-process runs.
+- ``shardops.distributed`` / ``python -m shardops.launch``: multi-process runs;
+  ``shardops.preemption`` (save at a SIGTERM, the same step on every process) and
+  ``shardops.watchdog`` (a process stuck between steps stops the run, named).
 """
 
 from shardops import comm, inspect, layers, testing

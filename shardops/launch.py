@@ -39,16 +39,18 @@ coordinator, the devices per process and one ``process {id} pid {pid}`` line per
 
 When a process dies: the launcher notices the first of its processes that exits non-zero or is
 killed by a signal, names it on stderr, sends SIGTERM to the others, SIGKILL to those still alive
-after ``--grace`` seconds, and exits with the failed process's code (128 + N for signal N).
-JAX takes SIGTERM as a preemption notice (its preemption notifier logs "SIGTERM caught" and the
-process runs on), so a JAX process usually ends at the SIGKILL: lower ``--grace`` to stop the run
-sooner, raise it if the script saves a checkpoint on preemption. A
+after ``--failure-grace`` seconds (default 5), and exits with the failed process's code (128 + N
+for signal N). JAX takes SIGTERM as a preemption notice (its preemption notifier logs "SIGTERM
+caught" and the process runs on), and a run missing a process cannot save (a save is
+collective), so a JAX process usually ends at the SIGKILL: the failure grace is short. A
 process on another host (or any process, without a launcher) is noticed by JAX's coordination
 service when its heartbeats stop: it aborts the survivors after ``--heartbeat-timeout`` seconds
 ("The following tasks are unhealthy (stopped sending heartbeats)"), and each host's launcher then
-stops the rest of its processes. SIGINT or SIGTERM sent to the launcher is forwarded to every
-process (a second one sends SIGKILL at once), and the launcher exits with 128 + the signal's
-number. Each process runs in a session of its own, so the launcher only ever signals the
+stops the rest of its processes. SIGINT or SIGTERM sent to the launcher (a cluster's preemption notice, a
+job's cancellation) is forwarded to every process, which gets ``--grace`` seconds (default 30:
+the notice period of Kubernetes and of preemptible cloud VMs) to save a checkpoint and exit
+(``shardops.preemption``) before SIGKILL; a second signal sends SIGKILL at once, and the
+launcher exits with 128 + the signal's number. Each process runs in a session of its own, so the launcher only ever signals the
 processes it started (and anything they started).
 
 Errors in the options (exit code 2) are reported before anything starts, including a coordinator
@@ -78,8 +80,11 @@ REAL_DEVICES = "real"
 DEFAULT_DEVICES = 8
 DEFAULT_HEARTBEAT_TIMEOUT_S = distributed.DEFAULT_HEARTBEAT_TIMEOUT_S
 # Time for a script that handles SIGTERM (JAX takes it as a preemption notice) to save a
-# checkpoint and exit; the launcher then sends SIGKILL.
-DEFAULT_GRACE_S = 5.0
+# checkpoint and exit; the launcher then sends SIGKILL. 30 s: the notice period of Kubernetes
+# (terminationGracePeriodSeconds) and of preemptible cloud VMs.
+DEFAULT_GRACE_S = 30.0
+# After a process failed: the others cannot save (a save is collective), only clean up.
+DEFAULT_FAILURE_GRACE_S = 5.0
 DEFAULT_HOST = "127.0.0.1"
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # How often the launcher checks its processes: the delay before a failure is noticed.
@@ -340,9 +345,11 @@ def _stop(processes: Sequence[_Process], sig: int, grace_s: float, signals: _Sig
         p.popen.wait()
 
 
-def _supervise(processes: Sequence[_Process], grace_s: float, signals: _Signals) -> int:
+def _supervise(processes: Sequence[_Process], grace_s: float, failure_grace_s: float,
+               signals: _Signals) -> int:  # fmt: skip
     """Wait until every process exits 0 (→ 0), one fails, or the launcher is signalled; in the
-    last two cases stop the others and return the exit code."""
+    last two cases stop the others (``failure_grace_s``, ``grace_s``) and return the exit
+    code."""
     while True:
         if signals.received:
             sig = signals.received[0]
@@ -366,7 +373,7 @@ def _supervise(processes: Sequence[_Process], grace_s: float, signals: _Signals)
                 f"process {failed.global_id} (pid {failed.popen.pid}) "
                 f"{describe_exit(returncode)}; stopping the other {len(running)} process(es)"
             )
-            _stop(processes, signal.SIGTERM, grace_s, signals)
+            _stop(processes, signal.SIGTERM, failure_grace_s, signals)
             return exit_code(returncode)
         if not running:
             return 0
@@ -383,6 +390,7 @@ def launch(
     coordinator: str | None = None,
     heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT_S,
     grace: float = DEFAULT_GRACE_S,
+    failure_grace: float = DEFAULT_FAILURE_GRACE_S,
 ) -> int:
     """Run ``sys.executable -u *command`` as ``nproc`` processes of a multi-process run and
     return the run's exit code (see the module doc).
@@ -397,7 +405,8 @@ def launch(
         coordinator: ``host:port`` of the coordinator, on node 0; required when
             ``nnodes > 1``. Default: ``127.0.0.1`` and a free port.
         heartbeat_timeout: seconds without a heartbeat before JAX declares a process dead.
-        grace: seconds between SIGTERM and SIGKILL when stopping the processes.
+        grace: seconds between the signal the launcher forwards (SIGINT, SIGTERM) and SIGKILL.
+        failure_grace: seconds between SIGTERM and SIGKILL when a process has failed.
 
     Returns:
         0 when every process exits 0; else the first failed process's exit code (128 + N for
@@ -422,8 +431,9 @@ def launch(
         raise LaunchError(f"--heartbeat-timeout must be whole seconds; got {heartbeat_timeout!r}")
     if heartbeat_timeout < 1:
         raise LaunchError(f"--heartbeat-timeout must be ≥ 1 second; got {heartbeat_timeout}")
-    if grace < 0:
-        raise LaunchError(f"--grace must be ≥ 0 seconds; got {grace}")
+    for name, value in (("--grace", grace), ("--failure-grace", failure_grace)):
+        if not value >= 0:
+            raise LaunchError(f"{name} must be ≥ 0 seconds; got {value}")
     local_devices = devices_per_process(devices, nproc)
     if coordinator is None:
         if nnodes > 1:
@@ -473,7 +483,7 @@ def launch(
                 )
                 processes.append(_Process(global_id, popen, out, lock))
                 _say(f"process {global_id} pid {popen.pid}")
-            return _supervise(processes, grace, signals)
+            return _supervise(processes, grace, failure_grace, signals)
         finally:
             # An exception (or a KeyboardInterrupt before the handlers) must not leave orphans.
             if any(p.running() for p in processes):
@@ -545,8 +555,16 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_GRACE_S,
         metavar="S",
-        help=f"seconds between SIGTERM and SIGKILL when stopping processes (default "
-        f"{DEFAULT_GRACE_S:g})",
+        help=f"seconds a process gets to save and exit after the SIGINT/SIGTERM the launcher "
+        f"forwards, before SIGKILL (default {DEFAULT_GRACE_S:g})",
+    )
+    p.add_argument(
+        "--failure-grace",
+        type=float,
+        default=DEFAULT_FAILURE_GRACE_S,
+        metavar="S",
+        help=f"seconds between SIGTERM and SIGKILL for the other processes when one fails "
+        f"(default {DEFAULT_FAILURE_GRACE_S:g})",
     )
     return p
 
@@ -585,6 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             coordinator=coordinator,
             heartbeat_timeout=args.heartbeat_timeout,
             grace=args.grace,
+            failure_grace=args.failure_grace,
         )
     except LaunchError as e:
         print(f"{_PREFIX} error: {e}", file=sys.stderr, flush=True)

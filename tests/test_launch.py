@@ -428,9 +428,10 @@ def check_a_failure_stops_the_others_with_sigterm_and_grace(start, module=None,
     and the grace to finish its handler; the launcher exits with 3."""
     with tempfile.TemporaryDirectory() as marks:
         env = {**os.environ, "SHARDOPS_TEST_READY_DIR": marks}
-        r = probe_run(start, ["-n", "2", "--grace", "5"], ("fail", "0.5"), env=env,
+        r = probe_run(start, ["-n", "2", "--grace", "0", "--failure-grace", "5"], ("fail", "0.5"),
+                      env=env,
                       module=module, monkeypatch=monkeypatch)  # fmt: skip
-    assert r.code == 3, r.report()
+    assert r.code == 3, r.report()  # the failure grace, not --grace 0, held the SIGKILL
     assert "[p0] got SIGTERM" in r.out and "[p0] saved" in r.out, r.report()
 
 
@@ -452,7 +453,7 @@ def test_a_failed_process_stops_the_others_with_sigterm_and_grace(start):
 
 FIRST = "    first = node_rank * nproc\n"
 SUPERVISE_STOP = "            _stop(processes, sig, grace_s, signals)\n"
-FAILURE_STOP = "            _stop(processes, signal.SIGTERM, grace_s, signals)\n"
+FAILURE_STOP = "            _stop(processes, signal.SIGTERM, failure_grace_s, signals)\n"
 # name → (old line, new line, the check that catches it)
 LAUNCH_MUTANTS = {
     # Global ids from the node rank alone: node 1's processes are 1, 2, 3, not 3, 4, 5.
@@ -475,6 +476,9 @@ LAUNCH_MUTANTS = {
     # No SIGKILL at the end of the grace: a slow handler holds the run.
     "no_kill_after_the_grace": ("    for p in processes:\n        p.signal(signal.SIGKILL)\n", "",
                                 check_a_shutdown_longer_than_the_grace_is_killed),
+    # A failure stops the others with the forwarded signal's grace (0 in the check), not its own.
+    "failure_with_the_signal_grace": (FAILURE_STOP, FAILURE_STOP.replace("failure_grace_s", "grace_s"),
+                                      check_a_failure_stops_the_others_with_sigterm_and_grace),
     # A failure stops the others with SIGKILL, no handler run.
     "failure_kills_at_once": (FAILURE_STOP, FAILURE_STOP.replace("SIGTERM", "SIGKILL"),
                               check_a_failure_stops_the_others_with_sigterm_and_grace),
@@ -549,6 +553,9 @@ def test_without_launcher_a_dead_peer_aborts_the_others_by_heartbeat(start):
          r"--coordinator must be HOST:PORT"),
         (["--heartbeat-timeout", "0", "-n", "2", "--", "w.py"],
          r"--heartbeat-timeout must be ≥ 1 second; got 0"),
+        (["--failure-grace", "-1", "-n", "2", "--", "w.py"],
+         r"--failure-grace must be ≥ 0 seconds; got -1"),
+        (["--grace", "nan", "-n", "2", "--", "w.py"], r"--grace must be ≥ 0 seconds; got nan"),
         (["--", "w.py"], r"the following arguments are required: -n/--nproc"),
         (["-n", "0", "--", "w.py"], r"-n/--nproc must be an integer ≥ 1; got 0"),
     ],

@@ -1,0 +1,249 @@
+"""Runs that survive: a preemption notice saves at the next step and resumes bit-identically
+(``shardops.preemption``), a kill resumes from the last checkpoint, and a stuck process stops
+every process with its name (``shardops.watchdog``).
+
+The runs are examples/mlp_2d.py (and tests/_stall_worker.py for a stall) in subprocesses under a
+timeout (``_processes``). One uninterrupted run per process count is shared by the tests that
+resume: it is also the watchdog's false-alarm check (200 steps, a 5 s timeout, a checkpoint
+every 5 steps).
+"""
+
+import os
+import re
+import signal
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from _processes import Run, launcher, python, run, wait_for
+
+import shardops_models as models
+from shardops import launch, preemption, watchdog
+from shardops_models.training.checkpoint import Checkpoints
+
+STEPS = 200  # 5 epochs of 40
+MLP_ARGS = ["examples/mlp_2d.py", "--dataset", "sample", "--train-size", "2560", "--batch-size",
+            "64", "--epochs", "5", "--checkpoint-every", "5"]  # fmt: skip
+WATCHDOG_TIMEOUT_S = 5
+STOPPED_WITHIN_S = WATCHDOG_TIMEOUT_S + 10  # the issue's bound for a stuck run
+
+
+def command(processes: int, directory, *extra) -> list[str]:
+    """mlp_2d under the launcher, ``processes`` sharing 8 devices."""
+    return launcher(processes, *MLP_ARGS, "--checkpoint-dir", str(directory), *extra)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """``get(processes)``: the checkpoint folder of a run never stopped (made once)."""
+    made = {}
+
+    def get(processes: int):
+        if processes not in made:
+            workdir = tmp_path_factory.mktemp(f"straight-{processes}")
+            out = run(command(processes, workdir / "ckpt", "--watchdog-timeout",
+                              str(WATCHDOG_TIMEOUT_S)), workdir, "straight")  # fmt: skip
+            # No false alarm over 200 steps and 40 checkpoint saves.
+            assert "watchdog" not in out and "Checkpoints: steps [190, 195, 200]" in out, out
+            made[processes] = workdir / "ckpt"
+        return made[processes]
+
+    return get
+
+
+def restored(directory):
+    """The latest checkpoint's state (host arrays, restored onto ``ref``), extra and steps."""
+    setup = models.build("ref", optimizer=models.seed_sgd(40), sizes=(784, 512, 10))
+    with Checkpoints(directory) as ckpt:
+        state, extra = ckpt.restore(setup)
+        return setup.gather(state), extra, ckpt.steps()
+
+
+def steps_in(directory) -> list[int]:
+    return sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
+
+
+def check_resumed_like_straight(straight_dir, resumed_dir) -> None:
+    """Params, optimizer state and metric history end as the run never stopped ends."""
+    straight_state, straight_extra, _ = restored(straight_dir)
+    resumed_state, resumed_extra, steps = restored(resumed_dir)
+    assert steps[-1] == STEPS
+    for a, b in zip(jax.tree.leaves(straight_state), jax.tree.leaves(resumed_state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(straight_extra["history"], resumed_extra["history"], strict=True):
+        # Everything but the time and steps of the epoch the resumed run trained only in part.
+        assert {k: v for k, v in a.items() if k not in ("seconds", "steps")} == {
+            k: v for k, v in b.items() if k not in ("seconds", "steps")
+        }
+    assert len(straight_extra["history"]) == len(resumed_extra["history"])
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigterm_saves_at_the_next_step_exits_in_the_grace_and_resumes_bit_identically(
+    tmp_path, straight, processes
+):
+    """SIGTERM to the launcher once epoch 0 has ended: every process saves the same step
+    boundary (JAX's preemption sync point), exits 143 within the launcher's grace, and
+    ``--resume`` ends bit-identical to the run never stopped."""
+    directory = tmp_path / "ckpt"
+    r = Run(command(processes, directory), tmp_path, "preempted")
+    try:
+        wait_for(lambda: "Epoch 0 in" in r.out.read_text(), 120, "epoch 0", r)
+        saved_before = steps_in(directory)
+        sent = time.monotonic()
+        r.proc.send_signal(signal.SIGTERM)
+        code = r.proc.wait(launch.DEFAULT_GRACE_S + 10)
+        took = time.monotonic() - sent
+    finally:
+        r.kill()
+    out = r.out.read_text()
+    assert code == preemption.EXIT_CODE, r.output()
+    assert took < launch.DEFAULT_GRACE_S, f"exited {took:.1f} s after SIGTERM:\n{r.output()}"
+    print(f"{processes} process(es): SIGTERM → launcher exit in {took:.2f} s")
+    found = re.search(r"Preempted at step (\d+) \(epoch \d+, batch \d+\): saved it in ", out)
+    assert found, r.output()
+    at = int(found[1])
+    # The step saved is a boundary after the notice: after what was saved before it, before
+    # the end; every process saved the same one (one step folder, committed).
+    assert steps_in(directory)[-1] == at and saved_before and saved_before[-1] <= at < STEPS, (
+        saved_before, at, r.output())  # fmt: skip
+    resumed = run(command(processes, directory, "--resume"), tmp_path, "resumed")
+    assert re.search(rf"Resume: step {at} ", resumed), resumed
+    check_resumed_like_straight(straight(processes), directory)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_run_killed_mid_training_resumes_bit_identically(tmp_path, straight, processes):
+    """SIGKILL to the last process once a checkpoint of step ≥ 10 exists; ``--resume`` ends
+    where a run never stopped ends, bit for bit (params, optimizer state and history)."""
+    killed = tmp_path / "killed"
+    r = Run(command(processes, killed), tmp_path, "killed")
+    try:
+        wait_for(lambda: any(s >= 10 for s in steps_in(killed)), 120, "checkpoint ≥ 10", r)
+        victim = r.worker_pids()[processes - 1]
+        os.kill(victim, signal.SIGKILL)
+        code = r.proc.wait(60)
+    finally:
+        r.kill()
+    assert code != 0, r.output()
+    interrupted_at = steps_in(killed)[-1]
+    assert interrupted_at < STEPS, f"the run finished before the kill:\n{r.output()}"
+    resumed = run(command(processes, killed, "--resume"), tmp_path, "resumed")
+    assert re.search(rf"Resume: step {interrupted_at} ", resumed), resumed
+    check_resumed_like_straight(straight(processes), killed)
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_a_process_stuck_in_python_stops_every_process_naming_it(tmp_path, processes):
+    """One process sleeps between steps 20 and 21 (alive: its heartbeats arrive). Every process
+    prints the same verdict naming it and the step, and exits 124, within the timeout + 10 s
+    (the launcher's failure grace is 30 s: the processes end themselves)."""
+    stalled = processes - 1
+    args = ["-m", "shardops.launch", "-n", str(processes), "--failure-grace", "30", "--",
+            "tests/_stall_worker.py", str(stalled), "20", str(WATCHDOG_TIMEOUT_S)]  # fmt: skip
+    r = Run(python(*args), tmp_path, "stall")
+    try:
+        wait_for(lambda: "stalling at step 20" in r.out.read_text(), 120, "the stall", r)
+        stalled_at = time.monotonic()
+        code = r.proc.wait(STOPPED_WITHIN_S + 30)
+        took = time.monotonic() - stalled_at
+    finally:
+        r.kill()
+    out = r.out.read_text()
+    print(f"{processes} processes: stall → every process out in {took:.1f} s")
+    assert code == watchdog.EXIT_CODE, r.output()
+    assert took < STOPPED_WITHIN_S, f"stopped {took:.1f} s after the stall:\n{r.output()}"
+    verdict = (f"shardops.watchdog: process {stalled} is stuck: it has done 20 steps and has not "
+               f"reached step 21 within {WATCHDOG_TIMEOUT_S} s")  # fmt: skip
+    for k in range(processes):
+        assert f"[p{k}] {verdict}" in out, f"process {k} did not say it:\n{r.output()}"
+        # The coordination store (shardops._coordination) holds every process's key.
+        keys = ", ".join(f"('test/{j}', 'value of {j}')" for j in range(processes))
+        assert f"[p{k}] store [{keys}]" in out, r.output()
+    assert "trained to the end" not in out and "SetError" not in out, r.output()
+
+
+# --- the watchdog's rule, without processes
+
+
+def test_a_lag_is_stuck_only_after_the_timeout_and_a_caught_up_lag_is_forgotten():
+    since: dict = {}
+    find = watchdog.find_stuck
+    assert find({0: 5, 1: 5}, since, 0.0, 3.0) is None and since == {}
+    assert find({0: 6, 1: 5}, since, 1.0, 3.0) is None  # process 1 lags from t = 1
+    assert since == {(1, 5): 1.0}
+    assert find({0: 7, 1: 5}, since, 3.9, 3.0) is None  # 2.9 s: not yet
+    stuck = find({0: 7, 1: 5}, since, 4.0, 3.0)
+    assert stuck == watchdog.Stuck(process=1, step=5, ahead=0, passed=7, seconds=3.0)
+    # Process 1 catches up to 6 while 0 is at 8: a new lag, timed from now.
+    assert find({0: 8, 1: 6}, since, 4.5, 3.0) is None and since == {(1, 6): 4.5}
+    assert find({0: 8, 1: 8}, since, 9.0, 3.0) is None and since == {}
+
+
+def test_the_first_stuck_process_is_named_and_one_that_never_reported_counts():
+    since: dict = {}
+    find = watchdog.find_stuck
+    reported = {0: 4, 1: 9, 2: None, 3: 2}
+    assert find(reported, since, 0.0, 1.0) is None
+    stuck = find(reported, since, 1.0, 1.0)
+    assert (stuck.process, stuck.step, stuck.ahead, stuck.passed) == (0, 4, 1, 9)
+    assert "process 0 is stuck: it has done 4 steps and has not reached step 5 within 1 s of " \
+           "process 1 passing it (process 1 has done 9 steps)" in stuck.message(1.0)  # fmt: skip
+    alone = find({0: None, 1: 0}, {(0, None): 0.0}, 2.0, 1.0)
+    assert "process 0 is stuck: it has not reported its first step" in alone.message(1.0)
+    assert find({0: None, 1: None}, {}, 5.0, 1.0) is None  # nobody started: no lag
+
+
+def test_one_process_has_no_watchdog_and_bad_timeouts_are_refused():
+    with watchdog.Watchdog(1.0) as w:
+        assert not w.active
+        w.step(3)  # costs nothing
+    assert not watchdog.Watchdog(None).active
+    for bad in (0, -1, float("nan"), "5", True):
+        with pytest.raises(ValueError, match="timeout_s must be a number of seconds > 0"):
+            watchdog.Watchdog(bad)
+    with pytest.raises(TypeError, match=r"step must be an int ≥ 0; got -1"):
+        watchdog.Watchdog(None).step(-1)
+
+
+def test_one_process_takes_sigterm_as_a_notice_and_a_second_one_acts_at_once():
+    """Without jax.distributed, ``Preemption`` installs its own SIGTERM handler: the notice
+    makes ``reached`` True, and puts back the previous handler for a second SIGTERM."""
+    got = []
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: got.append(sig))
+    try:
+        with preemption.Preemption() as p:
+            assert not p.reached(0) and not p.noticed
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert p.noticed and p.reached(1) and got == []
+            os.kill(os.getpid(), signal.SIGTERM)  # the second: the previous handler's
+            assert got == [signal.SIGTERM]
+        with preemption.Preemption():
+            pass  # leaving restores the handler it found
+        assert signal.getsignal(signal.SIGTERM) is not None
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert got == [signal.SIGTERM, signal.SIGTERM]
+        with (
+            preemption.Preemption() as p,
+            pytest.raises(TypeError, match=r"step must be an int ≥ 0; got -1"),
+        ):
+            p.reached(-1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_preemption_made_outside_the_main_thread_is_refused():
+    errors = []
+
+    def make():
+        try:
+            preemption.Preemption()
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=make)
+    t.start()
+    t.join()
+    assert errors and "construct it in the main thread" in errors[0]
