@@ -26,6 +26,12 @@ Checkpoints: ``--checkpoint-dir`` saves the train state every ``--checkpoint-eve
 at the end of every epoch, with the data position, seed and metric history; ``--resume``
 continues from the latest one, on any strategy and mesh, and a run resumed on the same
 layout ends bit-identical to one never stopped.
+
+Runs that survive: SIGTERM (a cluster's preemption notice, or the launcher stopped) saves a
+checkpoint at the next step boundary, the same on every process (``shardops.preemption``), and
+exits with code 143; ``--resume`` continues it. Under the launcher a stuck process (alive but
+not reaching the next step) stops the whole run after ``--watchdog-timeout`` seconds, naming it
+(``shardops.watchdog``).
 """
 
 import os
@@ -46,6 +52,8 @@ import optax
 
 import shardops
 import shardops.distributed
+import shardops.preemption
+import shardops.watchdog
 import shardops_models as models
 from shardops_models.data import mnist
 from shardops_models.training import checkpoint, loop
@@ -85,6 +93,10 @@ def parse_args(argv=None):
                    help="also save every N steps (default: at the end of each epoch only)")  # fmt: skip
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir (if any)")  # fmt: skip
+    p.add_argument("--watchdog-timeout", type=float, metavar="S",
+                   default=shardops.watchdog.DEFAULT_TIMEOUT_S,
+                   help="stop the run when a process lags a step the others passed by S "
+                        "seconds (default %(default)g; 0: off)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -177,38 +189,55 @@ def main(argv=None):
         placed = setup.place_local_batch(x, y, batch=args.batch_size)
         return placed, (ref.place_batch(x, y) if ref is not None else None)
 
-    for epoch in range(done // steps_per_epoch, args.epochs):
-        first = done - epoch * steps_per_epoch  # > 0 when resuming mid-epoch
-        batches = loop.epoch_batches(dataset.train_images, dataset.train_labels, args.batch_size,
-                                     seed=args.seed, epoch=epoch, rows=rows, start=first)  # fmt: skip
-        start = time.perf_counter()
-        with Progress(epoch, steps_per_epoch) as progress:
-            inflight = loop.StepsInFlight()
-            for step, placed in enumerate(loop.staged(place, batches), start=first):
-                state, loss = setup.train_step(state, *placed[0])
-                inflight.add(loss)
-                if ref is not None:  # the same host batch, placed for the unsharded run
-                    ref_state, ref_loss = ref.train_step(ref_state, *placed[1])
-                    inflight.add(ref_loss)
-                progress.update(step + 1, loss)
-                done += 1
-                if ckpt is not None and ckpt.should_save(done) and step + 1 < steps_per_epoch:
-                    save(done)
-            inflight.drain()
-        seconds = time.perf_counter() - start
-        row = {"epoch": epoch, "seconds": seconds, "steps": steps_per_epoch - first,  # this run's
-               **evaluate(setup, state.params, dataset)}  # fmt: skip
-        if ref is not None:
-            row.update({f"ref_{k}": v for k, v in evaluate(ref, ref_state.params, dataset).items()})
-        history.append(row)
-        resumed = (f" ({steps_per_epoch - first} of {steps_per_epoch} steps, resumed at batch "
-                   f"{first})" if first else "")  # fmt: skip
-        log(f"Epoch {epoch} in {seconds:.2f} sec{resumed}")
-        log(f"Training set loss {row['train_loss']:.6f}")
-        log(f"Training set accuracy {row['train_accuracy']:.4f}")
-        log(f"Test set accuracy {row['test_accuracy']:.4f}", flush=True)
-        if ckpt is not None:
-            save(done)
+    # SIGTERM: save at the next step boundary, the same on every process; a stuck process
+    # stops the run (under the launcher).
+    with (
+        shardops.preemption.Preemption() as preemption,
+        shardops.watchdog.Watchdog(args.watchdog_timeout or None) as watchdog,
+    ):
+        preempted = False
+        for epoch in range(done // steps_per_epoch, args.epochs):
+            first = done - epoch * steps_per_epoch  # > 0 when resuming mid-epoch
+            batches = loop.epoch_batches(dataset.train_images, dataset.train_labels, args.batch_size,
+                                         seed=args.seed, epoch=epoch, rows=rows, start=first)  # fmt: skip
+            start = time.perf_counter()
+            with Progress(epoch, steps_per_epoch) as progress:
+                inflight = loop.StepsInFlight()
+                for step, placed in enumerate(loop.staged(place, batches), start=first):
+                    if preemption.reached(done):  # `done` steps trained: a step boundary
+                        preempted = True
+                        break
+                    watchdog.step(done)
+                    state, loss = setup.train_step(state, *placed[0])
+                    inflight.add(loss)
+                    if ref is not None:  # the same host batch, placed for the unsharded run
+                        ref_state, ref_loss = ref.train_step(ref_state, *placed[1])
+                        inflight.add(ref_loss)
+                    progress.update(step + 1, loss)
+                    done += 1
+                    if ckpt is not None and ckpt.should_save(done) and step + 1 < steps_per_epoch:
+                        save(done)
+                inflight.drain()
+            if preempted:
+                break
+            seconds = time.perf_counter() - start
+            row = {"epoch": epoch, "seconds": seconds, "steps": steps_per_epoch - first,  # this run's
+                   **evaluate(setup, state.params, dataset)}  # fmt: skip
+            if ref is not None:
+                row.update(
+                    {f"ref_{k}": v for k, v in evaluate(ref, ref_state.params, dataset).items()}
+                )
+            history.append(row)
+            resumed = (f" ({steps_per_epoch - first} of {steps_per_epoch} steps, resumed at batch "
+                       f"{first})" if first else "")  # fmt: skip
+            log(f"Epoch {epoch} in {seconds:.2f} sec{resumed}")
+            log(f"Training set loss {row['train_loss']:.6f}")
+            log(f"Training set accuracy {row['train_accuracy']:.4f}")
+            log(f"Test set accuracy {row['test_accuracy']:.4f}", flush=True)
+            if ckpt is not None:
+                save(done)
+    if preempted:
+        stop_preempted(ckpt, save, done, steps_per_epoch)
 
     summary = {}
     if ref is not None:
@@ -238,6 +267,20 @@ def main(argv=None):
             json.dump({"args": vars(args), "history": history, "summary": summary,
                        "test_predictions": test_predictions.tolist()}, f)  # fmt: skip
     return history, summary
+
+
+def stop_preempted(ckpt, save, done: int, steps_per_epoch: int) -> None:
+    """The run got a preemption notice: save step ``done`` (if there is a --checkpoint-dir)
+    and exit with ``shardops.preemption.EXIT_CODE``."""
+    where = f"step {done} (epoch {done // steps_per_epoch}, batch {done % steps_per_epoch})"
+    if ckpt is None:
+        log(f"Preempted at {where}: nothing saved (no --checkpoint-dir)", flush=True)
+    else:
+        save(done)
+        ckpt.close()  # waits for the save to be committed
+        log(f"Preempted at {where}: saved it in {ckpt.directory}; continue with --resume",
+            flush=True)  # fmt: skip
+    raise SystemExit(shardops.preemption.EXIT_CODE)
 
 
 def check_position(saved: dict, here: dict, directory: str) -> None:

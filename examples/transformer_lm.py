@@ -39,7 +39,9 @@ setting XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts.
 Processes and checkpoints, as in examples/mlp_2d.py: under ``python -m shardops.launch`` each
 process reads only its rows of every batch and process 0 prints; ``--checkpoint-dir`` saves
 the train state (with the losses so far) every ``--checkpoint-every`` steps and at the end,
-and ``--resume`` continues from the latest one on any strategy and mesh.
+and ``--resume`` continues from the latest one on any strategy and mesh. SIGTERM saves at the
+next step and exits with code 143 (``shardops.preemption``); a stuck process stops the run
+after ``--watchdog-timeout`` seconds, named (``shardops.watchdog``).
 
     python -m shardops.launch -n 2 -- examples/transformer_lm.py --checkpoint-dir runs/lm
 """
@@ -64,6 +66,8 @@ import optax
 
 import shardops
 import shardops.distributed
+import shardops.preemption
+import shardops.watchdog
 import shardops_models as models
 from shardops_models.data import text
 from shardops_models.generation import Decoder
@@ -140,6 +144,10 @@ def parse_args(argv=None):
                    help="also save every N steps (default: at the end only)")  # fmt: skip
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir (if any)")  # fmt: skip
+    p.add_argument("--watchdog-timeout", type=float, metavar="S",
+                   default=shardops.watchdog.DEFAULT_TIMEOUT_S,
+                   help="stop the run when a process lags a step the others passed by S "
+                        "seconds (default %(default)g; 0: off)")  # fmt: skip
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "log_every", "eval_batches", "prompt_bytes"):
         if getattr(args, name) < 1:
@@ -428,9 +436,20 @@ def main(argv=None) -> int:
     )  # fmt: skip
     train_start = time.perf_counter()
     first_step_seconds = None
-    with Progress(args.steps) as progress:
+    preempted = False
+    # SIGTERM: save at the next step boundary, the same on every process; a stuck process
+    # stops the run (under the launcher).
+    with (
+        shardops.preemption.Preemption() as preemption,
+        shardops.watchdog.Watchdog(args.watchdog_timeout or None) as watchdog,
+        Progress(args.steps) as progress,
+    ):
         inflight = loop.StepsInFlight()
         for step, (placed, ref_placed) in enumerate(loop.staged(place, batches), start=done + 1):
+            if preemption.reached(step - 1):  # `step - 1` steps trained: a boundary
+                preempted = True
+                break
+            watchdog.step(step - 1)
             state, loss = setup.train_step(state, *placed)
             inflight.add(loss)
             losses.append(loss)
@@ -455,6 +474,16 @@ def main(argv=None) -> int:
             if ckpt is not None and (ckpt.should_save(step) or step == args.steps):
                 save(step)
         inflight.drain()
+    if preempted:
+        done = step - 1
+        if ckpt is None:
+            log(f"Preempted at step {done}: nothing saved (no --checkpoint-dir)", flush=True)
+        else:
+            save(done)
+            ckpt.close()  # waits for the save to be committed
+            log(f"Preempted at step {done}: saved it in {ckpt.directory}; continue with "
+                f"--resume", flush=True)  # fmt: skip
+        raise SystemExit(shardops.preemption.EXIT_CODE)
     train_seconds = time.perf_counter() - train_start
     if ckpt is not None:
         log(f"Checkpoints: steps {ckpt.steps()} in {ckpt.directory}")

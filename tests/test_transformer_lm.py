@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from _resume_checks import check_lm_resume_report, load_example
+from _resume_checks import LM_ARGS, check_lm_resume_report, load_example, run_main
 
 ROOT = pathlib.Path(__file__).parent.parent
 SCRIPT = ROOT / "examples" / "transformer_lm.py"
@@ -171,3 +171,49 @@ def test_locate_finds_every_layer_within_bound_on_the_full_model():
 def test_a_resumed_run_reports_only_the_steps_and_tokens_it_trained(straight_checkpoints, tmp_path):
     straight = straight_checkpoints("transformer_lm")
     check_lm_resume_report(load_example("transformer_lm"), straight, tmp_path)
+
+
+def test_a_preemption_notice_saves_that_step_and_the_resumed_run_ends_like_the_straight_one(
+    straight_checkpoints, tmp_path, monkeypatch
+):
+    """The notice arrives at the boundary after step 1 of 4 (``Preemption.reached`` is True
+    there): the run saves step 1 (with its one loss) and exits 143; ``--resume`` trains steps
+    2–4 and ends with the straight run's state and losses, bit for bit."""
+    import jax
+    import numpy as np
+
+    import shardops.preemption
+    import shardops_models as models
+    from shardops_models.training.checkpoint import Checkpoints
+
+    asked = []
+
+    def reached(self, step):
+        asked.append(step)
+        return step == 1
+
+    directory = tmp_path / "preempted"
+    with monkeypatch.context() as patch:
+        patch.setattr(shardops.preemption.Preemption, "reached", reached)
+        with pytest.raises(SystemExit) as stop:
+            run_main(load_example("transformer_lm"), [*LM_ARGS, "--checkpoint-dir", str(directory)])
+    assert stop.value.code == shardops.preemption.EXIT_CODE == 143
+    assert asked == [0, 1]  # every boundary asked, from the first
+    with Checkpoints(directory) as ckpt:
+        assert ckpt.steps() == [1] and len(ckpt.record()["extra"]["losses"]) == 1
+    run_main(load_example("transformer_lm"),
+             [*LM_ARGS, "--checkpoint-dir", str(directory), "--resume"])  # fmt: skip
+    example = load_example("transformer_lm")
+    _, args = example.parse_args(LM_ARGS)
+    setup = models.build("ref", model=example.make_model(args),
+                         optimizer=example.make_optimizer(args))  # fmt: skip
+    got = {}
+    for name, folder in (("straight", straight_checkpoints("transformer_lm")),
+                         ("resumed", directory)):  # fmt: skip
+        with Checkpoints(folder) as ckpt:
+            state, extra = ckpt.restore(setup)
+            got[name] = (jax.tree.leaves(setup.gather(state)), extra["losses"], ckpt.steps()[-1])
+    assert got["straight"][2] == got["resumed"][2] == 4
+    assert got["straight"][1] == got["resumed"][1]
+    for a, b in zip(got["straight"][0], got["resumed"][0], strict=True):
+        np.testing.assert_array_equal(a, b)
