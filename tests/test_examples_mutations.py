@@ -12,8 +12,8 @@ import pytest
 from _resume_checks import check_lm_resume_report, check_mlp_resume_report, load_example
 
 TOKENS_PER_SECOND = "    tokens_per_second = tokens_trained / train_seconds\n"
-HISTORY_ROW = '        row = {"epoch": epoch, "seconds": seconds, "steps": steps_per_epoch - first,  # this run\'s\n'
-EPOCH_LINE = '        resumed = (f" ({steps_per_epoch - first} of {steps_per_epoch} steps, resumed at batch "\n'
+HISTORY_ROW = '            row = {"epoch": epoch, "seconds": seconds, "steps": steps_per_epoch - first,  # this run\'s\n'
+EPOCH_LINE = '            resumed = (f" ({steps_per_epoch - first} of {steps_per_epoch} steps, resumed at batch "\n'
 
 # name → (example, old line, new line)
 MUTANTS = {
