@@ -46,12 +46,13 @@ collective), so a JAX process usually ends at the SIGKILL: the failure grace is 
 process on another host (or any process, without a launcher) is noticed by JAX's coordination
 service when its heartbeats stop: it aborts the survivors after ``--heartbeat-timeout`` seconds
 ("The following tasks are unhealthy (stopped sending heartbeats)"), and each host's launcher then
-stops the rest of its processes. SIGINT or SIGTERM sent to the launcher (a cluster's preemption notice, a
-job's cancellation) is forwarded to every process, which gets ``--grace`` seconds (default 30:
-the notice period of Kubernetes and of preemptible cloud VMs) to save a checkpoint and exit
-(``shardops.preemption``) before SIGKILL; a second signal sends SIGKILL at once, and the
-launcher exits with 128 + the signal's number. Each process runs in a session of its own, so the launcher only ever signals the
-processes it started (and anything they started).
+stops the rest of its processes. SIGINT or SIGTERM sent to the launcher (a cluster's
+preemption notice, a job's cancellation) is forwarded to every process, which gets ``--grace``
+seconds (default 30: the notice period of Kubernetes and of preemptible cloud VMs) to save a
+checkpoint and exit (``shardops.preemption``) before SIGKILL; a second signal sends SIGKILL at
+once, and the launcher exits with 128 + the signal's number. Each process runs in a session of
+its own, so the launcher only ever signals the processes it started (and anything they
+started).
 
 Errors in the options (exit code 2) are reported before anything starts, including a coordinator
 port that is already in use on node 0. POSIX only (process groups).

@@ -16,9 +16,10 @@ Process k is **stuck** at boundary s + 1 when it has reported s, another process
 s + 1 or more, and ``timeout_s`` seconds have passed since this process first saw that. The
 first process to see it writes the verdict to the store, and every process (k too: its
 watchdog thread runs while its main thread is stuck) prints the same message on stderr and
-exits with ``EXIT_CODE`` (process 0, whose coordination service the others need, last) (``os._exit``: the main thread may be blocked in a collective,
-where no exception can reach it). Every process sees the lag within one poll (``poll_s``), so
-all exit within ``timeout_s + 2 · poll_s`` of k falling behind.
+exits with ``EXIT_CODE`` through ``os._exit`` (the main thread may be blocked in a collective,
+where no exception can reach it), process 0 last (it holds the coordination service the others
+need). Every process sees the lag within one poll (``poll_s``), so all exit within
+``timeout_s + 2 · poll_s`` of k falling behind.
 
 **The default timeout** is ``DEFAULT_TIMEOUT_S`` = 600 s (PyTorch's default collective
 timeout): a process may lag the others by up to a step, a checkpoint save and any work of its
