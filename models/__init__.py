@@ -51,7 +51,7 @@ from shardops_models.training._train import (
     seed_sgd,
     shard_tree,
 )
-from shardops_models.training.locate import locate
+from shardops_models.training.locate import locate, locate_non_finite
 
 __all__ = [
     "COLUMN",
@@ -81,6 +81,7 @@ __all__ = [
     "gather_tree",
     "init_mlp",
     "locate",
+    "locate_non_finite",
     "loss",
     "mlp_forward",
     "seed_schedule",

@@ -9,7 +9,8 @@ its arrays, and where it first differs from its unsharded twin.
 - **Layouts**: ``show_layout`` / ``layout_table`` / ``layouts`` print where every leaf of a tree
   lives; ``layout_png`` draws weight tilings.
 - **The divergence locator**: ``tap`` marks activations in a model, ``compare`` runs a sharded
-  and an unsharded twin and reports the first tap out of bound.
+  and an unsharded twin and reports the first tap out of bound; ``first_non_finite`` runs one
+  and names the first tap output, loss or gradient that holds a NaN or an inf.
 """
 
 from shardops.inspect._explain import explain
@@ -26,7 +27,14 @@ from shardops.inspect._hlo import (
     lowered_collectives,
 )
 from shardops.inspect._ledger import Ledger, ledger, ring_bytes
-from shardops.inspect._locate import Report, compare, tap, tapping
+from shardops.inspect._locate import (
+    NonFiniteReport,
+    Report,
+    compare,
+    first_non_finite,
+    tap,
+    tapping,
+)
 from shardops.inspect._passes import OPTIMIZER_SCOPE, PASSES, pass_of, split_op_name
 from shardops.inspect._traced import (
     KEEP_REMAT,
@@ -62,10 +70,12 @@ __all__ = [
     "Collective",
     "LeafLayout",
     "Ledger",
+    "NonFiniteReport",
     "Report",
     "collectives",
     "compare",
     "explain",
+    "first_non_finite",
     "grid_sharding",
     "hlo_collectives",
     "jaxpr_collectives",

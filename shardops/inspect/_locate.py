@@ -4,6 +4,8 @@
     print(report)            # per layer: output and gradient error against the K-scaled bound
     report.first             # the first layer beyond its bound, or None: "within float reordering"
 
+    shardops.inspect.first_non_finite(sharded_loss, params, x, y)  # where a NaN or inf starts
+
 A model marks its layers with ``shardops.inspect.tap(y, name)`` (the models of ``shardops_models`` tap
 every layer of their context by itself). ``compare`` runs the sharded function once and records
 every tap's value and the gradient arriving at it; inside ``jax.shard_map`` each device records
@@ -38,6 +40,7 @@ moves a value by O(|r|), 10²–10⁶ × the bound); a layer within it differs b
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -120,14 +123,14 @@ def _active(session: _Session):
 
 
 def tapping() -> bool:
-    """Whether a ``compare`` is recording taps now (a model may then unroll a ``lax.scan`` of
-    layers so that each layer is tapped under a name of its own)."""
+    """Whether a ``compare`` (or ``first_non_finite``) is recording taps now (a model may then
+    unroll a ``lax.scan`` of layers so that each layer is tapped under a name of its own)."""
     return _session() is not None
 
 
 def tap(x: jax.Array, name: str, *, spec=None, k: int = 1, shape=None) -> jax.Array:
-    """``x`` unchanged; under ``shardops.inspect.compare``, records ``x`` and its gradient as layer
-    ``name``.
+    """``x`` unchanged; under ``shardops.inspect.compare`` (or ``first_non_finite``), records ``x``
+    and its gradient as layer ``name``.
 
     Arguments:
         x: a layer's output. Outside ``jax.shard_map`` the global array; inside, this device's
@@ -143,7 +146,7 @@ def tap(x: jax.Array, name: str, *, spec=None, k: int = 1, shape=None) -> jax.Ar
             stored as 100): an int per dim to cut the assembled value to, or None to keep the
             dim whole, e.g. ``(None, None, 97)``.
 
-    Costs nothing outside ``compare``: it is the identity, traced away.
+    Costs nothing outside ``compare`` and ``first_non_finite``: it is the identity, traced away.
     """
     session = _session()
     if session is None:
@@ -329,8 +332,7 @@ def compare(
     """
     if not isinstance(precision, Precision):
         raise TypeError(f"compare: precision must be a shardops.Precision; got {precision!r}")
-    if not batch:
-        raise ValueError("compare: pass the batch after params, e.g. compare(f, g, params, x, y)")
+    _check_batch("compare", batch, "compare(f, g, params, x, y)")
     if grad_k is None:
         first = np.asarray(batch[0]) if not hasattr(batch[0], "shape") else batch[0]
         integer = jnp.issubdtype(first.dtype, jnp.integer)
@@ -390,7 +392,134 @@ def compare(
     )
 
 
-def _run(fn, params, batch):
+@dataclasses.dataclass(frozen=True)
+class NonFiniteReport:
+    """Where one loss-and-gradient computation first holds a NaN or an inf
+    (``first_non_finite``). Every count is of elements."""
+
+    layer: str | None
+    """The tapped layer: whose output is non-finite (``what == "output"``), at whose output
+    the arriving gradient is non-finite (``"gradient"``) or that owns the parameter
+    (``"param"``); None for the loss, and when every value is finite."""
+    what: str | None
+    """``"output"``, ``"loss"``, ``"gradient"`` or ``"param"``; None: every value finite."""
+    name: str | None
+    """The value: the tap's name, ``"loss"``, or the parameter's path (``['blocks'][1]['w']``)."""
+    nan: int
+    inf: int
+    size: int
+    """Elements of that value (0 when every value is finite)."""
+    loss: float
+    layers: tuple[str, ...]
+    """The tapped layers, in forward order."""
+    non_finite: tuple[tuple[str, str], ...]
+    """``(what, name)`` of every non-finite value, in the order they are checked."""
+
+    @property
+    def count(self) -> int:
+        """Non-finite elements (NaN or ±inf) of the value named."""
+        return self.nan + self.inf
+
+    @property
+    def finite(self) -> bool:
+        """Whether every value (outputs, loss, gradients) is finite."""
+        return self.what is None
+
+    def __str__(self) -> str:
+        if self.finite:
+            return (
+                f"every value is finite: the outputs of {len(self.layers)} tapped layers and the "
+                f"gradients arriving at them, the loss ({self.loss:.8g}) and the parameter "
+                f"gradients"
+            )
+        counts = f"{self.count} of {self.size} elements: {self.nan} NaN, {self.inf} ±inf"
+        lines = [f"first non-finite value: {_non_finite_value(self.what, self.name, self.layers)}"
+                 f" ({counts})", f"loss: {self.loss:.8g}"]  # fmt: skip
+        later = collections.Counter(what for what, _ in self.non_finite[1:])
+        if later:
+            words = {OUTPUT: "layer output", GRADIENT: "arriving gradient",
+                     PARAM: "parameter gradient"}  # fmt: skip
+            lines.append("also non-finite, after it: " + ", ".join(
+                "the loss" if what == LOSS else f"{n} {words[what]}{'s' if n > 1 else ''}"
+                for what, n in later.items()))  # fmt: skip
+        return "\n".join(lines)
+
+
+def first_non_finite(fn: Callable, params, *batch) -> NonFiniteReport:
+    """Run ``fn`` once with every tap recording and name the first value that holds a NaN or
+    an inf, in the order the computation makes them.
+
+    The order: the tapped layers' outputs in forward order, then the loss, then the gradient
+    arriving at each tapped layer's output in backward order (from the loss back towards the
+    input), then the parameters' gradients by path. So a NaN weight is named by its layer's
+    output, a loss that overflows by the loss, and a backward that turns finite values into
+    inf (``√`` at 0, an overflowing product) by the layer nearest the loss whose arriving
+    gradient it spoils. Inside ``jax.shard_map`` each device records its block, as for
+    ``compare``; the blocks are put together by the tap's ``spec``.
+
+    Arguments:
+        fn: ``fn(params, *batch)`` returning a scalar loss (differentiated here) or
+            ``(loss, grads)`` with ``grads`` shaped like ``params`` (as ``compare``'s
+            ``sharded_fn``). Traced afresh, and JAX's caches are cleared after it.
+        params: its parameters (global arrays, sharded or not).
+        *batch: the batch.
+
+    Returns:
+        A ``NonFiniteReport``: ``report.layer`` and ``report.what`` say where (``what`` None:
+        every value finite), ``print(report)`` says it in words with the counts.
+    """
+    _check_batch("first_non_finite", batch, "first_non_finite(f, params, x, y)")
+    try:
+        with _active(_Session("record")) as session:
+            loss, grads = _run(fn, params, batch, caller="first_non_finite")
+    finally:
+        jax.clear_caches()  # no tapped program outlives the call
+    layers = tuple(session.order)
+    values = [(OUTPUT, n, session.value(n, OUTPUT)[0]) for n in layers]  # forward order
+    values.append((LOSS, LOSS, loss))
+    values += [(GRADIENT, n, session.value(n, GRADIENT)[0]) for n in reversed(layers)]
+    values += [(PARAM, jax.tree_util.keystr(path), g)
+               for path, g in jax.tree_util.tree_leaves_with_path(grads)]  # fmt: skip
+    counts = [(what, name, _non_finite_count(value)) for what, name, value in values]
+    bad = [(what, name, c) for what, name, c in counts if c[0] + c[1]]
+    what, name, (nan, inf, size) = bad[0] if bad else (None, None, (0, 0, 0))
+    layer = {OUTPUT: name, GRADIENT: name, PARAM: _owner(name or "", layers), LOSS: None}.get(what)
+    return NonFiniteReport(layer, what, name, nan, inf, size, float(loss), layers,
+                           tuple((w, n) for w, n, _ in bad))  # fmt: skip
+
+
+def _non_finite_count(value) -> tuple[int, int, int]:
+    """``(NaN elements, ±inf elements, elements)`` of ``value`` (None: nothing recorded)."""
+    if value is None:
+        return 0, 0, 0
+    value = np.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.inexact):
+        return 0, 0, value.size
+    value = value.astype(np.float32) if value.dtype.itemsize < 4 else value  # bfloat16
+    return int(np.isnan(value).sum()), int(np.isinf(value).sum()), value.size
+
+
+def _non_finite_value(what: str, name: str, layers) -> str:
+    """The value ``first_non_finite`` names, in words."""
+    if what == OUTPUT:
+        return f"the output of layer {name}"
+    if what == LOSS:
+        return "the loss (every tapped layer's output is finite)"
+    if what == GRADIENT:
+        i = layers.index(name)
+        after = f"layer {layers[i + 1]}" if i + 1 < len(layers) else "the loss"
+        return (f"the gradient arriving at layer {name}'s output, from the backward of what "
+                f"follows it up to {after}")  # fmt: skip
+    owner = _owner(name, layers)
+    return f"the gradient of parameter {name}" + (f" (layer {owner})" if owner != name else "")
+
+
+def _check_batch(caller: str, batch: tuple, example: str) -> None:
+    if not batch:
+        raise ValueError(f"{caller}: pass the batch after params, e.g. {example}")
+
+
+def _run(fn, params, batch, caller: str = "compare"):
     """``(loss, grads)`` of ``fn(params, *batch)``, finished (callbacks flushed). Traced
     afresh: a cached trace would hold another session's taps."""
     jax.clear_caches()
@@ -402,7 +531,7 @@ def _run(fn, params, batch):
         loss, grads = jax.value_and_grad(fn)(params, *batch)
     else:
         raise ValueError(
-            "compare: fn(params, *batch) must return a scalar loss or (loss, grads); got "
+            f"{caller}: fn(params, *batch) must return a scalar loss or (loss, grads); got "
             f"{jax.tree.map(lambda a: a.shape, out)}"
         )
     jax.block_until_ready((loss, grads))
@@ -465,8 +594,9 @@ def _assemble(blocks: dict, spec, axes, sizes):
                 i = i * size[a] + where[a]
             index.append(slice(i * d, (i + 1) * d))
         key = tuple((s.start, s.stop) for s in index)
-        if key in seen:
-            diff = np.abs(np.asarray(block, np.float64) - np.asarray(seen[key], np.float64))
+        if key in seen:  # (inf - inf among non-finite replicas: NaN, quietly)
+            with np.errstate(invalid="ignore"):
+                diff = np.abs(np.asarray(block, np.float64) - np.asarray(seen[key], np.float64))
             replicas = max(replicas, float(np.max(diff, initial=0.0)))
             continue
         seen[key] = block
