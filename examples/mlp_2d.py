@@ -97,6 +97,9 @@ def parse_args(argv=None):
                    default=shardops.watchdog.DEFAULT_TIMEOUT_S,
                    help="stop the run when a process lags a step the others passed by S "
                         "seconds (default %(default)g; 0: off)")  # fmt: skip
+    p.add_argument("--stop-on-non-finite", action="store_true",
+                   help="stop at the first step whose loss or gradient is NaN or inf, naming "
+                        "the parameters and (in one process) the first non-finite layer")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -118,6 +121,13 @@ def log(*args, **kwargs) -> None:
 def main(argv=None):
     shardops.distributed.initialize()  # joins a multi-process run; a no-op otherwise
     args = parse_args(argv)
+    try:
+        return train(args)
+    except loop.NonFiniteError as e:  # --stop-on-non-finite
+        raise SystemExit(f"Stopped: {e}") from None
+
+
+def train(args):
     if args.resume and not args.checkpoint_dir:
         raise SystemExit("--resume needs --checkpoint-dir")
     dataset = mnist.load(args.dataset, args.data_dir, log=log)
@@ -189,6 +199,10 @@ def main(argv=None):
         placed = setup.place_local_batch(x, y, batch=args.batch_size)
         return placed, (ref.place_batch(x, y) if ref is not None else None)
 
+    # The first non-finite loss or gradient stops the run, naming the step and the layer (the
+    # replay runs the unsharded model: one process only).
+    guard = (loop.NonFiniteGuard(setup, locate=jax.process_count() == 1)
+             if args.stop_on_non_finite else None)  # fmt: skip
     # SIGTERM: save at the next step boundary, the same on every process; a stuck process
     # stops the run (under the launcher).
     with (
@@ -208,8 +222,11 @@ def main(argv=None):
                         preempted = True
                         break
                     watchdog.step(done)
-                    state, loss = setup.train_step(state, *placed[0])
-                    inflight.add(loss)
+                    if guard is None:
+                        state, loss = setup.train_step(state, *placed[0])
+                        inflight.add(loss)
+                    else:  # step `done + 1` checked; NonFiniteError at the first bad one
+                        state, loss = guard.train_step(done + 1, state, *placed[0])
                     if ref is not None:  # the same host batch, placed for the unsharded run
                         ref_state, ref_loss = ref.train_step(ref_state, *placed[1])
                         inflight.add(ref_loss)
@@ -218,6 +235,8 @@ def main(argv=None):
                     if ckpt is not None and ckpt.should_save(done) and step + 1 < steps_per_epoch:
                         save(done)
                 inflight.drain()
+                if guard is not None:
+                    guard.drain()
             if preempted:
                 break
             seconds = time.perf_counter() - start

@@ -148,6 +148,9 @@ def parse_args(argv=None):
                    default=shardops.watchdog.DEFAULT_TIMEOUT_S,
                    help="stop the run when a process lags a step the others passed by S "
                         "seconds (default %(default)g; 0: off)")  # fmt: skip
+    p.add_argument("--stop-on-non-finite", action="store_true",
+                   help="stop at the first step whose loss or gradient is NaN or inf, naming "
+                        "the parameters and (in one process) the first non-finite layer")  # fmt: skip
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "log_every", "eval_batches", "prompt_bytes"):
         if getattr(args, name) < 1:
@@ -330,6 +333,13 @@ class Progress:
 def main(argv=None) -> int:
     shardops.distributed.initialize()  # joins a multi-process run; a no-op otherwise
     parser, args = parse_args(argv)
+    try:
+        return train(parser, args)
+    except loop.NonFiniteError as e:  # --stop-on-non-finite
+        raise SystemExit(f"Stopped: {e}") from None
+
+
+def train(parser, args) -> int:
     started = time.perf_counter()
     if jax.process_count() > 1 and (args.strategy == "ref" or args.compare_reference):
         parser.error("--strategy ref and --compare-reference run the unsharded model in one "
@@ -437,6 +447,17 @@ def main(argv=None) -> int:
     train_start = time.perf_counter()
     first_step_seconds = None
     preempted = False
+    # The first non-finite loss or gradient stops the run, naming the step and the layer (the
+    # replay runs the unsharded model: one process only).
+    guard = (loop.NonFiniteGuard(setup, locate=jax.process_count() == 1)
+             if args.stop_on_non_finite else None)  # fmt: skip
+    inflight = loop.StepsInFlight()
+
+    def drain() -> None:  # every step dispatched is done (and checked)
+        inflight.drain()
+        if guard is not None:
+            guard.drain()
+
     # SIGTERM: save at the next step boundary, the same on every process; a stuck process
     # stops the run (under the launcher).
     with (
@@ -444,21 +465,23 @@ def main(argv=None) -> int:
         shardops.watchdog.Watchdog(args.watchdog_timeout or None) as watchdog,
         Progress(args.steps) as progress,
     ):
-        inflight = loop.StepsInFlight()
         for step, (placed, ref_placed) in enumerate(loop.staged(place, batches), start=done + 1):
             if preemption.reached(step - 1):  # `step - 1` steps trained: a boundary
                 preempted = True
                 break
             watchdog.step(step - 1)
-            state, loss = setup.train_step(state, *placed)
-            inflight.add(loss)
+            if guard is None:
+                state, loss = setup.train_step(state, *placed)
+                inflight.add(loss)
+            else:  # NonFiniteError at the first bad step
+                state, loss = guard.train_step(step, state, *placed)
             losses.append(loss)
             if ref is not None:  # the same host batch, from the same init
                 ref_state, ref_loss = ref.train_step(ref_state, *ref_placed)
                 inflight.add(ref_loss)
                 ref_losses.append(ref_loss)
             if step == done + 1:  # compilation
-                inflight.drain()
+                drain()
                 first_step_seconds = time.perf_counter() - train_start
             if step % args.log_every == 0 or step == args.steps:
                 line = f"step {step:>5}/{args.steps}: loss {float(loss):.4f}"
@@ -469,11 +492,11 @@ def main(argv=None) -> int:
             else:
                 progress.update(step)
             if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-                inflight.drain()
+                drain()
                 progress.print(evaluate(step))
             if ckpt is not None and (ckpt.should_save(step) or step == args.steps):
                 save(step)
-        inflight.drain()
+        drain()
     if preempted:
         done = step - 1
         if ckpt is None:

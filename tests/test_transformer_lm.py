@@ -217,3 +217,23 @@ def test_a_preemption_notice_saves_that_step_and_the_resumed_run_ends_like_the_s
     assert got["straight"][1] == got["resumed"][1]
     for a, b in zip(got["straight"][0], got["resumed"][0], strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_stop_on_non_finite_names_the_first_step_whose_loss_is_nan_and_the_layer(tmp_path):
+    """A learning rate of 1e30 makes the loss NaN within a few steps: the run stops naming
+    the first step whose logged loss is NaN, and the replay names a layer."""
+    import contextlib
+    import io
+    import re
+
+    out = io.StringIO()
+    args = [*LM_ARGS[: LM_ARGS.index("--steps")], "--steps", "8",
+            *LM_ARGS[LM_ARGS.index("--steps") + 2 :], "--lr", "1e30", "--stop-on-non-finite"]  # fmt: skip
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop:
+        load_example("transformer_lm").main(args)
+    said = str(stop.value.code)
+    first_nan = re.search(r"^step +(\d+)/8: loss nan", out.getvalue(), re.M)
+    assert first_nan, out.getvalue()
+    assert said.startswith(f"Stopped: step {first_nan[1]}: the loss is nan; "), said
+    assert re.search(r"the first non-finite value is the output of layer \['\w+'\]", said), said
+    assert "step     8/8" not in out.getvalue()  # it stopped
