@@ -171,12 +171,13 @@ def train(args):
         if ckpt.latest_step() is None:
             log(f"Resume: no checkpoint in {ckpt.directory} yet; starting at step 0")
         else:
-            state, extra = ckpt.restore(setup)
-            saved = ckpt.record()  # who saved it: strategy and mesh
+            # The newest step that restores intact: a damaged one is named and passed over.
+            state, extra, done = ckpt.restore_latest_intact(setup, log=log)
+            saved = ckpt.record(done)  # who saved it: strategy and mesh
             check_position(extra, position, ckpt.directory)
-            done, history = ckpt.latest_step(), extra["history"]
+            history = extra["history"]
             if ref is not None:
-                ref_state, _ = ckpt.restore(ref)
+                ref_state, _ = ckpt.restore(ref, done)
             log(f"Resume: step {done} (epoch {done // steps_per_epoch}, batch "
                 f"{done % steps_per_epoch}) from {ckpt.directory}, saved by "
                 f"{saved['strategy']} on {saved['mesh']}")  # fmt: skip

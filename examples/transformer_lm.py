@@ -412,13 +412,14 @@ def train(parser, args) -> int:
     if args.resume and ckpt.latest_step() is None:
         log(f"Resume: no checkpoint in {ckpt.directory} yet; starting at step 0")
     elif args.resume:
-        state, extra = ckpt.restore(setup)
-        saved = ckpt.record()  # who saved it: strategy and mesh
+        # The newest step that restores intact: a damaged one is named and passed over.
+        state, extra, done = ckpt.restore_latest_intact(setup, log=log)
+        saved = ckpt.record(done)  # who saved it: strategy and mesh
         for key, value in position.items():
             if extra.get(key) != value:
                 parser.error(f"--resume: the checkpoint in {ckpt.directory} was trained with "
                              f"{key} = {extra.get(key)}, this run has {value}")  # fmt: skip
-        done, losses, history = ckpt.latest_step(), extra["losses"], extra["history"]
+        losses, history = extra["losses"], extra["history"]
         if done >= args.steps:
             parser.error(
                 f"--resume: the checkpoint is at step {done}, already --steps {args.steps}"

@@ -237,3 +237,43 @@ def test_stop_on_non_finite_names_the_first_step_whose_loss_is_nan_and_the_layer
     assert said.startswith(f"Stopped: step {first_nan[1]}: the loss is nan; "), said
     assert re.search(r"the first non-finite value is the output of layer \['\w+'\]", said), said
     assert "step     8/8" not in out.getvalue()  # it stopped
+
+
+def test_resume_passes_over_a_damaged_step_says_so_and_ends_like_the_straight_run(
+    straight_checkpoints, tmp_path
+):
+    """Step 4 of the straight run's checkpoints cut short (its largest array file, halved):
+    ``--resume`` names it, falls back to step 2, trains steps 3–4 and ends with the straight
+    run's losses and state, bit for bit."""
+    import re
+    import shutil
+
+    import jax
+    import numpy as np
+
+    import shardops_models as models
+    from shardops_models.training.checkpoint import Checkpoints
+
+    straight = straight_checkpoints("transformer_lm")
+    directory = tmp_path / "damaged"
+    shutil.copytree(straight, directory)
+    files = [f for f in (directory / "4" / "state").rglob("*") if f.is_file()]
+    largest = max(files, key=lambda f: f.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+    out = run_main(load_example("transformer_lm"),
+                   [*LM_ARGS, "--checkpoint-dir", str(directory), "--resume"])  # fmt: skip
+    assert re.search(rf"^Checkpoint step 4 in {re.escape(str(directory))} is damaged \(.+\); "
+                     r"falling back to step 2$", out, re.M), out  # fmt: skip
+    assert re.search(r"^Resume: step 2 from ", out, re.M), out
+    example = load_example("transformer_lm")
+    _, args = example.parse_args(LM_ARGS)
+    setup = models.build("ref", model=example.make_model(args),
+                         optimizer=example.make_optimizer(args))  # fmt: skip
+    got = {}
+    for name, folder in (("straight", straight), ("resumed", directory)):
+        with Checkpoints(folder) as ckpt:
+            state, extra = ckpt.restore(setup, 4)
+            got[name] = (jax.tree.leaves(setup.gather(state)), extra["losses"])
+    assert got["straight"][1] == got["resumed"][1]
+    for a, b in zip(got["straight"][0], got["resumed"][0], strict=True):
+        np.testing.assert_array_equal(a, b)
