@@ -221,3 +221,24 @@ def test_context_parallel_quick_run_and_the_docs_tables(tmp_path):
                                                           "ulysses", "gspmd"}  # fmt: skip
     for ratio in results["timing"]["vs_ring"].values():
         assert ratio["q25"] <= ratio["median"] <= ratio["q75"]
+
+
+def test_checkpoint_async_quick_run(tmp_path):
+    """benchmarks/checkpoint_async.py end to end (a tiny MLP): the paired step times of no
+    save, a synchronous and an asynchronous one, and a peak-memory process for each mode and
+    layout."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "checkpoint_async.py"), "--quick", "--out",
+         str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((tmp_path / "checkpoint_async.json").read_text())
+    steps = results["timing"]["ms"]["save_step"]
+    assert set(steps) == {"none", "sync", "async"}
+    for figure in steps.values():
+        assert 0 < figure["q25"] <= figure["median"] <= figure["q75"]
+    rows = {(r["strategy"], r["mode"]) for r in results["memory"]}
+    assert rows == {(s, m) for s in ("2d", "fsdp") for m in ("none", "sync", "async")}
+    for r in results["memory"]:
+        assert r["rounds_peak_rss"] >= r["rounds_start_rss"] > 0
+    assert (tmp_path / "checkpoint_async.md").read_text().startswith("MLP 64-256-64")

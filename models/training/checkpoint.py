@@ -3,12 +3,14 @@
     ckpt = Checkpoints("runs/mlp", every=100)         # a save every 100 steps, 3 kept
     ckpt.save(step, setup, state, extra={"epoch": 3})  # every process calls it
     state, extra = ckpt.restore(other_setup)           # any strategy, any mesh, or ref
+    state, extra, step = ckpt.restore_latest_intact(setup)  # skips damaged steps, saying so
 
 A checkpoint holds the train state (params and optimizer state) as global arrays, each
 process writing the shards it owns (orbax-checkpoint's ``StandardSave`` over tensorstore),
 and a JSON record: the model's type and config, every parameter's path, shape and dtype, the
-plan's role of every parameter, the optimizer state's structure, the step, and ``extra`` (the
-examples keep their data position, seed and metric history there).
+plan's role of every parameter, the optimizer state's structure, the step, a fingerprint of
+every leaf, and ``extra`` (the examples keep their data position, seed and metric history
+there).
 
 **Resharding.** ``restore`` reads each array straight into the target setup's layout: the
 target's ``NamedSharding`` of every leaf (``setup.param_specs``, ``setup.opt_specs``) is the
@@ -23,68 +25,143 @@ another shape or dtype, a parameter whose plan role differs, or another optimize
 (``models.training``'s ``Padding``); a checkpoint holds the arrays without the padding, so it
 restores onto a mesh that pads differently (a vocabulary of 97: 100 on model = 4, 104 on 8).
 
+**Asynchronous saves** (the default; ``asynchronous=False`` saves synchronously). ``save``
+returns once every array it writes is on the host, and the write and commit run in a
+background thread while training goes on; ``wait`` waits for them. Every other method waits
+for an in-flight save first (``steps``, ``latest_step``, ``record``, ``restore``, the next
+``save``, ``close``), so the caller sees what a synchronous save would give. The train step
+may donate the saved state: on an accelerator orbax has copied the arrays to the host; on CPU
+its host copy of a shard it writes whole is a view of the device buffer, and while the view is
+held XLA skips the donation (the step writes new buffers), so the saved bytes never change,
+at a cost in memory until the write ends: benchmarks/checkpoint_async.py measured about twice
+the state more than a synchronous save for a state sharded with no replicas, and no more for
+one replicated over data (orbax writes slices of replicas, which are copies). ``close`` (or
+leaving the ``with`` block) waits for the last save; a process that ends without it may lose
+that save, never an earlier one.
+
 **Atomic.** orbax writes a step into a temporary directory and renames it when every process
-has finished (a rename is atomic on a POSIX file system): a process killed mid-save leaves the
-previous steps intact and the partial one invisible (``steps``, ``latest_step`` and
-``restore`` ignore it). Saves are synchronous: ``save`` returns once the step is committed.
+has finished (a rename is atomic on a POSIX file system): a process killed mid-save, or
+while an asynchronous save is being written, leaves the previous steps intact and the
+partial one invisible (``steps``, ``latest_step`` and ``restore`` ignore it).
+
+**Never a silently wrong restore.** At save, every leaf of the state gets a 64-bit
+fingerprint computed on device (each element's bits mixed with its flat index through an
+integer hash and summed mod 2^32, under two seeds: exact, and the same on any layout and
+every process), and the record gets a digest of its own text. ``restore`` checks the step
+folder's items and the record's digest, reads every stored chunk (tensorstore checks each
+file's length and checksums), restores, and compares the restored arrays' fingerprints with
+the saved ones: a file missing, cut short or failing its checksum, or a value that reads
+without error but is not the one saved (changed before it reached the disk, or rewritten by
+another tool), raises ``CheckpointDamaged`` naming the step, the file or the leaves, and the
+steps left to restore (tensorstore's error as its ``__cause__``). ``restore_latest_intact``
+tries the newest step first and falls back, one logged line per damaged step, to the newest
+intact one. In a run of several processes they agree after every attempt (a read error may
+reach only the process reading the damaged shard): a step one process could not read is
+damaged for all of them.
+``steps`` lists what orbax lists, a step folder another tool half wrote included: hiding it
+would let ``latest_step`` pass over it silently and a later save of that step collide with
+it; restoring it raises ``CheckpointDamaged`` naming what is missing, and
+``restore_latest_intact`` passes over it, saying so. Checkpoints written before the
+fingerprints (record format 1) restore without the check.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
+import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from etils import epath
+from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from shardops_models.strategies.plan import is_shape, leaf_roles
 from shardops_models.training._train import Setup, TrainState, logical_spec
 
-FORMAT = 1
+FORMAT = 2  # 2: fingerprints of the leaves and a digest of the record
 KEEP = 3
 SHOWN = 6  # differences listed per kind (params, plan, optimizer state)
+# What orbax writes into every step folder: its commit metadata and one folder per item (the
+# state's tree metadata inside ``state``, the JSON inside ``record``).
+STEP_ITEMS = ("_CHECKPOINT_METADATA", "record/metadata", "state/_METADATA")
+SEEDS = (0x9E3779B9, 0x85EBCA6B)  # two fingerprints of 32 bits each
+# tensorstore's error code and the files it names ("... local file "/ckpt/8/state/d/ab12"")
+_STATUS = re.compile(r"^([A-Z_]+): ")
+_FILE = re.compile(r'local file "([^"]+)"')
+_ARRAY = re.compile(r'Error reading "([^"/]+)/')
 
 
 class CheckpointMismatch(ValueError):
     """The checkpoint holds another model (or optimizer) than the setup it is restored into."""
 
 
+class CheckpointDamaged(ValueError):
+    """A checkpoint step that cannot be restored as it was saved: a file missing, cut short or
+    changed since the save, or a step folder that another tool half wrote.
+
+    ``step``, ``directory`` and ``reason`` (what is wrong, one line) are attributes.
+    """
+
+    def __init__(self, message: str, *, step: int | None = None,
+                 directory: str | None = None, reason: str | None = None):  # fmt: skip
+        super().__init__(message)
+        self.step, self.directory, self.reason = step, directory, reason
+
+
 class Checkpoints:
     """The checkpoints of one run, in ``directory`` (created if missing).
 
     Arguments:
-        directory: a local or shared path every process can reach (orbax also takes
-            ``gs://…`` paths).
+        directory: a local or shared path every process can reach.
         every: save every this many steps (``should_save``); None: only when asked.
         keep: how many recent steps to keep (None: all).
+        asynchronous: ``save`` returns once the arrays are on the host and writes them in the
+            background (see the module doc); False: it returns once the step is committed.
     """
 
     def __init__(self, directory: str | os.PathLike, *, every: int | None = None,
-                 keep: int | None = KEEP):  # fmt: skip
+                 keep: int | None = KEEP, asynchronous: bool = True):  # fmt: skip
         if every is not None and every < 1:
             raise ValueError(f"every must be ≥ 1 step (or None); got {every}")
         self.directory = os.path.abspath(os.fspath(directory))
         self.every = every
+        self.asynchronous = asynchronous
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep,
-                enable_async_checkpointing=False,
+                enable_async_checkpointing=asynchronous,
                 create=True,
                 cleanup_tmp_directories=True,
             ),
         )
+        # Restores read through the handlers, which hold no barrier: a process that fails to
+        # read a step must still reach the agreement every process meets after an attempt.
+        self._state_reader = ocp.StandardCheckpointHandler()
+        self._record_reader = ocp.JsonCheckpointHandler()
+
+    def wait(self) -> None:
+        """Wait until the save in flight (if any) is committed; raise its error if it failed."""
+        self._manager.wait_until_finished()
 
     def steps(self) -> list[int]:
-        """The committed steps, oldest first."""
+        """The committed steps, oldest first (a save in flight is waited for)."""
+        self.wait()  # an in-flight save is listed once committed
         return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
+        """The newest committed step, or None (a save in flight is waited for)."""
+        self.wait()  # an in-flight save is the latest once committed
         return self._manager.latest_step()
 
     def should_save(self, step: int) -> bool:
@@ -95,20 +172,26 @@ class Checkpoints:
              ) -> None:  # fmt: skip
         """Save ``state`` (laid out by ``setup``) as ``step``, with ``extra`` (JSON) beside it.
 
-        Every process of a multi-process run must call it with the same arguments; it returns
-        when the step is committed. Saving a step that exists replaces it.
+        Every process of a multi-process run must call it with the same arguments. It returns
+        once the arrays are on the host (asynchronous) or the step is committed; the train
+        step may then donate ``state``. ``extra`` is copied at the call. Saving a step that
+        exists replaces it.
         """
+        self.wait()  # one save in flight at a time; the replace below sees the committed steps
+        state = _logical_state(setup, state)  # the model's own shapes, padding cut off
         record = {
             "format": FORMAT,
             "step": int(step),
             "strategy": setup.strategy,
             "mesh": None if setup.mesh is None else dict(setup.mesh.shape),
             "model": describe(setup),
+            "fingerprints": fingerprints(state),
             "extra": extra or {},
         }
+        record = json.loads(json.dumps(record))  # a copy of extra, as JSON reads it back
+        record["digest"] = _digest(record)
         if step in self._manager.all_steps():
             self._manager.delete(step)
-        state = _logical_state(setup, state)  # the model's own shapes, padding cut off
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -117,39 +200,67 @@ class Checkpoints:
             ),
             force=True,
         )
-        self._manager.wait_until_finished()
+        if not self.asynchronous:
+            self.wait()
 
     def record(self, step: int | None = None) -> dict:
-        """The JSON record of ``step`` (default the latest): model, strategy, mesh, extra."""
+        """The JSON record of ``step`` (default the latest): model, strategy, mesh, extra.
+
+        Raises ``CheckpointDamaged`` when the step folder or the record is damaged.
+        """
+        self.wait()  # the record of an in-flight save is read once committed
         step = self._step(step)
-        return self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))[
-            "record"
-        ]
+        return self._read_record(step)
 
     def restore(self, setup: Setup, step: int | None = None) -> tuple[TrainState, dict]:
         """``(state, extra)`` of ``step`` (default the latest), laid out for ``setup``.
 
         The state's arrays are read directly into ``setup``'s shardings (any strategy and mesh
         of the same model; see the module doc). Raises ``CheckpointMismatch`` naming every
-        difference when the checkpoint holds another model, plan or optimizer state, and
-        ``FileNotFoundError`` when there is no such step.
+        difference when the checkpoint holds another model, plan or optimizer state,
+        ``CheckpointDamaged`` when the step is damaged (a file missing, cut short or changed;
+        see ``restore_latest_intact``), and ``FileNotFoundError`` when there is no such step.
         """
-        step = self._step(step)
-        record = self.record(step)
-        problems = differences(record["model"], describe(setup))
-        if problems:
-            raise CheckpointMismatch(
-                f"the checkpoint {self.directory} step {step} holds another model than this "
-                f"setup's ({len(problems)} difference(s)):\n  - " + "\n  - ".join(problems)
-            )
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract_state(setup)))
-        )["state"]
-        state = TrainState(restored["params"], restored["opt_state"])
-        return _stored_state(setup, state), record["extra"]
+        self.wait()  # an in-flight save of this step commits first
+        return self._restore_step(setup, self._step(step))
+
+    def restore_latest_intact(self, setup: Setup, *, log=print) -> tuple[TrainState, dict, int]:
+        """``(state, extra, step)`` of the newest step that restores intact, laid out for
+        ``setup``.
+
+        Tries the newest step first; for each damaged one (``CheckpointDamaged``) it calls
+        ``log`` with one line, ``Checkpoint step 8 in DIR is damaged (…); falling back to step
+        6``, and tries the next older step. ``CheckpointMismatch`` (another model) is raised
+        at once: an older step of the same run holds the same model. Raises
+        ``CheckpointDamaged`` listing every step's reason when none is intact, and
+        ``FileNotFoundError`` when there is no step at all. Every process of a multi-process
+        run must call it; they restore the same step (and each calls ``log``: pass one that
+        prints on process 0 only).
+        """
+        steps = self.steps()
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        reasons = {}
+        for step in reversed(steps):
+            try:
+                state, extra = self._restore_step(setup, step)
+            except CheckpointDamaged as e:
+                reasons[step] = e.reason
+                older = [s for s in steps if s < step]
+                if older:
+                    log(f"Checkpoint step {step} in {self.directory} is damaged ({e.reason}); "
+                        f"falling back to step {older[-1]}")  # fmt: skip
+                continue
+            return state, extra, step
+        listed = "\n  - ".join(f"step {s}: {r}" for s, r in sorted(reasons.items()))
+        raise CheckpointDamaged(
+            f"no intact checkpoint in {self.directory}: every step is damaged:\n  - {listed}\n"
+            f"Restore the step folders from a copy, or delete them and start the run afresh.",
+            directory=self.directory, reason="every step is damaged",
+        )  # fmt: skip
 
     def _step(self, step: int | None) -> int:
-        steps = self.steps()
+        steps = sorted(self._manager.all_steps())
         if step is None:
             if not steps:
                 raise FileNotFoundError(f"no checkpoint in {self.directory}")
@@ -160,8 +271,109 @@ class Checkpoints:
             )
         return step
 
+    def _folder(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _damaged(self, step: int, reason: str) -> CheckpointDamaged:
+        """``CheckpointDamaged`` for ``step``: what is wrong, and the steps left to restore."""
+        others = [s for s in sorted(self._manager.all_steps()) if s != step]
+        fix = (
+            f"Restore {'an earlier' if max(others) < step else 'another'} step: steps {others} "
+            f"are in {self.directory} "
+            f"(restore_latest_intact takes the newest intact one), or delete the folder "
+            f"{self._folder(step)}."
+            if others
+            else f"No other step is in {self.directory}: delete the folder {self._folder(step)} "
+            f"(or put it back from a copy) and start the run afresh."
+        )
+        return CheckpointDamaged(
+            f"checkpoint step {step} in {self.directory} is damaged: {reason}. {fix}",
+            step=step, directory=self.directory, reason=reason,
+        )  # fmt: skip
+
+    def _read_record(self, step: int) -> dict:
+        """The record of ``step``, after checking the step folder's items and the record's
+        digest; ``CheckpointDamaged`` otherwise."""
+        folder = self._folder(step)
+        missing = [item for item in STEP_ITEMS if not os.path.exists(os.path.join(folder, item))]
+        if missing:
+            raise self._damaged(
+                step, f"the folder {folder} is not a whole checkpoint: it lacks "
+                f"{', '.join(missing)} (orbax writes them all before the commit; another tool "
+                f"wrote it, or a copy of it was cut short)",
+            )  # fmt: skip
+        path = os.path.join(folder, "record", "metadata")
+        try:
+            record = self._record_reader.restore(
+                epath.Path(folder) / "record", args=ocp.args.JsonRestore()
+            )
+        except (OSError, ValueError, TypeError) as e:
+            raise self._damaged(
+                step, f"its record {path} is unreadable ({type(e).__name__}: {e})"
+            ) from e
+        fields = {"format", "step", "model", "extra"}
+        if not (isinstance(record, dict) and fields <= set(record)
+                and isinstance(record["format"], int)):  # fmt: skip
+            raise self._damaged(step, f"its record {path} is not a checkpoint record")
+        if record["format"] >= 2 and record.get("digest") != _digest(record):
+            raise self._damaged(
+                step, f"its record {path} changed after the save (its digest does not match)"
+            )
+        if record["step"] != step:
+            raise self._damaged(step, f"its record {path} is step {record['step']}'s")
+        return record
+
+    def _restore_step(self, setup: Setup, step: int) -> tuple[TrainState, dict]:
+        """``restore`` of a committed step; every process ends it the same way."""
+        local_error = None
+        try:
+            record = self._read_record(step)
+            problems = differences(record["model"], describe(setup))
+            if problems:
+                raise CheckpointMismatch(
+                    f"the checkpoint {self.directory} step {step} holds another model than "
+                    f"this setup's ({len(problems)} difference(s)):\n  - " + "\n  - ".join(problems)
+                )
+            state = self._read_state(setup, step)
+        except CheckpointDamaged as e:
+            local_error = e
+        failed = _failed_processes(local_error is None)
+        if local_error is not None:
+            raise local_error
+        if failed:
+            raise self._damaged(step, f"process(es) {failed} could not read it (their error "
+                                      f"names the file)")  # fmt: skip
+        saved = record.get("fingerprints")
+        if saved is not None:
+            here = fingerprints(state)
+            changed = [path for path in saved if here.get(path) != saved[path]]
+            if changed:
+                raise self._damaged(
+                    step, f"{_listed(changed)} differ(s) from what was saved (fingerprint "
+                    f"{here.get(changed[0])} read, {saved[changed[0]]} saved): a data file "
+                    f"under {os.path.join(self._folder(step), 'state')} changed after the save",
+                )  # fmt: skip
+        return _stored_state(setup, state), record["extra"]
+
+    def _read_state(self, setup: Setup, step: int) -> TrainState:
+        """The state of ``step`` in the model's own shapes, laid out for ``setup``; tensorstore's
+        read errors as ``CheckpointDamaged`` naming the file."""
+        folder = epath.Path(self._folder(step)) / "state"
+        try:
+            _read_every_chunk(str(folder))
+            restored = self._state_reader.restore(
+                folder, args=ocp.args.StandardRestore(_abstract_state(setup))
+            )
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise self._damaged(step, _read_error(e)) from e
+        return TrainState(restored["params"], restored["opt_state"])
+
     def close(self) -> None:
+        """Wait for the save in flight, then release orbax's resources."""
+        self.wait()
         self._manager.close()
+        self._state_reader.close()
+        self._record_reader.close()
 
     def __enter__(self):
         return self
@@ -340,3 +552,150 @@ def _show(value) -> str:
     if isinstance(value, list) and len(value) == 2 and isinstance(value[1], str):
         return f"shape {tuple(value[0])} {value[1]}"
     return repr(value)
+
+
+# --- integrity: fingerprints of the leaves, a digest of the record, readable read errors
+
+
+def fingerprints(state: TrainState) -> dict[str, str]:
+    """A 64-bit fingerprint (16 hex digits) of every leaf of ``state``, keyed by its path
+    (``params[0]['w']``, ``opt_state[0].mu[0]['w']``), computed on device.
+
+    Each element's bits (widened to uint32; two words for a 64-bit type) are mixed with its
+    flat index through an integer hash and the results summed mod 2^32, under each of two
+    seeds: integer arithmetic, so the sums are exact, and a changed, moved or swapped element
+    changes them (but for a chance of 2^-64). Each block of a leaf (one shard per replica
+    group) is summed on its device by one jitted program per block shape, which any layout
+    reuses; the block sums are added on the host and, in a multi-process run, over the
+    processes (every process must call it), so every process and every layout of a leaf get
+    the same fingerprint.
+    """
+    tree = {"params": state.params, "opt_state": state.opt_state}
+    leaves = _leaves(tree)
+    blocks = []  # (leaf, uint32[2] on a device), dispatched before any is read
+    for n, (_, leaf) in enumerate(leaves):
+        leaf = jnp.asarray(leaf)
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        strides = np.array([int(np.prod(leaf.shape[d + 1 :], dtype=np.uint64) % 2**32)
+                            for d in range(leaf.ndim)], np.uint32)  # fmt: skip
+        for shard in leaf.addressable_shards:
+            if shard.replica_id == 0:  # each block once over every process
+                offsets = np.array([s.start or 0 for s in shard.index], np.uint32)
+                blocks.append((n, _block_sums(shard.data, offsets, strides)))
+    sums = np.zeros((len(leaves), len(SEEDS)), np.uint32)
+    for n, block in blocks:
+        sums[n] += np.asarray(block)  # mod 2^32
+    if jax.process_count() > 1:  # the blocks other processes hold
+        sums = np.sum(multihost_utils.process_allgather(sums), axis=0, dtype=np.uint32)
+    return {f"{path[0].key}{_key(path[1:])}": f"{a:08x}{b:08x}"
+            for (path, _), (a, b) in zip(leaves, sums.tolist(), strict=True)}  # fmt: skip
+
+
+@jax.jit
+def _block_sums(block: jax.Array, offsets: jax.Array, strides: jax.Array) -> jax.Array:
+    """uint32[2]: Σ mix(word ^ mix(i·φ + seed)) mod 2^32 over the words of ``block`` for each
+    seed, i the word's flat index in the whole leaf (``offsets``: the block's start in the
+    leaf, ``strides``: the leaf's row-major strides in elements)."""
+    words = _as_words(block)  # uint32[*block.shape, w]: w words an element
+    w = words.shape[-1]
+    index = lax.broadcasted_iota(jnp.uint32, words.shape, block.ndim)  # the word in its element
+    for d in range(block.ndim):  # + the element's flat index in the leaf, · w (mod 2^32)
+        element = lax.broadcasted_iota(jnp.uint32, words.shape, d) + offsets[d]
+        index = index + element * strides[d] * jnp.uint32(w)
+    return jnp.stack([
+        jnp.sum(_mix(words ^ _mix(index * jnp.uint32(0x9E3779B9) + jnp.uint32(seed))),
+                dtype=jnp.uint32)
+        for seed in SEEDS
+    ])  # fmt: skip
+
+
+def _as_words(a: jax.Array) -> jax.Array:
+    """The bits of every element as uint32 words, ``[*a.shape, w]``: 8- and 16-bit types
+    widened to one word, 64-bit types as two, complex numbers as their parts' words."""
+    if a.dtype == jnp.bool_:
+        return a.astype(jnp.uint32)[..., None]
+    if jnp.issubdtype(a.dtype, jnp.complexfloating):
+        parts = _as_words(jnp.stack([jnp.real(a), jnp.imag(a)], axis=-1))  # [*shape, 2, w]
+        return parts.reshape(*a.shape, -1)
+    if a.dtype.itemsize == 8:
+        return lax.bitcast_convert_type(a, jnp.uint32)  # [*shape, 2]
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize]
+    return lax.bitcast_convert_type(a, unsigned).astype(jnp.uint32)[..., None]
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """A bijective integer hash of uint32 (Wellons' lowbias32): every input bit moves about
+    half the output bits."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _digest(record: dict) -> str:
+    """A digest of the record's JSON (its own ``digest`` left out)."""
+    text = json.dumps({k: v for k, v in record.items() if k != "digest"}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _failed_processes(ok: bool) -> list[int]:
+    """The processes whose attempt failed, the same list on every process: a collective in a
+    multi-process run (each process passes whether its own attempt succeeded)."""
+    if jax.process_count() == 1:
+        return [] if ok else [0]
+    flags = multihost_utils.process_allgather(np.array([0 if ok else 1], np.int32))
+    return [int(i) for i in np.flatnonzero(np.asarray(flags).reshape(-1))]
+
+
+def _read_every_chunk(folder: str, batch: int = 64) -> None:
+    """Read every stored chunk of the arrays in ``folder`` (orbax's OCDBT database) with
+    tensorstore, which checks each file's presence, length and checksums; raise the first
+    failure (it names the file).
+
+    orbax reads the arrays in tasks of a fresh event loop and closes it at the first failure:
+    the reads still running then call back into the closed loop ("Event loop is closed",
+    printed and, under pytest, an error). Reading every chunk first, each read awaited here,
+    turns a damaged file into one error before orbax reads it (the second read comes from the
+    page cache). Its cost is measured in benchmarks/checkpoint_async.py.
+    """
+    import tensorstore as ts
+
+    base = folder if "://" in folder else f"file://{folder}"
+    store = ts.KvStore.open({"driver": "ocdbt", "base": f"{base}/"}).result()
+    keys = store.list().result()
+    for first in range(0, len(keys), batch):
+        reads = [store.read(key) for key in keys[first : first + batch]]
+        failures = []
+        for read in reads:  # every read ends before any error is raised
+            try:
+                read.result()
+            except ValueError as e:
+                failures.append(e)
+        if failures:
+            raise failures[0]
+
+
+def _read_error(e: Exception) -> str:
+    """What a read error of orbax or tensorstore says, in one line: the file it names, what is
+    wrong with it, and tensorstore's status (its spec, a long JSON, left out)."""
+    text = str(e).split(" [tensorstore_spec")[0].strip()
+    files = [f for f in _FILE.findall(text) if not f.endswith("/")]
+    if not files:
+        first = text.splitlines()[0] if text else ""
+        return f"cannot read its arrays ({type(e).__name__}: {first})"
+    status = _STATUS.match(text)
+    code = status.group(1) if status else type(e).__name__
+    array = _ARRAY.search(text)
+    where = f" (while reading {array.group(1)})" if array else ""
+    hint = {"DATA_LOSS": "its bytes fail their checksum", "OUT_OF_RANGE": "it is cut short"}
+    detail = f"{code}: {text.rsplit(': ', 1)[-1]}"
+    what = ("it is missing" if not os.path.exists(files[-1])
+            else f"{hint[code]} ({detail})" if code in hint else detail)  # fmt: skip
+    return f"cannot read the file {files[-1]}{where}: {what}"
+
+
+def _listed(paths: list[str]) -> str:
+    shown = ", ".join(paths[:SHOWN])
+    return shown + (f" and {len(paths) - SHOWN} more leaves" if len(paths) > SHOWN else "")

@@ -1,7 +1,9 @@
 """Checkpoints (``shardops_models.training.checkpoint``) restore onto any strategy and mesh exactly,
 refuse another model with every difference named, and survive a kill mid-save.
 
-Multi-process saves and resumes, and the examples' ``--resume``, are in test_distributed.py.
+Multi-process saves and resumes, and the examples' ``--resume``, are in test_distributed.py;
+damaged checkpoints in test_checkpoint_damage.py and asynchronous saves in
+test_checkpoint_async.py, whose mutants of the checkpoint module are at the end of this file.
 """
 
 import functools
@@ -16,12 +18,14 @@ import jax
 import numpy as np
 import optax
 import pytest
+import test_checkpoint_damage as damaged
 from _mutants import mutant
 from _processes import Run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_checkpoint_async import check_restore_waits_for_the_save_in_flight
 
 import shardops
 import shardops_models as models
@@ -405,6 +409,25 @@ def every(tmp_path, module):
     check_every(module)
 
 
+def on_a_damaged_copy(check):
+    """``check(tmp_path, module)`` on a copy of test_checkpoint_damage.py's steps 2, 4, 6."""
+    return lambda tmp_path, module: check(tmp_path, module, pristine=damaged.pristine_folder())
+
+
+def fingerprints_on_every_layout(tmp_path, module):
+    damaged.check_fingerprints_on_every_layout(module)
+
+
+COMPARED = "            changed = [path for path in saved if here.get(path) != saved[path]]\n"
+NEWEST_FIRST = "        for step in reversed(steps):\n"
+AWAITED = "        self.wait()  # an in-flight save of this step commits first\n"
+DIGEST = '        if record["format"] >= 2 and record.get("digest") != _digest(record):\n'
+AGREED = "        if failed:\n"
+READ_ERROR = "            raise self._damaged(step, _read_error(e)) from e\n"
+OFFSET = "        element = lax.broadcasted_iota(jnp.uint32, words.shape, d) + offsets[d]\n"
+ONCE = "            if shard.replica_id == 0:  # each block once over every process\n"
+
+
 MUTANTS = {
     # A step saved again keeps its first state (or fails): the old step is not deleted first.
     "save_again_keeps_the_first": (REPLACE, "", bookkeeping),
@@ -433,6 +456,55 @@ MUTANTS = {
     ),
     # The plan not compared: a checkpoint of another plan restores silently.
     "plan_not_compared": (PLAN, '    for what, name in (("params", "params"),\n', refused_plan),
+    # --- damaged checkpoints (test_checkpoint_damage.py) and async saves
+    # The fingerprints saved but never compared: a changed value restores silently.
+    "fingerprint_not_compared": (
+        COMPARED,
+        "            changed = []\n",
+        on_a_damaged_copy(damaged.check_changed_values_are_caught),
+    ),
+    # The fallback tries the oldest step first: a run resumes far behind its newest intact step.
+    "fallback_tries_the_oldest_first": (
+        NEWEST_FIRST,
+        "        for step in steps:\n",
+        on_a_damaged_copy(damaged.check_fallback_newest_first),
+    ),
+    # restore does not wait for the asynchronous save in flight: it reads a step half written.
+    "async_save_not_awaited_before_restore": (
+        AWAITED,
+        "",
+        lambda tmp_path, module: check_restore_waits_for_the_save_in_flight(tmp_path, module),
+    ),
+    # The record's digest not checked: an edited data position restores silently.
+    "record_digest_not_checked": (
+        DIGEST,
+        "        if False:\n",
+        on_a_damaged_copy(damaged.check_an_edited_record_is_damaged),
+    ),
+    # A step another process could not read restores here: the processes diverge.
+    "another_process_failure_ignored": (
+        AGREED,
+        "        if False:\n",
+        on_a_damaged_copy(damaged.check_a_step_another_process_failed_is_damaged_here),
+    ),
+    # tensorstore's read error passed on as it is: no step, no fix, and no fallback.
+    "read_error_not_named": (
+        READ_ERROR,
+        "            raise\n",
+        on_a_damaged_copy(damaged.check_a_truncated_array_file_is_damaged),
+    ),
+    # A block's elements indexed from its own start: the fingerprint depends on the layout.
+    "fingerprint_ignores_the_block_offset": (
+        OFFSET,
+        OFFSET.replace(" + offsets[d]", ""),
+        fingerprints_on_every_layout,
+    ),
+    # Every replica of a block summed: a replicated leaf's fingerprint depends on the mesh.
+    "fingerprint_counts_every_replica": (
+        ONCE,
+        "            if True:\n",
+        fingerprints_on_every_layout,
+    ),
 }
 
 
