@@ -247,3 +247,25 @@ def test_a_preemption_made_outside_the_main_thread_is_refused():
     t.start()
     t.join()
     assert errors and "construct it in the main thread" in errors[0]
+
+
+def test_checkpoint_saves_leave_jax_s_preemption_step_to_the_loop(tmp_path, monkeypatch):
+    """orbax's manager asks JAX's ``reached_preemption_sync_point`` with the step it saves, also
+    from the thread finishing an asynchronous save while the loop is steps ahead, which would
+    move the step JAX takes as this process's back: ``Checkpoints`` never asks it."""
+    from jax.experimental import multihost_utils
+
+    import shardops
+
+    asked = []
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point",
+                        lambda step: asked.append(step) or False)  # fmt: skip
+    setup = models.build("2d", shardops.make_mesh({"data": 4, "model": 2}),
+                         optimizer=models.seed_sgd(10), sizes=(8, 16, 4))  # fmt: skip
+    state = setup.init(jax.random.key(0))
+    with Checkpoints(tmp_path / "ckpt") as ckpt:
+        ckpt.save(3, setup, state)
+        ckpt.save(4, setup, state)
+        ckpt.wait()
+        assert ckpt.steps() == [3, 4]
+    assert asked == []

@@ -118,6 +118,20 @@ class CheckpointDamaged(ValueError):
         self.step, self.directory, self.reason = step, directory, reason
 
 
+class _Manager(ocp.CheckpointManager):
+    """orbax's manager without its own look at JAX's preemption sync point.
+
+    orbax asks ``reached_preemption_sync_point(step)`` with the step it saves, also from the
+    thread that finishes an asynchronous save, while training is steps ahead. JAX's preemption
+    service takes the step of the latest call as this process's: a notice arriving then would
+    set the stop one past that old step, which the loop has already passed, and no process
+    would ever stop. ``shardops.preemption.Preemption`` is the one caller, once per step.
+    """
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
 class Checkpoints:
     """The checkpoints of one run, in ``directory`` (created if missing).
 
@@ -136,7 +150,7 @@ class Checkpoints:
         self.directory = os.path.abspath(os.fspath(directory))
         self.every = every
         self.asynchronous = asynchronous
-        self._manager = ocp.CheckpointManager(
+        self._manager = _Manager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep,
