@@ -5,7 +5,8 @@ JAX's coordination service notices a process that *dies* (its heartbeats stop). 
 is alive but stuck, in Python, in I/O or in a deadlocked host callback, still sends
 heartbeats, and every other process waits for it in its next collective forever. With a
 ``Watchdog`` each process reports every step boundary it reaches to the coordination service's
-key-value store, and a thread in each process reads the others' reports::
+key-value store (a thread writes the latest, once per poll), and the same thread reads the
+others' reports::
 
     with shardops.watchdog.Watchdog(timeout_s=600) as watchdog:   # every process
         for step in range(start, steps):
@@ -18,8 +19,8 @@ first process to see it writes the verdict to the store, and every process (k to
 watchdog thread runs while its main thread is stuck) prints the same message on stderr and
 exits with ``EXIT_CODE`` through ``os._exit`` (the main thread may be blocked in a collective,
 where no exception can reach it), process 0 last (it holds the coordination service the others
-need). Every process sees the lag within one poll (``poll_s``), so all exit within
-``timeout_s + 2 · poll_s`` of k falling behind.
+need). A step reaches the store within one poll (``poll_s``) and every process reads the store
+once per poll, so all exit within about ``timeout_s + 3 · poll_s`` of k falling behind.
 
 **The default timeout** is ``DEFAULT_TIMEOUT_S`` = 600 s (PyTorch's default collective
 timeout): a process may lag the others by up to a step, a checkpoint save and any work of its
@@ -27,8 +28,10 @@ own between steps (an evaluation, a log), and must not be called stuck for it. A
 longest such lag you expect; lower it to stop a stuck run sooner.
 
 A single process (no ``jax.distributed``) has no peer to compare with: the watchdog is off
-(``active`` is False) and ``step`` costs nothing. In a run of many, ``step`` is one write to the
-store. The private JAX API this needs is in ``shardops._coordination``.
+(``active`` is False). ``step`` costs an assignment either way: the store is written and
+read only by the thread, once per poll each, so the coordination service sees two requests
+per poll per process, whatever the step rate. The private JAX API this needs is in
+``shardops._coordination``.
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = None
         self._store = None
+        self._latest: int | None = None  # the last step boundary reported by ``step``
         if timeout_s is None:  # off
             return
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not (
@@ -155,11 +159,18 @@ class Watchdog:
         return self._thread is not None
 
     def step(self, step: int) -> None:
-        """``step`` steps are done on this process: report the boundary."""
+        """``step`` steps are done on this process: report the boundary. It costs an
+        assignment: the watchdog's thread writes the latest step to the store at its next poll
+        (a stuck main thread stops advancing it, which is what the others see)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"Watchdog.step: step must be an int ≥ 0; got {step!r}")
-        if self._store is not None:
-            self._store.set(f"{self._prefix}step/{self._me}", str(step))
+        self._latest = step
+
+    def _publish(self, published: int | None) -> int | None:
+        latest = self._latest
+        if latest is not None and latest != published:
+            self._store.set(f"{self._prefix}step/{self._me}", str(latest))
+        return latest
 
     def _reported(self) -> tuple[dict[int, int | None], str | None]:
         found = self._store.dir(self._prefix)
@@ -171,8 +182,10 @@ class Watchdog:
 
     def _watch(self) -> None:
         lagging_since: dict = {}
+        published = None
         while not self._stop.wait(self.poll_s):
             try:
+                published = self._publish(published)
                 steps, verdict = self._reported()
             except Exception:  # the service is gone (the run is ending): JAX reports that
                 return
