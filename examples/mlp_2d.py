@@ -42,6 +42,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -110,6 +111,18 @@ def make_mesh(spec: str, strategy: str):
         return mesh_for(strategy, spec)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+
+
+@contextlib.contextmanager
+def waited_on_error(ckpt):
+    """When the loop ends by an error (``NonFiniteError``, Ctrl-C), wait for the checkpoint
+    save in flight: every step saved before the error stays."""
+    try:
+        yield
+    except BaseException:
+        if ckpt is not None:
+            ckpt.close()
+        raise
 
 
 def log(*args, **kwargs) -> None:
@@ -191,7 +204,14 @@ def train(args):
         print(report)
         return 0 if report.within_bound else 1
 
+    # The first non-finite loss or gradient stops the run, naming the step and the layer (the
+    # replay runs the unsharded model: one process only).
+    guard = (loop.NonFiniteGuard(setup, locate=jax.process_count() == 1)
+             if args.stop_on_non_finite else None)  # fmt: skip
+
     def save(step: int) -> None:
+        if guard is not None:
+            guard.drain()  # every step saved is checked first: no checkpoint holds a NaN
         ckpt.save(step, setup, state, extra={**position, "history": history})
 
     rows = setup.process_rows(args.batch_size)  # this process's rows of every batch
@@ -200,15 +220,12 @@ def train(args):
         placed = setup.place_local_batch(x, y, batch=args.batch_size)
         return placed, (ref.place_batch(x, y) if ref is not None else None)
 
-    # The first non-finite loss or gradient stops the run, naming the step and the layer (the
-    # replay runs the unsharded model: one process only).
-    guard = (loop.NonFiniteGuard(setup, locate=jax.process_count() == 1)
-             if args.stop_on_non_finite else None)  # fmt: skip
     # SIGTERM: save at the next step boundary, the same on every process; a stuck process
     # stops the run (under the launcher).
     with (
         shardops.preemption.Preemption() as preemption,
         shardops.watchdog.Watchdog(args.watchdog_timeout or None) as watchdog,
+        waited_on_error(ckpt),
     ):
         preempted = False
         for epoch in range(done // steps_per_epoch, args.epochs):
@@ -296,7 +313,8 @@ def stop_preempted(ckpt, save, done: int, steps_per_epoch: int) -> None:
     if ckpt is None:
         log(f"Preempted at {where}: nothing saved (no --checkpoint-dir)", flush=True)
     else:
-        save(done)
+        if done not in ckpt.steps():  # not saved already (at the end of an epoch)
+            save(done)
         ckpt.close()  # waits for the save to be committed
         log(f"Preempted at {where}: saved it in {ckpt.directory}; continue with --resume",
             flush=True)  # fmt: skip

@@ -54,6 +54,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -212,6 +213,18 @@ def train_batches(tokens, batch_size: int, context: int, seed: int, rows: slice)
     non-overlapping windows in a seeded order; only ``rows`` of each batch are read."""
     for epoch in itertools.count():
         yield from text.batches(tokens, batch_size, context, seed=seed, epoch=epoch, rows=rows)
+
+
+@contextlib.contextmanager
+def waited_on_error(ckpt):
+    """When the loop ends by an error (``NonFiniteError``, Ctrl-C), wait for the checkpoint
+    save in flight: every step saved before the error stays."""
+    try:
+        yield
+    except BaseException:
+        if ckpt is not None:
+            ckpt.close()
+        raise
 
 
 def log(*args, **kwargs) -> None:
@@ -437,7 +450,14 @@ def train(parser, args) -> int:
         print(report)
         return 0 if report.within_bound else 1
 
+    # The first non-finite loss or gradient stops the run, naming the step and the layer (the
+    # replay runs the unsharded model: one process only).
+    guard = (loop.NonFiniteGuard(setup, locate=jax.process_count() == 1)
+             if args.stop_on_non_finite else None)  # fmt: skip
+
     def save(step: int) -> None:
+        if guard is not None:
+            guard.drain()  # every step saved is checked first: no checkpoint holds a NaN
         extra = {**position, "losses": [float(v) for v in losses], "history": history}
         ckpt.save(step, setup, state, extra=extra)
 
@@ -448,10 +468,6 @@ def train(parser, args) -> int:
     train_start = time.perf_counter()
     first_step_seconds = None
     preempted = False
-    # The first non-finite loss or gradient stops the run, naming the step and the layer (the
-    # replay runs the unsharded model: one process only).
-    guard = (loop.NonFiniteGuard(setup, locate=jax.process_count() == 1)
-             if args.stop_on_non_finite else None)  # fmt: skip
     inflight = loop.StepsInFlight()
 
     def drain() -> None:  # every step dispatched is done (and checked)
@@ -464,6 +480,7 @@ def train(parser, args) -> int:
     with (
         shardops.preemption.Preemption() as preemption,
         shardops.watchdog.Watchdog(args.watchdog_timeout or None) as watchdog,
+        waited_on_error(ckpt),
         Progress(args.steps) as progress,
     ):
         for step, (placed, ref_placed) in enumerate(loop.staged(place, batches), start=done + 1):
@@ -503,7 +520,8 @@ def train(parser, args) -> int:
         if ckpt is None:
             log(f"Preempted at step {done}: nothing saved (no --checkpoint-dir)", flush=True)
         else:
-            save(done)
+            if done not in ckpt.steps():  # not saved already
+                save(done)
             ckpt.close()  # waits for the save to be committed
             log(f"Preempted at step {done}: saved it in {ckpt.directory}; continue with "
                 f"--resume", flush=True)  # fmt: skip

@@ -556,8 +556,9 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_GRACE_S,
         metavar="S",
-        help=f"seconds a process gets to save and exit after the SIGINT/SIGTERM the launcher "
-        f"forwards, before SIGKILL (default {DEFAULT_GRACE_S:g})",
+        help=f"seconds the processes get after the SIGINT/SIGTERM the launcher forwards, before "
+        f"SIGKILL: a SIGTERM is a preemption notice, time to save a checkpoint (default "
+        f"{DEFAULT_GRACE_S:g})",
     )
     p.add_argument(
         "--failure-grace",

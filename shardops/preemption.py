@@ -19,8 +19,12 @@ own preemption service. Its notifier catches SIGTERM in whichever process receiv
 all), tells the coordination service, and the service picks the step every process will stop
 at: one past the largest step any process has reported (``multihost_utils.
 reached_preemption_sync_point``). Every process must therefore call ``reached`` at every step
-and start from the same step. A Python SIGTERM handler would replace JAX's notifier (the last
-handler installed wins), so none must be installed: ``Preemption`` refuses to start if one is.
+and start from the same step. JAX counts from 0 and takes 0 for a process that has not asked
+yet, so ``Preemption`` hands it the steps counted from the first boundary asked: a resumed
+run (first boundary 37) noticed before its loop starts stops at its second boundary, where
+absolute steps would have set the stop at step 1, long passed. A Python SIGTERM handler would replace JAX's notifier (the last
+handler installed wins), so none must be installed after ``jax.distributed`` starts:
+``Preemption`` warns if Python has one.
 
 **One process** (no ``jax.distributed``): ``Preemption`` installs its own SIGTERM handler,
 which records the notice; ``reached`` is True at the next boundary. A second SIGTERM ends the
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import warnings
 
 from shardops import _coordination
 
@@ -51,16 +56,21 @@ class Preemption:
     def __init__(self):
         self._notice: int | None = None  # the signal a single process received
         self._previous = None
+        self._installed = False
+        self._first: int | None = None  # the first step asked: JAX counts from it
+        self._last: int | None = None
         self._distributed = _coordination.key_value_store() is not None
         if self._distributed:
             handler = signal.getsignal(signal.SIGTERM)
-            if callable(handler):
-                raise RuntimeError(
-                    f"Preemption: a Python SIGTERM handler is installed ({handler!r}); in a "
-                    "run under jax.distributed it replaces JAX's preemption notifier, so the "
-                    "processes cannot agree on a step to save at. Remove the handler "
-                    "(signal.signal(signal.SIGTERM, signal.SIG_DFL)) before jax.distributed "
-                    "starts, or leave SIGTERM to JAX"
+            if callable(handler):  # Python cannot tell whether it was installed before JAX's
+                warnings.warn(
+                    f"Preemption: a Python SIGTERM handler is installed ({handler!r}). If it "
+                    "was installed after jax.distributed started, it replaced JAX's preemption "
+                    "notifier and no process will ever stop at a step; leave SIGTERM to JAX "
+                    "(signal.signal(signal.SIGTERM, signal.SIG_DFL) before jax.distributed "
+                    "starts)",
+                    RuntimeWarning,
+                    stacklevel=2,
                 )
             return
         if threading.current_thread() is not threading.main_thread():
@@ -69,10 +79,15 @@ class Preemption:
                 "SIGTERM handler, which Python allows only there)"
             )
         self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._installed = True
 
     def _handle(self, sig, frame) -> None:
         self._notice = sig
-        signal.signal(signal.SIGTERM, self._previous)  # a second SIGTERM acts at once
+        signal.signal(signal.SIGTERM, self._restorable())  # a second SIGTERM acts at once
+
+    def _restorable(self):
+        """The handler found, or the default where it was not installed from Python."""
+        return signal.SIG_DFL if self._previous is None else self._previous
 
     @property
     def noticed(self) -> bool:
@@ -85,18 +100,26 @@ class Preemption:
         done. Call it at every boundary, on every process, with steps counted alike."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"Preemption.reached: step must be an int ≥ 0; got {step!r}")
+        if self._last is not None and step not in (self._last, self._last + 1):
+            raise ValueError(
+                f"Preemption.reached: step {step} after step {self._last}; ask at every step "
+                f"boundary, in order (every process alike: they agree on a step by counting)"
+            )
+        if self._first is None:
+            self._first = step
+        self._last = step
         if self._distributed:
             from jax.experimental import multihost_utils
 
-            return multihost_utils.reached_preemption_sync_point(step)
+            return multihost_utils.reached_preemption_sync_point(step - self._first)
         return self._notice is not None
 
     def close(self) -> None:
         """Put back the SIGTERM handler that was there before (a single process)."""
-        if self._previous is not None:
+        if self._installed:
             if signal.getsignal(signal.SIGTERM) == self._handle:
-                signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+                signal.signal(signal.SIGTERM, self._restorable())
+            self._installed = False
 
     def __enter__(self):
         return self

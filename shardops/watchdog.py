@@ -2,8 +2,8 @@
 within a timeout, every process exits with an error naming k and the step.
 
 JAX's coordination service notices a process that *dies* (its heartbeats stop). A process that
-is alive but stuck, in Python, in I/O or in a deadlocked host callback, still sends
-heartbeats, and every other process waits for it in its next collective forever. With a
+is alive but stuck between two steps, in Python or in I/O, still sends heartbeats, and every
+other process waits for it in its next collective forever. With a
 ``Watchdog`` each process reports every step boundary it reaches to the coordination service's
 key-value store (a thread writes the latest, once per poll), and the same thread reads the
 others' reports::
@@ -27,6 +27,12 @@ timeout): a process may lag the others by up to a step, a checkpoint save and an
 own between steps (an evaluation, a log), and must not be called stuck for it. A timeout is the
 longest such lag you expect; lower it to stop a stuck run sooner.
 
+**What it cannot see.** A step is reported when the loop reaches it, and a step is dispatched
+asynchronously: a stall *inside* the device program (a host callback that never returns, a
+collective one process never joins) holds every process at the same boundary, in the same
+wait, and no process lags. No lag rule can name the process there; JAX's collective timeouts
+(or the job's own) are the answer.
+
 A single process (no ``jax.distributed``) has no peer to compare with: the watchdog is off
 (``active`` is False). ``step`` costs an assignment either way: the store is written and
 read only by the thread, once per poll each, so the coordination service sees two requests
@@ -36,6 +42,7 @@ per poll per process, whatever the step rate. The private JAX API this needs is 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -76,8 +83,8 @@ class Stuck:
         return (
             f"shardops.watchdog: process {self.process} is stuck: it {at} within "
             f"{timeout_s:g} s of process {self.ahead} passing it (process {self.ahead} has done "
-            f"{self.passed} steps). It is alive (its heartbeats arrive) but blocked: in "
-            f"Python, in I/O, or in a host callback; its stack shows where. Every process "
+            f"{self.passed} steps). It is alive (its heartbeats arrive) but blocked between "
+            f"steps, in Python or in I/O; its stack shows where. Every process "
             f"exits with code {EXIT_CODE}. If a step can lag this long, raise timeout_s."
         )
 
@@ -85,7 +92,7 @@ class Stuck:
 def find_stuck(
     reported: Mapping[int, int | None], lagging_since: dict, now: float, timeout_s: float
 ) -> Stuck | None:
-    """The first process stuck for ``timeout_s``, from the steps each process reported
+    """The process stuck for ``timeout_s`` furthest behind, from the steps each process reported
     (``None``: none yet). ``lagging_since`` maps ``(process, step)`` to when that lag was first
     seen, and is updated: a lag that ended is forgotten, a new one starts at ``now``."""
     known = [s for s in reported.values() if s is not None]
@@ -99,7 +106,9 @@ def find_stuck(
             del lagging_since[key]
     for key in lagging:
         lagging_since.setdefault(key, now)
-    for process, step in sorted(lagging, key=lambda key: key[0]):
+    # The one furthest behind first (none reported, then the lowest step): the others behind
+    # may only be waiting for it in a collective, a step or two ahead of it.
+    for process, step in sorted(lagging, key=lambda key: (key[1] is not None, key[1] or 0, key[0])):
         seconds = now - lagging_since[(process, step)]
         if seconds >= timeout_s:
             return Stuck(process, step, ahead, top, seconds)
@@ -223,10 +232,13 @@ class Watchdog:
             pass
 
     def close(self) -> None:
-        """Stop watching (the loop is over)."""
+        """Stop watching (the loop is over), and write the last step reported: the others
+        still watching see where this process left, not a step a poll older."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+            with contextlib.suppress(Exception):  # the service is gone: the run is over
+                self._publish(None)
         self._thread = None
 
     def __enter__(self):

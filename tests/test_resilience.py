@@ -114,10 +114,11 @@ def test_sigterm_saves_at_the_next_step_exits_in_the_grace_and_resumes_bit_ident
     check_resumed_like_straight(straight(processes), directory)
 
 
-@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize("processes", [2])
 def test_a_run_killed_mid_training_resumes_bit_identically(tmp_path, straight, processes):
     """SIGKILL to the last process once a checkpoint of step ≥ 10 exists; ``--resume`` ends
-    where a run never stopped ends, bit for bit (params, optimizer state and history)."""
+    where a run never stopped ends, bit for bit (params, optimizer state and history). One
+    process resuming is the preemption test's."""
     killed = tmp_path / "killed"
     r = Run(command(processes, killed), tmp_path, "killed")
     try:
@@ -165,6 +166,13 @@ def test_a_process_stuck_in_python_stops_every_process_naming_it(tmp_path, proce
     assert "trained to the end" not in out and "SetError" not in out, r.output()
 
 
+def test_a_resumed_run_noticed_before_its_loop_stops_at_its_second_boundary(tmp_path):
+    """SIGTERM reaches process 0 of 2 before either asks ``reached`` (JAX then takes 0 for
+    both): a run whose first boundary is 40 stops at 41 on both processes, not never."""
+    out = run(launcher(2, "tests/_preemption_worker.py", "40"), tmp_path, "early", timeout=120)
+    assert "[p0] stops at boundary 41" in out and "[p1] stops at boundary 41" in out, out
+
+
 # --- the watchdog's rule, without processes
 
 
@@ -182,17 +190,24 @@ def test_a_lag_is_stuck_only_after_the_timeout_and_a_caught_up_lag_is_forgotten(
     assert find({0: 8, 1: 8}, since, 9.0, 3.0) is None and since == {}
 
 
-def test_the_first_stuck_process_is_named_and_one_that_never_reported_counts():
+def test_the_process_furthest_behind_is_named_and_one_that_never_reported_counts():
+    """The others behind may only wait for it in a collective, a step or two ahead: process 1
+    (at 21, waiting) is not named while process 3 (at 20, stalled) lags longer."""
     since: dict = {}
     find = watchdog.find_stuck
+    assert find({0: 22, 1: 21, 2: 22, 3: 20}, since, 0.0, 1.0) is None
+    stuck = find({0: 22, 1: 21, 2: 22, 3: 20}, since, 1.0, 1.0)  # both lag 1 s
+    assert (stuck.process, stuck.step, stuck.ahead, stuck.passed) == (3, 20, 0, 22)
+    assert stuck.message(1.0).startswith(
+        "shardops.watchdog: process 3 is stuck: it has done 20 steps and has not reached step "
+        "21 within 1 s of process 0 passing it (process 0 has done 22 steps)"
+    )
+    since = {}
     reported = {0: 4, 1: 9, 2: None, 3: 2}
     assert find(reported, since, 0.0, 1.0) is None
     stuck = find(reported, since, 1.0, 1.0)
-    assert (stuck.process, stuck.step, stuck.ahead, stuck.passed) == (0, 4, 1, 9)
-    assert "process 0 is stuck: it has done 4 steps and has not reached step 5 within 1 s of " \
-           "process 1 passing it (process 1 has done 9 steps)" in stuck.message(1.0)  # fmt: skip
-    alone = find({0: None, 1: 0}, {(0, None): 0.0}, 2.0, 1.0)
-    assert "process 0 is stuck: it has not reported its first step" in alone.message(1.0)
+    assert (stuck.process, stuck.step, stuck.ahead) == (2, None, 1)
+    assert "process 2 is stuck: it has not reported its first step" in stuck.message(1.0)
     assert find({0: None, 1: None}, {}, 5.0, 1.0) is None  # nobody started: no lag
 
 

@@ -176,25 +176,35 @@ def test_a_resumed_run_reports_only_the_steps_and_tokens_it_trained(straight_che
 def test_a_preemption_notice_saves_that_step_and_the_resumed_run_ends_like_the_straight_one(
     straight_checkpoints, tmp_path, monkeypatch
 ):
-    """The notice arrives at the boundary after step 1 of 4 (``Preemption.reached`` is True
-    there): the run saves step 1 (with its one loss) and exits 143; ``--resume`` trains steps
-    2–4 and ends with the straight run's state and losses, bit for bit."""
+    """A real SIGTERM to this process while step 1 of 4 runs (sent as the loop reports
+    boundary 0): the single-process handler takes it, the run saves step 1 (with its one loss)
+    at the next boundary and exits 143; ``--resume`` trains steps 2–4 and ends with the
+    straight run's state and losses, bit for bit."""
+    import os
+    import signal
+
     import jax
     import numpy as np
 
     import shardops.preemption
+    import shardops.watchdog
     import shardops_models as models
     from shardops_models.training.checkpoint import Checkpoints
 
-    asked = []
+    asked, reached = [], shardops.preemption.Preemption.reached
 
-    def reached(self, step):
+    def asking(self, step):
         asked.append(step)
-        return step == 1
+        return reached(self, step)
+
+    def step_then_notice(self, step):
+        if step == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     directory = tmp_path / "preempted"
     with monkeypatch.context() as patch:
-        patch.setattr(shardops.preemption.Preemption, "reached", reached)
+        patch.setattr(shardops.preemption.Preemption, "reached", asking)
+        patch.setattr(shardops.watchdog.Watchdog, "step", step_then_notice)
         with pytest.raises(SystemExit) as stop:
             run_main(load_example("transformer_lm"), [*LM_ARGS, "--checkpoint-dir", str(directory)])
     assert stop.value.code == shardops.preemption.EXIT_CODE == 143
@@ -228,7 +238,8 @@ def test_stop_on_non_finite_names_the_first_step_whose_loss_is_nan_and_the_layer
 
     out = io.StringIO()
     args = [*LM_ARGS[: LM_ARGS.index("--steps")], "--steps", "8",
-            *LM_ARGS[LM_ARGS.index("--steps") + 2 :], "--lr", "1e30", "--stop-on-non-finite"]  # fmt: skip
+            *LM_ARGS[LM_ARGS.index("--steps") + 2 :], "--lr", "1e30", "--stop-on-non-finite",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]  # fmt: skip
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop:
         load_example("transformer_lm").main(args)
     said = str(stop.value.code)
@@ -237,6 +248,9 @@ def test_stop_on_non_finite_names_the_first_step_whose_loss_is_nan_and_the_layer
     assert said.startswith(f"Stopped: step {first_nan[1]}: the loss is nan; "), said
     assert re.search(r"the first non-finite value is the output of layer \['\w+'\]", said), said
     assert "step     8/8" not in out.getvalue()  # it stopped
+    # Every step saved was checked first: no checkpoint holds the NaN (the last one is waited for).
+    saved = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
+    assert saved and saved[-1] == int(first_nan[1]) - 1, (saved, said)
 
 
 def test_resume_passes_over_a_damaged_step_says_so_and_ends_like_the_straight_run(

@@ -116,9 +116,8 @@ MUTANTS = {
     "newest_step_waited_for": (
         loop,
         "        while len(self._queue) > self.limit:\n"
-        "            jax.block_until_ready(self._queue.popleft())\n",
-        "        while len(self._queue) > self.limit:\n"
-        "            jax.block_until_ready(self._queue.pop())\n",
+        "            self._wait(self._queue.popleft())\n",
+        "        while len(self._queue) > self.limit:\n            self._wait(self._queue.pop())\n",
         steps_in_flight,
     ),
     # The next batch placed only after the current one was used: no transfer overlaps a step.
