@@ -79,7 +79,12 @@ def test_an_async_save_restores_bit_for_bit_while_the_next_steps_donate_the_stat
     copy); fsdp shards them over all 8 devices (orbax's host copy on CPU is a view of each
     device buffer, and XLA skips the donation of a buffer while the view is held)."""
     seen = check_donated_state_restores_bit_for_bit(tmp_path, layout=layout)
-    assert 0 <= seen["donated"] <= seen["leaves"]
+    # What docs/resilience.md says of CPU: under fsdp every saved buffer is a view orbax holds,
+    # so no donation happens while it writes; under 2d most saved buffers were donated.
+    if layout[0] == "fsdp":
+        assert seen["donated"] == 0, seen
+    else:
+        assert 0 < seen["donated"] < seen["leaves"], seen
 
 
 def check_restore_waits_for_the_save_in_flight(tmp_path, module=checkpoint) -> None:
