@@ -42,7 +42,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -111,18 +110,6 @@ def make_mesh(spec: str, strategy: str):
         return mesh_for(strategy, spec)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-
-
-@contextlib.contextmanager
-def waited_on_error(ckpt):
-    """When the loop ends by an error (``NonFiniteError``, Ctrl-C), wait for the checkpoint
-    save in flight: every step saved before the error stays."""
-    try:
-        yield
-    except BaseException:
-        if ckpt is not None:
-            ckpt.close()
-        raise
 
 
 def log(*args, **kwargs) -> None:
@@ -225,7 +212,7 @@ def train(args):
     with (
         shardops.preemption.Preemption() as preemption,
         shardops.watchdog.Watchdog(args.watchdog_timeout or None) as watchdog,
-        waited_on_error(ckpt),
+        checkpoint.waited_on_error(ckpt),
     ):
         preempted = False
         for epoch in range(done // steps_per_epoch, args.epochs):

@@ -54,7 +54,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 import argparse
-import contextlib
 import itertools
 import json
 import math
@@ -213,18 +212,6 @@ def train_batches(tokens, batch_size: int, context: int, seed: int, rows: slice)
     non-overlapping windows in a seeded order; only ``rows`` of each batch are read."""
     for epoch in itertools.count():
         yield from text.batches(tokens, batch_size, context, seed=seed, epoch=epoch, rows=rows)
-
-
-@contextlib.contextmanager
-def waited_on_error(ckpt):
-    """When the loop ends by an error (``NonFiniteError``, Ctrl-C), wait for the checkpoint
-    save in flight: every step saved before the error stays."""
-    try:
-        yield
-    except BaseException:
-        if ckpt is not None:
-            ckpt.close()
-        raise
 
 
 def log(*args, **kwargs) -> None:
@@ -480,7 +467,7 @@ def train(parser, args) -> int:
     with (
         shardops.preemption.Preemption() as preemption,
         shardops.watchdog.Watchdog(args.watchdog_timeout or None) as watchdog,
-        waited_on_error(ckpt),
+        checkpoint.waited_on_error(ckpt),
         Progress(args.steps) as progress,
     ):
         for step, (placed, ref_placed) in enumerate(loop.staged(place, batches), start=done + 1):

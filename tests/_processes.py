@@ -81,3 +81,16 @@ def wait_for(predicate, timeout: float, what: str, run: Run | None = None) -> No
             raise AssertionError(f"no {what} within {timeout} s" + (
                 f":\n{run.output()}" if run else ""))  # fmt: skip
         time.sleep(0.02)
+
+
+def killed_script(source: str, workdir: pathlib.Path, *args: str, timeout: float = 120):
+    """Run the Python ``source`` (a script that ends by killing itself) as ``script.py ARGS``
+    under a timeout; ``(exit code, stdout, Run)``."""
+    script = workdir / "killer.py"
+    script.write_text(source)
+    r = Run([sys.executable, str(script), *args], workdir, "killer")
+    try:
+        code = r.wait(timeout)
+    finally:
+        r.kill()
+    return code, r.out.read_text(), r

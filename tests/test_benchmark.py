@@ -189,6 +189,16 @@ def test_profile_prints_both_programs_side_by_side():
     assert "reduce-scatter     data            0.524 MB  f32[32, 512]" in shardops_part
 
 
+def quick_run(name: str, out) -> dict:
+    """``python benchmarks/NAME.py --quick --out OUT`` (it must succeed); the JSON it wrote."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads((out / f"{name}.json").read_text())
+
+
 def test_context_parallel_quick_run_and_the_docs_tables(tmp_path):
     """benchmarks/context_parallel.py end to end (tiny sizes): every method and GSPMD on context
     1 and 2, memory from XLA's analysis, paired ratios; and docs/context-parallelism.md's tables
@@ -205,12 +215,7 @@ def test_context_parallel_quick_run_and_the_docs_tables(tmp_path):
         "docs/context-parallelism.md's tables differ from the committed JSON: run "
         "`python benchmarks/context_parallel.py --tables-only`"
     )
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "context_parallel.py"), "--quick", "--out",
-         str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = json.loads((tmp_path / "context_parallel.json").read_text())
+    results = quick_run("context_parallel", tmp_path)
     labels = {(r["label"], r["n"]) for r in results["fixed_s"]}
     assert labels == {(m, n) for m in ("allgather", "ring", "ulysses", "gspmd") for n in (1, 2)}
     for r in results["fixed_s"]:
@@ -227,12 +232,7 @@ def test_checkpoint_async_quick_run(tmp_path):
     """benchmarks/checkpoint_async.py end to end (a tiny MLP): the paired step times of no
     save, a synchronous and an asynchronous one, and a peak-memory process for each mode and
     layout."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "checkpoint_async.py"), "--quick", "--out",
-         str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = json.loads((tmp_path / "checkpoint_async.json").read_text())
+    results = quick_run("checkpoint_async", tmp_path)
     steps = results["timing"]["ms"]["save_step"]
     assert set(steps) == {"none", "sync", "async"}
     for figure in steps.values():

@@ -67,6 +67,7 @@ fingerprints (record format 1) restore without the check.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -394,6 +395,24 @@ class Checkpoints:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@contextlib.contextmanager
+def waited_on_error(ckpt: Checkpoints | None):
+    """A training loop's block: when it ends by an error (``NonFiniteError``, Ctrl-C), close
+    ``ckpt`` (None: nothing), which waits for the save in flight, so every step saved before
+    the error is committed. On a normal end it does nothing: the loop goes on using ``ckpt``.
+
+        with checkpoint.waited_on_error(ckpt):
+            for step in ...:
+                ...
+    """
+    try:
+        yield
+    except BaseException:
+        if ckpt is not None:
+            ckpt.close()
+        raise
 
 
 def describe(setup: Setup) -> dict:

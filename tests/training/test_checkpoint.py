@@ -11,7 +11,6 @@ import itertools
 import os
 import pathlib
 import signal
-import sys
 import tempfile
 
 import jax
@@ -20,12 +19,15 @@ import optax
 import pytest
 import test_checkpoint_damage as damaged
 from _mutants import mutant
-from _processes import Run
+from _processes import killed_script
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_checkpoint_async import check_restore_waits_for_the_save_in_flight
+from test_checkpoint_async import (
+    check_an_error_waits_for_the_save_in_flight,
+    check_restore_waits_for_the_save_in_flight,
+)
 
 import shardops
 import shardops_models as models
@@ -350,15 +352,9 @@ print("save 2 finished: not killed in time", flush=True)
 
 
 def test_a_process_killed_mid_save_leaves_the_last_checkpoint_readable(tmp_path):
-    script = tmp_path / "killer.py"
-    script.write_text(KILLER.format(tests=os.path.dirname(os.path.dirname(__file__))))
     directory = tmp_path / "ckpt"
-    r = Run([sys.executable, str(script), str(directory)], tmp_path, "killer")
-    try:
-        code = r.wait(120)
-    finally:
-        r.kill()
-    out = r.out.read_text()
+    source = KILLER.format(tests=os.path.dirname(os.path.dirname(__file__)))
+    code, out, r = killed_script(source, tmp_path, str(directory))
     assert code == -signal.SIGKILL and "killing mid-save" in out, r.output()
     assert any(n.startswith("2.") for n in os.listdir(directory)), "no partial step 2 on disk"
     setup = models.build("ref", optimizer=optax.adam(1e-3), sizes=(64, 256, 10))
@@ -468,6 +464,13 @@ MUTANTS = {
         NEWEST_FIRST,
         "        for step in steps:\n",
         on_a_damaged_copy(damaged.check_fallback_newest_first),
+    ),
+    # An error in the loop leaves the save in flight unwaited: the process may end before it
+    # commits.
+    "error_leaves_the_save_in_flight": (
+        "            ckpt.close()\n        raise\n",
+        "            pass\n        raise\n",
+        lambda tmp_path, module: check_an_error_waits_for_the_save_in_flight(tmp_path, module),
     ),
     # restore does not wait for the asynchronous save in flight: it reads a step half written.
     "async_save_not_awaited_before_restore": (

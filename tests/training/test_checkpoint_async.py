@@ -8,13 +8,12 @@ Multi-process async saves run in the examples under the launcher (test_distribut
 
 import os
 import signal
-import sys
 
 import jax
 import numpy as np
 import optax
 import pytest
-from _processes import Run
+from _processes import killed_script
 
 import shardops
 import shardops_models as models
@@ -166,15 +165,9 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_a_process_killed_during_an_async_save_leaves_the_last_checkpoint_readable(tmp_path):
-    script = tmp_path / "killer.py"
-    script.write_text(KILLER.format(tests=os.path.dirname(os.path.dirname(__file__))))
     directory = tmp_path / "ckpt"
-    r = Run([sys.executable, str(script), str(directory)], tmp_path, "killer")
-    try:
-        code = r.wait(120)
-    finally:
-        r.kill()
-    out = r.out.read_text()
+    source = KILLER.format(tests=os.path.dirname(os.path.dirname(__file__)))
+    code, out, r = killed_script(source, tmp_path, str(directory))
     assert code == -signal.SIGKILL and "killing while step 2 is written" in out, r.output()
     assert "save 2 returned" in out
     assert not (directory / "2").exists()
@@ -185,3 +178,22 @@ def test_a_process_killed_during_an_async_save_leaves_the_last_checkpoint_readab
         assert_equal_states(jax.device_get(restored), setup.gather(setup.init(jax.random.key(0))),
                             "step 1 after the kill")  # fmt: skip
         assert not any(n.startswith("2.") for n in os.listdir(directory))  # cleaned up
+
+
+def check_an_error_waits_for_the_save_in_flight(tmp_path, module=checkpoint) -> None:
+    """``waited_on_error``: an error inside the block closes the checkpoints, so the
+    asynchronous save of step 1 is committed when the error leaves; None is no checkpoints."""
+    setup, state, _ = trained_setup()
+    ckpt = module.Checkpoints(tmp_path / "ckpt")
+    with pytest.raises(FloatingPointError), module.waited_on_error(ckpt):
+        ckpt.save(1, setup, state)
+        raise FloatingPointError("step 2: the loss is nan")
+    assert (tmp_path / "ckpt" / "1").is_dir()  # committed, not a temporary folder
+    with module.Checkpoints(tmp_path / "ckpt") as again:
+        assert again.steps() == [1]
+    with module.waited_on_error(None):  # no --checkpoint-dir
+        pass
+
+
+def test_an_error_in_the_loop_waits_for_the_save_in_flight(tmp_path):
+    check_an_error_waits_for_the_save_in_flight(tmp_path)
