@@ -43,7 +43,9 @@ language models: the global batch's tokens over the step time):
 
 It writes ``benchmarks/results/strategies.json`` and ``strategies.md`` and, from that JSON, the
 tables between the ``benchmark-tables`` markers in docs/benchmarks.md (tests/test_benchmark.py checks
-they match). ``--quick`` writes to a temporary folder unless ``--out`` is given. On CPU it
+they match), rewriting both files as each table finishes (``"finished": false`` until the last), so
+a crash loses one table at most. ``--quick``, ``--only`` and ``--strategy`` write to a temporary
+folder unless ``--out`` is given. On CPU it
 simulates 8 devices (XLA_FLAGS, set before JAX starts its backend); ``--platform gpu`` does not,
 maps each case's mesh onto the GPUs present (``mesh_for``) and writes ``strategies_gpu.*``.
 """
@@ -593,6 +595,56 @@ def write_tables(results, path=TABLES_PAGE) -> None:
     print(f"{'rewrote' if old != new else 'unchanged:'} the tables in {path}")
 
 
+def run_table(name: str, bench: Bench, devices, rng, *, cpu: bool) -> dict:
+    """One table: every case of ``bench`` timed (``bench_group``), its rows printed as they come."""
+    block_start = time.perf_counter()
+    rows, cases = [], bench.cases
+    if not cpu:
+        cases, skipped = cases_on(bench, len(devices))
+        for line in skipped:
+            print(f"{name:>5} skip {line}")
+    for case in cases:
+        try:
+            group = bench_group(
+                case, bench.model, bench.batch,
+                steps=bench.steps, warmup=bench.warmup, rng=rng, devices=devices,
+            )  # fmt: skip
+        except ValueError as e:  # a mapped mesh the model cannot split
+            if cpu:
+                raise
+            print(f"{name:>5} skip {case.strategy} {mesh_text(case.shape)}: {e}")
+            continue
+        for row in group:
+            rows.append(row)
+            print(f"{name:>5} {row['label']:>22} {row['mesh']}: {row['step_ms']['shardops']:8.2f} ms, "
+                  f"÷GSPMD {row['vs_gspmd']['median']:.2f}, ÷single {row['vs_single']['median']:.2f}"
+                  + (f", ÷pmap {row['vs_pmap']['median']:.2f}" if "vs_pmap" in row else "")
+                  + (f", ÷plain {row['vs_plain']['median']:.2f}" if "vs_plain" in row else ""),
+                  flush=True)  # fmt: skip
+    block = {"title": bench.title, "batch": bench.batch, "steps": bench.steps,
+             "warmup": bench.warmup, "rows": rows}  # fmt: skip
+    if isinstance(bench.model, models.Mlp):
+        block["sizes"] = list(bench.model.sizes)
+    else:  # a language model's config (the tokens per step: batch × context)
+        block["gpt" if name == "gpt" else "lm"] = dataclasses.asdict(bench.model)
+    block["seconds"] = time.perf_counter() - block_start
+    return block
+
+
+def save_results(out: pathlib.Path, stem: str, results: dict, *, finished: bool = False) -> str:
+    """Write ``STEM.json`` and ``STEM.md`` in ``out`` (each replaced whole, through a temporary
+    file, so a crash mid-write leaves the previous version), with ``finished`` recorded; returns
+    the markdown."""
+    results["finished"] = finished
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(results)
+    for suffix, text in ((".json", json.dumps(results, indent=1)), (".md", table + "\n")):
+        tmp = out / f".{stem}{suffix}.partial"
+        tmp.write_text(text)
+        tmp.replace(out / f"{stem}{suffix}")
+    return table
+
+
 def start_platform(name: str) -> list:
     """The devices to run on. For ``cpu``, 8 simulated devices (set before JAX starts its
     backend); for ``gpu``, the GPUs present, with no simulated-device flag."""
@@ -655,9 +707,9 @@ def main(argv=None):
             models.STRATEGIES[args.strategy].check_mesh(shardops.parse_mesh(args.mesh))
         except (ValueError, KeyError) as e:
             p.error(f"--mesh {args.mesh}: {e}")
-    picked = args.strategy is not None
+    picked = args.strategy is not None or args.only is not None  # part of the tables
     stem = "strategies" if args.platform == "cpu" else f"strategies_{args.platform}"
-    if args.out is None:  # a run of picked cases never overwrites the committed tables
+    if args.out is None:  # a run of picked tables or cases never overwrites the committed ones
         args.out = (tempfile.mkdtemp(prefix="shardops_bench_") if args.quick or picked
                     else str(RESULTS))  # fmt: skip
     out = pathlib.Path(args.out)
@@ -692,44 +744,13 @@ def main(argv=None):
             bench = bench._replace(cases=(
                 [Case(args.strategy, shardops.parse_mesh(args.mesh))] if args.mesh
                 else [c for c in bench.cases if c.strategy == args.strategy]))  # fmt: skip
-        block_start = time.perf_counter()
-        rows, cases = [], bench.cases
-        if args.platform != "cpu":
-            cases, skipped = cases_on(bench, len(devices))
-            for line in skipped:
-                print(f"{name:>5} skip {line}")
-        for case in cases:
-            try:
-                group = bench_group(
-                    case, bench.model, bench.batch,
-                    steps=bench.steps, warmup=bench.warmup, rng=rng, devices=devices,
-                )  # fmt: skip
-            except ValueError as e:  # a mapped mesh the model cannot split
-                if args.platform == "cpu":
-                    raise
-                print(f"{name:>5} skip {case.strategy} {mesh_text(case.shape)}: {e}")
-                continue
-            for row in group:
-                rows.append(row)
-                print(f"{name:>5} {row['label']:>22} {row['mesh']}: {row['step_ms']['shardops']:8.2f} ms, "
-                      f"÷GSPMD {row['vs_gspmd']['median']:.2f}, ÷single {row['vs_single']['median']:.2f}"
-                      + (f", ÷pmap {row['vs_pmap']['median']:.2f}" if "vs_pmap" in row else "")
-                      + (f", ÷plain {row['vs_plain']['median']:.2f}" if "vs_plain" in row else ""),
-                      flush=True)  # fmt: skip
-        block = {"title": bench.title, "batch": bench.batch, "steps": bench.steps,
-                 "warmup": bench.warmup, "rows": rows}  # fmt: skip
-        if isinstance(bench.model, models.Mlp):
-            block["sizes"] = list(bench.model.sizes)
-        else:  # a language model's config (the tokens per step: batch × context)
-            block["gpt" if name == "gpt" else "lm"] = dataclasses.asdict(bench.model)
-        block["seconds"] = time.perf_counter() - block_start
-        results["models"][name] = block
+        results["models"][name] = run_table(name, bench, devices, rng, cpu=args.platform == "cpu")
+        # Each table is written as it finishes: a crash later (the process once died in XLA's
+        # teardown after its last row, before any file was written) loses one table at most.
+        save_results(out, stem, results)
     results["seconds"] = time.perf_counter() - start
     results["load_average_at_end"] = os.getloadavg()[0]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    table = markdown(results)
-    (out / f"{stem}.md").write_text(table + "\n")
+    table = save_results(out, stem, results, finished=True)
     print(table)
     print(f"{results['seconds']:.0f} s; wrote {out / stem}.json and {out / stem}.md")
     if committed:  # docs/benchmarks.md's tables follow the committed JSON (tests/test_benchmark.py)

@@ -242,3 +242,37 @@ def test_checkpoint_async_quick_run(tmp_path):
     for r in results["memory"]:
         assert r["rounds_peak_rss"] >= r["rounds_start_rss"] > 0
     assert (tmp_path / "checkpoint_async.md").read_text().startswith("MLP 64-256-64")
+
+
+def test_each_table_is_written_as_it_finishes(tmp_path, monkeypatch):
+    """A crash in the second table (the process once died after its last row, before any file
+    was written) leaves the first one on disk, marked unfinished; the committed results are
+    untouched by a run of some tables (``--only``)."""
+    stored_path = bench.RESULTS / "strategies.json"
+    stored, committed = json.loads(stored_path.read_text()), stored_path.read_bytes()
+    tables = []
+
+    def run_table(name, *args, **kwargs):
+        tables.append(name)
+        if len(tables) == 2:
+            raise RuntimeError("the second table crashed")
+        return stored["models"][name]  # real rows, as the benchmark wrote them
+
+    monkeypatch.setattr(bench, "run_table", run_table)
+    with pytest.raises(RuntimeError, match="the second table crashed"):
+        bench.main(["--only", "seed", "gpt", "--out", str(tmp_path)])
+    assert tables == ["seed", "gpt"]
+    saved = json.loads((tmp_path / "strategies.json").read_text())
+    assert saved["finished"] is False and list(saved["models"]) == ["seed"]
+    assert saved["models"]["seed"] == stored["models"]["seed"]
+    assert (tmp_path / "strategies.md").read_text() == bench.markdown(saved) + "\n"
+    assert not list(tmp_path.glob(".*partial"))
+
+    tables.clear()
+    monkeypatch.setattr(bench, "RESULTS", tmp_path / "default")  # where a full run would write
+    monkeypatch.setattr(bench.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "picked"))
+    results = bench.main(["--only", "seed"])
+    assert results["finished"] is True and tables == ["seed"]
+    assert json.loads((tmp_path / "picked" / "strategies.json").read_text()) == results
+    assert not (tmp_path / "default").exists()
+    assert stored_path.read_bytes() == committed
