@@ -48,8 +48,9 @@ partial one invisible (``steps``, ``latest_step`` and ``restore`` ignore it).
 fingerprint computed on device (each element's bits mixed with its flat index through an
 integer hash and summed mod 2^32, under two seeds: exact, and the same on any layout and
 every process), and the record gets a digest of its own text. ``restore`` checks the step
-folder's items and the record's digest, reads every stored chunk (tensorstore checks each
-file's length and checksums), restores, and compares the restored arrays' fingerprints with
+folder's items, the record's digest and that the record is this step's (a folder renamed or
+copied from another step is damaged: it would resume at the wrong step), reads every stored
+chunk (tensorstore checks each file's length and checksums), restores, and compares the restored arrays' fingerprints with
 the saved ones: a file missing, cut short or failing its checksum, or a value that reads
 without error but is not the one saved (changed before it reached the disk, or rewritten by
 another tool), raises ``CheckpointDamaged`` naming the step, the file or the leaves, and the
@@ -134,10 +135,13 @@ class _Manager(ocp.CheckpointManager):
 
 
 class Checkpoints:
-    """The checkpoints of one run, in ``directory`` (created if missing).
+    """The checkpoints of one run, in ``directory`` (created by the first ``save``; reading
+    creates nothing).
 
     Arguments:
-        directory: a local or shared path every process can reach.
+        directory: a local or shared path every process can reach. ``steps`` of a folder that
+            does not exist is ``[]``; ``restore``, ``record`` and ``restore_latest_intact``
+            raise ``FileNotFoundError`` naming it.
         every: save every this many steps (``should_save``); None: only when asked.
         keep: how many recent steps to keep (None: all).
         asynchronous: ``save`` returns once the arrays are on the host and writes them in the
@@ -156,7 +160,7 @@ class Checkpoints:
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep,
                 enable_async_checkpointing=asynchronous,
-                create=True,
+                create=False,  # ``save`` creates the folder: reading one creates nothing
                 cleanup_tmp_directories=True,
             ),
         )
@@ -205,6 +209,7 @@ class Checkpoints:
         }
         record = json.loads(json.dumps(record))  # a copy of extra, as JSON reads it back
         record["digest"] = _digest(record)
+        os.makedirs(self.directory, exist_ok=True)  # every process: a shared path or its own
         if step in self._manager.all_steps():
             self._manager.delete(step)
         self._manager.save(
@@ -254,7 +259,7 @@ class Checkpoints:
         """
         steps = self.steps()
         if not steps:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+            raise self._none_found()
         reasons = {}
         for step in reversed(steps):
             try:
@@ -276,15 +281,28 @@ class Checkpoints:
 
     def _step(self, step: int | None) -> int:
         steps = sorted(self._manager.all_steps())
+        if not steps:
+            raise self._none_found()
         if step is None:
-            if not steps:
-                raise FileNotFoundError(f"no checkpoint in {self.directory}")
             return steps[-1]
         if step not in steps:
             raise FileNotFoundError(
                 f"no checkpoint of step {step} in {self.directory}; it has steps {steps}"
             )
         return step
+
+    def _none_found(self) -> FileNotFoundError:
+        """The error of a restore from a folder with no step, or with no folder at all."""
+        if not os.path.isdir(self.directory):
+            return FileNotFoundError(
+                f"no checkpoint folder {self.directory}: it does not exist (reading creates "
+                f"nothing; the first save creates it). Check the path, or start the run "
+                f"afresh without restoring (e.g. when ckpt.steps() is [])"
+            )
+        return FileNotFoundError(
+            f"no checkpoint in {self.directory}: the folder holds no committed step; start "
+            f"the run afresh without restoring (e.g. when ckpt.steps() is [])"
+        )
 
     def _folder(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
@@ -335,7 +353,11 @@ class Checkpoints:
                 step, f"its record {path} changed after the save (its digest does not match)"
             )
         if record["step"] != step:
-            raise self._damaged(step, f"its record {path} is step {record['step']}'s")
+            raise self._damaged(
+                step, f"its record {path} is step {record['step']}'s: the folder was renamed or "
+                f"copied from step {record['step']} (restoring it as step {step} would resume "
+                f"at the wrong step)",
+            )  # fmt: skip
         return record
 
     def _restore_step(self, setup: Setup, step: int) -> tuple[TrainState, dict]:

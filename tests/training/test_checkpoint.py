@@ -267,12 +267,45 @@ def test_a_user_model_restores_into_a_new_instance_and_other_sizes_are_refused(t
     assert "model config sizes: [16, 32, 8] in the checkpoint, [16, 24, 8] here" in str(e.value)
 
 
+def check_reading_a_missing_folder_creates_nothing(tmp_path, module=checkpoint) -> None:
+    """Reading a folder that does not exist creates nothing: ``steps`` is [] and every restore
+    is ``FileNotFoundError`` naming the path and the fix; an empty folder says it has no step;
+    the first save creates the folder."""
+    setup = setup_for(MLP, "dp", (8, 1), "sgd")
+    absent = tmp_path / "absent" / "ckpt"
+    missing = (rf"no checkpoint folder {absent}: it does not exist \(reading creates nothing; "
+               rf"the first save creates it\)\. Check the path, or start the run afresh without "
+               rf"restoring \(e\.g\. when ckpt\.steps\(\) is \[\]\)")  # fmt: skip
+    with module.Checkpoints(absent) as ckpt:
+        assert ckpt.steps() == [] and ckpt.latest_step() is None
+        for read in (lambda: ckpt.restore(setup), lambda: ckpt.restore(setup, 3),
+                     ckpt.record, lambda: ckpt.restore_latest_intact(setup)):  # fmt: skip
+            with pytest.raises(FileNotFoundError, match=missing):
+                read()
+    assert not (tmp_path / "absent").exists(), "reading created the folder"
+    (tmp_path / "empty").mkdir(parents=True)
+    with (
+        module.Checkpoints(tmp_path / "empty") as ckpt,
+        pytest.raises(
+            FileNotFoundError,
+            match=rf"no checkpoint in {tmp_path / 'empty'}: the folder holds no committed step; "
+            rf"start the run afresh without restoring",
+        ),
+    ):
+        ckpt.restore(setup)
+    with module.Checkpoints(absent) as ckpt:
+        ckpt.save(1, setup, setup.init(jax.random.key(0)))
+        assert ckpt.steps() == [1]
+
+
+def test_reading_a_missing_folder_creates_nothing_and_names_it(tmp_path):
+    check_reading_a_missing_folder_creates_nothing(tmp_path)
+
+
 def test_missing_steps_and_bad_arguments_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="every must be ≥ 1 step"):
         Checkpoints(tmp_path / "a", every=0)
     setup = setup_for(MLP, "dp", (8, 1), "sgd")
-    with Checkpoints(tmp_path / "empty") as ckpt, pytest.raises(FileNotFoundError, match="no checkpoint in"):  # fmt: skip
-        ckpt.restore(setup)
     with save_one(tmp_path, setup) as ckpt:
         with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 5 .* steps \[1\]"):
             ckpt.restore(setup, 5)
@@ -422,6 +455,10 @@ AGREED = "        if failed:\n"
 READ_ERROR = "            raise self._damaged(step, _read_error(e)) from e\n"
 OFFSET = "        element = lax.broadcasted_iota(jnp.uint32, words.shape, d) + offsets[d]\n"
 ONCE = "            if shard.replica_id == 0:  # each block once over every process\n"
+OWN_STEP = '        if record["step"] != step:\n'
+CREATE = (
+    "                create=False,  # ``save`` creates the folder: reading one creates nothing\n"
+)
 
 
 MUTANTS = {
@@ -458,6 +495,19 @@ MUTANTS = {
         COMPARED,
         "            changed = []\n",
         on_a_damaged_copy(damaged.check_changed_values_are_caught),
+    ),
+    # A step folder renamed or copied from another step restores that step's state: a resumed
+    # run silently restarts from the wrong step.
+    "record_of_another_step_restored": (
+        OWN_STEP,
+        "        if False:\n",
+        on_a_damaged_copy(damaged.check_a_step_folder_of_another_step_is_damaged),
+    ),
+    # Reading creates the folder it was asked to read (orbax's create=True).
+    "reading_creates_the_folder": (
+        CREATE,
+        "                create=True,\n",
+        lambda tmp_path, module: check_reading_a_missing_folder_creates_nothing(tmp_path, module),
     ),
     # The fallback tries the oldest step first: a run resumes far behind its newest intact step.
     "fallback_tries_the_oldest_first": (

@@ -198,6 +198,41 @@ def test_a_step_folder_half_written_by_another_tool_is_listed_and_damaged(pristi
     damage(directory, 6, "it lacks _CHECKPOINT_METADATA (orbax writes them all")
 
 
+def check_a_step_folder_of_another_step_is_damaged(tmp_path, module=checkpoint,
+                                                   pristine=None) -> None:  # fmt: skip
+    """Step 6's folder renamed to 8, and step 4's copied to 5: each record names the step it
+    belongs to, so restoring 8 or 5 is damaged (not step 6's or 4's state resumed as 8 or 5),
+    naming both steps and the fix, and ``restore_latest_intact`` passes over 8 to 5, then 4."""
+    directory = copy_of(pristine, tmp_path)
+    os.rename(os.path.join(directory, "6"), os.path.join(directory, "8"))
+    shutil.copytree(os.path.join(directory, "4"), os.path.join(directory, "5"))
+    for step, of in ((8, 6), (5, 4)):
+        with module.Checkpoints(directory) as ckpt, pytest.raises(module.CheckpointDamaged) as e:
+            ckpt.restore(saved_setup(), step)
+        record = os.path.join(directory, str(step), "record", "metadata")
+        others = [s for s in (2, 4, 5, 8) if s != step]
+        assert str(e.value) == (
+            f"checkpoint step {step} in {directory} is damaged: its record {record} is step "
+            f"{of}'s: the folder was renamed or copied from step {of} (restoring it as step "
+            f"{step} would resume at the wrong step). Restore {'an earlier' if step == 8 else 'another'} "
+            f"step: steps {others} are in {directory} (restore_latest_intact takes the newest "
+            f"intact one), or delete the folder {os.path.join(directory, str(step))}."
+        ), str(e.value)
+        assert (e.value.step, e.value.directory) == (step, directory)
+    lines = []
+    with module.Checkpoints(directory) as ckpt:
+        _, extra, step = ckpt.restore_latest_intact(saved_setup(), log=lines.append)
+    assert (step, extra) == (4, {"step": 4}), (step, extra)
+    assert [line.split(" is damaged (its record ")[0] for line in lines] == [
+        f"Checkpoint step 8 in {directory}",
+        f"Checkpoint step 5 in {directory}",
+    ], lines
+
+
+def test_a_step_folder_renamed_or_copied_from_another_step_is_damaged(pristine, tmp_path):
+    check_a_step_folder_of_another_step_is_damaged(tmp_path, pristine=pristine)
+
+
 def flip_a_bit_of_the_random_leaf(directory: str, step: int) -> str:
     """Flip one bit of ``params[0]['w'][0, 0]`` in its array file (found by its bytes, which
     zstd left verbatim); the file."""
@@ -309,8 +344,13 @@ def test_restore_latest_intact_with_no_intact_step_lists_every_reason(pristine, 
     assert "\n  - step 6: cannot read the file " in text, text
     assert text.endswith("Restore the step folders from a copy, or delete them and start the "
                          "run afresh."), text  # fmt: skip
-    with Checkpoints(tmp_path / "none") as ckpt, pytest.raises(FileNotFoundError,
-                                                               match="no checkpoint in"):  # fmt: skip
+    (tmp_path / "none").mkdir()
+    with (
+        Checkpoints(tmp_path / "none") as ckpt,
+        pytest.raises(
+            FileNotFoundError, match=f"no checkpoint in {tmp_path / 'none'}: the folder holds no "
+        ),
+    ):
         ckpt.restore_latest_intact(saved_setup())
 
 
