@@ -50,8 +50,8 @@ integer hash and summed mod 2^32, under two seeds: exact, and the same on any la
 every process), and the record gets a digest of its own text. ``restore`` checks the step
 folder's items, the record's digest and that the record is this step's (a folder renamed or
 copied from another step is damaged: it would resume at the wrong step), reads every stored
-chunk (tensorstore checks each file's length and checksums), restores, and compares the restored arrays' fingerprints with
-the saved ones: a file missing, cut short or failing its checksum, or a value that reads
+chunk (tensorstore checks each file's length and checksums), restores, and compares the
+restored arrays' fingerprints with the saved ones: a file missing, cut short or failing its checksum, or a value that reads
 without error but is not the one saved (changed before it reached the disk, or rewritten by
 another tool), raises ``CheckpointDamaged`` naming the step, the file or the leaves, and the
 steps left to restore (tensorstore's error as its ``__cause__``). ``restore_latest_intact``
