@@ -14,11 +14,27 @@ PAD_LABEL = -1
 """A label that counts nowhere in ``metrics`` (how a whole set's last chunk is padded)."""
 
 
-def check_token_range(vocab_size: int, allowed=(), **arrays) -> None:
+def check_token_range(
+    vocab_size: int,
+    allowed=(),
+    *,
+    vocabulary: str = "the model's vocabulary",
+    grow: str = "",
+    **arrays,
+) -> None:
     """Concrete token arrays (a batch being placed) hold ids in ``[0, vocab_size)`` (or one of
-    ``allowed``: the labels' ``PAD_LABEL``), else a
-    ValueError naming the array, the range and the ids found; traced or abstract arrays (inside
-    ``jit``, a budget's shapes) and arrays on other processes are not read."""
+    ``allowed``: the labels' ``PAD_LABEL``), else a ValueError naming the array, the first
+    offending id and where it is, the range and the fix; traced or abstract arrays (inside
+    ``jit``, a budget's shapes) and arrays on other processes are not read.
+
+    Arguments:
+        vocab_size: the number of tokens; ids lie in ``[0, vocab_size)``.
+        allowed: values outside the range that the arrays may hold (an ignore label).
+        vocabulary: where ``vocab_size`` comes from, for the message.
+        grow: how to give the model a larger vocabulary, for the message (``{n}``: the size
+            the arrays need), e.g. ``"Gpt(vocab_size={n})"``.
+        arrays: the arrays by name, e.g. ``ids=ids, labels=labels``; None is skipped.
+    """
     for name, a in arrays.items():
         if (a is None or isinstance(a, jax.core.Tracer) or not isinstance(a, (np.ndarray, jax.Array))
                 or not getattr(a, "is_fully_addressable", True) or not a.size):  # fmt: skip
@@ -27,10 +43,17 @@ def check_token_range(vocab_size: int, allowed=(), **arrays) -> None:
         bad = ((a < 0) | (a >= vocab_size)) & ~np.isin(a, allowed)
         if bad.any():
             where = tuple(int(i) for i in np.argwhere(bad)[0])
+            hi = int(a[bad].max())
+            fix = f"map every token into [0, {vocab_size})"
+            if allowed:
+                fix += f" (or {', '.join(map(str, allowed))}: a position the metrics skip)"
+            if hi >= vocab_size:
+                fix += f", or give the model a vocabulary of at least {hi + 1} tokens"
+                fix += f" ({grow.format(n=hi + 1)})" if grow else ""
             raise ValueError(
-                f"{name} hold {int(bad.sum())} token(s) outside [0, {vocab_size}) (the model's "
-                f"vocabulary), e.g. {int(a[where])} at {name}{list(where)}; min {int(a.min())}, "
-                f"max {int(a.max())}"
+                f"{name} hold {int(bad.sum())} token(s) outside [0, {vocab_size}) ({vocabulary}), "
+                f"e.g. {int(a[where])} at {name}{list(where)}; min {int(a.min())}, "
+                f"max {int(a.max())}. Fix the data: {fix}"
             )
 
 
@@ -74,8 +97,9 @@ class LanguageModel:
                 f"labels must be integer tokens shaped like ids {tuple(ids.shape)} (the next "
                 f"token at each position); got {labels.dtype}{tuple(labels.shape)}"
             )
-        check_token_range(self.vocab_size, ids=ids)
-        check_token_range(self.vocab_size, allowed=(PAD_LABEL,), labels=labels)
+        grow = f"{type(self).__name__}(vocab_size={{n}})"
+        check_token_range(self.vocab_size, grow=grow, ids=ids)
+        check_token_range(self.vocab_size, allowed=(PAD_LABEL,), grow=grow, labels=labels)
 
     def reference_loss(self, params, ids, labels):
         """The mean next-token cross-entropy of ``reference_logits`` (plain jnp)."""

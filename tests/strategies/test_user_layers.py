@@ -327,3 +327,130 @@ def test_setup_logits_needs_to_know_the_output_layer_of_split_logits():
     expected = ref.logits(ref.shard(params).params, ref.place_batch(ids))
     assert got.shape == (BATCH, S, V)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+# --- token ids and labels outside the vocabulary, refused when a batch is placed
+
+
+class PaddedHeadLM(KeyedLM):
+    """Its own padding: a head of ``V + 4`` columns, the loss told the vocabulary is ``V``."""
+
+    def __init__(self):
+        super().__init__({}, {"w": (D, V + 4)})
+
+    def loss_sum(self, ctx, params, logits, labels):
+        split = ctx.is_split(params["head"])
+        return ctx.cross_entropy(logits, labels, split=split, vocab_size=V).sum()
+
+
+class DeclaredLM(KeyedLM):
+    """Looks its ids up by hand (``jnp.take``, no ``ctx.embed``): the library cannot see the
+    vocabulary, so the model declares it (``vocab_size``)."""
+
+    vocab_size = V
+
+    def __init__(self):
+        super().__init__({}, {"w": (D, V)})
+
+    def apply(self, ctx, params, ids):
+        x = ctx.stage(lambda p, i: jnp.take(ctx.array(p["table"]), i, axis=0), params["embed"], ids)
+        return ctx.stage(ctx.dense, params["head"], x)
+
+
+EMBED = "the rows of params\\['embed'\\]\\['table'\\], the table ctx.embed reads"
+TOKEN_CASES = [  # (model, array, bad value, the vocabulary's source, its size, how to grow it)
+    (GatedLM, "x", V, EMBED, V, r"params\['embed'\]\['table'\] of 17 rows"),
+    (GatedLM, "y", V, "the logits' columns that ctx.cross_entropy reads", V, "logits of 17 columns"),
+    (GatedLM, "x", -1, EMBED, V, None),
+    (PaddedHeadLM, "y", V, f"the vocab_size={V} the model passes to ctx.cross_entropy", V,
+     "logits of 17 columns"),
+    (DeclaredLM, "x", V, "DeclaredLM.vocab_size", V, "vocab_size=17"),
+    (DeclaredLM, "y", -1, "DeclaredLM.vocab_size", V, None),
+]  # fmt: skip
+
+
+def check_tokens_refused(model_cls, array, value, source, size, grow) -> None:
+    """``place_batch`` refuses the batch with ``value`` at ``array[1, 2]``, naming the array,
+    the value, where it is, the vocabulary, its source and the fix; the last id is accepted."""
+    setup = models.build("2d", shardops.make_mesh({"data": 4, "model": 2}), model=model_cls(),
+                         optimizer=optax.sgd(0.1))  # fmt: skip
+    arrays = dict(zip(("x", "y"), batch(), strict=True))
+    arrays[array] = arrays[array].copy()
+    arrays[array][1, 2] = value
+    fix = rf"map every token into \[0, {size}\)" + (
+        rf", or give the model a vocabulary of at least {value + 1} tokens \({grow}\)$"
+        if grow else "$")  # fmt: skip
+    with pytest.raises(ValueError, match=rf"^{array} hold 1 token\(s\) outside \[0, {size}\) "
+                       rf"\({source}\), e\.g\. {value} at {array}\[1, 2\]; min -?\d+, max \d+\. "
+                       rf"Fix the data: {fix}"):  # fmt: skip
+        setup.place_batch(arrays["x"], arrays["y"])
+    arrays[array][1, 2] = size - 1  # the last token of the vocabulary is one
+    setup.place_batch(arrays["x"], arrays["y"])
+
+
+@pytest.mark.parametrize("case", TOKEN_CASES, ids=lambda c: f"{c[0].__name__}-{c[1]}{c[2]}")
+def test_tokens_outside_the_vocabulary_of_a_model_of_ones_own_are_refused(case):
+    check_tokens_refused(*case)
+
+
+def test_the_vocabulary_is_found_once_per_setup_and_only_for_concrete_tokens():
+    """A float batch (the MLP's) and a traced one are not read; the model's forward is traced
+    for its vocabulary once, by the first concrete integer batch."""
+    model = GatedLM()
+    setup = models.build("2d", shardops.make_mesh({"data": 4, "model": 2}), model=model,
+                         optimizer=optax.sgd(0.1))  # fmt: skip
+    ids, labels = batch()
+    setup.budget(BATCH, S)  # abstract arrays: nothing to read
+    assert not [k for k in setup._traces if k[0] == "vocabularies"]
+    setup.place_batch(ids, labels)
+    setup.place_batch(ids, labels)
+    assert [k for k in setup._traces if k[0] == "vocabularies"] == [("vocabularies", False)]
+
+
+# Each mutant lets a batch outside the vocabulary through (or refuses the last id).
+VOCAB_MUTANTS = {
+    # off by one: the id equal to the vocabulary size passes
+    "vocabulary_off_by_one": (
+        "lm",
+        "        bad = ((a < 0) | (a >= vocab_size)) & ~np.isin(a, allowed)\n",
+        "        bad = ((a < 0) | (a > vocab_size)) & ~np.isin(a, allowed)\n",
+    ),
+    # the check skipped when a batch is placed
+    "vocabulary_check_skipped": (
+        "train",
+        "            _check_tokens(self._traces[key], x=x, y=y)\n",
+        "            pass\n",
+    ),
+    # the model's own vocab_size given to the loss ignored: the padded head's width instead
+    "loss_vocab_size_ignored": (
+        "train",
+        '        self._note(labels, vocab_size or logits.shape[-1], source, "logits of {n} columns")\n',
+        '        self._note(labels, logits.shape[-1], source, "logits of {n} columns")\n',
+    ),
+}
+
+
+def check_vocab_mutant(monkeypatch, name: str, replace: bool) -> None:
+    from shardops_models.networks import _lm
+    from shardops_models.training import _train
+
+    where, line, new = VOCAB_MUTANTS[name]
+    if where == "lm":
+        bad = mutant(_lm, name, line, new if replace else line)
+        monkeypatch.setattr(_train, "check_token_range", bad.check_token_range)
+    else:
+        bad = mutant(_train, name, line, new if replace else line)
+        monkeypatch.setattr(_train.Setup, "check_batch", bad.Setup.check_batch)
+    for case in TOKEN_CASES:
+        check_tokens_refused(*case)
+
+
+@pytest.mark.parametrize("name", VOCAB_MUTANTS)
+def test_unmutated_vocabulary_check_copy_passes(monkeypatch, name):
+    check_vocab_mutant(monkeypatch, name, replace=False)
+
+
+@pytest.mark.parametrize("name", VOCAB_MUTANTS)
+def test_vocabulary_check_mutant_is_caught(monkeypatch, name):
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        check_vocab_mutant(monkeypatch, name, replace=True)
