@@ -44,21 +44,21 @@ has finished (a rename is atomic on a POSIX file system): a process killed mid-s
 while an asynchronous save is being written, leaves the previous steps intact and the
 partial one invisible (``steps``, ``latest_step`` and ``restore`` ignore it).
 
-**Never a silently wrong restore.** At save, every leaf of the state gets a 64-bit
-fingerprint computed on device (each element's bits mixed with its flat index through an
-integer hash and summed mod 2^32, under two seeds: exact, and the same on any layout and
-every process), and the record gets a digest of its own text. ``restore`` checks the step
-folder's items, the record's digest and that the record is this step's (a folder renamed or
-copied from another step is damaged: it would resume at the wrong step), reads every stored
-chunk (tensorstore checks each file's length and checksums), restores, and compares the
-restored arrays' fingerprints with the saved ones: a file missing, cut short or failing its checksum, or a value that reads
-without error but is not the one saved (changed before it reached the disk, or rewritten by
-another tool), raises ``CheckpointDamaged`` naming the step, the file or the leaves, and the
-steps left to restore (tensorstore's error as its ``__cause__``). ``restore_latest_intact``
-tries the newest step first and falls back, one logged line per damaged step, to the newest
-intact one. In a run of several processes they agree after every attempt (a read error may
-reach only the process reading the damaged shard): a step one process could not read is
-damaged for all of them.
+**Never a silently wrong restore.** At save, every leaf of the state gets a 64-bit fingerprint
+computed on device (each element's bits mixed with its flat index through an integer hash and
+summed mod 2^32, under two seeds: exact, and the same on any layout and every process), and the
+record gets a digest of its own text. ``restore`` checks the step folder's items, the record's
+digest and that the record is this step's (a folder renamed or copied from another step is
+damaged: it would resume at the wrong step), reads every stored chunk (tensorstore checks each
+file's length and checksums), restores, and compares the restored arrays' fingerprints with the
+saved ones: a file missing, cut short or failing its checksum, or a value that reads without
+error but is not the one saved (changed before it reached the disk, or rewritten by another
+tool), raises ``CheckpointDamaged`` naming the step, the file or the leaves, and the steps left
+to restore (tensorstore's error as its ``__cause__``). ``restore_latest_intact`` tries the
+newest step first and falls back, one logged line per damaged step, to the newest intact one.
+In a run of several processes they agree after every attempt (a read error may reach only the
+process reading the damaged shard): a step one process could not read is damaged for all of
+them.
 ``steps`` lists what orbax lists, a step folder another tool half wrote included: hiding it
 would let ``latest_step`` pass over it silently and a later save of that step collide with
 it; restoring it raises ``CheckpointDamaged`` naming what is missing, and
