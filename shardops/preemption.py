@@ -29,7 +29,9 @@ handler installed wins), so none must be installed after ``jax.distributed`` sta
 **One process** (no ``jax.distributed``): ``Preemption`` installs its own SIGTERM handler,
 which records the notice; ``reached`` is True at the next boundary. A second SIGTERM ends the
 process at once (the handler that was there before is put back at the first). ``close`` (or
-leaving the ``with`` block) restores the previous handler.
+leaving the ``with`` block) restores the previous handler. A handler the user installs while
+it is open would take the notice from it: ``reached`` raises ``RuntimeError`` saying so (install
+it before, and it acts at the second SIGTERM), and ``close`` leaves it in place.
 """
 
 from __future__ import annotations
@@ -97,13 +99,28 @@ class Preemption:
 
     def reached(self, step: int) -> bool:
         """True at the step boundary where every process saves and stops: ``step`` steps are
-        done. Call it at every boundary, on every process, with steps counted alike."""
+        done. Call it once at every boundary, on every process, with steps counted alike: each
+        call's step is the last one's + 1 (``ValueError`` otherwise, a step asked twice
+        included). In a single process, ``RuntimeError`` if SIGTERM's handler was replaced
+        while the ``Preemption`` is open (the notice would never reach it)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"Preemption.reached: step must be an int ≥ 0; got {step!r}")
-        if self._last is not None and step not in (self._last, self._last + 1):
+        if self._last is not None and step != self._last + 1:
+            again = "asked twice" if step == self._last else f"after step {self._last}"
             raise ValueError(
-                f"Preemption.reached: step {step} after step {self._last}; ask at every step "
-                f"boundary, in order (every process alike: they agree on a step by counting)"
+                f"Preemption.reached: step {step} {again}; expected step {self._last + 1}: ask "
+                f"once at every step boundary, the steps going up by one per call (every "
+                f"process alike: they agree on a step by counting)"
+            )
+        if self._installed and self._notice is None and signal.getsignal(signal.SIGTERM) != (
+            self._handle
+        ):  # fmt: skip
+            raise RuntimeError(
+                f"Preemption.reached: SIGTERM's handler was replaced while this Preemption was "
+                f"open (it is now {signal.getsignal(signal.SIGTERM)!r}), so a preemption notice "
+                f"would never reach it and the run would be killed unsaved. Install your own "
+                f"handler before constructing Preemption (it then acts at a second SIGTERM), "
+                f"or close the Preemption before installing it"
             )
         if self._first is None:
             self._first = step
@@ -115,7 +132,8 @@ class Preemption:
         return self._notice is not None
 
     def close(self) -> None:
-        """Put back the SIGTERM handler that was there before (a single process)."""
+        """Put back the SIGTERM handler that was there before (a single process). A handler
+        installed while it was open is left in place: it is the one the user wants now."""
         if self._installed:
             if signal.getsignal(signal.SIGTERM) == self._handle:
                 signal.signal(signal.SIGTERM, self._restorable())

@@ -17,6 +17,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from _mutants import mutant
 from _processes import Run, launcher, python, run, wait_for
 
 import shardops_models as models
@@ -247,6 +248,123 @@ def test_one_process_takes_sigterm_as_a_notice_and_a_second_one_acts_at_once():
             p.reached(-1)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def check_a_boundary_asked_twice_or_skipped_is_refused(module=preemption) -> None:
+    """``reached`` at every boundary, once: the same step twice, a step skipped and a step
+    back are each ``ValueError`` naming the step, the one expected and the rule."""
+    rule = (r"ask once at every step boundary, the steps going up by one per call \(every "
+            r"process alike: they agree on a step by counting\)")  # fmt: skip
+    for steps, bad, got in (((4, 5), 5, "asked twice"), ((4,), 6, "after step 4"),
+                            ((4, 5), 3, "after step 5")):  # fmt: skip
+        with module.Preemption() as p:
+            for step in steps:
+                assert not p.reached(step)
+            with pytest.raises(ValueError, match=rf"Preemption\.reached: step {bad} {got}; "
+                               rf"expected step {steps[-1] + 1}: {rule}"):  # fmt: skip
+                p.reached(bad)
+
+
+def test_a_boundary_asked_twice_or_skipped_is_refused():
+    check_a_boundary_asked_twice_or_skipped_is_refused()
+
+
+def check_a_handler_installed_while_open_is_refused_and_kept(module=preemption) -> None:
+    """A SIGTERM handler the user installs while ``Preemption`` is open would take the notice:
+    the next ``reached`` is a ``RuntimeError`` naming it and the fix, and ``close`` leaves it
+    installed (never the handler found before it)."""
+    got = []
+
+    def users(sig, frame):
+        got.append(sig)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with module.Preemption() as p:
+            assert not p.reached(0)
+            signal.signal(signal.SIGTERM, users)
+            with pytest.raises(RuntimeError, match=(
+                rf"Preemption\.reached: SIGTERM's handler was replaced while this Preemption was "
+                rf"open \(it is now {re.escape(repr(users))}\), so a preemption notice would never "
+                rf"reach it and the run would be killed unsaved\. Install your own handler before "
+                rf"constructing Preemption \(it then acts at a second SIGTERM\), or close the "
+                rf"Preemption before installing it"
+            )):  # fmt: skip
+                p.reached(1)
+        assert signal.getsignal(signal.SIGTERM) is users, "close clobbered the user's handler"
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert got == [signal.SIGTERM]
+        # Installed before it: ours takes the first notice, the user's the second.
+        with module.Preemption() as p:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert p.reached(0) and got == [signal.SIGTERM]
+            assert p.reached(1)  # after the notice, the user's handler is the one expected
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert got == [signal.SIGTERM, signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_handler_installed_while_open_is_refused_and_close_keeps_it():
+    check_a_handler_installed_while_open_is_refused_and_kept()
+
+
+def check_the_default_poll_follows_the_timeout_within_its_bounds(module=watchdog) -> None:
+    """``poll_s`` defaults to ``timeout_s / 10`` within [0.2, 10] s: both bounds and both
+    sides of each (one process: the thread is not started, the interval is still set)."""
+    for timeout_s, poll_s in ((0.5, 0.2), (2, 0.2), (2.5, 0.25), (30, 3.0), (99, 9.9),
+                              (100, 10.0), (600, 10.0)):  # fmt: skip
+        with module.Watchdog(timeout_s) as w:
+            assert w.poll_s == poll_s, (timeout_s, w.poll_s, poll_s)
+    with module.Watchdog(600, poll_s=0.5) as w:
+        assert w.poll_s == 0.5
+
+
+def test_the_default_poll_is_a_tenth_of_the_timeout_within_0_2_and_10_s():
+    check_the_default_poll_follows_the_timeout_within_its_bounds()
+
+
+ASKED_ONCE = "        if self._last is not None and step != self._last + 1:\n"
+REPLACED = ("        if self._installed and self._notice is None and signal.getsignal(signal.SIGTERM)"
+            " != (\n")  # fmt: skip
+CLOSED = "            if signal.getsignal(signal.SIGTERM) == self._handle:\n"
+POLL = "            poll_s = min(max(timeout_s / 10, 0.2), 10.0)\n"
+# name → (module, old line, new line, the check that catches it)
+MUTANTS = {
+    # The same boundary asked twice passes (the old rule): a loop asking twice goes unnoticed.
+    "boundary_asked_twice_allowed": (
+        preemption, ASKED_ONCE,
+        "        if self._last is not None and step not in (self._last, self._last + 1):\n",
+        check_a_boundary_asked_twice_or_skipped_is_refused,
+    ),
+    # A handler installed while open takes the notice silently: the run is killed unsaved.
+    "replaced_handler_unnoticed": (
+        preemption, REPLACED, "        if False and signal.getsignal(signal.SIGTERM) != (\n",
+        check_a_handler_installed_while_open_is_refused_and_kept,
+    ),
+    # close puts back the handler found before, clobbering the one the user installed since.
+    "close_clobbers_the_user_s_handler": (
+        preemption, CLOSED, "            if True:\n",
+        check_a_handler_installed_while_open_is_refused_and_kept,
+    ),
+    # The poll's floor at 0.1 s: twice the store requests for a short timeout.
+    "poll_floor_0_1_s": (watchdog, POLL, POLL.replace("0.2", "0.1"),
+                         check_the_default_poll_follows_the_timeout_within_its_bounds),
+    # No ceiling: a 600 s timeout polls once a minute, the verdict a minute late.
+    "poll_ceiling_60_s": (watchdog, POLL, POLL.replace("10.0", "60.0"),
+                          check_the_default_poll_follows_the_timeout_within_its_bounds),
+    # A fifth of the timeout, not a tenth.
+    "poll_a_fifth_of_the_timeout": (watchdog, POLL, POLL.replace("/ 10", "/ 5"),
+                                    check_the_default_poll_follows_the_timeout_within_its_bounds),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_resilience_mutant_is_caught(name):
+    module, old, new, check = MUTANTS[name]
+    check(mutant(module, "copy", old, old))  # an unmutated copy passes the check
+    with pytest.raises((AssertionError, pytest.fail.Exception)):  # pytest.raises' DID NOT RAISE
+        check(mutant(module, name, old, new))
 
 
 def test_a_preemption_made_outside_the_main_thread_is_refused():
