@@ -304,6 +304,8 @@ def head_parallel_attention_kernel(
     heads, head_dim, shared = _check_local(op, x, params, num_heads, kv_heads, p, axis_name,
                                            sequence_parallel)  # fmt: skip
     seq = x.shape[SEQUENCE_DIM] * (p if sequence_parallel else 1)
+    if context is not None:  # the sequence block and the heads Ulysses sends, before any move
+        context.check_local(op, seq, num_heads, kv_heads, p, shared)
     tokens = _check_tokens(op, positions, segment_ids, (x.shape[0], seq), axis_name, rope_theta,
                            context)  # fmt: skip
     _check_rope(op, rope_theta, head_dim)
@@ -320,8 +322,6 @@ def head_parallel_attention_kernel(
         params, kv = _shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum)
     else:
         kv = _KvHeads(kv_heads // p, None)
-    if context is not None:
-        context.check_local(op, seq, heads, heads if kv.index is not None else kv.count)
     y_partial = _attend(x, params, heads, kv, head_dim, causal, rope_theta, *tokens, precision,
                         context)  # fmt: skip
     bo = params.get("bo")

@@ -97,10 +97,11 @@ _SEGMENTS = Reason("context_segments", forward={
 def balanced_order(seq: int, n: int) -> np.ndarray:
     """``order[S]``: the global position of each token of the load-balanced layout over ``n``
     devices, device-major (device ``i`` holds chunks ``i`` and ``2n−1−i`` of ``seq/(2n)``)."""
-    if seq % (2 * n):
+    if seq < 1 or seq % (2 * n):
         raise ValueError(
-            f"balanced_order: the sequence length {seq} must divide by 2 × the context size "
-            f"{n} = {2 * n} (each device holds two chunks)"
+            f"balanced_order: the sequence length {seq} must be a positive multiple of 2 × "
+            f"the context size {n} = {2 * n} (each device holds two non-empty chunks); e.g. "
+            f"{sequence_fit(seq, 2 * n)}"
         )
     chunks = np.arange(seq).reshape(2 * n, seq // (2 * n))
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
@@ -141,17 +142,23 @@ class ContextParallel:
         n = lax.axis_size(self.axis_name)
         return _local_positions(lax.axis_index(self.axis_name), n, seq)
 
-    def check_local(self, op: str, seq: int, heads: int, kv_heads: int) -> None:
-        """The local block fits the layout (two chunks) and, for Ulysses, the heads split."""
-        n = lax.axis_size(self.axis_name)
-        if seq % 2:
+    def check_local(self, op: str, seq: int, num_heads: int, kv_heads: int, p: int = 1,
+                    replicated_kv: bool = False) -> None:  # fmt: skip
+        """Inside ``shard_map``, before any collective: the local block of ``seq`` tokens fits
+        the layout (two non-empty chunks) and, for Ulysses, the heads this device sends
+        (``num_heads``, ``kv_heads`` global; ``p``: the model axis splitting them,
+        ``replicated_kv``: K/V replicated over it) split over the context axis."""
+        n = lax.axis_size(self.axis_name)  # static inside shard_map
+        if seq < 2 or seq % 2:
             raise ValueError(
                 f"{op}: the local sequence block has {seq} tokens; the load-balanced layout "
-                f"over mesh axis {self.axis_name!r} (size {n}) holds two equal chunks per "
-                f"device, so the global S must divide by 2 × {n} = {2 * n}"
+                f"over mesh axis {self.axis_name!r} (size {n}) holds two equal non-empty "
+                f"chunks per device, so the global S must be a positive multiple of 2 × {n} = "
+                f"{2 * n} (e.g. {sequence_fit(seq * n, 2 * n)})"
             )
         if self.method == "ulysses":
-            check_ulysses_heads(op, heads, kv_heads, self.axis_name, n)
+            heads, kv_sent = ulysses_heads_sent(num_heads, kv_heads, p, replicated_kv)
+            check_ulysses_heads(op, heads, kv_sent, self.axis_name, n)
 
     def attend(self, q, k, v, kv, heads: int, causal: bool, segment_ids, precision: Precision):
         """``o[B, H, s, hd]`` in ``accum_dtype`` of this device's queries over the whole
@@ -165,6 +172,20 @@ class ContextParallel:
         group = heads // k.shape[1] if index is None else 1
         run = {"allgather": _allgather, "ring": _ring, "ulysses": _ulysses}[self.method]
         return run(q, k, v, segment_ids, group, causal, self.axis_name, precision, index)
+
+
+def ulysses_heads_sent(num_heads: int, kv_heads: int, p: int = 1,
+                       replicated_kv: bool = False) -> tuple[int, int]:  # fmt: skip
+    """``(query heads, key/value heads)`` one device sends through Ulysses' all-to-all, of
+    ``num_heads`` and ``kv_heads`` split over a model axis of ``p`` devices: ``H/p`` and
+    ``KV/p`` (K/V split by KV head), or with K/V replicated over it the KV heads its query
+    heads read (``kv_cache_heads``), expanded to one per query head when that is more than
+    one (they are read by index, ``ContextParallel.attend``)."""
+    heads = num_heads // p
+    if not replicated_kv:
+        return heads, kv_heads // p
+    count = _attention.kv_cache_heads(num_heads, kv_heads, p)
+    return heads, heads if count > 1 else count
 
 
 def check_ulysses_heads(op: str, heads: int, kv_heads: int, axis_name: str, n: int) -> None:
@@ -597,7 +618,7 @@ def context_parallel_attention_kernel(
     op = "context_parallel_attention_kernel"
     context = ContextParallel(context_axis, method)
     bound_axis_size(context_axis, op)
-    if model_axis is not None:
+    if model_axis is not None:  # it checks the heads it sends (its own are split by model)
         return _attention.head_parallel_attention_kernel(
             x, params, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal,
             rope_theta=rope_theta, positions=positions, segment_ids=segment_ids,
@@ -609,11 +630,11 @@ def context_parallel_attention_kernel(
                          f"give model_axis")  # fmt: skip
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     _attention._check_args(op, x, params, num_heads, kv_heads, causal, precision, dtypes=False)
+    context.check_local(op, x.shape[1], num_heads, kv_heads)  # before any all-to-all
     head_dim = params["wq"].shape[1] // num_heads
     _attention._check_rope(op, rope_theta, head_dim)
     tokens = _attention._check_tokens(op, positions, segment_ids, x.shape[:2], None, rope_theta,
                                       context)  # fmt: skip
-    context.check_local(op, x.shape[1], num_heads, kv_heads)
     x = x.astype(precision.accum_dtype)  # x[B, s, D] in accum; no region over the context axis
     kv = _attention._KvHeads(kv_heads, None)
     y = _attention._attend(x, params, num_heads, kv, head_dim, causal, rope_theta, *tokens,
@@ -668,24 +689,21 @@ def context_parallel_attention(
     _attention._check_args(op, x, params, num_heads, kv_heads, causal, precision)
     _attention._check_rope(op, rope_theta, params["wq"].shape[1] // num_heads)
     n = axis_size(mesh, context_axis)
-    check_sequence(op, "x", x.shape[1], context_axis, n)
+    p = 1 if model_axis is None else axis_size(mesh, model_axis)
+    check_sequence(op, "x", x.shape[1], context_axis, n,
+                   model_axis if sequence_parallel else None, p)  # fmt: skip
     if not permute and rope_theta is not None and positions is None and segment_ids is not None:
         # the documents' positions, counted in token order (the ids are in the layout's)
         natural = jnp.asarray(segment_ids)[:, inverse_order(x.shape[1], n)]
         positions = _attention.segment_positions(natural)[:, balanced_order(x.shape[1], n)]
     positions, segment_ids = _attention._check_tokens(op, positions, segment_ids, x.shape[:2],
                                                       None, rope_theta)  # fmt: skip
-    p = 1 if model_axis is None else axis_size(mesh, model_axis)
-    if sequence_parallel and x.shape[1] % (n * p):
-        check_divisible(argument="x", dim=1, dim_name="sequence", size=x.shape[1], mesh=mesh,
-                        axes=(context_axis, model_axis))  # fmt: skip
     if model_axis is not None:
         _attention.check_head_counts(op, num_heads, kv_heads, model_axis, p)
     replicate_kv = model_axis is not None and not _attention.splits_kv_heads(kv_heads, p)
     if method == "ulysses":
-        count = _attention.kv_cache_heads(num_heads, kv_heads, p)  # KV heads it projects
-        kv_sent = num_heads // p if replicate_kv and count > 1 else count
-        check_ulysses_heads(op, num_heads // p, kv_sent, context_axis, n)
+        heads, kv_sent = ulysses_heads_sent(num_heads, kv_heads, p, replicate_kv)
+        check_ulysses_heads(op, heads, kv_sent, context_axis, n)
     check_divisible(argument="x", dim=0, dim_name="batch", size=x.shape[0], mesh=mesh,
                     axes=(batch_axis,))  # fmt: skip
     specs = context_parallel_attention_specs(
@@ -717,14 +735,31 @@ def context_parallel_attention(
     return y[:, inverse_order(x.shape[1], n)] if permute else y
 
 
-def check_sequence(op: str, argument: str, seq: int, axis_name: str, n: int) -> None:
-    """The load-balanced layout's condition: ``2N`` divides S, else a ValueError naming the
-    argument, the dim, the axis and both sizes."""
-    if seq % (2 * n):
-        fit = -(-seq // (2 * n)) * 2 * n
-        raise ValueError(
-            f"{op}: {argument} dim 1 (sequence) = {seq} is not divisible by 2 × mesh axis "
-            f"{axis_name!r} (size {n}) = {2 * n}: the load-balanced context layout gives each "
-            f"device two equal chunks. Use a sequence length that is a multiple of {2 * n} "
-            f"(e.g. {fit}), or a smaller context axis."
-        )
+def sequence_fit(seq: int, multiple: int) -> int:
+    """The smallest positive multiple of ``multiple`` that is ≥ ``seq``: a length to suggest
+    (never 0, also for ``seq`` < 1)."""
+    return max(-(-seq // multiple), 1) * multiple
+
+
+def check_sequence(op: str, argument: str, seq: int, axis_name: str, n: int,
+                   model_axis: str | None = None, p: int = 1) -> None:  # fmt: skip
+    """The load-balanced layout's condition: S a positive multiple of ``2N`` (and, with
+    ``model_axis`` splitting each device's block further under sequence parallelism, ``S/N``
+    of its size ``p``), else a ValueError naming the argument, the dim, the axes, both sizes
+    and a valid length."""
+    multiple = n * math.lcm(2, p if model_axis is not None else 1)
+    if seq >= 1 and seq % multiple == 0:
+        return
+    need = f"2 × mesh axis {axis_name!r} (size {n}) = {2 * n}"
+    why = "the load-balanced context layout gives each device two equal non-empty chunks"
+    if model_axis is not None and multiple != 2 * n:
+        need += (f" and, per device, by mesh axis {model_axis!r} (size {p}): a multiple of "
+                 f"{multiple}")  # fmt: skip
+        why += f", and sequence parallelism splits each device's block over {model_axis!r}"
+    got = "is empty" if seq < 1 else "is not divisible by"
+    raise ValueError(
+        f"{op}: {argument} dim 1 (sequence) = {seq} {got}{'' if seq < 1 else ' ' + need}"
+        f"{f'; it needs a positive multiple of {need}' if seq < 1 else ''}: {why}. Use a "
+        f"sequence length that is a multiple of {multiple} (e.g. {sequence_fit(seq, multiple)}), "
+        f"or a smaller context axis."
+    )

@@ -18,6 +18,7 @@ from shardops.inspect._ledger import ring_bytes
 from shardops.layers import (
     CONTEXT_METHODS,
     ContextParallel,
+    _context_attention,
     balanced_order,
     context_parallel_attention,
     context_parallel_attention_kernel,
@@ -269,9 +270,12 @@ def params():
 def test_sequence_not_divisible_by_twice_the_context(params):
     mesh = mesh_of(((CONTEXT, 4),))
     x = jnp.zeros((2, 12, 32))
-    with pytest.raises(ValueError, match=r"x dim 1 \(sequence\) = 12 .* 'context' \(size 4\) = 8"):
+    with pytest.raises(ValueError, match=r"x dim 1 \(sequence\) = 12 is not divisible by 2 × "
+                       r"mesh axis 'context' \(size 4\) = 8: .* Use a sequence length that is a "
+                       r"multiple of 8 \(e\.g\. 16\), or a smaller context axis\."):  # fmt: skip
         context_parallel_attention(x, params, mesh=mesh, num_heads=HEADS, num_kv_heads=2)
-    with pytest.raises(ValueError, match="must divide by 2 × the context size 4 = 8"):
+    with pytest.raises(ValueError, match=r"length 12 must be a positive multiple of 2 × the "
+                       r"context size 4 = 8 \(each device holds two non-empty chunks\); e\.g\. 16"):  # fmt: skip
         balanced_order(12, 4)
 
 
@@ -355,3 +359,120 @@ def test_kernel_in_a_users_shard_map_equals_the_layer(params):
                                    causal=True, rope_theta=10000.0)  # fmt: skip
     np.testing.assert_allclose(np.asarray(y_layout)[:, inverse_order(16, 4)], y, rtol=1e-6,
                                atol=1e-6)  # fmt: skip
+
+
+# --- sizes checked before tracing: an empty sequence, suggested lengths, Ulysses' heads ----------
+# Each check takes the module it checks, so the mutation module runs it on copies with a check
+# lost (test_context_attention_mutations.py).
+
+EMPTY = (r"x dim 1 \(sequence\) = 0 is empty; it needs a positive multiple of 2 × mesh axis "
+         r"'context' \(size 4\) = 8: .* Use a sequence length that is a multiple of 8 "
+         r"\(e\.g\. 8\), or a smaller context axis\.")  # fmt: skip
+
+
+def check_an_empty_sequence_is_refused(layer, params):
+    """S = 0 (it divides by anything) is refused, by the layer and by the kernel in a user's
+    ``shard_map``, not a ZeroDivisionError from inside the trace."""
+    mesh = mesh_of(((CONTEXT, 4),))
+    x = jnp.zeros((2, 0, 32))
+    for method in CONTEXT_METHODS:
+        with pytest.raises(ValueError, match="context_parallel_attention: " + EMPTY):
+            layer.context_parallel_attention(x, params, mesh=mesh, num_heads=HEADS,
+                                             num_kv_heads=2, method=method)  # fmt: skip
+
+        def body(x, method=method):
+            return layer.context_parallel_attention_kernel(x, params, num_heads=HEADS,
+                                                           num_kv_heads=2, method=method)  # fmt: skip
+
+        with pytest.raises(ValueError, match=r"context_parallel_attention_kernel: the local "
+                           r"sequence block has 0 tokens; .* mesh axis 'context' \(size 4\) .* "
+                           r"the global S must be a positive multiple of 2 × 4 = 8 \(e\.g\. 8\)"):  # fmt: skip
+            jax.shard_map(body, mesh=mesh, in_specs=P(None, CONTEXT), out_specs=P(None, CONTEXT))(x)
+    with pytest.raises(ValueError, match=r"length 0 must be a positive multiple of 2 × the "
+                       r"context size 4 = 8 .*; e\.g\. 8"):  # fmt: skip
+        layer.balanced_order(0, 4)
+
+
+def check_suggested_lengths_are_positive_and_valid(layer):
+    """The length a sequence error suggests is positive and passes the check itself: below
+    the multiple (3 on context 4 → 8), empty (0 → 8), and under sequence parallelism, where
+    each device's block S/N must also split over model (context 2 × model 3: S a multiple of
+    lcm(4, 6) = 12; 8 divides by 4 but 8/2 = 4 not by 3)."""
+    cases = [(3, 4, None, 1, 8, 8), (0, 4, None, 1, 8, 8), (13, 2, None, 1, 4, 16),
+             (8, 2, "model", 3, 12, 12), (4, 2, "model", 2, 4, 4), (6, 2, "model", 2, 4, 8)]  # fmt: skip
+    for seq, n, model_axis, p, multiple, fit in cases:
+        if fit != seq:
+            with pytest.raises(ValueError, match=rf"= {seq} .*a multiple of {multiple} "
+                               rf"\(e\.g\. {fit}\), or a smaller context axis"):  # fmt: skip
+                layer.check_sequence("op", "x", seq, CONTEXT, n, model_axis, p)
+        layer.check_sequence("op", "x", fit, CONTEXT, n, model_axis, p)  # the suggestion fits
+    with pytest.raises(ValueError, match=r"by 2 × mesh axis 'context' \(size 2\) = 4 and, per "
+                       r"device, by mesh axis 'model' \(size 3\): a multiple of 12"):  # fmt: skip
+        layer.check_sequence("op", "x", 8, CONTEXT, 2, "model", 3)
+
+
+ULYSSES = (r"Ulysses splits the heads over mesh axis 'context' \(size 4\), but the "
+           r"key/value heads on each device, 2 \(query heads 8, key/value heads 2\), do not "
+           r"divide by 4\. Use the 'ring' or 'allgather' method, or a context size dividing "
+           r"both\.")  # fmt: skip
+
+
+def check_ulysses_heads_in_a_users_shard_map(layer, params):
+    """The kernels, called from a user's ``shard_map``, refuse heads Ulysses cannot split
+    with shardops' error before JAX's all-to-all sees them: the context kernel (8 query, 2
+    KV heads on context 4), and the head-parallel kernel with a context (8 heads, KV
+    replicated over model 2: each device sends 4 query heads and, read by index, 4 K/V; on
+    context 8 neither divides)."""
+    mesh = mesh_of(((CONTEXT, 4),))
+
+    def body(x):
+        return layer.context_parallel_attention_kernel(x, params, num_heads=HEADS, num_kv_heads=2,
+                                                       method="ulysses")  # fmt: skip
+
+    with pytest.raises(ValueError, match="context_parallel_attention_kernel: " + ULYSSES):
+        jax.shard_map(body, mesh=mesh, in_specs=P(None, CONTEXT), out_specs=P(None, CONTEXT))(
+            jnp.zeros((2, 16, 32))
+        )
+    mesh = mesh_of(((CONTEXT, 4), ("model", 2)))
+    specs = context_parallel_attention_specs(model_axis="model", replicate_kv=True)
+    context = layer.ContextParallel(CONTEXT, "ulysses")
+
+    def head_body(x, p):
+        return shardops.layers.head_parallel_attention_kernel(
+            x, p, num_heads=HEADS, num_kv_heads=1, axis_name="model", context=context)  # fmt: skip
+
+    mqa = init_attention(jax.random.key(0), 32, HEADS, 4, num_kv_heads=1)
+    with pytest.raises(ValueError, match=r"head_parallel_attention_kernel: Ulysses splits the "
+                       r"heads over mesh axis 'context' \(size 4\), but the key/value heads on "
+                       r"each device, 1 \(query heads 4, key/value heads 1\), do not divide by "
+                       r"4\. Use the 'ring' or 'allgather' method"):  # fmt: skip
+        jax.shard_map(head_body, mesh=mesh, in_specs=(specs.x, {k: specs.params[k] for k in mqa}),
+                      out_specs=specs.y)(jnp.zeros((2, 16, 32)), mqa)  # fmt: skip
+
+
+def check_ulysses_heads_sent_by_hand(layer):
+    """The heads one device sends through Ulysses' all-to-all, counted by hand: split by
+    model, H/p and KV/p; K/V replicated over model, the KV heads its query heads read (H = 8,
+    KV = 2 on p = 4: device i's heads 2i, 2i+1 read KV head i // 2, one), expanded to one per
+    query head when that is more than one (H = 6, KV = 3 on p = 2: device 0's heads 0, 1, 2
+    read KV heads 0, 0, 1, so it sends 3 and 3)."""
+    sent = layer.ulysses_heads_sent
+    assert sent(8, 2) == (8, 2) and sent(8, 4, 2) == (4, 2)
+    assert sent(8, 2, 4, replicated_kv=True) == (2, 1)
+    assert sent(6, 3, 2, replicated_kv=True) == (3, 3)
+
+
+def test_ulysses_heads_sent_by_hand():
+    check_ulysses_heads_sent_by_hand(_context_attention)
+
+
+def test_an_empty_sequence_is_refused(params):
+    check_an_empty_sequence_is_refused(_context_attention, params)
+
+
+def test_suggested_lengths_are_positive_and_valid():
+    check_suggested_lengths_are_positive_and_valid(_context_attention)
+
+
+def test_ulysses_heads_in_a_users_shard_map(params):
+    check_ulysses_heads_in_a_users_shard_map(_context_attention, params)

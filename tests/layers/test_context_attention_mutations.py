@@ -14,7 +14,7 @@ from _context_checks import CONTEXT, check_context_attention, context_ledger
 from _mutants import mutant
 from test_context_attention import HEADS, B, _expected, _weights
 
-from shardops.layers import _context_attention
+from shardops.layers import _context_attention, init_attention
 
 RING4 = ((CONTEXT, 4),)
 THREE = (("data", 2), (CONTEXT, 2), ("model", 2))
@@ -139,3 +139,68 @@ def test_ring_ledger_catches_a_ring_that_sends_replicated_heads(swap):
     want["backward"][("all-reduce", (CONTEXT,))] = _weights(HEADS, 2)
     got = led.by_pass()
     assert {p: got[p] for p in want} != want
+
+
+# The size checks before tracing (test_context_attention's ``check_*``, run on the mutated
+# module): name → (line, replacement, the check that must fail on it).
+ERROR_MUTANTS = {
+    # S = 0 divides by 2N: let through, the trace divides by the empty chunk.
+    "empty_sequence_accepted": (
+        "    if seq >= 1 and seq % multiple == 0:",
+        "    if seq % multiple == 0:",
+        "check_an_empty_sequence_is_refused",
+    ),
+    # The kernel's own check of its local block (a user's shard_map skips the layer's).
+    "kernel_empty_block_accepted": (
+        "        if seq < 2 or seq % 2:",
+        "        if seq % 2:",
+        "check_an_empty_sequence_is_refused",
+    ),
+    "balanced_order_of_nothing": (
+        "    if seq < 1 or seq % (2 * n):",
+        "    if seq % (2 * n):",
+        "check_an_empty_sequence_is_refused",
+    ),
+    # A suggested length rounded up from below the multiple: 0 for S = 0.
+    "suggests_zero": (
+        "    return max(-(-seq // multiple), 1) * multiple",
+        "    return -(-seq // multiple) * multiple",
+        "check_suggested_lengths_are_positive_and_valid",
+    ),
+    # Sequence parallelism's split of each device's block forgotten in the multiple.
+    "sequence_parallel_multiple_forgotten": (
+        "    multiple = n * math.lcm(2, p if model_axis is not None else 1)",
+        "    multiple = 2 * n",
+        "check_suggested_lengths_are_positive_and_valid",
+    ),
+    # The kernels' Ulysses head check lost: JAX's all-to-all is the first to object.
+    "ulysses_heads_unchecked_in_the_kernel": (
+        "            check_ulysses_heads(op, heads, kv_sent, self.axis_name, n)",
+        "            pass",
+        "check_ulysses_heads_in_a_users_shard_map",
+    ),
+    # The heads sent counted without the expansion of K/V read by index.
+    "ulysses_counts_projected_kv_heads": (
+        "    return heads, heads if count > 1 else count",
+        "    return heads, count",
+        "check_ulysses_heads_sent_by_hand",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ERROR_MUTANTS)
+def test_error_mutant_is_caught(name):
+    import test_context_attention
+
+    line, replacement, check = ERROR_MUTANTS[name]
+    module = mutant(_context_attention, name, line, replacement)
+    params = init_attention(jax.random.key(0), 32, HEADS, 4, num_kv_heads=2)
+    takes_params = check in ("check_an_empty_sequence_is_refused",
+                             "check_ulysses_heads_in_a_users_shard_map")  # fmt: skip
+    try:
+        getattr(test_context_attention, check)(module, *((params,) if takes_params else ()))
+    except Exception:  # the check failed (pytest's own failures and the trace's errors alike)
+        return
+    except pytest.fail.Exception:
+        return
+    pytest.fail(f"mutant {name} passed {check}")
