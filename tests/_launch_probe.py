@@ -10,6 +10,8 @@ JAX start-up per process.
              ``got SIGTERM``), spend ``W`` seconds as a shutdown handler saving a checkpoint
              would, print ``saved`` and exit 0
 ``fail``     as ``signals``, but process 1 exits with code 3 once every process is ready
+``ignore``   print ``ready``, then wait; on SIGINT or SIGTERM print ``got SIGINT`` (or
+             ``got SIGTERM``) and carry on waiting: a process that ignores the notice
 
 With ``SHARDOPS_TEST_READY_DIR`` set, each process also marks itself ready there (a file per
 process), which is how process 1 of ``fail`` knows the others can take a signal.
@@ -29,9 +31,13 @@ REPORTED = (
 )  # fmt: skip
 
 
-def wait_for_signals(work_s: float, fail: bool) -> int:
+def wait_for_signals(work_s: float | None, fail: bool) -> int:
+    """``work_s`` None: ignore the signals (say so, and carry on)."""
+
     def handler(sig, frame):
         print(f"got {signal.Signals(sig).name}", flush=True)
+        if work_s is None:
+            return
         time.sleep(work_s)  # the shutdown work the grace period is for
         print("saved", flush=True)
         sys.exit(0)
@@ -63,4 +69,7 @@ if __name__ == "__main__":
         sys.exit(0)
     if mode in ("signals", "fail") and len(sys.argv) == 3:
         sys.exit(wait_for_signals(float(sys.argv[2]), mode == "fail"))
-    sys.exit(f"usage: {sys.argv[0]} env | signals SECONDS | fail SECONDS; got {sys.argv[1:]}")
+    if mode == "ignore" and len(sys.argv) == 2:
+        sys.exit(wait_for_signals(None, fail=False))
+    sys.exit(f"usage: {sys.argv[0]} env | signals SECONDS | fail SECONDS | ignore; got "
+             f"{sys.argv[1:]}")  # fmt: skip

@@ -290,7 +290,8 @@ def probe_runs(start, runs, *, env=None, module=None, monkeypatch=None,
     signal_when_ready)`` of ``runs`` to its end: as subprocesses started together, or, given
     ``module`` (a copy of the launch module), its ``main`` here, one run after the other.
     ``signal_when_ready = (n, sig)``: send ``sig`` to the launcher once ``n`` probes are
-    ready."""
+    ready; ``(n, sig, "twice")``: and again once ``n`` probes got it (``after_signal`` counts
+    from the second)."""
     if module is not None:
         for key, value in (env or {}).items():
             if os.environ.get(key) != value:
@@ -305,10 +306,15 @@ def probe_runs(start, runs, *, env=None, module=None, monkeypatch=None,
     for r, when in started:
         sent = None
         if when:
-            n, sig = when
+            n, sig, *twice = when
             r.wait_for(lambda r, n=n: sum(x.endswith("] ready") for x in r.out) == n, "ready")
             sent = time.monotonic()
             os.kill(r.popen.pid, sig)
+            if twice:
+                got = f"] got {signal.Signals(sig).name}"
+                r.wait_for(lambda r, n=n, got=got: sum(x.endswith(got) for x in r.out) == n, got)
+                sent = time.monotonic()
+                os.kill(r.popen.pid, sig)
         code = r.finish(timeout)
         elapsed = None if sent is None else time.monotonic() - sent
         outcomes.append(Outcome(code, list(r.out), list(r.err), elapsed))
@@ -325,13 +331,14 @@ def _run_here(module, options, mode, when, timeout) -> Outcome:
     a watchdog SIGKILLs the probes it started (by PID) if ``main`` runs past ``timeout``."""
     out, err, sent, done = io.StringIO(), io.StringIO(), [], threading.Event()
 
-    def signal_once_ready(n, sig):
+    def signal_once_ready(n, sig, *twice):
         deadline = time.monotonic() + timeout
-        while out.getvalue().count("] ready\n") < n and time.monotonic() < deadline:
-            if done.wait(0.01):
-                return
-        sent.append(time.monotonic())
-        os.kill(os.getpid(), sig)  # handled by the launcher's own handler, in the main thread
+        for seen in ["] ready\n"] + [f"] got {signal.Signals(sig).name}\n"] * len(twice):
+            while out.getvalue().count(seen) < n and time.monotonic() < deadline:
+                if done.wait(0.01):
+                    return
+            sent.append(time.monotonic())
+            os.kill(os.getpid(), sig)  # handled by the launcher's own handler, in the main thread
 
     helper = threading.Thread(target=signal_once_ready, args=when or (0, 0), daemon=True)
     if when:
@@ -357,7 +364,7 @@ def _run_here(module, options, mode, when, timeout) -> Outcome:
             helper.join()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    elapsed = time.monotonic() - sent[0] if sent else None
+    elapsed = time.monotonic() - sent[-1] if sent else None
     return Outcome(code, out.getvalue().splitlines(), err.getvalue().splitlines(), elapsed)
 
 
@@ -435,6 +442,25 @@ def check_a_failure_stops_the_others_with_sigterm_and_grace(start, module=None,
     assert "[p0] got SIGTERM" in r.out and "[p0] saved" in r.out, r.report()
 
 
+def check_a_second_signal_kills_at_once(start, module=None, monkeypatch=None) -> None:
+    """Processes that ignore SIGTERM hold the first signal's 30 s grace; a second SIGTERM to the
+    launcher sends SIGKILL at once: it exits with 128 + SIGTERM within 1.5 s of it (0.1 s
+    here), every process dead. (Run here, the probes are killed 4 s after the launcher starts:
+    a copy that waits out the grace ends then, 2 s or more after the second signal.)"""
+    r = probe_run(start, ["-n", "2", "--grace", "30"], ("ignore",),
+                  signal_when_ready=(2, signal.SIGTERM, "twice"), module=module,
+                  timeout=4 if module is not None else RUN_TIMEOUT_S)  # fmt: skip
+    assert r.code == 128 + signal.SIGTERM and r.after_signal is not None, r.report()
+    assert all(f"[p{i}] got SIGTERM" in r.out for i in range(2)), r.report()
+    assert r.after_signal < 1.5, f"ended {r.after_signal:.2f} s after the second SIGTERM"
+    assert not any(worker_alive(p) for p in r.child_pids().values()), r.report()
+
+
+def test_a_second_signal_to_the_launcher_kills_at_once(start, monkeypatch):
+    """The launcher's own main, in this process (no JAX start-up for it: 0.2 s)."""
+    check_a_second_signal_kills_at_once(start, launch, monkeypatch)
+
+
 def test_process_ids_and_the_callers_environment_over_two_nodes_of_three(start):
     check_ids_and_environment(start)
 
@@ -482,6 +508,9 @@ LAUNCH_MUTANTS = {
     # A failure stops the others with SIGKILL, no handler run.
     "failure_kills_at_once": (FAILURE_STOP, FAILURE_STOP.replace("SIGTERM", "SIGKILL"),
                               check_a_failure_stops_the_others_with_sigterm_and_grace),
+    # A second signal ignored: processes that ignore the first hold the run for the whole grace.
+    "second_signal_waits_out_the_grace": ("        and len(signals.received) == seen\n",
+                                          "        and True\n", check_a_second_signal_kills_at_once),
 }  # fmt: skip
 
 
