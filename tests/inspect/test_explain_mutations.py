@@ -1,5 +1,6 @@
-"""Mutants of the reasons ``explain`` reads (``shardops/comm/_reasons.py``): each is caught by a
-test of ``test_views.py`` run against the mutant."""
+"""Mutants of the reasons ``explain`` reads (``shardops/comm/_reasons.py``) and of the sentences
+it writes (``shardops/inspect/_explain.py``): each is caught by a test of ``test_views.py`` run
+against the mutant."""
 
 import pytest
 import test_views
@@ -7,6 +8,7 @@ from _mutants import mutant
 
 import shardops
 from shardops.comm import _reasons
+from shardops.inspect import _explain
 
 MUTANTS = {
     # A scope explains collectives over any axes: autodiff's data-parallel reduction traced
@@ -75,3 +77,52 @@ def test_unmutated_copy_passes(monkeypatch, name):
 def test_mutant_is_caught(monkeypatch, name):
     with pytest.raises(AssertionError):
         run(monkeypatch, name, replacement=True)
+
+
+# Mutants of the sentence itself: each caught by the exact sizes and reasons of
+# test_views.test_explain_says_each_size_and_each_reason_exactly.
+SENTENCE_MUTANTS = {
+    # kilo- and mega- as powers of ten: 3072 B said as 3.1 KiB
+    "decimal_units": (
+        '    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):\n',
+        '    for unit, scale in (("MiB", 10**6), ("KiB", 10**3)):\n',
+    ),
+    # the wrong unit's name
+    "unit_named_kb": (
+        '    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):\n',
+        '    for unit, scale in (("MiB", 2**20), ("kB", 2**10)):\n',
+    ),
+    # the decimal dropped: 1.1 KiB said as 1 KiB
+    "no_decimal": (
+        '            return f"{nbytes / scale:.1f} {unit}"\n',
+        '            return f"{nbytes / scale:.0f} {unit}"\n',
+    ),
+    # a reason said once per tuple element
+    "reason_repeated": (
+        "        if text not in found:\n",
+        "        if True:\n",
+    ),
+    # only the first element's reason said
+    "reason_dropped": (
+        '    return "; and ".join(found)\n',
+        "    return found[0]\n",
+    ),
+}
+
+
+def run_sentence(monkeypatch, name, replacement):
+    line, new = SENTENCE_MUTANTS[name]
+    bad = mutant(_explain, name, line, new if replacement else line)
+    monkeypatch.setattr(_explain, "sentence", bad.sentence)
+    test_views.test_explain_says_each_size_and_each_reason_exactly()
+
+
+@pytest.mark.parametrize("name", SENTENCE_MUTANTS)
+def test_unmutated_sentence_copy_passes(monkeypatch, name):
+    run_sentence(monkeypatch, name, replacement=False)
+
+
+@pytest.mark.parametrize("name", SENTENCE_MUTANTS)
+def test_sentence_mutant_is_caught(monkeypatch, name):
+    with pytest.raises(AssertionError):
+        run_sentence(monkeypatch, name, replacement=True)

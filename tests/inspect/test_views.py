@@ -2,7 +2,9 @@
 positional grid helper and the sharding tour."""
 
 import io
+import math
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -63,6 +65,48 @@ def test_weight_png_shows_how_2d_and_fsdp_tp_differ(tmp_path):
     assert drawn["fsdp_tp layer 1 w"][((64, 128), (0, 10))] == (2,)
 
 
+ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+            "s64": 8, "f64": 8}  # fmt: skip
+SENTENCE = re.compile(
+    r"^(?P<where>[^:]+): (?P<name>\w+) over (?P<axes>'\w+'(?: × '\w+')*) of (?P<what>.+?) "
+    r"\((?P<size>\d+ B|\d+\.\d KiB|\d+\.\d MiB)\), because (?P<reasons>.+)$"
+)
+
+
+def size_text(nbytes: int) -> str:
+    """A size as explain's sentences write it (its docstring's ``(2.5 KiB)``): bytes below
+    1 KiB, else KiB (2**10) or MiB (2**20) to one decimal."""
+    if nbytes < 2**10:
+        return f"{nbytes} B"
+    return f"{nbytes / 2**10:.1f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def reasons_of(line: str, mesh_shape: dict) -> list[str]:
+    """The reasons of one of explain's sentences, after checking its form, its size (with its
+    unit, worked out from the shapes it names: the full tensor moved, a psum_scatter's input
+    being its result × the devices) and that no reason is said twice."""
+    m = SENTENCE.match(line)
+    assert m, f"not explain's sentence: {line}"
+    if not m["what"].endswith(" tensors"):
+        shapes = re.findall(r"(\w+)\[([\d,]*)\]", m["what"])
+        nbytes = sum(ITEMSIZE[d] * math.prod(int(n) for n in dims.split(",") if n)
+                     for d, dims in shapes)  # fmt: skip
+        if m["name"] == "psum_scatter":
+            nbytes *= math.prod(mesh_shape[a] for a in re.findall(r"'(\w+)'", m["axes"]))
+        assert m["size"] == size_text(nbytes), (m["size"], size_text(nbytes), line)
+    reasons = m["reasons"].split("; and ")
+    assert len(set(reasons)) == len(reasons), f"a reason said twice: {line}"
+    return reasons
+
+
+def explained(mesh, fn, *args, traced=False) -> list[str]:
+    """``shardops.inspect.explain``, every sentence checked by ``reasons_of``."""
+    lines = shardops.inspect.explain(mesh, fn, *args, traced=traced)
+    for line in lines:
+        reasons_of(line, dict(mesh.shape))
+    return lines
+
+
 def _explain_layer(layer, traced=False, **options):
     mesh = shardops.make_mesh({"data": 4, "model": 2})
     fn = getattr(shardops, f"{layer}_parallel_dense")
@@ -77,7 +121,7 @@ def _explain_layer(layer, traced=False, **options):
 
         return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, b)
 
-    return "\n".join(shardops.inspect.explain(mesh, forward_and_grads, x, w, b, traced=traced))
+    return "\n".join(explained(mesh, forward_and_grads, x, w, b, traced=traced))
 
 
 @pytest.mark.parametrize(
@@ -108,23 +152,61 @@ def test_explain_each_kernel_option(layer, options, phrases, traced):
     assert "the program moves data" not in text, text
 
 
+DATA_GRADS = (
+    "parameters replicated over 'data' meet activations split over 'data' (a batch or "
+    "sequence shard): their gradients are summed (autodiff inserts this reduction)"
+)
+SLICED_INPUT = (
+    "the replicated input was sliced over 'model': each device's zero-padded dx is summed"
+)
+PARTIAL_SUMS = "the contraction dim is split over 'model' (each device holds partial sums y{U})"
+
+
+def test_explain_says_each_size_and_each_reason_exactly():
+    """The row layer with a replicated input, compiled: XLA combines dx's and y's AllReduces
+    over 'model' (two reasons, each once) and dW's and db's over 'data' (one reason, once).
+    Sizes: f32[16,16] + f32[1,16] = 1088 B = 1.1 KiB; f32[16,32] + f32[16,16] = 3072 B =
+    3.0 KiB."""
+    lines = _explain_layer("row", input_is_parallel=False).splitlines()
+    assert lines == [
+        f"row_parallel_dense: psum over 'data' of f32[16,16], f32[1,16] (1.1 KiB), because "
+        f"{DATA_GRADS}",
+        f"row_parallel_dense: psum over 'model' of f32[16,32], f32[16,16] (3.0 KiB), because "
+        f"{SLICED_INPUT}; and {PARTIAL_SUMS}",
+    ]
+    assert [reasons_of(line, {"data": 4, "model": 2}) for line in lines] == [
+        [DATA_GRADS],
+        [SLICED_INPUT, PARTIAL_SUMS],
+    ]
+    assert size_text(1023) == "1023 B" and size_text(1024) == "1.0 KiB"  # the helper itself
+    assert size_text(3 * 2**20 // 2) == "1.5 MiB"
+
+
 def explain_fsdp(fsdp_dense):
     setup = models.build("fsdp", shardops.make_mesh({"data": 8}), optimizer=optax.sgd(1.0),
                          fsdp_dense=fsdp_dense)  # fmt: skip
     state = setup.init(jax.random.key(0))
     x = np.zeros((64, 784), np.float32)
     y = np.eye(10, dtype=np.float32)[np.zeros(64, int)]
-    return shardops.inspect.explain(setup.mesh, setup.train_step, state, *setup.place_batch(x, y))
+    return explained(setup.mesh, setup.train_step, state, *setup.place_batch(x, y))
 
 
 def test_explain_fsdp_step():
-    text = "\n".join(explain_fsdp("gather_weights"))
     # layer 0's stage gathers w1[98, 512] and b1[64] in one bundle: 8 × (50,176 + 64) floats
-    assert (
-        "all_gather over 'data' of f32[8,50240] (1.5 MiB), because weights stored split over 'data' (FSDP)"
-        in text
-    )
-    assert "psum_scatter over 'data' of f32[1,50240] (1.5 MiB), because it is the transpose" in text
+    # (1,607,680 B = 1.5 MiB); layer 1's w2[64, 10] in 8 × 640 floats (20,480 B = 20.0 KiB)
+    gathered = "weights stored split over 'data' (FSDP) are gathered just before use"
+    scattered = ("it is the transpose of the weights' all_gather: gradients are summed and each "
+                 "device keeps its shard over 'data'")  # fmt: skip
+    assert explain_fsdp("gather_weights") == [
+        f"forward pass: all_gather over 'data' of f32[8,50240] (1.5 MiB), because {gathered}",
+        f"forward pass: all_gather over 'data' of f32[8,640] (20.0 KiB), because {gathered}",
+        "forward and backward passes: psum over 'data' of f32[10], f32[] (44 B), because "
+        "parameters replicated over 'data' meet a batch split over 'data': their gradients are "
+        "summed; and each device's loss covers its shard of the batch (and of the sequence) over "
+        "'data': the global loss is their sum",
+        f"backward pass: psum_scatter over 'data' of f32[1,640] (20.0 KiB), because {scattered}",
+        f"backward pass: psum_scatter over 'data' of f32[1,50240] (1.5 MiB), because {scattered}",
+    ]
 
 
 def test_explain_fsdp_step_that_moves_activations():
@@ -149,7 +231,7 @@ def _explain_step(layout, shape, model, traced=True):
     state = setup.init(jax.random.key(0))
     ids = np.random.default_rng(0).integers(0, 16, (8, 9)).astype(np.int32)
     args = (state, *setup.place_batch(ids[:, :-1], ids[:, 1:]))
-    return shardops.inspect.explain(setup.mesh, setup.train_step, *args, traced=traced)
+    return explained(setup.mesh, setup.train_step, *args, traced=traced)
 
 
 EXPLAINED_GPT = models.Gpt(vocab_size=16, d_model=16, num_heads=4, num_layers=1, context=8, d_ff=32)
@@ -202,8 +284,8 @@ def test_remat_regathers_are_said_to_be_recomputed():
     state = setup.init(jax.random.key(0))
     x, y = np.zeros((64, 784), np.float32), np.eye(10, dtype=np.float32)[np.zeros(64, int)]
     for traced in (True, False):
-        lines = shardops.inspect.explain(setup.mesh, setup.train_step, state,
-                                         *setup.place_batch(x, y), traced=traced)  # fmt: skip
+        lines = explained(setup.mesh, setup.train_step, state, *setup.place_batch(x, y),
+                          traced=traced)  # fmt: skip
         again = [line for line in lines if "remat recomputes" in line]
         assert again and all(line.startswith("backward pass: all_gather over 'data'")
                              and "(FSDP) are gathered" in line for line in again), lines  # fmt: skip
@@ -230,7 +312,7 @@ def test_a_reason_of_your_own():
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=P("rows", "cols"), out_specs=P())
     for traced in (True, False):
-        lines = shardops.inspect.explain(mesh, fn, np.ones((8, 4), np.float32), traced=traced)
+        lines = explained(mesh, fn, np.ones((8, 4), np.float32), traced=traced)
         assert (
             "psum over 'cols' of f32[2] (8 B), because each device summed its block over 'cols'"
             in lines[0]
@@ -362,7 +444,7 @@ def test_explain_names_the_transformer_layers():
             logits, ids, mesh=mesh, batch_axis="data"
         ).mean()
 
-    text = "\n".join(shardops.inspect.explain(mesh, jax.jit(jax.grad(loss)), params, ids))
+    text = "\n".join(explained(mesh, jax.jit(jax.grad(loss)), params, ids))
     for phrase in (
         "vocab_parallel_embedding: psum over 'model'",
         "each device looks up only the ids in its rows",
@@ -386,8 +468,8 @@ def test_explain_reads_the_llamas_own_reasons():
                          model=llama)  # fmt: skip
     state = setup.init(jax.random.key(0))
     ids = np.random.default_rng(0).integers(0, 17, (8, 9)).astype(np.int32)
-    lines = shardops.inspect.explain(setup.mesh, setup.train_step, state,
-                                     *setup.place_batch(ids[:, :-1], ids[:, 1:]), traced=True)  # fmt: skip
+    lines = explained(setup.mesh, setup.train_step, state,
+                      *setup.place_batch(ids[:, :-1], ids[:, 1:]), traced=True)  # fmt: skip
     text = "\n".join(lines)
     assert "the program moves data" not in text, text
     for phrase in (
