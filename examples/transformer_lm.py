@@ -160,9 +160,12 @@ def parse_args(argv=None):
     if args.sample_tokens and args.prompt_bytes >= args.context:
         p.error(f"--prompt-bytes {args.prompt_bytes} leaves no room in the --context of "
                 f"{args.context} for --sample-tokens (the sample is decoded within the context)")  # fmt: skip
-    for name in ("warmup", "eval_every", "sample_tokens"):
+    for name in ("warmup", "eval_every", "sample_tokens", "watchdog_timeout"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be ≥ 0; got {getattr(args, name)}")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        p.error(f"--checkpoint-every must be at least 1 step; got {args.checkpoint_every} (leave "
+                f"it out to save at the end only)")  # fmt: skip
     if args.temperature < 0:
         p.error(f"--temperature must be ≥ 0 (0: greedy); got {args.temperature}")
     if args.resume and not args.checkpoint_dir:
@@ -361,6 +364,11 @@ def train(parser, args) -> int:
             f"--batch-size {args.batch_size} must be a multiple of {setup.batch_multiple} (the "
             f"devices {args.strategy} splits the batch over on this mesh)"
         )
+    try:  # the batches' shape, as the steps will check it: --context under cp and sp
+        setup.check_batch(np.zeros((args.batch_size, args.context), np.int32))
+    except ValueError as e:
+        parser.error(f"--context {args.context} does not fit strategy {args.strategy} on "
+                     f"{mesh_text(mesh)}: {e}")  # fmt: skip
     try:
         corpus = text.load_corpus(args.text_source)
     except text.TextUnavailableError as e:  # --text-source tfds without a prepared copy
@@ -385,10 +393,14 @@ def train(parser, args) -> int:
         return placed, (None if ref is None else ref.place_batch(x, y))
 
     eval_batch = args.batch_size  # a multiple of batch_multiple, as checked above
-    valid_batches = list(itertools.islice(
-        text.batches(corpus.valid, eval_batch, args.context, seed=args.seed, epoch=0),
-        args.eval_batches,
-    ))  # fmt: skip
+    try:  # the validation text is the shorter: a window size it cannot fill fails here
+        valid_batches = list(itertools.islice(
+            text.batches(corpus.valid, eval_batch, args.context, seed=args.seed, epoch=0),
+            args.eval_batches,
+        ))  # fmt: skip
+    except ValueError as e:
+        parser.error(f"--batch-size {args.batch_size} × --context {args.context} bytes do not fit "
+                     f"the validation text of {corpus.name} ({len(corpus.valid)} bytes): {e}")  # fmt: skip
     history: dict = {"valid": []}
 
     def evaluate(step: int) -> str:

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -291,3 +292,59 @@ def test_resume_passes_over_a_damaged_step_says_so_and_ends_like_the_straight_ru
     assert got["straight"][1] == got["resumed"][1]
     for a, b in zip(got["straight"][0], got["resumed"][0], strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+SMALL = ["--text-source", "stdlib", "--steps", "1", "--layers", "1", "--width", "16", "--heads",
+         "2", "--eval-batches", "1", "--sample-tokens", "0"]  # fmt: skip
+CP = ["--strategy", "2d", "--mesh", "data=2,context=2,model=2", "--context-parallel", "ring"]
+USAGE_ERRORS = [
+    ([*CP, "--context", "18"],
+     r"--context 18 does not fit strategy 2d\+ring on data=2 × context=2 × model=2: the batch: "
+     r"x dim 1 \(sequence\) = 18 is not divisible by 2 × mesh axis 'context' \(size 2\) = 4: .* "
+     r"Use a sequence length that is a multiple of 4 \(e\.g\. 20\), or a smaller context axis\."),
+    ([*CP, "--context", "2"], r"--context 2 does not fit .* = 2 is not divisible by 2 × mesh "
+     r"axis 'context' \(size 2\) = 4: .* a multiple of 4 \(e\.g\. 4\), or a smaller context axis\."),
+    (["--strategy", "sp", "--mesh", "4x2", "--context", "17"],
+     r"--context 17 does not fit strategy sp on data=4 × model=2: x dim 1 \(sequence\) = 17 is "
+     r"not divisible by mesh axis 'model' \(size 2\); choose a multiple of 2 or a mesh whose "
+     r"axis divides 17"),
+    (["--context", "100000"],
+     r"--batch-size 8 × --context 100000 bytes do not fit the validation text of python_stdlib "
+     r"\(\d+ bytes\): .*fewer than batch_size=8.*; lower batch_size or context"),
+    (["--checkpoint-dir", "unused", "--checkpoint-every", "0"],
+     r"--checkpoint-every must be at least 1 step; got 0 \(leave it out to save at the end only\)"),
+    (["--watchdog-timeout", "-1"], r"--watchdog-timeout must be ≥ 0; got -1\.0"),
+]  # fmt: skip
+
+
+def check_usage_error(example, args, message, capsys) -> None:
+    """``main(args)`` stops with argparse's usage error (exit status 2): one line naming the
+    flag, the sizes and a valid value, no traceback."""
+    with pytest.raises(SystemExit) as stop:
+        example.main([*SMALL, *args])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2, err
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(r"\S+: error: " + message, last), last
+
+
+@pytest.mark.parametrize(("args", "message"), USAGE_ERRORS,
+                         ids=["cp-18", "cp-2", "sp-17", "text", "checkpoint-every", "watchdog"])  # fmt: skip
+def test_a_size_the_library_refuses_is_a_usage_error(args, message, capsys):
+    """Sizes the library would refuse with a traceback from inside the run (a --context the
+    context or sequence-parallel axis does not split, a window the text cannot fill, a
+    checkpoint interval or watchdog timeout out of range) are usage lines, checked up front."""
+    check_usage_error(load_example("transformer_lm"), args, message, capsys)
+
+
+@pytest.mark.parametrize(("old", "new", "case"), [  # the check lost, a case that needs it
+    ("        setup.check_batch(np.zeros((args.batch_size, args.context), np.int32))",
+     "        pass", 0),
+    ('    for name in ("warmup", "eval_every", "sample_tokens", "watchdog_timeout"):',
+     '    for name in ("warmup", "eval_every", "sample_tokens"):', 5),
+], ids=["batch-shape", "watchdog"])  # fmt: skip
+def test_usage_checks_lost_are_caught(old, new, case, capsys):
+    """Mutants of the example without a check: the run reaches the library's error as a
+    traceback (not SystemExit 2), which the usage test refuses."""
+    with pytest.raises(Exception):  # noqa: B017 (whatever the library raises, not a usage line)
+        check_usage_error(load_example("transformer_lm", old, new), *USAGE_ERRORS[case], capsys)
