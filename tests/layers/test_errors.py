@@ -2,8 +2,11 @@
 
 import jax.numpy as jnp
 import pytest
+from _messages import refused
+from _mutants import mutant
 
 import shardops
+from shardops.layers import _dense
 
 
 @pytest.fixture(scope="module")
@@ -12,34 +15,33 @@ def mesh():
 
 
 def test_out_features_not_divisible(mesh):
-    with pytest.raises(
-        ValueError,
-        match=r"w dim 1 \(out features\) = 30 is not divisible by mesh axis 'model' \(size 4\)\. Pad it to 32 with shardops\.pad_params .* and pass out_features=30",
-    ):
+    with refused(ValueError, argument="column_parallel_dense: w dim 1 (out features)", got="= 30",
+                 expected="is not divisible by mesh axis 'model' (size 4)",
+                 fix=("Pad it to 32 with shardops.pad_params", "and pass out_features=30")):  # fmt: skip
         shardops.column_parallel_dense(jnp.ones((8, 16)), jnp.ones((16, 30)), mesh=mesh)
 
 
 def test_in_features_not_divisible_for_row(mesh):
-    with pytest.raises(
-        ValueError,
-        match=r"w dim 0 \(in features\) = 30 is not divisible by mesh axis 'model' \(size 4\)",
-    ):
+    with refused(ValueError, argument="row_parallel_dense: w dim 0 (in features)", got="= 30",
+                 expected="is not divisible by mesh axis 'model' (size 4)",
+                 fix=("Pad it to 32 with shardops.pad_params", "and pass in_features=30")):  # fmt: skip
         shardops.row_parallel_dense(jnp.ones((8, 30)), jnp.ones((30, 16)), mesh=mesh)
 
 
 def test_batch_not_divisible_over_both_axes(mesh):
     # Sequence parallelism splits the batch over data × model = 8.
-    with pytest.raises(
-        ValueError,
-        match=r"x dim 0 \(batch\) = 12 is not divisible by mesh axis 'data' \(size 2\) × 'model' \(size 4\) = 8",
-    ):
+    with refused(ValueError, argument="x dim 0 (batch)", got="= 12",
+                 expected="not divisible by mesh axis 'data' (size 2) × 'model' (size 4) = 8",
+                 fix="choose a multiple of 8 or a mesh whose axes divide 12"):  # fmt: skip
         shardops.column_parallel_dense(
             jnp.ones((12, 16)), jnp.ones((16, 32)), mesh=mesh, batch_axis="data", gather_input=True
         )
 
 
 def test_feature_scatter_needs_divisible_out_features(mesh):
-    with pytest.raises(ValueError, match=r"w dim 1 \(out features\) = 10 is not divisible"):
+    with refused(ValueError, argument="w dim 1 (out features)", got="= 10",
+                 expected="not divisible by mesh axis 'model' (size 4)",
+                 fix="choose a multiple of 4 or a mesh whose axis divides 10"):  # fmt: skip
         shardops.row_parallel_dense(
             jnp.ones((8, 16)),
             jnp.ones((16, 10)),
@@ -51,16 +53,19 @@ def test_feature_scatter_needs_divisible_out_features(mesh):
 
 @pytest.mark.parametrize("argument", ["axis_name", "batch_axis"])
 def test_unknown_axis(mesh, argument):
-    with pytest.raises(
-        ValueError, match=rf"{argument}='tensor' is not an axis of the mesh.*\('data', 'model'\)"
-    ):
+    with refused(ValueError, argument=f"{argument}=", got="'tensor' is not an axis of the mesh",
+                 expected="axes ('data', 'model') with sizes {'data': 2, 'model': 4}",
+                 fix=("Pass one of those names",
+                      "shardops.make_mesh({..., 'tensor': size})")):  # fmt: skip
         shardops.column_parallel_dense(
             jnp.ones((8, 16)), jnp.ones((16, 32)), mesh=mesh, **{argument: "tensor"}
         )
 
 
 def test_batch_and_model_on_one_axis(mesh):
-    with pytest.raises(ValueError, match="batch_axis and axis_name are both 'model'"):
+    with refused(ValueError, argument="batch_axis and axis_name", got="are both 'model'",
+                 expected="the batch and the weights",
+                 fix="must be split over different mesh axes"):  # fmt: skip
         shardops.column_parallel_dense(
             jnp.ones((8, 16)), jnp.ones((16, 32)), mesh=mesh, batch_axis="model"
         )
@@ -92,17 +97,18 @@ def test_wrong_rank(mesh, x_shape, w_shape, match):
 @pytest.mark.parametrize("b_shape", [(16,), (1, 32), ()])
 def test_bias_of_the_wrong_shape_is_not_broadcast(mesh, layer, b_shape):
     fn = getattr(shardops, f"{layer}_parallel_dense")
-    with pytest.raises(
-        ValueError, match=r"b must have shape \(32,\) to match w\(16, 32\).*No broadcasting"
-    ):
+    with refused(ValueError, argument=f"{layer}_parallel_dense: b", got=f"got {b_shape}",
+                 expected="must have shape (32,) to match w(16, 32)",
+                 fix="No broadcasting is done"):  # fmt: skip
         fn(jnp.ones((8, 16)), jnp.ones((16, 32)), jnp.ones(b_shape), mesh=mesh)
 
 
 def test_bad_reduce_options(mesh):
     x, w = jnp.ones((8, 16)), jnp.ones((16, 32))
-    with pytest.raises(
-        ValueError, match=r"reduce must be one of \('psum', 'psum_scatter'\); got 'sum'"
-    ):
+    with refused(ValueError, argument="reduce", got="got 'sum'",
+                 expected="must be one of ('psum', 'psum_scatter')",
+                 fix="'psum' gives a replicated output, 'psum_scatter' one split along "
+                     "scatter_dimension"):  # fmt: skip
         shardops.row_parallel_dense(x, w, mesh=mesh, reduce="sum")
     with pytest.raises(
         ValueError,
@@ -112,7 +118,8 @@ def test_bad_reduce_options(mesh):
 
 
 def test_not_a_mesh():
-    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+    with refused(TypeError, argument="mesh", got="got dict",
+                 expected="must be a jax.sharding.Mesh", fix="(see shardops.make_mesh)"):  # fmt: skip
         shardops.column_parallel_dense(jnp.ones((8, 16)), jnp.ones((16, 32)), mesh={"model": 2})
 
 
@@ -129,3 +136,39 @@ def test_explicit_mesh_rejects_a_misplaced_input_with_the_fix():
         match=r"w is laid out as P\('model', None\) but this layer needs P\(None, 'model'\).*jax.sharding.reshard",
     ):
         shardops.column_parallel_dense(x, w, mesh=mesh)
+
+
+# Mutants of the advice (the first clause unchanged): caught by the tests above, which read the
+# message whole (tests/_messages.py); a match on the first clause alone passes them.
+ADVICE_MUTANTS = {
+    # the padding rounded down: "Pad it to 28" for 30 features on 4 devices
+    "pad_rounds_down": (
+        "        padded = -(-size // p) * p\n",
+        "        padded = size // p * p\n",
+        test_in_features_not_divisible_for_row,
+    ),
+    # the logical size to pass forgotten: "pass in_features=None"
+    "logical_name_dropped": (
+        '            f"shard_params(..., pad=True)) and pass {logical_name}={logical or size}."\n',
+        '            f"shard_params(..., pad=True)) and pass {logical_name}={logical}."\n',
+        test_in_features_not_divisible_for_row,
+    ),
+}
+
+
+def check_advice_mutant(monkeypatch, mesh, name, replace):
+    line, new, test = ADVICE_MUTANTS[name]
+    bad = mutant(_dense, name, line, new if replace else line)
+    monkeypatch.setattr(_dense, "_check_padded", bad._check_padded)
+    test(mesh)
+
+
+@pytest.mark.parametrize("name", ADVICE_MUTANTS)
+def test_unmutated_advice_copy_passes(monkeypatch, mesh, name):
+    check_advice_mutant(monkeypatch, mesh, name, replace=False)
+
+
+@pytest.mark.parametrize("name", ADVICE_MUTANTS)
+def test_advice_mutant_is_caught(monkeypatch, mesh, name):
+    with pytest.raises(AssertionError, match="the message lacks"):
+        check_advice_mutant(monkeypatch, mesh, name, replace=True)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _messages import refused
 from _mutants import mutant
 
 import shardops
@@ -318,8 +319,10 @@ def test_setup_logits_needs_to_know_the_output_layer_of_split_logits():
     args = ({"scale": jnp.ones(D)}, {"w": (D, V)})
     params = KeyedLM(*args).init(jax.random.key(0))
     plain = models.build("2d", mesh, model=KeyedLM(*args), optimizer=optax.sgd(0.1))
-    with pytest.raises(ValueError, match=r"setup.logits: KeyedLM's logits\(2, 4, 8\) \(per device\) "
-                       r"vary over the tp axis 'model', and the model has no output_layer"):  # fmt: skip
+    with refused(ValueError, argument="setup.logits: KeyedLM's logits",
+                 got="(2, 4, 8) (per device) vary over the tp axis 'model'",
+                 expected="the model has no output_layer(params) saying which layer makes them",
+                 fix="define it (return the head's parameter dict, as models.Gpt does)"):  # fmt: skip
         plain.logits(plain.shard(params).params, plain.place_batch(ids))
     headed = models.build("2d", mesh, model=HeadedLM(*args), optimizer=optax.sgd(0.1))
     ref = models.build("ref", model=HeadedLM(*args), optimizer=optax.sgd(0.1))
