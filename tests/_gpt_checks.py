@@ -13,6 +13,7 @@ import functools
 import jax
 import numpy as np
 import optax
+from _lm_budgets import EXPECTED, check_hand_budget
 from _model_checks import MIN_MOVE, STEPS, max_diff, mesh_for
 
 import shardops
@@ -143,7 +144,8 @@ def check_lm_trajectory(model, strategy, mesh_name, opt_name, *, build=models.bu
     # input, checked on the SGD runs only (Adam's check is its losses and parameters).
     step = setup.train_step.lower(state, *setup.place_batch(ids[0], labels[0])).compile()
     if budget:
-        check_budget(setup, step, ids.shape[1:])
+        check_budget(setup, step, ids.shape[1:], (model.name, strategy, mesh_name, opt_name, clip,
+                                                  remat))  # fmt: skip
     losses, grads = [], []
     for x, y in zip(ids, labels, strict=True):
         xb, yb = setup.place_batch(x, y)
@@ -175,8 +177,11 @@ def check_lm_trajectory(model, strategy, mesh_name, opt_name, *, build=models.bu
     return errors
 
 
-def check_budget(setup, compiled, batch_shape) -> None:
-    """The compiled train step moves exactly the plan-derived bytes per (kind, axes)."""
+def check_budget(setup, compiled, batch_shape, case=None) -> None:
+    """The compiled train step moves exactly the bytes of the budget traced from it per
+    (kind, axes); where ``case`` has a hand-written budget (``_lm_budgets.EXPECTED``), the
+    traced step and the compiled one also equal it (the traced budget alone cannot see a
+    change to the step: it is read from that step)."""
     totals: dict = {}
     for c in shardops.inspect.collectives(setup.mesh, compiled):
         if c.bytes:
@@ -186,3 +191,5 @@ def check_budget(setup, compiled, batch_shape) -> None:
         f"GPT {setup.strategy} on {dict(setup.mesh.shape)}: compiled collectives {totals} "
         f"!= the traced budget {expected}"
     )
+    if case in EXPECTED:
+        check_hand_budget(case, setup, compiled, batch_shape)
