@@ -1,6 +1,8 @@
 """Mutation check for the GPT under the strategies: a plan with one wrong role, a dropped
 vocab-parallel reduction and a loss averaged locally are each caught by the trajectory check
-(tests/_gpt_checks.py) against the plain-jnp reference, while the unmutated copies pass."""
+(tests/_gpt_checks.py) against the plain-jnp reference, while the unmutated copies pass; a
+collective added or swapped and a reduction in bfloat16 pass the budget traced from the step
+and are caught by the hand-written budget (tests/_lm_budgets.py)."""
 
 import inspect
 import sys
@@ -8,10 +10,16 @@ import types
 
 import jax
 import pytest
-from _gpt_checks import GPT, check_gpt_trajectory
+from _gpt_checks import BATCH, GPT, MESHES, SEQ, check_budget, check_gpt_trajectory, optimizer
+from _lm_budgets import check_hand_budget
+from _model_checks import mesh_for
+from _mutants import mutant as line_mutant
 
+import shardops
 import shardops_models as models
+from shardops.layers import _cross_entropy, _dense_kernels
 from shardops_models.networks import _lm, gpt
+from shardops_models.strategies import parallel
 from shardops_models.training import _train
 
 LOCAL_TARGETS = "        targets = self._global_batch(y.shape[0]) * math.prod(y.shape[1:])\n"
@@ -88,3 +96,120 @@ def test_plan_with_one_wrong_role_is_caught(case):
     with pytest.raises((AssertionError, ValueError)):
         check_gpt_trajectory(*case, "sgd", plan=wrong_role_plan())
     jax.clear_caches()
+
+
+# --- changes to the step that the budget traced from the step cannot see -------------------
+# Each mutant changes what one train step communicates: a collective added, one pattern for
+# another, a reduction in bfloat16. The comparison the suite made (the compiled step against
+# the budget traced from the same step) passes under each; the hand-written budget
+# (tests/_lm_budgets.py) does not.
+
+SUM_EXP = "        sum_exp = lax.psum(jnp.sum(jnp.exp(shifted), axis=-1), axis_name)  # [...]"
+TARGET = "        target = lax.psum(jnp.where(owns, picked, 0.0), axis_name)  # [...]"
+ROW_PSUM = "                y = reduce_from_region(y_partial, axis_name)  # y[B, D]"
+GRAD_PSUM = (
+    "                value = shardops.comm.copy_to_region(value, axes, self.precision.accum_dtype)"
+)
+
+# name → (module, line, replacement, strategy, mesh, in bfloat16)
+BUDGET_MUTANTS = {
+    # The target logit summed in two AllReduces (even and odd labels): the same numbers, one
+    # AllReduce of [16, 16] float32 more.
+    "loss_target_in_two_psums": (_cross_entropy, TARGET, (
+        "        even = labels % 2 == 0  # [...]\n"
+        "        target = (lax.psum(jnp.where(owns & even, picked, 0.0), axis_name)\n"
+        "                  + lax.psum(jnp.where(owns & ~even, picked, 0.0), axis_name))"
+    ), "tp", "2x2x2", False),
+    # The row-parallel AllReduce as a ReduceScatter then an AllGather: the same numbers and the
+    # same ring bytes per device, other collectives.
+    "row_psum_as_scatter_and_gather": (_dense_kernels, ROW_PSUM, (
+        "                last = y_partial.ndim - 1  # the features: D divides by model\n"
+        "                y = lax.all_gather(reduce_scatter_from_region(y_partial, axis_name, last),\n"
+        "                                   axis_name, axis=last, tiled=True, to='invarying')"
+    ), "tp", "2x2x2", False),
+    # The vocab-parallel Σ exp reduced in bfloat16.
+    "loss_sum_exp_in_bf16": (_cross_entropy, SUM_EXP, (
+        "        sum_exp = lax.psum(jnp.sum(jnp.exp(shifted), axis=-1).astype(jnp.bfloat16),\n"
+        "                           axis_name).astype(jnp.float32)"
+    ), "tp", "2x2x2", True),
+    # The row-parallel layers' partial sums reduced in bfloat16.
+    "row_psum_in_bf16": (_dense_kernels, ROW_PSUM, (
+        "                y = reduce_from_region(y_partial.astype(jnp.bfloat16),\n"
+        "                                       axis_name).astype(y_partial.dtype)"
+    ), "tp", "2x2x2", True),
+    # dp's gradient AllReduce (the transpose of copy_to_region) in bfloat16.
+    "dp_grads_reduced_in_bf16": (parallel, GRAD_PSUM, (
+        "                value = shardops.comm.copy_to_region(value, axes, jnp.bfloat16).astype(\n"
+        "                    value.dtype)"
+    ), "dp", "data8", True),
+}  # fmt: skip
+
+
+@pytest.fixture
+def swap_budget_mutant(monkeypatch):
+    """Swap in the mutated (or the unmutated, ``replacement=None``) copy of a module's kernel
+    where the strategies call it."""
+
+    def swap(name, mutated: bool):
+        module, line, new, *_ = BUDGET_MUTANTS[name]
+        copy = line_mutant(module, name, line, new if mutated else line)
+        if module is _cross_entropy:
+            monkeypatch.setattr(shardops.layers, "vocab_parallel_cross_entropy_kernel",
+                                copy.vocab_parallel_cross_entropy_kernel)  # fmt: skip
+        elif module is _dense_kernels:
+            for holder in (shardops.layers, shardops.layers._mlp):
+                monkeypatch.setattr(holder, "row_parallel_dense_kernel",
+                                    copy.row_parallel_dense_kernel)  # fmt: skip
+        else:
+            monkeypatch.setattr(parallel.Parallel, "_materialise", copy.Parallel._materialise)
+        jax.clear_caches()
+
+    yield swap
+    jax.clear_caches()
+
+
+def compiled_gpt_step(strategy, mesh_name):
+    """The GPT's setup and its compiled train step (SGD, the suite's batch shape)."""
+    setup = models.build(strategy, mesh_for(MESHES[mesh_name]), optimizer=optimizer("sgd"),
+                         model=GPT)  # fmt: skip
+    return setup, setup.train_step.lower(*setup.abstract_step_args(BATCH, SEQ)).compile()
+
+
+def self_referential_budget_check(setup, compiled) -> None:
+    """The comparison the suite made: the compiled step's bytes per (kind, axes) against the
+    budget traced from that same step, as the backend runs it (``budget().totals()``: XLA:CPU
+    runs a bfloat16 collective in float32; on GPU and TPU, and for any float32 program, it is
+    ``collective_budget``, which ``check_budget`` reads)."""
+    moved = shardops.inspect.Ledger(setup.mesh, tuple(shardops.inspect.collectives(
+        setup.mesh, compiled)), ()).totals()  # fmt: skip
+    assert moved == setup.budget(BATCH, SEQ).totals()
+
+
+def budget_case(name):
+    *_, strategy, mesh, _ = BUDGET_MUTANTS[name]
+    return (GPT.name, strategy, mesh, "sgd", None, False)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["loss_target_in_two_psums", "row_psum_as_scatter_and_gather", "dp_grads_reduced_in_bf16"],
+)  # one per mutated module
+def test_unmutated_copies_pass_the_hand_budget(swap_budget_mutant, name):
+    swap_budget_mutant(name, mutated=False)
+    setup, compiled = compiled_gpt_step(*budget_case(name)[1:3])
+    check_budget(setup, compiled, (BATCH, SEQ), budget_case(name))
+
+
+@pytest.mark.parametrize("name", BUDGET_MUTANTS)
+def test_step_change_passes_the_traced_budget_but_not_the_hand_one(swap_budget_mutant, name):
+    swap_budget_mutant(name, mutated=True)
+    setup, compiled = compiled_gpt_step(*budget_case(name)[1:3])
+    self_referential_budget_check(setup, compiled)  # the old comparison: passes
+    bf16 = BUDGET_MUTANTS[name][-1]
+    if bf16:  # check_budget's requested bytes differ only by XLA:CPU's promotion to float32
+        with pytest.raises(AssertionError, match="the traced budget"):
+            check_budget(setup, compiled, (BATCH, SEQ))
+    else:
+        check_budget(setup, compiled, (BATCH, SEQ))  # exactly the old check: passes
+    with pytest.raises(AssertionError, match="bf16" if bf16 else "the traced step asks for"):
+        check_hand_budget(budget_case(name), setup, compiled, (BATCH, SEQ))
