@@ -348,3 +348,67 @@ def test_usage_checks_lost_are_caught(old, new, case, capsys):
     traceback (not SystemExit 2), which the usage test refuses."""
     with pytest.raises(Exception):  # noqa: B017 (whatever the library raises, not a usage line)
         check_usage_error(load_example("transformer_lm", old, new), *USAGE_ERRORS[case], capsys)
+
+
+def parser_of(example):
+    """The ``argparse`` parser an example builds, caught as it parses (nothing trains)."""
+    import argparse
+
+    class Built(Exception):
+        pass
+
+    def catch(self, args=None, namespace=None):
+        raise Built(self)
+
+    real = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = catch
+    try:
+        example.parse_args([])
+    except Built as built:
+        return built.args[0]
+    finally:
+        argparse.ArgumentParser.parse_args = real
+    raise AssertionError(f"{example.__name__}.parse_args built no parser")
+
+
+def documented_flags(page: str) -> dict[str, set[str]]:
+    """Example → the flags a page lists for it, in its paragraphs ``Flags of `NAME.py`: …``."""
+    found = {}
+    for name, paragraph in re.findall(r"^Flags of `(\w+)\.py`:(.*?)(?:\n\n|\Z)", page, re.M | re.S):
+        found[name] = set(re.findall(r"`(--[a-z][a-z0-9-]*)", paragraph))
+    return found
+
+
+def flag_mismatches(page: str) -> list[str]:
+    """Where a page's flag lists differ from their examples' parsers (missing or stale)."""
+    listed = documented_flags(page)
+    wrong = [f"no flag list for {sorted({'mlp_2d', 'transformer_lm'} - set(listed))}"]
+    wrong = wrong if {"mlp_2d", "transformer_lm"} - set(listed) else []
+    for name, flags in listed.items():
+        parser = parser_of(load_example(name))
+        actual = {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+        actual.discard("--help")
+        if flags != actual:
+            wrong.append(f"{name}.py: the page misses {sorted(actual - flags)} and lists "
+                         f"{sorted(flags - actual)}, which it does not take")  # fmt: skip
+    return wrong
+
+
+GETTING_STARTED = ROOT / "docs" / "getting-started.md"
+
+
+def test_getting_started_lists_every_flag_of_the_examples():
+    """Every flag list on docs/getting-started.md equals its example's parser's flags (none
+    missing, none stale); both training examples have one."""
+    assert flag_mismatches(GETTING_STARTED.read_text()) == []
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("`--context-parallel\n{allgather,ring,ulysses}`", "`{allgather,ring,ulysses}`"),  # missing
+    ("`--remat`,", "`--remat`, `--rematerialise`,"),  # stale
+    ("Flags of `transformer_lm.py`:", "Flags:"),  # a list no longer tied to its example
+])  # fmt: skip
+def test_a_flag_list_out_of_date_is_caught(old, new):
+    page = GETTING_STARTED.read_text()
+    assert page.count(old) == 1, old
+    assert flag_mismatches(page.replace(old, new)) != []
