@@ -1,16 +1,21 @@
 """Mutants of the Llama's training path, each caught by the trajectory check against the
 plain-jnp reference (tests/_gpt_checks.py), or refused by check_vma when the step traces (a
 norm that varies over the mesh where the update needs one value): a tied head whose table gets
-the gradient of one use only, and clipping by each device's norm of its own gradient shards."""
+the gradient of one use only, and clipping by each device's norm of its own gradient shards.
+The gated MLP's reduction in bfloat16 passes the budget traced from the step and is caught by
+the hand-written one (tests/_lm_budgets.py)."""
 
 import jax
 import pytest
-from _gpt_checks import check_lm_trajectory
+from _gpt_checks import BATCH, SEQ, check_budget, check_lm_trajectory, optimizer
+from _lm_budgets import check_hand_budget
 from _mutants import mutant
 from test_llama import CLIP, GQA, SGD_LR, TIED_MQA
 
 import shardops
+import shardops_models as models
 from shardops import _clip
+from shardops.layers import _dense_kernels
 from shardops_models.strategies import parallel
 
 TIED_LINE = "        w = table.T  # w[D, V(_model)]: the table's rows as output columns"
@@ -57,3 +62,39 @@ def test_mutant_is_caught(swapped, name):
         _check(name)
     if isinstance(caught.value, ValueError):  # check_vma's verdict on a varying norm
         assert "vma" in str(caught.value) or "out_specs" in str(caught.value), caught.value
+
+
+# The gated MLP's row-parallel AllReduce in bfloat16 (inside the scan over the stacked blocks):
+# the budget traced from the step passes it (as XLA:CPU runs it, in float32); the hand-written
+# budget (tests/_lm_budgets.py) sees the bf16 collectives.
+ROW_PSUM = "                y = reduce_from_region(y_partial, axis_name)  # y[B, D]"
+ROW_PSUM_BF16 = (
+    "                y = reduce_from_region(y_partial.astype(jnp.bfloat16),\n"
+    "                                       axis_name).astype(y_partial.dtype)"
+)
+BUDGET_CASE = (GQA.name, "tp", "model8", "sgd", CLIP, False)
+
+
+def _compiled_gqa_step(monkeypatch, line):
+    copy = mutant(_dense_kernels, "gated_mlp_row_psum_in_bf16", ROW_PSUM, line)
+    for holder in (shardops.layers, shardops.layers._mlp):
+        monkeypatch.setattr(holder, "row_parallel_dense_kernel", copy.row_parallel_dense_kernel)
+    jax.clear_caches()
+    setup = models.build("tp", shardops.make_mesh({"model": 8}), model=GQA,
+                         optimizer=optimizer("sgd", CLIP, sgd_lr=SGD_LR))  # fmt: skip
+    return setup, setup.train_step.lower(*setup.abstract_step_args(BATCH, SEQ)).compile()
+
+
+@pytest.mark.parametrize("mutated", [False, True], ids=["unmutated", "mutated"])
+def test_gated_mlp_reduced_in_bf16_is_caught_by_the_hand_budget(monkeypatch, mutated):
+    setup, compiled = _compiled_gqa_step(monkeypatch, ROW_PSUM_BF16 if mutated else ROW_PSUM)
+    moved = shardops.inspect.Ledger(
+        setup.mesh, tuple(shardops.inspect.collectives(setup.mesh, compiled)), ()
+    ).totals()
+    assert moved == setup.budget(BATCH, SEQ).totals()  # the old comparison: passes either way
+    if mutated:
+        with pytest.raises(AssertionError, match="bf16"):
+            check_hand_budget(BUDGET_CASE, setup, compiled, (BATCH, SEQ))
+    else:
+        check_budget(setup, compiled, (BATCH, SEQ), BUDGET_CASE)
+    jax.clear_caches()
