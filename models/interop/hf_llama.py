@@ -59,6 +59,7 @@ import json
 import math
 import os
 import re
+import warnings
 from typing import Any
 
 import jax
@@ -92,15 +93,36 @@ NAMES: dict[tuple[str, ...], tuple[str, bool]] = {
     ("norm", "scale"): ("model.norm.weight", False),
     ("head", "w"): ("lm_head.weight", True),
 }
-# Tensors a file may hold that the model derives (older transformers saved RoPE's frequencies).
+EMBED, HEAD = NAMES["embed", "table"][0], NAMES["head", "w"][0]
+# Tensors a file may hold that the model derives (older transformers saved RoPE's frequencies;
+# transformers recomputes them from the config too).
 DERIVED = ("rotary_emb.inv_freq",)
+
+# What transformers' ``LlamaConfig()`` gives a field that config.json leaves out (the tests read
+# them from transformers). ``num_key_value_heads`` and ``head_dim`` follow the heads.
+DEFAULTS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+# ``hidden_act`` names whose transformers function (``ACT2FN``) is SiLU, what the MLP computes.
+SILU = ("silu", "swish")
+# The files' dtypes ``save_hf_llama`` writes: the float dtypes transformers loads and runs.
+SAVE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 # Config fields the model cannot honour, with the value it computes: (field, test of a value).
 _UNSUPPORTED = (
     ("rope_scaling", lambda v: v is None, "RoPE scaling (Llama 3.1's, YaRN …) is not implemented"),
     ("attention_bias", lambda v: not v, "models.Llama has no attention biases"),
     ("mlp_bias", lambda v: not v, "models.Llama has no MLP biases"),
-    ("hidden_act", lambda v: v in ("silu", "swish"), "models.Llama's gated MLP is SwiGLU (silu)"),
+    ("hidden_act", lambda v: v in SILU, f"models.Llama's gated MLP is SwiGLU: {SILU}"),
     ("attention_dropout", lambda v: not v, "models.Llama trains without dropout"),
 )
 
@@ -115,9 +137,7 @@ def llama_from_config(config: dict | str | os.PathLike, **overrides) -> Llama:
     an ``UnsupportedConfig`` naming the field (module docstring)."""
     if not isinstance(config, dict):
         path = os.fspath(config)
-        path = os.path.join(path, CONFIG) if os.path.isdir(path) else path
-        with open(path) as f:
-            config = json.load(f)
+        config = _read_json(os.path.join(path, CONFIG) if os.path.isdir(path) else path)
     if config.get("model_type") != "llama":
         raise UnsupportedConfig(
             f"config model_type={config.get('model_type')!r}: only 'llama' (LlamaForCausalLM) "
@@ -133,10 +153,7 @@ def llama_from_config(config: dict | str | os.PathLike, **overrides) -> Llama:
             f"config rope_parameters.rope_type={rope_type!r} is not supported: only 'default' "
             f"RoPE (no scaling) is implemented"
         )
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
-                           "num_hidden_layers", "num_attention_heads") if k not in config]  # fmt: skip
-    if missing:
-        raise UnsupportedConfig(f"config lacks {missing}: not a Llama config")
+    config = {**DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
     heads, width = config["num_attention_heads"], config["hidden_size"]
     head_dim = config.get("head_dim")
     if head_dim is not None and head_dim * heads != width:
@@ -151,10 +168,10 @@ def llama_from_config(config: dict | str | os.PathLike, **overrides) -> Llama:
         "num_layers": config["num_hidden_layers"],
         "num_heads": heads,
         "num_kv_heads": config.get("num_key_value_heads") or heads,
-        "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
-        "context": config.get("max_position_embeddings", 2048),
+        "rope_theta": float(rope.get("rope_theta", config["rope_theta"])),
+        "norm_eps": float(config["rms_norm_eps"]),
+        "tie_embeddings": bool(config["tie_word_embeddings"]),
+        "context": config["max_position_embeddings"],
     }
     return Llama(**{**fields, **overrides})
 
@@ -191,7 +208,11 @@ class HfLlama:
     """A transformers Llama checkpoint folder, read lazily (module docstring).
 
     ``model()`` is its ``models.Llama``; ``load(setup)`` reads its parameters into ``setup``'s
-    layout; ``elements_read`` counts the elements this process has read from the files.
+    layout; ``elements_read`` is the number of elements the latest ``load`` read from the files
+    in this process (0 before the first): the checkpoint's size in a run of one process.
+    ``tie_embeddings`` is whether the head is the embedding: the config's
+    ``tie_word_embeddings``, unless the files also hold an ``lm_head.weight`` that differs from
+    the embedding (then ``False``, with a warning, as transformers does).
     """
 
     def __init__(self, directory: str | os.PathLike):
@@ -200,14 +221,47 @@ class HfLlama:
         if not os.path.exists(config):
             raise FileNotFoundError(f"{self.directory} has no {CONFIG}: not a transformers "
                                     f"checkpoint folder (save_pretrained writes one)")  # fmt: skip
-        with open(config) as f:
-            self.config = json.load(f)
+        self.config = _read_json(config)
         self.files = self._weight_map()  # tensor name → file name
         self.elements_read = 0
+        self.tie_embeddings = self._tie_embeddings()
 
     def model(self, **overrides) -> Llama:
-        """``llama_from_config(self.config, **overrides)``."""
-        return llama_from_config(self.config, **overrides)
+        """``llama_from_config(self.config, **overrides)``, tied as ``tie_embeddings`` says."""
+        return llama_from_config({**self.config, "tie_word_embeddings": self.tie_embeddings},
+                                 **overrides)  # fmt: skip
+
+    def _tie_embeddings(self) -> bool:
+        """transformers' rule (``PreTrainedModel.tie_weights``): a config that ties, over files
+        holding both the embedding and an ``lm_head.weight``, ties them only if they are equal;
+        otherwise each is read from its own tensor."""
+        tied = bool(self.config.get("tie_word_embeddings", DEFAULTS["tie_word_embeddings"]))
+        if not tied or HEAD not in self.files or EMBED not in self.files:
+            return tied
+        if self._equal(EMBED, HEAD):
+            return True
+        warnings.warn(
+            f"{self.directory}: {CONFIG} says tie_word_embeddings=true, but the files hold an "
+            f"{HEAD} that differs from {EMBED}: loaded untied (the head read from {HEAD}), as "
+            f"transformers does; set tie_word_embeddings to false in {CONFIG} to silence this",
+            UserWarning,
+            stacklevel=3,
+        )
+        return False
+
+    def _equal(self, a: str, b: str, rows: int = 4096) -> bool:
+        """Whether tensors ``a`` and ``b`` hold the same values (read ``rows`` rows at a time)."""
+        handles: dict[str, Any] = {}
+        try:
+            va, vb = (self._open(handles, name).get_slice(name) for name in (a, b))
+            if va.get_shape() != vb.get_shape():
+                return False
+            size = va.get_shape()[0]
+            return all(np.array_equal(va[i : min(i + rows, size)], vb[i : min(i + rows, size)])
+                       for i in range(0, size, rows))  # fmt: skip
+        finally:
+            for handle in handles.values():
+                handle.__exit__(None, None, None)
 
     def _weight_map(self) -> dict[str, str]:
         index = os.path.join(self.directory, INDEX)
@@ -217,8 +271,19 @@ class HfLlama:
                 f"folder (transformers would read {SINGLE}); remove the stale one"
             )
         if os.path.exists(index):
-            with open(index) as f:
-                return dict(json.load(f)["weight_map"])
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(
+                    f'{index} has no weight_map: expected {{"weight_map": {{tensor name: '
+                    f"file}}}}, got weight_map={weight_map!r}; re-save the checkpoint "
+                    f"(save_pretrained writes it)"
+                )
+            absent = sorted({f for f in weight_map.values()
+                             if not os.path.isfile(os.path.join(self.directory, f))})  # fmt: skip
+            if absent:
+                raise FileNotFoundError(f"{index} names files that are not in "
+                                        f"{self.directory}: {absent}; copy them there")  # fmt: skip
+            return dict(weight_map)
         single = os.path.join(self.directory, SINGLE)
         if not os.path.exists(single):
             raise FileNotFoundError(f"{self.directory} has neither {SINGLE} nor {INDEX}")
@@ -243,6 +308,7 @@ class HfLlama:
                              + "; ".join(diff) + " (build the setup with model=ckpt.model())")  # fmt: skip
         logical, stored = setup.padding.logical, setup.padding.stored
         self._check_tensors(model, logical)
+        self.elements_read = 0  # this load's
         dtype = np.dtype(setup.precision.param_dtype)
         shardings = _shardings(setup)
         handles: dict[str, Any] = {}
@@ -269,8 +335,9 @@ class HfLlama:
         return TrainState(params, opt_state)
 
     def _check_tensors(self, model: Llama, logical) -> None:
-        """Every tensor the model needs is in the files with the shape the config gives, and no
-        tensor it would ignore is."""
+        """Every tensor the model needs is in the files with the shape the config gives, and
+        every tensor of the files has its place (``NAMES``), but a ``DERIVED`` one and a tied
+        head's ``lm_head.weight`` equal to the embedding (``tie_embeddings``)."""
         want = set()
         for key, (name, _) in NAMES.items():
             if key[0] == "head" and model.tie_embeddings:
@@ -278,9 +345,9 @@ class HfLlama:
             want |= {name.format(l=i) for i in range(model.num_layers)} if "{l}" in name else {name}
         have = set(self.files)
         missing = sorted(want - have)
-        extra = sorted(n for n in have - want
-                       if not n.endswith(DERIVED) and not (model.tie_embeddings
-                                                           and n == "lm_head.weight"))  # fmt: skip
+        # A tied head's lm_head.weight is the embedding, read: HfLlama ties only if they agree.
+        placed = want | ({HEAD} if self.tie_embeddings else set())
+        extra = sorted(n for n in have - placed if not n.endswith(DERIVED))
         if missing or extra:
             raise ValueError(
                 f"{self.directory}: the files do not hold models.Llama's tensors: missing "
@@ -319,6 +386,23 @@ class HfLlama:
             handle = safe_open(os.path.join(self.directory, file), "numpy")
             handles[file] = handle.__enter__()
         return handles[file]
+
+
+def _read_json(path: str) -> dict:
+    """The JSON object in ``path`` (``config.json``, the index), or an error naming the file."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path} is not valid JSON ({e.msg}, line {e.lineno} column {e.colno}): expected "
+            f"the JSON object save_pretrained writes; fix the file or re-save the checkpoint"
+        ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}: expected an object "
+                         f"({{\"field\": value, …}}); fix the file or re-save the checkpoint")  # fmt: skip
+    return value
 
 
 class _BlockReader:
@@ -380,16 +464,21 @@ def _shardings(setup: Setup):
 def save_hf_llama(directory: str | os.PathLike, setup: Setup, state, *,
                   max_shard_bytes: int | None = None, dtype=None) -> list[str]:  # fmt: skip
     """Write ``state`` (a ``TrainState`` or the params, laid out by ``setup``) as a transformers
-    Llama checkpoint in ``directory``: ``config.json`` and ``model.safetensors``, or, when the
-    tensors exceed ``max_shard_bytes``, ``model-0000i-of-0000n.safetensors`` files of at most
-    that size each (a tensor is never split) with ``model.safetensors.index.json``.
+    Llama checkpoint in ``directory`` (a folder, created if missing): ``config.json`` and
+    ``model.safetensors``, or, when the tensors exceed ``max_shard_bytes`` (a positive int of
+    bytes; ``None``, the default: one file), ``model-0000i-of-0000n.safetensors`` files with
+    ``model.safetensors.index.json``, split as transformers' ``save_pretrained(...,
+    max_shard_size=max_shard_bytes)`` splits (huggingface_hub's rule): tensors in order, a file
+    closed when the next tensor would take it past ``max_shard_bytes``; a tensor never split,
+    one larger than ``max_shard_bytes`` alone in a file of its own. ``dtype`` (default the
+    params') is the files' dtype, one of ``SAVE_DTYPES``: float32, bfloat16, float16, float64.
 
     Every process calls it; the parameters are gathered one at a time, and each file is
     written (by process 0) as soon as its tensors are in, so the host holds one parameter and
     one file's tensors at a time, not the model. Process 0 writes into a folder every process
     can read (a shared file system across hosts), replacing the weight files of a checkpoint
-    saved there before; all return once the files are written. ``dtype`` (default the
-    params') is the files' dtype. Returns the files written (process 0; ``[]`` elsewhere).
+    saved there before; all return once the files are written. Returns the files written
+    (process 0; ``[]`` elsewhere).
     A model trained on packed documents (``bos_id``) is saved as it is: transformers attends
     across documents.
     """
@@ -398,8 +487,16 @@ def save_hf_llama(directory: str | os.PathLike, setup: Setup, state, *,
         raise TypeError(f"save_hf_llama needs a setup of models.Llama; got {type(model)}")
     params = state.params if isinstance(state, TrainState) else state
     directory = os.path.abspath(os.fspath(directory))
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"save_hf_llama: directory={directory!r} is a file; expected a folder "
+                         f"(created if missing): pass another path or remove the file")  # fmt: skip
+    if max_shard_bytes is not None and (isinstance(max_shard_bytes, bool) or not isinstance(
+            max_shard_bytes, int) or max_shard_bytes < 1):  # fmt: skip
+        raise ValueError(f"save_hf_llama: max_shard_bytes must be a positive int of bytes or "
+                         f"None (one file); got {max_shard_bytes!r}: pass a size in bytes such "
+                         f"as 5 * 10**9 (save_pretrained's '5GB'), or None")  # fmt: skip
     leaves = jax.tree_util.tree_leaves_with_path(params)
-    out_dtype = np.dtype(dtype or leaves[0][1].dtype)
+    out_dtype = _save_dtype(dtype if dtype is not None else leaves[0][1].dtype, dtype is None)
     plan = _plan(setup, leaves, out_dtype)  # (tensor name, bytes) in the order they are made
     files = _files(plan, max_shard_bytes)  # tensor name → file
     main = jax.process_index() == 0
@@ -431,11 +528,12 @@ def save_hf_llama(directory: str | os.PathLike, setup: Setup, state, *,
                 save_file(
                     pending.pop(file), os.path.join(directory, file), metadata={"format": "pt"}
                 )  # transformers reads only known formats
-    written = list(waiting)
+    written = sorted(waiting)
     if main and written != [SINGLE]:
-        index = {"metadata": {"total_size": sum(b for _, b in plan)}, "weight_map": files}
-        with open(os.path.join(directory, INDEX), "w") as f:
-            json.dump(index, f, indent=2)
+        total = sum(b for _, b in plan)
+        metadata = {"total_parameters": total // out_dtype.itemsize, "total_size": total}
+        with open(os.path.join(directory, INDEX), "w") as f:  # as save_pretrained writes it
+            json.dump({"metadata": metadata, "weight_map": files}, f, indent=2, sort_keys=True)
         written.append(INDEX)
     if jax.process_count() > 1:  # the others return once the files are written
         multihost_utils.sync_global_devices(f"save_hf_llama {directory}")
@@ -457,20 +555,46 @@ def _plan(setup: Setup, leaves, dtype) -> list[tuple[str, int]]:
     return out
 
 
+def _save_dtype(dtype, from_params: bool) -> np.dtype:
+    """``save_hf_llama``'s ``dtype``, one of ``SAVE_DTYPES``, or an error listing them."""
+    try:
+        out = np.dtype(dtype)
+    except TypeError:
+        out = None
+    if out is None or out.name not in SAVE_DTYPES:
+        got = repr(dtype) if out is None else repr(out.name)
+        got = f"the params' {got}" if from_params else got
+        raise ValueError(f"save_hf_llama: dtype must be one of {SAVE_DTYPES} (the float dtypes "
+                         f"transformers loads); got {got}: pass dtype='bfloat16' or another of "
+                         f"them")  # fmt: skip
+    return out
+
+
 def _files(plan: list[tuple[str, int]], max_shard_bytes: int | None) -> dict[str, str]:
-    """Tensor name → file: ``model.safetensors``, or consecutive tensors packed into files of
-    at most ``max_shard_bytes`` (transformers' ``model-0000i-of-0000n.safetensors``)."""
-    if max_shard_bytes is None or sum(b for _, b in plan) <= max_shard_bytes:
+    """Tensor name → file, as huggingface_hub's ``split_state_dict_into_shards_factory`` (what
+    ``save_pretrained`` calls) splits ``plan``: tensors in order into the open file until the
+    next would take it past ``max_shard_bytes``; one larger than that in a file of its own,
+    added at once; ``model.safetensors`` if that makes one file, else
+    ``model-0000i-of-0000n.safetensors``."""
+    if max_shard_bytes is None:
         return {name: SINGLE for name, _ in plan}
-    shards: list[list[str]] = [[]]
+    shards: list[list[str]] = []
+    current: list[str] = []
     size = 0
     for name, nbytes in plan:
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
+        if nbytes > max_shard_bytes:
+            shards.append([name])
+            continue
+        if size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
         size += nbytes
+    if current:
+        shards.append(current)
     n = len(shards)
+    if n == 1:
+        return dict.fromkeys(shards[0], SINGLE)
     return {name: f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             for i, names in enumerate(shards) for name in names}  # fmt: skip
 

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 
+import _hf_checks
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +25,7 @@ from transformers import LlamaForCausalLM
 
 import shardops_models as models
 from shardops_models.generation import Decoder
-from shardops_models.interop import HfLlama, UnsupportedConfig, save_hf_llama
+from shardops_models.interop import HfLlama, UnsupportedConfig, hf_llama, save_hf_llama
 
 
 def _cases():
@@ -268,3 +269,41 @@ def test_each_process_of_a_two_process_run_reads_only_its_slices(tmp_path):
     alone = np.asarray(decoder.generate(params, ids[:, :8], 6))
     np.testing.assert_array_equal(np.load(f"{out}.npz")["decoded"], alone)
     check_close(logits, str(saved), ids, "saved by 2 processes")
+
+
+def test_a_field_config_json_leaves_out_takes_transformers_default():
+    """Each field left out, and all of them: the model of transformers' own LlamaConfig."""
+    _hf_checks.check_defaults(hf_llama)
+
+
+def test_hidden_act_is_accepted_exactly_where_transformers_computes_silu():
+    _hf_checks.check_activation_aliases(hf_llama)
+
+
+def test_shards_split_at_max_shard_bytes_as_huggingface_hub_splits():
+    """Tensor sizes around the boundary, against huggingface_hub's own split (pure Python)."""
+    _hf_checks.check_shard_split(hf_llama)
+
+
+def test_a_sharded_save_at_the_boundary_lists_each_tensor_once(tmp_path):
+    _hf_checks.check_sharded_save(hf_llama, tmp_path)
+
+
+def test_a_tied_config_over_a_distinct_lm_head_loads_untied_as_transformers_does(tmp_path):
+    _hf_checks.check_untied_head(hf_llama, tmp_path)
+
+
+def test_every_tensor_the_mapping_does_not_place_is_refused_by_name(tmp_path):
+    _hf_checks.check_unplaced_tensors(hf_llama, tmp_path)
+
+
+def test_elements_read_is_the_latest_loads():
+    _hf_checks.check_elements_read(hf_llama)
+
+
+def test_config_or_index_that_is_not_json_is_refused_naming_the_file(tmp_path):
+    _hf_checks.check_json_errors(hf_llama, tmp_path)
+
+
+def test_save_refuses_a_dtype_a_file_path_and_a_shard_size_by_name(tmp_path):
+    _hf_checks.check_save_errors(hf_llama, tmp_path)
