@@ -11,7 +11,9 @@ A checkpoint is the folder ``save_pretrained`` writes: ``config.json`` and eithe
 ``model.safetensors.index.json``. Reading uses ``safetensors.safe_open(...).get_slice``: each
 device's block is read straight from the file (``jax.make_array_from_callback``), so a process
 reads only what its devices hold, never a whole tensor it does not need (``elements_read``
-counts it), and never the other processes' blocks.
+counts what the latest ``load`` read), and never the other processes' blocks. A file that is
+not valid JSON, an index without its ``weight_map`` or naming a file that is not there, is
+refused naming the file.
 
 **Names and layouts** (transformers stores a linear layer's weight ``[out, in]``; shardops
 stores ``w[in, out]``, and the blocks stacked ``[L, …]``):
@@ -36,18 +38,33 @@ shardops parameter                 transformers tensor                         l
 No permutation of ``q_proj``/``k_proj``: transformers' Llama rotates halves (``rotate_half``),
 as shardops' attention does (``shardops.layers``' attention docstring). A padded dim (a
 vocabulary the tp axis does not divide) is read from the file's logical size and zero-filled
-beyond it. A tied checkpoint's ``lm_head.weight``, where a file holds one, is not read: the
-model (like transformers) uses the embedding.
+beyond it. Every tensor of the files has its place in the table, or the load is refused
+naming it (a bias, a layer past ``num_hidden_layers``, another architecture's tensor); the
+exceptions are RoPE's ``inv_freq``, which older transformers saved and the model (like
+transformers) recomputes from the config, and a tied head's ``lm_head.weight``.
+
+**Tied heads**, as transformers' ``from_pretrained`` decides them: a config with
+``tie_word_embeddings: true`` whose files hold no ``lm_head.weight`` ties the head to the
+embedding; one whose files also hold an ``lm_head.weight`` equal to the embedding ties them too
+(it is not read); one whose ``lm_head.weight`` differs loads **untied**, the head read from
+``lm_head.weight``, with a ``UserWarning`` that says so (transformers warns and unties; the
+fix is ``tie_word_embeddings: false`` in config.json). ``HfLlama(...).tie_embeddings`` holds
+the decision; deciding it reads both tensors whole, in blocks of rows, in every process
+(when the ``HfLlama`` is made; not counted in ``elements_read``).
 
 **Config.** ``llama_from_config`` maps ``vocab_size``, ``hidden_size``,
 ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
 ``num_key_value_heads``, ``rms_norm_eps``, ``rope_parameters.rope_theta`` (or the older
 top-level ``rope_theta``), ``tie_word_embeddings`` and ``max_position_embeddings`` (the
-context). What the model cannot compute, or would train differently, is refused with the
-field named: another
+context). A field config.json leaves out takes transformers'
+``LlamaConfig()`` default (``DEFAULTS``: vocabulary 32000, width 4096, ``d_ff`` 11008, 32
+layers of 32 heads, ``rms_norm_eps`` 1e-6, θ 10000, context 2048, untied;
+``num_key_value_heads``: the heads). What the model cannot compute, or would train
+differently, is refused with the field named: another
 ``model_type``, ``rope_scaling`` or a ``rope_type`` other than ``"default"``, ``head_dim`` ≠
 ``hidden_size / num_attention_heads``, ``attention_bias`` or ``mlp_bias``, a ``hidden_act``
-other than ``silu`` (or its other name ``swish``), a non-zero ``attention_dropout``. The
+whose transformers function is not SiLU (``SILU``: ``silu`` and ``swish``; transformers' names
+are case-sensitive), a non-zero ``attention_dropout``. The
 tensors' shapes must be the ones the config gives (a config that disagrees with its files is
 refused before anything is read). ``pretraining_tp`` only changes how
 transformers slices its matmuls (the same function) and is accepted.
