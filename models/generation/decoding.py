@@ -10,6 +10,7 @@ values into the cache; then each new token is one step that attends to the cache
 its own K/V, at position ``S_p + t`` (rotary positions continue from the prompt). All rows of
 a batch share the prompt length. ``generate`` runs prefill and every step in one compiled
 program (a ``lax.scan`` over the steps: one dispatch, nothing in flight to bound).
+``logits`` runs one prefill or step a call against a ``KVCache`` (teacher-forced decoding).
 
 **Layout** (the ``2d`` strategy's: Megatron's tensor parallelism over ``model``, the batch over
 ``data``): each device holds ``H/p`` query heads and the weights of ``2d``; the cache
@@ -17,12 +18,16 @@ program (a ``lax.scan`` over the steps: one dispatch, nothing in flight to bound
 KV head (``n = KV/p``) where ``model`` divides the KV heads, else the KV heads replicated like
 their weights (``n = kv_cache_heads(H, KV, p)``; devices whose query heads read the same KV
 head each cache it). A vocabulary or d_ff the model axis does not divide is padded and masked
-as in training.
+as in training. Other mesh axes (``context``, ``replica``) are accepted and replicate the
+decoding: the devices along them hold the same rows, weights and cache, and compute the same
+tokens (no faster; build the mesh from ``data`` and ``model`` alone to use them for rows).
 
 **Sampling.** Greedy is the vocab-parallel argmax (an AllReduce(max) and an AllReduce(min) of
 ``B/d`` numbers; the logits are never gathered). With ``temperature`` > 0 a token is drawn by
-the Gumbel-max trick, ``argmax(logits/T + g)``: entry ``(r, v)`` of ``g`` is drawn from the
-step's key folded with the global row ``r`` and token id ``v``, each device drawing only its
+the Gumbel-max trick, ``argmax(logits/T + g)``: entry ``(r, v)`` of ``g`` is
+``jax.random.gumbel(fold_in(fold_in(step_key, r), v))`` for the global row ``r`` and token id
+``v``, where token ``t`` of the continuation (0: the prompt's next) has ``step_key =
+fold_in(key, t)``, each device drawing only its
 ``[B/d, V/p]`` block, so the draw equals the unsharded one's for the same key, whatever the
 mesh.
 
@@ -33,6 +38,7 @@ and the MLP's), and the argmax's two of ``[b, 1]``; all float32. Nothing over ``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -59,6 +65,23 @@ from shardops_models.training._train import build
 
 STRATEGY = "2d"  # the decoding layout: tp over model, the batch over data
 GPT_EPS = 1e-5  # the GPT's layer norms (ctx.layer_norm's default)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("k", "v"),
+                   meta_fields=("length",))  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """A decoder's KV cache and how many positions of it are written (``Decoder.init_cache``
+    makes an empty one, ``Decoder.logits`` returns the next).
+
+    ``k, v[L, B, p·n, S_max, hd]`` (``Decoder.init_cache``'s layout): every layer's keys and
+    values at positions ``0 … length−1``; the slots from ``length`` on hold zeros or stale
+    entries that nothing reads. ``length`` is a Python int, the position the next token goes
+    to: ``Decoder.logits`` compares its ``start`` with it before anything runs."""
+
+    k: jax.Array
+    v: jax.Array
+    length: int
 
 
 class Decoder:
@@ -111,17 +134,24 @@ class Decoder:
         out for decoding (padded where the model axis does not divide a dim)."""
         return self.setup.shard(params).params
 
-    def init_cache(self):
-        """An empty cache: ``(k, v)``, each ``[L, B, p·n, S_max, hd]`` zeros in the compute
-        dtype, device (i, j) holding batch rows of data index i and its n KV heads."""
-        return self._zeros(), self._zeros()
+    def init_cache(self) -> KVCache:
+        """An empty cache for ``logits``: a ``KVCache`` of length 0 whose ``k`` and ``v`` are
+        each ``[L, B, p·n, S_max, hd]`` zeros in the compute dtype (``L`` layers, ``p`` the
+        size of ``model``, ``n = kv_cache_heads(H, KV, p)``, ``hd`` the head dim), device
+        (i, j) holding the batch rows of data index i and its n KV heads."""
+        return KVCache(self._zeros(), self._zeros(), 0)
+
+    @property
+    def cache_shape(self) -> tuple[int, ...]:
+        """The global shape ``(L, B, p·n, S_max, hd)`` of each of a cache's ``k`` and ``v``."""
+        m = self.model
+        return (m.num_layers, self.batch, self.mesh.shape[self.tp] * self.cache_heads,
+                self.max_len, m.head_dim)  # fmt: skip
 
     @functools.cached_property
     def _zeros(self):
         """The jitted zeros of one cache array (compiled once per decoder, not per call)."""
-        m = self.model
-        shape = (m.num_layers, self.batch, self.mesh.shape[self.tp] * self.cache_heads,
-                 self.max_len, m.head_dim)  # fmt: skip
+        shape = self.cache_shape
         return jax.jit(lambda: jnp.zeros(shape, self.precision.compute_dtype),
                        out_shardings=NamedSharding(self.mesh, self.cache_spec))  # fmt: skip
 
@@ -219,18 +249,75 @@ class Decoder:
             logits = logits / temperature + noise
         return vocab_parallel_argmax_kernel(logits, vocab_size=vocab, axis_name=self.tp)
 
-    def logits(self, params, cache, ids, start):
-        """``(logits[B, s, V], cache)``: the logits of ``ids[B, s]`` at positions ``start …``
-        (float32, padding cut off) and the cache with their K/V written. ``cache`` is donated.
-        The prefill is ``start`` = 0 with the prompt; a step, one token at the next position."""
-        if isinstance(start, jax.core.Tracer):
-            raise TypeError("start must be a concrete position (an int): the cache's bounds are "
-                            "checked before the step runs")  # fmt: skip
+    def logits(self, params, cache: KVCache, ids, start: int):
+        """Teacher-forced decoding, one call at a time: the logits of ``ids`` fed at positions
+        ``start … start+s−1`` against ``cache``, and the cache with their keys and values
+        written (``generate`` runs a prefill and its steps in one program instead).
+
+            cache = decoder.init_cache()                               # length 0
+            logits, cache = decoder.logits(params, cache, prompt, 0)   # prefill: [B, S_p, V]
+            step, cache = decoder.logits(params, cache, token, S_p)    # token[B, 1] → [B, 1, V]
+
+        Arguments:
+            params: the decoding layout's params (``place``, or a checkpoint loaded into
+                ``setup``).
+            cache: the ``KVCache`` of ``init_cache`` or of the previous call. It is donated:
+                keep the one returned.
+            ids: ``ids[B, s]`` integer tokens, host or placed, ``s ≥ 1``.
+            start: a Python int, the position of ``ids[:, 0]``: ``cache.length`` continues
+                the cache (0 prefills an empty one); less rewinds it (below).
+
+        Returns:
+            ``(logits[B, s, V], cache)``: float32 logits over the model's vocabulary (the
+            padding cut off), laid out like the batch, and a ``KVCache`` of length
+            ``start + s``.
+
+        ``start`` past ``cache.length`` is refused: the slots between were never written and
+        the attention would read their zeros as keys and values, finite logits of no
+        sequence. Below it, rewinding is well defined, so it is allowed: the slots from
+        ``start`` on are overwritten by ``ids`` or masked as later positions, so the logits
+        are those of the cache's first ``start`` tokens followed by ``ids`` (tested), e.g.
+        another continuation of the same prefix. ``start`` must be concrete (a traced one is
+        a TypeError): it is compared with the cache's length before the step runs.
+        """
+        concrete = isinstance(start, int | np.integer | jax.Array) and not isinstance(
+            start, bool | jax.core.Tracer)  # fmt: skip
+        if not concrete:
+            raise TypeError(
+                f"Decoder.logits: start must be a concrete int (the position of ids[:, 0], "
+                f"compared with the cache's length before the step runs); got "
+                f"{type(start).__name__}. Call logits outside jit with start=cache.length, "
+                f"or use generate for a whole decoding in one program"
+            )
         start = int(start)
+        if not isinstance(cache, KVCache):
+            raise TypeError(
+                f"Decoder.logits: cache must be the KVCache of decoder.init_cache() or of the "
+                f"previous logits call (it records the positions written); got "
+                f"{type(cache).__name__}"
+            )
+        for name, c in (("k", cache.k), ("v", cache.v)):
+            if tuple(c.shape) != self.cache_shape:
+                raise ValueError(
+                    f"Decoder.logits: cache.{name} has shape {tuple(c.shape)}; this decoder's "
+                    f"is {self.cache_shape} [L, B, p·n, S_max, hd]: start from this decoder's "
+                    f"init_cache()"
+                )
         ids = ids if isinstance(ids, jax.Array) else np.asarray(ids)
-        self._check(ids, start)
+        self._check(ids, start, what="ids")
+        if start > cache.length:
+            unwritten = (f"position {cache.length} was" if start == cache.length + 1 else
+                         f"positions {cache.length} … {start - 1} were")  # fmt: skip
+            raise ValueError(
+                f"Decoder.logits: start={start} is past the cache's next position "
+                f"{cache.length} (cache.length): {unwritten} never written, and the attention "
+                f"would read the empty slots. Feed the tokens of those positions first, or "
+                f"pass start={cache.length} (or less, to rewind)"
+            )
+        self.setup.padding.check_stored(params, "Decoder.logits", "decoder.place(params)")
         ids = jax.device_put(ids, NamedSharding(self.mesh, self.batch_spec))
-        return self._logits(params, cache, ids, jnp.int32(start))
+        logits, (k, v) = self._logits(params, (cache.k, cache.v), ids, jnp.int32(start))
+        return logits, KVCache(k, v, start + ids.shape[1])
 
     @functools.cached_property
     def _logits(self):
@@ -249,7 +336,8 @@ class Decoder:
         prompt = prompt if isinstance(prompt, jax.Array) else np.asarray(prompt)  # host or placed
         if isinstance(steps, bool) or not isinstance(steps, int | np.integer) or steps < 1:
             raise ValueError(f"steps must be a positive int (tokens to generate); got {steps!r}")
-        self._check(prompt, 0, prompt.shape[1] + steps - 1)
+        self._check(prompt, 0, steps, what="prompt")  # S_p + steps ≤ max_len
+        self.setup.padding.check_stored(params, "Decoder.generate", "decoder.place(params)")
         if temperature < 0:
             raise ValueError(f"temperature must be ≥ 0 (0: greedy); got {temperature}")
         if temperature > 0 and key is None:
@@ -302,14 +390,26 @@ class Decoder:
         return shardops.inspect.traced_ledger(self.mesh, self.generate_program(steps, temperature),
                                               params, prompt, jax.random.key(0))  # fmt: skip
 
-    def _check(self, ids, start, last=None):
+    def _check(self, ids, start: int, steps_after: int = 0, *, what: str):
+        """``ids[B, s]`` fits this decoder at positions ``start …``, and so do ``steps_after``
+        tokens after them (``generate``'s contract: ``S_p + steps ≤ max_len``)."""
         if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(f"ids must be integer tokens [batch, tokens]; got "
-                             f"{ids.dtype}{tuple(ids.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{what} must be integer tokens [batch, tokens]; got {ids.dtype}"
+                f"{tuple(ids.shape)}. One sequence is one row: {what}[None] for a decoder of "
+                f"batch=1, or np.repeat({what}[None], {self.batch}, axis=0) for this one's "
+                f"{self.batch} rows"
+            )
         if ids.shape[0] != self.batch:
-            raise ValueError(f"ids dim 0 (batch) = {ids.shape[0]}; this decoder was built for "
-                             f"batch={self.batch}")  # fmt: skip
-        last = start + ids.shape[1] - 1 if last is None else last
+            raise ValueError(f"{what} dim 0 (batch) = {ids.shape[0]}; this decoder was built "
+                             f"for batch={self.batch}")  # fmt: skip
+        if ids.shape[1] == 0:
+            raise ValueError(
+                f"{what} has no tokens: {what}{tuple(ids.shape)}; give each row at least one "
+                f"(to generate from nothing, start every row with the model's first token, "
+                f"e.g. a BOS id)"
+            )
+        last = start + ids.shape[1] - 1 + steps_after
         if not 0 <= start <= last < self.max_len:
             raise ValueError(f"positions {start} … {last} do not fit the cache of max_len="
                              f"{self.max_len}; build the Decoder with a longer max_len")  # fmt: skip

@@ -546,7 +546,7 @@ def build(
         train_step=jit(step, "train_step", step_options, donate_argnums=0),
         loss_and_grads=jit(loss_and_grads, "loss_and_grads"),
         evaluate=jit(evaluate, "evaluate"),
-        logits=jit(logits, "logits"),
+        logits=jit(_params_checked(logits, padding, "setup.logits"), "logits"),
     )
 
 
@@ -983,6 +983,39 @@ class Padding:
                                  f"{tuple(leaf.shape)}; the model's is {shape} (pass the "
                                  f"model's own, unpadded parameters)")  # fmt: skip
 
+    def check_stored(self, params, what: str, place: str) -> None:
+        """``params`` has the stored tree and shapes (what ``Setup.shard(...).params`` holds),
+        checked before ``shard_map`` sees them: a ``TrainState``, another model's params or
+        this model's unpadded ones name the first leaf that differs and ``place``, the call
+        that lays them out (``what``: the caller, for the message)."""
+        if isinstance(params, TrainState):
+            raise TypeError(f"{what}: params is a TrainState (params and optimizer state); "
+                            f"pass state.params")  # fmt: skip
+        paths = jax.tree_util.tree_leaves_with_path
+        want = {jax.tree_util.keystr(p): s for p, s in paths(self.stored, is_leaf=is_shape)}
+        got = {jax.tree_util.keystr(p): tuple(np.shape(a)) for p, a in paths(params)}
+        if want.keys() != got.keys():
+            missing, unknown = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+            raise ValueError(
+                f"{what}: params are not this model's tree: missing {_first(missing)}, unknown "
+                f"{_first(unknown)}. Pass the params of the model this was built for, laid out "
+                f"by {place}"
+            )
+        logical = {jax.tree_util.keystr(p): s for p, s in paths(self.logical, is_leaf=is_shape)}
+        for path, shape in want.items():
+            if got[path] == shape:
+                continue
+            if got[path] == logical[path]:  # the model's own shape, not laid out
+                raise ValueError(
+                    f"{what}: params{path} has shape {got[path]}, the model's own; this layout "
+                    f"stores it padded to {shape}. Lay the params out with {place}"
+                )
+            raise ValueError(
+                f"{what}: params{path} has shape {got[path]}; this model's is {logical[path]} "
+                f"(stored as {shape}): params of another model? Pass the params of the model "
+                f"this was built for, laid out by {place}"
+            )
+
     def pad(self, params):
         """Model-shaped leaves → stored ones, zero-padded (numpy in, numpy out)."""
         if not self.padded:
@@ -1037,6 +1070,23 @@ def logical_spec(spec, shape, mesh) -> P:
 
 def _is_array(x) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _first(names: list[str], n: int = 4) -> str:
+    """``names`` in a message: the first ``n`` and how many in all."""
+    return str(names) if len(names) <= n else f"{names[:n]} … ({len(names)} in all)"
+
+
+def _params_checked(fn, padding: Padding, what: str):
+    """``fn(params, x)`` that first checks ``params`` against the stored tree and shapes
+    (``Padding.check_stored``): it runs when the jitted function traces, i.e. for every new
+    tree or shape, before ``shard_map`` compares them with its specs."""
+
+    def run(params, x):
+        padding.check_stored(params, what, "setup.shard(params).params")
+        return fn(params, x)
+
+    return run
 
 
 def _pad_to(a, shape):

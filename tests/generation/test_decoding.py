@@ -3,18 +3,26 @@ forward of the same checkpoint (``_hf_checks``): the cached logits of a prefill 
 steps equal a full recompute within the float32 bound, under tp (1×8) and 2d (2×4, 4×2: KV
 heads replicated and split); greedy tokens equal the unsharded model's wherever the top-2
 margin exceeds that bound; sampling draws the same tokens on every mesh for one key, from
-softmax(logits / T); the compiled program's collectives are the documented ones."""
+softmax(logits / T), and each step's token is the one the documented key schedule and noise
+give on the float64 forward; ``Decoder.logits`` refuses a start past the cache's length and
+rewinds below it; a context axis replicates the decoding; misuse is a shardops error; the
+compiled program's collectives are the documented ones."""
 
 import collections
+import contextlib
 import dataclasses
+import functools
+import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from _gpt_checks import MESHES
+from _gpt_checks import CP_MESHES, MESHES
 from _hf_checks import check_close, checkpoint, hf_logits, tokens
 from _model_checks import mesh_for
+from jax.sharding import PartitionSpec as P
 
 import shardops_models as models
 from shardops.inspect import collectives
@@ -226,19 +234,32 @@ def test_gpt_cached_logits_equal_a_float64_recompute(mesh_name):
     check_gpt(mesh_name)
 
 
+@functools.cache
+def _gpt_decoder(mesh_name, decoder_type=Decoder):
+    """``(decoder, full params, placed params)`` of the GPT on ``mesh_name``, built once per
+    mesh and decoder class (its programs compile once for the tests that share it)."""
+    shape = {"data": 1, "model": 1} if mesh_name == "1x1" else {**MESHES, **CP_MESHES}[mesh_name]
+    decoder = decoder_type(GPT, mesh_for(shape), batch=BATCH, max_len=MAX_LEN)
+    full = GPT.init(jax.random.key(3))
+    return decoder, full, decoder.place(full)
+
+
+def _gpt_bound(full, ids, exact):
+    """What a float32 GPT may differ from the float64 forward ``exact`` of ``ids``: 4 times
+    the GPT's own plain-jnp reference's error, plus 4 ulps of the largest logit."""
+    own = np.abs(np.asarray(GPT.reference_logits(full, ids)) - exact).max()
+    return 4 * own + 4 * np.finfo(np.float32).eps * np.abs(exact).max()
+
+
 def check_gpt(mesh_name, decoder_type=Decoder, steps: int = STEPS):
     """The GPT decodes too (its learned positions read at the cache's positions): a prefill
     and 32 steps within 4 times the float32 error of the GPT's own plain-jnp reference against
     the float64 forward, plus 4 ulps of the largest logit."""
-    shape = {"data": 1, "model": 1} if mesh_name == "1x1" else MESHES[mesh_name]
-    decoder = decoder_type(GPT, mesh_for(shape), batch=BATCH, max_len=MAX_LEN)
-    full = GPT.init(jax.random.key(3))
-    params = decoder.place(full)
+    decoder, full, params = _gpt_decoder(mesh_name, decoder_type)
     ids, _ = tokens(GPT.vocab_size, seed=6, seq=PROMPT + steps)
     got = teacher_forced(decoder, params, ids, steps)
     exact = _gpt_float64(full, ids)
-    own = np.abs(np.asarray(GPT.reference_logits(full, ids)) - exact).max()
-    bound = 4 * own + 4 * np.finfo(np.float32).eps * np.abs(exact).max()
+    bound = _gpt_bound(full, ids, exact)
     assert np.abs(got - exact).max() <= bound, (np.abs(got - exact).max(), bound)
     # The first greedy token is the argmax of the prompt's last logits, where the margin is clear.
     greedy = np.asarray(decoder.generate(params, ids[:, :PROMPT], 4))
@@ -248,6 +269,178 @@ def check_gpt(mesh_name, decoder_type=Decoder, steps: int = STEPS):
     clear = top2[:, 1] - top2[:, 0] > 2 * bound
     assert clear.sum() >= BATCH - 1, top2
     np.testing.assert_array_equal(greedy[clear, 0], last.argmax(-1)[clear])
+
+
+def documented_draws(logits, key, temperature):
+    """What the module docstring says ``generate(temperature=T, key=key)`` draws from
+    ``logits[B, steps, V]`` (the logits each token is drawn from), written from the docs alone:
+    step ``t``'s key is ``fold_in(key, t)``; entry ``(r, v)`` of its Gumbel noise ``g`` is
+    ``gumbel(fold_in(fold_in(step_key, r), v))`` for the global row ``r`` and token id ``v``;
+    the token is ``argmax(logits / T + g)``. Returns the tokens ``[B, steps]``, the gap between
+    the two largest of ``logits / T + g`` and the largest ``|g|``."""
+    b, steps, vocab = logits.shape
+
+    def entry(t, r, v):
+        step_key = jax.random.fold_in(key, t)
+        return jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(step_key, r), v), (),
+                                 jnp.float32)  # fmt: skip
+
+    per_token = jax.vmap(entry, (None, None, 0))
+    per_row = jax.vmap(per_token, (None, 0, None))
+    g = jax.vmap(per_row, (0, None, None))(jnp.arange(steps), jnp.arange(b), jnp.arange(vocab))
+    g = np.asarray(g, np.float64).transpose(1, 0, 2)  # g[B, steps, V]
+    z = logits / temperature + g
+    top2 = np.sort(z, axis=-1)[..., -2:]
+    return z.argmax(-1), top2[..., 1] - top2[..., 0], np.abs(g).max()
+
+
+KEY_SCHEDULE_MESH = "2x2x2c"  # data 2 (global rows), model 2 (token ids), and a context axis
+
+
+def test_sampled_tokens_follow_the_documented_key_schedule():
+    check_key_schedule()
+
+
+def check_key_schedule(decoder_type=Decoder, mesh_name=KEY_SCHEDULE_MESH, steps: int = 4,
+                       temperature: float = 0.5):  # fmt: skip
+    """4 sampled steps of 8 rows equal the draws recomputed from the documented schedule on
+    the GPT's float64 forward of the tokens drawn, wherever the gap between the two largest
+    perturbed logits exceeds twice what float32 may move them (nearly all). A key reused at
+    every step, or the logits not divided by T (their spread is 0.57 per row), draws other
+    tokens; so does a mesh that keyed the noise by local rows or token ids."""
+    decoder, full, params = _gpt_decoder(mesh_name, decoder_type)
+    prompt, _ = tokens(GPT.vocab_size, seed=7, seq=PROMPT)
+    key = jax.random.key(5)
+    got = np.asarray(decoder.generate(params, prompt, steps, temperature=temperature, key=key))
+    text = np.concatenate([prompt, got], axis=1)
+    exact = _gpt_float64(full, text[:, :-1])  # [B, S_p + steps − 1, V]
+    want, gap, noise = documented_draws(exact[:, PROMPT - 1 :], key, temperature)
+    eps = np.finfo(np.float32).eps
+    clear = gap > 2 * (_gpt_bound(full, text[:, :-1], exact) / temperature + 4 * eps * noise)
+    assert clear.mean() > 0.9, f"only {clear.mean():.0%} of the draws have a clear margin"
+    np.testing.assert_array_equal(got[clear], want[clear])
+
+
+def test_a_context_axis_replicates_the_decoding():
+    """A mesh with axes besides data and model (here context) is accepted: the decoding is
+    laid out on data and model alone, so the devices along context hold the same rows, cache
+    and tokens (computed again, no faster); ``check_key_schedule`` shows the tokens right."""
+    decoder, _, params = _gpt_decoder(KEY_SCHEDULE_MESH)
+    assert decoder.cache_spec == P(None, "data", "model", None, None)
+    assert decoder.batch_spec == P("data")
+    prompt, _ = tokens(GPT.vocab_size, seed=7, seq=PROMPT)
+    got = decoder.generate(params, prompt, 4, temperature=0.5, key=jax.random.key(5))
+    mesh = decoder.mesh
+    coords = {d: dict(zip(mesh.axis_names, np.argwhere(mesh.devices == d)[0], strict=True))
+              for d in mesh.devices.flat}  # fmt: skip
+    held = collections.defaultdict(list)  # rows → (context index, the tokens) of each device
+    for shard in got.addressable_shards:
+        rows = shard.index[0].indices(BATCH)[:2]
+        assert rows == (coords[shard.device]["data"] * 4, coords[shard.device]["data"] * 4 + 4)
+        held[rows].append((coords[shard.device]["context"], np.asarray(shard.data)))
+    assert len(held) == 2
+    for rows, copies in held.items():
+        assert {c for c, _ in copies} == {0, 1}, rows
+        for _, data in copies:
+            np.testing.assert_array_equal(data, copies[0][1])
+
+
+@contextlib.contextmanager
+def refused(kind, pattern):
+    """``pytest.raises(kind, match=pattern)`` whose every other outcome (no error, a raw one,
+    another message) is an AssertionError, so that the mutation tests see a mutant that lets
+    a raw error through as caught."""
+    try:
+        yield
+    except kind as e:
+        assert re.search(pattern, str(e)), f"{pattern!r} does not match: {e}"
+    except Exception as e:
+        raise AssertionError(f"wanted {kind.__name__} matching {pattern!r}; got "
+                             f"{type(e).__name__}: {e}") from e  # fmt: skip
+    else:
+        raise AssertionError(f"wanted {kind.__name__} matching {pattern!r}; nothing raised")
+
+
+def test_logits_refuses_a_start_past_the_cache_and_rewinds_below_it():
+    check_cache_positions()
+
+
+def check_cache_positions(decoder_type=Decoder, mesh_name="2x4"):
+    """A prefill of 8 leaves a cache of length 8; ``start`` 9 or 13 is refused (it would read
+    never-written slots). Rewinding to 4 with another token, then stepping to 5, gives the
+    float64 logits of that other sequence: the stale slots 4 … 7 are overwritten or masked."""
+    decoder, full, params = _gpt_decoder(mesh_name, decoder_type)
+    ids, _ = tokens(GPT.vocab_size, seed=6, seq=PROMPT)
+    cache = decoder.init_cache()
+    assert cache.length == 0
+    _, cache = decoder.logits(params, cache, ids, 0)
+    assert cache.length == PROMPT
+    for start, unwritten in ((PROMPT + 1, "position 8 was"), (PROMPT + 5, "positions 8 … 12 were")):
+        pattern = (rf"Decoder.logits: start={start} is past the cache's next position {PROMPT} "
+                   rf"\(cache.length\): {unwritten} never written.* Feed the tokens of those "
+                   rf"positions first, or pass start={PROMPT} \(or less, to rewind\)")  # fmt: skip
+        with refused(ValueError, pattern):
+            decoder.logits(params, cache, ids[:, :1], start)
+    other = (ids[:, 4:5] + 1) % GPT.vocab_size  # another token at position 4
+    text = np.concatenate([ids[:, :4], other, ids[:, 5:6]], axis=1)
+    at4, cache = decoder.logits(params, cache, other, 4)
+    at5, cache = decoder.logits(params, cache, ids[:, 5:6], 5)
+    assert cache.length == 6
+    exact = _gpt_float64(full, text)
+    got = np.concatenate([np.asarray(at4), np.asarray(at5)], axis=1)
+    bound = _gpt_bound(full, text, exact)
+    assert np.abs(got - exact[:, 4:]).max() <= bound, (np.abs(got - exact[:, 4:]).max(), bound)
+
+
+def test_misuse_is_a_shardops_error():
+    check_misuse()
+
+
+def check_misuse(decoder_type=Decoder):
+    """An empty or 1-D prompt, a TrainState, the model's unplaced params and another model's
+    (another depth, another width) given to ``generate``, ``logits`` and the decoder's
+    ``setup.logits``: each a ValueError or TypeError naming the argument, what was expected,
+    what came and the fix, raised before anything is traced."""
+    decoder, full, params = _gpt_decoder("2x4", decoder_type)
+    prompt, _ = tokens(GPT.vocab_size, seed=6, seq=PROMPT)
+    with refused(ValueError, r"prompt has no tokens: prompt\(8, 0\); give each row at least "
+                             r"one \(.* a BOS id\)"):  # fmt: skip
+        decoder.generate(params, prompt[:, :0], 4)
+    with refused(ValueError, r"ids has no tokens: ids\(8, 0\)"):
+        decoder.logits(params, decoder.init_cache(), prompt[:, :0], 0)
+    with refused(ValueError, r"prompt must be integer tokens \[batch, tokens\]; got int32\(8,\)"
+                             r"\. One sequence is one row: prompt\[None\] for a decoder of "
+                             r"batch=1, or np\.repeat\(prompt\[None\], 8, axis=0\)"):  # fmt: skip
+        decoder.generate(params, prompt[0], 4)
+    with refused(TypeError, r"cache must be the KVCache of decoder.init_cache\(\) .*got tuple"):
+        decoder.logits(params, (decoder.init_cache().k, decoder.init_cache().v), prompt, 0)
+    state = decoder.setup.shard(full)
+    deeper = dataclasses.replace(GPT, num_layers=3).init(jax.random.key(0))
+    wider = dataclasses.replace(GPT, d_model=48).init(jax.random.key(0))
+    calls = {
+        "Decoder.generate": (lambda p: decoder.generate(p, prompt, 4), r"decoder\.place"),
+        "Decoder.logits": (lambda p: decoder.logits(p, decoder.init_cache(), prompt, 0),
+                           r"decoder\.place"),
+        "setup.logits": (lambda p: decoder.setup.logits(p, decoder.setup.place_batch(prompt)),
+                         r"setup\.shard"),
+    }  # fmt: skip
+    for what, (call, place) in calls.items():
+        with refused(TypeError, rf"{what}: params is a TrainState \(params and optimizer "
+                                rf"state\); pass state\.params"):  # fmt: skip
+            call(state)
+        with refused(ValueError, rf"{what}: params\['embed'\]\['table'\] has shape \(66, 32\), "
+                                 rf"the model's own; this layout stores it padded to \(68, 32\)\. "
+                                 rf"Lay the params out with {place}"):  # fmt: skip
+            call(full)
+        with refused(ValueError, rf"{what}: params are not this model's tree: missing \[\], "
+                                 rf"unknown \[\"\['blocks'\]\[2\].* \(15 in all\)\. Pass the "
+                                 rf"params of the model this was built for, laid out by {place}"):  # fmt: skip
+            call(deeper)
+        with refused(ValueError, rf"{what}: params\['blocks'\]\[0\]\['attn'\]\['bo'\] has "
+                                 rf"shape \(48,\); this model's is \(32,\) \(stored as "
+                                 rf"\(32,\)\): params of another model\? Pass the params of the "
+                                 rf"model this was built for, laid out by {place}"):  # fmt: skip
+            call(wider)
 
 
 @pytest.mark.parametrize("heads, kv, p, n", [

@@ -4,13 +4,20 @@ written one position late, the causal mask read from the last query's position, 
 learned positions read from 0 in each step (teacher-forced logits against a float64 forward);
 each data shard given rows 0 … b−1's noise, each model shard the first vocabulary block's
 (the same draw on every mesh); the logits multiplied by the temperature (the draws'
-distribution)."""
+distribution); the same key at every step, the temperature not applied (several sampled steps
+against the documented key schedule); a start past the cache's length not refused (rewinding
+checked against a float64 forward); an empty or 1-D prompt, or params that are not the
+decoding layout's (generate's check, setup.logits', a TrainState's), let through to a raw
+error."""
 
 import jax
 import pytest
 from _mutants import mutant
 from test_decoding import (
+    check_cache_positions,
     check_gpt,
+    check_key_schedule,
+    check_misuse,
     check_same_draws,
     check_sampling_distribution,
     check_teacher_forced,
@@ -18,6 +25,7 @@ from test_decoding import (
 
 from shardops.layers import _attention
 from shardops_models.generation import decoding
+from shardops_models.training import _train
 
 ATTENTION = {  # mutant → (line of shardops/layers/_attention.py, its replacement)
     "positions_restart": (
@@ -47,20 +55,60 @@ DECODING = {  # mutant → (line of models/generation/decoding.py, its replaceme
         "            logits = logits / temperature + noise",
         "            logits = logits * temperature + noise",
     ),
+    "key_reused_every_step": (
+        "                token = self._local_next(logits[:, -1], jax.random.fold_in(key, t), temperature)",
+        "                token = self._local_next(logits[:, -1], jax.random.fold_in(key, 0), temperature)",
+    ),
+    "temperature_not_applied": (
+        "            logits = logits / temperature + noise",
+        "            logits = logits + noise",
+    ),
+    "start_past_next_not_refused": ("        if start > cache.length:", "        if False:"),
+    "empty_prompt_not_refused": ("        if ids.shape[1] == 0:", "        if False:"),
+    "one_d_prompt_not_refused": (
+        "        if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):",
+        "        if not jnp.issubdtype(ids.dtype, jnp.integer):",
+    ),
+    "generate_params_unchecked": (
+        '        self.setup.padding.check_stored(params, "Decoder.generate", "decoder.place(params)")',
+        "        pass",
+    ),
+}
+TRAIN = {  # mutant → (line of models/training/_train.py, its replacement): the decoder's setup
+    "setup_logits_params_unchecked": (
+        '        logits=jit(_params_checked(logits, padding, "setup.logits"), "logits"),',
+        '        logits=jit(logits, "logits"),',
+    ),
+    "train_state_not_recognised": (
+        "        if isinstance(params, TrainState):",
+        "        if False:",
+    ),
+}
+CHECKS = {  # mutant → the check that catches it (a mutant not listed: the draws on 1x1 and 1x8)
+    **dict.fromkeys(ATTENTION, lambda d: check_teacher_forced("gqa", "2x4", d, steps=8)),
+    "gpt_positions_restart": lambda d: check_gpt("2x4", d, steps=8),
+    "logits_times_temperature": lambda d: check_sampling_distribution(0.5, d),
+    "noise_of_the_first_rows": lambda d: check_same_draws(d, meshes=("1x1", "2x4")),  # data = 2
+    # One device compiles fastest; the schedule keyed by global rows and token ids is the same
+    # on every mesh (the draws' test).
+    "key_reused_every_step": lambda d: check_key_schedule(d, "1x1"),
+    "temperature_not_applied": lambda d: check_key_schedule(d, "1x1"),
+    "start_past_next_not_refused": lambda d: check_cache_positions(d, "1x1"),
+    **dict.fromkeys(
+        [
+            "empty_prompt_not_refused",
+            "one_d_prompt_not_refused",
+            "generate_params_unchecked",
+            *TRAIN,
+        ],
+        check_misuse,
+    ),
 }
 
 
 def _check(name, decoder_type):
-    if name in ATTENTION:
-        check_teacher_forced("gqa", "2x4", decoder_type, steps=8)
-    elif name == "gpt_positions_restart":
-        check_gpt("2x4", decoder_type, steps=8)
-    elif name == "logits_times_temperature":
-        check_sampling_distribution(0.5, decoder_type)
-    elif name == "noise_of_the_first_rows":
-        check_same_draws(decoder_type, meshes=("1x1", "2x4"))  # data = 2
-    else:
-        check_same_draws(decoder_type, meshes=("1x1", "1x8"))  # model = 8
+    default = lambda d: check_same_draws(d, meshes=("1x1", "1x8"))  # model = 8  # noqa: E731
+    CHECKS.get(name, default)(decoder_type)
 
 
 @pytest.fixture
@@ -74,6 +122,12 @@ def decoder_type(monkeypatch):
             monkeypatch.setattr(decoding, "cached_attention_kernel",
                                 module.cached_attention_kernel)  # fmt: skip
             return decoding.Decoder
+        if name in TRAIN:
+            line, new = TRAIN[name]
+            module = mutant(_train, name, line, new if mutated else line)
+            monkeypatch.setattr(decoding, "build", module.build)
+            # A class of its own, so that the decoders built with this setup are not shared.
+            return type(f"Decoder_{name}", (decoding.Decoder,), {})
         line, new = DECODING[name]
         return mutant(decoding, name, line, new if mutated else line).Decoder
 
@@ -81,13 +135,16 @@ def decoder_type(monkeypatch):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("name", ["positions_restart", "gpt_positions_restart"])
+@pytest.mark.parametrize("name", ["positions_restart", "gpt_positions_restart",
+                                  "key_reused_every_step", "start_past_next_not_refused",
+                                  "train_state_not_recognised"])  # fmt: skip
 def test_unmutated_copy_passes(decoder_type, name):
-    """A copy of each module (attention, decoding) passes the check its mutants fail."""
+    """A copy of each module (attention, decoding, training) passes the checks its mutants
+    fail (one check a module where the others' copies would compile again for nothing)."""
     _check(name, decoder_type(name, mutated=False))
 
 
-@pytest.mark.parametrize("name", [*ATTENTION, *DECODING])
+@pytest.mark.parametrize("name", [*ATTENTION, *DECODING, *TRAIN])
 def test_mutant_is_caught(decoder_type, name):
     with pytest.raises(AssertionError):
         _check(name, decoder_type(name, mutated=True))
