@@ -382,6 +382,7 @@ class Parallel:
         if context is not None:
             options = self._context_tokens(options)
         if self.model_parallel and roles == {HEAD}:
+            _check_kv_heads_as_planned(p, options["num_heads"], options["num_kv_heads"], self.tp)
             return shardops.layers.head_parallel_attention_kernel(
                 x, params, axis_name=self.tp, sequence_parallel=self.sequence_parallel,
                 context=context, precision=self.precision, **options,
@@ -780,6 +781,25 @@ def _check_keys(p, layer: str, keys) -> None:
         f"ctx.{layer}{where}: expects parameter keys {expected}; got {sorted(p, key=str)} "
         f"({', '.join(what)})." + (f" {'; '.join(hints)}." if hints else "")
     )
+
+
+def _check_kv_heads_as_planned(p, num_heads: int, num_kv_heads, tp: str) -> None:
+    """The plan split ``wk``, ``wv`` by KV head over ``tp`` (it counted them with the model's
+    ``num_heads`` attribute): the heads ``ctx.attention`` is given must split so too, or each
+    device would hold part of a KV head. A ValueError naming both counts and the fix."""
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    wk = p["wk"]
+    n = lax.axis_size(tp)  # static: the mesh axis size
+    split = any(tp in entry_axes(e) for e in wk.spec)
+    if split and isinstance(kv_heads, int) and kv_heads % n:
+        raise ValueError(
+            f"ctx.attention at {wk.path[: wk.path.rfind('[')]}: the plan split wk, wv by KV "
+            f"head over mesh axis {tp!r} (size {n}), counting the heads with the model's "
+            f"num_heads attribute, but this call has num_heads={num_heads}, "
+            f"num_kv_heads={kv_heads}, and {kv_heads} KV heads do not split over {n} devices "
+            f"(each would hold part of a head). Give the model num_heads (and num_kv_heads) "
+            f"attributes equal to what its forward passes to ctx.attention."
+        )
 
 
 def _tp_entries(spec, tp, ndim: int):

@@ -188,14 +188,18 @@ def replicated(shape: tuple[int, ...]) -> P:
 def model_specs(roles, shapes, axis: str, axis_size: int, num_heads: int | None = None):
     """PartitionSpecs over ``axis`` (the tp axis) of a tree of leaf ``shapes`` with leaf ``roles``.
 
-    Under the head role, ``wk``, ``wv`` (``bk``, ``bv``) split by KV head when ``axis_size``
+    Under the head role every device holds whole heads: ``num_heads`` (the model's attribute)
+    must be given and divide by ``axis_size`` whenever ``axis_size`` > 1, else a ValueError
+    names the block. ``wk``, ``wv`` (``bk``, ``bv``) split by KV head when ``axis_size``
     divides the KV heads, and are replicated otherwise (grouped-query attention with fewer KV
-    heads than devices: ``shardops.layers.head_parallel_attention_specs(replicate_kv=True)``).
-    The KV heads are read off the shapes: ``KV = wk.shape[1] / hd`` with ``hd = wq.shape[1] /
-    num_heads`` (the model's ``num_heads``; not needed where ``wk`` is as wide as ``wq``).
+    heads than devices: ``shardops.layers.head_parallel_attention_specs(replicate_kv=True)``),
+    never mid-head. The KV heads are read off the shapes: ``KV = wk.shape[1] / hd`` with ``hd
+    = wq.shape[1] / num_heads``.
     """
 
     def spec(path, role, shape):
+        if role == HEAD and axis_size > 1:
+            _check_whole_heads(path, shapes, axis, axis_size, num_heads)
         if role == HEAD and _last_key(path) in _HEAD_KV and _kv_replicated(
                 path, shapes, axis, axis_size, num_heads):  # fmt: skip
             return replicated(shape)
@@ -204,12 +208,47 @@ def model_specs(roles, shapes, axis: str, axis_size: int, num_heads: int | None 
     return jax.tree_util.tree_map_with_path(spec, roles, shapes, is_leaf=is_shape)
 
 
-def _kv_replicated(path, shapes, axis, axis_size: int, num_heads) -> bool:
-    """Whether the attention block at ``path[:-1]`` has fewer KV heads than ``axis_size``
-    divides (its K/V are then replicated over ``axis``)."""
+def _attention_block(path, shapes):
+    """The shapes of the attention block holding the leaf at ``path``."""
     block = shapes
     for key in path[:-1]:
         block = block[getattr(key, "key", getattr(key, "idx", None))]
+    return block
+
+
+def _check_whole_heads(path, shapes, axis, axis_size: int, num_heads) -> None:
+    """The head role splits whole query heads over ``axis``: ``num_heads`` (the model's
+    attribute) is known and divides by ``axis_size``. (K/V split only by whole KV heads:
+    ``_kv_replicated`` replicates them otherwise.) Else a ValueError naming the block, the
+    heads, the axis and the fix: a split of ``wq[D, H·hd]`` by columns alone would cut a head."""
+    block = _attention_block(path, shapes)
+    if "wq" not in block:
+        return  # not an attention block (model_spec names the leaf)
+    where = f"params{jax.tree_util.keystr(path[:-1])}"
+    inner = block["wq"][-1]
+    if num_heads is None:
+        raise ValueError(
+            f"{where}: the head role splits the attention over mesh axis {axis!r} (size "
+            f"{axis_size}) by heads, and each device must hold whole heads, but the model has "
+            f"no num_heads attribute to count them (wq[D, {inner}] holds num_heads × head_dim "
+            f"columns, and a split of the columns alone may cut a head): give the model a "
+            f"num_heads attribute (and num_kv_heads for grouped-query attention), or role "
+            f"'replicated'"
+        )
+    if num_heads % axis_size:
+        raise ValueError(
+            f"{where}: num_heads={num_heads} is not divisible by mesh axis {axis!r} (size "
+            f"{axis_size}); the head role gives each device whole query heads, and wq[D, "
+            f"{inner}] split {axis_size} ways would cut a head of {inner // num_heads}. Choose "
+            f"num_heads a multiple of {axis_size} (e.g. {-(-num_heads // axis_size) * axis_size}), "
+            f"a smaller {axis!r} axis, or role 'replicated'"
+        )
+
+
+def _kv_replicated(path, shapes, axis, axis_size: int, num_heads) -> bool:
+    """Whether the attention block at ``path[:-1]`` has fewer KV heads than ``axis_size``
+    divides (its K/V are then replicated over ``axis``)."""
+    block = _attention_block(path, shapes)
     if "wq" not in block or "wk" not in block:
         return False
     inner, kv_inner = block["wq"][-1], block["wk"][-1]

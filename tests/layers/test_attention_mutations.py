@@ -342,3 +342,45 @@ def test_norm_mutant_is_caught(swap, name):
     swap("norms", load("norms", old, new, extra))
     with pytest.raises(AssertionError):
         check_sequence_parallel_norm(kind, (2, 4), precision)
+
+
+# --- heads split mid-head under tp: the plan's and ctx.attention's checks (test_errors.py) ------
+
+HEAD_CHECK_MUTANTS = {
+    # The plan splits wq by columns whatever the heads (no num_heads, or one 4 does not divide).
+    "plan_whole_heads_unchecked": (
+        "plan",
+        "            _check_whole_heads(path, shapes, axis, axis_size, num_heads)",
+        "            pass",
+    ),
+    "plan_head_count_unchecked": ("plan", "    if num_heads % axis_size:", "    if False:"),
+    # ctx.attention trusts the plan's KV count: the kernel's in_specs advice is the first word.
+    "attention_kv_as_planned_unchecked": (
+        "parallel",
+        "    if split and isinstance(kv_heads, int) and kv_heads % n:",
+        "    if False:",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", HEAD_CHECK_MUTANTS)
+def test_head_check_mutant_is_caught(name):
+    import test_errors
+    from _mutants import mutant
+
+    from shardops_models.strategies import parallel, plan
+    from shardops_models.training import _train
+
+    where, line, replacement = HEAD_CHECK_MUTANTS[name]
+    if where == "plan":
+        module = mutant(plan, name, line, replacement)
+        run = lambda: test_errors.check_the_plan_refuses_heads_split_mid_head(module)  # noqa: E731
+    else:  # the build of a copy of models.training whose Parallel is the mutated one
+        copy = mutant(_train, name + "_train", "import shardops\n", "import shardops\n")
+        mutated = mutant(parallel, name, line, replacement)
+        copy.Parallel, copy.wrap, copy.split_dim = mutated.Parallel, mutated.wrap, mutated.split_dim
+        run = lambda: test_errors.check_attention_refuses_kv_heads_split_by_another_count(  # noqa: E731
+            copy.build
+        )
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        run()

@@ -172,3 +172,132 @@ def test_unmutated_advice_copy_passes(monkeypatch, mesh, name):
 def test_advice_mutant_is_caught(monkeypatch, mesh, name):
     with pytest.raises(AssertionError, match="the message lacks"):
         check_advice_mutant(monkeypatch, mesh, name, replace=True)
+
+
+# --- heads split mid-head under tp: refused by the plan (build) or ctx.attention, by name ------
+
+
+class _AttentionLM:
+    """ids → table → x + attention(x) → head: an attention block of ``heads`` query and ``kv``
+    key/value heads of ``head_dim``, the plan's role ``head``; ``num_heads`` (the attribute
+    the plan counts heads with) as given, or none."""
+
+    sequence, context, name = True, 8, "attention lm"
+
+    def __init__(self, heads, kv, head_dim, num_heads=None):
+        self.heads, self.kv, self.head_dim = heads, kv, head_dim
+        if num_heads is not None:
+            self.num_heads, self.num_kv_heads = num_heads, kv
+
+    def init(self, key, dtype=None):
+        import jax
+
+        k1, k2, k3 = jax.random.split(key, 3)
+        d = self.heads * self.head_dim
+        return {"embed": {"table": jax.random.normal(k1, (16, d))},
+                "attn": shardops.init_attention(k2, d, self.heads, self.head_dim,
+                                                num_kv_heads=self.kv),
+                "head": {"w": jax.random.normal(k3, (d, 16))}}  # fmt: skip
+
+    def plan(self):
+        return {"embed": "replicated", "attn": "head", "head": "replicated"}
+
+    def apply(self, ctx, params, ids):
+        def attend(p, x):
+            return ctx.attention(p, x, num_heads=self.heads, num_kv_heads=self.kv)
+
+        x = ctx.stage(ctx.embed, params["embed"], ids)
+        x = x + ctx.stage(attend, params["attn"], x)
+        return ctx.stage(ctx.dense, params["head"], x)
+
+    def loss_sum(self, ctx, params, logits, labels):
+        return ctx.cross_entropy(logits, labels, split=False).sum()
+
+    def check_batch(self, x, y=None):
+        pass
+
+
+from jax.sharding import PartitionSpec as P  # noqa: E402 (the head checks' section)
+
+
+def plan_specs(plan_module, model, p: int = 4):
+    """``model_specs`` of ``model``'s plan over a 'model' axis of ``p`` (no JAX: shapes only)."""
+    import jax
+
+    shapes = jax.tree.map(lambda a: tuple(a.shape), jax.eval_shape(model.init, jax.random.key(0)))
+    roles = plan_module.leaf_roles(model.plan(), shapes)
+    return plan_module.model_specs(roles, shapes, "model", p, getattr(model, "num_heads", None))
+
+
+NO_NUM_HEADS = (r"params\['attn'\]: the head role splits the attention over mesh axis 'model' "
+                r"\(size 4\) by heads, and each device must hold whole heads, but the model has "
+                r"no num_heads attribute to count them \(wq\[D, 16\] .*\): give the model a "
+                r"num_heads attribute \(and num_kv_heads for grouped-query attention\), or role "
+                r"'replicated'")  # fmt: skip
+HEADS_NOT_DIVISIBLE = (r"params\['attn'\]: num_heads=2 is not divisible by mesh axis 'model' "
+                       r"\(size 4\); the head role gives each device whole query heads, and "
+                       r"wq\[D, 16\] split 4 ways would cut a head of 8\. Choose num_heads a "
+                       r"multiple of 4 \(e\.g\. 4\), a smaller 'model' axis, or role 'replicated'")  # fmt: skip
+
+
+def check_the_plan_refuses_heads_split_mid_head(plan_module):
+    """2 heads of 8 on a model axis of 4: wq[D, 16] divides by 4, but each device would hold
+    half a head. Without a num_heads attribute the plan cannot count the heads (MHA: wk as
+    wide as wq, so nothing else does); with one that 4 does not divide, it names it. A plan on
+    an axis of 1, or heads that divide, stand."""
+    with pytest.raises(ValueError, match=NO_NUM_HEADS):
+        plan_specs(plan_module, _AttentionLM(2, 2, 8))
+    with pytest.raises(ValueError, match=HEADS_NOT_DIVISIBLE):
+        plan_specs(plan_module, _AttentionLM(2, 2, 8, num_heads=2))
+    plan_specs(plan_module, _AttentionLM(2, 2, 8), p=1)
+    specs = plan_specs(plan_module, _AttentionLM(4, 2, 4, num_heads=4), p=4)
+    assert specs["attn"]["wk"] == P(None, None)  # 2 KV heads on 4: replicated, whole
+
+
+def test_the_plan_refuses_heads_split_mid_head():
+    from shardops_models.strategies import plan
+
+    check_the_plan_refuses_heads_split_mid_head(plan)
+
+
+def test_build_refuses_heads_split_mid_head_before_tracing():
+    """Through ``models.build``: the plan's error, before anything is traced."""
+    import optax
+
+    import shardops_models as models
+
+    mesh = shardops.make_mesh({"model": 4}, devices=__import__("jax").devices()[:4])
+    with pytest.raises(ValueError, match=NO_NUM_HEADS):
+        models.build("tp", mesh, model=_AttentionLM(2, 2, 8), optimizer=optax.sgd(0.1))
+
+
+KV_AS_PLANNED = (r"ctx.attention at \['attn'\]: the plan split wk, wv by KV head over mesh axis "
+                 r"'model' \(size 4\), counting the heads with the model's num_heads attribute, "
+                 r"but this call has num_heads=4, num_kv_heads=2, and 2 KV heads do not split "
+                 r"over 4 devices \(each would hold part of a head\)\. Give the model num_heads "
+                 r"\(and num_kv_heads\) attributes equal to what its forward passes to "
+                 r"ctx.attention\.")  # fmt: skip
+
+
+def check_attention_refuses_kv_heads_split_by_another_count(build):
+    """A model whose num_heads attribute (8) is not what its forward passes (4 heads of 8, 2
+    KV heads): the plan counts 4 KV heads of 4 and splits wk[D, 16] over model 4, cutting each
+    real KV head in two; ctx.attention names the mismatch as the step traces (the heads it is
+    given are known only then), before the kernel."""
+    import jax
+    import optax
+
+    from shardops_models.training._train import model_batch
+
+    model = _AttentionLM(4, 2, 8, num_heads=8)
+    mesh = shardops.make_mesh({"model": 4}, devices=jax.devices()[:4])
+    setup = build("tp", mesh, model=model, optimizer=optax.sgd(0.1))
+    state = jax.eval_shape(lambda: setup.shard(model.init(jax.random.key(0))))
+    with pytest.raises(ValueError, match=KV_AS_PLANNED):
+        setup.train_step.trace(state, *model_batch(model, 2, 8))
+
+
+def test_attention_refuses_kv_heads_split_by_another_count():
+    import shardops_models as models
+
+    check_attention_refuses_kv_heads_split_by_another_count(models.build)

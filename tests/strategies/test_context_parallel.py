@@ -161,7 +161,9 @@ def test_errors_name_the_dim_the_axis_and_both_sizes():
     setup = models.build("sp+ring", mesh, model=GPT, optimizer=optax.sgd(0.1))
     state = setup.init(jax.random.key(0))
     ids = np.zeros((BATCH, 12), np.int32)  # 12 % (2 × 4) ≠ 0
-    with pytest.raises(ValueError, match=r"x dim 1 \(sequence\) = 12 .*'context' \(size 4\) = 8"):
+    with pytest.raises(ValueError, match=r"x dim 1 \(sequence\) = 12 is not divisible by 2 × "
+                       r"mesh axis 'context' \(size 4\) = 8: .* Use a sequence length that is a "
+                       r"multiple of 8 \(e\.g\. 16\), or a smaller context axis\."):  # fmt: skip
         setup.train_step(state, ids, ids)
     mlp = "no sequence dimension"
     with pytest.raises(ValueError, match=mlp):
@@ -172,6 +174,30 @@ def test_errors_name_the_dim_the_axis_and_both_sizes():
     with pytest.raises(ValueError, match=r"missing \('context',\)"):
         models.build("2d+ring", shardops.make_mesh({"data": 4, "model": 2}), model=GPT,
                      optimizer=optax.sgd(0.1))  # fmt: skip
+
+
+def test_an_empty_or_short_sequence_is_refused_with_a_length_that_fits():
+    """A batch of 0 tokens (it divides by anything) or fewer than 2 × context is refused by
+    the strategy's batch check, before anything is traced, with a positive length that fits;
+    ``ctx.local_tokens`` on a user's own tokens alike."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = shardops.make_mesh(CP_MESHES["c4x2"])
+    setup = models.build("sp+ring", mesh, model=GPT, optimizer=optax.sgd(0.1))
+    advice = (
+        r"Use a sequence length that is a multiple of 8 \(e\.g\. 8\), or a smaller context axis\."
+    )
+    with pytest.raises(ValueError, match=r"the batch: x dim 1 \(sequence\) = 0 is empty; it needs "
+                       r"a positive multiple of 2 × mesh axis 'context' \(size 4\) = 8: .* " + advice):  # fmt: skip
+        setup.check_batch(np.zeros((BATCH, 0), np.int32))
+    with pytest.raises(ValueError, match=r"x dim 1 \(sequence\) = 4 is not divisible by 2 × mesh "
+                       r"axis 'context' \(size 4\) = 8: .* " + advice):  # fmt: skip
+        setup.check_batch(np.zeros((BATCH, 4), np.int32))
+    ctx = models.Parallel(with_context("ref", "ring"))
+    with pytest.raises(ValueError, match=r"ctx.local_tokens: tokens dim 1 \(sequence\) = 0 is "
+                       r"empty; .*'context' \(size 4\) = 8: .* " + advice):  # fmt: skip
+        jax.shard_map(ctx.local_tokens, mesh=shardops.make_mesh({"context": 4}), in_specs=P(),
+                      out_specs=P(None, "context"))(np.zeros((2, 0), np.int32))  # fmt: skip
 
 
 @pytest.mark.parametrize("method", CONTEXT_METHODS)
