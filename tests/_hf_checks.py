@@ -238,6 +238,27 @@ def check_untied_head(module, tmp: Path) -> None:
                for m in said), f"no warning of the untied head: {said}"  # fmt: skip
 
 
+def check_lm_head_alone(module, tmp: Path) -> None:
+    """A tied checkpoint whose files hold the embedding as lm_head.weight alone (mqa_tied's
+    renamed): transformers ties to the tensor that is there, and so does the load (its
+    logits)."""
+    path = _copy("mqa_tied", tmp / "head-alone")
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    assert _tied_in_transformers(path)
+    ckpt, setup = _ref(module, path)
+    assert ckpt.tie_embeddings
+    try:
+        params = ckpt.load(setup, optimizer_state=False)
+    except ValueError as e:
+        raise AssertionError(f"the embedding not read from lm_head.weight: {e}") from e
+    assert ckpt.elements_read == _elements(setup.model)
+    ids, _ = tokens(setup.model.vocab_size)
+    logits = np.asarray(setup.logits(params, setup.place_batch(ids)))
+    check_close(logits, str(path), ids, "a tied head's lm_head.weight alone")
+
+
 def _elements(model) -> int:
     return sum(a.size for a in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))))
 

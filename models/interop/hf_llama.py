@@ -45,8 +45,10 @@ transformers) recomputes from the config, and a tied head's ``lm_head.weight``.
 
 **Tied heads**, as transformers' ``from_pretrained`` decides them: a config with
 ``tie_word_embeddings: true`` whose files hold no ``lm_head.weight`` ties the head to the
-embedding; one whose files also hold an ``lm_head.weight`` equal to the embedding ties them too
-(it is not read); one whose ``lm_head.weight`` differs loads **untied**, the head read from
+embedding; one whose files hold ``lm_head.weight`` and no embedding ties them too, the
+embedding read from ``lm_head.weight`` (transformers ties to the tensor that is there); one
+whose files hold both, equal, ties them too (``lm_head.weight`` is not read); one
+whose ``lm_head.weight`` differs loads **untied**, the head read from
 ``lm_head.weight``, with a ``UserWarning`` that says so (transformers warns and unties; the
 fix is ``tie_word_embeddings: false`` in config.json). ``HfLlama(...).tie_embeddings`` holds
 the decision; deciding it reads both tensors whole, in blocks of rows, in every process
@@ -242,6 +244,11 @@ class HfLlama:
         self.files = self._weight_map()  # tensor name → file name
         self.elements_read = 0
         self.tie_embeddings = self._tie_embeddings()
+        # Where each parameter is read: NAMES, but a tied head whose files hold lm_head.weight
+        # alone reads the embedding from it (transformers ties to the tensor that is there).
+        self.names = dict(NAMES)
+        if self.tie_embeddings and EMBED not in self.files and HEAD in self.files:
+            self.names["embed", "table"] = (HEAD, False)
 
     def model(self, **overrides) -> Llama:
         """``llama_from_config(self.config, **overrides)``, tied as ``tie_embeddings`` says."""
@@ -333,7 +340,7 @@ class HfLlama:
 
             def leaf(path, shape, stored_shape, sharding):
                 key = tuple(k.key for k in path)
-                name, transposed = NAMES[key]
+                name, transposed = self.names[key]
                 read = _BlockReader(self, handles, name, transposed, key[0] == "blocks",
                                     tuple(shape), tuple(stored_shape), dtype)  # fmt: skip
                 return jax.make_array_from_callback(tuple(stored_shape), sharding, read)
@@ -356,13 +363,13 @@ class HfLlama:
         every tensor of the files has its place (``NAMES``), but a ``DERIVED`` one and a tied
         head's ``lm_head.weight`` equal to the embedding (``tie_embeddings``)."""
         want = set()
-        for key, (name, _) in NAMES.items():
+        for key, (name, _) in self.names.items():
             if key[0] == "head" and model.tie_embeddings:
                 continue
             want |= {name.format(l=i) for i in range(model.num_layers)} if "{l}" in name else {name}
         have = set(self.files)
         missing = sorted(want - have)
-        # A tied head's lm_head.weight is the embedding, read: HfLlama ties only if they agree.
+        # A tied head's lm_head.weight is the embedding (read as it, or equal to it).
         placed = want | ({HEAD} if self.tie_embeddings else set())
         extra = sorted(n for n in have - placed if not n.endswith(DERIVED))
         if missing or extra:
@@ -377,7 +384,7 @@ class HfLlama:
         try:
             for path, shape in jax.tree_util.tree_leaves_with_path(logical, is_leaf=is_shape):
                 key = tuple(k.key for k in path)
-                name, transposed = NAMES[key]
+                name, transposed = self.names[key]
                 shape = tuple(shape[1:] if key[0] == "blocks" else shape)
                 want = shape[::-1] if transposed else shape
                 names = ([name.format(l=i) for i in range(model.num_layers)] if "{l}" in name

@@ -293,6 +293,10 @@ def test_a_tied_config_over_a_distinct_lm_head_loads_untied_as_transformers_does
     _hf_checks.check_untied_head(hf_llama, tmp_path)
 
 
+def test_a_tied_checkpoint_holding_lm_head_alone_reads_the_embedding_from_it(tmp_path):
+    _hf_checks.check_lm_head_alone(hf_llama, tmp_path)
+
+
 def test_every_tensor_the_mapping_does_not_place_is_refused_by_name(tmp_path):
     _hf_checks.check_unplaced_tensors(hf_llama, tmp_path)
 

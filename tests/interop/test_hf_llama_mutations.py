@@ -4,14 +4,15 @@ changes, its unmutated copy passing.
 The logits check against transformers (tests/interop/test_hf_llama.py) catches the attention
 norm read from post_attention_layernorm, o_proj read untransposed (square: the shapes still
 fit), a transposed tensor's block read with the slices in shardops' order (a square one reads
-the wrong block, another runs off the tensor). The checks of ``_hf_checks`` catch, each by the
-test of the same name: a wrong default for a field config.json leaves out (``rms_norm_eps``
+the wrong block, another runs off the tensor). The checks of ``_hf_checks`` (each also a test of
+test_hf_llama.py) catch: a wrong default for a field config.json leaves out (``rms_norm_eps``
 from ``models.Llama``'s 1e-5, the context from Llama 2's 4096, the KV heads of MQA), the
-``swish`` alias dropped, an off-by-one at the shard boundary (the open file, a tensor of exactly
-``max_shard_bytes``), a tied config over a distinct ``lm_head.weight`` loaded tied (the issue's
-3.46 off) or untied without a word, an unplaced tensor let through, ``elements_read`` summed
-over loads, and each raw error back (invalid JSON, an index without its weight map or naming a
-missing file, an integer dtype, a path that is a file, a zero shard size)."""
+``swish`` alias dropped, an off-by-one at the shard boundary (the open file, a tensor of
+exactly ``max_shard_bytes``), a tied config over a distinct ``lm_head.weight`` loaded tied (the
+issue's 3.46 off) or untied without a word, a tied head's ``lm_head.weight`` alone not read as
+the embedding, an unplaced tensor let through, ``elements_read`` summed over loads, and each
+raw error back (invalid JSON, an index without its weight map or naming a missing file, an
+integer dtype, a path that is a file, a zero shard size)."""
 
 import numpy as np
 import optax
@@ -23,6 +24,7 @@ from _hf_checks import (
     check_defaults,
     check_elements_read,
     check_json_errors,
+    check_lm_head_alone,
     check_save_errors,
     check_shard_split,
     check_unplaced_tensors,
@@ -58,6 +60,7 @@ CHECKS = {
     "aliases": _without_tmp(check_activation_aliases),
     "shard_split": _without_tmp(check_shard_split),
     "untied_head": check_untied_head,
+    "lm_head_alone": check_lm_head_alone,
     "unplaced": check_unplaced_tensors,
     "elements_read": _without_tmp(check_elements_read),
     "json_errors": check_json_errors,
@@ -101,6 +104,9 @@ MUTANTS = {
         "        if self._equal(EMBED, HEAD):", "        if True:", "untied_head"),
     "untied_without_a_warning": (
         "        warnings.warn(", "        (lambda *args, **kwargs: None)(", "untied_head"),
+    "lm_head_alone_not_read_as_the_embedding": (
+        '            self.names["embed", "table"] = (HEAD, False)', "            pass",
+        "lm_head_alone"),
     "unplaced_tensor_let_through": (
         "        if missing or extra:", "        if missing:", "unplaced"),
     "elements_read_summed_over_loads": (
