@@ -22,7 +22,7 @@ The surface, by concept (each subpackage has its own short ``__all__``):
   ``shardops.watchdog`` (a process stuck between steps stops the run, named).
 """
 
-from shardops import comm, inspect, layers, testing
+from shardops import comm, distributed, inspect, layers, preemption, testing, watchdog
 from shardops._axes import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, REPLICA_AXIS, SEQUENCE_DIM
 from shardops._clip import clip_by_global_norm, global_norm
 from shardops._devices import DeviceMismatchError, check_devices
@@ -138,7 +138,10 @@ __all__ = [  # noqa: RUF022 (grouped by concept, as the docstring lists them)
     "global_norm",
     # subpackages
     "comm",
+    "distributed",
     "inspect",
     "layers",
+    "preemption",
     "testing",
+    "watchdog",
 ]

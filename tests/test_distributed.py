@@ -7,8 +7,10 @@ deadlocked collective fails the test instead of hanging the suite.
 
 import functools
 import json
+import math
 import os
 import re
+import shlex
 import signal
 
 import jax
@@ -23,9 +25,12 @@ from _model_checks import (
     sharded_trajectory,
 )
 from _processes import Run, launcher, python, run, wait_for
+from _resume_checks import load_example
+from test_docs import NOT_RUN, ROOT, fences, python_blocks
 
 import shardops
 import shardops_models as models
+from shardops import launch
 from shardops_models.training.checkpoint import Checkpoints
 
 RUNS = ["dp:8x1", "fsdp:8x1", "tp:1x8", "2d:4x2", "fsdp_tp:2x4"]
@@ -222,3 +227,79 @@ def test_in_one_process_a_local_batch_is_the_global_batch():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match=r"x has 8 rows; process 0 feeds rows \[0, 16\)"):
         setup.place_local_batch(xs[0][:8], ys[0][:8], batch=BATCH)
+
+
+# --- the multi-process pages' scripts and commands, which the docs' tests do not run
+
+
+def test_the_multi_process_page_s_train_py_runs_as_written_under_the_launcher(tmp_path):
+    """The page's ``train.py`` (a no-run block there) under ``python -m shardops.launch -n 2``:
+    ``import shardops`` reaches ``shardops.distributed``, process 0 alone prints its 100 finite
+    losses, and no step hangs (each process waits for its loss: without that, 2 runs of 3
+    hung here)."""
+    page = ROOT / "docs" / "multi-process.md"
+    (script,) = [body for _, body, runs in python_blocks(page) if not runs]
+    assert (
+        test_the_multi_process_page_s_train_py_runs_as_written_under_the_launcher.__name__
+        in (NOT_RUN["docs/multi-process.md", "SHARDOPS_COORDINATOR"])
+    ), "NOT_RUN should name the test that runs the block"
+    (tmp_path / "train.py").write_text(script)
+    out = run(launcher(2, str(tmp_path / "train.py")), tmp_path, "train", timeout=120)
+    steps = re.findall(r"^\[p0\] (\d+) (\S+)$", out, re.M)
+    assert [int(step) for step, _ in steps] == list(range(100)), out
+    assert all(math.isfinite(float(loss)) for _, loss in steps), out
+    assert not re.search(r"^\[p1\] \d+ ", out, re.M), out
+
+
+def page_commands(*pages: str) -> list[list[str]]:
+    """The ``python …`` commands of the pages' bash and text blocks (``$ ``, ``host0$ `` and
+    comments dropped)."""
+    found = []
+    for page in pages:
+        for info, _, body in fences(ROOT / page):
+            if info in ("bash", "text"):
+                for line in body.splitlines():
+                    line = re.sub(r"^(\w*\$ )", "", line.strip())
+                    if line.startswith("python "):
+                        found.append([w for w in shlex.split(line, comments=True) if w != "&"])
+    return found
+
+
+def test_the_commands_on_the_multi_process_and_resilience_pages_parse():
+    """Each command the pages show parses: the launcher's options (as ``main`` reads them,
+    without starting anything) and the example's own flags; ``train.py`` is the page's script."""
+    commands = page_commands("docs/multi-process.md", "docs/resilience.md")
+    assert len(commands) >= 8, commands
+    parser = launch._parser()
+    for words in commands:
+        assert words[0] == "python", words
+        if words[1:3] == ["-m", "shardops.launch"]:
+            split = words.index("--")
+            options, command = words[3:split], words[split + 1 :]
+            args, extra = parser.parse_known_args(options)
+            assert not extra, (words, extra)
+            launch.devices_per_process(args.devices, args.nproc)
+            if args.coordinator:
+                launch.parse_coordinator(args.coordinator)
+        else:
+            command = words[1:]
+        script, *flags = command
+        if script == "train.py":
+            assert not flags, words
+            continue
+        name = re.fullmatch(r"examples/(\w+)\.py", script)
+        assert name, f"not an example: {words}"
+        try:
+            load_example(name[1]).parse_args(flags)
+        except SystemExit as e:
+            raise AssertionError(f"{' '.join(words)}: the example refuses its flags") from e
+
+
+def test_every_module_the_package_doc_names_is_reachable_after_import_shardops():
+    """``shardops``'s docstring names ``shardops.distributed``, ``.preemption``, ``.watchdog``
+    …: each is imported by the package (in ``__all__``, which ruff checks is bound), so
+    ``import shardops`` reaches it. ``shardops.launch`` is a command (``python -m``): importing
+    it with the package would make runpy warn."""
+    named = set(re.findall(r"``shardops\.([a-z_]+)``", shardops.__doc__)) - {"launch"}
+    assert {"distributed", "preemption", "watchdog", "comm", "inspect"} <= named, named
+    assert named <= set(shardops.__all__), named - set(shardops.__all__)
