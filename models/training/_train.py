@@ -587,14 +587,15 @@ def _check_batch(model, parallel: Strategy, mesh, x, y=None) -> None:
             argument="x", dim=0, dim_name="batch", size=x.shape[0], mesh=mesh,
             axes=parallel.batch_axes,
         )  # fmt: skip
-    n = 1
     if parallel.cp:
-        n = mesh.shape[parallel.cp]
-        shardops.layers.check_context_sequence("the batch", "x", x.shape[1], parallel.cp, n)
-    if parallel.sp and (x.shape[1] // n) % mesh.shape[parallel.tp]:
+        shardops.layers.check_context_sequence(
+            "the batch", "x", x.shape[1], parallel.cp, mesh.shape[parallel.cp],
+            parallel.tp if parallel.sp else None, mesh.shape[parallel.tp] if parallel.sp else 1,
+        )  # fmt: skip
+    elif parallel.sp:
         shardops.check_divisible(
             argument="x", dim=1, dim_name="sequence", size=x.shape[1], mesh=mesh,
-            axes=(parallel.cp, parallel.tp) if parallel.cp else (parallel.tp,),
+            axes=(parallel.tp,),
         )  # fmt: skip
 
 

@@ -193,6 +193,15 @@ def test_an_empty_or_short_sequence_is_refused_with_a_length_that_fits():
     with pytest.raises(ValueError, match=r"x dim 1 \(sequence\) = 4 is not divisible by 2 × mesh "
                        r"axis 'context' \(size 4\) = 8: .* " + advice):  # fmt: skip
         setup.check_batch(np.zeros((BATCH, 4), np.int32))
+    # sp splits each device's block over 'model' too: 12 tokens fill 2 × 2 chunks, not 8
+    sp = models.build(
+        "sp+ring", shardops.make_mesh(CP_MESHES["c2x4"]), model=GPT, optimizer=optax.sgd(0.1)
+    )
+    with pytest.raises(ValueError, match=r"the batch: x dim 1 \(sequence\) = 12 is not divisible "
+                       r"by 2 × mesh axis 'context' \(size 2\) = 4 and, per device, by mesh axis "
+                       r"'model' \(size 4\): a multiple of 8: .* Use a sequence length that is a "
+                       r"multiple of 8 \(e\.g\. 16\), or a smaller context axis\."):  # fmt: skip
+        sp.check_batch(np.zeros((BATCH, 12), np.int32))
     ctx = models.Parallel(with_context("ref", "ring"))
     with pytest.raises(ValueError, match=r"ctx.local_tokens: tokens dim 1 \(sequence\) = 0 is "
                        r"empty; .*'context' \(size 4\) = 8: .* " + advice):  # fmt: skip

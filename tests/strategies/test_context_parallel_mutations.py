@@ -7,7 +7,11 @@ pass."""
 import pytest
 from _gpt_checks import check_lm_trajectory
 from _mutants import mutant
-from test_context_parallel import LMS, test_evaluate_and_logits_equal_the_reference_with_padding
+from test_context_parallel import (
+    LMS,
+    test_an_empty_or_short_sequence_is_refused_with_a_length_that_fits,
+    test_evaluate_and_logits_equal_the_reference_with_padding,
+)
 
 import shardops_models as models
 from shardops_models.strategies import parallel
@@ -69,3 +73,14 @@ def test_logits_in_the_layouts_order_are_caught(monkeypatch):
     monkeypatch.setattr(models, "build", build_with("logits_not_in_token_order"))
     with pytest.raises(AssertionError, match="Not equal to tolerance"):
         test_evaluate_and_logits_equal_the_reference_with_padding("ring")
+
+
+def test_the_batch_check_without_sequence_parallelism_is_caught(monkeypatch):
+    """The batch check of sp+cp asking only 2 × context of the sequence: 12 tokens on 2 × 4
+    pass it (and fail later, inside a layer, naming neither the batch nor a length that fits)."""
+    line = "            parallel.tp if parallel.sp else None, mesh.shape[parallel.tp] if parallel.sp else 1,\n"
+    monkeypatch.setattr(
+        models, "build", mutant(_train, "cp_check_without_sp", line, "            None, 1,\n").build
+    )
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        test_an_empty_or_short_sequence_is_refused_with_a_length_that_fits()
