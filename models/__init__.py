@@ -23,6 +23,7 @@ from shardops_models.networks._mlp import (
     loss,
     mlp_forward,
 )
+from shardops_models.networks._lm import PAD_LABEL, check_token_range
 from shardops_models.networks.gpt import Gpt
 from shardops_models.networks.llama import Llama
 from shardops_models.networks.mlp import Mlp, tp_plan
@@ -60,6 +61,7 @@ __all__ = [
     "HEAD",
     "INIT_LR",
     "INIT_SCALE",
+    "PAD_LABEL",
     "REPLICATED",
     "ROLES",
     "ROW",
@@ -76,6 +78,7 @@ __all__ = [
     "TrainState",
     "accuracy",
     "build",
+    "check_token_range",
     "cross_entropy_sum",
     "fsdp_spec",
     "gather_tree",

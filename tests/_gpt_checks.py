@@ -18,6 +18,7 @@ from _model_checks import MIN_MOVE, STEPS, max_diff, mesh_for
 
 import shardops
 import shardops_models as models
+from shardops_models import PAD_LABEL
 
 # A GPT every mesh of 8 divides: 8 heads of 4, vocabulary 64, MLP 64, S = 16 (sp splits it).
 GPT = models.Gpt(vocab_size=64, d_model=32, num_heads=8, num_layers=1, context=16, d_ff=64)
@@ -115,6 +116,7 @@ def _reference(model, opt_name: str, clip: float | None = None, sgd_lr: float = 
     ``opt_name``, computed once per session: every strategy, mesh and mutant shares it."""
     params = model.init(jax.random.key(0))
     ids, labels = lm_batches(model)
+    labels[:, 0, -3:] = PAD_LABEL  # a short document's end: no loss, no gradient, every layout
     opt = optimizer(opt_name, clip, sharded=False, sgd_lr=sgd_lr)
     return params, ids, labels, reference_trajectory(model, params, ids, labels, opt)
 

@@ -11,7 +11,9 @@ import numpy as np
 import optax
 
 PAD_LABEL = -1
-"""A label that counts nowhere in ``metrics`` (how a whole set's last chunk is padded)."""
+"""A label that counts nowhere: no loss and no gradient in the train step (whose loss still
+divides by all ``B·S`` positions), nowhere in ``metrics`` (how a whole set's last chunk, or the
+end of a short document, is padded)."""
 
 
 def check_token_range(
@@ -46,7 +48,7 @@ def check_token_range(
             hi = int(a[bad].max())
             fix = f"map every token into [0, {vocab_size})"
             if allowed:
-                fix += f" (or {', '.join(map(str, allowed))}: a position the metrics skip)"
+                fix += f" (or {', '.join(map(str, allowed))}: a position the loss and metrics skip)"
             if hi >= vocab_size:
                 fix += f", or give the model a vocabulary of at least {hi + 1} tokens"
                 fix += f" ({grow.format(n=hi + 1)})" if grow else ""
@@ -62,19 +64,26 @@ class LanguageModel:
 
     sequence = True  # x[B, S, D]: sequence parallelism applies
 
-    def loss_sum(self, ctx, params, logits, labels):
-        """Σ over the local positions of the next-token cross-entropy (float32)."""
-        split = ctx.is_split(self.output_layer(params))
-        return jnp.sum(ctx.cross_entropy(logits, labels, split=split, vocab_size=self.vocab_size))
-
-    def metrics(self, ctx, params, logits, labels):
-        """Local ``(loss_sum, correct, count)`` over positions whose label is not ``PAD_LABEL``."""
+    def _losses(self, ctx, params, logits, labels):
+        """Per-position cross-entropy ``[b, S]`` (float32), 0 where the label is ``PAD_LABEL``,
+        the positions labelled, and the labels with ``PAD_LABEL`` read as token 0."""
         split = ctx.is_split(self.output_layer(params))
         real = labels != PAD_LABEL  # [b, S]
         target = jnp.where(real, labels, 0)
         losses = ctx.cross_entropy(logits, target, split=split, vocab_size=self.vocab_size)
+        return jnp.where(real, losses, 0.0), real, target
+
+    def loss_sum(self, ctx, params, logits, labels):
+        """Σ over the local positions of the next-token cross-entropy (float32); a
+        ``PAD_LABEL`` position adds no loss and no gradient."""
+        return jnp.sum(self._losses(ctx, params, logits, labels)[0])
+
+    def metrics(self, ctx, params, logits, labels):
+        """Local ``(loss_sum, correct, count)`` over positions whose label is not ``PAD_LABEL``."""
+        losses, real, target = self._losses(ctx, params, logits, labels)
+        split = ctx.is_split(self.output_layer(params))
         hits = (ctx.argmax(logits, split=split, vocab_size=self.vocab_size) == target) & real
-        return (jnp.sum(jnp.where(real, losses, 0.0)), jnp.sum(hits, dtype=jnp.int32),
+        return (jnp.sum(losses), jnp.sum(hits, dtype=jnp.int32),
                 jnp.sum(real, dtype=jnp.int32))  # fmt: skip
 
     def check_batch(self, ids, labels=None) -> None:
@@ -102,6 +111,9 @@ class LanguageModel:
         check_token_range(self.vocab_size, allowed=(PAD_LABEL,), grow=grow, labels=labels)
 
     def reference_loss(self, params, ids, labels):
-        """The mean next-token cross-entropy of ``reference_logits`` (plain jnp)."""
+        """The next-token cross-entropy of ``reference_logits`` (plain jnp), summed over the
+        positions whose label is not ``PAD_LABEL`` and divided by all ``B·S`` (the train loss)."""
         logits = self.reference_logits(params, ids)
-        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
+        real = labels != PAD_LABEL
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(real, labels, 0))
+        return jnp.sum(jnp.where(real, losses, 0.0)) / labels.size

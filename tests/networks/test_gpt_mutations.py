@@ -1,5 +1,5 @@
 """Mutation check for the GPT under the strategies: a plan with one wrong role, a dropped
-vocab-parallel reduction and a loss averaged locally are each caught by the trajectory check
+vocab-parallel reduction, a loss averaged locally and one that counts padded labels are each caught by the trajectory check
 (tests/_gpt_checks.py) against the plain-jnp reference, while the unmutated copies pass; a
 collective added or swapped and a reduction in bfloat16 pass the budget traced from the step
 and are caught by the hand-written budget (tests/_lm_budgets.py)."""
@@ -25,9 +25,9 @@ from shardops_models.training import _train
 
 LOCAL_TARGETS = "        targets = self._global_batch(y.shape[0]) * math.prod(y.shape[1:])\n"
 SPLIT_LOSS = (
-    "        return jnp.sum(ctx.cross_entropy(logits, labels, split=split, "
-    "vocab_size=self.vocab_size))\n"
+    "        losses = ctx.cross_entropy(logits, target, split=split, vocab_size=self.vocab_size)\n"
 )
+MASKED_SUM = "        return jnp.sum(self._losses(ctx, params, logits, labels)[0])\n"
 
 
 def mutant(module, old: str, new: str):
@@ -41,7 +41,8 @@ def mutant(module, old: str, new: str):
 
 def gpt_build(old: str, new: str):
     """``build`` whose GPT's loss comes from a mutated copy of models/networks/_lm.py."""
-    cls = type("MutantGpt", (gpt.Gpt,), {"loss_sum": mutant(_lm, old, new).LanguageModel.loss_sum})
+    lm = mutant(_lm, old, new).LanguageModel
+    cls = type("MutantGpt", (gpt.Gpt,), {"loss_sum": lm.loss_sum, "_losses": lm._losses})
 
     def build(*args, model, **kwargs):
         return _train.build(*args, model=cls(**{f: getattr(model, f) for f in FIELDS}), **kwargs)
@@ -74,6 +75,20 @@ def test_loss_averaged_locally_is_caught(case):
                                                                "y.shape[0]")).build  # fmt: skip
     with pytest.raises(AssertionError):
         check_gpt_trajectory(*case, "sgd", build=build)
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("case", [("dp", "data8"), ("2d", "2x4")], ids=lambda c: c[0])
+def test_padding_labels_in_the_train_loss_are_caught(case):
+    """The train loss summing every position, PAD_LABEL ones too (a label of −1 wraps to the
+    last token unsplit and matches no device's columns split): the reference's padded
+    positions add nothing, so the trajectory differs, under every layout."""
+    unmasked = (
+        "        split = ctx.is_split(self.output_layer(params))\n        return jnp.sum("
+        "ctx.cross_entropy(logits, labels, split=split, vocab_size=self.vocab_size))\n"
+    )
+    with pytest.raises(AssertionError, match=r"max \|loss − reference\|"):
+        check_gpt_trajectory(*case, "sgd", build=gpt_build(MASKED_SUM, unmasked))
     jax.clear_caches()
 
 
