@@ -10,7 +10,6 @@ import json
 import math
 import os
 import re
-import shlex
 import signal
 
 import jax
@@ -25,12 +24,10 @@ from _model_checks import (
     sharded_trajectory,
 )
 from _processes import Run, launcher, python, run, wait_for
-from _resume_checks import load_example
-from test_docs import NOT_RUN, ROOT, fences, python_blocks
+from test_docs import NOT_RUN, ROOT, python_blocks
 
 import shardops
 import shardops_models as models
-from shardops import launch
 from shardops_models.training.checkpoint import Checkpoints
 
 RUNS = ["dp:8x1", "fsdp:8x1", "tp:1x8", "2d:4x2", "fsdp_tp:2x4"]
@@ -249,50 +246,6 @@ def test_the_multi_process_page_s_train_py_runs_as_written_under_the_launcher(tm
     assert [int(step) for step, _ in steps] == list(range(100)), out
     assert all(math.isfinite(float(loss)) for _, loss in steps), out
     assert not re.search(r"^\[p1\] \d+ ", out, re.M), out
-
-
-def page_commands(*pages: str) -> list[list[str]]:
-    """The ``python …`` commands of the pages' bash and text blocks (``$ ``, ``host0$ `` and
-    comments dropped)."""
-    found = []
-    for page in pages:
-        for info, _, body in fences(ROOT / page):
-            if info in ("bash", "text"):
-                for line in body.splitlines():
-                    line = re.sub(r"^(\w*\$ )", "", line.strip())
-                    if line.startswith("python "):
-                        found.append([w for w in shlex.split(line, comments=True) if w != "&"])
-    return found
-
-
-def test_the_commands_on_the_multi_process_and_resilience_pages_parse():
-    """Each command the pages show parses: the launcher's options (as ``main`` reads them,
-    without starting anything) and the example's own flags; ``train.py`` is the page's script."""
-    commands = page_commands("docs/multi-process.md", "docs/resilience.md")
-    assert len(commands) >= 8, commands
-    parser = launch._parser()
-    for words in commands:
-        assert words[0] == "python", words
-        if words[1:3] == ["-m", "shardops.launch"]:
-            split = words.index("--")
-            options, command = words[3:split], words[split + 1 :]
-            args, extra = parser.parse_known_args(options)
-            assert not extra, (words, extra)
-            launch.devices_per_process(args.devices, args.nproc)
-            if args.coordinator:
-                launch.parse_coordinator(args.coordinator)
-        else:
-            command = words[1:]
-        script, *flags = command
-        if script == "train.py":
-            assert not flags, words
-            continue
-        name = re.fullmatch(r"examples/(\w+)\.py", script)
-        assert name, f"not an example: {words}"
-        try:
-            load_example(name[1]).parse_args(flags)
-        except SystemExit as e:
-            raise AssertionError(f"{' '.join(words)}: the example refuses its flags") from e
 
 
 def test_every_module_the_package_doc_names_is_reachable_after_import_shardops():

@@ -12,6 +12,7 @@ import math
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
@@ -35,9 +36,10 @@ def rel(page: pathlib.Path) -> str:
     return page.relative_to(ROOT).as_posix()
 
 
-def fences(page: pathlib.Path):
-    """(info string, first line number of the body, body) of every fenced block of ``page``."""
-    text = page.read_text()
+def fences(page: pathlib.Path, text: str | None = None):
+    """(info string, first line number of the body, body) of every fenced block of ``page``
+    (or of ``text``, given as the page's)."""
+    text = page.read_text() if text is None else text
     for m in FENCE.finditer(text):
         body = "".join(
             line[len(m["indent"]) :] if line.startswith(m["indent"]) else line
@@ -135,6 +137,102 @@ def test_readme_is_short_and_starts_with_the_set_up_ci_runs():
         "python -m pytest",
     ]
     assert "Test set accuracy 0.8280" in text and "Epoch 19 in" in text
+
+
+def page_commands(page: pathlib.Path, text: str | None = None) -> list[tuple[int, list[str]]]:
+    """(line, words) of each ``python …`` command in the page's bash and text blocks: lines
+    continued with ``\\`` joined, a ``$ `` or ``host0$ `` prompt, comments and ``&`` dropped."""
+    found = []
+    for info, start, body in fences(page, text):
+        if info not in ("bash", "text"):
+            continue
+        for i, line in enumerate(body.replace("\\\n", " ").splitlines()):
+            line = re.sub(r"^\w*\$ ", "", line.strip())
+            if line.startswith("python "):
+                found.append((start + i, [w for w in shlex.split(line, comments=True) if w != "&"]))
+    return found
+
+
+class _Parsed(Exception):
+    """Raised by ``parse_args`` once a command line has parsed: nothing after it runs."""
+
+
+def _parses(main, argv: list[str], monkeypatch) -> None:
+    """``main(argv)`` up to its parser: its ``parse_args`` runs (exit 2 on a bad flag)."""
+    import argparse
+
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_and_stop(self, args=None, namespace=None):
+        parse(self, args, namespace)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+    with pytest.raises(_Parsed):
+        main(argv)
+    monkeypatch.undo()
+
+
+def command_problems(page: pathlib.Path, monkeypatch, text: str | None = None) -> list[str]:
+    """What is wrong with each ``python …`` command of ``page`` (``test_every_command…``)."""
+    from _resume_checks import load_example
+
+    from shardops import launch
+    from shardops_models.search import _search
+
+    problems = []
+    for line, words in page_commands(page, text):
+        where = f"{rel(page)}:{line}: {shlex.join(words)}"
+        if words[:3] == ["python3", "-m", "venv"] or words == ["python", "-m", "pytest"]:
+            continue  # the set-up CI runs (test_readme_is_short_and_starts_with_the_set_up…)
+        command = words[1:]
+        try:
+            assert words[0] == "python", "not `python …`"
+            if command[:2] == ["-m", "shardops.launch"]:
+                split = command.index("--")
+                args, extra = launch._parser().parse_known_args(command[2:split])
+                assert not extra, f"the launcher has no {extra}"
+                launch.devices_per_process(args.devices, args.nproc)
+                if args.coordinator:
+                    launch.parse_coordinator(args.coordinator)
+                command = command[split + 1 :]
+            if command == ["train.py"] and rel(page) == "docs/multi-process.md":
+                continue  # the page's script, which names no flags
+            if command[:2] == ["-m", "shardops_models.search"]:
+                main, flags = _search.main, command[2:]
+            else:
+                name = re.fullmatch(r"examples/(\w+)\.py", command[0])
+                assert name and (ROOT / command[0]).exists(), "not an example"
+                main, flags = load_example(name[1]).main, command[1:]
+            _parses(main, flags, monkeypatch)
+        except (AssertionError, ValueError, SystemExit) as e:
+            problems.append(f"{where}: {type(e).__name__} {e}")
+    return problems
+
+
+def test_every_command_the_pages_show_parses(monkeypatch):
+    """The ``python …`` commands in bash and text blocks of the README and every page (which
+    the blocks' tests cannot run: they train for minutes, or need several hosts) name a script
+    or module that exists and flags its parser takes: an example's, the launcher's (its
+    ``--devices`` and ``--coordinator`` too), the strategy search's; ``train.py`` is the
+    multi-process page's script (run under the launcher by tests/test_distributed.py)."""
+    commands = sum(len(page_commands(page)) for page in PAGES)
+    assert commands >= 30, commands
+    assert [p for page in PAGES for p in command_problems(page, monkeypatch)] == []
+
+
+@pytest.mark.parametrize(("page", "old", "new"), [
+    ("docs/getting-started.md", "--compare-reference --steps 300", "--compare --steps 300"),
+    ("docs/diagnostics.md", "--bug extra-psum --layer 5", "--bug extra_psum --layer 5"),
+    ("docs/strategy-search.md", "--hardware h100-ib", "--hardware-preset h100-ib"),
+    ("docs/multi-process.md", "-n 2 -- examples/transformer_lm.py", "-n 2 examples/transformer_lm.py"),
+    ("docs/resilience.md", "--checkpoint-every 5 &", "--checkpoint-every five &"),
+    ("docs/strategies.md", "examples/mlp_2d.py --strategy hsdp_tp --mesh 4x2", "examples/mlp2d.py --strategy hsdp_tp --mesh 4x2"),
+])  # fmt: skip
+def test_a_command_out_of_date_is_caught(monkeypatch, page, old, new):
+    text = (ROOT / page).read_text()
+    assert text.count(old) == 1, old
+    assert len(command_problems(ROOT / page, monkeypatch, text.replace(old, new))) == 1
 
 
 def test_relative_links_resolve():
