@@ -235,6 +235,42 @@ def test_a_command_out_of_date_is_caught(monkeypatch, page, old, new):
     assert len(command_problems(ROOT / page, monkeypatch, text.replace(old, new))) == 1
 
 
+def _api_lists():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("api_lists", ROOT / "docs/_src/api_lists.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_api_pages_list_every_public_name_as_the_modules_give_them():
+    """docs/api/*.md read in a checkout list each documented module's public names (its
+    ``__all__``) with their docstrings' first paragraphs, as ``docs/_src/api_lists.py``
+    writes them now: a name added, removed or redocumented without rewriting them fails."""
+    api_lists = _api_lists()
+    pages = sorted((ROOT / "docs" / "api").glob("*.md"))
+    assert len(pages) >= 13
+    stale = [rel(page) for page in pages if api_lists.written(page.read_text()) != page.read_text()]
+    assert not stale, f"run `python docs/_src/api_lists.py`: stale name lists in {stale}"
+    models_page = (ROOT / "docs/api/models.md").read_text()
+    import shardops_models
+
+    for name in shardops_models.__all__:
+        assert f"| `{name}` |" in models_page, name
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("| `PAD_LABEL` | `= -1` |\n", ""),  # a name missing
+    ("| `seed_sgd` | The seed's optimizer", "| `seed_sgd` | The optimizer"),  # an old summary
+])  # fmt: skip
+def test_a_stale_api_list_is_caught(old, new):
+    text = (ROOT / "docs/api/models.md").read_text()
+    assert text.count(old) == 1, old
+    mutated = text.replace(old, new)
+    assert _api_lists().written(mutated) != mutated
+
+
 def test_relative_links_resolve():
     """README links into docs/ and the repository; docs pages link to each other (mkdocs
     checks those too, strictly) and to the figures."""
