@@ -14,6 +14,7 @@ gives its parameters a plan of tensor-parallel roles (``models.strategies.plan``
 once against the layer context (``models.strategies.parallel``).
 """
 
+from shardops_models.networks._lm import PAD_LABEL, check_token_range
 from shardops_models.networks._mlp import (
     INIT_SCALE,
     SEED_SIZES,
@@ -23,7 +24,6 @@ from shardops_models.networks._mlp import (
     loss,
     mlp_forward,
 )
-from shardops_models.networks._lm import PAD_LABEL, check_token_range
 from shardops_models.networks.gpt import Gpt
 from shardops_models.networks.llama import Llama
 from shardops_models.networks.mlp import Mlp, tp_plan

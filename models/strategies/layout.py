@@ -111,7 +111,8 @@ class Strategy:
                              f"cp axis; name it, e.g. cp={CONTEXT_AXIS!r}")  # fmt: skip
         if self.cp_method not in CONTEXT_METHODS:
             raise ValueError(f"Strategy {self.name!r}: cp_method must be one of "
-                             f"{CONTEXT_METHODS}; got {self.cp_method!r}")  # fmt: skip
+                             f"{CONTEXT_METHODS}; got {self.cp_method!r}. Pass one of them, "
+                             f"e.g. cp_method='ring'")  # fmt: skip
         if self.sp and self.tp is None:
             raise ValueError(
                 f"Strategy {self.name!r}: sp splits activations over the tp axis; name it, "
@@ -131,7 +132,8 @@ class Strategy:
                 if axis in seen:
                     raise ValueError(
                         f"Strategy {self.name!r}: mesh axis {axis!r} carries both {seen[axis]} "
-                        f"and {kind}; each axis carries one kind of parallelism"
+                        f"and {kind}; each axis carries one kind of parallelism: give {kind} an "
+                        f"axis of its own (a mesh of more axes)"
                     )
                 seen[axis] = kind
 
@@ -240,6 +242,9 @@ def with_context(strategy, method: str = "ring", axis: str = CONTEXT_AXIS) -> St
     ``axis`` by attention ``method``, named ``"<name>+<method>"``."""
     base = strategy_named(strategy)
     if base.cp is not None:
-        raise ValueError(f"strategy {base.name!r} already splits the sequence over {base.cp!r}")
+        plain = base.name.split("+")[0]  # a preset's name; a Strategy of one's own: its name
+        raise ValueError(f"strategy {base.name!r} already splits the sequence over {base.cp!r}; "
+                         f"pass the strategy without it, e.g. with_context({plain!r}, "
+                         f"{method!r})")  # fmt: skip
     name = f"{base.name}+{method}"
     return dataclasses.replace(base, name=name, cp=axis, cp_method=method)

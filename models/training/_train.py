@@ -460,7 +460,8 @@ def build(
     if remat and not parallel.fsdp:
         raise ValueError(
             f"remat re-gathers FSDP weights: it applies to strategies with fsdp, not "
-            f"{parallel.name!r}"
+            f"{parallel.name!r}. Build without remat=True, or with an fsdp strategy (e.g. "
+            f"{'fsdp_tp' if parallel.tp else 'fsdp'!r})"
         )
     if not isinstance(precision, shardops.Precision):
         raise TypeError(

@@ -10,6 +10,7 @@ import optax
 import pytest
 from _cover import FULL
 from _gpt_checks import BATCH, CP_MESHES, GPT, SEQ, check_lm_trajectory, gpt_batches
+from _messages import refused
 from test_llama import CLIP, MODELS, SGD_LR
 
 import shardops
@@ -144,15 +145,21 @@ def test_strategy_names_and_table():
     assert strategy_named(with_context("fsdp_tp", "ulysses").name) == with_context(
         "fsdp_tp", "ulysses"
     )
-    with pytest.raises(ValueError, match="one of .*'allgather', 'ring', 'ulysses'.*'2d\\+ring'"):
+    with refused(ValueError, argument="unknown strategy '2d+rings'", got="'2d+rings'",
+                 expected="one of ('allgather', 'ring', 'ulysses')", fix="e.g. '2d+ring'"):  # fmt: skip
         strategy_named("2d+rings")
-    with pytest.raises(ValueError, match="carries both tp and cp"):
+    with refused(ValueError, argument="Strategy 'x'", got="mesh axis 'model' carries both tp and cp",
+                 expected="each axis carries one kind of parallelism",
+                 fix="give cp an axis of its own"):  # fmt: skip
         models.Strategy("x", tp="model", cp="model")
-    with pytest.raises(ValueError, match="cp_method must be one of"):
+    with refused(ValueError, argument="Strategy 'x': cp_method", got="got 'striped'",
+                 expected="one of ('allgather', 'ring', 'ulysses')", fix="e.g. cp_method='ring'"):  # fmt: skip
         models.Strategy("x", cp="context", cp_method="striped")
-    with pytest.raises(ValueError, match="cp_method='ulysses' without a cp axis"):
+    with refused(ValueError, argument="Strategy 'x': cp_method='ulysses'", got="without a cp axis",
+                 expected="cp axis", fix="name it, e.g. cp='context'"):  # fmt: skip
         models.Strategy("x", tp="model", cp_method="ulysses")
-    with pytest.raises(ValueError, match="already splits the sequence"):
+    with refused(ValueError, argument="strategy '2d+ring'", got="already splits the sequence over "
+                 "'context'", expected="the strategy without it", fix="with_context('2d', 'ring')"):  # fmt: skip
         with_context("2d+ring")
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from _cover import cover
+from _messages import refused
 from _model_checks import batches, check_evaluation, check_trajectory, mesh_for
 
 import shardops
@@ -228,9 +229,11 @@ def test_bad_strategy_inputs():
     padded = models.build("tp", mesh_for({"model": 4}), optimizer=sgd, sizes=(784, 30, 10))
     assert padded.padding.stored[0] == {"w": (784, 32), "b": (32,)}
     assert padded.padding.logical[0] == {"w": (784, 30), "b": (30,)}
-    with pytest.raises(TypeError, match="strategy 'dp' needs a jax.sharding.Mesh"):
+    with refused(TypeError, argument="strategy 'dp'", got="got NoneType",
+                 expected="a jax.sharding.Mesh with axes ('data',)", fix="see shardops.make_mesh"):  # fmt: skip
         models.build("dp", None, optimizer=sgd)
-    with pytest.raises(ValueError, match="remat re-gathers FSDP weights"):
+    with refused(ValueError, argument="remat", got="not 'dp'", expected="strategies with fsdp",
+                 fix=("Build without remat=True", "with an fsdp strategy (e.g. 'fsdp')")):  # fmt: skip
         models.build("dp", mesh_for({"data": 8}), optimizer=sgd, remat=True)
     setup = models.build("dp", mesh_for({"data": 8}), optimizer=sgd)
     xs, ys = batches(models.SEED_SIZES, 12)
@@ -239,7 +242,8 @@ def test_bad_strategy_inputs():
     ):
         setup.place_batch(xs[0], ys[0])
     state = setup.init(jax.random.key(0))
-    with pytest.raises(ValueError, match=r"x dim 0 \(batch\) = 12 is not divisible"):
+    with refused(ValueError, argument="x dim 0 (batch)", got="= 12",
+                 expected="mesh axis 'data' (size 8)", fix="choose a multiple of 8"):  # fmt: skip
         setup.train_step(state, xs[0], ys[0])
 
 
