@@ -271,6 +271,108 @@ def test_a_stale_api_list_is_caught(old, new):
     assert _api_lists().written(mutated) != mutated
 
 
+# Every block that shows text (a run's output, a message, a tree) rather than code: (page, a
+# phrase of the block) → (a test file, a phrase both the block and that file hold: the test
+# asserts that text), or (None, why it is shown unchecked). Commands are checked above.
+SHOWN = {
+    ("README.md", "Data: tfds cannot download"): ("tests/test_examples.py", "Test set accuracy "),
+    ("docs/getting-started.md", "Data: tfds cannot download"): ("tests/test_examples.py",
+                                                                "Test set accuracy "),
+    ("docs/code-map.md", "the library (never imports shardops_models)"): (
+        "tests/test_docs.py", "  _clip.py "),  # test_the_code_map_names_every_library_file…
+    ("docs/diagnostics.md", "expect_collectives: loss moves"): ("tests/inspect/test_expect.py",
+                                                                "1 of 3 rows"),
+    ("docs/diagnostics.md", "layout"): (None, "a rich table of explain's, abridged"),
+    ("docs/diagnostics.md", "┏━━━━━━━━┳"): (None, "the divergence locator's table for one bug, "
+                                                  "a run's output"),
+    ("docs/getting-started.md", "GPT: 2 blocks"): (None, "a 300-step run's log (minutes)"),
+    ("docs/getting-started.md", "_IS_BLANK_OR_COMMENT"): (None, "a Python traceback excerpt"),
+    ("docs/multi-process.md", "shardops.launch: coordinator"): ("tests/test_launch.py",
+                                                               "simulated CPU device(s) per process"),
+    ("docs/multi-process.md", "--checkpoint-dir /tmp/demo"): ("tests/_resume_checks.py",
+                                                            "Resume: step "),
+    ("docs/multi-process.md", "CheckpointMismatch"): ("tests/training/test_checkpoint.py",
+                                                      "model config sizes: [16, 32, 8] in the "
+                                                      "checkpoint, [16, 24, 8] here"),
+    ("docs/resilience.md", "--checkpoint-every 5 &"): ("tests/_resume_checks.py", "Resume: step "),
+    ("docs/resilience.md", "shardops.watchdog: process 3"): ("tests/test_resilience.py",
+                                                             "process 3 is stuck: it has done 20 "
+                                                             "steps and has not reached step "),
+    ("docs/resilience.md", "step 3: the loss is nan"): ("tests/test_transformer_lm.py",
+                                                        "the loss is nan; "),
+    ("docs/resilience.md", "CheckpointDamaged: checkpoint step 6"): (
+        "tests/training/test_checkpoint_damage.py", "cannot read the file "),
+    ("docs/resilience.md", "falling back to step 4"): ("tests/test_transformer_lm.py",
+                                                       "falling back to step "),
+    ("docs/strategies.md", "--mesh replica=2,data=2,model=2"): (None, "two commands, checked "
+                                                                "above; no output"),
+}  # fmt: skip
+
+
+def test_every_block_of_shown_text_is_listed_and_its_test_asserts_it():
+    """A block of output or messages cannot go stale unnoticed: each is listed in ``SHOWN``,
+    once, and where a test asserts its text, that test's file holds a phrase of the block."""
+    found = {}
+    for page in PAGES:
+        for info, line, body in fences(page):
+            joined = body.replace("\\\n", " ").splitlines()
+            lines = [re.sub(r"^\w*\$ ", "", x.strip()) for x in joined if x.strip()]
+            if info.startswith("python") or (info == "bash" and all(
+                    x.startswith(("python", "#")) for x in lines)):  # fmt: skip
+                continue  # run, or checked by test_every_command_the_pages_show_parses
+            keys = [k for k in SHOWN if k[0] == rel(page) and k[1] in body]
+            assert len(keys) == 1, f"{rel(page)}:{line}: a block of shown text SHOWN lists {keys}"
+            assert keys[0] not in found, f"{rel(page)}:{line}: {keys[0]} matches two blocks"
+            found[keys[0]] = body
+    assert set(found) == set(SHOWN), f"listed, not on the page: {set(SHOWN) - set(found)}"
+    for key, (test, phrase) in SHOWN.items():
+        if test is not None:
+            assert phrase in found[key], f"{key}: the block lacks {phrase!r}"
+            assert phrase in (ROOT / test).read_text(), f"{key}: {test} lacks {phrase!r}"
+
+
+def code_map_paths(text: str) -> list[str]:
+    """The files and folders the code map's tree names, as paths (nesting by indentation)."""
+    (tree,) = [body for info, _, body in fences(ROOT / "docs/code-map.md", text) if info == "text"]
+    stack, paths = [], []
+    for line in tree.splitlines():
+        m = re.match(r"( {0,12})(\w+/|\w+\.\w+)(?:,|\s|$)", line)
+        if not m or m[2] == "docs/":
+            continue  # a description's continuation, or the site
+        depth = len(m[1]) // 2
+        stack[depth:] = [m[2]]
+        paths.append("".join(stack))
+    return paths
+
+
+def library_modules() -> set[str]:
+    """shardops/'s modules; a subpackage's ``__init__.py`` goes without saying."""
+    return {str(p.relative_to(ROOT)) for p in (ROOT / "shardops").rglob("*.py")
+            if p.name != "__init__.py" or p.parent.name == "shardops"}  # fmt: skip
+
+
+def test_the_code_map_names_every_library_file_and_no_other():
+    """Each file and folder in docs/code-map.md's tree exists, and every module of the library
+    (shardops/) is in it: a module added, moved or removed fails until the map says so."""
+    paths = code_map_paths((ROOT / "docs/code-map.md").read_text())
+    missing = [p for p in paths if not (ROOT / p).exists()]
+    assert not missing, f"the code map names what does not exist: {missing}"
+    library = library_modules()
+    assert library - set(paths) == set(), f"modules the code map lacks: {library - set(paths)}"
+
+
+def test_a_stale_code_map_is_caught():
+    text = (ROOT / "docs/code-map.md").read_text()
+    for old, new in [
+        ("  _clip.py ", "  _clipping.py "),
+        ("    _norms.py             layer_norm, rms_norm\n", ""),
+    ]:
+        assert text.count(old) == 1, old
+        paths = code_map_paths(text.replace(old, new))
+        library = library_modules()
+        assert any(not (ROOT / p).exists() for p in paths) or library - set(paths)
+
+
 def test_relative_links_resolve():
     """README links into docs/ and the repository; docs pages link to each other (mkdocs
     checks those too, strictly) and to the figures."""
