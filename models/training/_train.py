@@ -544,9 +544,16 @@ def build(
         opt_specs=opt_specs,
         batch_spec=batch_spec,
         step=step,
-        train_step=jit(step, "train_step", step_options, donate_argnums=0),
-        loss_and_grads=jit(loss_and_grads, "loss_and_grads"),
-        evaluate=jit(evaluate, "evaluate"),
+        train_step=jit(
+            _state_checked(step, padding, "setup.train_step"),
+            "train_step",
+            step_options,
+            donate_argnums=0,
+        ),
+        loss_and_grads=jit(
+            _params_checked(loss_and_grads, padding, "setup.loss_and_grads"), "loss_and_grads"
+        ),
+        evaluate=jit(_params_checked(evaluate, padding, "setup.evaluate"), "evaluate"),
         logits=jit(_params_checked(logits, padding, "setup.logits"), "logits"),
     )
 
@@ -1080,13 +1087,30 @@ def _first(names: list[str], n: int = 4) -> str:
 
 
 def _params_checked(fn, padding: Padding, what: str):
-    """``fn(params, x)`` that first checks ``params`` against the stored tree and shapes
+    """``fn(params, *batch)`` that first checks ``params`` against the stored tree and shapes
     (``Padding.check_stored``): it runs when the jitted function traces, i.e. for every new
     tree or shape, before ``shard_map`` compares them with its specs."""
 
-    def run(params, x):
+    def run(params, *batch):
         padding.check_stored(params, what, "setup.shard(params).params")
-        return fn(params, x)
+        return fn(params, *batch)
+
+    return run
+
+
+def _state_checked(fn, padding: Padding, what: str):
+    """``fn(state, *batch)`` that first checks that ``state`` is a ``TrainState`` (a pair of
+    params and optimizer state) whose params have the stored tree and shapes."""
+
+    def run(state, *batch):
+        if not (isinstance(state, tuple) and len(state) == 2):
+            raise TypeError(
+                f"{what}: state must be a TrainState (params, opt_state); got "
+                f"{type(state).__name__}. Start from setup.init(key) or setup.shard(params), "
+                f"and pass what train_step returned"
+            )
+        padding.check_stored(state[0], what, "setup.shard(params)")
+        return fn(state, *batch)
 
     return run
 

@@ -247,6 +247,38 @@ def test_bad_strategy_inputs():
         setup.train_step(state, xs[0], ys[0])
 
 
+def test_wrong_params_or_state_to_the_steps_are_clear_errors():
+    """A TrainState where params go, params where a TrainState goes, the model's own unpadded
+    params and another model's: each step names itself, the leaf, both shapes and the fix,
+    before shard_map compares them with its specs (it would print both pytrees whole)."""
+    setup = models.build(
+        "tp", mesh_for({"model": 4}), optimizer=optax.sgd(1.0), sizes=(784, 30, 10)
+    )
+    full = models.init_mlp(jax.random.key(0), (784, 30, 10))
+    state = setup.shard(full)
+    batch = setup.place_batch(*(a[0] for a in batches((784, 30, 10), 8)))
+    for what, call in {
+        "setup.evaluate": setup.evaluate,
+        "setup.loss_and_grads": setup.loss_and_grads,
+    }.items():
+        with refused(TypeError, argument=f"{what}: params", got="is a TrainState",
+                     expected="(params and optimizer state)", fix="pass state.params"):  # fmt: skip
+            call(state, *batch)
+        with refused(ValueError, argument=f"{what}: params[0]['b']", got="has shape (30,), the model's own",
+                     expected="stores it padded to (32,)", fix="Lay the params out with setup.shard(params).params"):  # fmt: skip
+            call(full, *batch)
+        with refused(ValueError, argument=f"{what}: params[0]['b']", got="has shape (20,)",
+                     expected="this model's is (30,) (stored as (32,))",
+                     fix="Pass the params of the model this was built for"):  # fmt: skip
+            call(models.init_mlp(jax.random.key(0), (784, 20, 10)), *batch)
+    with refused(TypeError, argument="setup.train_step: state", got="got list",
+                 expected="a TrainState (params, opt_state)", fix="Start from setup.init(key)"):  # fmt: skip
+        setup.train_step(state.params, *batch)
+    with refused(ValueError, argument="setup.train_step: params[0]['b']", got="(30,)",
+                 expected="padded to (32,)", fix="Lay the params out with setup.shard(params)"):  # fmt: skip
+        setup.train_step(models.TrainState(full, state.opt_state), *batch)
+
+
 @pytest.mark.parametrize("strategy", ["2d", "fsdp_tp"])
 def test_explicit_meshes_work_too(strategy):
     mesh = shardops.make_mesh({"data": 4, "model": 2}, axis_types="explicit")

@@ -340,3 +340,23 @@ def test_sp_bf16_reduction_mutant_is_caught(monkeypatch, name):
         with pytest.raises(AssertionError, match="the program asks for"):
             check_bf16_budget(strategy, precision)
     jax.clear_caches()
+
+
+@pytest.mark.parametrize(("line", "replacement"), [
+    ('            _state_checked(step, padding, "setup.train_step"),\n', "            step,\n"),
+    ('        evaluate=jit(_params_checked(evaluate, padding, "setup.evaluate"), "evaluate"),\n',
+     '        evaluate=jit(evaluate, "evaluate"),\n'),
+], ids=["train_step", "evaluate"])  # fmt: skip
+def test_steps_without_their_params_check_are_caught(monkeypatch, line, replacement):
+    """Without the check, shard_map refuses the params itself (a ValueError dumping both
+    pytrees), where the test asks for the step's own error and advice."""
+    from _mutants import mutant
+    from test_strategies import test_wrong_params_or_state_to_the_steps_are_clear_errors as wrong
+
+    import shardops_models as models
+
+    monkeypatch.setattr(
+        models, "build", mutant(_train, "unchecked_params", line, replacement).build
+    )
+    with pytest.raises((pytest.fail.Exception, AssertionError, ValueError, TypeError)):
+        wrong()
