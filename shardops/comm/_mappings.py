@@ -58,7 +58,30 @@ def gather_to_region(x, axis_name, axis: int, accum_dtype, replicated_over=()):
     gradient's *shard* over them after the ReduceScatter, in ``accum_dtype``: the small tensor
     crosses the replica axes, not the whole one.
     """
+    axis = _dim("gather_to_region", "x", x, axis, "axis")
     return _gather(axis_name, axis, np.dtype(accum_dtype), tuple(replicated_over), x)
+
+
+def _dim(op: str, argument: str, x, dim, name: str, axis_name: str | None = None) -> int:
+    """``dim`` of ``x`` as a non-negative index (a negative one counts from the end), else a
+    ValueError naming ``op``, the argument, its shape and the valid range; with ``axis_name``
+    (a scatter along ``dim``), also the size the mesh axis must divide."""
+    ndim = np.ndim(x)
+    if not isinstance(dim, int | np.integer) or not -ndim <= dim < ndim:
+        raise ValueError(
+            f"{op}: {name}={dim!r} is not a dim of {argument} of shape {tuple(np.shape(x))} "
+            f"({ndim} dims); pass an integer in [{-ndim}, {ndim})"
+        )
+    dim = int(dim) % ndim
+    if axis_name is not None:
+        n, size = lax.axis_size(axis_name), np.shape(x)[dim]
+        if size % n:
+            raise ValueError(
+                f"{op}: {argument} dim {dim} = {size} is not divisible by mesh axis "
+                f"{axis_name!r} (size {n}), so it cannot be scattered over it; pad that dim to a "
+                f"multiple of {n} or scatter another"
+            )
+    return dim
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -181,6 +204,7 @@ def reduce_scatter_from_region(y_partial, axis_name: str, dim: int):
     Forward: ReduceScatter (``lax.psum_scatter``, tiled) in ``y_partial``'s dtype. Backward:
     AllGather of ``dy`` along ``dim``.
     """
+    dim = _dim("reduce_scatter_from_region", "y_partial", y_partial, dim, "dim", axis_name)
     return lax.psum_scatter(y_partial, axis_name, scatter_dimension=dim, tiled=True)
 
 
@@ -191,4 +215,5 @@ def gather_from_region(y_block, axis_name: str, axis: int):
     Forward: AllGather along ``axis``. Backward: no communication; the cotangent is replicated,
     so the transpose is each device's slice of it.
     """
+    axis = _dim("gather_from_region", "y_block", y_block, axis, "axis")
     return lax.all_gather(y_block, axis_name, axis=axis, tiled=True, to="invarying")

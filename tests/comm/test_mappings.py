@@ -143,3 +143,48 @@ def test_mutant_is_caught(monkeypatch, name):
     jax.clear_caches()
     with pytest.raises(AssertionError):
         test_gather_many_equals_one_at_a_time({"data": 4}, dtype)
+
+
+def test_a_negative_dim_counts_from_the_end_and_a_bad_one_is_a_clear_error():
+    """``reduce_scatter_from_region``, ``gather_from_region`` and ``gather_to_region`` take a
+    negative dim as numpy does (it was an MLIR verifier error for the scatter); a dim out of
+    range, or one the axis does not divide, names the helper, the argument, the shape and the fix."""
+    from _messages import refused
+
+    from shardops.comm import gather_from_region, gather_to_region, reduce_scatter_from_region
+
+    mesh = shardops.make_mesh({"model": 4})
+    y = np.arange(2 * 3 * 8, dtype=np.float32).reshape(2, 3, 8)
+
+    def on_mesh(fn, out_specs):
+        return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=out_specs, check_vma=False)(y)
+
+    for last in (2, -1):
+        np.testing.assert_array_equal(
+            on_mesh(lambda v, d=last: reduce_scatter_from_region(v, "model", d), P(None, None, "model")),
+            4 * y,
+        )  # fmt: skip
+        gathered = on_mesh(lambda v, d=last: gather_from_region(v, "model", d), P())
+        np.testing.assert_array_equal(gathered, np.concatenate([y] * 4, axis=2))
+        gathered = on_mesh(lambda v, d=last: gather_to_region(v, "model", d, jnp.float32), P())
+        np.testing.assert_array_equal(gathered, np.concatenate([y] * 4, axis=2))
+    with refused(ValueError, argument="reduce_scatter_from_region: dim=3", got="y_partial of shape (2, 3, 8) (3 dims)",
+                 expected="not a dim of", fix="pass an integer in [-3, 3)"):  # fmt: skip
+        on_mesh(lambda v: reduce_scatter_from_region(v, "model", 3), P())
+    with refused(ValueError, argument="gather_from_region: axis=-4", got="y_block of shape (2, 3, 8)",
+                 expected="not a dim of", fix="pass an integer in [-3, 3)"):  # fmt: skip
+        on_mesh(lambda v: gather_from_region(v, "model", -4), P())
+    with refused(ValueError, argument="reduce_scatter_from_region: y_partial dim 1", got="= 3",
+                 expected="mesh axis 'model' (size 4)", fix="pad that dim to a multiple of 4"):  # fmt: skip
+        on_mesh(lambda v: reduce_scatter_from_region(v, "model", -2), P(None, "model"))
+
+
+def test_a_negative_dim_passed_through_is_caught(monkeypatch):
+    from _mutants import mutant
+
+    from shardops.comm import _mappings
+
+    bad = mutant(_mappings, "negative_dim", "    dim = int(dim) % ndim\n", "    dim = int(dim)\n")
+    monkeypatch.setattr(shardops.comm, "reduce_scatter_from_region", bad.reduce_scatter_from_region)
+    with pytest.raises(Exception, match="reduce_scatter"):  # the verifier's, not ours
+        test_a_negative_dim_counts_from_the_end_and_a_bad_one_is_a_clear_error()
