@@ -61,7 +61,7 @@ from shardops.layers import (
 )
 from shardops_models.networks.gpt import Gpt
 from shardops_models.networks.llama import Llama
-from shardops_models.training._train import build
+from shardops_models.training._train import STATE_DONATED, build, check_not_donated
 
 STRATEGY = "2d"  # the decoding layout: tp over model, the batch over data
 GPT_EPS = 1e-5  # the GPT's layer norms (ctx.layer_norm's default)
@@ -303,6 +303,13 @@ class Decoder:
                     f"is {self.cache_shape} [L, B, p·n, S_max, hd]: start from this decoder's "
                     f"init_cache()"
                 )
+        check_not_donated(
+            "Decoder.logits", "logits donates the cache it is given: pass the cache the latest "
+            "call returned (a smaller start rewinds it); to keep an old one, copy it before the "
+            "call: KVCache(jnp.copy(cache.k), jnp.copy(cache.v), cache.length)",
+            **{"cache.k": cache.k, "cache.v": cache.v},
+        )  # fmt: skip
+        check_not_donated("Decoder.logits", STATE_DONATED, params=params)
         ids = ids if isinstance(ids, jax.Array) else np.asarray(ids)
         self._check(ids, start, what="ids")
         if start > cache.length:
@@ -338,6 +345,7 @@ class Decoder:
             raise ValueError(f"steps must be a positive int (tokens to generate); got {steps!r}")
         self._check(prompt, 0, steps, what="prompt")  # S_p + steps ≤ max_len
         self.setup.padding.check_stored(params, "Decoder.generate", "decoder.place(params)")
+        check_not_donated("Decoder.generate", STATE_DONATED, params=params, prompt=prompt)
         if temperature < 0:
             raise ValueError(f"temperature must be ≥ 0 (0: greedy); got {temperature}")
         if temperature > 0 and key is None:
@@ -409,8 +417,11 @@ class Decoder:
                 f"(to generate from nothing, start every row with the model's first token, "
                 f"e.g. a BOS id)"
             )
+        if start < 0:
+            raise ValueError(f"Decoder.logits: start={start} is negative: it is the position of "
+                             f"{what}[:, 0], 0 for a prefill or cache.length to continue")  # fmt: skip
         last = start + ids.shape[1] - 1 + steps_after
-        if not 0 <= start <= last < self.max_len:
+        if not last < self.max_len:
             raise ValueError(f"positions {start} … {last} do not fit the cache of max_len="
                              f"{self.max_len}; build the Decoder with a longer max_len")  # fmt: skip
         self.model.check_batch(ids)  # token range, when concrete

@@ -576,6 +576,9 @@ class _DeviceChecked:
 
     def __call__(self, state_or_params, x, *y):
         _check_concrete(self.mesh, self.name)
+        first = "state" if self.name == "train_step" else "params"
+        # XLA:CPU's Execute crashes the process on a donated buffer: name it first
+        check_not_donated(self.name, STATE_DONATED, **{first: state_or_params, "x": x, "y": y})
         if self.mesh is not None:
             shardops.check_devices(self.mesh, self.name, state=state_or_params, x=x, y=y)
         return self.jitted(state_or_params, x, *y)
@@ -585,6 +588,28 @@ class _DeviceChecked:
 
     def trace(self, *args, **kwargs):
         return self.jitted.trace(*args, **kwargs)
+
+
+STATE_DONATED = (
+    "train_step donates the state it is given, so the arrays of a state already stepped are "
+    "gone. Pass the state (or state.params) the latest train_step returned: state, loss = "
+    "setup.train_step(state, x, y); to keep an old one, copy it before the step: "
+    "jax.tree.map(jnp.copy, state)"
+)
+
+
+def check_not_donated(op: str, fix: str, **arguments) -> None:
+    """A ValueError naming the first array of ``arguments`` (name → array or tree) that was
+    deleted or donated to an earlier call, with ``fix``; XLA would be given its freed buffer
+    (on CPU that ends the process)."""
+    for name, tree in arguments.items():
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            live = not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer)
+            if not live and leaf.is_deleted():
+                raise ValueError(
+                    f"{op}: {name}{jax.tree_util.keystr(path)} has been deleted or donated to "
+                    f"an earlier call. {fix}"
+                )
 
 
 def _check_batch(model, parallel: Strategy, mesh, x, y=None) -> None:

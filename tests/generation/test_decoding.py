@@ -414,6 +414,16 @@ def check_misuse(decoder_type=Decoder):
         decoder.generate(params, prompt[0], 4)
     with refused(TypeError, r"cache must be the KVCache of decoder.init_cache\(\) .*got tuple"):
         decoder.logits(params, (decoder.init_cache().k, decoder.init_cache().v), prompt, 0)
+    with refused(ValueError, r"Decoder\.logits: start=-1 is negative: it is the position of "
+                             r"ids\[:, 0\], 0 for a prefill or cache\.length to continue"):  # fmt: skip
+        decoder.logits(params, decoder.init_cache(), prompt, -1)
+    old = decoder.init_cache()
+    _, cache = decoder.logits(params, old, prompt, 0)  # donates old: its arrays are gone
+    with refused(ValueError, r"Decoder\.logits: cache\.k has been deleted or donated to an "
+                             r"earlier call\. logits donates the cache it is given: pass the "
+                             r"cache the latest call returned .* KVCache\(jnp\.copy\(cache\.k\)"):  # fmt: skip
+        decoder.logits(params, old, prompt, 0)
+    decoder.logits(params, cache, prompt, 0)  # the cache returned rewinds
     state = decoder.setup.shard(full)
     deeper = dataclasses.replace(GPT, num_layers=3).init(jax.random.key(0))
     wider = dataclasses.replace(GPT, d_model=48).init(jax.random.key(0))

@@ -145,5 +145,6 @@ def test_mutant_is_caught(name, tmp_path):
     # A wrong layout fails the logits check, or (a non-square tensor) the read of its slice;
     # every other check turns any failure into an AssertionError.
     caught = (AssertionError, ValueError, SafetensorError) if check == "logits" else AssertionError
+    module = mutant(hf_llama, name, line, new)  # outside raises: a line not found is no catch
     with pytest.raises(caught):
-        CHECKS[check](mutant(hf_llama, name, line, new), tmp_path)
+        CHECKS[check](module, tmp_path)

@@ -2,6 +2,9 @@
 
 import collections
 import itertools
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -277,6 +280,64 @@ def test_wrong_params_or_state_to_the_steps_are_clear_errors():
     with refused(ValueError, argument="setup.train_step: params[0]['b']", got="(30,)",
                  expected="padded to (32,)", fix="Lay the params out with setup.shard(params)"):  # fmt: skip
         setup.train_step(models.TrainState(full, state.opt_state), *batch)
+
+
+DONATED_SCRIPT = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, numpy as np, optax, shardops, shardops_models as models
+from shardops_models.training import _train
+if sys.argv[1] == "unchecked":
+    _train.check_not_donated = lambda *args, **kwargs: None
+setup = models.build("dp", shardops.make_mesh({"data": 8}), optimizer=optax.sgd(1.0),
+                     sizes=(16, 32, 8))
+state = setup.init(jax.random.key(0))
+batch = setup.place_batch(np.ones((8, 16), np.float32), np.eye(8, dtype=np.float32))
+new, loss = setup.train_step(state, *batch)
+try:
+    setup.train_step(state, *batch)  # the old, donated state
+except ValueError as e:
+    print(e)
+"""
+
+
+def donated_state_run(mode: str) -> subprocess.CompletedProcess:
+    """The script above in a process of its own: without the check it is XLA's to answer."""
+    return subprocess.run([sys.executable, "-c", DONATED_SCRIPT, mode], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+
+
+def test_a_donated_state_or_params_is_a_clear_error_not_a_crash():
+    """train_step donates its state: stepping the old one again handed XLA:CPU freed buffers
+    (the process died of a segmentation fault). Every step, and evaluate and logits on the
+    params of a donated state, name the array and the fix first."""
+    setup = models.build("dp", mesh_for({"data": 8}), optimizer=optax.sgd(1.0), sizes=SIZES)
+    state = setup.init(jax.random.key(0))
+    xs, ys = batches(SIZES, 8)
+    batch = setup.place_batch(xs[0], ys[0])
+    new, _ = setup.train_step(state, *batch)
+    fix = ("Pass the state (or state.params) the latest train_step returned",
+           "jax.tree.map(jnp.copy, state)")  # fmt: skip
+    with refused(ValueError, argument="train_step: state.params[0]['b']",
+                 got="has been deleted or donated", expected="the state it is given", fix=fix):  # fmt: skip
+        setup.train_step(state, *batch)
+    with refused(ValueError, argument="evaluate: params[0]['b']",
+                 got="has been deleted or donated", expected="the state it is given", fix=fix):  # fmt: skip
+        setup.evaluate(state.params, *batch)
+    setup.evaluate(new.params, *batch)  # the state returned is the live one
+
+
+def test_a_donated_state_unchecked_is_caught():
+    """The check gone (in a process of its own): the same call ends the process, or at best
+    is XLA's error, where the test asks for the step's."""
+    checked = donated_state_run("checked")
+    assert checked.returncode == 0 and "train_step: state.params[0]['b'] has been deleted" in (
+        checked.stdout
+    ), checked.stdout + checked.stderr
+    unchecked = donated_state_run("unchecked")
+    assert unchecked.returncode != 0 or "has been deleted or donated to an earlier call" not in (
+        unchecked.stdout
+    ), unchecked.stdout
 
 
 @pytest.mark.parametrize("strategy", ["2d", "fsdp_tp"])
