@@ -794,11 +794,12 @@ def _check_kv_heads_as_planned(p, num_heads: int, num_kv_heads, tp: str) -> None
     if split and isinstance(kv_heads, int) and kv_heads % n:
         raise ValueError(
             f"ctx.attention at {wk.path[: wk.path.rfind('[')]}: the plan split wk, wv by KV "
-            f"head over mesh axis {tp!r} (size {n}), counting the heads with the model's "
-            f"num_heads attribute, but this call has num_heads={num_heads}, "
-            f"num_kv_heads={kv_heads}, and {kv_heads} KV heads do not split over {n} devices "
-            f"(each would hold part of a head). Give the model num_heads (and num_kv_heads) "
-            f"attributes equal to what its forward passes to ctx.attention."
+            f"head over mesh axis {tp!r} (size {n}) (by the model's num_heads attribute, or, "
+            f"without one, by columns as wide as wq's), but this call has num_heads="
+            f"{num_heads}, num_kv_heads={kv_heads}, and {kv_heads} KV heads do not split over "
+            f"{n} devices (each would hold part of a head). Give the model num_heads (and "
+            f"num_kv_heads) attributes equal to what its forward passes to ctx.attention, so "
+            f"that the plan replicates them, or a head count {n} divides."
         )
 
 

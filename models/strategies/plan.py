@@ -218,14 +218,19 @@ def _attention_block(path, shapes):
 
 def _check_whole_heads(path, shapes, axis, axis_size: int, num_heads) -> None:
     """The head role splits whole query heads over ``axis``: ``num_heads`` (the model's
-    attribute) is known and divides by ``axis_size``. (K/V split only by whole KV heads:
-    ``_kv_replicated`` replicates them otherwise.) Else a ValueError naming the block, the
-    heads, the axis and the fix: a split of ``wq[D, H·hd]`` by columns alone would cut a head."""
+    attribute), where known, divides by ``axis_size``. Without it, multi-head attention (``wk``
+    as wide as ``wq``) is left to ``ctx.attention``, which checks the heads its call names
+    before anything moves; grouped-query attention needs it (``_kv_replicated``). (K/V split
+    only by whole KV heads: ``_kv_replicated`` replicates them otherwise.) Else a ValueError
+    naming the block, the heads, the axis and the fix: a split of ``wq[D, H·hd]`` by columns
+    alone would cut a head."""
     block = _attention_block(path, shapes)
     if "wq" not in block:
         return  # not an attention block (model_spec names the leaf)
     where = f"params{jax.tree_util.keystr(path[:-1])}"
     inner = block["wq"][-1]
+    if num_heads is None and block.get("wk", block["wq"])[-1] == inner:
+        return  # multi-head: ctx.attention(num_heads=...) checks num_heads % axis_size
     if num_heads is None:
         raise ValueError(
             f"{where}: the head role splits the attention over mesh axis {axis!r} (size "

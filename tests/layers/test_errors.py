@@ -242,11 +242,14 @@ HEADS_NOT_DIVISIBLE = (r"params\['attn'\]: num_heads=2 is not divisible by mesh 
 
 def check_the_plan_refuses_heads_split_mid_head(plan_module):
     """2 heads of 8 on a model axis of 4: wq[D, 16] divides by 4, but each device would hold
-    half a head. Without a num_heads attribute the plan cannot count the heads (MHA: wk as
-    wide as wq, so nothing else does); with one that 4 does not divide, it names it. A plan on
-    an axis of 1, or heads that divide, stand."""
+    half a head. With a num_heads attribute that 4 does not divide, the plan names it; without
+    one it cannot count grouped-query heads (wk narrower than wq) and says so. Multi-head
+    attention without one is split with its columns and left to ctx.attention, which checks
+    the heads its call names (test_build_refuses_heads_split_mid_head_before_tracing). A plan
+    on an axis of 1, or heads that divide, stand."""
     with pytest.raises(ValueError, match=NO_NUM_HEADS):
-        plan_specs(plan_module, _AttentionLM(2, 2, 8))
+        plan_specs(plan_module, _AttentionLM(4, 2, 4))
+    assert plan_specs(plan_module, _AttentionLM(2, 2, 8))["attn"]["wq"] == P(None, "model")
     with pytest.raises(ValueError, match=HEADS_NOT_DIVISIBLE):
         plan_specs(plan_module, _AttentionLM(2, 2, 8, num_heads=2))
     plan_specs(plan_module, _AttentionLM(2, 2, 8), p=1)
@@ -261,22 +264,40 @@ def test_the_plan_refuses_heads_split_mid_head():
 
 
 def test_build_refuses_heads_split_mid_head_before_tracing():
-    """Through ``models.build``: the plan's error, before anything is traced."""
+    """Through ``models.build``: the plan's error, before anything is traced; multi-head
+    attention without a num_heads attribute builds, and ctx.attention refuses 2 heads on 4
+    devices as the step traces (before any collective), while 4 heads on 4 train."""
+    import jax
     import optax
 
     import shardops_models as models
+    from shardops_models.training._train import model_batch
 
-    mesh = shardops.make_mesh({"model": 4}, devices=__import__("jax").devices()[:4])
+    mesh = shardops.make_mesh({"model": 4}, devices=jax.devices()[:4])
     with pytest.raises(ValueError, match=NO_NUM_HEADS):
-        models.build("tp", mesh, model=_AttentionLM(2, 2, 8), optimizer=optax.sgd(0.1))
+        models.build("tp", mesh, model=_AttentionLM(4, 2, 4), optimizer=optax.sgd(0.1))
+    for heads, fits in ((2, False), (4, True)):
+        model = _AttentionLM(heads, heads, 16 // heads)
+        setup = models.build("tp", mesh, model=model, optimizer=optax.sgd(0.1))
+        state = jax.eval_shape(lambda m=model, s=setup: s.shard(m.init(jax.random.key(0))))
+        if fits:
+            setup.train_step.trace(state, *model_batch(model, 2, 8))
+            continue
+        with pytest.raises(ValueError, match=kv_as_planned(2, 2)):
+            setup.train_step.trace(state, *model_batch(model, 2, 8))
 
 
-KV_AS_PLANNED = (r"ctx.attention at \['attn'\]: the plan split wk, wv by KV head over mesh axis "
-                 r"'model' \(size 4\), counting the heads with the model's num_heads attribute, "
-                 r"but this call has num_heads=4, num_kv_heads=2, and 2 KV heads do not split "
-                 r"over 4 devices \(each would hold part of a head\)\. Give the model num_heads "
-                 r"\(and num_kv_heads\) attributes equal to what its forward passes to "
-                 r"ctx.attention\.")  # fmt: skip
+def kv_as_planned(heads: int, kv: int) -> str:
+    return (r"ctx.attention at \['attn'\]: the plan split wk, wv by KV head over mesh axis "
+            r"'model' \(size 4\) \(by the model's num_heads attribute, or, without one, by "
+            rf"columns as wide as wq's\), but this call has num_heads={heads}, num_kv_heads={kv}, "
+            rf"and {kv} KV heads do not split over 4 devices \(each would hold part of a head\)\. "
+            r"Give the model num_heads \(and num_kv_heads\) attributes equal to what its "
+            r"forward passes to ctx.attention, so that the plan replicates them, or a head "
+            r"count 4 divides\.")  # fmt: skip
+
+
+KV_AS_PLANNED = kv_as_planned(4, 2)
 
 
 def check_attention_refuses_kv_heads_split_by_another_count(build):
