@@ -41,16 +41,44 @@ def run(strategy: str, mesh_text: str) -> dict:
     return out
 
 
+def check_local_tokens() -> None:
+    """A token outside the vocabulary on this process's first row of a GPT batch: refused
+    by ``place_local_batch`` (the global array it builds is not all readable here)."""
+    gpt = models.Gpt(vocab_size=16, d_model=8, num_heads=2, num_layers=1, context=4, d_ff=16)
+    setup = models.build("dp", shardops.make_mesh({"data": 8}), optimizer=optimizer("sgd"),
+                         model=gpt)  # fmt: skip
+    rows = setup.process_rows(BATCH)
+    ids = np.zeros((BATCH, 4), np.int32)
+    ids[rows.start, 1] = 16
+    try:
+        setup.place_local_batch(ids[rows], ids[rows], batch=BATCH)
+        print(f"process {jax.process_index()}: token 16 not refused", flush=True)
+    except ValueError as e:
+        print(f"process {jax.process_index()}: refused: {e}", flush=True)
+
+
 def first_rows_mutant() -> None:
     """Every process feeds rows [0, n) of each batch instead of its own block (a data-loading
     bug that gives the right shapes and the wrong numbers)."""
-    real = models.Setup.process_rows
+    setup_class = sys.modules[models.build.__module__].Setup  # a mutant's build has its own
+    real = setup_class.process_rows
 
     def process_rows(self, batch):
         rows = real(self, batch)
         return slice(0, rows.stop - rows.start)
 
-    models.Setup.process_rows = process_rows
+    setup_class.process_rows = process_rows
+
+
+def unchecked_local_tokens_mutant() -> None:
+    """``place_local_batch`` without the token checks of this process's rows: the global
+    array's check cannot read the rows of other processes."""
+    from _mutants import mutant
+
+    from shardops_models.training import _train
+
+    line = "        self.model.check_batch(*local)\n        self._check_token_range(*local)\n"
+    models.build = mutant(_train, "unchecked_local_tokens", line, "").build
 
 
 if __name__ == "__main__":
@@ -58,9 +86,11 @@ if __name__ == "__main__":
     if "--mutant" in runs:
         assert runs[runs.index("--mutant") + 1] == "first-rows"
         runs = runs[: runs.index("--mutant")]
+        unchecked_local_tokens_mutant()
         first_rows_mutant()
     results = {}
     for spec in runs:
         results.update(run(*spec.split(":")))
+    check_local_tokens()
     if shardops.distributed.is_main():
         np.savez(path, **results)

@@ -82,15 +82,23 @@ def test_every_strategy_across_processes_trains_like_one_process(tmp_path, proce
             expected = (block * min(indices), block * (max(indices) + 1))
             assert (int(rows[1]), int(rows[2])) == expected, (spec, p, rows[0])
         check_numbers(got, spec)
+    # Each process's own rows are checked for tokens outside the vocabulary (the global
+    # array is not all readable by any one process).
+    for p in range(processes):
+        assert re.search(rf"^\[p{p}\] process {p}: refused: ids hold 1 token\(s\) outside "
+                         rf"\[0, 16\) .* e\.g\. 16 at ids\[0, 1\]", log, re.M), log  # fmt: skip
 
 
 def test_every_process_feeding_the_first_rows_is_caught(tmp_path):
     """Mutant: ``Setup.process_rows`` gives every process rows ``[0, n)`` (each feeds the
-    batch's first block): the numbers no longer match, whatever the rows printed say."""
+    batch's first block): the numbers no longer match, whatever the rows printed say. In the
+    same run, ``place_local_batch`` without the check of each process's own tokens passes a
+    token outside the vocabulary."""
     out = tmp_path / "params.npz"
     runs = ["2d:4x2", "fsdp_tp:2x4"]
-    run(launcher(2, "tests/_distributed_worker.py", str(out), *runs, "--mutant", "first-rows"),
-        tmp_path, "mutant")  # fmt: skip
+    log = run(launcher(2, "tests/_distributed_worker.py", str(out), *runs, "--mutant",
+                       "first-rows"), tmp_path, "mutant")  # fmt: skip
+    assert re.search(r"^\[p1\] process 1: token 16 not refused$", log, re.M), log
     got = np.load(out)
     for spec in runs:
         with pytest.raises(AssertionError):

@@ -294,6 +294,11 @@ class Setup:
             )
         if self.mesh is None or not _spans_processes(self.mesh):
             return self.place_batch(x, y)
+        # This process's rows, read here: the global arrays below are not all addressable,
+        # so the token checks cannot read them (the ids' positions are this process's rows).
+        local = tuple(None if a is None else np.asarray(a) for a in (x, y))
+        self.model.check_batch(*local)
+        self._check_token_range(*local)
         sharding = NamedSharding(self.mesh, self.batch_spec)
         placed = tuple(
             jax.make_array_from_process_local_data(sharding, np.asarray(a), (batch, *a.shape[1:]))
@@ -316,8 +321,13 @@ class Setup:
         library knows of (``_check_tokens``): a ValueError naming the array, the token, where
         it is and the fix. ``place_batch`` calls it."""
         _check_batch(self.model, self.composition, self.mesh, x, y)
+        self._check_token_range(x, y)
+
+    def _check_token_range(self, x, y=None) -> None:
+        """``_check_tokens`` of concrete ``x``, ``y`` against the vocabularies found once per
+        Setup and batch shape (an abstract trace; one that fails finds none, for that shape)."""
         if any(_concrete_tokens(a) for a in (x, y)):
-            key = ("vocabularies", y is None)  # found once per Setup (an abstract trace)
+            key = ("vocabularies", *(None if a is None else (a.shape, a.dtype) for a in (x, y)))
             if key not in self._traces:
                 self._traces[key] = _vocabularies(self.model, self.plan, self.precision, x, y)
             _check_tokens(self._traces[key], x=x, y=y)
