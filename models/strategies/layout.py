@@ -242,9 +242,11 @@ def with_context(strategy, method: str = "ring", axis: str = CONTEXT_AXIS) -> St
     ``axis`` by attention ``method``, named ``"<name>+<method>"``."""
     base = strategy_named(strategy)
     if base.cp is not None:
-        plain = base.name.split("+")[0]  # a preset's name; a Strategy of one's own: its name
+        plain = base.name.split("+")[0]
+        without = (repr(plain) if base.name == f"{plain}+{base.cp_method}" and plain in STRATEGIES
+                   else "dataclasses.replace(strategy, cp=None)")  # fmt: skip
         raise ValueError(f"strategy {base.name!r} already splits the sequence over {base.cp!r}; "
-                         f"pass the strategy without it, e.g. with_context({plain!r}, "
+                         f"pass the strategy without it, e.g. with_context({without}, "
                          f"{method!r})")  # fmt: skip
     name = f"{base.name}+{method}"
     return dataclasses.replace(base, name=name, cp=axis, cp_method=method)

@@ -471,7 +471,7 @@ def build(
         raise ValueError(
             f"remat re-gathers FSDP weights: it applies to strategies with fsdp, not "
             f"{parallel.name!r}. Build without remat=True, or with an fsdp strategy (e.g. "
-            f"{'fsdp_tp' if parallel.tp else 'fsdp'!r})"
+            f"{_fsdp_twin(parallel)!r})"
         )
     if not isinstance(precision, shardops.Precision):
         raise TypeError(
@@ -566,6 +566,13 @@ def build(
         evaluate=jit(_params_checked(evaluate, padding, "setup.evaluate"), "evaluate"),
         logits=jit(_params_checked(logits, padding, "setup.logits"), "logits"),
     )
+
+
+def _fsdp_twin(parallel: Strategy) -> str:
+    """The preset that shards the weights over the data axis and keeps ``parallel``'s model
+    axis use (tp, sp) and context method: ``sp`` → ``fsdp_sp``, ``2d+ring`` → ``fsdp_tp+ring``."""
+    name = "fsdp_sp" if parallel.sp else "fsdp_tp" if parallel.tp else "fsdp"
+    return f"{name}+{parallel.cp_method}" if parallel.cp else name
 
 
 def _check_concrete(mesh, what: str) -> None:

@@ -145,7 +145,7 @@ def test_strategy_names_and_table():
     assert strategy_named(with_context("fsdp_tp", "ulysses").name) == with_context(
         "fsdp_tp", "ulysses"
     )
-    with refused(ValueError, argument="unknown strategy '2d+rings'", got="'2d+rings'",
+    with refused(ValueError, argument="unknown strategy", got="'2d+rings'",
                  expected="one of ('allgather', 'ring', 'ulysses')", fix="e.g. '2d+ring'"):  # fmt: skip
         strategy_named("2d+rings")
     with refused(ValueError, argument="Strategy 'x'", got="mesh axis 'model' carries both tp and cp",
@@ -156,11 +156,20 @@ def test_strategy_names_and_table():
                  expected="one of ('allgather', 'ring', 'ulysses')", fix="e.g. cp_method='ring'"):  # fmt: skip
         models.Strategy("x", cp="context", cp_method="striped")
     with refused(ValueError, argument="Strategy 'x': cp_method='ulysses'", got="without a cp axis",
-                 expected="cp axis", fix="name it, e.g. cp='context'"):  # fmt: skip
+                 expected="; name it", fix="e.g. cp='context'"):  # fmt: skip
         models.Strategy("x", tp="model", cp_method="ulysses")
     with refused(ValueError, argument="strategy '2d+ring'", got="already splits the sequence over "
                  "'context'", expected="the strategy without it", fix="with_context('2d', 'ring')"):  # fmt: skip
         with_context("2d+ring")
+    mine = models.Strategy("mine", dp=("data",), cp="context")  # no preset names it
+    with refused(ValueError, argument="strategy 'mine'", got="already splits the sequence",
+                 expected="the strategy without it",
+                 fix="with_context(dataclasses.replace(strategy, cp=None), 'ring')"):  # fmt: skip
+        with_context(mine)
+    with refused(ValueError, argument="remat", got="not '2d+ring'", expected="strategies with fsdp",
+                 fix="with an fsdp strategy (e.g. 'fsdp_tp+ring')"):  # fmt: skip
+        models.build("2d+ring", shardops.make_mesh(CP_MESHES["2x2x2c"]), model=GPT,
+                     optimizer=optax.sgd(0.1), remat=True)  # fmt: skip
 
 
 def test_errors_name_the_dim_the_axis_and_both_sizes():
