@@ -305,7 +305,8 @@ def head_parallel_attention_kernel(
                                            sequence_parallel)  # fmt: skip
     seq = x.shape[SEQUENCE_DIM] * (p if sequence_parallel else 1)
     if context is not None:  # the sequence block and the heads Ulysses sends, before any move
-        context.check_local(op, seq, num_heads, kv_heads, p, shared)
+        context.check_local(op, seq, num_heads, kv_heads, p, shared,
+                            sequence_split=p if sequence_parallel else 1)  # fmt: skip
     tokens = _check_tokens(op, positions, segment_ids, (x.shape[0], seq), axis_name, rope_theta,
                            context)  # fmt: skip
     _check_rope(op, rope_theta, head_dim)

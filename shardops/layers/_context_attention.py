@@ -143,18 +143,27 @@ class ContextParallel:
         return _local_positions(lax.axis_index(self.axis_name), n, seq)
 
     def check_local(self, op: str, seq: int, num_heads: int, kv_heads: int, p: int = 1,
-                    replicated_kv: bool = False) -> None:  # fmt: skip
+                    replicated_kv: bool = False, sequence_split: int = 1) -> None:  # fmt: skip
         """Inside ``shard_map``, before any collective: the local block of ``seq`` tokens fits
         the layout (two non-empty chunks) and, for Ulysses, the heads this device sends
         (``num_heads``, ``kv_heads`` global; ``p``: the model axis splitting them,
-        ``replicated_kv``: K/V replicated over it) split over the context axis."""
+        ``replicated_kv``: K/V replicated over it) split over the context axis.
+        ``sequence_split``: the model axis size under sequence parallelism, which splits the
+        block further (the global S a multiple of ``N·lcm(2, p)``, as ``check_sequence``)."""
         n = lax.axis_size(self.axis_name)  # static inside shard_map
         if seq < 2 or seq % 2:
+            multiple = n * math.lcm(2, sequence_split)
             raise ValueError(
                 f"{op}: the local sequence block has {seq} tokens; the load-balanced layout "
                 f"over mesh axis {self.axis_name!r} (size {n}) holds two equal non-empty "
                 f"chunks per device, so the global S must be a positive multiple of 2 × {n} = "
-                f"{2 * n} (e.g. {sequence_fit(seq * n, 2 * n)})"
+                f"{2 * n}"
+                + (
+                    f" and, split {sequence_split} ways by sequence parallelism, of {multiple}"
+                    if multiple != 2 * n
+                    else ""
+                )
+                + f" (e.g. {sequence_fit(seq * n, multiple)})"
             )
         if self.method == "ulysses":
             heads, kv_sent = ulysses_heads_sent(num_heads, kv_heads, p, replicated_kv)

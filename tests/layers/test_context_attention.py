@@ -450,6 +450,33 @@ def check_ulysses_heads_in_a_users_shard_map(layer, params):
                       out_specs=specs.y)(jnp.zeros((2, 16, 32)), mqa)  # fmt: skip
 
 
+def test_an_odd_block_under_sequence_parallelism_suggests_a_length_that_fits():
+    check_an_odd_block_under_sequence_parallelism_suggests_a_length_that_fits(
+        shardops.layers._context_attention
+    )
+
+
+def check_an_odd_block_under_sequence_parallelism_suggests_a_length_that_fits(layer):
+    """The head-parallel kernel with a context and sequence parallelism, in a user's
+    shard_map: 6 tokens on context 2 × model 3 give each device a block of 3, not two equal
+    chunks; the length suggested fits both splits (a multiple of 2 · lcm(2, 3) = 12), not
+    only 2 × 2 (8 would not split over model 3)."""
+    mesh = mesh_of(((CONTEXT, 2), ("model", 3)))
+    specs = context_parallel_attention_specs(model_axis="model", sequence_parallel=True)
+    context = layer.ContextParallel(CONTEXT, "ring")
+    full = init_attention(jax.random.key(0), 24, 6, 4)
+
+    def body(x, p):
+        return shardops.layers.head_parallel_attention_kernel(
+            x, p, num_heads=6, axis_name="model", sequence_parallel=True, context=context)  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"head_parallel_attention_kernel: the local sequence "
+                       r"block has 3 tokens; .* a positive multiple of 2 × 2 = 4 and, split 3 "
+                       r"ways by sequence parallelism, of 12 \(e\.g\. 12\)"):  # fmt: skip
+        jax.shard_map(body, mesh=mesh, in_specs=(specs.x, {k: specs.params[k] for k in full}),
+                      out_specs=specs.y)(jnp.zeros((2, 6, 24)), full)  # fmt: skip
+
+
 def check_ulysses_heads_sent_by_hand(layer):
     """The heads one device sends through Ulysses' all-to-all, counted by hand: split by
     model, H/p and KV/p; K/V replicated over model, the KV heads its query heads read (H = 8,

@@ -173,6 +173,12 @@ ERROR_MUTANTS = {
         "    multiple = 2 * n",
         "check_suggested_lengths_are_positive_and_valid",
     ),
+    # The kernel's suggestion under sequence parallelism forgets the model axis's split.
+    "kernel_suggestion_without_sequence_parallelism": (
+        "            multiple = n * math.lcm(2, sequence_split)",
+        "            multiple = 2 * n",
+        "check_an_odd_block_under_sequence_parallelism_suggests_a_length_that_fits",
+    ),
     # The kernels' Ulysses head check lost: JAX's all-to-all is the first to object.
     "ulysses_heads_unchecked_in_the_kernel": (
         "            check_ulysses_heads(op, heads, kv_sent, self.axis_name, n)",
@@ -188,17 +194,30 @@ ERROR_MUTANTS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ERROR_MUTANTS)
-def test_error_mutant_is_caught(name):
+def run_error_check(name, module) -> None:
     import test_context_attention
 
-    line, replacement, check = ERROR_MUTANTS[name]
-    module = mutant(_context_attention, name, line, replacement)
+    check = ERROR_MUTANTS[name][2]
     params = init_attention(jax.random.key(0), 32, HEADS, 4, num_kv_heads=2)
     takes_params = check in ("check_an_empty_sequence_is_refused",
                              "check_ulysses_heads_in_a_users_shard_map")  # fmt: skip
+    getattr(test_context_attention, check)(module, *((params,) if takes_params else ()))
+
+
+@pytest.mark.parametrize("name", ERROR_MUTANTS)
+def test_error_checks_pass_on_an_unmutated_copy(name):
+    """Each mutant's check passes on a copy of the module made the same way, so a mutant is
+    caught by what it changed, not by the copy."""
+    line = ERROR_MUTANTS[name][0]
+    run_error_check(name, mutant(_context_attention, f"unmutated_{name}", line, line))
+
+
+@pytest.mark.parametrize("name", ERROR_MUTANTS)
+def test_error_mutant_is_caught(name):
+    line, replacement, check = ERROR_MUTANTS[name]
+    module = mutant(_context_attention, name, line, replacement)
     try:
-        getattr(test_context_attention, check)(module, *((params,) if takes_params else ()))
+        run_error_check(name, module)
     except Exception:  # the check failed (pytest's own failures and the trace's errors alike)
         return
     except pytest.fail.Exception:
