@@ -364,7 +364,7 @@ def check_sharded_save(module, tmp: Path) -> None:
     leaves = jax.tree_util.tree_leaves_with_path(params)
     plan = module._plan(setup, leaves, np.dtype(np.float32))
     largest = max(n for _, n in plan)
-    for m in (largest, largest - 1):
+    for m in (largest, np.int64(largest - 1)):  # a numpy int too (a size computed with numpy)
         out = tmp / f"sharded-{m}"
         files = module.save_hf_llama(out, setup, params, max_shard_bytes=m)
         index = json.loads((out / "model.safetensors.index.json").read_text())

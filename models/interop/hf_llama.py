@@ -515,14 +515,14 @@ def save_hf_llama(directory: str | os.PathLike, setup: Setup, state, *,
         raise ValueError(f"save_hf_llama: directory={directory!r} is a file; expected a folder "
                          f"(created if missing): pass another path or remove the file")  # fmt: skip
     if max_shard_bytes is not None and (isinstance(max_shard_bytes, bool) or not isinstance(
-            max_shard_bytes, int) or max_shard_bytes < 1):  # fmt: skip
+            max_shard_bytes, int | np.integer) or max_shard_bytes < 1):  # fmt: skip
         raise ValueError(f"save_hf_llama: max_shard_bytes must be a positive int of bytes or "
                          f"None (one file); got {max_shard_bytes!r}: pass a size in bytes such "
                          f"as 5 * 10**9 (save_pretrained's '5GB'), or None")  # fmt: skip
     leaves = jax.tree_util.tree_leaves_with_path(params)
     out_dtype = _save_dtype(dtype if dtype is not None else leaves[0][1].dtype, dtype is None)
     plan = _plan(setup, leaves, out_dtype)  # (tensor name, bytes) in the order they are made
-    files = _files(plan, max_shard_bytes)  # tensor name → file
+    files = _files(plan, None if max_shard_bytes is None else int(max_shard_bytes))  # name → file
     main = jax.process_index() == 0
     if main:
         os.makedirs(directory, exist_ok=True)
