@@ -123,8 +123,8 @@ MUTANTS = {
         "    if os.path.exists(directory) and not os.path.isdir(directory):", "    if False:",
         "save_errors"),
     "zero_shard_size_accepted": (
-        "            max_shard_bytes, int) or max_shard_bytes < 1):  # fmt: skip",
-        "            max_shard_bytes, int) or max_shard_bytes < 0):  # fmt: skip",
+        "            max_shard_bytes, int | np.integer) or max_shard_bytes < 1):  # fmt: skip",
+        "            max_shard_bytes, int | np.integer) or max_shard_bytes < 0):  # fmt: skip",
         "save_errors"),
 }  # fmt: skip
 
