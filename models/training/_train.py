@@ -538,6 +538,11 @@ def build(
         jitted = jax.jit(checked(fn), compiler_options=compiler_options, **kwargs)
         return _DeviceChecked(jitted, mesh, name)
 
+    # Each checks the params (or state) it is given when it traces, before shard_map does.
+    step_of_state = _state_checked(step, padding, "setup.train_step")
+    loss_and_grads = _params_checked(loss_and_grads, padding, "setup.loss_and_grads")
+    evaluate = _params_checked(evaluate, padding, "setup.evaluate")
+    logits = _params_checked(logits, padding, "setup.logits")
     return Setup(
         strategy=parallel.name,
         mesh=mesh,
@@ -554,17 +559,10 @@ def build(
         opt_specs=opt_specs,
         batch_spec=batch_spec,
         step=step,
-        train_step=jit(
-            _state_checked(step, padding, "setup.train_step"),
-            "train_step",
-            step_options,
-            donate_argnums=0,
-        ),
-        loss_and_grads=jit(
-            _params_checked(loss_and_grads, padding, "setup.loss_and_grads"), "loss_and_grads"
-        ),
-        evaluate=jit(_params_checked(evaluate, padding, "setup.evaluate"), "evaluate"),
-        logits=jit(_params_checked(logits, padding, "setup.logits"), "logits"),
+        train_step=jit(step_of_state, "train_step", step_options, donate_argnums=0),
+        loss_and_grads=jit(loss_and_grads, "loss_and_grads"),
+        evaluate=jit(evaluate, "evaluate"),
+        logits=jit(logits, "logits"),
     )
 
 

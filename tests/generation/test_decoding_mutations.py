@@ -76,8 +76,8 @@ DECODING = {  # mutant → (line of models/generation/decoding.py, its replaceme
 }
 TRAIN = {  # mutant → (line of models/training/_train.py, its replacement): the decoder's setup
     "setup_logits_params_unchecked": (
-        '        logits=jit(_params_checked(logits, padding, "setup.logits"), "logits"),',
-        '        logits=jit(logits, "logits"),',
+        '    logits = _params_checked(logits, padding, "setup.logits")',
+        "    logits = logits",
     ),
     "train_state_not_recognised": (
         "        if isinstance(params, TrainState):",

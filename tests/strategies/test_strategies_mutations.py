@@ -234,7 +234,9 @@ def test_helper_mutant_is_caught(monkeypatch, name):
 
 
 # Memory-only options of models/training/_train.py: values cannot show them, the compiled program can.
-TRAIN_STEP = '        train_step=jit(step, "train_step", step_options, donate_argnums=0),\n'
+TRAIN_STEP = (
+    '        train_step=jit(step_of_state, "train_step", step_options, donate_argnums=0),\n'
+)
 LOSS_AND_GRADS = '        loss_and_grads=jit(loss_and_grads, "loss_and_grads"),\n'
 REMAT_OPTIONS = (
     "    step_options = shardops.inspect.KEEP_REMAT if remat or parallel.fsdp else None\n"
@@ -343,9 +345,10 @@ def test_sp_bf16_reduction_mutant_is_caught(monkeypatch, name):
 
 
 @pytest.mark.parametrize(("line", "replacement"), [
-    ('            _state_checked(step, padding, "setup.train_step"),\n', "            step,\n"),
-    ('        evaluate=jit(_params_checked(evaluate, padding, "setup.evaluate"), "evaluate"),\n',
-     '        evaluate=jit(evaluate, "evaluate"),\n'),
+    ('    step_of_state = _state_checked(step, padding, "setup.train_step")\n',
+     "    step_of_state = step\n"),
+    ('    evaluate = _params_checked(evaluate, padding, "setup.evaluate")\n',
+     "    evaluate = evaluate\n"),
 ], ids=["train_step", "evaluate"])  # fmt: skip
 def test_steps_without_their_params_check_are_caught(monkeypatch, line, replacement):
     """Without the check, shard_map refuses the params itself (a ValueError dumping both
