@@ -398,7 +398,7 @@ def test_tokens_outside_the_vocabulary_of_a_model_of_ones_own_are_refused(case):
 
 def test_the_vocabulary_is_found_once_per_setup_and_only_for_concrete_tokens():
     """A float batch (the MLP's) and a traced one are not read; the model's forward is traced
-    for its vocabulary once, by the first concrete integer batch."""
+    for its vocabulary once per batch shape, by the first concrete integer batch of it."""
     model = GatedLM()
     setup = models.build("2d", shardops.make_mesh({"data": 4, "model": 2}), model=model,
                          optimizer=optax.sgd(0.1))  # fmt: skip
@@ -407,7 +407,10 @@ def test_the_vocabulary_is_found_once_per_setup_and_only_for_concrete_tokens():
     assert not [k for k in setup._traces if k[0] == "vocabularies"]
     setup.place_batch(ids, labels)
     setup.place_batch(ids, labels)
-    assert [k for k in setup._traces if k[0] == "vocabularies"] == [("vocabularies", False)]
+    found = [k for k in setup._traces if k[0] == "vocabularies"]
+    assert found == [("vocabularies", (ids.shape, ids.dtype), (labels.shape, labels.dtype))]
+    setup.place_batch(ids[:, : S // 2], labels[:, : S // 2])  # another shape: traced again
+    assert len([k for k in setup._traces if k[0] == "vocabularies"]) == 2
 
 
 # Each mutant lets a batch outside the vocabulary through (or refuses the last id).
@@ -444,6 +447,7 @@ def check_vocab_mutant(monkeypatch, name: str, replace: bool) -> None:
     else:
         bad = mutant(_train, name, line, new if replace else line)
         monkeypatch.setattr(_train.Setup, "check_batch", bad.Setup.check_batch)
+        monkeypatch.setattr(_train.Setup, "_check_token_range", bad.Setup._check_token_range)
     for case in TOKEN_CASES:
         check_tokens_refused(*case)
 
