@@ -619,8 +619,8 @@ def check_not_donated(op: str, fix: str, **arguments) -> None:
     (on CPU that ends the process)."""
     for name, tree in arguments.items():
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-            live = not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer)
-            if not live and leaf.is_deleted():
+            concrete = isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+            if concrete and leaf.is_deleted():
                 raise ValueError(
                     f"{op}: {name}{jax.tree_util.keystr(path)} has been deleted or donated to "
                     f"an earlier call. {fix}"
