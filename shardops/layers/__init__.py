@@ -64,6 +64,7 @@ from shardops.layers._embedding import (
     vocab_parallel_embedding_kernel,
     vocab_parallel_embedding_specs,
 )
+from shardops.layers._flash import blocked_attention
 from shardops.layers._mlp import (
     GatedMlpSpecs,
     gated_mlp,
@@ -86,6 +87,7 @@ __all__ = [
     "GatedMlpSpecs",
     "attention",
     "balanced_order",
+    "blocked_attention",
     "cached_attention_kernel",
     "check_context_sequence",
     "check_head_counts",
