@@ -46,7 +46,8 @@ CASES = {
         Case("segments", segments=True),
         Case("gqa_causal_segments", kv=2, causal=True, segments=True),
         Case("mqa_segments", kv=1, segments=True),
-        Case("ragged_last_block", kv=2, seq=40, block_k=16, causal=True, segments=True),
+        Case("ragged_last_block", kv=2, seq=40, block_k=16),  # padded keys not hidden by causal
+        Case("ragged_causal_segments", kv=2, seq=40, block_k=16, causal=True, segments=True),
         Case("one_block", kv=2, seq=40, block_k=512, causal=True),
     ]
 }

@@ -1,0 +1,70 @@
+"""Mutation check: known flash-attention bugs, injected into copies of shardops/layers/_flash.py,
+are caught by ``test_flash``'s own check (values and every gradient against float64).
+
+Each mutant replaces one exact line of the real source (``tests/_mutants.py``: the line must
+be there exactly once, so a mutant cannot drift from the code) and is run on the case that
+exposes it; an unmutated copy passes the same cases.
+"""
+
+import pytest
+from _mutants import mutant
+from test_flash import CASES, check_against_reference
+
+from shardops.layers import _flash
+
+RESCALE = "        acc = alpha[..., None] * acc  # [B, n, g, S, hd]: the running-max rescale"
+D_TERM = "        ds = p * (dp - delta[..., None]) * scale  # dS[B, n, g, S, block] float32"
+CAUSAL = "visible & (key_positions[None, :] <= q_positions[:, None])"
+DK = 'dk_block = _product("bngqk,bngqd->bnkd", ds, qg, precision)'
+DV = 'dv_block = _product("bngqk,bngqd->bnkd", p, dog, precision)'
+GROUPS = "reshape(batch, n, heads // n, seq, hd)  # [B,n,g,S,hd]"
+PADDING = "visible = jnp.broadcast_to(key_positions[None, :] < seq,"
+
+# name → (line, replacement, the case that catches it)
+MUTANTS = {
+    # The accumulator is not rescaled when the running maximum grows: blocks summed under an
+    # older, smaller maximum are over-weighted.
+    "running_max_rescale_omitted": (RESCALE, "        acc = acc", "plain"),
+    # dS = P∘dP: the backward forgets D = rowsum(dO∘O), the softmax's normalisation term.
+    "backward_d_term_dropped": (D_TERM, "        ds = p * dp * scale", "plain"),
+    # The causal mask off by one: a query no longer sees itself (j < i).
+    "causal_mask_hides_the_diagonal": (CAUSAL, CAUSAL.replace("<=", "<"), "causal"),
+    # dk / dv take only the first query head of each KV head's group instead of their sum.
+    "dk_not_summed_over_the_group": (
+        DK,
+        DK.replace("->bnkd", "->bngkd").replace("precision)", "precision)[:, :, 0]"),
+        "gqa_causal_segments",
+    ),
+    "dv_not_summed_over_the_group": (
+        DV,
+        DV.replace("->bnkd", "->bngkd").replace("precision)", "precision)[:, :, 0]"),
+        "gqa_causal_segments",
+    ),
+    # Query heads grouped by stride (head j reads KV head j % n) instead of j // (H/n).
+    "query_heads_grouped_by_stride": (
+        GROUPS,
+        "reshape(batch, heads // n, n, seq, hd).swapaxes(1, 2)",
+        "gqa_causal_segments",
+    ),
+    # The padded keys of a ragged last block are not masked (S=40 in blocks of 16).
+    "padding_keys_visible": (
+        PADDING,
+        "visible = jnp.broadcast_to(key_positions[None, :] < seq + 16,",
+        "ragged_last_block",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_mutant_is_caught(name):
+    line, replacement, case = MUTANTS[name]
+    module = mutant(_flash, name, line, replacement)
+    with pytest.raises(AssertionError, match="off by"):
+        check_against_reference(module.blocked_attention, CASES[case])
+
+
+def test_an_unmutated_copy_passes():
+    """The harness itself (loading a copy) does not make the checks fail."""
+    module = mutant(_flash, "unmutated", RESCALE, RESCALE)
+    for case in {case for _, _, case in MUTANTS.values()}:
+        check_against_reference(module.blocked_attention, CASES[case])
