@@ -157,6 +157,9 @@ def test_a_negative_dim_counts_from_the_end_and_a_bad_one_is_a_clear_error():
     y = np.arange(2 * 3 * 8, dtype=np.float32).reshape(2, 3, 8)
 
     def on_mesh(fn, out_specs):
+        # check_vma off, in this test only: y enters replicated (P()) and goes straight into the
+        # helpers, which here are tested for their dim handling (values exact: 4·y, 4 copies),
+        # not their vma typing; the kernels' tests run them with check_vma on.
         return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=out_specs, check_vma=False)(y)
 
     for last in (2, -1):
