@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from shardops._precision import FLOAT32, Precision
+from shardops._mesh import varying_axes
+from shardops._precision import FLOAT32, Precision, _reduce_to
 
 # A masked score: finite, so that a row whose every key so far is masked gives exp(0) (then
 # zeroed by the mask) rather than exp(−inf − (−inf)) = NaN.
@@ -76,9 +77,19 @@ def blocked_attention(
         the dtypes of ``q``, ``k`` and ``v``.
     """
     _check(q, k, v, segment_ids, block_k, precision)
-    block = min(int(block_k), q.shape[2])
-    with jax.named_scope("shardops.blocked_attention"):
-        return _blocked(bool(causal), block, precision, q, k, v, segment_ids)
+    positions = jnp.arange(q.shape[2], dtype=jnp.int32)  # [S]: the causal mask's order
+    return attend(
+        q,
+        k,
+        v,
+        q_positions=positions,
+        k_positions=positions,
+        q_segments=segment_ids,
+        k_segments=segment_ids,
+        causal=causal,
+        block_k=block_k,
+        precision=precision,
+    )
 
 
 def _check(q, k, v, segment_ids, block_k, precision) -> None:
@@ -129,119 +140,188 @@ def _product(spec: str, a, b, precision: Precision):
     )
 
 
-def _key_blocks(k, v, segment_ids, block: int):
-    """The keys as ``num_blocks`` blocks for ``lax.scan``: ``k, v[nb, B, n, block, hd]``, key
-    positions ``[nb, block]`` (those ≥ S are padding) and segment ids ``[nb, B, block]``."""
+def _vary(x, *refs):
+    """``x`` varying over every mesh axis any of ``refs`` varies over (a loop carry built from
+    constants inside ``shard_map`` must have the type of what the loop adds to it)."""
+    axes = frozenset().union(*(varying_axes(r) for r in refs if r is not None))
+    axes = tuple(sorted(axes - varying_axes(x)))
+    return lax.pcast(x, axes, to="varying") if axes else x
+
+
+def _key_blocks(k, v, k_positions, k_segments, block: int):
+    """The keys as ``nb`` blocks for ``lax.scan``: ``k, v[nb, B, n, block, hd]``, their
+    positions ``[nb, block]``, whether each is a real key (not padding) ``[nb, block]`` and
+    their segment ids ``[nb, B, block]`` (or None)."""
     batch, n, seq, hd = k.shape
     blocks = -(-seq // block)
     pad = blocks * block - seq
     if pad:
         k, v = (jnp.pad(t, ((0, 0), (0, 0), (0, pad), (0, 0))) for t in (k, v))
+        k_positions = jnp.pad(k_positions, (0, pad))
+        if k_segments is not None:
+            k_segments = jnp.pad(k_segments, ((0, 0), (0, pad)))
     k, v = (t.reshape(batch, n, blocks, block, hd).transpose(2, 0, 1, 3, 4) for t in (k, v))
-    positions = jnp.arange(blocks * block).reshape(blocks, block)  # [nb, block]
+    real = (np.arange(blocks * block) < seq).reshape(blocks, block)  # [nb, block]
     segments = None
-    if segment_ids is not None:
-        segments = jnp.pad(segment_ids, ((0, 0), (0, pad)))  # [B, S + pad]
-        segments = segments.reshape(batch, blocks, block).transpose(1, 0, 2)  # [nb, B, block]
-    return k, v, positions, segments
+    if k_segments is not None:
+        segments = k_segments.reshape(batch, blocks, block).transpose(1, 0, 2)  # [nb, B, block]
+    return k, v, k_positions.reshape(blocks, block), jnp.asarray(real), segments
 
 
-def _visible(seq: int, causal: bool, key_positions, q_segments, k_segments):
-    """``visible[B or 1, 1, 1, S, block]``: the keys of one block each query may attend to."""
-    q_positions = jnp.arange(seq)  # [S]
-    visible = jnp.broadcast_to(key_positions[None, :] < seq, (seq, key_positions.shape[0]))
+def _visible(causal: bool, q_positions, key_positions, real, q_segments, k_segments):
+    """``visible[B or 1, 1, 1, Sq, block]``: the keys of one block each query may attend to."""
+    visible = jnp.broadcast_to(real[None, :], (q_positions.shape[0], real.shape[0]))
     if causal:
         visible = visible & (key_positions[None, :] <= q_positions[:, None])  # key j ≤ query i
-    visible = visible[None, None, None]  # [1, 1, 1, S, block]
+    visible = visible[None, None, None]  # [1, 1, 1, Sq, block]
     if q_segments is not None:
-        same = q_segments[:, :, None] == k_segments[:, None, :]  # [B, S, block]
-        visible = visible & same[:, None, None]  # [B, 1, 1, S, block]
+        same = q_segments[:, :, None] == k_segments[:, None, :]  # [B, Sq, block]
+        visible = visible & same[:, None, None]  # [B, 1, 1, Sq, block]
     return visible
 
 
 def _scores(q, k_block, visible, precision):
-    """``s[B, n, g, S, block]`` in float32: ``q·kᵀ/√hd``, masked scores set to ``_MASKED``."""
+    """``s[B, n, g, Sq, block]`` in float32: ``q·kᵀ/√hd``, masked scores set to ``_MASKED``."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    s = _product("bngqd,bnkd->bngqk", q, k_block, precision) * scale  # [B, n, g, S, block]
+    s = _product("bngqd,bnkd->bngqk", q, k_block, precision) * scale  # [B, n, g, Sq, block]
     return jnp.where(visible, s.astype(jnp.float32), _MASKED)
 
 
+def attention_with_lse(q, k, v, *, q_positions, k_positions, q_segments=None, k_segments=None,
+                       causal: bool, block_k: int, precision: Precision):  # fmt: skip
+    """The forward alone, on any queries and keys: ``(o, lse)`` with ``o[B, H, Sq, hd]`` in
+    accum and ``lse[B, H, Sq]`` (float32; ``_MASKED`` where a query sees no key, its ``o`` 0).
+
+    ``q[B, H, Sq, hd]``, ``k, v[B, n, Sk, hd]``; ``q_positions[Sq]``, ``k_positions[Sk]``:
+    integer positions for the causal mask (key visible when its position ≤ the query's);
+    ``q_segments[B, Sq]``, ``k_segments[B, Sk]``: both or neither. No VJP: the ring and the
+    decoder use it (the ring merges its steps with ``merge`` and has its own backward)."""
+    block = min(int(block_k), k.shape[2])
+    return _forward(bool(causal), block, precision, q, k, v, q_positions, k_positions,
+                    q_segments, k_segments)  # fmt: skip
+
+
+def merge(o_a, lse_a, o_b, lse_b):
+    """Two partial attentions of the same queries over disjoint keys → the attention over both:
+    ``o = o_a·e^(lse_a − lse) + o_b·e^(lse_b − lse)``, ``lse = log(e^lse_a + e^lse_b)``."""
+    lse = jnp.logaddexp(lse_a, lse_b)  # [..., Sq]
+    o = o_a * jnp.exp(lse_a - lse)[..., None] + o_b * jnp.exp(lse_b - lse)[..., None]
+    return o, lse
+
+
+def attention_backward(q, k, v, do, lse, delta, *, q_positions, k_positions, q_segments=None,
+                       k_segments=None, causal: bool, block_k: int, precision: Precision):  # fmt: skip
+    """``(dq, dk, dv)`` in accum of the attention of ``q`` over ``k, v`` given the cotangent
+    ``do[B, H, Sq, hd]``, the *whole* attention's ``lse[B, H, Sq]`` and ``delta[B, H, Sq] =
+    rowsum(dO∘O)`` (float32): the keys may be one part of what the queries attended to (a ring
+    step). ``dk``, ``dv`` are summed over each KV head's query heads."""
+    block = min(int(block_k), k.shape[2])
+    return _backward(bool(causal), block, precision, q, k, v, do, lse, delta, q_positions,
+                     k_positions, q_segments, k_segments)  # fmt: skip
+
+
+def attend(q, k, v, *, q_positions, k_positions, q_segments=None, k_segments=None,
+           causal: bool = False, block_k: int = 512, precision: Precision = FLOAT32):  # fmt: skip
+    """``blocked_attention`` on any queries and keys (``attention_with_lse``'s arguments), with
+    its custom VJP: ``o[B, H, Sq, hd]`` in accum. The kernels call it with the tokens' global
+    positions (context parallelism, decoding)."""
+    block = min(int(block_k), k.shape[2])
+    with jax.named_scope("shardops.blocked_attention"):
+        return _attend(bool(causal), block, precision, q, k, v, q_positions, k_positions,
+                       q_segments, k_segments)  # fmt: skip
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _blocked(causal, block, precision, q, k, v, segment_ids):
-    return _forward(causal, block, precision, q, k, v, segment_ids)[0]
+def _attend(causal, block, precision, q, k, v, q_positions, k_positions, q_segments, k_segments):
+    return _forward(causal, block, precision, q, k, v, q_positions, k_positions, q_segments,
+                    k_segments)[0]  # fmt: skip
 
 
-def _forward(causal, block, precision, q, k, v, segment_ids):
-    """``o[B, H, S, hd]`` in accum and ``lse[B, n, g, S]`` in float32."""
+def _forward(causal, block, precision, q, k, v, q_positions, k_positions, q_segments,
+             k_segments):  # fmt: skip
+    """``o[B, H, Sq, hd]`` in accum and ``lse[B, H, Sq]`` in float32."""
     batch, heads, seq, hd = q.shape
     n = k.shape[1]
     qg = q.astype(precision.compute_dtype).reshape(batch, n, heads // n, seq, hd)  # [B,n,g,S,hd]
-    xs = _key_blocks(k, v, segment_ids, block)
+    xs = _key_blocks(k, v, k_positions, k_segments, block)
+    refs = (q, k, v, q_positions, k_positions, q_segments, k_segments)
 
     def step(carry, x):
-        m, total, acc = carry  # m, total[B, n, g, S] float32; acc[B, n, g, S, hd] in accum
-        k_block, v_block, key_positions, k_segments = x  # k, v[B, n, block, hd]
-        visible = _visible(seq, causal, key_positions, segment_ids, k_segments)
-        s = _scores(qg, k_block, visible, precision)  # s[B, n, g, S, block] float32
-        m_new = jnp.maximum(m, s.max(axis=-1))  # [B, n, g, S]
-        alpha = jnp.exp(m - m_new)  # [B, n, g, S]: rescales what was summed under the old max
-        p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)  # [B, n, g, S, block]
-        total = alpha * total + p.sum(axis=-1)  # [B, n, g, S]: the running sum l
+        m, total, acc = carry  # m, total[B, n, g, Sq] float32; acc[B, n, g, Sq, hd] in accum
+        k_block, v_block, key_positions, real, segments = x  # k, v[B, n, block, hd]
+        visible = _visible(causal, q_positions, key_positions, real, q_segments, segments)
+        s = _scores(qg, k_block, visible, precision)  # s[B, n, g, Sq, block] float32
+        m_new = jnp.maximum(m, s.max(axis=-1))  # [B, n, g, Sq]
+        alpha = jnp.exp(m - m_new)  # [B, n, g, Sq]: rescales what was summed under the old max
+        p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)  # [B, n, g, Sq, block]
+        total = alpha * total + p.sum(axis=-1)  # [B, n, g, Sq]: the running sum l
         acc = alpha[..., None] * acc  # [B, n, g, S, hd]: the running-max rescale
-        acc = acc + _product("bngqk,bnkd->bngqd", p, v_block, precision)  # [B, n, g, S, hd]
+        acc = acc + _product("bngqk,bnkd->bngqd", p, v_block, precision)  # [B, n, g, Sq, hd]
         return (m_new, total, acc), None
 
     shape = (batch, n, heads // n, seq)
     init = (
-        jnp.full(shape, _MASKED, jnp.float32),
-        jnp.zeros(shape, jnp.float32),
-        jnp.zeros((*shape, hd), precision.accum_dtype),
+        _vary(jnp.full(shape, _MASKED, jnp.float32), *refs),
+        _vary(jnp.zeros(shape, jnp.float32), *refs),
+        _vary(jnp.zeros((*shape, hd), precision.accum_dtype), *refs),
     )
     (m, total, acc), _ = lax.scan(step, init, xs)
-    seen = total > 0  # [B, n, g, S]: False where a query sees no key at all (its o is 0)
-    o = acc / jnp.where(seen, total, 1.0)[..., None]  # [B, n, g, S, hd] in accum
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), _MASKED)  # [B, n, g, S]
-    return o.reshape(batch, heads, seq, hd), lse
+    seen = total > 0  # [B, n, g, Sq]: False where a query sees no key at all (its o is 0)
+    o = acc / jnp.where(seen, total, 1.0)[..., None]  # [B, n, g, Sq, hd] in accum
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), _MASKED)  # [B, n, g, Sq]
+    return o.reshape(batch, heads, seq, hd), lse.reshape(batch, heads, seq)
 
 
-def _blocked_fwd(causal, block, precision, q, k, v, segment_ids):
-    o, lse = _forward(causal, block, precision, q, k, v, segment_ids)
+def _attend_fwd(causal, block, precision, q, k, v, q_positions, k_positions, q_segments,
+                k_segments):  # fmt: skip
+    o, lse = _forward(causal, block, precision, q, k, v, q_positions, k_positions, q_segments,
+                      k_segments)  # fmt: skip
     compute = precision.compute_dtype
     # Empty slices of q, k and v carry their dtypes (and varying mesh axes) into the backward.
     kinds = tuple(t.reshape(-1)[:0] for t in (q, k, v))
-    residuals = (q.astype(compute), k.astype(compute), v.astype(compute), o, lse, segment_ids)
+    tokens = (q_positions, k_positions, q_segments, k_segments)
+    residuals = (q.astype(compute), k.astype(compute), v.astype(compute), o, lse, tokens)
     return o, (residuals, kinds)
 
 
-def _blocked_bwd(causal, block, precision, saved, do):
-    (q, k, v, o, lse, segment_ids), kinds = saved
+def _attend_bwd(causal, block, precision, saved, do):
+    (q, k, v, o, lse, tokens), kinds = saved
+    delta = (do.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1)  # D[B, H, Sq] = rowsum(dO∘O)
+    dq, dk, dv = _backward(causal, block, precision, q, k, v, do, lse, delta, *tokens)
+    grads = []
+    for g, kind in zip((dq, dk, dv), kinds, strict=True):
+        grads.append(_reduce_to(g, kind).astype(kind.dtype))  # an invariant primal: summed
+    return (*grads, None, None, None, None)
+
+
+def _backward(causal, block, precision, q, k, v, do, lse, delta, q_positions, k_positions,
+              q_segments, k_segments):  # fmt: skip
+    """``dq[B, H, Sq, hd]``, ``dk, dv[B, n, Sk, hd]`` in accum (module docstring)."""
     batch, heads, seq, hd = q.shape
-    n, g = k.shape[1], heads // k.shape[1]
+    n, g, sk = k.shape[1], heads // k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(hd)
-    qg = q.reshape(batch, n, g, seq, hd)  # [B, n, g, S, hd] in compute
-    dog = do.reshape(batch, n, g, seq, hd)  # dO[B, n, g, S, hd]
-    delta = (dog.astype(jnp.float32) * o.reshape(dog.shape).astype(jnp.float32)).sum(-1)
-    # delta = D[B, n, g, S] = rowsum(dO∘O), float32
-    xs = _key_blocks(k, v, segment_ids, block)
+    qg = q.astype(precision.compute_dtype).reshape(batch, n, g, seq, hd)  # [B, n, g, Sq, hd]
+    dog = do.reshape(batch, n, g, seq, hd)  # dO[B, n, g, Sq, hd]
+    lse, delta = lse.reshape(batch, n, g, seq), delta.reshape(batch, n, g, seq)
+    xs = _key_blocks(k, v, k_positions, k_segments, block)
+    refs = (q, k, v, do, lse, delta, q_positions, k_positions, q_segments, k_segments)
 
     def step(dq, x):
-        k_block, v_block, key_positions, k_segments = x  # k, v[B, n, block, hd]
-        visible = _visible(seq, causal, key_positions, segment_ids, k_segments)
-        s = _scores(qg, k_block, visible, precision)  # [B, n, g, S, block] float32
+        k_block, v_block, key_positions, real, segments = x  # k, v[B, n, block, hd]
+        visible = _visible(causal, q_positions, key_positions, real, q_segments, segments)
+        s = _scores(qg, k_block, visible, precision)  # [B, n, g, Sq, block] float32
         p = jnp.where(visible, jnp.exp(s - lse[..., None]), 0.0)  # P, recomputed from lse
         dv_block = _product("bngqk,bngqd->bnkd", p, dog, precision)  # dv[B, n, block, hd]
-        dp = _product("bngqd,bnkd->bngqk", dog, v_block, precision)  # dP[B, n, g, S, block]
-        ds = p * (dp - delta[..., None]) * scale  # dS[B, n, g, S, block] float32
-        dq = dq + _product("bngqk,bnkd->bngqd", ds, k_block, precision)  # [B, n, g, S, hd]
+        dp = _product("bngqd,bnkd->bngqk", dog, v_block, precision)  # dP[B, n, g, Sq, block]
+        ds = p * (dp - delta[..., None]) * scale  # dS[B, n, g, Sq, block] float32
+        dq = dq + _product("bngqk,bnkd->bngqd", ds, k_block, precision)  # [B, n, g, Sq, hd]
         dk_block = _product("bngqk,bngqd->bnkd", ds, qg, precision)  # dk[B, n, block, hd]
         return dq, (dk_block, dv_block)  # dk, dv: summed over the g query heads of a KV head
 
-    dq0 = jnp.zeros((batch, n, g, seq, hd), precision.accum_dtype)
+    dq0 = _vary(jnp.zeros((batch, n, g, seq, hd), precision.accum_dtype), *refs)
     dq, (dk, dv) = lax.scan(step, dq0, xs)  # dk, dv[nb, B, n, block, hd]
-    dk, dv = (t.transpose(1, 2, 0, 3, 4).reshape(batch, n, -1, hd)[:, :, :seq] for t in (dk, dv))
-    q_kind, k_kind, v_kind = kinds
-    dq = dq.reshape(batch, heads, seq, hd)
-    return dq.astype(q_kind.dtype), dk.astype(k_kind.dtype), dv.astype(v_kind.dtype), None
+    dk, dv = (t.transpose(1, 2, 0, 3, 4).reshape(batch, n, -1, hd)[:, :, :sk] for t in (dk, dv))
+    return dq.reshape(batch, heads, seq, hd), dk, dv
 
 
-_blocked.defvjp(_blocked_fwd, _blocked_bwd)
+_attend.defvjp(_attend_fwd, _attend_bwd)

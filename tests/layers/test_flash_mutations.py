@@ -13,12 +13,12 @@ from test_flash import CASES, check_against_reference
 from shardops.layers import _flash
 
 RESCALE = "        acc = alpha[..., None] * acc  # [B, n, g, S, hd]: the running-max rescale"
-D_TERM = "        ds = p * (dp - delta[..., None]) * scale  # dS[B, n, g, S, block] float32"
+D_TERM = "        ds = p * (dp - delta[..., None]) * scale  # dS[B, n, g, Sq, block] float32"
 CAUSAL = "visible & (key_positions[None, :] <= q_positions[:, None])"
 DK = 'dk_block = _product("bngqk,bngqd->bnkd", ds, qg, precision)'
 DV = 'dv_block = _product("bngqk,bngqd->bnkd", p, dog, precision)'
 GROUPS = "reshape(batch, n, heads // n, seq, hd)  # [B,n,g,S,hd]"
-PADDING = "visible = jnp.broadcast_to(key_positions[None, :] < seq,"
+PADDING = "real = (np.arange(blocks * block) < seq)"
 
 # name → (line, replacement, the case that catches it)
 MUTANTS = {
@@ -49,7 +49,7 @@ MUTANTS = {
     # The padded keys of a ragged last block are not masked (S=40 in blocks of 16).
     "padding_keys_visible": (
         PADDING,
-        "visible = jnp.broadcast_to(key_positions[None, :] < seq + 16,",
+        "real = (np.arange(blocks * block) < seq + 16)",
         "ragged_last_block",
     ),
 }
