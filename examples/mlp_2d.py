@@ -78,7 +78,11 @@ def parse_args(argv=None):
     p.add_argument("--data-dir", help="folder with the four IDX files (MNIST or Fashion-MNIST)")
     p.add_argument("--train-size", type=int, help="use only the first N training images")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--remat", action="store_true", help="fsdp/fsdp_tp: re-gather in backward")
+    p.add_argument("--remat", nargs="?", const="full", default="none",
+                   choices=models.strategies.remat.POLICIES,
+                   help="activation checkpointing of each layer: full (the bare flag; under "
+                        "fsdp also re-gathers the weights in the backward), matmuls, offload, "
+                        "none (the default)")  # fmt: skip
     p.add_argument("--locate", action="store_true",
                    help="compare one gradient step with the unsharded model layer by layer "
                         "(shardops.inspect.compare) and exit")  # fmt: skip

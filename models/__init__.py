@@ -39,6 +39,7 @@ from shardops_models.strategies.plan import (
     VOCAB,
     stacked,
 )
+from shardops_models.strategies.remat import Remat
 from shardops_models.training._train import (
     DECAY_RATE,
     DECAY_STEPS,
@@ -73,6 +74,7 @@ __all__ = [
     "Metrics",
     "Mlp",
     "Parallel",
+    "Remat",
     "Setup",
     "Strategy",
     "TrainState",

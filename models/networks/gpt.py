@@ -24,10 +24,12 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 import shardops
 from shardops_models.networks._lm import PAD_LABEL, LanguageModel, check_token_range
 from shardops_models.strategies.plan import COLUMN, HEAD, REPLICATED, ROW, VOCAB
+from shardops_models.strategies.remat import MLP_HIDDEN, MLP_INPUT, MLP_OUTPUT
 
 __all__ = ["PAD_LABEL", "Gpt", "check_token_range"]
 
@@ -138,8 +140,10 @@ class Gpt(LanguageModel):
         def block(p, x):
             h = ctx.layer_norm(p["ln1"], x)
             x = x + ctx.attention(p["attn"], h, num_heads=self.num_heads, causal=True)
-            h = ctx.dense(p["up"], ctx.layer_norm(p["ln2"], x))  # h[b, S, F_model]
-            return x + ctx.dense(p["down"], jax.nn.gelu(h))  # x[b, S, D]
+            h = checkpoint_name(ctx.layer_norm(p["ln2"], x), MLP_INPUT)  # h[b, S, D]
+            h = checkpoint_name(ctx.dense(p["up"], h), MLP_HIDDEN)  # h[b, S, F_model]
+            y = checkpoint_name(ctx.dense(p["down"], jax.nn.gelu(h)), MLP_OUTPUT)  # y[b, S, D]
+            return x + y  # x[b, S, D] (names: what a remat policy may save, ``remat``)
 
         return block
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import shardops
@@ -65,6 +66,12 @@ from shardops_models.strategies.plan import (
     VOCAB,
     StackedRole,
     is_shape,
+)
+from shardops_models.strategies.remat import (
+    ATTENTION_OUTPUT,
+    MLP_INPUT,
+    MLP_OUTPUT,
+    Remat,
 )
 
 # Why the strategy's own collectives run (shardops.comm.because; explain reads them).
@@ -165,7 +172,8 @@ class Parallel:
 
     strategy: Strategy
     precision: Precision = FLOAT32
-    remat: bool = False
+    remat: Remat | bool | str | tuple = False
+    """The activation-checkpoint policy of each stage (``models.strategies.remat``)."""
     fsdp_dense: str = AUTO
     """fsdp: per dense layer, gather the weight or move the activations (``models.strategies.fsdp``)."""
     collective_matmul: str | None = None
@@ -226,8 +234,9 @@ class Parallel:
         ``pcast`` to varying over the dp (and fsdp) axes where replicated (the backward
         AllReduces it). Under zero1 the parameters arrive varying over its axes already
         (``models.training``): their gradients leave the step unreduced, for the optimizer's
-        ReduceScatter. With remat the stage is ``jax.checkpoint``-ed: the backward pass gathers
-        again."""
+        ReduceScatter. Under a remat policy (``models.strategies.remat``) the stage is
+        ``jax.checkpoint``-ed with it: the backward pass gathers again and recomputes what the
+        policy does not save."""
 
         # A leaf an earlier stage of this forward used (a tied embedding's table, in the head)
         # is gathered again for this use: its gather reads it through an optimization barrier
@@ -242,7 +251,7 @@ class Parallel:
         def run(params, *args):
             return fn(self._materialise_all(params, used), *args)
 
-        return jax.checkpoint(run)(params, *args) if self.remat else run(params, *args)
+        return Remat.of(self.remat).checkpoint(run)(params, *args)
 
     def _materialise_all(self, params, used=None):
         """Every ``Param`` of a stage, ready. The split leaves that share a dtype and varying
@@ -459,6 +468,7 @@ class Parallel:
         y = self._attention(p, x, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal,
                             rope_theta=rope_theta, positions=positions,
                             segment_ids=segment_ids)  # fmt: skip
+        y = checkpoint_name(y, ATTENTION_OUTPUT)  # what remat=("attention_output",) saves
         seq = x.shape[SEQUENCE_DIM] * (lax.axis_size(self.tp) if self.sequence_parallel else 1)
         return self._tap(y, p, k=max(x.shape[-1], seq))  # K: D (projections), S (p · v)
 
@@ -473,6 +483,7 @@ class Parallel:
             _check_keys(p[name], "gated_mlp", LAYER_KEYS["dense"])
         roles = tuple(p[name]["w"].role for name in ("gate", "up", "down"))
         params = {k: {n: self._value(q, "gated_mlp") for n, q in p[k].items()} for k in p}
+        x = checkpoint_name(x, MLP_INPUT)  # names for remat (the hidden's: shardops'; ``remat``)
         if self.model_parallel and roles == (COLUMN, COLUMN, ROW):
             y = shardops.layers.tensor_parallel_gated_mlp_kernel(
                 x, params, axis_name=self.tp, sequence_parallel=self.sequence_parallel,
@@ -492,6 +503,7 @@ class Parallel:
         else:
             y = shardops.gated_mlp(x, params, activation=activation, precision=self.precision)
         split = self.model_parallel and roles == (COLUMN, COLUMN, ROW)
+        y = checkpoint_name(y, MLP_OUTPUT)
         return self._tap(y, p, k=p["down"]["w"].shape[0] * (self.axis_size() if split else 1))
 
     def layer_norm(self, p, x, *, eps: float = 1e-5):

@@ -56,6 +56,7 @@ from shardops_models.strategies.plan import (
     model_specs,
     replicated,
 )
+from shardops_models.strategies.remat import Remat, check_names, names_made
 
 COLLECTIVE_MATMULS = shardops.layers.COLLECTIVE_MATMULS
 
@@ -154,7 +155,9 @@ class Setup:
     plan: Any
     """The plan in use: the tensor-parallel role of every parameter (``models.strategies.plan``)."""
     optimizer: optax.GradientTransformation
-    remat: bool
+    remat: Remat
+    """The activation-checkpoint policy of each stage (``build``'s ``remat``, read as a
+    ``models.Remat``)."""
     precision: shardops.Precision
     fsdp_dense: str
     """fsdp: per dense layer, gather the weight or move the activations (``build``)."""
@@ -397,11 +400,25 @@ class Setup:
 
         params = self.padding.abstract(self.precision.param_dtype)  # the stored shapes
         opt_state = jax.eval_shape(self.optimizer.init, params)
+        if mesh is None:  # ref: one device, nothing to lay out
+            return TrainState(params, opt_state), *model_batch(self.model, batch, seq)
         params = jax.tree.map(lambda s, a: placed(a, s), self.param_specs, params, is_leaf=_is_spec)
         opt_state = jax.tree.map(lambda s, a: placed(a, s), self.opt_specs, opt_state,
                                  is_leaf=_is_spec)  # fmt: skip
         x, y = model_batch(self.model, batch, seq)
         return TrainState(params, opt_state), placed(x, self.batch_spec), placed(y, self.batch_spec)
+
+    def temp_bytes(self, batch: int, seq: int | None = None) -> int:
+        """The bytes of temporaries per device of the compiled train step on a global batch of
+        ``batch`` examples (of ``seq`` tokens; default the model's context): XLA's
+        ``memory_analysis().temp_size_in_bytes``, activations kept for the backward pass
+        included, arguments and outputs not. What a ``remat`` policy saves is the difference
+        between two Setups' figures. The step is compiled here (once per (batch, seq))."""
+        key = ("temp", batch, seq)
+        if key not in self._traces:
+            compiled = self.train_step.lower(*self.abstract_step_args(batch, seq)).compile()
+            self._traces[key] = int(compiled.memory_analysis().temp_size_in_bytes)
+        return self._traces[key]
 
     def cost_model(self, batch: int, seq: int | None = None) -> dict[tuple[str, ...], float]:
         """The analytic bytes each device sends per step over each mesh axis: the ring formulas
@@ -421,7 +438,7 @@ def build(
     model=None,
     sizes: Sequence[int] | None = None,
     plan=None,
-    remat: bool = False,
+    remat: Remat | bool | str | tuple | Callable = False,
     precision: shardops.Precision = shardops.FLOAT32,
     fsdp_dense: str = "auto",
     collective_matmul: str | None = None,
@@ -444,7 +461,13 @@ def build(
             ``model=Mlp(sizes)``).
         plan: the tensor-parallel role of every parameter (a prefix of the parameter tree;
             ``models.strategies.plan``); default ``model.plan()``.
-        remat: strategies with fsdp only: re-gather each stage's weights in the backward pass.
+        remat: the activation-checkpoint policy of each stage (``models.Remat``, every
+            strategy): ``"none"`` (``False``, the default) keeps every activation; ``"full"``
+            (``True``) recomputes the whole stage in the backward pass, and under fsdp
+            gathers its weights again; ``"matmuls"`` keeps the dense layers' outputs only; a
+            tuple of names (``models.strategies.remat.NAMES``) keeps those activations;
+            ``"offload"`` moves the matmul outputs to the host; or a ``jax.checkpoint``
+            policy. Under fsdp every policy but ``"none"`` re-gathers the weights.
         precision: ``shardops.FLOAT32``, ``MIXED_BFLOAT16`` (float32 params and optimizer,
             bfloat16 matmuls and activations) or ``BFLOAT16`` (bfloat16 params too). Matmuls
             accumulate, and gradients are reduced, in float32 under all three.
@@ -467,12 +490,7 @@ def build(
         model = Mlp(SEED_SIZES if sizes is None else sizes)
     elif sizes is not None:
         raise ValueError("pass either model= or sizes= (the MLP's widths), not both")
-    if remat and not parallel.fsdp:
-        raise ValueError(
-            f"remat re-gathers FSDP weights: it applies to strategies with fsdp, not "
-            f"{parallel.name!r}. Build without remat=True, or with an fsdp strategy (e.g. "
-            f"{_fsdp_twin(parallel)!r})"
-        )
+    remat = Remat.of(remat)
     if not isinstance(precision, shardops.Precision):
         raise TypeError(
             f"precision must be a shardops.Precision (FLOAT32, BFLOAT16 or MIXED_BFLOAT16); "
@@ -496,6 +514,8 @@ def build(
         mesh = None
     else:
         _check_mesh(parallel, mesh, model, roles, shapes)
+    if remat.names:  # names no layer of the model makes are refused
+        check_names(remat, _names_made(model, plan, precision), model.name)
     padding, specs = _layout(parallel, model, roles, shapes, mesh)
     stored = padding.stored
     opt_param_specs = None if mesh is None else _opt_param_specs(parallel, specs, stored, mesh,
@@ -564,13 +584,6 @@ def build(
         evaluate=jit(evaluate, "evaluate"),
         logits=jit(logits, "logits"),
     )
-
-
-def _fsdp_twin(parallel: Strategy) -> str:
-    """The preset that shards the weights over the data axis and keeps ``parallel``'s model
-    axis use (tp, sp) and context method: ``sp`` → ``fsdp_sp``, ``2d+ring`` → ``fsdp_tp+ring``."""
-    name = "fsdp_sp" if parallel.sp else "fsdp_tp" if parallel.tp else "fsdp"
-    return f"{name}+{parallel.cp_method}" if parallel.cp else name
 
 
 def _check_concrete(mesh, what: str) -> None:
@@ -714,6 +727,24 @@ def _vocabularies(model, plan, precision, x, y) -> dict[str, tuple[int, str, str
     except Exception:  # the train step's own trace reports the model's errors
         return {}
     return {name: min(seen) for name, seen in probe.seen.items()}  # the smallest, if several
+
+
+def _names_made(model, plan, precision) -> set[str]:
+    """The activation names (``checkpoint_name``) the model's unsharded forward makes, read
+    from its trace (abstract: nothing is compiled); a remat policy may save these."""
+    roles = leaf_roles(plan, _shapes(model))
+    params = jax.eval_shape(functools.partial(model.init, dtype=precision.param_dtype),
+                            jax.random.key(0))  # fmt: skip
+    ctx = Parallel(strategy_named("ref"), precision)
+    x, _ = model_batch(model, 1, None)
+
+    def run(params, x):
+        tree = wrap(params, roles, jax.tree.map(lambda _: P(), roles))
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(precision.compute_dtype)  # as the step casts it
+        return model.apply(ctx, tree, x)
+
+    return names_made(jax.make_jaxpr(run)(params, x))
 
 
 def _check_tokens(vocabularies: dict, **arrays) -> None:

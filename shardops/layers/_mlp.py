@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -48,6 +49,9 @@ from shardops.layers._dense_kernels import row_parallel_dense_kernel
 from shardops.layers._params import init_dense
 
 PROJECTIONS = ("gate", "up", "down")
+HIDDEN_NAME = "mlp_hidden"
+"""The ``checkpoint_name`` of the hidden ``h``: a remat policy saving it by name
+(``shardops_models.strategies.remat.MLP_HIDDEN``) keeps it for the backward pass."""
 
 _INPUT = Reason("gated_mlp_replicated_input", backward={
     "psum": "x is replicated over {axis} but each device multiplies it by its own columns of "
@@ -115,7 +119,8 @@ def _hidden(x, params, activation, precision: Precision):
         gate = gate + params["gate"]["b"].astype(accum)
     if "b" in params["up"]:
         up = up + params["up"]["b"].astype(accum)
-    return (activation(gate) * up).astype(precision.compute_dtype)  # h[..., F(/p)]
+    h = (activation(gate) * up).astype(precision.compute_dtype)  # h[..., F(/p)]
+    return checkpoint_name(h, HIDDEN_NAME)
 
 
 @scoped("gated_mlp")

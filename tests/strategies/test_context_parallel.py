@@ -166,10 +166,6 @@ def test_strategy_names_and_table():
                  expected="the strategy without it",
                  fix="with_context(dataclasses.replace(strategy, cp=None), 'ring')"):  # fmt: skip
         with_context(mine)
-    with refused(ValueError, argument="remat", got="not '2d+ring'", expected="strategies with fsdp",
-                 fix="with an fsdp strategy (e.g. 'fsdp_tp+ring')"):  # fmt: skip
-        models.build("2d+ring", shardops.make_mesh(CP_MESHES["2x2x2c"]), model=GPT,
-                     optimizer=optax.sgd(0.1), remat=True)  # fmt: skip
 
 
 def test_errors_name_the_dim_the_axis_and_both_sizes():

@@ -235,9 +235,6 @@ def test_bad_strategy_inputs():
     with refused(TypeError, argument="strategy 'dp'", got="got NoneType",
                  expected="a jax.sharding.Mesh with axes ('data',)", fix="see shardops.make_mesh"):  # fmt: skip
         models.build("dp", None, optimizer=sgd)
-    with refused(ValueError, argument="remat", got="not 'dp'", expected="strategies with fsdp",
-                 fix=("Build without remat=True", "with an fsdp strategy (e.g. 'fsdp')")):  # fmt: skip
-        models.build("dp", mesh_for({"data": 8}), optimizer=sgd, remat=True)
     setup = models.build("dp", mesh_for({"data": 8}), optimizer=sgd)
     xs, ys = batches(models.SEED_SIZES, 12)
     with pytest.raises(

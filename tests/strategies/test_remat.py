@@ -1,0 +1,140 @@
+"""Activation-checkpoint policies (``models.Remat``, ``models.strategies.remat``): every policy
+trains the GPT and the Llama as the reference does under ``ref``, ``fsdp_tp``, ``2d`` and a
+context-parallel layout; each holds less memory than ``"none"`` in the compiled step
+(``Setup.temp_bytes``, XLA:CPU's ``memory_analysis``), ``"full"`` ≤ ``"matmuls"`` ≤ ``"none"``;
+under fsdp every policy but ``"none"`` gathers the weights again in the backward pass; bad
+policies and names no layer makes are refused."""
+
+import functools
+
+import jax
+import optax
+import pytest
+from _cover import cover
+from _gpt_checks import BATCH, GPT, SEQ, check_lm_trajectory
+from _messages import refused
+from _model_checks import mesh_for
+from _mutants import mutant
+from test_llama import GQA
+
+import shardops_models as models
+from shardops_models.strategies import remat as remat_module
+from shardops_models.strategies.remat import NAMES, Remat, names_made
+
+SAVED = ("attention_output", "mlp_hidden")
+POLICIES = ["full", "matmuls", SAVED, "offload"]
+LAYOUTS = [(GPT, "ref", None), (GQA, "fsdp_tp", "4x2"), (GPT, "2d", "4x2"),
+           (GQA, "2d+ring", "2x2x2c")]  # fmt: skip
+# Each layout and each policy once (every pair under SHARDOPS_FULL=1): the policy is one
+# jax.checkpoint around ctx.stage, the same code under every strategy; what differs is what
+# the stage recomputes (fsdp's gathers, tp's AllReduces, the context ring).
+CASES = cover(LAYOUTS, POLICIES, t=1)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0][1]}-{Remat.of(c[1])}")
+def test_every_policy_trains_as_the_reference(case):
+    (model, strategy, mesh), remat = case
+    check_lm_trajectory(model, strategy, mesh, "sgd", remat=remat)
+
+
+def test_the_cases_cover_every_layout_and_policy():
+    assert {c[0][1] for c in CASES} == {"ref", "fsdp_tp", "2d", "2d+ring"}
+    assert {Remat.of(c[1]) for c in CASES} == {Remat.of(p) for p in POLICIES}
+
+
+# Memory: a Llama of 3 blocks where the activations dominate (S = 64, d_ff = 4·D), unsharded.
+DEEP = models.Llama(vocab_size=64, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                    d_ff=128, context=64)  # fmt: skip
+DEEP_BATCH = 8
+
+
+@functools.cache
+def temp(remat) -> int:
+    setup = models.build("ref", optimizer=optax.sgd(0.1), model=DEEP, remat=remat)
+    return setup.temp_bytes(DEEP_BATCH)
+
+
+def matmul_output_bytes(m: models.Llama, batch: int) -> int:
+    """The float32 outputs of every dense product of the step's forward: per block q, k, v,
+    the attention's output projection, gate, up and down; the head's logits."""
+    hd = m.head_dim
+    per_block = m.num_heads * hd + 2 * m.num_kv_heads * hd + m.d_model + 2 * m.d_ff + m.d_model
+    return 4 * batch * m.context * (m.num_layers * per_block + m.vocab_size)
+
+
+def check_memory(matmuls=None) -> None:
+    """Each policy holds less than ``"none"``; ``"full"`` ≤ ``"matmuls"`` ≤ ``"none"``; what
+    ``"matmuls"`` keeps beyond ``"full"`` is at most the matmuls' outputs (a policy that kept
+    everything would keep the norms', the activations' and attention's too)."""
+    matmuls = "matmuls" if matmuls is None else matmuls
+    none, full, kept = temp("none"), temp("full"), temp(matmuls)
+    named = temp(SAVED)
+    assert max(full, kept, named) < none, (none, full, kept, named)
+    assert full <= kept <= none, (full, kept, none)
+    bound = matmul_output_bytes(DEEP, DEEP_BATCH)
+    assert kept - full <= bound, f"matmuls keeps {kept - full} B beyond full; its outputs: {bound}"
+
+
+def test_each_policy_holds_less_than_none():
+    check_memory()
+
+
+def test_offload_on_cpu_holds_what_matmuls_holds():
+    """XLA:CPU's "pinned_host" is the same memory as its device's: the documented fallback."""
+    assert temp("offload") == temp("matmuls")
+
+
+def test_a_policy_saving_everything_is_caught():
+    kept_all = mutant(remat_module, "saves_everything",
+                      "            return policies.dots_with_no_batch_dims_saveable\n",
+                      "            return policies.everything_saveable\n")  # fmt: skip
+    policy = kept_all.Remat("matmuls").jax_policy()
+    with pytest.raises(AssertionError):
+        check_memory(policy)
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "matmuls", SAVED, "offload"], ids=str)
+def test_fsdp_regathers_under_every_policy_but_none(remat):
+    """A gather's output is no dot and no named activation: no policy keeps it."""
+    setup = models.build("fsdp", mesh_for({"data": 8}), optimizer=optax.sgd(0.1), model=GPT,
+                         remat=remat)  # fmt: skip
+    backward = setup.budget(BATCH, SEQ).totals(pass_="backward")
+    regathered = backward.get(("all-gather", ("data",)), 0)
+    assert (regathered > 0) == (remat != "none"), (remat, regathered)
+
+
+def test_the_layers_make_every_name():
+    """Both models name each activation of ``NAMES`` (the gated MLP's hidden in shardops)."""
+    for model in (GPT, GQA):
+        setup = models.build("ref", optimizer=optax.sgd(0.1), model=model, remat=NAMES)
+        assert names_made(setup.step_jaxpr(2, SEQ)) == set(NAMES), model.name
+
+
+def test_remat_values_read_as_policies():
+    assert Remat.of(False) == Remat.of(None) == Remat("none") and not Remat.of(False)
+    assert Remat.of(True) == Remat("full") and Remat.of(True)
+    assert Remat.of(["mlp_hidden"]) == Remat("save", ("mlp_hidden",))
+    assert Remat.of(jax.checkpoint_policies.everything_saveable).kind == "custom"
+    setup = models.build("dp", mesh_for({"data": 8}), optimizer=optax.sgd(0.1), remat=True)
+    assert setup.remat == Remat("full")  # under every strategy now, not fsdp only
+
+
+def test_bad_policies_are_refused():
+    sgd = optax.sgd(0.1)
+    with refused(ValueError, argument="remat='matmul'", got="is not a policy",
+                 expected="one of ('none', 'full', 'matmuls', 'offload')",
+                 fix="Pick one of"):  # fmt: skip
+        models.build("ref", optimizer=sgd, model=GPT, remat="matmul")
+    with refused(TypeError, argument="remat=3", got="got int",
+                 expected="expected one of ('none', 'full', 'matmuls', 'offload')",
+                 fix='Pass e.g. remat="matmuls"'):  # fmt: skip
+        models.build("ref", optimizer=sgd, model=GPT, remat=3)
+    with refused(ValueError, argument="remat names ['attn_out']", got="no layer of gpt",
+                 expected=f"it makes {sorted(NAMES)}", fix="Pick from those"):  # fmt: skip
+        models.build("ref", optimizer=sgd, model=GPT, remat=("attention_output", "attn_out"))
+    with refused(ValueError, argument="remat names ['attention_output']", got="no layer of mlp",
+                 expected="it makes none", fix="checkpoint_name(x, name)"):  # fmt: skip
+        models.build("ref", optimizer=sgd, remat=Remat("offload", ("attention_output",)))
+    with refused(ValueError, argument="remat: a policy that saves names", got="got none",
+                 expected="at least one name", fix='remat="full"'):  # fmt: skip
+        models.build("ref", optimizer=sgd, model=GPT, remat=())
