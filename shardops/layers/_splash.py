@@ -188,13 +188,16 @@ def _kernel(seq: int, g: int, causal: bool, block: int, interpret: bool):
         block_q_dq=block,
         block_kv_dq=block,
     )
-    return splash.make_splash_mqa(
-        splash.MultiHeadMask([head_mask] * g),
-        block_sizes=sizes,
-        head_shards=1,
-        q_seq_shards=1,
-        interpret=interpret,  # True: the generic Pallas interpreter (see the module docstring)
-    )
+    # The kernel holds its mask tables as arrays: built concrete, never as tracers of the trace
+    # that first asks for it, since it is cached.
+    with jax.ensure_compile_time_eval():
+        return splash.make_splash_mqa(
+            splash.MultiHeadMask([head_mask] * g),
+            block_sizes=sizes,
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=interpret,  # True: the generic Pallas interpreter (module docstring)
+        )
 
 
 def _grouped(key, q, k, v, segment_ids):
