@@ -119,8 +119,7 @@ def _hidden(x, params, activation, precision: Precision):
         gate = gate + params["gate"]["b"].astype(accum)
     if "b" in params["up"]:
         up = up + params["up"]["b"].astype(accum)
-    h = (activation(gate) * up).astype(precision.compute_dtype)  # h[..., F(/p)]
-    return checkpoint_name(h, HIDDEN_NAME)
+    return (activation(gate) * up).astype(precision.compute_dtype)  # h[..., F(/p)]
 
 
 @scoped("gated_mlp")
@@ -172,6 +171,7 @@ def tensor_parallel_gated_mlp_kernel(
         with because(_INPUT, axis_name):
             x = copy_to_region(x, axis_name, accum)  # x[..., D] in accum
     h = _hidden(x, params, activation, precision)  # h[..., F/p] in compute dtype
+    h = checkpoint_name(h, HIDDEN_NAME)  # a remat policy may keep it by name
     return row_parallel_dense_kernel(  # y[..., D] (sp: y[B, S/p, D]) in compute dtype
         h, params["down"]["w"], params["down"].get("b"), axis_name=axis_name,
         in_features=hidden, reduce="psum_scatter" if sequence_parallel else "psum",
@@ -190,6 +190,7 @@ def gated_mlp(x, params, *, activation: Callable = jax.nn.silu, precision: Preci
     _check_params(op, params)
     _check_global(op, x, params)
     h = _hidden(x.astype(precision.accum_dtype), params, activation, precision)  # h[..., F]
+    h = checkpoint_name(h, HIDDEN_NAME)  # a remat policy may keep it by name
     return precision.finish(precision.matmul(h, params["down"]["w"]), params["down"].get("b"))
 
 
