@@ -170,7 +170,7 @@ def flash_attention(q, k, v):
     """JAX's Pallas TPU ``flash_attention`` (K and V repeated to every query head)."""
     from jax.experimental.pallas.ops.tpu import flash_attention as fa
 
-    b, s, h, hd = q.shape
+    s, h, hd = q.shape[1:]
     group = h // k.shape[2]
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)  # (B, S, H, hd)
     blk = min(SPLASH_BLOCK, s)
@@ -394,7 +394,7 @@ def _compile(program, model, batch, seq, remat, limit):
         return None, None, None, f"n/a: {e}"
     try:
         compiled = runner.step.lower(*runner.abstract_args).compile()
-    except Exception as e:  # noqa: BLE001 - XlaRuntimeError's type moves between JAX versions
+    except Exception as e:  # XlaRuntimeError's type moves between JAX versions
         if is_out_of_memory(e):
             return runner, None, None, "OOM"
         raise
@@ -431,7 +431,7 @@ def device_memory_limit():
     """The first device's memory in bytes (``memory_stats()["bytes_limit"]``), or None."""
     try:
         stats = jax.devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 - some backends raise rather than return None
+    except Exception:  # some backends raise rather than return None
         return None
     return None if not stats else stats.get("bytes_limit")
 
@@ -464,8 +464,8 @@ def bench_shape(programs, model, batch, seq, remat, *, steps, warmup, limit, pea
                 continue
             begin = time.perf_counter()
             try:
-                state, loss = jax.block_until_ready(run[0](run[1], *run[2]))
-            except Exception as e:  # noqa: BLE001
+                state, _ = jax.block_until_ready(run[0](run[1], *run[2]))
+            except Exception as e:  # the device's out-of-memory error, at run time
                 if not is_out_of_memory(e):
                     raise
                 run[3]["status"] = "OOM"
@@ -642,8 +642,10 @@ def main(argv=None):
         print("models.build has no attention= option here: the shardops rows run its only "
               "attention", flush=True)  # fmt: skip
     began = time.perf_counter()
-    peaks = {"measured": measured_peak(256 if quick else 8192),
-             "spec": SPEC_PEAK_FLOPS.get(device.device_kind)}
+    peaks = {
+        "measured": measured_peak(256 if quick else 8192),
+        "spec": SPEC_PEAK_FLOPS.get(device.device_kind),
+    }
     print(f"{device.device_kind}: bf16 matmul peak {peaks['measured'] / 1e12:.3g} TFLOP/s measured",
           flush=True)  # fmt: skip
     rng = np.random.default_rng(0)
@@ -655,7 +657,7 @@ def main(argv=None):
         for batch, seq, remat in QUICK_SHAPES if quick else SHAPES:
             rows += bench_shape(programs, model, batch, seq, remat, steps=steps, warmup=warmup,
                                 limit=limit, peaks=peaks, rng=rng)  # fmt: skip
-            for r in rows[-len(programs):]:
+            for r in rows[-len(programs) :]:
                 timing = f"{r['step_ms']:.1f} ms" if "step_ms" in r else r["status"]
                 print(f"{r['program']:>24} {batch} × {seq}{' remat' if remat else ''}: {timing}",
                       flush=True)  # fmt: skip
@@ -665,8 +667,7 @@ def main(argv=None):
             largest = largest_fitting(programs, model, limit, seq=64 if quick else SEARCH_SEQ,
                                       max_batch=1 if quick else SEARCH_MAX_BATCH,
                                       max_seq=64 if quick else CONTEXT)  # fmt: skip
-        check = loss_check(programs, model, *(QUICK_SHAPES if quick else SHAPES)[0][:2], rng,
-                           limit)
+        check = loss_check(programs, model, *(QUICK_SHAPES if quick else SHAPES)[0][:2], rng, limit)
         for label, losses in check["losses"].items():
             print(f"loss {label:>24}: " + " ".join(f"{v:.5f}" for v in losses), flush=True)
         results = {
