@@ -43,6 +43,9 @@ VJP (splash's ``custom_vjp``: a dq and a dkv kernel from the saved log-sum-exp) 
 second unchecked region, its pullback carried between the two as the residual; the residuals
 cross the outer program typed invariant, which is harmless because only that region reads them.
 
+Under ``shard_map(check_vma=False)`` nothing is typed, so nothing is ``psum``-ed: as for any
+op there, reducing the gradient of a replicated input is the caller's.
+
 Also tried: JAX's private switch ``jax._src.config._check_vma(False)`` around the call works
 the same way but is internal, and the nested ``shard_map`` is public API. The TPU interpreter
 (``interpret=pltpu.InterpretParams()``) cannot run the batch ``vmap`` in JAX 0.10.2 (its grid

@@ -210,6 +210,32 @@ def test_a_plain_pallas_call_is_refused_under_check_vma():
         jax.jit(direct)(q, k)
 
 
+def test_the_unchecked_region_compiles_to_nothing():
+    """The nested region and its ·1 (which drops the inputs' types) leave no op and no
+    collective in the compiled program: only the body's own sine."""
+    mesh = shardops.make_mesh({"model": 2})
+    body = jax.shard_map(lambda x: _splash._unchecked(jnp.sin, x), mesh=mesh,
+                         in_specs=P("model"), out_specs=P("model"))  # fmt: skip
+    hlo = jax.jit(body).lower(jnp.ones(8)).compile().as_text()
+    ops = {line.split("=")[1].split("(")[0].split()[-1] for line in hlo.splitlines()
+           if " = " in line and "parameter(" not in line}  # fmt: skip
+    assert ops <= {"sine", "fusion"}, ops
+
+
+def test_under_remat_in_shard_map():
+    """``jax.checkpoint`` around the attention (the forward re-run in the backward, the
+    pullback rebuilt) gives the same gradients inside ``shard_map(check_vma=True)``."""
+
+    def rematted(q, k, v, **kw):
+        return jax.checkpoint(lambda q, k, v: splash_attention(q, k, v, **kw))(q, k, v)
+
+    args = projected_inputs(1)
+    got = projected_attention(rematted, 1, sharded=True)(*args)
+    want = projected_attention(splash_attention, 1, sharded=True)(*args)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=F32_RTOL * float(jnp.abs(b).max()))
+
+
 # --- mutants of the wrapper -------------------------------------------------------------------
 
 SCALE = "    scale = 1.0 / math.sqrt(hd)  # splash does not scale the scores: q·(1/√hd) before it"
