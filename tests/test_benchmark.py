@@ -1,5 +1,6 @@
 """benchmarks/strategies.py: docs/benchmarks.md's tables are generated from the stored JSON, the meshes the
-GPU path maps each case onto, and a quick end-to-end run with its variant rows and columns."""
+GPU path maps each case onto, and a quick end-to-end run with its variant rows and columns; the
+other benchmarks' quick runs; benchmarks/accelerator.py's plain-JAX Llama and TPU kernels."""
 
 import importlib.util
 import json
@@ -7,7 +8,14 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import optax
 import pytest
+from _mutants import mutant
+
+import shardops
+import shardops_models as models
 
 ROOT = pathlib.Path(__file__).parent.parent
 _spec = importlib.util.spec_from_file_location(
@@ -276,3 +284,158 @@ def test_each_table_is_written_as_it_finishes(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "picked" / "strategies.json").read_text()) == results
     assert not (tmp_path / "default").exists()
     assert stored_path.read_bytes() == committed
+
+
+def test_remat_table_is_the_json_s_markdown():
+    """docs/strategies.md's activation-checkpointing table is benchmarks/remat.py's JSON, and
+    its figures say what the page says: every policy below "none", "full" ≤ "matmuls" (a
+    hand-edited table fails: regenerate with `python benchmarks/remat.py --tables-only`)."""
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_remat", ROOT / "benchmarks" / "remat.py"
+    )
+    remat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(remat)
+    results = json.loads((remat.RESULTS / "remat.json").read_text())
+    assert remat.tables_block(remat.DOCS.read_text()) == remat.markdown(results).strip("\n")
+    temp = {
+        (r["model"], r["strategy"], json.dumps(r["policy"])): r["temp"] for r in results["rows"]
+    }
+    for (model, strategy, policy), t in temp.items():
+        none = temp[(model, strategy, '"none"')]
+        assert policy == '"none"' or t < none, (model, strategy, policy)
+        assert temp[(model, strategy, '"full"')] <= temp[(model, strategy, '"matmuls"')] <= none
+
+
+# --- benchmarks/accelerator.py: shardops on one accelerator against plain-JAX Llama programs
+
+_acc_spec = importlib.util.spec_from_file_location(
+    "benchmark_accelerator", ROOT / "benchmarks" / "accelerator.py"
+)
+acc = importlib.util.module_from_spec(_acc_spec)
+_acc_spec.loader.exec_module(acc)
+
+
+def test_accelerator_quick_run_has_the_columns_and_the_losses_agree(tmp_path):
+    """benchmarks/accelerator.py --quick (a tiny Llama on CPU): every program gets a row per
+    shape with the table's columns, MFU = the model's FLOPs / step time / the measured peak,
+    and the 10-step losses of shardops (ref, fsdp_tp on 1×1) agree with the plain program's."""
+    results = quick_run("accelerator", tmp_path)
+    programs = [r["program"] for r in results["rows"]]
+    # "shardops ref auto" once build takes attention= (the default value is named)
+    assert [p.removesuffix(" auto") for p in programs[:3]] == ["plain einsum", "shardops ref",
+                                                               "shardops fsdp_tp"]  # fmt: skip
+    assert {(r["batch"], r["seq"], r["remat"]) for r in results["rows"]} == set(acc.QUICK_SHAPES)
+    model = acc.model_of(acc.QUICK_MODEL)
+    peak = results["peaks"]["measured"]
+    for r in results["rows"]:
+        assert r["flops_per_step"] == model.train_flops_per_token(r["seq"]) * r["batch"] * r["seq"]
+        if r["status"] != "fits":
+            assert r["status"].startswith("n/a: ") and r["remat"], r  # only the old build's remat
+            continue
+        assert r["memory"]["temp"] > 0 and r["steps"] == 3
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["seq"] / r["step_ms"] * 1e3)
+        assert r["mfu_measured"] == pytest.approx(r["flops_per_step"] / (r["step_ms"] / 1e3) / peak)
+        assert r["mfu_spec"] is None  # a CPU has no specification peak
+    table = (tmp_path / "accelerator.md").read_text()
+    assert "| " + " | ".join(acc.COLUMNS) + " |" in table
+    check = results["loss_check"]
+    assert check["anchor"] == "plain einsum" and len(check["losses"]) == 3
+    assert all(len(v) == acc.LOSS_STEPS for v in check["losses"].values())
+    assert check["agree"] and all(d <= acc.LOSS_RTOL for d in check["max_relative_diff"].values())
+    assert all(r["batch"] == 1 for r in results["largest"] if r["batch"] is not None)
+
+
+def _logits_error(module, model, params, ids, reference):
+    logits = jax.jit(lambda p, i: module.plain_logits(model, p, i))(params, ids)
+    return float(jnp.max(jnp.abs(logits - reference)) / jnp.max(jnp.abs(reference)))
+
+
+@pytest.fixture(scope="module")
+def llama_logits():
+    """A tiny Llama at a large init (so attention and RoPE shape the logits), its float32
+    reference logits, and how far shardops' own MIXED_BFLOAT16 logits are from them."""
+    model = models.Llama(**acc.QUICK_MODEL, context=64, init_scale=0.1)
+    params = model.init(jax.random.key(0))
+    ids = jax.random.randint(jax.random.key(1), (2, 64), 0, model.vocab_size)
+    reference = model.reference_logits(params, ids)
+    setup = models.build("ref", model=model, optimizer=optax.adam(1e-3),
+                         precision=shardops.MIXED_BFLOAT16)  # fmt: skip
+    shardops_logits = setup.logits(params, ids).astype(jnp.float32)
+    shardops_error = float(jnp.max(jnp.abs(shardops_logits - reference))
+                           / jnp.max(jnp.abs(reference)))  # fmt: skip
+    return model, params, ids, reference, shardops_error
+
+
+_PLAIN_MUTANTS = {
+    "strided_groups": ("    q = q.reshape(b, s, n, h // n, hd)  # (B, S, n, G, hd)",
+                       "    q = q.reshape(b, s, h // n, n, hd).swapaxes(2, 3)"),
+    "interleaved_rope": (
+        "    rotated = jnp.concatenate([-t[..., hd // 2 :], t[..., : hd // 2]], -1)",
+        "    rotated = jnp.stack([-t[..., 1::2], t[..., ::2]], -1).reshape(t.shape)"),
+    "not_causal": (
+        "    weights = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)  # (B, n, G, S, S)",
+        "    weights = jax.nn.softmax(scores, axis=-1)"),
+    "no_rope_on_keys": (
+        "        k = _rope(_dot(y, a[\"wk\"]).reshape(b, s, n, hd), model.rope_theta)  # (B, S, n, hd)",
+        "        k = _dot(y, a[\"wk\"]).reshape(b, s, n, hd)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", [None, *_PLAIN_MUTANTS])
+def test_plain_llama_is_the_reference_model(llama_logits, name):
+    """The benchmark's plain-JAX Llama computes ``Llama.reference_logits`` (float32, Hugging
+    Face's conventions): under bf16 it is no further from them than shardops' own
+    MIXED_BFLOAT16 logits are (at most twice as far), and a grouping, RoPE or mask bug is
+    far outside that."""
+    model, params, ids, reference, shardops_error = llama_logits
+    module = acc if name is None else mutant(acc, name, *_PLAIN_MUTANTS[name])
+    error = _logits_error(module, model, params, ids, reference)
+    if name is None:
+        assert error <= 2 * shardops_error, (error, shardops_error)
+    else:
+        assert error > 4 * shardops_error, (name, error, shardops_error)
+
+
+@pytest.mark.parametrize("kernel", ["flash", "splash"])
+def test_tpu_attention_kernels_are_einsum_attention(kernel):
+    """The plain programs' Pallas TPU kernels (run here in Pallas' TPU interpret mode) are
+    wired as einsum attention is: GQA groups, the scale, the causal mask, the layouts."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    b, s, h, n, hd = 1, 128, 4, 2, 128
+    q = jax.random.normal(keys[0], (b, s, h, hd)).astype(jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, s, n, hd)).astype(jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, s, n, hd)).astype(jnp.bfloat16)
+    expected = acc.einsum_attention(q, k, v).astype(jnp.float32)
+    if kernel == "splash":  # its own interpret flag (the forced mode fails on its grid)
+        got = acc.splash_attention(q, k, v, interpret=True).astype(jnp.float32)
+    else:
+        with pltpu.force_tpu_interpret_mode():
+            got = acc.flash_attention(q, k, v).astype(jnp.float32)
+    # Both round o to bf16 once (2⁻⁸ relative) after float32 accumulation; |o| ≤ max |v|.
+    bound = 2 * 2.0**-8 * float(jnp.max(jnp.abs(v.astype(jnp.float32))))
+    assert float(jnp.max(jnp.abs(got - expected))) <= bound
+    # the same check catches a kernel fed KV heads in the wrong order
+    swapped = acc.einsum_attention(q, k[:, :, ::-1], v[:, :, ::-1]).astype(jnp.float32)
+    assert float(jnp.max(jnp.abs(got - swapped))) > 10 * bound
+
+
+def test_largest_fitting_stops_at_the_first_shape_that_does_not_fit(monkeypatch):
+    """The search doubles the batch, then the sequence at batch 1, until a program does not
+    fit, and says why it stopped; a program the build cannot make is n/a, not searched."""
+    fits = {(1, 64): "fits", (2, 64): "fits", (4, 64): "OOM (predicted)", (1, 128): "fits",
+            (1, 256): "OOM"}  # fmt: skip
+
+    def compile_program(program, model, batch, seq, remat, limit):
+        if program.label == "made" and remat:
+            return None, None, None, "n/a: no remat here"
+        return None, None, None, fits[(batch, seq)]
+
+    monkeypatch.setattr(acc, "compile_program", compile_program)
+    program = acc.Program("made", None)
+    found = acc.largest_fitting([program], None, 1, seq=64, max_batch=8, max_seq=512)
+    assert found[0] == {"program": "made", "remat": False, "seq": 64, "batch": 2,
+                        "batch_stopped": "OOM (predicted)", "seq_at_batch_1": 128,
+                        "seq_at_batch_1_stopped": "OOM"}  # fmt: skip
+    assert found[1]["batch"] is None and found[1]["batch_stopped"] == "n/a: no remat here"
