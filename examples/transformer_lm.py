@@ -117,6 +117,8 @@ def parse_args(argv=None):
                    help="clip the gradients to this global norm (default: 1.0 for llama, none "
                         "for gpt)")  # fmt: skip
     p.add_argument("--context", type=int, default=128, help="bytes per window")
+    p.add_argument("--remat", default="none", choices=models.strategies.remat.POLICIES,
+                   help="activation checkpointing of each block (docs/strategies.md)")  # fmt: skip
     p.add_argument("--log-every", type=int, default=50, metavar="N",
                    help="print the loss every N steps")  # fmt: skip
     p.add_argument("--eval-every", type=int, default=100, metavar="N",
@@ -351,7 +353,8 @@ def train(parser, args) -> int:
         model = make_model(args)
         mesh = mesh_for(args.strategy, args.mesh)
         optimizer = make_optimizer(args)
-        setup = models.build(args.strategy, mesh, model=model, optimizer=optimizer)
+        setup = models.build(args.strategy, mesh, model=model, optimizer=optimizer,
+                             remat=args.remat)  # fmt: skip
         ref = (
             models.build("ref", model=model, optimizer=optimizer)
             if args.compare_reference
