@@ -387,17 +387,26 @@ def attention_reference(x, params, ct, *, num_heads, causal, precision, num_kv_h
     return out
 
 
+def softmax_blocks(implementation: str, keys: int) -> int:
+    """The reference's ``ring`` argument for an attention ``implementation`` over ``keys`` keys:
+    0 for the einsum (one softmax, P rounded), else the number of key blocks the online softmax
+    folds in (``"auto"`` is the blocked path off TPU), evaluated as ``RING_DOCS`` says."""
+    if implementation == "auto":
+        implementation = "splash" if jax.default_backend() == "tpu" else "blocked"
+    return 0 if implementation == "einsum" else -(-keys // attention.BLOCK_K)
+
+
 # --- running the sharded layer ----------------------------------------------------------------
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("mesh", "num_heads", "num_kv_heads", "causal", "rope_theta", "batch_axis",
-                     "sequence_parallel", "precision"),
+                     "sequence_parallel", "precision", "implementation"),
 )  # fmt: skip
 def sharded_forward_and_grads(
     x, params, ct, positions=None, segment_ids=None, *, mesh, num_heads, causal, batch_axis,
-    sequence_parallel, precision, num_kv_heads=None, rope_theta=None,
+    sequence_parallel, precision, num_kv_heads=None, rope_theta=None, implementation="auto",
 ):  # fmt: skip
     """``y`` and ``d sum(ct·y) / d(x, params)`` through the sharded layer, in one program."""
     fn = attention.head_parallel_attention  # looked up at trace time (mutation tests)
@@ -406,7 +415,8 @@ def sharded_forward_and_grads(
         y = fn(x, params, mesh=mesh, num_heads=num_heads, num_kv_heads=num_kv_heads,
                causal=causal, rope_theta=rope_theta, positions=positions,
                segment_ids=segment_ids, batch_axis=batch_axis,
-               sequence_parallel=sequence_parallel, precision=precision)  # fmt: skip
+               sequence_parallel=sequence_parallel, precision=precision,
+               implementation=implementation)  # fmt: skip
         return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
 
     (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
@@ -475,6 +485,7 @@ def check_attention(
     documents: int = 1,
     position_offset: int | None = None,
     seed: int = 0,
+    implementation: str = "auto",
 ) -> float:
     """Assert forward and every gradient are within the bound; return the worst ratio.
 
@@ -495,20 +506,22 @@ def check_attention(
                   segment_ids=segment_ids)  # fmt: skip
     ref = attention_reference(x, params, ct, num_heads=num_heads, causal=causal,
                               precision=precision, **tokens,
-                              kv_devices=mesh_shape[-1] if replicate_kv else 1)  # fmt: skip
+                              kv_devices=mesh_shape[-1] if replicate_kv else 1,
+                              ring=softmax_blocks(implementation, seq))  # fmt: skip
     y, (dx, dparams) = sharded_forward_and_grads(
         *place(mesh, batch_axis, sequence_parallel, x, params, ct, positions, segment_ids,
                replicate_kv=replicate_kv),
         mesh=mesh, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal,
         rope_theta=rope_theta, batch_axis=batch_axis, sequence_parallel=sequence_parallel,
-        precision=precision,
+        precision=precision, implementation=implementation,
     )  # fmt: skip
     assert y.dtype == precision.compute_dtype and dx.dtype == precision.compute_dtype
     assert all(g.dtype == precision.param_dtype for g in dparams.values())
     got = {"y": y, "x": dx, **dparams}
     assert sorted(got) == sorted(ref), (sorted(got), sorted(ref))
     where = (
-        f"mesh {mesh_shape} B={batch} S={seq} D={d_model} H={num_heads} KV={kv} hd={head_dim} "
+        f"{implementation} on mesh {mesh_shape} B={batch} S={seq} D={d_model} H={num_heads} "
+        f"KV={kv} hd={head_dim} "
         f"causal={causal} sp={sequence_parallel} bias={use_bias} T={temperature} "
         f"rope={rope_theta} docs={documents} offset={position_offset} seed={seed}"
     )
@@ -572,15 +585,18 @@ def _fixed_case(
 
 
 def check_attention_dtype_flow(mesh_shape, precision, *, causal=True, sequence_parallel=False,
-                               **options):  # fmt: skip
+                               implementation="auto", **options):  # fmt: skip
     """The jaxpr of forward + gradients follows ``precision``: 3 projections, 2 attention products
-    and the output projection forward, two products each backward, every sum in accum."""
+    and the output projection forward, two products each backward (the blocked path's backward
+    recomputes the scores: one more), every sum in accum."""
     args, kwargs = _fixed_case(mesh_shape, precision, causal=causal,
                                sequence_parallel=sequence_parallel, **options)  # fmt: skip
+    kwargs["implementation"] = implementation
     problems = dtype_flow_violations(sharded_forward_and_grads, *args, policy=precision, **kwargs)
     assert not problems, "\n".join(problems)
     flow = dtype_flow(sharded_forward_and_grads, *args, **kwargs)
-    assert sum(name == "dot_general" for name, *_ in flow) == 18, flow  # 6 forward, 12 backward
+    products = 18 if softmax_blocks(implementation, 8) == 0 else 19  # 6 forward, 12 (13) backward
+    assert sum(name == "dot_general" for name, *_ in flow) == products, flow
 
 
 def attention_ledger(mesh_shape, precision, *, sequence_parallel, causal=True, **options):

@@ -18,6 +18,7 @@ from _attention_checks import (
     attention_reference,
     random_inputs,
     random_segments,
+    softmax_blocks,
 )
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -38,11 +39,13 @@ def mesh_of(axes: tuple[tuple[str, int], ...]):
 @functools.partial(
     jax.jit,
     static_argnames=("mesh", "method", "num_heads", "num_kv_heads", "causal", "rope_theta",
-                     "model_axis", "batch_axis", "sequence_parallel", "precision", "permute"),
+                     "model_axis", "batch_axis", "sequence_parallel", "precision", "permute",
+                     "implementation"),
 )  # fmt: skip
 def forward_and_grads(x, params, ct, positions=None, segment_ids=None, *, mesh, method, num_heads,
                       num_kv_heads, causal, rope_theta, model_axis, batch_axis,
-                      sequence_parallel, precision, permute=True):  # fmt: skip
+                      sequence_parallel, precision, permute=True,
+                      implementation="auto"):  # fmt: skip
     """``y`` and ``d sum(ct·y) / d(x, params)`` through ``context_parallel_attention``."""
     fn = context.context_parallel_attention
 
@@ -51,7 +54,7 @@ def forward_and_grads(x, params, ct, positions=None, segment_ids=None, *, mesh, 
                causal=causal, rope_theta=rope_theta, positions=positions,
                segment_ids=segment_ids, method=method, model_axis=model_axis,
                batch_axis=batch_axis, sequence_parallel=sequence_parallel, permute=permute,
-               precision=precision)  # fmt: skip
+               precision=precision, implementation=implementation)  # fmt: skip
         return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
 
     (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
@@ -62,6 +65,14 @@ def roles(axes):
     """The model and batch axes of a mesh given as ``((name, size), ...)``."""
     names = dict(axes)
     return (MODEL if MODEL in names else None), (DATA if DATA in names else None)
+
+
+def folded_blocks(method: str, implementation: str, seq: int, n: int) -> int:
+    """The reference's ``ring``: the key blocks one query's online softmax folds in (each ring
+    step one or more blocks of its ``S/N`` keys; 0: the einsum's single softmax)."""
+    if method == "ring":
+        return n * max(1, softmax_blocks(implementation, seq // n))
+    return softmax_blocks(implementation, seq)
 
 
 def check_context_attention(
@@ -82,6 +93,7 @@ def check_context_attention(
     temperature: float = 1.0,
     sequence_parallel: bool = False,
     seed: int = 0,
+    implementation: str = "auto",
 ) -> float:
     """Assert forward and every gradient are within the bound; return the worst ratio."""
     mesh = mesh_of(axes)
@@ -98,20 +110,20 @@ def check_context_attention(
                               precision=precision, num_kv_heads=num_kv_heads,
                               rope_theta=rope_theta, segment_ids=segment_ids,
                               kv_devices=p if replicate_kv else 1,
-                              ring=n if method == "ring" else 0)  # fmt: skip
+                              ring=folded_blocks(method, implementation, seq, n))  # fmt: skip
     y, (dx, dparams) = forward_and_grads(
         jax.device_put(x, NamedSharding(mesh, P(batch_axis))), params,
         jax.device_put(ct, NamedSharding(mesh, P(batch_axis))), None, segment_ids,
         mesh=mesh, method=method, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal,
         rope_theta=rope_theta, model_axis=model_axis, batch_axis=batch_axis,
-        sequence_parallel=sequence_parallel, precision=precision,
+        sequence_parallel=sequence_parallel, precision=precision, implementation=implementation,
     )  # fmt: skip
     assert y.dtype == precision.compute_dtype and dx.dtype == precision.compute_dtype
     assert all(g.dtype == precision.param_dtype for g in dparams.values())
     got = {"y": y, "x": dx, **dparams}
     assert sorted(got) == sorted(ref), (sorted(got), sorted(ref))
     where = (
-        f"{method} on mesh {dict(axes)} B={batch} S={seq} D={d_model} H={num_heads} KV={kv} "
+        f"{method} ({implementation}) on mesh {dict(axes)} B={batch} S={seq} D={d_model} H={num_heads} KV={kv} "
         f"hd={head_dim} causal={causal} sp={sequence_parallel} bias={use_bias} "
         f"T={temperature} rope={rope_theta} docs={documents} seed={seed}"
     )

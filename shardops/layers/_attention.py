@@ -72,6 +72,7 @@ from shardops.comm._mappings import (
     reduce_scatter_from_region,
 )
 from shardops.comm._reasons import Reason, because
+from shardops.layers import _flash
 from shardops.layers._common import (
     bound_axis_size,
     check_axes,
@@ -86,6 +87,24 @@ from shardops.layers._params import init_dense
 PROJECTIONS = ("wq", "wk", "wv", "wo")
 BIASES = ("bq", "bk", "bv", "bo")
 KV_KEYS = ("wk", "wv", "bk", "bv")
+
+IMPLEMENTATIONS = ("auto", "einsum", "blocked", "splash")
+"""How each device computes its heads' softmax attention (``implementation=``):
+
+- ``"einsum"``: the ``[B, H, S, S]`` scores and probabilities in float32, kept for the backward
+  (the reference: memory O(S²) per head);
+- ``"blocked"``: ``shardops.layers.blocked_attention``'s online softmax over key blocks of
+  ``BLOCK_K``, in plain JAX on any backend (memory O(S·BLOCK_K); the backward recomputes the
+  blocks from the log-sum-exp);
+- ``"splash"``: JAX's Pallas splash-attention kernel (TPU; elsewhere only in Pallas interpret
+  mode), for head-parallel attention over the whole sequence. Context-parallel attention (its
+  keys are in the load-balanced order, its ring steps merge partial results) and decoding (one
+  query against a cache) run the blocked path instead;
+- ``"auto"`` (the default): ``"splash"`` on TPU where its shapes fit, else ``"blocked"``.
+"""
+
+BLOCK_K = 512
+"""Keys per block of the blocked path (``shardops.layers.blocked_attention``'s ``block_k``)."""
 
 # Why each collective of the kernel runs (``shardops.comm.because``; ``explain`` reads them).
 _INPUT = Reason("attention_replicated_input", backward={
@@ -251,6 +270,7 @@ def head_parallel_attention_kernel(
     sequence_parallel: bool = False,
     context=None,
     precision: Precision = FLOAT32,
+    implementation: str = "auto",
 ):
     """Head-parallel self-attention on local blocks: ``x[B, S, D] → y[B, S, D]``, ``H/p`` heads per device.
 
@@ -281,6 +301,9 @@ def head_parallel_attention_kernel(
             hold this device's block of the sequence (``S`` above is the block's length);
             positions default to the tokens' global positions, and with RoPE and
             ``segment_ids`` they must be given (a document may begin on another device).
+        implementation: how each device computes its heads' attention, one of
+            ``IMPLEMENTATIONS``: ``"auto"`` (splash on TPU where it fits, else blocked),
+            ``"blocked"``, ``"splash"`` or ``"einsum"`` (the S×S reference).
 
     Returns:
         ``y[B, S, D]`` in ``precision.compute_dtype``, replicated over ``axis_name``; with
@@ -299,6 +322,7 @@ def head_parallel_attention_kernel(
         batch axis, the weight gradients are all-reduced over that axis (in ``accum_dtype``).
     """
     op = "head_parallel_attention_kernel"
+    check_implementation(op, implementation)
     p = bound_axis_size(axis_name, op)
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     heads, head_dim, shared = _check_local(op, x, params, num_heads, kv_heads, p, axis_name,
@@ -324,7 +348,7 @@ def head_parallel_attention_kernel(
     else:
         kv = _KvHeads(kv_heads // p, None)
     y_partial = _attend(x, params, heads, kv, head_dim, causal, rope_theta, *tokens, precision,
-                        context)  # fmt: skip
+                        context, implementation)  # fmt: skip
     bo = params.get("bo")
     if sequence_parallel:
         with because(_REDUCE, axis_name):  # y[B, S/p, D] in accum
@@ -363,6 +387,7 @@ def cached_attention_kernel(
     rope_theta: float | None = None,
     axis_name: str = MODEL_AXIS,
     precision: Precision = FLOAT32,
+    implementation: str = "auto",
 ):
     """Causal head-parallel attention of new tokens against a KV cache (decoding), on local
     blocks: ``x[B, s, D]`` at positions ``start … start+s−1`` → ``y[B, s, D]`` and the cache
@@ -382,6 +407,9 @@ def cached_attention_kernel(
         start: int32 scalar (may be traced), the position of ``x``'s first token; rotary
             positions continue from it. ``start + s ≤ S_max``: the caller checks it
             (``lax.dynamic_update_slice`` would clamp a write past the end).
+        implementation: ``"einsum"`` scores ``[B, H/p, s, S_max]`` at once; any other
+            (``"auto"``, ``"blocked"``, ``"splash"``) runs the blocked online softmax over
+            the cache in blocks of ``BLOCK_K`` (splash has no one-query kernel).
 
     Returns:
         ``(y, (k, v))``: ``y[B, s, D]`` in ``precision.compute_dtype`` replicated over
@@ -391,6 +419,7 @@ def cached_attention_kernel(
     ``accum_dtype``, as the training kernel's forward; nothing else (the cache never moves).
     """
     op = "cached_attention_kernel"
+    check_implementation(op, implementation)
     p = bound_axis_size(axis_name, op)
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     heads, head_dim, shared = _check_local(op, x, params, num_heads, kv_heads, p, axis_name,
@@ -423,9 +452,21 @@ def cached_attention_kernel(
     at = (0, 0, start, 0)
     k_cache = lax.dynamic_update_slice(k_cache, k.astype(compute), at)  # [B, n, S_max, hd]
     v_cache = lax.dynamic_update_slice(v_cache, v.astype(compute), at)
+    size = k_cache.shape[2]
+    if implementation != "einsum":  # blocks of the cache, never [s, S_max] at once
+        keys, values = k_cache, v_cache  # [B, n, S_max, hd]
+        if kv.index is not None:  # replicated K/V read by index: each query head's own
+            keys, values = _for_query_heads(keys, kv, heads), _for_query_heads(values, kv, heads)
+        o = _flash.attention_with_lse(q, keys, values, q_positions=positions,
+                                      k_positions=jnp.arange(size, dtype=jnp.int32), causal=True,
+                                      block_k=BLOCK_K, precision=precision)[0]  # fmt: skip
+        o = o.transpose(0, 2, 1, 3)  # o[B, s, H/p, hd] in accum
+        y_partial = precision.matmul(o.reshape(batch, seq, heads * head_dim), params["wo"])
+        with because(_REDUCE, axis_name):
+            y = lax.psum(y_partial, axis_name)  # y[B, s, D] in accum
+        return precision.finish(y, params.get("bo")), (k_cache, v_cache)
     keys = _for_query_heads(k_cache, kv, heads)  # [B, H/p, S_max, hd]
     values = _for_query_heads(v_cache, kv, heads)
-    size = k_cache.shape[2]
     q = q.reshape(batch * heads, seq, head_dim)
     keys, values = (t.reshape(batch * heads, size, head_dim) for t in (keys, values))
     scores = _product("nqd,nkd->nqk", q, keys, precision) * (1.0 / math.sqrt(head_dim))
@@ -465,8 +506,50 @@ def _shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum)
     return sliced, _KvHeads(count, None if count == 1 else index)
 
 
+def check_implementation(op: str, implementation) -> str:
+    """``implementation`` if it is one of ``IMPLEMENTATIONS``, else a ValueError naming them."""
+    if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"{op}: implementation={implementation!r} is not an attention implementation; "
+            f"expected one of {IMPLEMENTATIONS} ('auto' picks 'splash' on TPU, else 'blocked'; "
+            f"'einsum' is the S×S reference)."
+        )
+    return implementation
+
+
+def _local_implementation(implementation: str, q, k, segment_ids) -> str:
+    """The implementation one device runs for ``q[B, H, S, hd]`` over ``k[B, n, S, hd]``:
+    ``"auto"`` resolved by platform (and, on TPU, by whether splash takes the shapes)."""
+    if implementation != "auto":
+        return implementation
+    if jax.default_backend() != "tpu":
+        return "blocked"
+    from shardops.layers import _splash  # Pallas TPU: imported only where it can run
+
+    reason = _splash.splash_unsupported_reason(q.shape, k.shape)
+    return "blocked" if reason else "splash"
+
+
+def _core(q, k, v, kv: _KvHeads, heads: int, causal: bool, segment_ids, precision: Precision,
+          implementation: str):  # fmt: skip
+    """``o[B, H/p, S, hd]`` in accum: softmax attention of ``q[B, H/p, S, hd]`` over ``k, v[B,
+    n, S, hd]`` by ``implementation`` (not ``"einsum"``: ``_attend`` runs that itself)."""
+    if kv.index is not None:  # replicated K/V read by index: each query head's own KV head
+        k, v = _for_query_heads(k, kv, heads), _for_query_heads(v, kv, heads)
+    if _local_implementation(implementation, q, k, segment_ids) == "splash":
+        from shardops.layers import _splash
+
+        return _splash.splash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
+                                        precision=precision)  # fmt: skip
+    positions = jnp.arange(q.shape[2], dtype=jnp.int32)  # [S]
+    return _flash.attend(q, k, v, q_positions=positions, k_positions=positions,
+                         q_segments=segment_ids, k_segments=segment_ids, causal=causal,
+                         block_k=BLOCK_K, precision=precision)  # fmt: skip
+
+
 def _attend(x, params, heads: int, kv: _KvHeads, head_dim: int, causal: bool, rope_theta,
-            positions, segment_ids, precision: Precision, context=None):  # fmt: skip
+            positions, segment_ids, precision: Precision, context=None,
+            implementation: str = "auto"):  # fmt: skip
     """The local heads' attention and output projection: ``x[B, S, D]`` → ``y[B, S, D]``, in
     ``accum_dtype``, a partial sum over heads when the heads are split (``y{U_model}``).
     With ``context`` (a ``ContextParallel``) ``x`` is this device's block of the sequence and
@@ -481,9 +564,20 @@ def _attend(x, params, heads: int, kv: _KvHeads, head_dim: int, causal: bool, ro
         cos, sin = _rotation(positions, seq, head_dim, rope_theta)  # [B, 1, S, hd/2] each
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     if context is not None:  # o[B, H/p, S, hd] over the whole sequence
-        o = context.attend(q, k, v, kv, heads, causal, segment_ids, precision)
-        o = o.transpose(0, 2, 1, 3).reshape(batch, seq, heads * head_dim)  # o[B, S, (H/p)·hd]
-        return precision.matmul(o, params["wo"])  # y[B, S_context, D] in accum
+        o = context.attend(q, k, v, kv, heads, causal, segment_ids, precision, implementation)
+    elif implementation != "einsum":  # never S×S
+        o = _core(q, k, v, kv, heads, causal, segment_ids, precision, implementation)
+    else:
+        o = _einsum_attention(q, k, v, kv, heads, causal, segment_ids, precision)
+    o = o.transpose(0, 2, 1, 3).reshape(batch, seq, heads * head_dim)  # o[B, S, (H/p)·hd]
+    return precision.matmul(o, params["wo"])  # y[B, S, D] in accum
+
+
+def _einsum_attention(q, k, v, kv: _KvHeads, heads: int, causal: bool, segment_ids,
+                      precision: Precision):  # fmt: skip
+    """The reference: ``o[B, H/p, S, hd]`` in accum from the whole ``[B, H/p, S, S]`` scores
+    and probabilities in float32 (kept for the backward)."""
+    batch, _, seq, head_dim = q.shape
     k, v = _for_query_heads(k, kv, heads), _for_query_heads(v, kv, heads)  # [B, H/p, S, hd]
     q, k, v = (t.reshape(batch * heads, seq, head_dim) for t in (q, k, v))  # [B·H/p, S, hd]
     scores = _product("nqd,nkd->nqk", q, k, precision)  # scores[B·H/p, S_query, S_key] in accum
@@ -494,9 +588,7 @@ def _attend(x, params, heads: int, kv: _KvHeads, head_dim: int, causal: bool, ro
         scores = jnp.where(visible, scores, -jnp.inf).reshape(batch * heads, seq, seq)
     probs = jax.nn.softmax(scores, axis=-1)  # probs[B·H/p, S, S] in accum, normalised over keys
     o = _product("nqk,nkd->nqd", probs, v, precision)  # o[B·H/p, S, hd] in accum
-    o = o.reshape(batch, heads, seq, head_dim).transpose(0, 2, 1, 3)  # o[B, S, H/p, hd]
-    o = o.reshape(batch, seq, heads * head_dim)  # o[B, S, (H/p)·hd]: the row-parallel input
-    return precision.matmul(o, params["wo"])  # y[B, S, D] in accum
+    return o.reshape(batch, heads, seq, head_dim)  # o[B, H/p, S, hd]
 
 
 def _visible(seq: int, causal: bool, segment_ids):
@@ -552,23 +644,37 @@ def attention(
     positions=None,
     segment_ids=None,
     precision: Precision = FLOAT32,
+    implementation: str = "auto",
 ):
     """Unsharded multi-head self-attention: ``x[B, S, D] → y[B, S, D]``, no collectives.
 
     The same computation (and precision discipline) as ``head_parallel_attention_kernel`` with
     every head on one device: the reference it is checked against, and the attention of a
     strategy that does not split heads. ``params`` as ``init_attention`` makes them; the other
-    arguments as the kernel's (``positions``, ``segment_ids``: ``[B, S]`` integers).
+    arguments as the kernel's (``positions``, ``segment_ids``: ``[B, S]`` integers;
+    ``implementation``: one of ``IMPLEMENTATIONS``, ``"einsum"`` for the S×S reference).
     """
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     op = "attention"
+    check_implementation(op, implementation)
     _check_args(op, x, params, num_heads, kv_heads, causal, precision, dtypes=False)
     head_dim = params["wq"].shape[1] // num_heads
     _check_rope(op, rope_theta, head_dim)
     tokens = _check_tokens(op, positions, segment_ids, x.shape[:2], None, rope_theta)
     x = x.astype(precision.accum_dtype)  # x[B, S, D] in accum, as the kernel's region entry
     kv = _KvHeads(kv_heads, None)
-    y = _attend(x, params, num_heads, kv, head_dim, causal, rope_theta, *tokens, precision)
+    y = _attend(
+        x,
+        params,
+        num_heads,
+        kv,
+        head_dim,
+        causal,
+        rope_theta,
+        *tokens,
+        precision,
+        implementation=implementation,
+    )
     return precision.finish(y, params.get("bo"))  # y in compute dtype
 
 
@@ -653,6 +759,7 @@ def head_parallel_attention(
     batch_axis: str | None = None,
     sequence_parallel: bool = False,
     precision: Precision = FLOAT32,
+    implementation: str = "auto",
 ):
     """Head-parallel self-attention on global arrays: ``x[B, S, D] → y[B, S, D]``, heads split over ``model``.
 
@@ -677,6 +784,8 @@ def head_parallel_attention(
             sequence, split over ``batch_axis`` only); default as the kernel's.
         segment_ids: ``segment_ids[B, S]`` integers (same layout): attention within a segment.
         sequence_parallel: take and return the sequence shard ``x[B, S_model, D]``.
+        implementation: one of ``IMPLEMENTATIONS`` (``"auto"``: splash on TPU where it fits,
+            else the blocked online softmax; ``"einsum"``: the S×S reference).
 
     Returns:
         ``y[B, S, D]`` in ``precision.compute_dtype``, laid out as ``head_parallel_attention_specs(...).y``.
@@ -688,6 +797,7 @@ def head_parallel_attention(
     ``dbo[D]``) backward.
     """
     op = "head_parallel_attention"
+    check_implementation(op, implementation)
     check_axes(mesh, axis_name, batch_axis)
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     _check_args(op, x, params, num_heads, kv_heads, causal, precision)
@@ -715,6 +825,7 @@ def head_parallel_attention(
         axis_name=axis_name,
         sequence_parallel=sequence_parallel,
         precision=precision,
+        implementation=implementation,
     )
     args, in_specs = {"x": x, "params": params}, {"x": specs.x, "params": param_specs}
     for name, tokens in (("positions", positions), ("segment_ids", segment_ids)):

@@ -64,7 +64,7 @@ from shardops._axes import CONTEXT_AXIS
 from shardops._mesh import axis_size, check_divisible, spec_entry, varying_axes
 from shardops._precision import FLOAT32, Precision
 from shardops.comm._reasons import Reason, because
-from shardops.layers import _attention
+from shardops.layers import _attention, _flash
 from shardops.layers._common import bound_axis_size, check_axes, run_layer, scoped
 
 METHODS = ("allgather", "ring", "ulysses")
@@ -169,10 +169,15 @@ class ContextParallel:
             heads, kv_sent = ulysses_heads_sent(num_heads, kv_heads, p, replicated_kv)
             check_ulysses_heads(op, heads, kv_sent, self.axis_name, n)
 
-    def attend(self, q, k, v, kv, heads: int, causal: bool, segment_ids, precision: Precision):
+    def attend(self, q, k, v, kv, heads: int, causal: bool, segment_ids, precision: Precision,
+               implementation: str = "auto"):  # fmt: skip
         """``o[B, H, s, hd]`` in ``accum_dtype`` of this device's queries over the whole
         sequence. ``q[B, H, s, hd]``, ``k, v[B, n, s, hd]`` (``kv``: the ``_KvHeads`` of the
-        kernel), ``segment_ids[B, s]`` or None: this device's tokens."""
+        kernel), ``segment_ids[B, s]`` or None: this device's tokens. ``implementation``:
+        ``"einsum"`` scores each local attention (allgather, Ulysses) at once and each ring
+        step in one block; any other runs the blocked online softmax in blocks of
+        ``BLOCK_K`` (the keys are in the load-balanced order, which splash's masks do not
+        take)."""
         index = kv.index  # replicated K/V read by index: the KV heads move, then expand
         if index is not None and self.method == "ulysses":  # the heads split needs each
             k = _attention._for_query_heads(k, kv, heads)  # query head's K/V: [B, H, s, hd]
@@ -180,7 +185,8 @@ class ContextParallel:
             index = None
         group = heads // k.shape[1] if index is None else 1
         run = {"allgather": _allgather, "ring": _ring, "ulysses": _ulysses}[self.method]
-        return run(q, k, v, segment_ids, group, causal, self.axis_name, precision, index)
+        blocked = implementation != "einsum"
+        return run(q, k, v, segment_ids, group, causal, self.axis_name, precision, index, blocked)
 
 
 def ulysses_heads_sent(num_heads: int, kv_heads: int, p: int = 1,
@@ -289,7 +295,19 @@ def _local_core(q, k, v, group: int, visible, precision: Precision):
     return o.reshape(batch, heads, sq, hd)
 
 
-def _allgather(q, k, v, segment_ids, group, causal, axis, precision, index=None):
+def _local(q, k, v, group: int, q_pos, k_pos, q_seg, k_seg, causal: bool, precision: Precision,
+           blocked: bool):  # fmt: skip
+    """One device's attention of ``q[B, H, sq, hd]`` over ``k, v[B, H/group, sk, hd]`` at
+    global positions ``q_pos[sq]``, ``k_pos[sk]`` (segment ids ``[B, sq]``, ``[B, sk]`` or
+    None): the blocked online softmax, or with ``blocked=False`` the S×S einsum."""
+    if blocked:
+        return _flash.attend(q, k, v, q_positions=q_pos, k_positions=k_pos, q_segments=q_seg,
+                             k_segments=k_seg, causal=causal, block_k=_attention.BLOCK_K,
+                             precision=precision)  # fmt: skip
+    return _local_core(q, k, v, group, _visible(q_pos, k_pos, q_seg, k_seg, causal), precision)
+
+
+def _allgather(q, k, v, segment_ids, group, causal, axis, precision, index=None, blocked=True):
     """K/V AllGathered over ``axis``; this device's queries attend locally (module docstring).
     ``index[H]``: the KV head each query head reads, where not by contiguous groups."""
     n, s = lax.axis_size(axis), q.shape[2]
@@ -305,11 +323,11 @@ def _allgather(q, k, v, segment_ids, group, causal, axis, precision, index=None)
             k_seg = lax.all_gather(segment_ids, axis, axis=1, tiled=True)  # [B, S]
     q_pos = _local_positions(lax.axis_index(axis), n, s)  # [s]
     k_pos = jnp.asarray(balanced_order(s * n, n), jnp.int32)  # [S]: device-major
-    visible = _visible(q_pos, k_pos, segment_ids, k_seg, causal)
-    return _local_core(q, k_all, v_all, group, visible, precision)
+    return _local(q, k_all, v_all, group, q_pos, k_pos, segment_ids, k_seg, causal, precision,
+                  blocked)  # fmt: skip
 
 
-def _ulysses(q, k, v, segment_ids, group, causal, axis, precision, index=None):
+def _ulysses(q, k, v, segment_ids, group, causal, axis, precision, index=None, blocked=True):
     """AllToAll heads ↔ sequence around local attention (module docstring)."""
     n, s = lax.axis_size(axis), q.shape[2]
     compute = np.dtype(precision.compute_dtype)
@@ -321,7 +339,7 @@ def _ulysses(q, k, v, segment_ids, group, causal, axis, precision, index=None):
         with because(_SEGMENTS, axis):
             seg = lax.all_gather(segment_ids, axis, axis=1, tiled=True)  # [B, S]
     pos = jnp.asarray(balanced_order(s * n, n), jnp.int32)  # [S]: device-major
-    o = _local_core(q, k, v, group, _visible(pos, pos, seg, seg, causal), precision)
+    o = _local(q, k, v, group, pos, pos, seg, seg, causal, precision, blocked)
     with because(_ULYSSES, axis):  # o[B, H/N, S, hd] → o[B, H, S/N, hd]
         return _moved(to_seq, to_heads, compute, o)
 
@@ -329,17 +347,14 @@ def _ulysses(q, k, v, segment_ids, group, causal, axis, precision, index=None):
 # --- ring attention ---------------------------------------------------------------------------
 
 
-def _ring(q, k, v, segment_ids, group, causal, axis, precision, index=None):
-    batch, heads, s, hd = q.shape
-    kv = k.shape[1] if index is None else heads  # by index: one query head per group
-    qg = q.reshape(batch, kv, group, s, hd)  # query head j = kv_head · group + g
+def _ring(q, k, v, segment_ids, group, causal, axis, precision, index=None, blocked=True):
+    del group  # the blocked core groups query heads by the KV heads it is given
     seg_all = None
     if segment_ids is not None:  # every device's ids, once: each step slices its owner's
         with because(_SEGMENTS, axis):
             seg_all = lax.all_gather(segment_ids, axis, axis=1, tiled=True)  # [B, S]
-    o = _ring_attention(axis, causal, np.dtype(precision.compute_dtype),
-                        precision.matmul_precision, qg, k, v, seg_all, index)  # fmt: skip
-    return o.reshape(batch, heads, s, hd)
+    block_k = _attention.BLOCK_K if blocked else q.shape[2]  # "einsum": one block per step
+    return _ring_attention(axis, causal, precision, block_k, q, k, v, seg_all, index)
 
 
 def _pass_on(tree, axis: str, n: int, way: int = 1):
@@ -390,19 +405,14 @@ def _blocks(step_fn, carry, t: int, causal: bool, earlier):
                     lambda c: step_fn(c, _SECOND, _ALL), carry)  # fmt: skip
 
 
-def _einsum(spec, a, b, compute, matmul_precision):
-    """A product of compute-dtype operands accumulated in float32 (every ring product)."""
-    return jnp.einsum(spec, a.astype(compute), b.astype(compute),
-                      preferred_element_type=jnp.float32, precision=matmul_precision)  # fmt: skip
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _ring_attention(axis, causal, compute, matmul_precision, q, k, v, seg_all, index):
-    """``o[B, KV, g, s, hd]`` (float32) of ``q[B, KV, g, s, hd]`` over the ring's K/V blocks;
-    ``seg_all[B, S]``: every device's segment ids, device-major (or None); ``index[H]`` (or
-    None): the held KV head of each query head (then ``KV`` = H, ``g`` = 1), the blocks
-    travelling with their own KV heads only."""
-    return _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, seg_all, index)[0]
+def _ring_attention(axis, causal, precision, block_k, q, k, v, seg_all, index):
+    """``o[B, H, s, hd]`` (accum) of ``q[B, H, s, hd]`` over the ring's K/V blocks ``k, v[B,
+    n, s, hd]``; ``seg_all[B, S]``: every device's segment ids, device-major (or None);
+    ``index[H]`` (or None): the held KV head of each query head, the blocks travelling with
+    their own KV heads only. Each step is the blocked core over the held block in blocks of
+    ``block_k``, merged into the running result by its log-sum-exp."""
+    return _ring_fwd(axis, causal, precision, block_k, q, k, v, seg_all, index)[0]
 
 
 def _expand(t, index):
@@ -425,61 +435,49 @@ def _block_of(seg_all, owner, s: int):
     return lax.dynamic_slice_in_dim(seg_all, owner * s, s, axis=1)
 
 
-def _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, seg_all, index):
+def _step_tokens(seg_all, q_pos, k_pos, r, owner, s: int, rows: str, cols: str):
+    """The positions and segment ids of a step's queries (``rows``) and keys (``cols``)."""
+    q_seg, k_seg = _block_of(seg_all, r, s), _block_of(seg_all, owner, s)
+    return {
+        "q_positions": _half(q_pos, rows, 0),
+        "k_positions": _half(k_pos, cols, 0),
+        "q_segments": None if q_seg is None else _half(q_seg, rows, 1),
+        "k_segments": None if k_seg is None else _half(k_seg, cols, 1),
+    }
+
+
+def _ring_fwd(axis, causal, precision, block_k, q, k, v, seg_all, index):
     n, r = lax.axis_size(axis), lax.axis_index(axis)
-    s, hd = q.shape[3], q.shape[4]
-    scale = 1.0 / math.sqrt(hd)
+    s = q.shape[2]
+    compute = precision.compute_dtype
     q_pos = _local_positions(r, n, s)  # [s]: this device's global positions
-    qc = q.astype(compute)  # q[B, KV, g, s, hd]
-    kc, vc = k.astype(compute), v.astype(compute)  # the blocks that travel: k[B, KV, s, hd]
+    qc = q.astype(compute)  # q[B, H, s, hd]
+    kc, vc = k.astype(compute), v.astype(compute)  # the blocks that travel: k[B, n, s, hd]
     held = (kc, vc)
-    o = _filled(q, q.shape, 0.0, jnp.float32)  # running Σ p·v
-    m = _filled(q, q.shape[:-1], -jnp.inf, jnp.float32)  # running max of the scores
-    l = _filled(q, q.shape[:-1], 0.0, jnp.float32)  # noqa: E741  running Σ p
+    o = _filled(q, q.shape, 0.0, precision.accum_dtype)  # the attention over the blocks so far
+    lse = _filled(q, q.shape[:-1], _flash._MASKED, jnp.float32)  # and its log-sum-exp [B, H, s]
 
     for t in range(n):  # ring steps: the block of device r − t
         owner = (r - t) % n  # whose block this device holds now
         k_pos = _local_positions(owner, n, s)
 
         def step(carry, rows, cols, held=held, k_pos=k_pos, owner=owner):
-            o, m, l = carry  # noqa: E741
-            kb, vb = (_expand(t, index) for t in held)
-            q_seg, k_seg = _block_of(seg_all, r, s), _block_of(seg_all, owner, s)  # ids: fwd
-            q_seg = None if q_seg is None else _half(q_seg, rows, 1)
-            k_seg = None if k_seg is None else _half(k_seg, cols, 1)
-            scores = (
-                _einsum(
-                    "bkgqd,bksd->bkgqs",
-                    _half(qc, rows, 3),
-                    _half(kb, cols, 2),
-                    compute,
-                    matmul_precision,
-                )
-                * scale
-            )  # [B, KV, g, sq, sk] f32
-            visible = _visible(_half(q_pos, rows, 0), _half(k_pos, cols, 0), q_seg, k_seg, causal)
-            if visible is not None:
-                scores = jnp.where(visible[:, :, None], scores, -jnp.inf)
-            m_old, l_old = _half(m, rows, 3), _half(l, rows, 3)
-            m_new = jnp.maximum(m_old, scores.max(-1))  # [B, KV, g, sq]
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
-            p = jnp.exp(scores - m_safe[..., None])  # [B, KV, g, sq, sk]
-            rescale = jnp.exp(m_old - m_safe)  # the earlier blocks' terms, to the new max
-            l_new = l_old * rescale + p.sum(-1)
-            pv = _einsum("bkgqs,bksd->bkgqd", p, _half(vb, cols, 2), compute, matmul_precision)
-            o_new = _half(o, rows, 3) * rescale[..., None] + pv
-            return (_put_half(o, o_new, rows, 3), _put_half(m, m_new, rows, 3),
-                    _put_half(l, l_new, rows, 3))  # fmt: skip
+            o, lse = carry
+            kb, vb = (_half(_expand(t, index), cols, 2) for t in held)
+            o_t, lse_t = _flash.attention_with_lse(
+                _half(qc, rows, 2), kb, vb, causal=causal, block_k=block_k, precision=precision,
+                **_step_tokens(seg_all, q_pos, k_pos, r, owner, s, rows, cols),
+            )  # fmt: skip
+            o_new, lse_new = _flash.merge(_half(o, rows, 2), _half(lse, rows, 2), o_t, lse_t)
+            return _put_half(o, o_new, rows, 2), _put_half(lse, lse_new, rows, 2)
 
-        o, m, l = _blocks(step, (o, m, l), t, causal, owner < r)  # noqa: E741
+        o, lse = _blocks(step, (o, lse), t, causal, owner < r)
         if t < n - 1:
             held = _pass_on(held, axis, n)
-    out = o / l[..., None]  # [B, KV, g, s, hd] f32
-    lse = m + jnp.log(l)  # [B, KV, g, s]: the log-sum-exp of every query's scores
     # At N = 2 the backward needs the one block the forward received: kept (a second pass
     # would be the same swap of the same values, which XLA merges with this one anyway).
     peer = held if n == 2 else None
-    return out, (qc, kc, vc, seg_all, index, out, lse, peer)
+    return o, (qc, kc, vc, seg_all, index, o, lse, peer)
 
 
 # The backward ring passes blocks i → i−1: the forward's i → i+1 on the same K/V would be the
@@ -488,18 +486,17 @@ def _ring_fwd(axis, causal, compute, matmul_precision, q, k, v, seg_all, index):
 _BACK = -1
 
 
-def _ring_bwd(axis, causal, compute, matmul_precision, residuals, do):
+def _ring_bwd(axis, causal, precision, block_k, residuals, do):
     qc, kc, vc, seg_all, index, out, lse, peer = residuals
     count = kc.shape[1]  # the KV heads held (by index: fewer than the query heads)
     n, r = lax.axis_size(axis), lax.axis_index(axis)
-    s, hd = qc.shape[3], qc.shape[4]
-    scale = 1.0 / math.sqrt(hd)
+    s = qc.shape[2]
     q_pos = _local_positions(r, n, s)
-    doc = do.astype(compute)  # dO[B, KV, g, s, hd] as the products read it
-    delta = jnp.sum(doc.astype(jnp.float32) * out, -1)  # [B, KV, g, s]: Σ_j P_j dP_j
-    dq = _filled(qc, qc.shape, 0.0, jnp.float32)
-    dk = _filled(kc, kc.shape, 0.0, jnp.float32)  # the held block's dK, travelling with it
-    dv = _filled(vc, vc.shape, 0.0, jnp.float32)
+    rounded = do.astype(precision.compute_dtype).astype(jnp.float32)  # dO as products read it
+    delta = jnp.sum(rounded * out.astype(jnp.float32), -1)  # D[B, H, s] = rowsum(dO∘O)
+    dq = _filled(qc, qc.shape, 0.0, precision.accum_dtype)
+    dk = _filled(kc, kc.shape, 0.0, precision.accum_dtype)  # the held block's dK, travelling
+    dv = _filled(vc, vc.shape, 0.0, precision.accum_dtype)
     held = (kc, vc)
 
     for t in range(n):  # ring steps: the block of device r + t
@@ -508,23 +505,13 @@ def _ring_bwd(axis, causal, compute, matmul_precision, residuals, do):
 
         def step(carry, rows, cols, held=held, k_pos=k_pos, owner=owner):
             dq, dk, dv = carry
-            kb, vb = (_expand(t, index) for t in held)
-            q_seg, k_seg = _block_of(seg_all, r, s), _block_of(seg_all, owner, s)
-            q_seg = None if q_seg is None else _half(q_seg, rows, 1)
-            k_seg = None if k_seg is None else _half(k_seg, cols, 1)
-            q_r, do_r = _half(qc, rows, 3), _half(doc, rows, 3)
-            k_c, v_c = _half(kb, cols, 2), _half(vb, cols, 2)
-            scores = _einsum("bkgqd,bksd->bkgqs", q_r, k_c, compute, matmul_precision) * scale
-            p = jnp.exp(scores - _half(lse, rows, 3)[..., None])  # P[B, KV, g, sq, sk]
-            visible = _visible(_half(q_pos, rows, 0), _half(k_pos, cols, 0), q_seg, k_seg, causal)
-            if visible is not None:
-                p = jnp.where(visible[:, :, None], p, 0.0)
-            dv_part = _einsum("bkgqs,bkgqd->bksd", p, do_r, compute, matmul_precision)
-            dp = _einsum("bkgqd,bksd->bkgqs", do_r, v_c, compute, matmul_precision)
-            ds = p * (dp - _half(delta, rows, 3)[..., None]) * scale  # d scores_raw
-            dq_part = _einsum("bkgqs,bksd->bkgqd", ds, k_c, compute, matmul_precision)
-            dk_part = _einsum("bkgqs,bkgqd->bksd", ds, q_r, compute, matmul_precision)
-            return (_put_half(dq, dq_part, rows, 3, add=True),
+            kb, vb = (_half(_expand(t, index), cols, 2) for t in held)
+            dq_part, dk_part, dv_part = _flash.attention_backward(
+                _half(qc, rows, 2), kb, vb, _half(do, rows, 2), _half(lse, rows, 2),
+                _half(delta, rows, 2), causal=causal, block_k=block_k, precision=precision,
+                **_step_tokens(seg_all, q_pos, k_pos, r, owner, s, rows, cols),
+            )  # fmt: skip
+            return (_put_half(dq, dq_part, rows, 2, add=True),
                     _put_half(dk, _fold(dk_part, index, count), cols, 2, add=True),
                     _put_half(dv, _fold(dv_part, index, count), cols, 2, add=True))  # fmt: skip
 
@@ -591,6 +578,7 @@ def context_parallel_attention_kernel(
     model_axis: str | None = None,
     sequence_parallel: bool = False,
     precision: Precision = FLOAT32,
+    implementation: str = "auto",
 ):
     """Self-attention of a sequence split over ``context_axis``, on local blocks:
     ``x[B, S_context, D] → y[B, S_context, D]`` (the load-balanced layout, module docstring).
@@ -605,6 +593,9 @@ def context_parallel_attention_kernel(
             ``model_axis``). Positions default to the tokens' global positions; with RoPE and
             ``segment_ids`` pass them (a document may begin on another device).
         method: ``"allgather"``, ``"ring"`` or ``"ulysses"`` (module docstring).
+        implementation: ``"einsum"`` scores each local attention at once (each ring step in
+            one block); ``"auto"``, ``"blocked"`` and ``"splash"`` run the blocked online
+            softmax (``ContextParallel.attend``).
         Others as ``head_parallel_attention_kernel``'s.
 
     Returns:
@@ -625,6 +616,7 @@ def context_parallel_attention_kernel(
         ``context_axis`` in accum_dtype (they are replicated over it).
     """
     op = "context_parallel_attention_kernel"
+    _attention.check_implementation(op, implementation)
     context = ContextParallel(context_axis, method)
     bound_axis_size(context_axis, op)
     if model_axis is not None:  # it checks the heads it sends (its own are split by model)
@@ -632,7 +624,7 @@ def context_parallel_attention_kernel(
             x, params, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal,
             rope_theta=rope_theta, positions=positions, segment_ids=segment_ids,
             axis_name=model_axis, sequence_parallel=sequence_parallel, context=context,
-            precision=precision,
+            precision=precision, implementation=implementation,
         )  # fmt: skip
     if sequence_parallel:
         raise ValueError(f"{op}: sequence_parallel splits the sequence over the model axis; "
@@ -647,7 +639,7 @@ def context_parallel_attention_kernel(
     x = x.astype(precision.accum_dtype)  # x[B, s, D] in accum; no region over the context axis
     kv = _attention._KvHeads(kv_heads, None)
     y = _attention._attend(x, params, num_heads, kv, head_dim, causal, rope_theta, *tokens,
-                           precision, context)  # fmt: skip
+                           precision, context, implementation)  # fmt: skip
     return precision.finish(y, params.get("bo"))  # y[B, s, D] in compute dtype
 
 
@@ -669,6 +661,7 @@ def context_parallel_attention(
     sequence_parallel: bool = False,
     permute: bool = True,
     precision: Precision = FLOAT32,
+    implementation: str = "auto",
 ):
     """Self-attention of ``x[B, S, D]`` with the sequence split over ``context_axis``: ``→ y[B, S, D]``.
 
@@ -684,12 +677,14 @@ def context_parallel_attention(
         model_axis: split the heads over this axis too (Megatron); ``sequence_parallel``
             splits each context block over it between layers.
         batch_axis: the axis splitting B, if any.
+        implementation: as ``context_parallel_attention_kernel``'s.
 
     With ``permute`` the tokens are put into the layout and back by a gather along S outside
     the kernel (XLA moves them); a model does it once, where the tokens enter. Communication:
     ``context_parallel_attention_kernel``.
     """
     op = "context_parallel_attention"
+    _attention.check_implementation(op, implementation)
     ContextParallel(context_axis, method)
     check_axes(mesh, context_axis, batch_axis)
     if model_axis is not None:
@@ -728,6 +723,7 @@ def context_parallel_attention(
         context_parallel_attention_kernel, num_heads=num_heads, num_kv_heads=kv_heads,
         causal=causal, rope_theta=rope_theta, method=method, context_axis=context_axis,
         model_axis=model_axis, sequence_parallel=sequence_parallel, precision=precision,
+        implementation=implementation,
     )  # fmt: skip
     args = {"x": x, "params": params}
     in_specs = {"x": specs.x, "params": {name: specs.params[name] for name in params}}

@@ -286,7 +286,8 @@ def _attend_fwd(causal, block, precision, q, k, v, q_positions, k_positions, q_s
 
 def _attend_bwd(causal, block, precision, saved, do):
     (q, k, v, o, lse, tokens), kinds = saved
-    delta = (do.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1)  # D[B, H, Sq] = rowsum(dO∘O)
+    rounded = do.astype(precision.compute_dtype).astype(jnp.float32)  # dO as the products read it
+    delta = (rounded * o.astype(jnp.float32)).sum(-1)  # D[B, H, Sq] = rowsum(dO∘O)
     dq, dk, dv = _backward(causal, block, precision, q, k, v, do, lse, delta, *tokens)
     grads = []
     for g, kind in zip((dq, dk, dv), kinds, strict=True):

@@ -18,6 +18,7 @@ from _attention_checks import (
 )
 from _cover import FULL, cover_meshes
 from _dense_checks import MESHES
+from _messages import refused
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
@@ -328,10 +329,37 @@ def test_forward_alone_is_one_all_reduce_per_block():
     assert all("shardops.head_parallel_attention" in c.op_name for c in found)
 
 
+@pytest.mark.parametrize("implementation", ["auto", "einsum"])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated", "seq_parallel"])
-def test_dtype_flow(policy, sequence_parallel):
-    check_attention_dtype_flow((2, 4), POLICIES[policy], sequence_parallel=sequence_parallel)
+def test_dtype_flow(policy, sequence_parallel, implementation):
+    check_attention_dtype_flow((2, 4), POLICIES[policy], sequence_parallel=sequence_parallel,
+                               implementation=implementation)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "policy"),
+    [((1,), "FLOAT32"), ((2, 4), "BFLOAT16"), ((8,), "MIXED_BFLOAT16"), ((3,), "FLOAT32")],
+    ids=str,
+)
+def test_the_einsum_reference_path(mesh_shape, policy):
+    """``implementation="einsum"`` (the S×S scores, P rounded after its normalisation: the
+    bound ``ring=0``) on replicated and sequence-parallel layouts, GQA, RoPE and documents;
+    every other test runs the default, the blocked online softmax off TPU."""
+    sequence_parallel = len(mesh_shape) == 2
+    heads = {"num_heads": 6, "d_model": 24} if mesh_shape == (3,) else {}
+    check_attention(mesh_shape, POLICIES[policy], batch=8, seq=16, causal=True,
+                    sequence_parallel=sequence_parallel, implementation="einsum",
+                    num_kv_heads=2, rope_theta=10000.0, documents=2, **heads)  # fmt: skip
+
+
+def test_the_implementation_is_checked(mesh, params):
+    x = jnp.zeros((8, 16, 32))
+    for wrong in ("flash", None, "Blocked"):
+        with refused(ValueError, argument="implementation", got=repr(wrong),
+                     expected="'auto', 'einsum', 'blocked', 'splash'", fix="'auto' picks"):
+            shardops.head_parallel_attention(x, params, mesh=mesh, num_heads=8,
+                                             implementation=wrong)  # fmt: skip
 
 
 # --- layout, init and the kernel in a user's shard_map ----------------------------------------

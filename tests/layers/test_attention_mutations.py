@@ -223,6 +223,33 @@ ATTENTION_MUTANTS = {
     ),
 }  # fmt: skip
 
+CORE = '    if _local_implementation(implementation, q, k, segment_ids) == "splash":'
+CORE_KV = (
+    "    if kv.index is not None:  # replicated K/V read by index: each query head's own KV head"
+)
+CORE_TOKENS = (
+    "                         q_segments=segment_ids, k_segments=segment_ids, causal=causal,"
+)
+
+# The dispatch to the blocked path (``_core``), judged with ``implementation="auto"``.
+BLOCKED_MUTANTS = {
+    "blocked_path_not_causal": (
+        CORE_TOKENS, CORE_TOKENS.replace("causal=causal", "causal=False"),
+        "", (F32, True, False), "numbers",
+    ),
+    "blocked_path_across_documents": (
+        CORE_TOKENS, CORE_TOKENS.replace("q_segments=segment_ids, k_segments=segment_ids",
+                                         "q_segments=None, k_segments=None"),
+        "", (F32, False, False, "packed"), "numbers",
+    ),
+    # The replicated K/V's per-query index skipped: the core groups the held KV heads by
+    # position instead (device 0 of H = 6, KV = 2 on 3 devices reads KV heads 0, 1).
+    "blocked_path_kv_index_skipped": (
+        CORE_KV, CORE_KV.replace("kv.index is not None", "False"),
+        "", (F32, True, False, "gqa_misaligned"), "numbers",
+    ),
+}  # fmt: skip
+
 # The options of the modern-decoder configurations (``check_attention`` keywords).
 MODERN_OPTIONS = {
     "gqa": dict(num_kv_heads=2, rope_theta=10000.0),
@@ -281,46 +308,57 @@ def swap(monkeypatch):
     jax.clear_caches()
 
 
-def suite_check(config, caught_by="any"):
+def suite_check(config, caught_by="any", implementation="einsum"):
+    """The suite's checks of ``config``, run with ``implementation`` (the mutants of the S×S
+    path and of the kernel around it are judged on the einsum path, whose bf16 bound is the
+    tightest; ``BLOCKED_MUTANTS`` on the default)."""
     precision, causal, sequence_parallel, *modern = config
     options = dict(MODERN_OPTIONS[modern[0]]) if modern else {}
     meshes = options.pop("meshes", [(4,), (2, 4)])
     if caught_by in ("numbers", "any"):
         for mesh_shape in meshes:
             check_attention(mesh_shape, precision, batch=4, seq=8, causal=causal,
-                            sequence_parallel=sequence_parallel, **options)  # fmt: skip
+                            sequence_parallel=sequence_parallel, implementation=implementation,
+                            **options)  # fmt: skip
     if caught_by in ("dtype flow", "any"):
         check_attention_dtype_flow((2, 4), precision, causal=causal,
-                                   sequence_parallel=sequence_parallel)  # fmt: skip
+                                   sequence_parallel=sequence_parallel,
+                                   implementation=implementation)  # fmt: skip
 
 
 # The configurations the mutants are judged in; the unmutated copy must pass each one.
-CONFIGS = sorted({m[3] for m in ATTENTION_MUTANTS.values()}, key=repr)
+CONFIGS = sorted({(m[3], "einsum") for m in ATTENTION_MUTANTS.values()}
+                 | {(m[3], "auto") for m in BLOCKED_MUTANTS.values()}, key=repr)  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "config", CONFIGS, ids=lambda c: f"{c[0].name}-causal{c[1]}-sp{c[2]}-" + "".join(c[3:])
+    ("config", "implementation"),
+    CONFIGS,
+    ids=lambda c: (
+        c if isinstance(c, str) else f"{c[0].name}-causal{c[1]}-sp{c[2]}-" + "".join(c[3:])
+    ),
 )
-def test_unmutated_copy_passes(swap, config):
+def test_unmutated_copy_passes(swap, config, implementation):
     """The harness itself causes no failure: a copy with a no-op replacement passes."""
     swap("attention", load("attention", MASK, MASK, ""))
-    suite_check(config)
+    suite_check(config, implementation=implementation)
 
 
-@pytest.mark.parametrize("name", ATTENTION_MUTANTS)
+@pytest.mark.parametrize("name", [*ATTENTION_MUTANTS, *BLOCKED_MUTANTS])
 def test_attention_mutant_is_caught(swap, name):
-    old, new, extra, config, caught_by = ATTENTION_MUTANTS[name]
+    blocked = name in BLOCKED_MUTANTS
+    old, new, extra, config, caught_by = (BLOCKED_MUTANTS if blocked else ATTENTION_MUTANTS)[name]
     assert new != old or extra, f"mutant {name} changes nothing"
     swap("attention", load("attention", old, new, extra))
     with pytest.raises((AssertionError, ValueError)) as caught:
-        suite_check(config, caught_by)
+        suite_check(config, caught_by, "auto" if blocked else "einsum")
     if isinstance(caught.value, ValueError):  # only check_vma's trace-time verdict counts
         assert "out_specs" in str(caught.value) or "vma" in str(caught.value), caught.value
 
 
 def test_three_dx_reductions_are_caught_by_the_collective_budget(swap):
     swap("attention", load("attention", *THREE_DX_REDUCTIONS))
-    suite_check((F32, True, False), "numbers")  # numerically still right...
+    suite_check((F32, True, False), "numbers", "auto")  # numerically still right...
     requested, compiled = requested_and_compiled((2, 4), F32, sequence_parallel=False)
     expected = BUDGETS["replicated"][1]  # (AR, model): V forward + V backward
     assert requested != expected  # ...but it asks for three backward dx all-reduces,

@@ -37,9 +37,9 @@ MUTANTS = {
     # device's own tokens.
     "ring_mask_on_local_positions": (
         "        k_pos = _local_positions(owner, n, s)\n\n        def step(carry, rows, cols, "
-        "held=held, k_pos=k_pos, owner=owner):\n            o, m, l = carry",
+        "held=held, k_pos=k_pos, owner=owner):\n            o, lse = carry",
         "        k_pos = _local_positions(r, n, s)\n\n        def step(carry, rows, cols, "
-        "held=held, k_pos=k_pos, owner=owner):\n            o, m, l = carry",
+        "held=held, k_pos=k_pos, owner=owner):\n            o, lse = carry",
         (RING4, "ring", {}),
     ),
     "allgather_mask_on_local_positions": (
@@ -47,10 +47,11 @@ MUTANTS = {
         "    q_pos = jnp.arange(s, dtype=jnp.int32)  # [s]",
         (RING4, "allgather", {}),
     ),
-    # The online softmax's rescale of the earlier blocks skipped.
+    # The ring steps merged without their log-sum-exp weights (the rescale of the earlier ones).
     "rescale_skipped": (
-        "            rescale = jnp.exp(m_old - m_safe)  # the earlier blocks' terms, to the new max",
-        "            rescale = jnp.ones_like(m_old)  # the earlier blocks' terms, to the new max",
+        "            o_new, lse_new = _flash.merge(_half(o, rows, 2), _half(lse, rows, 2), o_t, lse_t)",
+        "            o_new, lse_new = _half(o, rows, 2) + o_t, jnp.logaddexp(_half(lse, rows, 2), "
+        "lse_t)",
         (RING4, "ring", {"causal": False}),
     ),
     # The balancing permutation not undone on the output.
@@ -81,8 +82,8 @@ MUTANTS = {
     # Segment ids that do not travel with the keys: a query attends across a document
     # boundary that falls between two shards.
     "ring_segments_stay_home": (
-        "q_seg, k_seg = _block_of(seg_all, r, s), _block_of(seg_all, owner, s)  # ids: fwd",
-        "q_seg, k_seg = _block_of(seg_all, r, s), _block_of(seg_all, r, s)  # ids: fwd",
+        "q_seg, k_seg = _block_of(seg_all, r, s), _block_of(seg_all, owner, s)",
+        "q_seg, k_seg = _block_of(seg_all, r, s), _block_of(seg_all, r, s)",
         (RING4, "ring", {"documents": 3}),
     ),
     "allgather_segments_stay_home": (
