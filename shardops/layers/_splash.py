@@ -112,11 +112,8 @@ def splash_attention(
 
     Raises ``ValueError`` where ``splash_unsupported_reason`` gives a reason.
     """
-    if isinstance(block, bool) or not isinstance(block, numbers.Integral) or block < 1:
-        raise ValueError(
-            f"block={block!r} must be an integer ≥ 1 (the query and key block of the splash "
-            f"kernel); pass e.g. block=512."
-        )
+    if (bad_block := _bad_block(block)) is not None:
+        raise ValueError(bad_block)
     _check(q, k, v, segment_ids, block, precision)
     reason = splash_unsupported_reason(q.shape, k.shape, block=block, interpret=interpret)
     if reason is not None:
@@ -146,6 +143,8 @@ def splash_unsupported_reason(
     an error message: the argument, what arrived, what the kernel needs and the fix.
     """
     seq, hd = q_shape[2], q_shape[3]
+    if (bad_block := _bad_block(block)) is not None:
+        return bad_block
     if not interpret and jax.default_backend() != "tpu":
         return (
             f"splash attention is a TPU kernel but the backend is {jax.default_backend()!r}; "
@@ -172,6 +171,15 @@ def splash_unsupported_reason(
         return (
             f"block={block} gives blocks of {clipped} for S={seq}, but splash attention needs "
             f"a multiple of {LANES} that divides S; pass block={fits}."
+        )
+    return None
+
+
+def _bad_block(block) -> str | None:
+    if isinstance(block, bool) or not isinstance(block, numbers.Integral) or block < 1:
+        return (
+            f"block={block!r} must be an integer ≥ 1 (the query and key block of the splash "
+            f"kernel); pass e.g. block=512."
         )
     return None
 

@@ -284,6 +284,7 @@ def test_an_unmutated_copy_passes():
 def test_unsupported_shapes_are_named_and_refused():
     q = jnp.zeros((1, 2, 128, 128))
     assert splash_unsupported_reason(q.shape, q.shape, interpret=True) is None
+    assert "block=0" in splash_unsupported_reason(q.shape, q.shape, block=0, interpret=True)
     if jax.default_backend() != "tpu":
         with refused(ValueError, argument="splash attention is a TPU kernel",
                      got="the backend is 'cpu'", expected="TPU kernel",
