@@ -13,9 +13,10 @@ import pytest
 from _cover import cover
 from _gpt_checks import BATCH, GPT, SEQ, check_lm_trajectory
 from _messages import refused
-from _model_checks import mesh_for
+from _model_checks import check_trajectory, mesh_for
 from _mutants import mutant
 from test_llama import GQA
+from test_strategies import SIZES
 
 import shardops_models as models
 from shardops_models.strategies import remat as remat_module
@@ -35,6 +36,16 @@ CASES = cover(LAYOUTS, POLICIES, t=1)
 def test_every_policy_trains_as_the_reference(case):
     (model, strategy, mesh), remat = case
     check_lm_trajectory(model, strategy, mesh, "sgd", remat=remat)
+
+
+@pytest.mark.parametrize(("strategy", "mesh_shape", "remat"), [
+    ("zero1", {"data": 8}, "full"),
+    ("hsdp_tp", {"replica": 2, "data": 2, "model": 2}, "matmuls"),
+    ("zero1_tp", {"data": 4, "model": 2}, "offload"),
+], ids=str)  # fmt: skip
+def test_the_mlp_trains_as_the_reference_under_the_other_layouts(strategy, mesh_shape, remat):
+    """ZeRO-1 (parameters entering the stage already varying) and HSDP under a policy."""
+    check_trajectory(strategy, mesh_shape, "sgd", sizes=SIZES, batch=32, remat=remat)
 
 
 def test_the_cases_cover_every_layout_and_policy():
@@ -84,13 +95,20 @@ def test_offload_on_cpu_holds_what_matmuls_holds():
     assert temp("offload") == temp("matmuls")
 
 
+MATMULS_LINE = "            return policies.dots_with_no_batch_dims_saveable\n"
+
+
 def test_a_policy_saving_everything_is_caught():
-    kept_all = mutant(remat_module, "saves_everything",
-                      "            return policies.dots_with_no_batch_dims_saveable\n",
+    kept_all = mutant(remat_module, "saves_everything", MATMULS_LINE,
                       "            return policies.everything_saveable\n")  # fmt: skip
     policy = kept_all.Remat("matmuls").jax_policy()
     with pytest.raises(AssertionError):
         check_memory(policy)
+
+
+def test_an_unmutated_copy_passes():
+    same = mutant(remat_module, "unmutated", MATMULS_LINE, MATMULS_LINE)
+    check_memory(same.Remat("matmuls").jax_policy())
 
 
 @pytest.mark.parametrize("remat", ["none", "full", "matmuls", SAVED, "offload"], ids=str)
