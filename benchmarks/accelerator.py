@@ -21,11 +21,11 @@ compiled for one device and fed the same parameters (``Llama.init``) and batches
 - ``shardops fsdp_tp``: the same model through ``fsdp_tp``'s per-device path on a 1×1 mesh
   (data = 1, model = 1): shard_map and every collective of the strategy, each over one device.
 
-``build``'s ``attention=`` (``--attention``) and ``remat=`` options are passed where the
-installed ``models.build`` accepts them (``build_options`` reads its signature): before the
-attention option exists the shardops rows run the library's only attention, and before
-``remat`` is a policy it is a bool that only fsdp strategies accept (``shardops ref`` then has
-no remat row). A row whose program the installed build cannot make says why.
+``build``'s ``attention=`` (``--attention``) and ``remat=`` (``--remat``) options are passed
+where the installed ``models.build`` accepts them (``build_options``): before the attention
+option exists the shardops rows run the library's only attention, and before ``remat`` is a
+policy (``models.Remat``) it is a bool that only fsdp strategies accept (``shardops ref`` then
+has no remat row). A row whose program the installed build cannot make says why.
 
 For each shape ``batch × seq`` (``SHAPES``; the last with remat: every program recomputes its
 blocks in the backward pass) every program is compiled, its temp bytes read from
@@ -86,7 +86,8 @@ MODELS = {
 QUICK_MODEL = dict(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=176)
 CONTEXT = 32768  # the longest sequence the models accept (RoPE has no table: a check only)
 
-# (batch, seq, remat): the issue's shapes; the last recomputes the blocks in the backward pass.
+# (batch, seq, remat): the issue's shapes; the last recomputes the blocks in the backward pass
+# (``--remat``'s policy, "full" by default).
 SHAPES = ((4, 1024, False), (8, 1024, False), (2, 2048, False), (1, 8192, False),
           (16, 1024, True))  # fmt: skip
 QUICK_SHAPES = ((1, 64, False), (1, 64, True))
@@ -207,9 +208,10 @@ def splash_attention(q, k, v, *, interpret: bool = False):
 ATTENTIONS = {"einsum": einsum_attention, "flash": flash_attention, "splash": splash_attention}
 
 
-def plain_logits(model, params, ids, attend=einsum_attention, remat: bool = False):
+def plain_logits(model, params, ids, attend=einsum_attention, remat: str | None = None):
     """The Llama of ``models.networks.llama`` in plain JAX under mixed bfloat16: float32
-    ``logits[B, S, V]`` of ``ids[B, S]``."""
+    ``logits[B, S, V]`` of ``ids[B, S]``; ``remat`` (a key of ``PLAIN_REMAT``) checkpoints
+    each block."""
     b, s = ids.shape
     h, n, hd, eps = model.num_heads, model.num_kv_heads, model.head_dim, model.norm_eps
     x = params["embed"]["table"][ids].astype(jnp.bfloat16)  # (B, S, D)
@@ -227,12 +229,19 @@ def plain_logits(model, params, ids, attend=einsum_attention, remat: bool = Fals
         gated = jax.nn.silu(_dot(y, m["gate"]["w"])) * _dot(y, m["up"]["w"])  # (B, S, F) f32
         return x + _dot(gated.astype(jnp.bfloat16), m["down"]["w"]).astype(jnp.bfloat16), None
 
-    if remat:
-        block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
+    if remat is not None:
+        block = jax.checkpoint(block, policy=PLAIN_REMAT[remat])
     x, _ = lax.scan(block, x, params["blocks"])
     x = _rms(x, params["norm"]["scale"], eps)
     w = params["embed"]["table"].T if model.tie_embeddings else params["head"]["w"]
     return _dot(x, w)  # (B, S, V) float32
+
+
+# build's remat policies and the jax.checkpoint policy each means for the plain programs
+PLAIN_REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def plain_step(model, optimizer, attend, remat):
@@ -269,32 +278,33 @@ class Runner(NamedTuple):
     place: Callable  # (ids, labels) → placed batch
 
 
-def build_options(remat: bool, attention: str | None, strategy: str) -> dict:
-    """``models.build`` keyword arguments for ``remat`` and ``attention``, as the installed
-    build accepts them (its signature): ``remat`` a policy name ("full") or, in the older
-    build, ``True`` (fsdp strategies only); ``attention`` only where the option exists."""
-    params = inspect.signature(models.build).parameters
+def build_options(remat: str | None, attention: str | None, strategy: str) -> dict:
+    """``models.build`` keyword arguments for ``remat`` (a policy name, None: none) and
+    ``attention``, as the installed build accepts them: ``remat`` a policy where
+    ``models.Remat`` exists, else the older bool (``"full"`` only, fsdp strategies only);
+    ``attention`` only where build has the option."""
     options = {}
     if attention is not None:
-        if "attention" not in params:
+        if "attention" not in inspect.signature(models.build).parameters:
             raise Unsupported(f"this build has no attention= option (asked {attention!r})")
         options["attention"] = attention
-    if remat:
-        default = params["remat"].default
-        if isinstance(default, bool):
-            if not models.strategy_named(strategy).fsdp:
-                raise Unsupported("this build's remat=True applies to fsdp strategies only")
-            options["remat"] = True
+    if remat is not None:
+        if hasattr(models, "Remat"):
+            options["remat"] = remat
+        elif remat != "full":
+            raise Unsupported(f"this build's remat is a bool: no policy {remat!r}")
+        elif not models.strategy_named(strategy).fsdp:
+            raise Unsupported("this build's remat=True applies to fsdp strategies only")
         else:
-            options["remat"] = "full"
+            options["remat"] = True
     return options
 
 
 def attention_choices() -> tuple[str, ...] | None:
-    """The ``attention=`` values the installed build documents, or None without the option."""
+    """The ``attention=`` values the installed build takes, or None without the option."""
     if "attention" not in inspect.signature(models.build).parameters:
         return None
-    return ("auto", "einsum", "blocked", "splash")
+    return getattr(shardops.layers, "IMPLEMENTATIONS", ("auto", "einsum", "blocked", "splash"))
 
 
 class Program(NamedTuple):
@@ -377,7 +387,8 @@ _COMPILED = {}  # (program, model, batch, seq, remat, limit) → compile_program
 
 
 def compile_program(program, model, batch, seq, remat, limit):
-    """``(runner, compiled, memory, status)``: status "fits", "OOM" (XLA's RESOURCE_EXHAUSTED
+    """``(runner, compiled, memory, status)`` of ``program`` at ``batch × seq`` under the
+    remat policy ``remat`` (None: none): status "fits", "OOM" (XLA's RESOURCE_EXHAUSTED
     at compile time), "OOM (predicted)" (the peak above ``limit``) or "n/a: <why>". Each
     program is compiled once per shape in a run (the timed rows, the search and the loss check
     share it)."""
@@ -487,12 +498,12 @@ def bench_shape(programs, model, batch, seq, remat, *, steps, warmup, limit, pea
     return rows
 
 
-def largest_fitting(programs, model, limit, *, seq, max_batch, max_seq):
-    """Per program, with and without remat: the largest power-of-two batch at ``seq`` and the
+def largest_fitting(programs, model, limit, *, seq, max_batch, max_seq, policy="full"):
+    """Per program, without remat and under the remat ``policy``: the largest power-of-two batch at ``seq`` and the
     longest power-of-two sequence at batch 1 whose compiled step fits ``limit``."""
     out = []
     for program in programs:
-        for remat in (False, True):
+        for remat in (None, policy):
             found = {"program": program.label, "remat": remat, "seq": seq}
             for what, shapes in (("batch", [(b, seq) for b in _powers(max_batch)]),
                                  ("seq_at_batch_1", [(1, s) for s in _powers(max_seq)
@@ -508,7 +519,7 @@ def largest_fitting(programs, model, limit, *, seq, max_batch, max_seq):
                 if why.startswith("n/a"):
                     break
             out.append(found)
-            print(f"largest fitting: {program.label}{' remat' if remat else ''}: batch "
+            print(f"largest fitting: {program.label}{f' remat {remat}' if remat else ''}: batch "
                   f"{found['batch']} at S={seq}, S {found.get('seq_at_batch_1')} at batch 1",
                   flush=True)  # fmt: skip
     return out
@@ -528,7 +539,7 @@ def loss_check(programs, model, batch, seq, rng, limit=None) -> dict:
     batches = [random_batch(model, batch, seq, rng) for _ in range(LOSS_STEPS)]
     losses = {}
     for program in programs:
-        runner, compiled, _, status = compile_program(program, model, batch, seq, False, limit)
+        runner, compiled, _, status = compile_program(program, model, batch, seq, None, limit)
         if status != "fits":
             continue
         state, out = runner.state_of(params), []
@@ -560,7 +571,7 @@ def markdown(results: dict) -> str:
              f"device memory {_gib(results['memory_limit'])}.", "",
              "| " + " | ".join(COLUMNS) + " |", "|---|---|" + "---:|" * (len(COLUMNS) - 3) + "---|"]  # fmt: skip
     for r in results["rows"]:
-        shape = f"{r['batch']} × {r['seq']}" + (" remat" if r["remat"] else "")
+        shape = f"{r['batch']} × {r['seq']}" + (f" remat {r['remat']}" if r["remat"] else "")
         timed = "step_ms" in r
 
         def pct(key, r=r, timed=timed):
@@ -581,7 +592,7 @@ def markdown(results: dict) -> str:
                   f"{results['largest'][0]['seq']}, and sequence at batch 1:", "",
                   "| program | remat | batch | seq at batch 1 |", "|---|---|---:|---:|"]  # fmt: skip
         for r in results["largest"]:
-            lines.append(f"| {r['program']} | {'yes' if r['remat'] else 'no'} | "
+            lines.append(f"| {r['program']} | {r['remat'] or 'none'} | "
                          f"{_found(r, 'batch')} | {_found(r, 'seq_at_batch_1')} |")  # fmt: skip
     check = results["loss_check"]
     lines += ["", f"Loss check: {check['steps']} Adam steps at {check['batch']} × {check['seq']} "
@@ -616,6 +627,9 @@ def main(argv=None):
     p.add_argument("--attention", nargs="+", default=None,
                    help="build's attention= values for the shardops rows (default auto; "
                         "ignored by a build without the option)")  # fmt: skip
+    p.add_argument("--remat", default="full", choices=sorted(PLAIN_REMAT), metavar="POLICY",
+                   help="the remat rows' policy: full (recompute each block) or matmuls (keep "
+                        "the dense layers' outputs); build's remat= of the same name")  # fmt: skip
     p.add_argument("--memory-limit", type=float, default=None, metavar="BYTES",
                    help="device memory in bytes (default: the device's bytes_limit)")  # fmt: skip
     p.add_argument("--no-search", action="store_true", help="skip the largest-fitting search")
@@ -654,19 +668,21 @@ def main(argv=None):
     for name, sizes in named.items():
         model = model_of(sizes)
         rows = []
-        for batch, seq, remat in QUICK_SHAPES if quick else SHAPES:
+        for batch, seq, with_remat in QUICK_SHAPES if quick else SHAPES:
+            remat = args.remat if with_remat else None
             rows += bench_shape(programs, model, batch, seq, remat, steps=steps, warmup=warmup,
                                 limit=limit, peaks=peaks, rng=rng)  # fmt: skip
             for r in rows[-len(programs) :]:
                 timing = f"{r['step_ms']:.1f} ms" if "step_ms" in r else r["status"]
-                print(f"{r['program']:>24} {batch} × {seq}{' remat' if remat else ''}: {timing}",
+                print(f"{r['program']:>24} {batch} × {seq}{f' remat {remat}' if remat else ''}: "
+                      f"{timing}",
                       flush=True)  # fmt: skip
         largest = None
         if not args.no_search and limit is not None:
             # quick: the timed shape's programs only (compiled already), so it costs nothing
             largest = largest_fitting(programs, model, limit, seq=64 if quick else SEARCH_SEQ,
                                       max_batch=1 if quick else SEARCH_MAX_BATCH,
-                                      max_seq=64 if quick else CONTEXT)  # fmt: skip
+                                      max_seq=64 if quick else CONTEXT, policy=args.remat)  # fmt: skip
         check = loss_check(programs, model, *(QUICK_SHAPES if quick else SHAPES)[0][:2], rng, limit)
         for label, losses in check["losses"].items():
             print(f"loss {label:>24}: " + " ".join(f"{v:.5f}" for v in losses), flush=True)

@@ -324,7 +324,9 @@ def test_accelerator_quick_run_has_the_columns_and_the_losses_agree(tmp_path):
     # "shardops ref auto" once build takes attention= (the default value is named)
     assert [p.removesuffix(" auto") for p in programs[:3]] == ["plain einsum", "shardops ref",
                                                                "shardops fsdp_tp"]  # fmt: skip
-    assert {(r["batch"], r["seq"], r["remat"]) for r in results["rows"]} == set(acc.QUICK_SHAPES)
+    shapes = {(r["batch"], r["seq"], bool(r["remat"])) for r in results["rows"]}
+    assert shapes == set(acc.QUICK_SHAPES)
+    assert {r["remat"] for r in results["rows"]} == {None, "full"}
     model = acc.model_of(acc.QUICK_MODEL)
     peak = results["peaks"]["measured"]
     for r in results["rows"]:
@@ -435,7 +437,7 @@ def test_largest_fitting_stops_at_the_first_shape_that_does_not_fit(monkeypatch)
     monkeypatch.setattr(acc, "compile_program", compile_program)
     program = acc.Program("made", None)
     found = acc.largest_fitting([program], None, 1, seq=64, max_batch=8, max_seq=512)
-    assert found[0] == {"program": "made", "remat": False, "seq": 64, "batch": 2,
+    assert found[0] == {"program": "made", "remat": None, "seq": 64, "batch": 2,
                         "batch_stopped": "OOM (predicted)", "seq_at_batch_1": 128,
                         "seq_at_batch_1_stopped": "OOM"}  # fmt: skip
     assert found[1]["batch"] is None and found[1]["batch_stopped"] == "n/a: no remat here"
