@@ -127,7 +127,8 @@ def check_gpt_trajectory(strategy, mesh_name, opt_name, **options) -> dict:
 
 
 def check_lm_trajectory(model, strategy, mesh_name, opt_name, *, build=models.build, plan=None,
-                        remat=False, budget=False, clip=None, sgd_lr=4.0, tol=None) -> dict:  # fmt: skip
+                        remat=False, budget=False, clip=None, sgd_lr=4.0, tol=None,
+                        attention="auto") -> dict:  # fmt: skip
     """Assert 5 steps' losses, gradients and params of ``model`` equal its plain reference;
     with ``budget``, also that the compiled train step's collectives equal
     ``collective_budget``; with ``clip``, the gradients are clipped to that global norm (and
@@ -139,8 +140,9 @@ def check_lm_trajectory(model, strategy, mesh_name, opt_name, *, build=models.bu
     if clip is not None:
         assert min(norms) > 1.5 * clip, f"clip={clip} never binds: gradient norms {norms}"
     mesh = mesh_for(MESHES.get(mesh_name, CP_MESHES.get(mesh_name)))
+    options = {} if attention == "auto" else {"attention": attention}  # a build of your own
     setup = build(strategy, mesh, optimizer=optimizer(opt_name, clip, sgd_lr=sgd_lr),
-                  model=model, plan=plan, remat=remat)  # fmt: skip
+                  model=model, plan=plan, remat=remat, **options)  # fmt: skip
     state = setup.shard(params)
     # One compiled step serves the budget check and the 5 steps. Gradients are the optimizer's
     # input, checked on the SGD runs only (Adam's check is its losses and parameters).

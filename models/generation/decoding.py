@@ -88,10 +88,13 @@ class Decoder:
     """Prefill and one-token steps of ``model`` on ``mesh`` (axes ``data`` and ``model``),
     for batches of ``batch`` rows and sequences of at most ``max_len`` tokens (the cache's
     length; at most the model's context). ``precision``: the compute policy, the cache in
-    its compute dtype."""
+    its compute dtype. ``attention``: ``"einsum"`` scores a step's queries against the whole
+    cache at once; any other implementation (``"auto"``, the default) reads the cache in
+    blocks (``shardops.layers.cached_attention_kernel``)."""
 
     def __init__(self, model: Llama | Gpt, mesh, *, batch: int, max_len: int,
-                 precision: shardops.Precision = shardops.FLOAT32):  # fmt: skip
+                 precision: shardops.Precision = shardops.FLOAT32,
+                 attention: str = "auto"):  # fmt: skip
         if not isinstance(model, Llama | Gpt):
             raise TypeError(f"Decoder decodes a models.Llama or models.Gpt; got "
                             f"{type(model).__name__}")  # fmt: skip
@@ -107,7 +110,8 @@ class Decoder:
                              f"trained up to it; build the model with a longer one)")  # fmt: skip
         self.model, self.mesh, self.max_len, self.precision = model, mesh, max_len, precision
         self.setup = build(STRATEGY, mesh, model=model, optimizer=optax.identity(),
-                           precision=precision)  # fmt: skip
+                           precision=precision, attention=attention)  # fmt: skip
+        self.attention = attention
         self.setup.check_batch_size(batch)
         self.batch = batch
         layout = self.setup.layout
@@ -185,7 +189,8 @@ class Decoder:
             h = shardops.layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"], eps=GPT_EPS)
             a, (k, v) = cached_attention_kernel(h, p["attn"], (k_all[i], v_all[i]), start,
                                                 num_heads=m.num_heads, axis_name=tp,
-                                                precision=prec)  # fmt: skip
+                                                precision=prec,
+                                                implementation=self.attention)  # fmt: skip
             k_all, v_all = k_all.at[i].set(k), v_all.at[i].set(v)
             x = x + a
             h = shardops.layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"], eps=GPT_EPS)
@@ -218,7 +223,7 @@ class Decoder:
             a, (k, v) = cached_attention_kernel(
                 h, p["attn"], layer_cache, start, num_heads=m.num_heads,
                 num_kv_heads=m.num_kv_heads, rope_theta=m.rope_theta, axis_name=tp,
-                precision=prec,
+                precision=prec, implementation=self.attention,
             )  # fmt: skip
             x = x + a
             h = shardops.rms_norm(x, p["mlp_norm"]["scale"], eps=m.norm_eps)

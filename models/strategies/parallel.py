@@ -179,6 +179,9 @@ class Parallel:
     collective_matmul: str | None = None
     """The tensor-parallel dense kernels' ``collective_matmul`` option (None, "ring",
     "bidirectional")."""
+    attention_implementation: str = "auto"
+    """How each device computes attention (``shardops.layers.IMPLEMENTATIONS``: ``"auto"``,
+    ``"blocked"``, ``"splash"``, ``"einsum"``)."""
 
     @property
     def model_parallel(self) -> bool:
@@ -390,6 +393,7 @@ class Parallel:
         context = self.context
         if context is not None:
             options = self._context_tokens(options)
+        options["implementation"] = self.attention_implementation
         if self.model_parallel and roles == {HEAD}:
             _check_kv_heads_as_planned(p, options["num_heads"], options["num_kv_heads"], self.tp)
             return shardops.layers.head_parallel_attention_kernel(

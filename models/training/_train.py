@@ -163,6 +163,8 @@ class Setup:
     """fsdp: per dense layer, gather the weight or move the activations (``build``)."""
     collective_matmul: str | None
     """The tensor-parallel dense kernels' ring option (``build``)."""
+    attention: str
+    """How each device computes attention (``build``'s ``attention``)."""
     param_specs: Any
     """PartitionSpec tree of the params (None for ``ref``)."""
     opt_specs: Any
@@ -442,6 +444,7 @@ def build(
     precision: shardops.Precision = shardops.FLOAT32,
     fsdp_dense: str = "auto",
     collective_matmul: str | None = None,
+    attention: str = "auto",
 ) -> Setup:
     """Train step, eval step and sharding of ``model`` under ``strategy`` on ``mesh``.
 
@@ -479,8 +482,14 @@ def build(
             each dense layer's collective as a ring of ``ppermute`` steps interleaved with
             blocks of the matmul (``shardops.layers.column_parallel_dense_kernel``); None (the
             default) uses XLA's collectives.
+        attention: how each device computes attention (``shardops.layers.IMPLEMENTATIONS``):
+            ``"auto"`` (the default: Pallas splash on TPU where the shapes fit, else the
+            blocked online softmax, which never builds the S×S scores), ``"blocked"``,
+            ``"splash"``, or ``"einsum"`` (the S×S reference). Context-parallel attention runs
+            the blocked path (or the einsum), and so does decoding.
     """
     parallel = strategy_named(strategy)
+    shardops.layers.check_implementation("build", attention, "attention")
     check_route(fsdp_dense)
     if collective_matmul not in COLLECTIVE_MATMULS:
         raise ValueError(
@@ -523,7 +532,7 @@ def build(
     opt_specs = None if mesh is None else opt_state_specs(optimizer, padding, opt_param_specs)
     batch_spec = P(shardops.spec_entry(*parallel.batch_axes))
     body = _Body(model, parallel, roles, specs, optimizer, remat, precision, fsdp_dense,
-                 collective_matmul, opt_param_specs, padding)  # fmt: skip
+                 collective_matmul, opt_param_specs, padding, attention)  # fmt: skip
 
     if mesh is None:
         step, loss_and_grads, evaluate = body.step, body.loss_and_grads, body.evaluate
@@ -573,6 +582,7 @@ def build(
         precision=precision,
         fsdp_dense=fsdp_dense,
         collective_matmul=collective_matmul,
+        attention=attention,
         layout=parallel,
         padding=padding,
         param_specs=specs,
@@ -870,7 +880,7 @@ class _Body:
     """
 
     def __init__(self, model, parallel, roles, specs, optimizer, remat, precision, fsdp_dense,
-                 collective_matmul, opt_param_specs, padding):  # fmt: skip
+                 collective_matmul, opt_param_specs, padding, attention="auto"):  # fmt: skip
         self.model, self.composition, self.optimizer = model, parallel, optimizer
         # The layers mask what lies beyond the model's shapes (only where something is padded).
         self.logical = padding.logical if padding.padded else None
@@ -883,7 +893,8 @@ class _Body:
             is_leaf=_is_spec)  # fmt: skip
         self.batch_axes = parallel.batch_axes
         self.reduce_axes = parallel.reduce_axes  # the batch's and the sequence's
-        options = {"fsdp_dense": fsdp_dense, "collective_matmul": collective_matmul}
+        options = {"fsdp_dense": fsdp_dense, "collective_matmul": collective_matmul,
+                   "attention_implementation": attention}  # fmt: skip
         self.ctx = Parallel(parallel, precision, remat, **options)
         self.eval_ctx = Parallel(parallel, precision, remat=False, **options)
 

@@ -18,10 +18,13 @@ Unsharded references: ``dense``, ``attention``, ``gated_mlp``. Parameters: ``ini
 """
 
 from shardops.layers._attention import (
+    BLOCK_K,
+    IMPLEMENTATIONS,
     AttentionSpecs,
     attention,
     cached_attention_kernel,
     check_head_counts,
+    check_implementation,
     head_parallel_attention,
     head_parallel_attention_kernel,
     head_parallel_attention_specs,
@@ -77,8 +80,10 @@ from shardops.layers._norms import layer_norm, rms_norm
 from shardops.layers._params import dense, init_dense, pad_params, padded_size, shard_params, unpad
 
 __all__ = [
+    "BLOCK_K",
     "COLLECTIVE_MATMULS",
     "CONTEXT_METHODS",
+    "IMPLEMENTATIONS",
     "AttentionSpecs",
     "ContextParallel",
     "CrossEntropySpecs",
@@ -91,6 +96,7 @@ __all__ = [
     "cached_attention_kernel",
     "check_context_sequence",
     "check_head_counts",
+    "check_implementation",
     "check_ulysses_heads",
     "column_parallel_dense",
     "column_parallel_dense_kernel",

@@ -506,11 +506,12 @@ def _shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum)
     return sliced, _KvHeads(count, None if count == 1 else index)
 
 
-def check_implementation(op: str, implementation) -> str:
-    """``implementation`` if it is one of ``IMPLEMENTATIONS``, else a ValueError naming them."""
+def check_implementation(op: str, implementation, argument: str = "implementation") -> str:
+    """``implementation`` if it is one of ``IMPLEMENTATIONS``, else a ValueError naming them
+    (and ``argument``, the caller's name for it)."""
     if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
         raise ValueError(
-            f"{op}: implementation={implementation!r} is not an attention implementation; "
+            f"{op}: {argument}={implementation!r} is not an attention implementation; "
             f"expected one of {IMPLEMENTATIONS} ('auto' picks 'splash' on TPU, else 'blocked'; "
             f"'einsum' is the S×S reference)."
         )

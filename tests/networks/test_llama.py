@@ -10,6 +10,7 @@ import optax
 import pytest
 from _cover import FULL
 from _gpt_checks import BATCH, MESHES, SEQ, check_lm_trajectory, lm_batches
+from _messages import refused
 
 import shardops
 import shardops_models as models
@@ -69,6 +70,26 @@ def test_the_cases_cover_every_strategy_model_and_optimizer():
     three_axes = {mesh for *_, mesh, _ in CASES if len(MESHES[mesh]) == 3}
     assert three_axes, "a 3-axis layout"
     assert any(mesh == "model8" for _, _, mesh, _ in CASES)  # vocabulary 97 on model = 8
+
+
+@pytest.mark.parametrize(("model", "strategy", "mesh"),
+                         [("gqa", "fsdp_tp", "4x2"), ("tied_mqa", "dp", "data8")])  # fmt: skip
+def test_trajectory_with_the_einsum_reference_attention(model, strategy, mesh):
+    """Every other trajectory runs the default attention (the blocked online softmax off TPU);
+    the S×S einsum trains the same, packed documents and shared KV heads included."""
+    check_lm_trajectory(MODELS[model], strategy, mesh, "sgd", clip=CLIP, sgd_lr=SGD_LR,
+                        attention="einsum")  # fmt: skip
+
+
+def test_build_refuses_an_unknown_attention():
+    with refused(
+        ValueError,
+        argument="attention",
+        got="'flash'",
+        expected="'auto', 'einsum', 'blocked', 'splash'",
+        fix="'auto' picks",
+    ):
+        models.build("ref", model=GQA, optimizer=optax.sgd(0.1), attention="flash")
 
 
 @pytest.mark.parametrize("strategy", ["fsdp_tp", "hsdp_sp"])

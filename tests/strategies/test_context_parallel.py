@@ -91,6 +91,18 @@ def test_trajectory_and_budget(case):
 
 
 @pytest.mark.parametrize(
+    ("model", "strategy", "mesh"),
+    [("gqa", "2d+ring", "2x2x2c"), ("tied_mqa", "ref+allgather", "2x4c"),
+     ("gpt", "sp+ulysses", "c2x4")],
+)  # fmt: skip
+def test_trajectory_with_the_einsum_reference_attention(model, strategy, mesh):
+    """Every other trajectory runs the default attention (the blocked online softmax off TPU);
+    the S×S einsum, each method's reference, trains the same."""
+    options = {} if model == "gpt" else {"clip": CLIP, "sgd_lr": SGD_LR}
+    check_lm_trajectory(LMS[model], strategy, mesh, "sgd", attention="einsum", **options)
+
+
+@pytest.mark.parametrize(
     ("strategy", "mesh"),
     [("2d+ring", "2x2x2c"), ("fsdp_sp+allgather", "2x2x2c"), ("sp+ulysses", "c2x4")],
 )
