@@ -25,7 +25,7 @@ from shardops_models.strategies.remat import NAMES, Remat, names_made
 SAVED = ("attention_output", "mlp_hidden")
 POLICIES = ["full", "matmuls", SAVED, "offload"]
 LAYOUTS = [(GPT, "ref", None), (GQA, "fsdp_tp", "4x2"), (GPT, "2d", "4x2"),
-           (GQA, "2d+ring", "2x2x2c")]  # fmt: skip
+           (GQA, "2d+ring", "2x2x2c"), (GPT, "sp", "2x4")]  # fmt: skip
 # Each layout and each policy once (every pair under SHARDOPS_FULL=1): the policy is one
 # jax.checkpoint around ctx.stage, the same code under every strategy; what differs is what
 # the stage recomputes (fsdp's gathers, tp's AllReduces, the context ring).
@@ -49,7 +49,7 @@ def test_the_mlp_trains_as_the_reference_under_the_other_layouts(strategy, mesh_
 
 
 def test_the_cases_cover_every_layout_and_policy():
-    assert {c[0][1] for c in CASES} == {"ref", "fsdp_tp", "2d", "2d+ring"}
+    assert {c[0][1] for c in CASES} == {"ref", "fsdp_tp", "2d", "2d+ring", "sp"}
     assert {Remat.of(c[1]) for c in CASES} == {Remat.of(p) for p in POLICIES}
 
 
