@@ -8,7 +8,7 @@ policy, under every strategy:
     "none", False     every residual its forward made (no remat)    nothing
     "full", True      the stage's inputs only                       the whole stage
     "matmuls"         the dense layers' outputs                     the rest: norms, activations,
-                      (dots_with_no_batch_dims_saveable)            attention's S×S products
+                      (dots_with_no_batch_dims_saveable)            attention's score products
     ("attention_output", ...)  the activations of these names       the rest
     "offload"         as "matmuls", those outputs on the host       as "matmuls"
                       (offload_dot_with_no_batch_dims → "pinned_host")
@@ -21,6 +21,14 @@ weights would stay alive from a stage's forward to its backward, undoing FSDP). 
 the ``remat=True`` of before: the re-gather, and the stage's forward recomputed. The stage's
 forward collectives (tp's AllReduce, a context ring) run again where what they made is not
 saved; ``Setup.budget`` reads them from the traced step.
+
+Only the train step (and ``loss_and_grads``) checkpoints: ``evaluate`` and ``logits`` have no
+backward pass. ``"matmuls"`` keeps the dots with no batch dimension, the projections ``x · w``
+(shardops' dense matmul is a ``custom_vjp``; the policy sees the ``dot_general`` of its
+forward), not attention's products, batched over heads (``checkpoint_dots`` would keep those).
+On XLA:CPU ``"pinned_host"`` is the same memory as the device's: ``"offload"`` compiles, runs
+and gives the same numbers there, and holds what ``"matmuls"`` holds; it is not refused, so a
+program meant for an accelerator runs and is tested on CPU.
 
 The names (``NAMES``) are made by the layers with ``jax.ad_checkpoint.checkpoint_name``; tag
 an activation of a layer of your own the same way to save it by its name.
