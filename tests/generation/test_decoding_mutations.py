@@ -10,6 +10,8 @@ checked against a float64 forward); an empty or 1-D prompt, or params that are n
 decoding layout's (generate's check, setup.logits', a TrainState's), let through to a raw
 error."""
 
+import functools
+
 import jax
 import pytest
 from _mutants import mutant
@@ -33,7 +35,13 @@ ATTENTION = {  # mutant → (line of shardops/layers/_attention.py, its replacem
         "    positions = jnp.arange(seq, dtype=jnp.int32)",
     ),
     "cache_written_late": ("    at = (0, 0, start, 0)", "    at = (0, 0, start + 1, 0)"),
+    # Every query of a prefill masked as the last one: the prompt sees its future. The blocked
+    # path (the default) and the einsum reference (``EINSUM``: its decoder asks for it).
     "mask_of_the_last_query": (
+        "        o = _flash.attention_with_lse(q, keys, values, q_positions=positions,",
+        "        o = _flash.attention_with_lse(q, keys, values, q_positions=positions[-1:].repeat(seq),",
+    ),
+    "einsum_mask_of_the_last_query": (
         "    visible = jnp.arange(size)[None, :] <= positions[:, None]  # [s, S_max]: key j ≤ query i",
         "    visible = jnp.arange(size)[None, :] <= positions[-1:, None]",
     ),
@@ -121,6 +129,8 @@ def decoder_type(monkeypatch):
             module = mutant(_attention, name, line, new if mutated else line)
             monkeypatch.setattr(decoding, "cached_attention_kernel",
                                 module.cached_attention_kernel)  # fmt: skip
+            if name.startswith("einsum_"):
+                return functools.partial(decoding.Decoder, attention="einsum")
             return decoding.Decoder
         if name in TRAIN:
             line, new = TRAIN[name]
