@@ -111,7 +111,12 @@ def init_gated_mlp(
 
 
 def _hidden(x, params, activation, precision: Precision):
-    """``activation(x·wg + bg) ⊙ (x·wu + bu)`` in float32, rounded once to compute dtype."""
+    """``activation(x·wg + bg) ⊙ (x·wu + bu)`` in float32, rounded once to compute dtype.
+
+    The elementwise step is recomputed in the backward pass from ``gate`` and ``up``
+    (``jax.checkpoint``): the backward keeps those two float32 ``[..., F]`` arrays instead of
+    the activation's float32 intermediates (SiLU's sigmoid and products: three more), the same
+    values bit for bit."""
     accum = precision.accum_dtype
     gate = precision.matmul(x, params["gate"]["w"])  # [..., F(/p)] in accum
     up = precision.matmul(x, params["up"]["w"])  # [..., F(/p)] in accum
@@ -119,6 +124,10 @@ def _hidden(x, params, activation, precision: Precision):
         gate = gate + params["gate"]["b"].astype(accum)
     if "b" in params["up"]:
         up = up + params["up"]["b"].astype(accum)
+    return jax.checkpoint(_gated, static_argnums=(2, 3))(gate, up, activation, precision)
+
+
+def _gated(gate, up, activation, precision: Precision):
     return (activation(gate) * up).astype(precision.compute_dtype)  # h[..., F(/p)]
 
 

@@ -21,6 +21,9 @@ the true gradient (exactly 1/p when the shards are alike). ``tests/layers/test_n
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -44,6 +47,10 @@ def layer_norm(x, scale, bias, eps: float = 1e-5):
         ``dscale`` and ``dbias`` are all-reduced over the sharded axes (see the module docstring).
     """
     _check(x, {"scale": scale, "bias": bias}, eps, "layer_norm")
+    return _recomputed(_layer_norm, x, scale, bias, eps=eps)
+
+
+def _layer_norm(x, scale, bias, *, eps):
     x32 = x.astype(STATS_DTYPE)  # x[..., D] in f32
     mean = jnp.mean(x32, axis=-1, keepdims=True)  # [..., 1]
     centered = x32 - mean  # [..., D]
@@ -65,10 +72,22 @@ def rms_norm(x, scale, eps: float = 1e-6):
         ``layer_norm``.
     """
     _check(x, {"scale": scale}, eps, "rms_norm")
+    return _recomputed(_rms_norm, x, scale, eps=eps)
+
+
+def _rms_norm(x, scale, *, eps):
     x32 = x.astype(STATS_DTYPE)  # x[..., D] in f32, squared below
     mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)  # [..., 1]
     y = x32 * lax.rsqrt(mean_square + eps)  # x̂[..., D]
     return _affine(y, scale, None).astype(x.dtype)  # y[..., D], one rounding
+
+
+def _recomputed(norm, *args, eps):
+    """``norm(*args, eps=eps)`` recomputed in the backward pass (``jax.checkpoint``): the
+    backward keeps the input ``x`` in its own dtype instead of the norm's float32 copies of it
+    (x, x², x̂: three ``[..., D]`` float32 arrays). Elementwise work and one row sum: cheaper
+    to redo than to store, and the same values bit for bit."""
+    return jax.checkpoint(functools.partial(norm, eps=eps))(*args)
 
 
 def _affine(y, scale, bias):
