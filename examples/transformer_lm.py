@@ -12,7 +12,14 @@ heads shared by the 4 query heads, rotary positions, a SwiGLU MLP of 352, RMSNor
 under one ``lax.scan`` (``--tie-embeddings``: the head is the embedding's table), with the
 gradients clipped to a global norm of 1 (``shardops.clip_by_global_norm``, right under every
 strategy). Both models report tokens/s and the model FLOPs utilisation: the training FLOPs
-(PaLM's count) per second over the machine's measured float32 matmul peak.
+(PaLM's count) per second over the machine's measured matmul peak (float32, or bfloat16 under
+a bfloat16 ``--precision``).
+
+``--precision`` picks the policy (``float32``, the default; ``mixed_bfloat16``: float32
+parameters and optimizer, bfloat16 matmuls accumulated in float32; ``bfloat16``), ``--remat``
+the activation checkpointing of each block and ``--attention`` how each device computes
+attention (``auto``, ``einsum``, ``blocked``, ``splash``): ``models.build``'s options of those
+names, for the sharded run, the reference and the decoder alike.
 
     python examples/transformer_lm.py                                  # fsdp_tp on data=4 × model=2
     python examples/transformer_lm.py --model llama --strategy hsdp_tp --mesh replica=2,data=2,model=2
@@ -34,7 +41,13 @@ same init on the same batches, and fails (exit status 1) if the final losses dif
 than 1e-3 relative.
 
 Devices: on a machine without an accelerator the script simulates 8 CPU devices itself, by
-setting XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts.
+setting XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts. With one
+(``ACCELERATOR``: ``JAX_PLATFORMS`` naming another platform first, or, when it is unset,
+a TPU's or GPU's device file) it runs on the real devices and sets nothing; on one
+chip give it ``--mesh 1x1``:
+
+    python examples/transformer_lm.py --model llama --mesh 1x1 --precision mixed_bfloat16 \
+        --attention splash --remat full --batch-size 16 --context 1024
 
 Processes and checkpoints, as in examples/mlp_2d.py: under ``python -m shardops.launch`` each
 process reads only its rows of every batch and process 0 prints; ``--checkpoint-dir`` saves
@@ -46,9 +59,20 @@ after ``--watchdog-timeout`` seconds, named (``shardops.watchdog``).
     python -m shardops.launch -n 2 -- examples/transformer_lm.py --checkpoint-dir runs/lm
 """
 
+import glob
 import os
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+# An accelerator JAX will find, told before JAX is imported (it reads XLA_FLAGS once, when its
+# backend starts): JAX_PLATFORMS' first entry when it is set, else the device files of a TPU VM
+# (/dev/accel*, /dev/vfio/<n>), an NVIDIA GPU (/dev/nvidia<n>) or an AMD one (/dev/kfd).
+if os.environ.get("JAX_PLATFORMS", "").strip():
+    ACCELERATOR = os.environ["JAX_PLATFORMS"].split(",")[0].strip().lower() != "cpu"
+else:
+    ACCELERATOR = any(glob.glob(f) for f in ("/dev/accel*", "/dev/vfio/[0-9]*",
+                                             "/dev/nvidia[0-9]*", "/dev/kfd"))  # fmt: skip
+if not ACCELERATOR and "xla_force_host_platform_device_count" not in os.environ.get(
+    "XLA_FLAGS", ""
+):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
@@ -76,6 +100,8 @@ from shardops_models.training import checkpoint, loop
 from shardops_models.training.meshes import mesh_for, mesh_text
 
 MAX_RELATIVE_DIFF = 1e-3  # --compare-reference: |loss − ref_loss| / ref_loss at the last step
+PRECISIONS = {"float32": shardops.FLOAT32, "mixed_bfloat16": shardops.MIXED_BFLOAT16,
+              "bfloat16": shardops.BFLOAT16}  # fmt: skip
 
 
 def parse_mesh(spec: str) -> str:
@@ -119,6 +145,12 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=128, help="bytes per window")
     p.add_argument("--remat", default="none", choices=models.strategies.remat.POLICIES,
                    help="activation checkpointing of each block (docs/strategies.md)")  # fmt: skip
+    p.add_argument("--precision", default="float32", choices=sorted(PRECISIONS),
+                   help="float32; mixed_bfloat16: float32 params, bfloat16 matmuls (float32 "
+                        "accumulation); bfloat16: bfloat16 params too")  # fmt: skip
+    p.add_argument("--attention", default="auto", choices=shardops.layers.IMPLEMENTATIONS,
+                   help="each device's attention: auto (splash on TPU where the shapes fit, "
+                        "else blocked), einsum (S×S scores), blocked, splash")  # fmt: skip
     p.add_argument("--log-every", type=int, default=50, metavar="N",
                    help="print the loss every N steps")  # fmt: skip
     p.add_argument("--eval-every", type=int, default=100, metavar="N",
@@ -277,7 +309,8 @@ def decode(setup, params, prompt: np.ndarray, n_tokens: int, *, temperature: flo
     decode_mesh = shardops.make_mesh({"data": len(devices) // model_size, "model": model_size},
                                      devices=devices)  # fmt: skip
     rows = len(devices) // model_size
-    decoder = Decoder(setup.model, decode_mesh, batch=rows, max_len=len(prompt) + n_tokens)
+    decoder = Decoder(setup.model, decode_mesh, batch=rows, max_len=len(prompt) + n_tokens,
+                      precision=setup.precision, attention=setup.attention)  # fmt: skip
     params = decoder.place(setup.gather(params))  # any training layout → the decoding one
     prompts = np.repeat(np.asarray(prompt, np.int32)[None], rows, axis=0)
     options = {"temperature": temperature, "key": key}
@@ -353,10 +386,11 @@ def train(parser, args) -> int:
         model = make_model(args)
         mesh = mesh_for(args.strategy, args.mesh)
         optimizer = make_optimizer(args)
+        options = dict(precision=PRECISIONS[args.precision], attention=args.attention)
         setup = models.build(args.strategy, mesh, model=model, optimizer=optimizer,
-                             remat=args.remat)  # fmt: skip
+                             remat=args.remat, **options)  # fmt: skip
         ref = (
-            models.build("ref", model=model, optimizer=optimizer)
+            models.build("ref", model=model, optimizer=optimizer, **options)
             if args.compare_reference
             else None
         )
@@ -384,7 +418,8 @@ def train(parser, args) -> int:
     log(f"Model: {model.name}, {n_params / 1e6:.2f}M parameters; strategy {args.strategy} on "
           f"{where}; {args.steps} steps of {args.batch_size}×{args.context} bytes")  # fmt: skip
 
-    params = model.init(jax.random.key(args.seed))  # the full init, shared by both runs
+    # the full init, shared by both runs, in the policy's parameter dtype
+    params = model.init(jax.random.key(args.seed), dtype=setup.precision.param_dtype)
     state = setup.shard(params)
     ref_state = None if ref is None else ref.shard(params)
     del params
@@ -541,15 +576,18 @@ def train(parser, args) -> int:
     log(f"Trained {trained} steps{which} in {train_seconds:.1f} s (first step, with compilation, "
           f"{first_step_seconds:.1f} s; {tokens_per_second:,.0f} tokens/s)")  # fmt: skip
     # Model FLOPs utilisation: the model's training FLOPs per second (PaLM's count) over the
-    # machine's float32 matmul peak, measured now on the devices this run used.
+    # machine's matmul peak in the compute dtype, measured now on the devices this run used
+    # (on an accelerator with matrices large enough to keep it busy).
     model_flops = model.train_flops_per_token(args.context) * tokens_per_second
     devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
     here = [d for d in devices if d.process_index == jax.process_index()]
-    peak = len(devices) * matmul_flops(here)  # every device of the run busy at once
+    dtype = setup.precision.compute_dtype.name
+    size = 512 if devices[0].platform == "cpu" else 4096
+    peak = len(devices) * matmul_flops(here, dtype, size=size)  # every device busy at once
     mfu = model_flops / peak
     log(f"Model FLOPs utilisation {mfu:.1%}: {model_flops / 1e9:.2f} GFLOP/s of the model's "
         f"training ({model.train_flops_per_token(args.context) / 1e6:.2f} MFLOP per token) over "
-        f"a measured peak of {peak / 1e9:.1f} GFLOP/s (float32 matmuls on all {len(devices)} "
+        f"a measured peak of {peak / 1e9:.1f} GFLOP/s ({dtype} matmuls on all {len(devices)} "
         f"devices at once)")  # fmt: skip
 
     relative_diff = None

@@ -108,6 +108,63 @@ def test_the_llama_trains_like_the_reference_and_reports_its_flops(tmp_path):
     assert len(record["sample"]["generated"].encode("utf-8", "surrogateescape")) >= 1
 
 
+@pytest.mark.parametrize(
+    ("model", "precision", "attention", "remat", "strategy", "mesh"),
+    [("llama", "mixed_bfloat16", "blocked", "full", "fsdp_tp", "4x2"),
+     ("gpt", "bfloat16", "einsum", "matmuls", "tp", "1x2")],
+)  # fmt: skip
+def test_precision_attention_and_remat_reach_the_run(tmp_path, monkeypatch, model, precision,
+                                                     attention, remat, strategy, mesh):  # fmt: skip
+    """``--precision``, ``--attention`` and ``--remat`` are build's options for the sharded
+    run and the reference alike (the bfloat16 runs agree as the float32 ones do), the
+    parameters are stored in the policy's dtype, and the MFU's peak is measured in the
+    compute dtype."""
+    metrics_path = tmp_path / "lm.json"
+    proc = run(
+        "--model", model, "--precision", precision, "--attention", attention, "--remat", remat,
+        "--strategy", strategy, "--mesh", mesh, "--layers", "2", "--text-source", "stdlib",
+        "--steps", "6", "--log-every", "3", "--eval-every", "0", "--eval-batches", "1",
+        "--sample-tokens", "4", "--compare-reference", "--metrics-json", str(metrics_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    record = json.loads(metrics_path.read_text())
+    args = record["args"]
+    assert (args["precision"], args["attention"], args["remat"]) == (precision, attention, remat)
+    assert record["final_relative_diff"] < 1e-3, record["final_relative_diff"]
+    assert "(bfloat16 matmuls on all" in proc.stdout, proc.stdout
+    lm = load_example("transformer_lm")
+    made = {}
+
+    def build(*a, **kw):  # what the example asks of models.build, the run itself not run
+        made[a[0]] = kw
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(lm.models, "build", build)
+    with pytest.raises(SystemExit):
+        lm.main(["--model", model, "--precision", precision, "--attention", attention,
+                 "--remat", remat, "--strategy", strategy, "--mesh", mesh])  # fmt: skip
+    options = made[strategy]  # the sharded run's (it fails first: the reference is not built)
+    assert options["precision"] is lm.PRECISIONS[precision]
+    assert (options["attention"], options["remat"]) == (attention, remat)
+
+
+@pytest.mark.parametrize(("platforms", "simulated"),
+                         [("cpu", True), ("tpu", False), ("cuda,cpu", False)])  # fmt: skip
+def test_simulated_cpu_devices_only_without_an_accelerator(platforms, simulated):
+    """The example sets XLA_FLAGS' simulated devices (before JAX starts) only where JAX will
+    not find a TPU or GPU: ``JAX_PLATFORMS`` naming one first keeps the real devices alone."""
+    code = ("import importlib.util, os, sys; "
+            "spec = importlib.util.spec_from_file_location('lm', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            "print(m.ACCELERATOR, repr(os.environ.get('XLA_FLAGS', '')))")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": platforms}
+    proc = subprocess.run([sys.executable, "-c", code, str(SCRIPT)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    flag = "'--xla_force_host_platform_device_count=8'"
+    assert proc.stdout.split() == ([str(not simulated), flag] if simulated else ["True", "''"])
+
+
 @pytest.mark.parametrize(("model", "method"), [("gpt", "ring"), ("llama", "ulysses")])
 def test_context_parallel_trains_like_the_reference(tmp_path, model, method):
     """``--context-parallel`` on data=2 × context=2 × model=2: the sequence split over context
