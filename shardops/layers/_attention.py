@@ -96,8 +96,9 @@ IMPLEMENTATIONS = ("auto", "einsum", "blocked", "splash")
 - ``"blocked"``: ``shardops.layers.blocked_attention``'s online softmax over key blocks of
   ``BLOCK_K``, in plain JAX on any backend (memory O(S·BLOCK_K); the backward recomputes the
   blocks from the log-sum-exp);
-- ``"splash"``: JAX's Pallas splash-attention kernel (TPU; elsewhere only in Pallas interpret
-  mode), for head-parallel attention over the whole sequence. Context-parallel attention (its
+- ``"splash"``: JAX's Pallas splash-attention kernel (``shardops.layers._splash``), for
+  head-parallel attention over the whole sequence; S and hd multiples of 128. Asked for
+  explicitly off TPU it runs in Pallas's interpreter (slow: for tests). Context-parallel attention (its
   keys are in the load-balanced order, its ring steps merge partial results) and decoding (one
   query against a cache) run the blocked path instead;
 - ``"auto"`` (the default): ``"splash"`` on TPU where its shapes fit, else ``"blocked"``.
@@ -540,8 +541,9 @@ def _core(q, k, v, kv: _KvHeads, heads: int, causal: bool, segment_ids, precisio
     if _local_implementation(implementation, q, k, segment_ids) == "splash":
         from shardops.layers import _splash
 
+        interpret = jax.default_backend() != "tpu"  # asked for elsewhere: the interpreter
         return _splash.splash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
-                                        precision=precision)  # fmt: skip
+                                        precision=precision, interpret=interpret)  # fmt: skip
     positions = jnp.arange(q.shape[2], dtype=jnp.int32)  # [S]
     return _flash.attend(q, k, v, q_positions=positions, k_positions=positions,
                          q_segments=segment_ids, k_segments=segment_ids, causal=causal,

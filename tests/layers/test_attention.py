@@ -353,11 +353,29 @@ def test_the_einsum_reference_path(mesh_shape, policy):
                     num_kv_heads=2, rope_theta=10000.0, documents=2, **heads)  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("mesh_shape", "kv", "documents"), [((2,), 1, 1), ((2, 2), 2, 2)], ids=str
+)  # fmt: skip
+def test_the_splash_path(mesh_shape, kv, documents):
+    """``implementation="splash"`` (Pallas's interpreter off TPU) in the head-parallel kernel,
+    inside ``shard_map(check_vma=True)``: MQA with the KV head replicated over model (its
+    gradient summed once over the devices' query heads), GQA split by KV head with packed
+    documents; values and every gradient within the online softmax's bound."""
+    check_attention(mesh_shape, F32, batch=2, seq=128, d_model=16, num_heads=4, head_dim=128,
+                    num_kv_heads=kv, causal=True, documents=documents, implementation="splash",
+                    sequence_parallel=len(mesh_shape) == 2)  # fmt: skip
+
+
 def test_the_implementation_is_checked(mesh, params):
     x = jnp.zeros((8, 16, 32))
     for wrong in ("flash", None, "Blocked"):
-        with refused(ValueError, argument="implementation", got=repr(wrong),
-                     expected="'auto', 'einsum', 'blocked', 'splash'", fix="'auto' picks"):
+        with refused(
+            ValueError,
+            argument="implementation",
+            got=repr(wrong),
+            expected="'auto', 'einsum', 'blocked', 'splash'",
+            fix="'auto' picks",
+        ):
             shardops.head_parallel_attention(x, params, mesh=mesh, num_heads=8,
                                              implementation=wrong)  # fmt: skip
 
