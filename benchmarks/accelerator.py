@@ -452,9 +452,17 @@ def random_batch(model, batch, seq, rng):
     return tokens[:, :-1], tokens[:, 1:]  # ids, labels: the next tokens
 
 
-def bench_shape(programs, model, batch, seq, remat, *, steps, warmup, limit, peaks, rng):
-    """One row per program at ``batch × seq``: every program that fits timed in one rotation."""
-    params = model.init(jax.random.key(0))
+def bench_shape(
+    programs, model, batch, seq, remat, *, steps, warmup, limit, peaks, rng, offload="auto"
+):
+    """One row per program at ``batch × seq``: every program that fits timed in one rotation.
+
+    Each program's train state (parameters and Adam's two moments: 12 bytes a parameter, 3 GB
+    for the 254M model) stays on the device between its steps unless the states of all the
+    programs and the largest program's own buffers would not fit ``limit`` together
+    (``offload="auto"``; ``"always"``, ``"never"``): then a program's state waits on the host
+    while the others run and is put back before its step, outside the timed call."""
+    params = jax.device_get(model.init(jax.random.key(0)))  # host: each program places its own
     x, y = random_batch(model, batch, seq, rng)
     flops = model.train_flops_per_token(seq) * batch * seq
     rows, runs = [], {}
@@ -466,6 +474,17 @@ def bench_shape(programs, model, batch, seq, remat, *, steps, warmup, limit, pea
         rows.append(row)
         if status == "fits":
             runs[program.label] = [compiled, runner.state_of(params), runner.place(x, y), row]
+    memories = [run[3]["memory"] for run in runs.values() if run[3]["memory"]]
+    together = sum(m["argument"] for m in memories) + max(
+        (m["peak"] - m["argument"] for m in memories), default=0
+    )
+    host = offload == "always" or (offload == "auto" and limit is not None and together > limit)
+    shardings = {}
+    for label, run in runs.items():
+        run[3]["state_on_host"] = host
+        if host:  # the state waits on the host, its device buffers freed
+            shardings[label] = jax.tree.map(lambda a: a.sharding, run[1])
+            run[1] = jax.device_get(run[1])
     times = {label: [] for label in runs}
     for i in range(warmup + steps):
         order = list(runs) if i % 2 == 0 else list(reversed(runs))
@@ -473,9 +492,12 @@ def bench_shape(programs, model, batch, seq, remat, *, steps, warmup, limit, pea
             run = runs[label]
             if run is None:
                 continue
+            state = run[1]
+            if host:
+                state = jax.block_until_ready(jax.device_put(state, shardings[label]))
             begin = time.perf_counter()
             try:
-                state, _ = jax.block_until_ready(run[0](run[1], *run[2]))
+                state, _ = jax.block_until_ready(run[0](state, *run[2]))
             except Exception as e:  # the device's out-of-memory error, at run time
                 if not is_out_of_memory(e):
                     raise
@@ -483,7 +505,8 @@ def bench_shape(programs, model, batch, seq, remat, *, steps, warmup, limit, pea
                 runs[label] = None
                 continue
             elapsed = time.perf_counter() - begin
-            run[1] = state
+            run[1] = jax.device_get(state) if host else state
+            del state
             if i >= warmup:
                 times[label].append(elapsed)
     for label, run in runs.items():
@@ -498,25 +521,28 @@ def bench_shape(programs, model, batch, seq, remat, *, steps, warmup, limit, pea
     return rows
 
 
-def largest_fitting(programs, model, limit, *, seq, max_batch, max_seq, policy="full"):
-    """Per program, without remat and under the remat ``policy``: the largest power-of-two batch at ``seq`` and the
-    longest power-of-two sequence at batch 1 whose compiled step fits ``limit``."""
+def largest_fitting(programs, model, limit, *, seq, max_batch, max_seq, policy="full", starts=None):
+    """Per program, without remat and under the remat ``policy``: the largest power-of-two
+    batch at ``seq`` and the longest power-of-two sequence at batch 1 whose compiled step fits
+    ``limit`` (compiled, not run). ``starts``: remat → (batch, sequence) to search from (a
+    shape already compiled for the timed rows costs nothing; default (1, ``seq``))."""
     out = []
     for program in programs:
         for remat in (None, policy):
+            start_batch, start_seq = (starts or {}).get(remat, (1, seq))
             found = {"program": program.label, "remat": remat, "seq": seq}
-            for what, shapes in (("batch", [(b, seq) for b in _powers(max_batch)]),
-                                 ("seq_at_batch_1", [(1, s) for s in _powers(max_seq)
-                                                     if s >= seq])):  # fmt: skip
-                best, why = None, "searched to the end"
-                for b, s in shapes:
-                    *_, status = compile_program(program, model, b, s, remat, limit)
-                    if status != "fits":
-                        why = status
-                        break
-                    best = b if what == "batch" else s
-                found[what], found[f"{what}_stopped"] = best, why
-                if why.startswith("n/a"):
+            for what, start, stop, shape in (
+                ("batch", start_batch, max_batch, lambda n: (n, seq)),
+                ("seq_at_batch_1", max(start_seq, seq), max_seq, lambda n: (1, n)),
+            ):  # fmt: skip
+
+                def status(n, shape=shape, remat=remat, program=program):
+                    return compile_program(program, model, *shape(n), remat, limit)[3]
+
+                found[what], found[f"{what}_stopped"] = _largest(status, start, stop,
+                                                                 floor=1 if what == "batch"
+                                                                 else seq)  # fmt: skip
+                if found[f"{what}_stopped"].startswith("n/a"):
                     break
             out.append(found)
             print(f"largest fitting: {program.label}{f' remat {remat}' if remat else ''}: batch "
@@ -525,11 +551,28 @@ def largest_fitting(programs, model, limit, *, seq, max_batch, max_seq, policy="
     return out
 
 
-def _powers(limit):
-    n = 1
-    while n <= limit:
-        yield n
-        n *= 2
+def _largest(status, start: int, stop: int, floor: int = 1):
+    """``(n, why)``: the largest power of two ``n`` in [floor, stop] whose ``status(n)`` is
+    "fits", searched from ``start``: doubling while it fits, else halving until it does;
+    ``why`` the status that ended the search ("searched to the end" at ``stop``). A status
+    "n/a: …" (a program the build cannot make) ends it at once, with no ``n``."""
+    first = status(start)
+    if first.startswith("n/a"):
+        return None, first
+    if first != "fits":
+        n = start // 2
+        while n >= floor:
+            if status(n) == "fits":
+                return n, first
+            n //= 2
+        return None, first
+    best, n = start, start * 2
+    while n <= stop:
+        why = status(n)
+        if why != "fits":
+            return best, why
+        best, n = n, n * 2
+    return best, "searched to the end"
 
 
 def loss_check(programs, model, batch, seq, rng, limit=None) -> dict:
@@ -633,6 +676,10 @@ def main(argv=None):
     p.add_argument("--memory-limit", type=float, default=None, metavar="BYTES",
                    help="device memory in bytes (default: the device's bytes_limit)")  # fmt: skip
     p.add_argument("--no-search", action="store_true", help="skip the largest-fitting search")
+    p.add_argument("--offload-states", choices=("auto", "always", "never"), default=None,
+                   help="keep the programs' train states on the host between their steps: "
+                        "auto (when they do not fit the device together; the default), "
+                        "always (quick's, so CI runs the round trip), never")  # fmt: skip
     p.add_argument("--interpret-splash", action="store_true",
                    help="add plain splash in Pallas interpret mode (checks its wiring off TPU)")  # fmt: skip
     p.add_argument("--out", default=None, help=f"results folder (default {RESULTS})")
@@ -671,7 +718,8 @@ def main(argv=None):
         for batch, seq, with_remat in QUICK_SHAPES if quick else SHAPES:
             remat = args.remat if with_remat else None
             rows += bench_shape(programs, model, batch, seq, remat, steps=steps, warmup=warmup,
-                                limit=limit, peaks=peaks, rng=rng)  # fmt: skip
+                                limit=limit, peaks=peaks, rng=rng,
+                                offload=args.offload_states or ("always" if quick else "auto"))  # fmt: skip
             for r in rows[-len(programs) :]:
                 timing = f"{r['step_ms']:.1f} ms" if "step_ms" in r else r["status"]
                 print(f"{r['program']:>24} {batch} × {seq}{f' remat {remat}' if remat else ''}: "
@@ -680,9 +728,13 @@ def main(argv=None):
         largest = None
         if not args.no_search and limit is not None:
             # quick: the timed shape's programs only (compiled already), so it costs nothing
+            # from shapes the timed rows compiled (quick: only those, so it costs nothing)
+            starts = {None: (1, 64), args.remat: (1, 64)} if quick else {
+                None: (8, 8192), args.remat: (16, 8192)}  # fmt: skip
             largest = largest_fitting(programs, model, limit, seq=64 if quick else SEARCH_SEQ,
                                       max_batch=1 if quick else SEARCH_MAX_BATCH,
-                                      max_seq=64 if quick else CONTEXT, policy=args.remat)  # fmt: skip
+                                      max_seq=64 if quick else CONTEXT, policy=args.remat,
+                                      starts=starts)  # fmt: skip
         check = loss_check(programs, model, *(QUICK_SHAPES if quick else SHAPES)[0][:2], rng, limit)
         for label, losses in check["losses"].items():
             print(f"loss {label:>24}: " + " ".join(f"{v:.5f}" for v in losses), flush=True)

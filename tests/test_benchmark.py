@@ -335,6 +335,7 @@ def test_accelerator_quick_run_has_the_columns_and_the_losses_agree(tmp_path):
             assert r["status"].startswith("n/a: ") and r["remat"], r  # only the old build's remat
             continue
         assert r["memory"]["temp"] > 0 and r["steps"] == 3
+        assert r["state_on_host"]  # quick runs the states' host round trip between steps
         assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["seq"] / r["step_ms"] * 1e3)
         assert r["mfu_measured"] == pytest.approx(r["flops_per_step"] / (r["step_ms"] / 1e3) / peak)
         assert r["mfu_spec"] is None  # a CPU has no specification peak
@@ -441,3 +442,8 @@ def test_largest_fitting_stops_at_the_first_shape_that_does_not_fit(monkeypatch)
                         "batch_stopped": "OOM (predicted)", "seq_at_batch_1": 128,
                         "seq_at_batch_1_stopped": "OOM"}  # fmt: skip
     assert found[1]["batch"] is None and found[1]["batch_stopped"] == "n/a: no remat here"
+    # from a shape that does not fit (the timed rows' 8 × 1024 on a smaller chip) it halves
+    down = acc.largest_fitting([program], None, 1, seq=64, max_batch=8, max_seq=512,
+                               starts={None: (4, 64)})[0]  # fmt: skip
+    assert (down["batch"], down["batch_stopped"]) == (2, "OOM (predicted)")
+    assert acc._largest(lambda n: "OOM", 8, 64) == (None, "OOM")  # nothing fits
