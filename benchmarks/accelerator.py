@@ -48,8 +48,16 @@ Loss check: 10 steps from the same init on the same batches; every program's los
 ``plain einsum``'s, within ``LOSS_RTOL`` relative (a bfloat16 bound, see there). ``--quick``
 fails (exit 1) when they disagree; a full run records and prints it.
 
-It writes ``benchmarks/results/accelerator.json`` and ``accelerator.md`` (``--quick``: a
-temporary folder unless ``--out``). Without a TPU or GPU JAX runs on CPU, where the figures are
+Time and memory on one chip: each program's train state is 12 bytes a parameter (3 GB for
+the 254M model, 5.6 GB for the 470M); when the programs' states do not fit the device together
+they wait on the host between steps (``bench_shape``), moved outside the timed calls, which
+makes a round slower but not a step. Every program is compiled once per shape (the search adds
+a few compiles a program); ``--model 254m``, ``--steps``, ``--attention`` and ``--no-search``
+shorten a run on a chip lent for minutes.
+
+It writes ``benchmarks/results/accelerator.json`` and ``accelerator.md`` (both models:
+``accelerator_254m.*`` and ``accelerator_470m.*``; ``--quick``: a temporary folder unless
+``--out``). Without a TPU or GPU JAX runs on CPU, where the figures are
 no accelerator's (the JSON names the platform and device kind).
 """
 
@@ -473,14 +481,15 @@ def bench_shape(
                "status": status, "memory": memory, "flops_per_step": flops}  # fmt: skip
         rows.append(row)
         if status == "fits":
-            runs[program.label] = [compiled, runner.state_of(params), runner.place(x, y), row]
+            runs[program.label] = [compiled, runner, runner.place(x, y), row]
     memories = [run[3]["memory"] for run in runs.values() if run[3]["memory"]]
     together = sum(m["argument"] for m in memories) + max(
         (m["peak"] - m["argument"] for m in memories), default=0
     )
     host = offload == "always" or (offload == "auto" and limit is not None and together > limit)
     shardings = {}
-    for label, run in runs.items():
+    for label, run in runs.items():  # the states, made one at a time
+        run[1] = run[1].state_of(params)
         run[3]["state_on_host"] = host
         if host:  # the state waits on the host, its device buffers freed
             shardings[label] = jax.tree.map(lambda a: a.sharding, run[1])
@@ -578,7 +587,7 @@ def _largest(status, start: int, stop: int, floor: int = 1):
 def loss_check(programs, model, batch, seq, rng, limit=None) -> dict:
     """``LOSS_STEPS`` steps of every program from the same init on the same batches; each
     program's losses against the first's (``plain einsum``)."""
-    params = model.init(jax.random.key(0))
+    params = jax.device_get(model.init(jax.random.key(0)))
     batches = [random_batch(model, batch, seq, rng) for _ in range(LOSS_STEPS)]
     losses = {}
     for program in programs:
@@ -590,6 +599,7 @@ def loss_check(programs, model, batch, seq, rng, limit=None) -> dict:
             state, loss = compiled(state, *runner.place(x, y))
             out.append(float(loss))  # one step in flight
         losses[program.label] = out
+        del state  # one program's state on the device at a time
     anchor = next(iter(losses))
     ref = np.asarray(losses[anchor])
     rtol = {label: float(np.max(np.abs(np.asarray(v) - ref) / np.abs(ref)))
