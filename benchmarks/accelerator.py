@@ -62,7 +62,6 @@ no accelerator's (the JSON names the platform and device kind).
 """
 
 import argparse
-import functools
 import inspect
 import json
 import math
@@ -320,11 +319,9 @@ class Program(NamedTuple):
     runner: Callable  # (model, batch, seq, remat) → Runner
 
 
-def plain_program(attention: str, interpret: bool = False) -> Program:
+def plain_program(attention: str) -> Program:
     def runner(model, batch, seq, remat):
         attend = ATTENTIONS[attention]
-        if attention == "splash" and interpret:
-            attend = functools.partial(splash_attention, interpret=True)
         optimizer = optax.adam(LEARNING_RATE)
         step = jax.jit(plain_step(model, optimizer, attend, remat), donate_argnums=0)
         params = jax.eval_shape(model.init, jax.random.key(0))
@@ -361,11 +358,10 @@ def shardops_program(strategy: str, attention: str | None) -> Program:
     return Program(f"shardops {strategy}{suffix}", runner)
 
 
-def programs_for(platform: str, attentions, interpret_splash: bool = False) -> list[Program]:
+def programs_for(platform: str, attentions) -> list[Program]:
+    """The programs (module docstring): the Pallas TPU kernels' on a TPU only."""
     plain = ["einsum"] + (["flash", "splash"] if platform == "tpu" else [])
-    if interpret_splash:
-        plain.append("splash")
-    out = [plain_program(a, interpret_splash) for a in plain]
+    out = [plain_program(a) for a in plain]
     for attention in attentions:
         out += [shardops_program("ref", attention), shardops_program("fsdp_tp", attention)]
     return out
@@ -690,8 +686,6 @@ def main(argv=None):
                    help="keep the programs' train states on the host between their steps: "
                         "auto (when they do not fit the device together; the default), "
                         "always (quick's, so CI runs the round trip), never")  # fmt: skip
-    p.add_argument("--interpret-splash", action="store_true",
-                   help="add plain splash in Pallas interpret mode (checks its wiring off TPU)")  # fmt: skip
     p.add_argument("--out", default=None, help=f"results folder (default {RESULTS})")
     args = p.parse_args(argv)
     quick = args.quick
@@ -708,7 +702,7 @@ def main(argv=None):
     for a in attentions:
         if choices is not None and a not in choices:
             p.error(f"--attention {a!r}: the installed build accepts {', '.join(choices)}")
-    programs = programs_for(platform, attentions, args.interpret_splash)
+    programs = programs_for(platform, attentions)
     if choices is None:
         print("models.build has no attention= option here: the shardops rows run its only "
               "attention", flush=True)  # fmt: skip

@@ -2,6 +2,8 @@
 GPU path maps each case onto, and a quick end-to-end run with its variant rows and columns; the
 other benchmarks' quick runs; benchmarks/accelerator.py's plain-JAX Llama and TPU kernels."""
 
+import contextlib
+import functools
 import importlib.util
 import json
 import pathlib
@@ -402,7 +404,8 @@ def test_plain_llama_is_the_reference_model(llama_logits, name):
 @pytest.mark.parametrize("kernel", ["flash", "splash"])
 def test_tpu_attention_kernels_are_einsum_attention(kernel):
     """The plain programs' Pallas TPU kernels (run here in Pallas' TPU interpret mode) are
-    wired as einsum attention is: GQA groups, the scale, the causal mask, the layouts."""
+    wired as einsum attention is, forward and backward: GQA groups, the scale, the causal
+    mask, the layouts."""
     from jax.experimental.pallas import tpu as pltpu
 
     keys = jax.random.split(jax.random.key(0), 3)
@@ -412,10 +415,20 @@ def test_tpu_attention_kernels_are_einsum_attention(kernel):
     v = jax.random.normal(keys[2], (b, s, n, hd)).astype(jnp.bfloat16)
     expected = acc.einsum_attention(q, k, v).astype(jnp.float32)
     if kernel == "splash":  # its own interpret flag (the forced mode fails on its grid)
-        got = acc.splash_attention(q, k, v, interpret=True).astype(jnp.float32)
+        attend = functools.partial(acc.splash_attention, interpret=True)
     else:
-        with pltpu.force_tpu_interpret_mode():
-            got = acc.flash_attention(q, k, v).astype(jnp.float32)
+        attend = acc.flash_attention
+    interpret = pltpu.force_tpu_interpret_mode() if kernel == "flash" else contextlib.nullcontext()
+
+    def loss(attend, q):  # the gradients flow through the kernels' own backward passes
+        return jnp.sum(jnp.square(attend(q, k, v).astype(jnp.float32)))
+
+    with interpret:
+        got = attend(q, k, v).astype(jnp.float32)
+        got_grad = jax.grad(functools.partial(loss, attend))(q).astype(jnp.float32)
+    grad = jax.grad(functools.partial(loss, acc.einsum_attention))(q).astype(jnp.float32)
+    # bf16 gradients of a sum over S·H·hd squares: 2⁻⁵ of the largest (about 1% here)
+    assert float(jnp.max(jnp.abs(got_grad - grad))) <= 2.0**-5 * float(jnp.max(jnp.abs(grad)))
     # Both round o to bf16 once (2⁻⁸ relative) after float32 accumulation; |o| ≤ max |v|.
     bound = 2 * 2.0**-8 * float(jnp.max(jnp.abs(v.astype(jnp.float32))))
     assert float(jnp.max(jnp.abs(got - expected))) <= bound
