@@ -39,7 +39,7 @@ remat's recomputation is not counted) / step time / peak: the bf16 matmul peak m
 same run (``measured_peak``: a large bf16 matmul, timed) and the specification's
 (``SPEC_PEAK_FLOPS`` by ``device_kind``; n/a for a device not in it).
 
-The largest fitting shapes (``--search``, on by default where the device reports its memory):
+The largest fitting shapes (where the device reports its memory, unless ``--no-search``):
 per program, with and without remat, the largest power-of-two batch at ``SEARCH_SEQ`` and the
 longest power-of-two sequence at batch 1, from the compiled programs' memory analysis (compiled,
 not run).
