@@ -65,25 +65,16 @@ def temp(remat) -> int:
     return setup.temp_bytes(DEEP_BATCH)
 
 
-def matmul_output_bytes(m: models.Llama, batch: int) -> int:
-    """The float32 outputs of every dense product of the step's forward: per block q, k, v,
-    the attention's output projection, gate, up and down; the head's logits."""
-    hd = m.head_dim
-    per_block = m.num_heads * hd + 2 * m.num_kv_heads * hd + m.d_model + 2 * m.d_ff + m.d_model
-    return 4 * batch * m.context * (m.num_layers * per_block + m.vocab_size)
-
-
 def check_memory(matmuls=None) -> None:
-    """Each policy holds less than ``"none"``; ``"full"`` ≤ ``"matmuls"`` ≤ ``"none"``; what
-    ``"matmuls"`` keeps beyond ``"full"`` is at most the matmuls' outputs (a policy that kept
-    everything would keep the norms', the activations' and attention's too)."""
+    """Each policy holds less than ``"none"``; ``"full"`` ≤ ``"matmuls"`` ≤ ``"none"``; and
+    ``"matmuls"`` holds less than a checkpoint that keeps everything saveable (the norms', the
+    activations' and attention's values too), which XLA:CPU may hold at or below ``"none"``."""
     matmuls = "matmuls" if matmuls is None else matmuls
     none, full, kept = temp("none"), temp("full"), temp(matmuls)
-    named = temp(SAVED)
+    named, everything = temp(SAVED), temp(jax.checkpoint_policies.everything_saveable)
     assert max(full, kept, named) < none, (none, full, kept, named)
     assert full <= kept <= none, (full, kept, none)
-    bound = matmul_output_bytes(DEEP, DEEP_BATCH)
-    assert kept - full <= bound, f"matmuls keeps {kept - full} B beyond full; its outputs: {bound}"
+    assert kept < everything, f"matmuls holds {kept} B, a policy keeping everything {everything}"
 
 
 def test_each_policy_holds_less_than_none():
