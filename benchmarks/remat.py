@@ -7,7 +7,7 @@ remat policy (``models.Remat``), for the GPT and the Llama, unsharded and under 
 The figures are XLA's own ``memory_analysis().temp_size_in_bytes`` (``Setup.temp_bytes``) of
 the compiled step, on XLA:CPU with 8 simulated devices: the activations kept for the backward
 pass are in it, the parameters, optimizer state and batch are not. Nothing is run. On XLA:CPU
-the host is the device, so ``"offload"`` holds what ``"matmuls"`` holds (no host bytes).
+the host is the device, so ``"offload"`` holds about what ``"matmuls"`` holds (no host bytes).
 
 It writes ``benchmarks/results/remat.json`` and, from that JSON, the table between the
 ``remat-table`` markers of docs/strategies.md (tests/test_benchmark.py checks they match).

@@ -27,7 +27,7 @@ backward pass. ``"matmuls"`` keeps the dots with no batch dimension, the project
 (shardops' dense matmul is a ``custom_vjp``; the policy sees the ``dot_general`` of its
 forward), not attention's products, batched over heads (``checkpoint_dots`` would keep those).
 On XLA:CPU ``"pinned_host"`` is the same memory as the device's: ``"offload"`` compiles, runs
-and gives the same numbers there, and holds what ``"matmuls"`` holds; it is not refused, so a
+and gives the same numbers there, and holds about what ``"matmuls"`` holds; not refused, so a
 program meant for an accelerator runs and is tested on CPU.
 
 The names (``NAMES``) are made by the layers with ``jax.ad_checkpoint.checkpoint_name``; tag
