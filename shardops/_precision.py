@@ -95,6 +95,14 @@ class Precision:
         """
         return _matmul(self.compute_dtype, self.accum_dtype, self.matmul_precision, x, w)
 
+    def matmuls(self, x: jnp.ndarray, ws) -> tuple:
+        """``tuple(self.matmul(x, w) for w in ws)`` with ``x`` rounded to ``compute_dtype`` once:
+        the backward keeps one copy of it (not one per product, as separate calls would) and
+        sums the products' ``dx`` in ``accum_dtype``. For projections of one input (Q, K, V;
+        a gated MLP's gate and up)."""
+        return _matmuls(self.compute_dtype, self.accum_dtype, self.matmul_precision, x,
+                        tuple(ws))  # fmt: skip
+
     def finish(self, y_acc: jnp.ndarray, b: jnp.ndarray | None) -> jnp.ndarray:
         """Add the bias in ``accum_dtype`` and cast once to ``compute_dtype``."""
         if b is not None:
@@ -134,6 +142,35 @@ def _matmul_bwd(compute, accum, precision, residuals, g):
     # accum_dtype (what autodiff does by itself for ordinary ops: the gradient trap).
     dx, dw = _reduce_to(dx, x_kind), _reduce_to(dw, w_kind)
     return dx.astype(x_kind.dtype), dw.astype(w_kind.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _matmuls(compute, accum, precision, x, ws):
+    contract = ((x.ndim - 1,), (0,))
+    return tuple(_dot(x, w, contract, compute, accum, precision) for w in ws)  # y_i in accum
+
+
+def _matmuls_fwd(compute, accum, precision, x, ws):
+    x_c = x.astype(compute)  # one residual for every product
+    ws_c = tuple(w.astype(compute) for w in ws)
+    ys = tuple(_dot(x_c, w, ((x.ndim - 1,), (0,)), compute, accum, precision) for w in ws_c)
+    kinds = (x.reshape(-1)[:0], tuple(w.reshape(-1)[:0] for w in ws))
+    return ys, (x_c, ws_c, kinds)
+
+
+def _matmuls_bwd(compute, accum, precision, residuals, gs):
+    x_c, ws_c, (x_kind, w_kinds) = residuals
+    lead = tuple(range(x_c.ndim - 1))
+    dx, dws = None, []
+    for g, w_c, w_kind in zip(gs, ws_c, w_kinds, strict=True):
+        part = _dot(g, w_c, ((g.ndim - 1,), (1,)), compute, accum, precision)  # in accum
+        dx = part if dx is None else dx + part  # the products' dx summed in accum
+        dw = _dot(x_c, g, (lead, lead), compute, accum, precision)  # dw[K, N] in accum
+        dws.append(_reduce_to(dw, w_kind).astype(w_kind.dtype))
+    return _reduce_to(dx, x_kind).astype(x_kind.dtype), tuple(dws)
+
+
+_matmuls.defvjp(_matmuls_fwd, _matmuls_bwd)
 
 
 def _reduce_to(ct, primal):

@@ -141,3 +141,47 @@ def test_dtypes_outside_the_policy_are_errors(layer):
         )
     with pytest.raises(TypeError, match="precision must be a shardops.Precision"):
         fn(x32, w32, b32, mesh=mesh, precision="bf16")
+
+
+@pytest.mark.parametrize("precision", [FLOAT32, MIXED_BFLOAT16], ids=lambda p: p.name)
+def test_matmuls_share_one_rounded_input(precision):
+    """``Precision.matmuls`` equals separate ``matmul`` calls (values and gradients, dx summed
+    in f32), follows the policy's dtype flow, and keeps one compute-dtype copy of x for the
+    backward where separate calls keep one each; inside shard_map a replicated x gets its dx
+    reduced once."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(4, 6, 8)), jnp.float32)  # accum dtype: dx unrounded
+    ws = tuple(jnp.asarray(rng.normal(size=(8, n)), precision.param_dtype) for n in (5, 4, 2))
+
+    def fused(x, ws):
+        return sum(jnp.sum(y * (i + 1)) for i, y in enumerate(precision.matmuls(x, ws)))
+
+    def separate(x, ws):
+        return sum(jnp.sum(precision.matmul(x, w) * (i + 1)) for i, w in enumerate(ws))
+
+    got, want = (jax.value_and_grad(f, argnums=(0, 1))(x, ws) for f in (fused, separate))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+    assert not dtype_flow_violations(jax.grad(fused, argnums=(0, 1)), x, ws, policy=precision)
+
+    def x_copies(f):
+        return sum(aval.shape == x.shape for aval, _ in saved_residuals(f, x, ws))
+
+    rounded = precision.compute_dtype != x.dtype  # under FLOAT32 every call keeps x itself
+    assert (x_copies(fused), x_copies(separate)) == (1, 3 if rounded else 1)
+
+    mesh = shardops.make_mesh({"model": 2})
+
+    def sharded(x, ws):  # x replicated over model, each weight split by columns
+        ys = precision.matmuls(x, ws)
+        return lax.psum(sum(jnp.sum(y) for y in ys), "model")
+
+    dx = jax.jit(jax.shard_map(jax.grad(sharded), mesh=mesh, in_specs=(P(), P(None, "model")),
+                               out_specs=P(), check_vma=True))(x, ws[1:])  # fmt: skip
+    want_dx = jax.grad(lambda x, ws: sum(jnp.sum(precision.matmul(x, w)) for w in ws))(x, ws[1:])
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5)  # summed over the devices once

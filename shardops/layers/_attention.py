@@ -442,9 +442,7 @@ def cached_attention_kernel(
         params, kv = _shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum)
     else:
         kv = _KvHeads(kv_heads // p, None)
-    q = _project(x, params["wq"], params.get("bq"), heads, precision)  # q[B, H/p, s, hd]
-    k = _project(x, params["wk"], params.get("bk"), kv.count, precision)  # k[B, n, s, hd]
-    v = _project(x, params["wv"], params.get("bv"), kv.count, precision)  # v[B, n, s, hd]
+    q, k, v = _projections(x, params, heads, kv.count, precision)  # q[B, H/p, s, hd], k, v
     positions = start + jnp.arange(seq, dtype=jnp.int32)  # [s]: the tokens' global positions
     if rope_theta is not None:
         cos, sin = _rotation(positions[None], seq, head_dim, rope_theta)  # [1, 1, s, hd/2]
@@ -558,9 +556,7 @@ def _attend(x, params, heads: int, kv: _KvHeads, head_dim: int, causal: bool, ro
     With ``context`` (a ``ContextParallel``) ``x`` is this device's block of the sequence and
     its queries attend over the whole sequence by the context method."""
     batch, seq, _ = x.shape
-    q = _project(x, params["wq"], params.get("bq"), heads, precision)  # q[B, H/p, S, hd]
-    k = _project(x, params["wk"], params.get("bk"), kv.count, precision)  # k[B, n, S, hd]
-    v = _project(x, params["wv"], params.get("bv"), kv.count, precision)  # v[B, n, S, hd]
+    q, k, v = _projections(x, params, heads, kv.count, precision)  # q[B, H/p, S, hd], k, v
     if rope_theta is not None:
         if positions is None and context is not None:
             positions = context.positions(seq)[None]  # [1, S]: the tokens' global positions
@@ -681,14 +677,24 @@ def attention(
     return precision.finish(y, params.get("bo"))  # y in compute dtype
 
 
-def _project(x, w, b, heads: int, precision: Precision):
-    """``x[B, S, D] · w[D, n·hd] + b → [B, n, S, hd]`` in ``accum_dtype``: ``n`` heads.
+def _projections(x, params, heads: int, kv_heads: int, precision: Precision):
+    """``q[B, H/p, S, hd]``, ``k, v[B, n, S, hd]`` in ``accum_dtype``: the three projections of
+    ``x[B, S, D]``, one product per weight, ``x`` rounded once for all three
+    (``Precision.matmuls``: the backward keeps one copy of it and sums their ``dx`` in accum)."""
+    yq, yk, yv = precision.matmuls(x, (params["wq"], params["wk"], params["wv"]))
+    q = _heads(yq, params.get("bq"), heads, precision)  # q[B, H/p, S, hd]
+    k = _heads(yk, params.get("bk"), kv_heads, precision)  # k[B, n, S, hd]
+    v = _heads(yv, params.get("bv"), kv_heads, precision)  # v[B, n, S, hd]
+    return q, k, v
+
+
+def _heads(y, b, heads: int, precision: Precision):
+    """``y[B, S, n·hd] + b → [B, n, S, hd]`` in ``accum_dtype``: ``n`` heads.
 
     Column ``h·hd + d`` of the local ``w`` is dim ``d`` of local head ``h``. (The attention
     products are then batched over one leading dim, ``[B·H/p]``: XLA:CPU cannot run some
     layouts of a bf16 product with two batch dims, ``[B, H/p]``.)
     """
-    y = precision.matmul(x, w)  # [B, S, n·hd] in accum
     if b is not None:
         y = y + b.astype(precision.accum_dtype)  # [B, S, n·hd]
     batch, seq, _ = y.shape

@@ -118,8 +118,8 @@ def _hidden(x, params, activation, precision: Precision):
     the activation's float32 intermediates (SiLU's sigmoid and products: three more), the same
     values bit for bit."""
     accum = precision.accum_dtype
-    gate = precision.matmul(x, params["gate"]["w"])  # [..., F(/p)] in accum
-    up = precision.matmul(x, params["up"]["w"])  # [..., F(/p)] in accum
+    # [..., F(/p)] each, in accum; x rounded once for both (one copy kept for the backward)
+    gate, up = precision.matmuls(x, (params["gate"]["w"], params["up"]["w"]))
     if "b" in params["gate"]:
         gate = gate + params["gate"]["b"].astype(accum)
     if "b" in params["up"]:

@@ -54,11 +54,8 @@ def _psum_grad_bwd(_, g):
 _psum_grad.defvjp(_psum_grad_fwd, _psum_grad_bwd)
 """
 
-K_LINE = (
-    '    k = _project(x, params["wk"], params.get("bk"), kv.count, precision)  # k[B, n, S, hd]'
-)
-V_LINE = (
-    '    v = _project(x, params["wv"], params.get("bv"), kv.count, precision)  # v[B, n, S, hd]'
+K_LINE = V_LINE = (  # the projections of the training kernel and the decoder's
+    '    yq, yk, yv = precision.matmuls(x, (params["wq"], params["wk"], params["wv"]))'
 )
 OTHER_HEADS = (
     'lax.all_gather(params["{w}"], MODEL_AXIS, axis=1, tiled=True)[:, : params["{w}"].shape[1]]'
@@ -164,16 +161,18 @@ ATTENTION_MUTANTS = {
         "", (BF16, True, False), "numbers",
     ),
     # Megatron's "f" applied to the bf16 activation: autodiff all-reduces dx in bf16 (and the
-    # sequence-parallel gather's transpose reduce-scatters it in bf16).
+    # sequence-parallel gather's transpose reduce-scatters it in bf16). The projections' dx
+    # are summed in f32 before the one bf16 rounding (``Precision.matmuls``), which leaves the
+    # bf16 AllReduce's error within the bound at these sizes: the dtype flow reads the psum.
     "dx_all_reduced_in_bf16": (
         "        x = copy_to_region(x, axis_name, accum)  # x[B, S, D] in accum",
         "        x = lax.pcast(x, axis_name, to='varying')  # x[B, S, D]",
-        "", (BF16, True, False), "numbers",
+        "", (BF16, True, False), "dtype flow",
     ),
     "dx_reduce_scattered_in_bf16": (
         "        x = gather_to_region(x, axis_name, SEQUENCE_DIM, accum)  # x[B, S, D] in accum",
         "        x = lax.all_gather(x, axis_name, axis=SEQUENCE_DIM, tiled=True)  # x[B, S, D]",
-        "", (BF16, True, True), "numbers",
+        "", (BF16, True, True), "dtype flow",
     ),
     # The attention products differentiated by plain autodiff: bf16 × f32 transposes that
     # accumulate in bf16. Numerically invisible on a CPU; the dtype flow reads it.
@@ -261,12 +260,20 @@ MODERN_OPTIONS = {
     "packed": dict(num_kv_heads=4, rope_theta=10000.0, documents=3),
 }
 
-# x entering the region as a plain (invariant) cast: still the right numbers, but each of the
-# three projections' matmuls then all-reduces its own dx: three backward AllReduces, not one.
+# x entering the region as a plain (invariant) cast and projected by three separate matmuls:
+# still the right numbers, but each matmul then all-reduces its own dx: three backward
+# AllReduces, not one.
 THREE_DX_REDUCTIONS = (
     "        x = copy_to_region(x, axis_name, accum)  # x[B, S, D] in accum",
     "        x = x.astype(accum)  # x[B, S, D] in accum",
-    "",
+    """
+
+def _projections(x, params, heads, kv_heads, precision):
+    q = _heads(precision.matmul(x, params["wq"]), params.get("bq"), heads, precision)
+    k = _heads(precision.matmul(x, params["wk"]), params.get("bk"), kv_heads, precision)
+    v = _heads(precision.matmul(x, params["wv"]), params.get("bv"), kv_heads, precision)
+    return q, k, v
+""",
 )
 
 NORM_MUTANTS = {
