@@ -460,3 +460,26 @@ def test_largest_fitting_stops_at_the_first_shape_that_does_not_fit(monkeypatch)
                                starts={None: (4, 64)})[0]  # fmt: skip
     assert (down["batch"], down["batch_stopped"]) == (2, "OOM (predicted)")
     assert acc._largest(lambda n: "OOM", 8, 64) == (None, "OOM")  # nothing fits
+
+
+def test_residuals_quick_run_lists_what_each_program_keeps(tmp_path):
+    """``benchmarks/residuals.py --quick``: every program's residuals listed by source, and the
+    blocked attention keeps less than the einsum (it holds no S×S array)."""
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_residuals", ROOT / "benchmarks" / "residuals.py"
+    )
+    residuals = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(residuals)
+    results = residuals.main(["--quick", "--out", str(tmp_path)])
+    assert set(results) == {"plain einsum", "shardops ref einsum", "shardops ref blocked"}
+    for r in results.values():
+        assert r["total"] == sum(n for n, *_ in r["by_source"]) > 0
+    seq = 192  # the quick shape: no other dim of the model is 192
+    squares = [a for _, _, a, _ in results["shardops ref einsum"]["by_source"]
+               if f"{seq},{seq}]" in a]  # fmt: skip
+    assert squares, "the einsum keeps its S×S probabilities"
+    assert not [a for _, _, a, _ in results["shardops ref blocked"]["by_source"]
+                if f"{seq},{seq}]" in a]  # fmt: skip
+    blocked, einsum = (results[f"shardops ref {a}"]["total"] for a in ("blocked", "einsum"))
+    assert blocked < einsum
+    assert json.loads((tmp_path / "residuals_quick.json").read_text())["totals"]
