@@ -20,8 +20,29 @@ DV = 'dv_block = _product("bngqk,bngqd->bnkd", p, dog, precision)'
 GROUPS = "reshape(batch, n, heads // n, seq, hd)  # [B,n,g,S,hd]"
 PADDING = "real = (np.arange(blocks * block) < seq)"
 
+SEGMENT_BLOCKS = (
+    "segments = k_segments.reshape(batch, blocks, block).transpose(1, 0, 2)  # [nb, B, block]"
+)
+KEY_POSITIONS = "    return k, v, k_positions.reshape(blocks, block), jnp.asarray(real), segments"
+
 # name → (line, replacement, the case that catches it)
 MUTANTS = {
+    # Every key block masked with the first block's segment ids: a document boundary in a
+    # later block is lost (and a document reaching across blocks cut).
+    "segment_mask_of_the_first_block": (
+        SEGMENT_BLOCKS,
+        "segments = jnp.broadcast_to(k_segments[None, :, :block], (blocks, batch, block))",
+        "ragged_causal_segments",
+    ),
+    # The causal mask off by one block: each block's keys taken to sit a block earlier, so a
+    # query sees the next block's keys.
+    "causal_mask_off_by_one_block": (
+        KEY_POSITIONS,
+        KEY_POSITIONS.replace(
+            "k_positions.reshape(blocks, block)", "k_positions.reshape(blocks, block) - block"
+        ),
+        "ragged_causal_segments",
+    ),
     # The accumulator is not rescaled when the running maximum grows: blocks summed under an
     # older, smaller maximum are over-weighted.
     "running_max_rescale_omitted": (RESCALE, "        acc = acc", "plain"),
