@@ -161,13 +161,19 @@ def _matmuls_fwd(compute, accum, precision, x, ws):
 def _matmuls_bwd(compute, accum, precision, residuals, gs):
     x_c, ws_c, (x_kind, w_kinds) = residuals
     lead = tuple(range(x_c.ndim - 1))
-    dx, dws = None, []
+    # Each product's dx varies over the axes its own weight (and g) vary over: parts of equal
+    # type are added in accum, then each sum is reduced over the axes x is invariant over (a
+    # part invariant over an axis must not be added to a varying one before the reduction:
+    # the add would cast it to varying and the psum count it once per device).
+    by_type, dws = {}, []
     for g, w_c, w_kind in zip(gs, ws_c, w_kinds, strict=True):
         part = _dot(g, w_c, ((g.ndim - 1,), (1,)), compute, accum, precision)  # in accum
-        dx = part if dx is None else dx + part  # the products' dx summed in accum
+        kind = varying_axes(part)
+        by_type[kind] = part if kind not in by_type else by_type[kind] + part
         dw = _dot(x_c, g, (lead, lead), compute, accum, precision)  # dw[K, N] in accum
         dws.append(_reduce_to(dw, w_kind).astype(w_kind.dtype))
-    return _reduce_to(dx, x_kind).astype(x_kind.dtype), tuple(dws)
+    dx = sum(_reduce_to(part, x_kind) for part in by_type.values())  # in accum
+    return dx.astype(x_kind.dtype), tuple(dws)
 
 
 _matmuls.defvjp(_matmuls_fwd, _matmuls_bwd)

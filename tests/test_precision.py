@@ -185,3 +185,17 @@ def test_matmuls_share_one_rounded_input(precision):
                                out_specs=P(), check_vma=True))(x, ws[1:])  # fmt: skip
     want_dx = jax.grad(lambda x, ws: sum(jnp.sum(precision.matmul(x, w)) for w in ws))(x, ws[1:])
     np.testing.assert_allclose(dx, want_dx, rtol=1e-5)  # summed over the devices once
+
+    # Weights of different types: wq split over model, wk replicated. Each product's dx is
+    # reduced over model by its own type: wq's partial sums once, wk's (whole on every
+    # device) not multiplied by the device count.
+    def mixed(x, wq, wk):
+        yq, yk = precision.matmuls(x, (wq, wk))
+        return lax.psum(jnp.sum(yq), "model") + jnp.sum(yk)
+
+    dx = jax.jit(jax.shard_map(jax.grad(mixed), mesh=mesh,
+                               in_specs=(P(), P(None, "model"), P()), out_specs=P(),
+                               check_vma=True))(x, ws[1], ws[2])  # fmt: skip
+    want_dx = jax.grad(lambda x: jnp.sum(precision.matmul(x, ws[1]))
+                       + jnp.sum(precision.matmul(x, ws[2])))(x)  # fmt: skip
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5)
