@@ -404,10 +404,12 @@ def cached_attention_kernel(
         cache: ``(k, v)``, each ``[B, n, S_max, hd]`` in ``precision.compute_dtype`` with
             ``n = kv_cache_heads(H, KV, p)``: this device's KV heads (the ones its query heads
             read; where K/V are replicated, devices that read the same KV head each cache it).
-            Positions ``≥ start`` may hold anything: they are overwritten or masked.
+            Positions ``≥ start`` are overwritten or masked (finite values: see ``start``).
         start: int32 scalar (may be traced), the position of ``x``'s first token; rotary
             positions continue from it. ``start + s ≤ S_max``: the caller checks it
-            (``lax.dynamic_update_slice`` would clamp a write past the end).
+            (``lax.dynamic_update_slice`` would clamp a write past the end). Positions
+            ``≥ start + s`` must hold finite values (``init_cache``'s zeros, or earlier
+            steps'): they are masked, but a masked NaN key or value still makes a NaN.
         implementation: ``"einsum"`` scores ``[B, H/p, s, S_max]`` at once; any other
             (``"auto"``, ``"blocked"``, ``"splash"``) runs the blocked online softmax over
             the cache in blocks of ``BLOCK_K`` (splash has no one-query kernel).
@@ -517,17 +519,27 @@ def check_implementation(op: str, implementation, argument: str = "implementatio
     return implementation
 
 
-def _local_implementation(implementation: str, q, k, segment_ids) -> str:
+def _splash_block(seq: int) -> int | None:
+    """The largest block splash can take for ``seq`` tokens: a multiple of 128 up to
+    ``BLOCK_K`` that divides ``seq`` (None: none does)."""
+    return next((b for b in range(BLOCK_K, 0, -128) if seq % b == 0), None)
+
+
+def _local_implementation(implementation: str, q, k, precision: Precision) -> str:
     """The implementation one device runs for ``q[B, H, S, hd]`` over ``k[B, n, S, hd]``:
-    ``"auto"`` resolved by platform (and, on TPU, by whether splash takes the shapes)."""
+    ``"auto"`` is splash on TPU for a bf16 compute dtype where the kernel takes the shapes
+    (its products are not float32 × float32 at ``Precision.HIGHEST``: under ``FLOAT32`` the
+    blocked path keeps the policy), else blocked."""
     if implementation != "auto":
         return implementation
-    if jax.default_backend() != "tpu":
+    if jax.default_backend() != "tpu" or precision.compute_dtype != np.dtype(jnp.bfloat16):
         return "blocked"
     from shardops.layers import _splash  # Pallas TPU: imported only where it can run
 
-    reason = _splash.splash_unsupported_reason(q.shape, k.shape)
-    return "blocked" if reason else "splash"
+    block = _splash_block(q.shape[2])
+    if block is None or _splash.splash_unsupported_reason(q.shape, k.shape, block=block):
+        return "blocked"
+    return "splash"
 
 
 def _core(q, k, v, kv: _KvHeads, heads: int, causal: bool, segment_ids, precision: Precision,
@@ -536,12 +548,20 @@ def _core(q, k, v, kv: _KvHeads, heads: int, causal: bool, segment_ids, precisio
     n, S, hd]`` by ``implementation`` (not ``"einsum"``: ``_attend`` runs that itself)."""
     if kv.index is not None:  # replicated K/V read by index: each query head's own KV head
         k, v = _for_query_heads(k, kv, heads), _for_query_heads(v, kv, heads)
-    if _local_implementation(implementation, q, k, segment_ids) == "splash":
+    if _local_implementation(implementation, q, k, precision) == "splash":
         from shardops.layers import _splash
 
-        interpret = jax.default_backend() != "tpu"  # asked for elsewhere: the interpreter
+        backend = jax.default_backend()
+        if backend not in ("tpu", "cpu"):
+            raise ValueError(
+                f"implementation='splash' runs JAX's Pallas TPU kernel: on a TPU, or on CPU in "
+                f"Pallas's interpreter (for tests); this backend is {backend!r}. Use "
+                f"implementation='blocked' (or 'auto', which picks it here)."
+            )
+        block = _splash_block(q.shape[2]) or BLOCK_K  # none fits: splash names the problem
         return _splash.splash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
-                                        precision=precision, interpret=interpret)  # fmt: skip
+                                        precision=precision, block=block,
+                                        interpret=backend == "cpu")  # fmt: skip
     positions = jnp.arange(q.shape[2], dtype=jnp.int32)  # [S]
     return _flash.attend(q, k, v, q_positions=positions, k_positions=positions,
                          q_segments=segment_ids, k_segments=segment_ids, causal=causal,

@@ -2,6 +2,7 @@
 bound, ``_attention_checks``) on every mesh and policy, a hypothesis property, the compiled
 collectives in bytes, the dtype flow, and clear errors for bad input."""
 
+import functools
 import itertools
 import random
 
@@ -364,6 +365,33 @@ def test_the_splash_path(mesh_shape, kv, documents):
     check_attention(mesh_shape, F32, batch=2, seq=128, d_model=16, num_heads=4, head_dim=128,
                     num_kv_heads=kv, causal=True, documents=documents, implementation="splash",
                     sequence_parallel=len(mesh_shape) == 2)  # fmt: skip
+
+
+def test_auto_picks_splash_on_tpu_for_bf16_only(monkeypatch):
+    """``"auto"``: blocked off TPU; on TPU splash for a bf16 compute dtype where a block of a
+    multiple of 128 divides S (the largest up to BLOCK_K), else blocked; an explicit
+    ``"splash"`` on a GPU is refused (the interpreter is for CPU tests)."""
+    from shardops.layers import _attention
+
+    q, k = jnp.zeros((1, 4, 768, 128)), jnp.zeros((1, 2, 768, 128))
+    pick = functools.partial(_attention._local_implementation, "auto", q, k)
+    assert pick(shardops.MIXED_BFLOAT16) == "blocked"  # this backend is not a TPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert pick(shardops.MIXED_BFLOAT16) == pick(BF16) == "splash"
+    assert pick(F32) == "blocked"  # splash's products are not f32 × f32 at HIGHEST
+    assert _attention._splash_block(768) == 384 and _attention._splash_block(1000) is None
+    odd = jnp.zeros((1, 4, 1000, 128))
+    assert _attention._local_implementation("auto", odd, odd, BF16) == "blocked"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    kv = _attention._KvHeads(2, None)
+    with refused(
+        ValueError,
+        argument="implementation='splash'",
+        got="'gpu'",
+        expected="on a TPU, or on CPU",
+        fix="implementation='blocked'",
+    ):
+        _attention._core(q, k, k, kv, 4, True, None, BF16, "splash")
 
 
 def test_the_implementation_is_checked(mesh, params):
