@@ -412,7 +412,8 @@ def cached_attention_kernel(
             steps'): they are masked, but a masked NaN key or value still makes a NaN.
         implementation: ``"einsum"`` scores ``[B, H/p, s, S_max]`` at once; any other
             (``"auto"``, ``"blocked"``, ``"splash"``) runs the blocked online softmax over
-            the cache in blocks of ``BLOCK_K`` (splash has no one-query kernel).
+            the written part of the cache in place, in blocks of ``BLOCK_K`` (splash has no
+            one-query kernel).
 
     Returns:
         ``(y, (k, v))``: ``y[B, s, D]`` in ``precision.compute_dtype`` replicated over
@@ -458,9 +459,8 @@ def cached_attention_kernel(
         keys, values = k_cache, v_cache  # [B, n, S_max, hd]
         if kv.index is not None:  # replicated K/V read by index: each query head's own
             keys, values = _for_query_heads(keys, kv, heads), _for_query_heads(values, kv, heads)
-        o = _flash.attention_with_lse(q, keys, values, q_positions=positions,
-                                      k_positions=jnp.arange(size, dtype=jnp.int32), causal=True,
-                                      block_k=BLOCK_K, precision=precision)[0]  # fmt: skip
+        o = _flash.cache_attention(q, keys, values, q_positions=positions, length=start + seq,
+                                   block_k=BLOCK_K, precision=precision)  # fmt: skip
         o = o.transpose(0, 2, 1, 3)  # o[B, s, H/p, hd] in accum
         y_partial = precision.matmul(o.reshape(batch, seq, heads * head_dim), params["wo"])
         with because(_REDUCE, axis_name):

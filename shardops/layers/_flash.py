@@ -244,32 +244,78 @@ def _forward(causal, block, precision, q, k, v, q_positions, k_positions, q_segm
     n = k.shape[1]
     qg = q.astype(precision.compute_dtype).reshape(batch, n, heads // n, seq, hd)  # [B,n,g,S,hd]
     xs = _key_blocks(k, v, k_positions, k_segments, block)
-    refs = (q, k, v, q_positions, k_positions, q_segments, k_segments)
 
     def step(carry, x):
-        m, total, acc = carry  # m, total[B, n, g, Sq] float32; acc[B, n, g, Sq, hd] in accum
         k_block, v_block, key_positions, real, segments = x  # k, v[B, n, block, hd]
         visible = _visible(causal, q_positions, key_positions, real, q_segments, segments)
-        s = _scores(qg, k_block, visible, precision)  # s[B, n, g, Sq, block] float32
-        m_new = jnp.maximum(m, s.max(axis=-1))  # [B, n, g, Sq]
-        alpha = jnp.exp(m - m_new)  # [B, n, g, Sq]: rescales what was summed under the old max
-        p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)  # [B, n, g, Sq, block]
-        total = alpha * total + p.sum(axis=-1)  # [B, n, g, Sq]: the running sum l
-        acc = alpha[..., None] * acc  # [B, n, g, S, hd]: the running-max rescale
-        acc = acc + _product("bngqk,bnkd->bngqd", p, v_block, precision)  # [B, n, g, Sq, hd]
-        return (m_new, total, acc), None
+        return _fold(carry, qg, k_block, v_block, visible, precision), None
 
-    shape = (batch, n, heads // n, seq)
-    init = (
+    init = _start(qg, precision, q, k, v, q_positions, k_positions, q_segments, k_segments)
+    carry, _ = lax.scan(step, init, xs)
+    return _finish(carry, q.shape)
+
+
+def _start(qg, precision: Precision, *refs):
+    """The online softmax's carry before any key: the running max ``m`` (``_MASKED``), the sum
+    ``l`` (0), both ``[B, n, g, Sq]`` float32, and ``acc[B, n, g, Sq, hd]`` (0) in accum, typed
+    as varying over every mesh axis ``refs`` vary over."""
+    shape = qg.shape[:-1]
+    return (
         _vary(jnp.full(shape, _MASKED, jnp.float32), *refs),
         _vary(jnp.zeros(shape, jnp.float32), *refs),
-        _vary(jnp.zeros((*shape, hd), precision.accum_dtype), *refs),
+        _vary(jnp.zeros(qg.shape, precision.accum_dtype), *refs),
     )
-    (m, total, acc), _ = lax.scan(step, init, xs)
+
+
+def _fold(carry, qg, k_block, v_block, visible, precision: Precision):
+    """One key block folded into the online softmax's carry ``(m, l, acc)``."""
+    m, total, acc = carry  # m, total[B, n, g, Sq] float32; acc[B, n, g, Sq, hd] in accum
+    s = _scores(qg, k_block, visible, precision)  # s[B, n, g, Sq, block] float32
+    m_new = jnp.maximum(m, s.max(axis=-1))  # [B, n, g, Sq]
+    alpha = jnp.exp(m - m_new)  # [B, n, g, Sq]: rescales what was summed under the old max
+    p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)  # [B, n, g, Sq, block]
+    total = alpha * total + p.sum(axis=-1)  # [B, n, g, Sq]: the running sum l
+    acc = alpha[..., None] * acc  # [B, n, g, S, hd]: the running-max rescale
+    acc = acc + _product("bngqk,bnkd->bngqd", p, v_block, precision)  # [B, n, g, Sq, hd]
+    return m_new, total, acc
+
+
+def _finish(carry, shape):
+    """``o[B, H, Sq, hd]`` (0 where a query saw no key) and ``lse[B, H, Sq]`` of the carry."""
+    m, total, acc = carry
+    batch, heads, seq, hd = shape
     seen = total > 0  # [B, n, g, Sq]: False where a query sees no key at all (its o is 0)
     o = acc / jnp.where(seen, total, 1.0)[..., None]  # [B, n, g, Sq, hd] in accum
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), _MASKED)  # [B, n, g, Sq]
     return o.reshape(batch, heads, seq, hd), lse.reshape(batch, heads, seq)
+
+
+def cache_attention(q, k, v, *, q_positions, length, block_k: int, precision: Precision):
+    """Causal attention of new queries over a decoding cache (forward only): ``o[B, H, s, hd]``
+    in accum of ``q[B, H, s, hd]`` at positions ``q_positions[s]`` over ``k, v[B, n, S_max,
+    hd]``, whose positions ``0 … length − 1`` are written (``length``: a traced int).
+
+    The cache is read in place, block by block (``lax.dynamic_slice``: no relayout, no copy),
+    and only the ``⌈length / block_k⌉`` blocks that hold written keys: a step's work grows with
+    the position reached, not with ``S_max``. A last block that would run past ``S_max`` is
+    clamped to end there, its keys already folded in masked."""
+    batch, heads, seq, hd = q.shape
+    n, size = k.shape[1], k.shape[2]
+    block = min(int(block_k), size)
+    qg = q.astype(precision.compute_dtype).reshape(batch, n, heads // n, seq, hd)
+    offsets = jnp.arange(block, dtype=jnp.int32)  # [block]
+
+    def body(i, carry):
+        first = jnp.minimum(i * block, size - block)  # the block's first key (clamped at the end)
+        k_block, v_block = (lax.dynamic_slice_in_dim(t, first, block, axis=2) for t in (k, v))
+        key_positions = first + offsets  # [block]
+        real = key_positions >= i * block  # a clamped block's keys already folded in: masked
+        visible = _visible(True, q_positions, key_positions, real, None, None)
+        return _fold(carry, qg, k_block, v_block, visible, precision)
+
+    carry = _start(qg, precision, q, k, v, q_positions, length)
+    carry = lax.fori_loop(0, (length + block - 1) // block, body, carry)
+    return _finish(carry, q.shape)[0]
 
 
 def _attend_fwd(causal, block, precision, q, k, v, q_positions, k_positions, q_segments,

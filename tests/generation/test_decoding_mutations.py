@@ -38,8 +38,9 @@ ATTENTION = {  # mutant → (line of shardops/layers/_attention.py, its replacem
     # Every query of a prefill masked as the last one: the prompt sees its future. The blocked
     # path (the default) and the einsum reference (``EINSUM``: its decoder asks for it).
     "mask_of_the_last_query": (
-        "        o = _flash.attention_with_lse(q, keys, values, q_positions=positions,",
-        "        o = _flash.attention_with_lse(q, keys, values, q_positions=positions[-1:].repeat(seq),",
+        "        o = _flash.cache_attention(q, keys, values, q_positions=positions, length=start + seq,",
+        "        o = _flash.cache_attention(q, keys, values, q_positions=positions[-1:].repeat(seq), "
+        "length=start + seq,",
     ),
     "einsum_mask_of_the_last_query": (
         "    visible = jnp.arange(size)[None, :] <= positions[:, None]  # [s, S_max]: key j ≤ query i",

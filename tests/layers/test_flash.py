@@ -307,3 +307,74 @@ def test_mismatched_heads_and_shapes_are_refused():
     with refused(TypeError, argument="precision='bf16'", got="not a Precision",
                  expected="shardops.FLOAT32", fix="pass shardops.FLOAT32"):  # fmt: skip
         blocked_attention(q, k, v, precision="bf16")
+
+
+# (start, new tokens): a prefill, a step inside the second block, the last block clamped to
+# the cache's end (S_max = 40 in blocks of 16: keys 24 … 39, of which 24 … 31 already folded
+# in), and the last position.
+CACHE_STEPS = [(0, 5), (20, 3), (37, 3), (39, 1)]
+
+
+def cache_attention_reference(q, k, v, start):
+    """float64: query ``i`` (position ``start + i``) over keys ``0 … start + i`` of the cache."""
+    q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    s = np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    visible = np.arange(k.shape[2])[None, :] <= start + np.arange(q.shape[2])[:, None]
+    s = np.where(visible, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), v)
+
+
+def check_cache_step(cache_attention, start: int, new: int) -> None:
+    """``new`` queries at ``start`` over a cache of 40 in blocks of 16 against float64; the
+    unwritten positions hold large finite garbage (masked, never read as keys)."""
+    rng = np.random.default_rng(start)
+    q = jnp.asarray(rng.normal(size=(2, 4, new, 8)), jnp.float32)
+    k, v = (rng.normal(size=(2, 2, 40, 8)) for _ in range(2))
+    want = cache_attention_reference(q, k[:, :, : start + new], v[:, :, : start + new], start)
+    for t in (k, v):
+        t[:, :, start + new :] = 1e4
+    got = cache_attention(
+        q, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32),
+        q_positions=start + jnp.arange(new, dtype=jnp.int32), length=jnp.int32(start + new),
+        block_k=16, precision=F32,
+    )  # fmt: skip
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("start", "new"), CACHE_STEPS, ids=str)
+def test_cache_attention_reads_only_the_written_blocks(start, new):
+    """Decoding's blocked read of the cache: the blocks up to ``start + new`` only, a clamped
+    last block not counted twice."""
+    from shardops.layers._flash import cache_attention
+
+    check_cache_step(cache_attention, start, new)
+
+
+def test_cache_attention_mutants_are_caught():
+    """A clamped last block's overlap counted twice, or the partly written last block skipped:
+    some step of ``CACHE_STEPS`` fails on each."""
+    from _mutants import mutant
+
+    from shardops.layers import _flash
+
+    lines = {
+        "        real = key_positions >= i * block  # a clamped block's keys already folded in: "
+        "masked": "        real = key_positions >= 0",
+        "    carry = lax.fori_loop(0, (length + block - 1) // block, body, carry)":
+        "    carry = lax.fori_loop(0, length // block, body, carry)",
+    }  # fmt: skip
+    for i, (line, replacement) in enumerate(lines.items()):
+        module = mutant(_flash, f"cache_{i}", line, replacement)
+        failed = []
+        for start, new in CACHE_STEPS:
+            try:
+                check_cache_step(module.cache_attention, start, new)
+            except AssertionError:
+                failed.append((start, new))
+        assert failed, f"mutant {replacement.strip()!r} passes every step"
+    unmutated = mutant(_flash, "cache_copy", *[next(iter(lines))] * 2)
+    for start, new in CACHE_STEPS:
+        check_cache_step(unmutated.cache_attention, start, new)

@@ -12,7 +12,7 @@ from test_flash import CASES, check_against_reference
 
 from shardops.layers import _flash
 
-RESCALE = "        acc = alpha[..., None] * acc  # [B, n, g, S, hd]: the running-max rescale"
+RESCALE = "    acc = alpha[..., None] * acc  # [B, n, g, S, hd]: the running-max rescale"
 D_TERM = "        ds = p * (dp - delta[..., None]) * scale  # dS[B, n, g, Sq, block] float32"
 CAUSAL = "visible & (key_positions[None, :] <= q_positions[:, None])"
 DK = 'dk_block = _product("bngqk,bngqd->bnkd", ds, qg, precision)'
@@ -45,7 +45,7 @@ MUTANTS = {
     ),
     # The accumulator is not rescaled when the running maximum grows: blocks summed under an
     # older, smaller maximum are over-weighted.
-    "running_max_rescale_omitted": (RESCALE, "        acc = acc", "plain"),
+    "running_max_rescale_omitted": (RESCALE, "    acc = acc", "plain"),
     # dS = P∘dP: the backward forgets D = rowsum(dO∘O), the softmax's normalisation term.
     "backward_d_term_dropped": (D_TERM, "        ds = p * dp * scale", "plain"),
     # The causal mask off by one: a query no longer sees itself (j < i).
