@@ -21,10 +21,11 @@ before XLA fuses, combines or schedules anything:
 - ``peak_bytes``: the most bytes alive at once when the ops run in program order, each array
   freed after its last use, except the outputs (alive to the end, for the caller) and the
   arguments that are not donated (the caller holds them); a nested call adds its own peak above
-  its inputs. It is the jaxpr's peak, before XLA fuses temporaries away: on every layout the
-  tests compile it is at least what the compiled program holds (``memory_analysis``: arguments
-  + outputs − aliased + temporaries), though XLA may add buffers of its own (copies where a
-  donation cannot alias, bf16 collectives run in f32 on CPU).
+  its inputs. It is the jaxpr's peak, before XLA fuses temporaries away. For the MLPs the tests
+  compile it is at least what the compiled program holds (``memory_analysis``: arguments +
+  outputs − aliased + temporaries); XLA may add buffers of its own (copies where a donation
+  cannot alias, bf16 collectives run in f32 on CPU), and for the small test GPT, whose
+  attention no longer keeps S×S arrays, XLA:CPU holds up to 23 % more than the jaxpr's peak.
 """
 
 from __future__ import annotations

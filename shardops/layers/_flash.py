@@ -251,8 +251,17 @@ def _forward(causal, block, precision, q, k, v, q_positions, k_positions, q_segm
         return _fold(carry, qg, k_block, v_block, visible, precision), None
 
     init = _start(qg, precision, q, k, v, q_positions, k_positions, q_segments, k_segments)
-    carry, _ = lax.scan(step, init, xs)
+    carry, _ = _scan(step, init, xs)
     return _finish(carry, q.shape)
+
+
+def _scan(step, init, xs):
+    """``lax.scan(step, init, xs)`` over the key blocks; one block (S ≤ block_k) runs the step
+    once, without a loop, which XLA fuses and schedules as freely as the einsum's ops."""
+    if jax.tree.leaves(xs)[0].shape[0] == 1:
+        carry, y = step(init, jax.tree.map(lambda t: t[0], xs))
+        return carry, jax.tree.map(lambda t: t[None], y)
+    return lax.scan(step, init, xs)
 
 
 def _start(qg, precision: Precision, *refs):
@@ -366,7 +375,7 @@ def _backward(causal, block, precision, q, k, v, do, lse, delta, q_positions, k_
         return dq, (dk_block, dv_block)  # dk, dv: summed over the g query heads of a KV head
 
     dq0 = _vary(jnp.zeros((batch, n, g, seq, hd), precision.accum_dtype), *refs)
-    dq, (dk, dv) = lax.scan(step, dq0, xs)  # dk, dv[nb, B, n, block, hd]
+    dq, (dk, dv) = _scan(step, dq0, xs)  # dk, dv[nb, B, n, block, hd]
     dk, dv = (t.transpose(1, 2, 0, 3, 4).reshape(batch, n, -1, hd)[:, :, :sk] for t in (dk, dv))
     return dq.reshape(batch, heads, seq, hd), dk, dv
 

@@ -124,8 +124,7 @@ def _hidden(x, params, activation, precision: Precision):
         gate = gate + params["gate"]["b"].astype(accum)
     if "b" in params["up"]:
         up = up + params["up"]["b"].astype(accum)
-    gated = jax.checkpoint(_gated, static_argnums=(2, 3), prevent_cse=False)  # as the norms'
-    return gated(gate, up, activation, precision)
+    return jax.checkpoint(_gated, static_argnums=(2, 3))(gate, up, activation, precision)
 
 
 def _gated(gate, up, activation, precision: Precision):

@@ -86,10 +86,10 @@ def _recomputed(norm, *args, eps):
     """``norm(*args, eps=eps)`` recomputed in the backward pass (``jax.checkpoint``): the
     backward keeps the input ``x`` in its own dtype instead of the norm's float32 copies of it
     (x, x², x̂: three ``[..., D]`` float32 arrays). Elementwise work and one row sum: cheaper
-    to redo than to store, and the same values bit for bit. ``prevent_cse=False``: no
-    optimization barrier to keep XLA from fusing the recomputation (the forward and backward
-    of a scanned block are separate loops; outside a scan XLA may reuse the forward's)."""
-    return jax.checkpoint(functools.partial(norm, eps=eps), prevent_cse=False)(*args)
+    to redo than to store, and the same values bit for bit. (With ``prevent_cse=False`` XLA
+    merges the recomputation with the forward outside a scan, and keeps the forward's arrays
+    after all.)"""
+    return jax.checkpoint(functools.partial(norm, eps=eps))(*args)
 
 
 def _affine(y, scale, bias):
