@@ -483,7 +483,7 @@ def build(
             blocks of the matmul (``shardops.layers.column_parallel_dense_kernel``); None (the
             default) uses XLA's collectives.
         attention: how each device computes attention (``shardops.layers.IMPLEMENTATIONS``):
-            ``"auto"`` (the default: Pallas splash on TPU where the shapes fit, else the
+            ``"auto"`` (the default: Pallas splash on TPU under bf16 where it fits, else the
             blocked online softmax, which never builds the S×S scores), ``"blocked"``,
             ``"splash"``, or ``"einsum"`` (the S×S reference). Context-parallel attention runs
             the blocked path (or the einsum), and so does decoding.

@@ -98,10 +98,11 @@ IMPLEMENTATIONS = ("auto", "einsum", "blocked", "splash")
   blocks from the log-sum-exp);
 - ``"splash"``: JAX's Pallas splash-attention kernel (``shardops.layers._splash``), for
   head-parallel attention over the whole sequence; S and hd multiples of 128. Asked for
-  explicitly off TPU it runs in Pallas's interpreter (slow: for tests). Context-parallel attention (its
-  keys are in the load-balanced order, its ring steps merge partial results) and decoding (one
-  query against a cache) run the blocked path instead;
-- ``"auto"`` (the default): ``"splash"`` on TPU where its shapes fit, else ``"blocked"``.
+  explicitly on CPU it runs in Pallas's interpreter (slow: for tests); on a GPU it is refused.
+  Context-parallel attention (its keys are in the load-balanced order, its ring steps merge
+  partial results) and decoding (one query against a cache) run the blocked path instead;
+- ``"auto"`` (the default): ``"splash"`` on TPU under a bf16 compute dtype where its shapes
+  fit, else ``"blocked"``.
 """
 
 BLOCK_K = 512
@@ -303,7 +304,7 @@ def head_parallel_attention_kernel(
             positions default to the tokens' global positions, and with RoPE and
             ``segment_ids`` they must be given (a document may begin on another device).
         implementation: how each device computes its heads' attention, one of
-            ``IMPLEMENTATIONS``: ``"auto"`` (splash on TPU where it fits, else blocked),
+            ``IMPLEMENTATIONS``: ``"auto"`` (splash on TPU under bf16 where it fits, else blocked),
             ``"blocked"``, ``"splash"`` or ``"einsum"`` (the S×S reference).
 
     Returns:
@@ -813,7 +814,7 @@ def head_parallel_attention(
             sequence, split over ``batch_axis`` only); default as the kernel's.
         segment_ids: ``segment_ids[B, S]`` integers (same layout): attention within a segment.
         sequence_parallel: take and return the sequence shard ``x[B, S_model, D]``.
-        implementation: one of ``IMPLEMENTATIONS`` (``"auto"``: splash on TPU where it fits,
+        implementation: one of ``IMPLEMENTATIONS`` (``"auto"``: splash on TPU under bf16 where it fits,
             else the blocked online softmax; ``"einsum"``: the S×S reference).
 
     Returns:
