@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from _cover import FULL
 from _resume_checks import LM_ARGS, check_lm_resume_report, load_example, run_main
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -111,7 +112,7 @@ def test_the_llama_trains_like_the_reference_and_reports_its_flops(tmp_path):
 @pytest.mark.parametrize(
     ("model", "precision", "attention", "remat", "strategy", "mesh"),
     [("llama", "mixed_bfloat16", "blocked", "full", "fsdp_tp", "4x2"),
-     ("gpt", "bfloat16", "einsum", "matmuls", "tp", "1x2")],
+     *[("gpt", "bfloat16", "einsum", "matmuls", "tp", "1x2")] * FULL],  # CI time: one run
 )  # fmt: skip
 def test_precision_attention_and_remat_reach_the_run(tmp_path, monkeypatch, model, precision,
                                                      attention, remat, strategy, mesh):  # fmt: skip

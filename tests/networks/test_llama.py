@@ -73,7 +73,7 @@ def test_the_cases_cover_every_strategy_model_and_optimizer():
 
 
 @pytest.mark.parametrize(("model", "strategy", "mesh"),
-                         [("gqa", "fsdp_tp", "4x2"), ("tied_mqa", "dp", "data8")])  # fmt: skip
+                         [("gqa", "fsdp_tp", "4x2"), *[("tied_mqa", "dp", "data8")] * FULL])  # fmt: skip
 def test_trajectory_with_the_einsum_reference_attention(model, strategy, mesh):
     """Every other trajectory runs the default attention (the blocked online softmax off TPU);
     the S×S einsum trains the same, packed documents and shared KV heads included."""

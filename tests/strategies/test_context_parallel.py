@@ -92,8 +92,8 @@ def test_trajectory_and_budget(case):
 
 @pytest.mark.parametrize(
     ("model", "strategy", "mesh"),
-    [("gqa", "2d+ring", "2x2x2c"), ("tied_mqa", "ref+allgather", "2x4c"),
-     ("gpt", "sp+ulysses", "c2x4")],
+    [("gqa", "2d+ring", "2x2x2c"),
+     *[("tied_mqa", "ref+allgather", "2x4c"), ("gpt", "sp+ulysses", "c2x4")] * FULL],
 )  # fmt: skip
 def test_trajectory_with_the_einsum_reference_attention(model, strategy, mesh):
     """Every other trajectory runs the default attention (the blocked online softmax off TPU);
