@@ -194,8 +194,9 @@ def attention_with_lse(q, k, v, *, q_positions, k_positions, q_segments=None, k_
 
     ``q[B, H, Sq, hd]``, ``k, v[B, n, Sk, hd]``; ``q_positions[Sq]``, ``k_positions[Sk]``:
     integer positions for the causal mask (key visible when its position ≤ the query's);
-    ``q_segments[B, Sq]``, ``k_segments[B, Sk]``: both or neither. No VJP: the ring and the
-    decoder use it (the ring merges its steps with ``merge`` and has its own backward)."""
+    ``q_segments[B, Sq]``, ``k_segments[B, Sk]``: both or neither. No VJP: ring attention
+    uses it (it merges its steps with ``merge`` and has its own backward, ``attention_backward``;
+    decoding reads its cache with ``cache_attention``)."""
     block = min(int(block_k), k.shape[2])
     return _forward(bool(causal), block, precision, q, k, v, q_positions, k_positions,
                     q_segments, k_segments)  # fmt: skip
