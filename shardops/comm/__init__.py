@@ -1,5 +1,9 @@
 """Communication patterns for per-device code inside ``jax.shard_map``, each defined once.
 
+- **Collectives**: ``all_reduce``, ``all_max``, ``all_min``, ``all_gather``, ``reduce_scatter``,
+  ``all_to_all`` and ``ring_pass`` are ``lax``'s own calls (``psum``, ``pmax``, ``pmin``,
+  ``all_gather``, ``psum_scatter``, ``all_to_all``, ``ppermute``) with a required
+  ``reason=``: nothing in shardops calls ``lax``'s collectives but this package.
 - **Regions** (Megatron's ``mappings.py``): ``copy_to_region``, ``gather_to_region`` and
   ``gather_many_to_region`` enter a model-parallel region, forward and backward side by side,
   with every gradient reduction in the accumulation dtype; ``reduce_from_region``,
@@ -13,6 +17,15 @@
 """
 
 from shardops.comm._collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from shardops.comm._collectives import (
+    all_gather,
+    all_max,
+    all_min,
+    all_reduce,
+    all_to_all,
+    reduce_scatter,
+    ring_pass,
+)
 from shardops.comm._mappings import (
     copy_to_region,
     gather_from_region,
@@ -27,7 +40,12 @@ from shardops.comm._ring import ring_all_gather, ring_all_reduce, ring_pairs, ri
 __all__ = [
     "REASONS",
     "Reason",
+    "all_gather",
     "all_gather_matmul",
+    "all_max",
+    "all_min",
+    "all_reduce",
+    "all_to_all",
     "because",
     "copy_to_region",
     "gather_from_region",
@@ -35,9 +53,11 @@ __all__ = [
     "gather_to_region",
     "matmul_reduce_scatter",
     "reduce_from_region",
+    "reduce_scatter",
     "reduce_scatter_from_region",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_pairs",
+    "ring_pass",
     "ring_reduce_scatter",
 ]
