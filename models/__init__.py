@@ -24,6 +24,7 @@ from shardops_models.networks._mlp import (
     loss,
     mlp_forward,
 )
+from shardops_models.networks.contract import Model, check_model
 from shardops_models.networks.gpt import Gpt
 from shardops_models.networks.llama import Llama
 from shardops_models.networks.mlp import Mlp, tp_plan
@@ -73,6 +74,7 @@ __all__ = [
     "Llama",
     "Metrics",
     "Mlp",
+    "Model",
     "Parallel",
     "Remat",
     "Setup",
@@ -80,6 +82,7 @@ __all__ = [
     "TrainState",
     "accuracy",
     "build",
+    "check_model",
     "check_token_range",
     "cross_entropy_sum",
     "fsdp_spec",

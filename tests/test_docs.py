@@ -522,6 +522,9 @@ def test_strategies_page_any_model_one_loss_and_the_plan_s_budget(tmp_path_facto
     assert set(losses) == {"ref", "2d", "fsdp_tp", "fsdp_sp"}
     # To float32 rounding: 1e-6 of the loss (≈ 4.2), 8 ulps; observed 2.4e-6.
     assert all(abs(v - losses["ref"]) <= 1e-6 * losses["ref"] for v in losses.values()), losses
+    # The auxiliary-loss example: the same objective without and with sp and 2 microbatches.
+    penalised = {k: float(v) for k, v in ns["penalised"].items()}
+    assert abs(penalised["fsdp_sp"] - penalised["ref"]) <= 1e-6 * penalised["ref"], penalised
     lm = ns["lm"]
     state = lm.init(jax.random.key(0))
     ids, labels = lm.place_batch(ns["lm_ids"], ns["lm_labels"])

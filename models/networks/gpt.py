@@ -123,11 +123,13 @@ class Gpt(LanguageModel):
     # --- the forward, once for every strategy
 
     def apply(self, ctx, params, ids):
-        """Logits ``[b, S, V]`` (``[b, S, V_model]`` under a column head) of ``ids[b, S]``."""
+        """Logits ``[b, S, V]`` (``[b, S, V_model]`` under a column head) of ``ids[b, S]``, and
+        no auxiliary loss (``models.Model``)."""
         x = ctx.stage(self._embed(ctx), {"embed": params["embed"], "pos": params["pos"]}, ids)
         for block in params["blocks"]:
             x = ctx.stage(self._block(ctx), block, x)  # x[b, S, D] (sp: x[b, S_model, D])
-        return ctx.stage(self._head(ctx), {"ln_f": params["ln_f"], "head": params["head"]}, x)
+        head = {"ln_f": params["ln_f"], "head": params["head"]}
+        return ctx.stage(self._head(ctx), head, x), {}  # logits[b, S, V(_model)]
 
     def _embed(self, ctx):
         def embed(p, ids):

@@ -142,12 +142,13 @@ class Llama(LanguageModel):
     # --- the forward, once for every strategy
 
     def apply(self, ctx, params, ids):
-        """Logits ``[b, S, V]`` (``[b, S, V_model]`` under a split head) of ``ids[b, S]``."""
+        """Logits ``[b, S, V]`` (``[b, S, V_model]`` under a split head) of ``ids[b, S]``, and
+        no auxiliary loss (``models.Model``)."""
         segment_ids = self.segment_ids(ids)  # [b, S] or None
         x = ctx.stage(self._embed(ctx), {"embed": params["embed"]}, ids)  # x[b, S(_model), D]
         x = ctx.scan(self._block(ctx, segment_ids), params["blocks"], x)
         head = {"norm": params["norm"], "out": self.output_layer(params)}
-        return ctx.stage(self._head(ctx), head, x)  # logits[b, S, V(_model)]
+        return ctx.stage(self._head(ctx), head, x), {}  # logits[b, S, V(_model)]
 
     def segment_ids(self, ids):
         """``segment_ids[b, S]``: the document of each token (one per ``bos_id``), or None."""

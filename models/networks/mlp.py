@@ -51,12 +51,13 @@ class Mlp:
         return tp_plan(len(self.sizes) - 1)
 
     def apply(self, ctx, params, x):
-        """Logits ``[b, C]`` of the local batch ``x[b, D]`` (in compute dtype)."""
+        """Logits ``[b, C]`` of the local batch ``x[b, D]`` (in compute dtype), and no
+        auxiliary loss (``models.Model``)."""
         for i, layer in enumerate(params):
             x = ctx.stage(ctx.dense, layer, x)  # (b, width)
             if i < len(params) - 1:
                 x = jax.nn.relu(x)
-        return x  # (b, C)
+        return x, {}  # logits[b, C]
 
     def loss_sum(self, ctx, params, logits, y):
         """``-Σ one_hot · log_softmax`` over the local rows and classes (float32)."""

@@ -54,6 +54,7 @@ from typing import Any
 import shardops
 from shardops import BFLOAT16, DATA_AXIS, FLOAT32, MIXED_BFLOAT16, MODEL_AXIS, Precision
 from shardops.inspect import ring_bytes
+from shardops_models.networks.contract import declared
 from shardops_models.search._hardware import HARDWARE, Hardware, calibrate, hardware_named
 from shardops_models.search._program_cost import program_cost
 
@@ -420,7 +421,7 @@ def _reason_ruled_out(model, strategy, shape: dict, batch, seq) -> str | None:
         where = _mesh_text(tuple(shape), tuple(shape.values()))
         return (f"same program as {same} {where} (the {', '.join(map(repr, unused))} axis it "
                 f"would split has size 1)")  # fmt: skip
-    if s.sp and not getattr(model, "sequence", False):
+    if s.sp and not declared(model).sequence:
         return "sp splits the sequence; this model has none"
     n = math.prod(shape[a] for a in s.batch_axes)
     if s.batch_axes and batch % n:

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 
 from shardops import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, REPLICA_AXIS
 from shardops.layers import CONTEXT_METHODS
+from shardops_models.networks.contract import declared
 
 BATCH_KINDS = ("dp", "zero1", "fsdp")
 """The kinds that split the batch, in the order the batch splits over them (major first)."""
@@ -214,7 +215,7 @@ def strategies_for(model, axes=None) -> list[str]:
     """The preset names that apply to ``model``: all, or without sp for a model that has no
     sequence dimension (the MLP); with ``axes``, only those whose mesh axes are among them
     (``axes=("data", "model")``: the presets of a 2-axis mesh)."""
-    sequence = getattr(model, "sequence", False)
+    sequence = declared(model).sequence
     fits = (lambda s: True) if axes is None else (lambda s: set(s.axes) <= set(axes))
     return sorted(n for n, s in STRATEGIES.items() if (sequence or not s.sp) and fits(s))
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -38,8 +38,10 @@ from jax.sharding import PartitionSpec as P
 
 import shardops
 from shardops import entry_axes
+from shardops_models.networks import contract
 from shardops_models.networks._lm import LanguageModel, check_token_range
 from shardops_models.networks._mlp import SEED_SIZES
+from shardops_models.networks.contract import check_model
 from shardops_models.networks.mlp import Mlp
 from shardops_models.strategies.fsdp import check_route, with_fsdp
 from shardops_models.strategies.parallel import (
@@ -84,6 +86,10 @@ _ZERO1_UPDATE = _Reason("zero1_update", forward={
             "sums are reduced whole",
     "all_gather": "ZeRO-1: each device updated its shard over {axis} of the parameter: the "
                   "shards are gathered back",
+})  # fmt: skip
+_AUX_LOSS = _Reason("auxiliary_loss_mean", forward={
+    "psum": "an auxiliary loss differs between devices that hold different tokens over {axis} "
+            "(sequence parallelism): the objective takes their mean",
 })  # fmt: skip
 _WHOLE_LOGITS = _Reason("whole_logits", forward={
     "all_gather": "a caller outside the mesh asks for all the logits, whose vocabulary is split "
@@ -183,6 +189,10 @@ class Setup:
     logits: Callable
     """``(params, x) → logits``, jitted, laid out like the batch (the full vocabulary or
     classes: a strategy that splits them gathers the logits at the end)."""
+    aux_weights: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """The weight of each auxiliary loss the model returns (``build``)."""
+    microbatches: int = 1
+    """The parts each device's batch is split into for the gradient (``build``)."""
     layout: Strategy = None
     """The strategy's layout: which mesh axes carry each kind of parallelism."""
     padding: Padding = None
@@ -239,7 +249,8 @@ class Setup:
     def batch_multiple(self) -> int:
         """Every batch size must be a multiple of this (the devices the batch is split over)."""
         axes = self.composition.batch_axes
-        return math.prod(self.mesh.shape[a] for a in axes) if axes else 1
+        devices = math.prod(self.mesh.shape[a] for a in axes) if axes else 1
+        return devices * self.microbatches
 
     def place_batch(self, x, y=None):
         """Put a global batch ``(x, y)`` (or ``x`` alone) on the mesh, split as the steps expect.
@@ -325,7 +336,8 @@ class Setup:
         for a concrete batch (not traced), its token ids and labels inside the vocabulary the
         library knows of (``_check_tokens``): a ValueError naming the array, the token, where
         it is and the fix. ``place_batch`` calls it."""
-        _check_batch(self.model, self.composition, self.mesh, x, y)
+        _check_batch(self.model, self.composition, self.mesh, x, y,
+                     microbatches=self.microbatches)  # fmt: skip
         self._check_token_range(x, y)
 
     def _check_token_range(self, x, y=None) -> None:
@@ -445,6 +457,8 @@ def build(
     fsdp_dense: str = "auto",
     collective_matmul: str | None = None,
     attention: str = "auto",
+    aux_weights: Mapping[str, float] | None = None,
+    microbatches: int = 1,
 ) -> Setup:
     """Train step, eval step and sharding of ``model`` under ``strategy`` on ``mesh``.
 
@@ -487,6 +501,15 @@ def build(
             blocked online softmax, which never builds the S×S scores), ``"blocked"``,
             ``"splash"``, or ``"einsum"`` (the S×S reference). Context-parallel attention runs
             the blocked path (or the einsum), and so does decoding.
+        aux_weights: the weight of each auxiliary loss the model's ``apply`` returns (a
+            mixture of experts' load balancing), over the model's own ``aux_weights``; the
+            step minimises the mean loss plus each weight × the loss, averaged over the
+            devices that hold different tokens (``models.Model``).
+        microbatches: the train step and ``loss_and_grads`` split each device's batch into
+            this many microbatches, one forward and backward at a time (``lax.scan``), and
+            sum their gradients in float32: the same gradient as one pass over the batch,
+            with the activations of one microbatch alive at a time. The batch size must be a
+            multiple of ``setup.batch_multiple``.
     """
     parallel = strategy_named(strategy)
     shardops.layers.check_implementation("build", attention, "attention")
@@ -499,18 +522,25 @@ def build(
         model = Mlp(SEED_SIZES if sizes is None else sizes)
     elif sizes is not None:
         raise ValueError("pass either model= or sizes= (the MLP's widths), not both")
+    declared = check_model(model)
+    weights = contract.aux_weights(declared, aux_weights)
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(
+            f"models.build: microbatches must be a positive int (how many parts each "
+            f"device's batch is split into, 1 for none); got {microbatches!r}"
+        )
     remat = Remat.of(remat)
     if not isinstance(precision, shardops.Precision):
         raise TypeError(
             f"precision must be a shardops.Precision (FLOAT32, BFLOAT16 or MIXED_BFLOAT16); "
             f"got {precision!r}"
         )
-    if parallel.sp and not getattr(model, "sequence", False):
+    if parallel.sp and not declared.sequence:
         raise ValueError(
             f"strategy {parallel.name!r} splits activations along the sequence; {model.name} "
             f"has no sequence dimension. Use the same strategy with tp instead of sp."
         )
-    if parallel.cp and not getattr(model, "sequence", False):
+    if parallel.cp and not declared.sequence:
         raise ValueError(
             f"strategy {parallel.name!r} splits the sequence over {parallel.cp!r} (context "
             f"parallelism); {model.name} has no sequence dimension. Drop "
@@ -532,7 +562,8 @@ def build(
     opt_specs = None if mesh is None else opt_state_specs(optimizer, padding, opt_param_specs)
     batch_spec = P(shardops.spec_entry(*parallel.batch_axes))
     body = _Body(model, parallel, roles, specs, optimizer, remat, precision, fsdp_dense,
-                 collective_matmul, opt_param_specs, padding, attention)  # fmt: skip
+                 collective_matmul, opt_param_specs, padding, attention, weights,
+                 microbatches)  # fmt: skip
 
     if mesh is None:
         step, loss_and_grads, evaluate = body.step, body.loss_and_grads, body.evaluate
@@ -550,7 +581,7 @@ def build(
 
     def checked(fn):  # shapes are static: a bad batch fails when the function traces
         def run(state_or_params, x, *y):
-            _check_batch(model, parallel, mesh, x, *y)
+            _check_batch(model, parallel, mesh, x, *y, microbatches=microbatches)
             return fn(state_or_params, x, *y)
 
         return run
@@ -583,6 +614,8 @@ def build(
         fsdp_dense=fsdp_dense,
         collective_matmul=collective_matmul,
         attention=attention,
+        aux_weights=weights,
+        microbatches=microbatches,
         layout=parallel,
         padding=padding,
         param_specs=specs,
@@ -650,7 +683,7 @@ def check_not_donated(op: str, fix: str, **arguments) -> None:
                 )
 
 
-def _check_batch(model, parallel: Strategy, mesh, x, y=None) -> None:
+def _check_batch(model, parallel: Strategy, mesh, x, y=None, *, microbatches: int = 1) -> None:
     """The model's own shape check, then a batch (and, under sp, a sequence) that splits."""
     model.check_batch(x, y)
     if parallel.batch_axes:
@@ -658,6 +691,13 @@ def _check_batch(model, parallel: Strategy, mesh, x, y=None) -> None:
             argument="x", dim=0, dim_name="batch", size=x.shape[0], mesh=mesh,
             axes=parallel.batch_axes,
         )  # fmt: skip
+    shards = math.prod(mesh.shape[a] for a in parallel.batch_axes) if parallel.batch_axes else 1
+    if (x.shape[0] // shards) % microbatches:
+        raise ValueError(
+            f"x: each device's batch of {x.shape[0] // shards} rows (batch {x.shape[0]} over "
+            f"{shards} devices) does not split into microbatches={microbatches}; use a batch "
+            f"size that is a multiple of {shards * microbatches}, or another microbatches"
+        )
     if parallel.cp:
         shardops.layers.check_context_sequence(
             "the batch", "x", x.shape[1], parallel.cp, mesh.shape[parallel.cp],
@@ -714,7 +754,7 @@ def _vocabularies(model, plan, precision, x, y) -> dict[str, tuple[int, str, str
     """
     if isinstance(model, LanguageModel):
         return {}
-    declared = getattr(model, "vocab_size", None)
+    declared = contract.declared(model).vocab_size
     if isinstance(declared, int | np.integer) and not isinstance(declared, bool):
         known = (int(declared), f"{type(model).__name__}.vocab_size", "vocab_size={n}")
         return {"x": known, "y": known}
@@ -728,7 +768,7 @@ def _vocabularies(model, plan, precision, x, y) -> dict[str, tuple[int, str, str
         tree = wrap(params, roles, jax.tree.map(lambda _: P(), roles))
         if jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(precision.compute_dtype)  # as the step casts it
-        logits = model.apply(probe, tree, x)
+        logits, _ = model.apply(probe, tree, x)
         return logits if y is None else model.loss_sum(probe, tree, logits, y)
 
     abstract = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, y)]
@@ -773,7 +813,7 @@ def _shapes(model):
 
 def _tp_specs(model, roles, shapes, axis: str, p: int):
     """The split of every leaf over the tp ``axis`` (size ``p``) by its plan role."""
-    return model_specs(roles, shapes, axis, p, getattr(model, "num_heads", None))
+    return model_specs(roles, shapes, axis, p, contract.declared(model).num_heads)
 
 
 def _layout(parallel: Strategy, model, roles, shapes, mesh) -> tuple[Padding, Any]:
@@ -880,8 +920,10 @@ class _Body:
     """
 
     def __init__(self, model, parallel, roles, specs, optimizer, remat, precision, fsdp_dense,
-                 collective_matmul, opt_param_specs, padding, attention="auto"):  # fmt: skip
+                 collective_matmul, opt_param_specs, padding, attention="auto", aux_weights=None,
+                 microbatches=1):  # fmt: skip
         self.model, self.composition, self.optimizer = model, parallel, optimizer
+        self.aux_weights, self.microbatches = dict(aux_weights or {}), microbatches
         # The layers mask what lies beyond the model's shapes (only where something is padded).
         self.logical = padding.logical if padding.padded else None
         self.roles, self.precision = roles, precision
@@ -905,16 +947,73 @@ class _Body:
         )
 
     def forward(self, ctx, params, x):
+        """``(tree, logits, aux)``: the wrapped params, and what the model's ``apply`` returns."""
         tree = wrap(params, self.roles, self.specs, self.logical)
-        return tree, self.model.apply(ctx, tree, self._inputs(x))
+        out = self.model.apply(ctx, tree, self._inputs(x))
+        logits, aux = contract.split_output(out, self.model, "the train step")
+        return tree, logits, aux
 
     def _global_batch(self, local: int) -> int:
         return local * math.prod(lax.axis_size(a) for a in self.batch_axes)
 
-    def local_loss(self, params, x, y):
-        tree, logits = self.forward(self.ctx, params, x)
-        targets = self._global_batch(y.shape[0]) * math.prod(y.shape[1:])
-        return self.model.loss_sum(self.ctx, tree, logits, self.ctx.local_tokens(y)) / targets
+    def local_loss(self, params, x, y, microbatches: int = 1):
+        """This device's share of the objective, for one of ``microbatches`` parts of its
+        batch: the loss summed over its targets / the global batch's targets, plus each
+        auxiliary loss × its weight / (the devices holding different tokens × microbatches)."""
+        tree, logits, aux = self.forward(self.ctx, params, x)
+        targets = self._global_batch(y.shape[0] * microbatches) * math.prod(y.shape[1:])
+        loss = self.model.loss_sum(self.ctx, tree, logits, self.ctx.local_tokens(y)) / targets
+        if aux:
+            loss = loss + self._weighted(aux) / microbatches
+        return loss
+
+    def _weighted(self, aux):
+        """Σ weight × auxiliary loss (float32) / the devices the step's loss sum adds over.
+
+        Each loss is a device's value for its tokens; its global value is the mean over the
+        devices it differs between (its varying axes) and the ones the loss is added over
+        (``reduce_axes``, where a loss the same on every device is then counted once). Axes
+        it varies over that the loss sum does not add over (sp's) are averaged here."""
+        total = 0.0
+        for name, value in sorted(aux.items()):
+            if name not in self.aux_weights:
+                raise ValueError(
+                    f"the train step: {type(self.model).__name__}.apply returned the auxiliary "
+                    f"loss {name!r}, which has no weight (weights given: "
+                    f"{sorted(self.aux_weights) or 'none'}); pass models.build(aux_weights="
+                    f"{{{name!r}: w}}) or declare it in the model's aux_weights"
+                )
+            if jnp.shape(value) != () or not jnp.issubdtype(jnp.result_type(value), jnp.floating):
+                raise ValueError(
+                    f"the train step: auxiliary loss {name!r} must be a float scalar (this "
+                    f"device's value); got {jnp.result_type(value)}{tuple(jnp.shape(value))}"
+                )
+            value = jnp.asarray(value, jnp.float32)
+            varying = tuple(sorted(set(shardops.varying_axes(value)) - set(self.reduce_axes)))
+            if varying:
+                value = shardops.comm.all_reduce(value, varying, reason=_AUX_LOSS)
+            shares = math.prod(lax.axis_size(a) for a in (*self.reduce_axes, *varying))
+            total = total + self.aux_weights[name] * value / shares
+        return total
+
+    def _value_and_grad(self, params, x, y):
+        """The local loss and its gradients, over ``microbatches`` parts of the batch one at a
+        time (a ``lax.scan``; the gradients summed in float32, then in the params' dtype)."""
+        k = self.microbatches
+        grad = jax.value_and_grad(functools.partial(self.local_loss, microbatches=k))
+        if k == 1:
+            return grad(params, x, y)
+        parts = [a.reshape(k, a.shape[0] // k, *a.shape[1:]) for a in (x, y)]
+        accum = self.precision.accum_dtype
+
+        def one(total, xy):
+            loss, g = grad(params, *xy)
+            return jax.tree.map(lambda t, gi: t + gi.astype(accum), total, g), loss
+
+        # zeros_like keeps each parameter's varying axes, which its gradient has too
+        zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=accum), params)
+        grads, losses = lax.scan(one, zeros, parts)
+        return jnp.sum(losses), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
     def _loss_and_grads(self, params, x, y):
         zero1 = self.composition.zero1
@@ -923,7 +1022,7 @@ class _Body:
             accum = self.precision.accum_dtype
             params = jax.tree.map(lambda p: lax.pcast(p.astype(accum), zero1, to="varying"),
                                   params)  # fmt: skip
-        loss, grads = jax.value_and_grad(self.local_loss)(params, x, y)
+        loss, grads = self._value_and_grad(params, x, y)
         if self.reduce_axes:
             with _because(_GLOBAL_LOSS, self.reduce_axes):  # AllReduce of one f32
                 loss = lax.psum(loss, self.reduce_axes)
@@ -984,9 +1083,9 @@ class _Body:
         return TrainState(params, opt_state)
 
     def logits(self, params, x):
-        tree, logits = self.forward(self.eval_ctx, params, x)
+        tree, logits, _ = self.forward(self.eval_ctx, params, x)
         tp = self.composition.tp
-        if tp and getattr(self.model, "output_layer", None) is None and (
+        if tp and contract.declared(self.model).output_layer is None and (
                 set(shardops.varying_axes(logits)) & set(entry_axes(tp))):  # fmt: skip
             raise ValueError(
                 f"setup.logits: {type(self.model).__name__}'s logits{tuple(logits.shape)} "
@@ -1011,7 +1110,8 @@ class _Body:
         return logits
 
     def evaluate(self, params, x, y):
-        tree, logits = self.forward(self.eval_ctx, params, x)
+        contract.check_metrics(self.model)
+        tree, logits, _ = self.forward(self.eval_ctx, params, x)
         sums = self.model.metrics(self.eval_ctx, tree, logits, self.eval_ctx.local_tokens(y))
         if self.reduce_axes:  # this device's sums → the global batch's: AllReduce of 3 scalars
             with _because(_METRICS, self.reduce_axes):
@@ -1020,7 +1120,7 @@ class _Body:
 
 
 def _output_split(model, tree, ctx) -> bool:
-    head = getattr(model, "output_layer", None)
+    head = contract.declared(model).output_layer
     return head is not None and ctx.is_split(head(tree))
 
 
@@ -1213,7 +1313,7 @@ def _unpad_to(a, shape):
 def model_batch(model, batch: int, seq: int | None):
     """Abstract ``(x, y)`` of one batch: the MLP's ``x[b, D], y[b, C]``; a sequence model's
     ``ids[b, S], labels[b, S]`` (S: ``seq`` or the model's context)."""
-    if getattr(model, "sequence", False):
+    if contract.declared(model).sequence:
         s = model.context if seq is None else seq
         ids = jax.ShapeDtypeStruct((batch, s), jnp.int32)
         return ids, ids
@@ -1237,9 +1337,9 @@ def _check_mesh(parallel: Strategy, mesh, model, roles, shapes) -> None:
             f"shardops.make_mesh({{{', '.join(f'{a!r}: n' for a in parallel.axes)}}})"
         )
     split_heads = HEAD in jax.tree.leaves(roles)
-    if parallel.cp and parallel.cp_method == "ulysses" and getattr(model, "num_heads", None):
-        heads = model.num_heads
-        kv_heads = getattr(model, "num_kv_heads", None) or heads
+    declared = contract.declared(model)
+    if parallel.cp and parallel.cp_method == "ulysses" and declared.num_heads:
+        heads, kv_heads = declared.num_heads, declared.kv_heads
         p = mesh.shape[parallel.tp] if parallel.tp and split_heads else 1
         if heads % p == 0:  # (a head count tp does not divide is refused below)
             sent = shardops.layers.kv_cache_heads(heads, kv_heads, p)
@@ -1251,9 +1351,8 @@ def _check_mesh(parallel: Strategy, mesh, model, roles, shapes) -> None:
         return
     axis = parallel.tp
     p = mesh.shape[axis]
-    heads = getattr(model, "num_heads", None)
+    heads, kv_heads = declared.num_heads, declared.kv_heads
     if heads is not None and HEAD in jax.tree.leaves(roles):
-        kv_heads = getattr(model, "num_kv_heads", None) or heads
         shardops.layers.check_head_counts("build", heads, kv_heads, axis, p)
     # A vocabulary or a width the axis does not divide is padded (``Padding``); heads are not:
     # each device holds whole heads.

@@ -208,7 +208,7 @@ class _AttentionLM:
 
         x = ctx.stage(ctx.embed, params["embed"], ids)
         x = x + ctx.stage(attend, params["attn"], x)
-        return ctx.stage(ctx.dense, params["head"], x)
+        return ctx.stage(ctx.dense, params["head"], x), {}
 
     def loss_sum(self, ctx, params, logits, labels):
         return ctx.cross_entropy(logits, labels, split=False).sum()

@@ -74,7 +74,7 @@ class GatedLM:
 
         x = ctx.stage(ctx.embed, params["embed"], ids)  # x[b, S, D]
         x = ctx.stage(gated_mlp, params["mlp"], x)
-        return ctx.stage(ctx.dense, params["head"], x)  # logits[b, S, V]
+        return ctx.stage(ctx.dense, params["head"], x), {}  # logits[b, S, V]
 
     def loss_sum(self, ctx, params, logits, labels):
         return ctx.cross_entropy(logits, labels, split=False).sum()
@@ -250,7 +250,7 @@ class KeyedLM:
     def apply(self, ctx, params, ids):
         x = ctx.stage(ctx.embed, params["embed"], ids)
         x = ctx.stage(ctx.rms_norm, params["norm"], x)
-        return ctx.stage(ctx.dense, params["head"], x)
+        return ctx.stage(ctx.dense, params["head"], x), {}
 
     def loss_sum(self, ctx, params, logits, labels):
         return ctx.cross_entropy(logits, labels, split=ctx.is_split(params["head"])).sum()
@@ -357,7 +357,7 @@ class DeclaredLM(KeyedLM):
 
     def apply(self, ctx, params, ids):
         x = ctx.stage(lambda p, i: jnp.take(ctx.array(p["table"]), i, axis=0), params["embed"], ids)
-        return ctx.stage(ctx.dense, params["head"], x)
+        return ctx.stage(ctx.dense, params["head"], x), {}
 
 
 EMBED = "the rows of params\\['embed'\\]\\['table'\\], the table ctx.embed reads"

@@ -39,7 +39,7 @@ class AbsMlp(models.Mlp):
             x = ctx.stage(ctx.dense, layer, x)  # (b, width)
             if i < len(params) - 1:
                 x = jnp.sqrt(x * x)  # |x|; d/dx at 0: (0.5 / √0) · 2x = ∞ · 0
-        return x  # (b, C)
+        return x, {}  # logits[b, C], no auxiliary loss
 
 
 _SETUPS: dict = {}
