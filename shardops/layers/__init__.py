@@ -22,17 +22,15 @@ from shardops.layers._attention import (
     IMPLEMENTATIONS,
     AttentionSpecs,
     attention,
-    cached_attention_kernel,
     check_head_counts,
     check_implementation,
     head_parallel_attention,
     head_parallel_attention_kernel,
     head_parallel_attention_specs,
     init_attention,
-    kv_cache_heads,
-    segment_positions,
     splits_kv_heads,
 )
+from shardops.layers._cached_attention import cached_attention_kernel
 from shardops.layers._collective_dense import COLLECTIVE_MATMULS
 from shardops.layers._context_attention import METHODS as CONTEXT_METHODS
 from shardops.layers._context_attention import (
@@ -68,6 +66,7 @@ from shardops.layers._embedding import (
     vocab_parallel_embedding_specs,
 )
 from shardops.layers._flash import blocked_attention
+from shardops.layers._kv_heads import kv_cache_heads
 from shardops.layers._mlp import (
     GatedMlpSpecs,
     gated_mlp,
@@ -78,6 +77,7 @@ from shardops.layers._mlp import (
 )
 from shardops.layers._norms import layer_norm, rms_norm
 from shardops.layers._params import dense, init_dense, pad_params, padded_size, shard_params, unpad
+from shardops.layers._rope import segment_positions
 
 __all__ = [
     "BLOCK_K",

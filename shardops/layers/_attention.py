@@ -51,8 +51,6 @@ Notation (the JAX scaling book): ``w[D, F_model]`` is split over ``model`` along
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 from typing import NamedTuple
 
 import jax
@@ -64,7 +62,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardops._axes import MODEL_AXIS, SEQUENCE_DIM
 from shardops._mesh import axis_size, check_divisible, spec_entry, varying_axes
-from shardops._precision import FLOAT32, Precision, _reduce_to
+from shardops._precision import FLOAT32, Precision
 from shardops.comm._mappings import (
     copy_to_region,
     gather_to_region,
@@ -72,7 +70,7 @@ from shardops.comm._mappings import (
     reduce_scatter_from_region,
 )
 from shardops.comm._reasons import Reason, because
-from shardops.layers import _flash
+from shardops.layers import _attention_reference, _flash, _kv_heads, _rope
 from shardops.layers._common import (
     bound_axis_size,
     check_axes,
@@ -120,7 +118,7 @@ _GATHER = Reason("attention_sequence_gather", forward={
     "psum_scatter": "it is the transpose of the sequence-parallel gather: dx partial sums are "
                     "reduced and split back over {axis}",
 })  # fmt: skip
-_REDUCE = Reason("attention_partial_sums", forward={
+PARTIAL_SUMS = Reason("attention_partial_sums", forward={
     "psum": "the heads are split over {axis}: the output projection's partial sums y{U} are "
             "reduced",
     "psum_scatter": "the heads are split over {axis}: the output projection's partial sums are "
@@ -230,33 +228,6 @@ def init_attention(
     return params
 
 
-def segment_positions(segment_ids):
-    """``positions[B, S]``: each token's position within its segment (a packed document: a run
-    of equal ids), restarting at 0 where the id changes. ``segment_ids[B, S]`` integers."""
-    segment_ids = jnp.asarray(segment_ids)
-    seq = segment_ids.shape[-1]
-    index = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), segment_ids.shape)
-    starts = jnp.concatenate(
-        [jnp.ones_like(segment_ids[..., :1], bool), segment_ids[..., 1:] != segment_ids[..., :-1]],
-        axis=-1,
-    )  # [B, S]: True where a segment begins
-    first = lax.cummax(jnp.where(starts, index, 0), axis=segment_ids.ndim - 1)  # its start
-    return index - first
-
-
-class _KvHeads(NamedTuple):
-    """Which KV heads a device projects and which one each of its query heads reads."""
-
-    count: int
-    """KV heads this device projects."""
-    index: jax.Array | None
-    """``index[H_local]``: the local KV head of each local query head (a traced array) where
-    K/V are replicated and this device reads more than one KV head (the run need not align
-    with the grouping: H = 6, KV = 2 on 3 devices gives device 1 the query heads 2, 3 of KV
-    heads 0, 1); None where every local query head reads local KV head ``j // (H_local /
-    count)`` (K/V split by KV head, or one KV head per device)."""
-
-
 @scoped("head_parallel_attention")
 def head_parallel_attention_kernel(
     x,
@@ -327,15 +298,15 @@ def head_parallel_attention_kernel(
     check_implementation(op, implementation)
     p = bound_axis_size(axis_name, op)
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    heads, head_dim, shared = _check_local(op, x, params, num_heads, kv_heads, p, axis_name,
-                                           sequence_parallel)  # fmt: skip
+    heads, head_dim, shared = check_local(op, x, params, num_heads, kv_heads, p, axis_name,
+                                          sequence_parallel)  # fmt: skip
     seq = x.shape[SEQUENCE_DIM] * (p if sequence_parallel else 1)
     if context is not None:  # the sequence block and the heads Ulysses sends, before any move
         context.check_local(op, seq, num_heads, kv_heads, p, shared,
                             sequence_split=p if sequence_parallel else 1)  # fmt: skip
-    tokens = _check_tokens(op, positions, segment_ids, (x.shape[0], seq), axis_name, rope_theta,
+    tokens = check_tokens(op, positions, segment_ids, (x.shape[0], seq), axis_name, rope_theta,
                            context)  # fmt: skip
-    _check_rope(op, rope_theta, head_dim)
+    _rope.check_rope(op, rope_theta, head_dim)
     accum = precision.accum_dtype
     if sequence_parallel:
         # x_block[B, S/p, D] → x[B, S, D] once for Q, K, V; backward: one ReduceScatter of dx.
@@ -346,143 +317,26 @@ def head_parallel_attention_kernel(
         with because(_INPUT, axis_name):
             x = copy_to_region(x, axis_name, accum)  # x[B, S, D] in accum
     if shared:
-        params, kv = _shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum)
+        params, kv = shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum)
     else:
-        kv = _KvHeads(kv_heads // p, None)
-    y_partial = _attend(x, params, heads, kv, head_dim, causal, rope_theta, *tokens, precision,
-                        context, implementation)  # fmt: skip
+        kv = _kv_heads.KvHeads(kv_heads // p, None)
+    y_partial = heads_attention(x, params, heads, kv, head_dim, causal, rope_theta, *tokens,
+                                precision, context, implementation)  # fmt: skip
     bo = params.get("bo")
     if sequence_parallel:
-        with because(_REDUCE, axis_name):  # y[B, S/p, D] in accum
+        with because(PARTIAL_SUMS, axis_name):  # y[B, S/p, D] in accum
             y = reduce_scatter_from_region(y_partial, axis_name, SEQUENCE_DIM)
         if bo is not None:
             # bo[D] is replicated but y is a sequence shard: dbo is all-reduced over model.
             with because(_BIAS, axis_name):
                 bo = copy_to_region(bo, axis_name, accum)  # bo[D] in accum
     else:
-        with because(_REDUCE, axis_name):
+        with because(PARTIAL_SUMS, axis_name):
             y = reduce_from_region(y_partial, axis_name)  # y[B, S, D] in accum
     return precision.finish(y, bo)  # + bo once, after the reduction; y in compute dtype
 
 
-def kv_cache_heads(num_heads: int, num_kv_heads: int, axis_size: int) -> int:
-    """KV heads a device projects, and caches when decoding, under head parallelism over
-    ``axis_size`` devices: ``KV/p`` when ``p`` divides KV (K/V split by KV head), else the
-    longest run of KV heads a device's query heads read (K/V replicated; 1 when KV divides
-    p). The decoding cache holds ``[B, that, S_max, hd]`` per device and layer."""
-    if num_kv_heads % axis_size == 0:
-        return num_kv_heads // axis_size
-    local, group = num_heads // axis_size, num_heads // num_kv_heads
-    return max(((i + 1) * local - 1) // group - (i * local) // group + 1
-               for i in range(axis_size))  # fmt: skip
-
-
-@scoped("cached_attention")
-def cached_attention_kernel(
-    x,
-    params,
-    cache,
-    start,
-    *,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    rope_theta: float | None = None,
-    axis_name: str = MODEL_AXIS,
-    precision: Precision = FLOAT32,
-    implementation: str = "auto",
-):
-    """Causal head-parallel attention of new tokens against a KV cache (decoding), on local
-    blocks: ``x[B, s, D]`` at positions ``start … start+s−1`` → ``y[B, s, D]`` and the cache
-    with their keys and values written in.
-
-    The prompt's prefill is one call (``start`` = 0, ``s`` = its length), each generated token
-    another (``s`` = 1). Every row of the batch is at the same position.
-
-    Arguments (``p`` = size of ``axis_name``):
-        x: ``x[B, s, D]`` replicated over ``axis_name``.
-        params: as ``head_parallel_attention_kernel``'s (``wk``, ``wv`` split by KV head or
-            replicated; biases optional).
-        cache: ``(k, v)``, each ``[B, n, S_max, hd]`` in ``precision.compute_dtype`` with
-            ``n = kv_cache_heads(H, KV, p)``: this device's KV heads (the ones its query heads
-            read; where K/V are replicated, devices that read the same KV head each cache it).
-            Positions ``≥ start`` are overwritten or masked (finite values: see ``start``).
-        start: int32 scalar (may be traced), the position of ``x``'s first token; rotary
-            positions continue from it. ``start + s ≤ S_max``: the caller checks it
-            (``lax.dynamic_update_slice`` would clamp a write past the end). Positions
-            ``≥ start + s`` must hold finite values (``init_cache``'s zeros, or earlier
-            steps'): they are masked, but a masked NaN key or value still makes a NaN.
-        implementation: ``"einsum"`` scores ``[B, H/p, s, S_max]`` at once; any other
-            (``"auto"``, ``"blocked"``, ``"splash"``) runs the blocked online softmax over
-            the written part of the cache in place, in blocks of ``BLOCK_K`` (splash has no
-            one-query kernel).
-
-    Returns:
-        ``(y, (k, v))``: ``y[B, s, D]`` in ``precision.compute_dtype`` replicated over
-        ``axis_name``, and the cache with positions ``start … start+s−1`` written.
-
-    Communication over ``axis_name``: one AllReduce ``y[B, s, D]{U_model} → y`` in
-    ``accum_dtype``, as the training kernel's forward; nothing else (the cache never moves).
-    """
-    op = "cached_attention_kernel"
-    check_implementation(op, implementation)
-    p = bound_axis_size(axis_name, op)
-    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    heads, head_dim, shared = _check_local(op, x, params, num_heads, kv_heads, p, axis_name,
-                                           False)  # fmt: skip
-    _check_rope(op, rope_theta, head_dim)
-    k_cache, v_cache = cache
-    batch, seq, _ = x.shape
-    want = (batch, kv_cache_heads(num_heads, kv_heads, p), k_cache.shape[2], head_dim)
-    for name, c in (("k", k_cache), ("v", v_cache)):
-        if tuple(c.shape) != want or c.dtype != np.dtype(precision.compute_dtype):
-            raise ValueError(
-                f"{op}: the {name} cache must be [B, n, S_max, hd] = {want} in "
-                f"{np.dtype(precision.compute_dtype)} (n = kv_cache_heads({num_heads}, "
-                f"{kv_heads}, {p})); got {c.dtype}{tuple(c.shape)}"
-            )
-    accum = precision.accum_dtype
-    x = x.astype(accum)  # replicated over model: no region entry is needed without a backward
-    if shared:
-        params, kv = _shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum)
-    else:
-        kv = _KvHeads(kv_heads // p, None)
-    q, k, v = _projections(x, params, heads, kv.count, precision)  # q[B, H/p, s, hd], k, v
-    positions = start + jnp.arange(seq, dtype=jnp.int32)  # [s]: the tokens' global positions
-    if rope_theta is not None:
-        cos, sin = _rotation(positions[None], seq, head_dim, rope_theta)  # [1, 1, s, hd/2]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    compute = precision.compute_dtype
-    at = (0, 0, start, 0)
-    k_cache = lax.dynamic_update_slice(k_cache, k.astype(compute), at)  # [B, n, S_max, hd]
-    v_cache = lax.dynamic_update_slice(v_cache, v.astype(compute), at)
-    size = k_cache.shape[2]
-    if implementation != "einsum":  # blocks of the cache, never [s, S_max] at once
-        keys, values = k_cache, v_cache  # [B, n, S_max, hd]
-        if kv.index is not None:  # replicated K/V read by index: each query head's own
-            keys, values = _for_query_heads(keys, kv, heads), _for_query_heads(values, kv, heads)
-        o = _flash.cache_attention(q, keys, values, q_positions=positions, length=start + seq,
-                                   block_k=BLOCK_K, precision=precision)  # fmt: skip
-        o = o.transpose(0, 2, 1, 3)  # o[B, s, H/p, hd] in accum
-        y_partial = precision.matmul(o.reshape(batch, seq, heads * head_dim), params["wo"])
-        with because(_REDUCE, axis_name):
-            y = lax.psum(y_partial, axis_name)  # y[B, s, D] in accum
-        return precision.finish(y, params.get("bo")), (k_cache, v_cache)
-    keys = _for_query_heads(k_cache, kv, heads)  # [B, H/p, S_max, hd]
-    values = _for_query_heads(v_cache, kv, heads)
-    q = q.reshape(batch * heads, seq, head_dim)
-    keys, values = (t.reshape(batch * heads, size, head_dim) for t in (keys, values))
-    scores = _product("nqd,nkd->nqk", q, keys, precision) * (1.0 / math.sqrt(head_dim))
-    visible = jnp.arange(size)[None, :] <= positions[:, None]  # [s, S_max]: key j ≤ query i
-    probs = jax.nn.softmax(jnp.where(visible[None], scores, -jnp.inf), axis=-1)
-    o = _product("nqk,nkd->nqd", probs, values, precision)  # o[B·H/p, s, hd] in accum
-    o = o.reshape(batch, heads, seq, head_dim).transpose(0, 2, 1, 3)
-    y_partial = precision.matmul(o.reshape(batch, seq, heads * head_dim), params["wo"])
-    with because(_REDUCE, axis_name):
-        y = lax.psum(y_partial, axis_name)  # y[B, s, D] in accum
-    return precision.finish(y, params.get("bo")), (k_cache, v_cache)
-
-
-def _shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum):
+def shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum):
     """Replicated ``wk``, ``wv`` (``bk``, ``bv``): this device's slice of the KV heads its query
     heads read, entered into the region (the backward AllReduces their gradients).
 
@@ -505,7 +359,7 @@ def _shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum)
             if count < kv_heads:
                 w = lax.dynamic_slice_in_dim(w, first * head_dim, count * head_dim, axis=dim)
             sliced[name] = w  # w[D, count·hd] in accum
-    return sliced, _KvHeads(count, None if count == 1 else index)
+    return sliced, _kv_heads.KvHeads(count, None if count == 1 else index)
 
 
 def check_implementation(op: str, implementation, argument: str = "implementation") -> str:
@@ -543,12 +397,12 @@ def _local_implementation(implementation: str, q, k, precision: Precision) -> st
     return "splash"
 
 
-def _core(q, k, v, kv: _KvHeads, heads: int, causal: bool, segment_ids, precision: Precision,
-          implementation: str):  # fmt: skip
+def _core(q, k, v, kv: _kv_heads.KvHeads, heads: int, causal: bool, segment_ids,
+          precision: Precision, implementation: str):  # fmt: skip
     """``o[B, H/p, S, hd]`` in accum: softmax attention of ``q[B, H/p, S, hd]`` over ``k, v[B,
-    n, S, hd]`` by ``implementation`` (not ``"einsum"``: ``_attend`` runs that itself)."""
+    n, S, hd]`` by ``implementation`` (not ``"einsum"``: ``heads_attention`` runs that itself)."""
     if kv.index is not None:  # replicated K/V read by index: each query head's own KV head
-        k, v = _for_query_heads(k, kv, heads), _for_query_heads(v, kv, heads)
+        k, v = _kv_heads.for_query_heads(k, kv, heads), _kv_heads.for_query_heads(v, kv, heads)
     if _local_implementation(implementation, q, k, precision) == "splash":
         from shardops.layers import _splash
 
@@ -569,88 +423,30 @@ def _core(q, k, v, kv: _KvHeads, heads: int, causal: bool, segment_ids, precisio
                          block_k=BLOCK_K, precision=precision)  # fmt: skip
 
 
-def _attend(x, params, heads: int, kv: _KvHeads, head_dim: int, causal: bool, rope_theta,
-            positions, segment_ids, precision: Precision, context=None,
+def heads_attention(x, params, heads: int, kv: _kv_heads.KvHeads, head_dim: int, causal: bool,
+                    rope_theta, positions, segment_ids, precision: Precision, context=None,
             implementation: str = "auto"):  # fmt: skip
     """The local heads' attention and output projection: ``x[B, S, D]`` → ``y[B, S, D]``, in
     ``accum_dtype``, a partial sum over heads when the heads are split (``y{U_model}``).
     With ``context`` (a ``ContextParallel``) ``x`` is this device's block of the sequence and
     its queries attend over the whole sequence by the context method."""
     batch, seq, _ = x.shape
-    q, k, v = _projections(x, params, heads, kv.count, precision)  # q[B, H/p, S, hd], k, v
+    q, k, v = projections(x, params, heads, kv.count, precision)  # q[B, H/p, S, hd], k, v
     if rope_theta is not None:
         if positions is None and context is not None:
             positions = context.positions(seq)[None]  # [1, S]: the tokens' global positions
-        cos, sin = _rotation(positions, seq, head_dim, rope_theta)  # [B, 1, S, hd/2] each
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = _rope.rotation(positions, seq, head_dim, rope_theta)  # [B, 1, S, hd/2] each
+        q, k = _rope.rotate(q, cos, sin), _rope.rotate(k, cos, sin)
     if context is not None:  # o[B, H/p, S, hd] over the whole sequence
         o = context.attend(q, k, v, kv, heads, causal, segment_ids, precision, implementation)
     elif implementation != "einsum":  # never S×S
         o = _core(q, k, v, kv, heads, causal, segment_ids, precision, implementation)
     else:
-        o = _einsum_attention(q, k, v, kv, heads, causal, segment_ids, precision)
+        o = _attention_reference.einsum_attention(
+            q, k, v, kv, heads, causal, segment_ids, precision
+        )
     o = o.transpose(0, 2, 1, 3).reshape(batch, seq, heads * head_dim)  # o[B, S, (H/p)·hd]
     return precision.matmul(o, params["wo"])  # y[B, S, D] in accum
-
-
-def _einsum_attention(q, k, v, kv: _KvHeads, heads: int, causal: bool, segment_ids,
-                      precision: Precision):  # fmt: skip
-    """The reference: ``o[B, H/p, S, hd]`` in accum from the whole ``[B, H/p, S, S]`` scores
-    and probabilities in float32 (kept for the backward)."""
-    batch, _, seq, head_dim = q.shape
-    k, v = _for_query_heads(k, kv, heads), _for_query_heads(v, kv, heads)  # [B, H/p, S, hd]
-    q, k, v = (t.reshape(batch * heads, seq, head_dim) for t in (q, k, v))  # [B·H/p, S, hd]
-    scores = _product("nqd,nkd->nqk", q, k, precision)  # scores[B·H/p, S_query, S_key] in accum
-    scores = scores * (1.0 / math.sqrt(head_dim))  # scores[B·H/p, S, S]
-    visible = _visible(seq, causal, segment_ids)  # [B or 1, 1, S, S] or None
-    if visible is not None:
-        scores = scores.reshape(batch, heads, seq, seq)
-        scores = jnp.where(visible, scores, -jnp.inf).reshape(batch * heads, seq, seq)
-    probs = jax.nn.softmax(scores, axis=-1)  # probs[B·H/p, S, S] in accum, normalised over keys
-    o = _product("nqk,nkd->nqd", probs, v, precision)  # o[B·H/p, S, hd] in accum
-    return o.reshape(batch, heads, seq, head_dim)  # o[B, H/p, S, hd]
-
-
-def _visible(seq: int, causal: bool, segment_ids):
-    """``visible[B or 1, 1, S_query, S_key]``: the keys each query may attend to, or None."""
-    visible = None
-    if causal:
-        visible = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]  # [S, S]: key j ≤ query i
-        visible = visible[None, None]
-    if segment_ids is not None:
-        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B, 1, S, S]
-        visible = same if visible is None else same & visible
-    return visible
-
-
-def _rotation(positions, seq: int, head_dim: int, theta: float):
-    """``cos, sin[B or 1, 1, S, hd/2]`` in float32 of the angles ``position · θ^(−2d/hd)``.
-
-    The frequencies are computed in float64 at trace time and rounded once to float32."""
-    freqs = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [hd/2]
-    if positions is None:
-        positions = jnp.arange(seq)[None]  # [1, S]
-    angles = positions.astype(jnp.float32)[:, None, :, None] * freqs.astype(np.float32)
-    return jnp.cos(angles), jnp.sin(angles)  # [B, 1, S, hd/2]
-
-
-def _rotate(t, cos, sin):
-    """Hugging Face's ``t·cos + rotate_half(t)·sin`` on ``t[B, n, S, hd]`` in float32: the
-    pairs are dims ``(d, d + hd/2)``."""
-    half = t.shape[-1] // 2
-    t1, t2 = t[..., :half], t[..., half:]
-    return jnp.concatenate([t1 * cos - t2 * sin, t2 * cos + t1 * sin], axis=-1)
-
-
-def _for_query_heads(t, kv: _KvHeads, heads: int):
-    """``t[B, n, S, hd]`` (the KV heads) → ``[B, H/p, S, hd]``, the KV head of each query head;
-    the backward sums each KV head's cotangent over its query heads (in ``t``'s dtype)."""
-    n = t.shape[1]
-    if kv.index is not None:  # replicated K/V: each query head's own KV head, by index
-        return jnp.take(t, kv.index, axis=1)
-    if n == heads:
-        return t
-    return jnp.repeat(t, heads // n, axis=1)  # contiguous groups: query head j reads j // g
 
 
 def attention(
@@ -677,13 +473,13 @@ def attention(
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     op = "attention"
     check_implementation(op, implementation)
-    _check_args(op, x, params, num_heads, kv_heads, causal, precision, dtypes=False)
+    check_args(op, x, params, num_heads, kv_heads, causal, precision, dtypes=False)
     head_dim = params["wq"].shape[1] // num_heads
-    _check_rope(op, rope_theta, head_dim)
-    tokens = _check_tokens(op, positions, segment_ids, x.shape[:2], None, rope_theta)
+    _rope.check_rope(op, rope_theta, head_dim)
+    tokens = check_tokens(op, positions, segment_ids, x.shape[:2], None, rope_theta)
     x = x.astype(precision.accum_dtype)  # x[B, S, D] in accum, as the kernel's region entry
-    kv = _KvHeads(kv_heads, None)
-    y = _attend(
+    kv = _kv_heads.KvHeads(kv_heads, None)
+    y = heads_attention(
         x,
         params,
         num_heads,
@@ -698,7 +494,7 @@ def attention(
     return precision.finish(y, params.get("bo"))  # y in compute dtype
 
 
-def _projections(x, params, heads: int, kv_heads: int, precision: Precision):
+def projections(x, params, heads: int, kv_heads: int, precision: Precision):
     """``q[B, H/p, S, hd]``, ``k, v[B, n, S, hd]`` in ``accum_dtype``: the three projections of
     ``x[B, S, D]``, one product per weight, ``x`` rounded once for all three
     (``Precision.matmuls``: the backward keeps one copy of it and sums their ``dx`` in accum)."""
@@ -720,58 +516,6 @@ def _heads(y, b, heads: int, precision: Precision):
         y = y + b.astype(precision.accum_dtype)  # [B, S, n·hd]
     batch, seq, _ = y.shape
     return y.reshape(batch, seq, heads, -1).transpose(0, 2, 1, 3)  # [B, n, S, hd]
-
-
-def _product(spec: str, a, b, precision: Precision):
-    """``einsum(spec, a, b)`` of compute-dtype operands, accumulated and returned in ``accum_dtype``.
-
-    ``a`` and ``b`` may come in either dtype; their cotangents keep it (see ``_einsum``).
-    """
-    compute, accum = np.dtype(precision.compute_dtype), np.dtype(precision.accum_dtype)
-    return _einsum(spec, compute, accum, precision.matmul_precision, a, b)
-
-
-def _einsum_of(spec, a, b, compute, accum, matmul_precision):
-    """``einsum(spec, a, b)``: operands cast to ``compute``, accumulated in ``accum``."""
-    return jnp.einsum(
-        spec,
-        a.astype(compute),
-        b.astype(compute),
-        preferred_element_type=accum,
-        precision=matmul_precision,
-    )
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _einsum(spec, compute, accum, matmul_precision, a, b):
-    """The attention products (``q·kᵀ``, ``p·v``) with the dense matmul's backward discipline.
-
-    For ``c = einsum("A,B->C", a, b)`` (every index in two of the three operands) the cotangents
-    are ``da = einsum("C,B->A", g, b)`` and ``db = einsum("A,C->B", a, g)``: products of
-    compute-dtype operands accumulated in ``accum``, returned in the primal's dtype. Plain
-    autodiff would give bf16 × f32 products accumulated in bf16.
-    """
-    return _einsum_of(spec, a, b, compute, accum, matmul_precision)
-
-
-def _einsum_fwd(spec, compute, accum, matmul_precision, a, b):
-    a_c, b_c = a.astype(compute), b.astype(compute)  # residuals in compute_dtype
-    out = _einsum_of(spec, a_c, b_c, compute, accum, matmul_precision)
-    # Empty slices carry the primals' dtypes and varying mesh axes into the backward pass.
-    return out, (a_c, b_c, a.reshape(-1)[:0], b.reshape(-1)[:0])
-
-
-def _einsum_bwd(spec, compute, accum, matmul_precision, residuals, g):
-    a_c, b_c, a_kind, b_kind = residuals
-    inputs, out = spec.split("->")
-    lhs, rhs = inputs.split(",")
-    da = _einsum_of(f"{out},{rhs}->{lhs}", g, b_c, compute, accum, matmul_precision)  # in accum
-    db = _einsum_of(f"{lhs},{out}->{rhs}", a_c, g, compute, accum, matmul_precision)  # in accum
-    da, db = _reduce_to(da, a_kind), _reduce_to(db, b_kind)  # invariant primal: reduce, in accum
-    return da.astype(a_kind.dtype), db.astype(b_kind.dtype)
-
-
-_einsum.defvjp(_einsum_fwd, _einsum_bwd)
 
 
 def head_parallel_attention(
@@ -830,9 +574,9 @@ def head_parallel_attention(
     check_implementation(op, implementation)
     check_axes(mesh, axis_name, batch_axis)
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    _check_args(op, x, params, num_heads, kv_heads, causal, precision)
-    _check_rope(op, rope_theta, params["wq"].shape[1] // num_heads)
-    _check_tokens(op, positions, segment_ids, x.shape[:2], None, rope_theta)
+    check_args(op, x, params, num_heads, kv_heads, causal, precision)
+    _rope.check_rope(op, rope_theta, params["wq"].shape[1] // num_heads)
+    check_tokens(op, positions, segment_ids, x.shape[:2], None, rope_theta)
     p = axis_size(mesh, axis_name)
     check_head_counts(op, num_heads, kv_heads, axis_name, p)
     check_divisible(
@@ -897,24 +641,7 @@ def _check_groups(op: str, num_heads, num_kv_heads) -> None:
         )
 
 
-def _check_rope(op: str, rope_theta, head_dim: int) -> None:
-    if rope_theta is None:
-        return
-    if (
-        isinstance(rope_theta, bool)
-        or not isinstance(rope_theta, numbers.Real)
-        or not (rope_theta > 1)
-    ):
-        raise ValueError(f"{op}: rope_theta must be a number > 1 (e.g. 10000.0) or None; got "
-                         f"{rope_theta!r}")  # fmt: skip
-    if head_dim % 2:
-        raise ValueError(
-            f"{op}: rotary embeddings rotate pairs of dims (d, d + hd/2), so head_dim must be "
-            f"even; got head_dim={head_dim}"
-        )
-
-
-def _check_tokens(op: str, positions, segment_ids, shape, axis_name, rope_theta, context=None):
+def check_tokens(op: str, positions, segment_ids, shape, axis_name, rope_theta, context=None):
     """``positions`` and ``segment_ids``: ``[B, S]`` integers (replicated over ``axis_name``
     inside the kernel); returns them with the default positions filled in (None without RoPE,
     or under ``context``, where the kernel fills in the tokens' global positions)."""
@@ -944,11 +671,11 @@ def _check_tokens(op: str, positions, segment_ids, shape, axis_name, rope_theta,
                 f"device. Compute segment_positions(segment_ids) on the whole sequence and "
                 f"give each device its tokens' (context_parallel_attention does)."
             )
-        positions = segment_positions(segment_ids)  # restart at each document
+        positions = _rope.segment_positions(segment_ids)  # restart at each document
     return positions, segment_ids
 
 
-def _check_args(op: str, x, params, num_heads, num_kv_heads, causal, precision, *,
+def check_args(op: str, x, params, num_heads, num_kv_heads, causal, precision, *,
                 dtypes=True) -> None:  # fmt: skip
     """Global shapes, dtypes (unless ``dtypes=False``: params may arrive in ``accum_dtype``,
     as a strategy's gathers give them) and names, before anything is traced."""
@@ -1023,7 +750,7 @@ def _check_param_names(op: str, params) -> None:
         )
 
 
-def _check_local(op, x, params, num_heads, num_kv_heads, p, axis_name, sequence_parallel):
+def check_local(op, x, params, num_heads, num_kv_heads, p, axis_name, sequence_parallel):
     """Local blocks inside ``shard_map``: heads per device, head dim, and whether K/V are
     replicated over ``axis_name`` (shared KV heads)."""
     _check_param_names(op, params)

@@ -64,7 +64,7 @@ from shardops._axes import CONTEXT_AXIS
 from shardops._mesh import axis_size, check_divisible, spec_entry, varying_axes
 from shardops._precision import FLOAT32, Precision
 from shardops.comm._reasons import Reason, because
-from shardops.layers import _attention, _flash
+from shardops.layers import _attention, _attention_reference, _flash, _kv_heads, _rope
 from shardops.layers._common import bound_axis_size, check_axes, run_layer, scoped
 
 METHODS = ("allgather", "ring", "ulysses")
@@ -180,8 +180,8 @@ class ContextParallel:
         take)."""
         index = kv.index  # replicated K/V read by index: the KV heads move, then expand
         if index is not None and self.method == "ulysses":  # the heads split needs each
-            k = _attention._for_query_heads(k, kv, heads)  # query head's K/V: [B, H, s, hd]
-            v = _attention._for_query_heads(v, kv, heads)
+            k = _kv_heads.for_query_heads(k, kv, heads)  # query head's K/V: [B, H, s, hd]
+            v = _kv_heads.for_query_heads(v, kv, heads)
             index = None
         group = heads // k.shape[1] if index is None else 1
         run = {"allgather": _allgather, "ring": _ring, "ulysses": _ulysses}[self.method]
@@ -199,7 +199,7 @@ def ulysses_heads_sent(num_heads: int, kv_heads: int, p: int = 1,
     heads = num_heads // p
     if not replicated_kv:
         return heads, kv_heads // p
-    count = _attention.kv_cache_heads(num_heads, kv_heads, p)
+    count = _kv_heads.kv_cache_heads(num_heads, kv_heads, p)
     return heads, heads if count > 1 else count
 
 
@@ -285,13 +285,13 @@ def _local_core(q, k, v, group: int, visible, precision: Precision):
         k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)  # [B, H, sk, hd]
     q = q.reshape(batch * heads, sq, hd)
     k, v = (t.reshape(batch * heads, sk, hd) for t in (k, v))
-    scores = _attention._product("nqd,nkd->nqk", q, k, precision)  # [B·H, sq, sk] in accum
+    scores = _attention_reference.product("nqd,nkd->nqk", q, k, precision)  # [B·H, sq, sk] in accum
     scores = scores * (1.0 / math.sqrt(hd))
     if visible is not None:
         scores = scores.reshape(batch, heads, sq, sk)
         scores = jnp.where(visible, scores, -jnp.inf).reshape(batch * heads, sq, sk)
     probs = jax.nn.softmax(scores, axis=-1)  # normalised over every key of the sequence
-    o = _attention._product("nqk,nkd->nqd", probs, v, precision)  # [B·H, sq, hd] in accum
+    o = _attention_reference.product("nqk,nkd->nqd", probs, v, precision)  # [B·H, sq, hd] in accum
     return o.reshape(batch, heads, sq, hd)
 
 
@@ -455,7 +455,7 @@ def _ring_fwd(axis, causal, precision, block_k, q, k, v, seg_all, index):
     kc, vc = k.astype(compute), v.astype(compute)  # the blocks that travel: k[B, n, s, hd]
     held = (kc, vc)
     o = _filled(q, q.shape, 0.0, precision.accum_dtype)  # the attention over the blocks so far
-    lse = _filled(q, q.shape[:-1], _flash._MASKED, jnp.float32)  # and its log-sum-exp [B, H, s]
+    lse = _filled(q, q.shape[:-1], _flash.MASKED, jnp.float32)  # and its log-sum-exp [B, H, s]
 
     for t in range(n):  # ring steps: the block of device r − t
         owner = (r - t) % n  # whose block this device holds now
@@ -630,16 +630,16 @@ def context_parallel_attention_kernel(
         raise ValueError(f"{op}: sequence_parallel splits the sequence over the model axis; "
                          f"give model_axis")  # fmt: skip
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    _attention._check_args(op, x, params, num_heads, kv_heads, causal, precision, dtypes=False)
+    _attention.check_args(op, x, params, num_heads, kv_heads, causal, precision, dtypes=False)
     context.check_local(op, x.shape[1], num_heads, kv_heads)  # before any all-to-all
     head_dim = params["wq"].shape[1] // num_heads
-    _attention._check_rope(op, rope_theta, head_dim)
-    tokens = _attention._check_tokens(op, positions, segment_ids, x.shape[:2], None, rope_theta,
-                                      context)  # fmt: skip
+    _rope.check_rope(op, rope_theta, head_dim)
+    tokens = _attention.check_tokens(op, positions, segment_ids, x.shape[:2], None, rope_theta,
+                                     context)  # fmt: skip
     x = x.astype(precision.accum_dtype)  # x[B, s, D] in accum; no region over the context axis
-    kv = _attention._KvHeads(kv_heads, None)
-    y = _attention._attend(x, params, num_heads, kv, head_dim, causal, rope_theta, *tokens,
-                           precision, context, implementation)  # fmt: skip
+    kv = _kv_heads.KvHeads(kv_heads, None)
+    y = _attention.heads_attention(x, params, num_heads, kv, head_dim, causal, rope_theta,
+                                   *tokens, precision, context, implementation)  # fmt: skip
     return precision.finish(y, params.get("bo"))  # y[B, s, D] in compute dtype
 
 
@@ -690,8 +690,8 @@ def context_parallel_attention(
     if model_axis is not None:
         check_axes(mesh, model_axis, None)
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    _attention._check_args(op, x, params, num_heads, kv_heads, causal, precision)
-    _attention._check_rope(op, rope_theta, params["wq"].shape[1] // num_heads)
+    _attention.check_args(op, x, params, num_heads, kv_heads, causal, precision)
+    _rope.check_rope(op, rope_theta, params["wq"].shape[1] // num_heads)
     n = axis_size(mesh, context_axis)
     p = 1 if model_axis is None else axis_size(mesh, model_axis)
     check_sequence(op, "x", x.shape[1], context_axis, n,
@@ -699,9 +699,9 @@ def context_parallel_attention(
     if not permute and rope_theta is not None and positions is None and segment_ids is not None:
         # the documents' positions, counted in token order (the ids are in the layout's)
         natural = jnp.asarray(segment_ids)[:, inverse_order(x.shape[1], n)]
-        positions = _attention.segment_positions(natural)[:, balanced_order(x.shape[1], n)]
-    positions, segment_ids = _attention._check_tokens(op, positions, segment_ids, x.shape[:2],
-                                                      None, rope_theta)  # fmt: skip
+        positions = _rope.segment_positions(natural)[:, balanced_order(x.shape[1], n)]
+    positions, segment_ids = _attention.check_tokens(op, positions, segment_ids, x.shape[:2],
+                                                     None, rope_theta)  # fmt: skip
     if model_axis is not None:
         _attention.check_head_counts(op, num_heads, kv_heads, model_axis, p)
     replicate_kv = model_axis is not None and not _attention.splits_kv_heads(kv_heads, p)

@@ -36,7 +36,7 @@ from shardops._precision import FLOAT32, Precision, _reduce_to
 
 # A masked score: finite, so that a row whose every key so far is masked gives exp(0) (then
 # zeroed by the mask) rather than exp(−inf − (−inf)) = NaN.
-_MASKED = -0.7 * float(np.finfo(np.float32).max)
+MASKED = -0.7 * float(np.finfo(np.float32).max)
 
 
 def blocked_attention(
@@ -181,16 +181,16 @@ def _visible(causal: bool, q_positions, key_positions, real, q_segments, k_segme
 
 
 def _scores(q, k_block, visible, precision):
-    """``s[B, n, g, Sq, block]`` in float32: ``q·kᵀ/√hd``, masked scores set to ``_MASKED``."""
+    """``s[B, n, g, Sq, block]`` in float32: ``q·kᵀ/√hd``, masked scores set to ``MASKED``."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     s = _product("bngqd,bnkd->bngqk", q, k_block, precision) * scale  # [B, n, g, Sq, block]
-    return jnp.where(visible, s.astype(jnp.float32), _MASKED)
+    return jnp.where(visible, s.astype(jnp.float32), MASKED)
 
 
 def attention_with_lse(q, k, v, *, q_positions, k_positions, q_segments=None, k_segments=None,
                        causal: bool, block_k: int, precision: Precision):  # fmt: skip
     """The forward alone, on any queries and keys: ``(o, lse)`` with ``o[B, H, Sq, hd]`` in
-    accum and ``lse[B, H, Sq]`` (float32; ``_MASKED`` where a query sees no key, its ``o`` 0).
+    accum and ``lse[B, H, Sq]`` (float32; ``MASKED`` where a query sees no key, its ``o`` 0).
 
     ``q[B, H, Sq, hd]``, ``k, v[B, n, Sk, hd]``; ``q_positions[Sq]``, ``k_positions[Sk]``:
     integer positions for the causal mask (key visible when its position ≤ the query's);
@@ -266,12 +266,12 @@ def _scan(step, init, xs):
 
 
 def _start(qg, precision: Precision, *refs):
-    """The online softmax's carry before any key: the running max ``m`` (``_MASKED``), the sum
+    """The online softmax's carry before any key: the running max ``m`` (``MASKED``), the sum
     ``l`` (0), both ``[B, n, g, Sq]`` float32, and ``acc[B, n, g, Sq, hd]`` (0) in accum, typed
     as varying over every mesh axis ``refs`` vary over."""
     shape = qg.shape[:-1]
     return (
-        _vary(jnp.full(shape, _MASKED, jnp.float32), *refs),
+        _vary(jnp.full(shape, MASKED, jnp.float32), *refs),
         _vary(jnp.zeros(shape, jnp.float32), *refs),
         _vary(jnp.zeros(qg.shape, precision.accum_dtype), *refs),
     )
@@ -296,7 +296,7 @@ def _finish(carry, shape):
     batch, heads, seq, hd = shape
     seen = total > 0  # [B, n, g, Sq]: False where a query sees no key at all (its o is 0)
     o = acc / jnp.where(seen, total, 1.0)[..., None]  # [B, n, g, Sq, hd] in accum
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), _MASKED)  # [B, n, g, Sq]
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), MASKED)  # [B, n, g, Sq]
     return o.reshape(batch, heads, seq, hd), lse.reshape(batch, heads, seq)
 
 

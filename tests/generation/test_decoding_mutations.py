@@ -25,11 +25,11 @@ from test_decoding import (
     check_teacher_forced,
 )
 
-from shardops.layers import _attention
+from shardops.layers import _cached_attention
 from shardops_models.generation import decoding
 from shardops_models.training import _train
 
-ATTENTION = {  # mutant → (line of shardops/layers/_attention.py, its replacement)
+ATTENTION = {  # mutant → (line of shardops/layers/_cached_attention.py, its replacement)
     "positions_restart": (
         "    positions = start + jnp.arange(seq, dtype=jnp.int32)  # [s]: the tokens' global positions",
         "    positions = jnp.arange(seq, dtype=jnp.int32)",
@@ -127,7 +127,7 @@ def decoder_type(monkeypatch):
     def make(name, mutated: bool):
         if name in ATTENTION:
             line, new = ATTENTION[name]
-            module = mutant(_attention, name, line, new if mutated else line)
+            module = mutant(_cached_attention, name, line, new if mutated else line)
             monkeypatch.setattr(decoding, "cached_attention_kernel",
                                 module.cached_attention_kernel)  # fmt: skip
             if name.startswith("einsum_"):

@@ -32,9 +32,9 @@ from shardops.layers._attention import (
     head_parallel_attention_kernel,
     head_parallel_attention_specs,
     init_attention,
-    segment_positions,
     splits_kv_heads,
 )
+from shardops.layers._rope import segment_positions
 
 F32, BF16 = shardops.FLOAT32, shardops.BFLOAT16
 
@@ -371,7 +371,7 @@ def test_auto_picks_splash_on_tpu_for_bf16_only(monkeypatch):
     """``"auto"``: blocked off TPU; on TPU splash for a bf16 compute dtype where a block of a
     multiple of 128 divides S (the largest up to BLOCK_K), else blocked; an explicit
     ``"splash"`` on a GPU is refused (the interpreter is for CPU tests)."""
-    from shardops.layers import _attention
+    from shardops.layers import _attention, _kv_heads
 
     q, k = jnp.zeros((1, 4, 768, 128)), jnp.zeros((1, 2, 768, 128))
     pick = functools.partial(_attention._local_implementation, "auto", q, k)
@@ -383,7 +383,7 @@ def test_auto_picks_splash_on_tpu_for_bf16_only(monkeypatch):
     odd = jnp.zeros((1, 4, 1000, 128))
     assert _attention._local_implementation("auto", odd, odd, BF16) == "blocked"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    kv = _attention._KvHeads(2, None)
+    kv = _kv_heads.KvHeads(2, None)
     with refused(
         ValueError,
         argument="implementation='splash'",

@@ -23,9 +23,14 @@ from _attention_checks import (
 from test_attention import BUDGETS
 
 import shardops
-from shardops.layers import _attention, _norms
+from shardops.layers import _attention, _attention_reference, _kv_heads, _masks, _norms, _rope
 
-SOURCES = {"attention": inspect.getsource(_attention), "norms": inspect.getsource(_norms)}
+# The attention family: the kernel's module and the modules it calls by attribute
+# (``_rope.rotate``), where a mutant of theirs is swapped in.
+FAMILY = {"attention": _attention, "attention_reference": _attention_reference,
+          "kv_heads": _kv_heads, "masks": _masks, "rope": _rope}  # fmt: skip
+SOURCES = {**{k: inspect.getsource(m) for k, m in FAMILY.items()},
+           "norms": inspect.getsource(_norms)}  # fmt: skip
 F32, BF16 = shardops.FLOAT32, shardops.BFLOAT16
 
 # Used by the norm mutant "an extra psum on the parameter gradients": identity forward, the
@@ -268,7 +273,7 @@ THREE_DX_REDUCTIONS = (
     "        x = x.astype(accum)  # x[B, S, D] in accum",
     """
 
-def _projections(x, params, heads, kv_heads, precision):
+def projections(x, params, heads, kv_heads, precision):
     q = _heads(precision.matmul(x, params["wq"]), params.get("bq"), heads, precision)
     k = _heads(precision.matmul(x, params["wk"]), params.get("bk"), kv_heads, precision)
     v = _heads(precision.matmul(x, params["wv"]), params.get("bv"), kv_heads, precision)
@@ -294,12 +299,33 @@ NORM_MUTANTS = {
 
 
 def load(kind: str, old: str, new: str, extra: str) -> types.ModuleType:
+    """A copy of ``_{kind}.py`` with ``old`` replaced by ``new`` (and ``extra`` appended). For
+    ``kind="attention"`` the line may be in any module of ``FAMILY``: copies of the whole
+    family, that module's mutated, each calling the others' copies; returns ``_attention``'s."""
+    if kind != "attention":
+        return _load(kind, old, new, extra)
+    owners = [name for name in FAMILY if SOURCES[name].count(old)]
+    assert len(owners) == 1, f"mutated line not found in one attention module: {old!r}"
+    copies = {
+        name: _load(name, old, new, extra) if name == owners[0] else _load(name, "", "", "")
+        for name in FAMILY
+    }
+    for copy in copies.values():
+        for name, other in copies.items():
+            if hasattr(copy, f"_{name}"):
+                setattr(copy, f"_{name}", other)
+    return copies["attention"]
+
+
+def _load(kind: str, old: str, new: str, extra: str) -> types.ModuleType:
     source = SOURCES[kind]
-    assert source.count(old) == 1, f"mutated line not found exactly once in _{kind}.py: {old!r}"
+    assert source.count(old) == 1 or not old, f"mutated line not once in _{kind}.py: {old!r}"
     module = types.ModuleType(f"shardops.layers._{kind}_mutant")
     exec("from jax import lax", module.__dict__)  # the mutants' own lines may call lax
     code = compile(
-        source.replace(old, new) + extra, f"<mutant of shardops/layers/_{kind}.py>", "exec"
+        source.replace(old, new) + extra if old else source + extra,
+        f"<mutant of shardops/layers/_{kind}.py>",
+        "exec",
     )
     exec(code, module.__dict__)
     return module
