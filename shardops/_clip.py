@@ -22,7 +22,8 @@ import optax
 from jax import lax
 
 from shardops._mesh import varying_axes
-from shardops.comm._reasons import Reason, because
+from shardops.comm._collectives import all_reduce
+from shardops.comm._reasons import Reason
 
 _SQUARES = Reason("global_norm", forward={
     "psum": "each device holds the gradients' shards split over {axis}: their squared sums are "
@@ -42,8 +43,7 @@ def global_norm(tree) -> jax.Array:
     total = jnp.float32(0.0)
     for axes, squares in by_axes.items():
         if axes:
-            with because(_SQUARES, axes):
-                squares = lax.psum(squares, axes)  # the whole arrays' sum of squares
+            squares = all_reduce(squares, axes, reason=_SQUARES)  # the whole arrays' Σ g²
         total = total + squares
     return jnp.sqrt(total)
 

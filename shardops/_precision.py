@@ -34,6 +34,8 @@ import numpy as np
 from jax import lax
 
 from shardops._mesh import varying_axes
+from shardops.comm._collectives import all_reduce
+from shardops.comm._mappings import REPLICATED_GRADIENT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +183,9 @@ _matmuls.defvjp(_matmuls_fwd, _matmuls_bwd)
 
 def _reduce_to(ct, primal):
     extra = varying_axes(ct) - varying_axes(primal)
-    return lax.psum(ct, tuple(sorted(extra))) if extra else ct
+    if not extra:
+        return ct
+    return all_reduce(ct, tuple(sorted(extra)), reason=REPLICATED_GRADIENT)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)

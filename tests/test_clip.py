@@ -75,8 +75,8 @@ def test_the_norm_of_each_devices_shards_is_caught():
     """The mutant skips the AllReduce: each device clips by the norm of its own shards. A
     replicated output then varies over the mesh (check_vma refuses it), and the norm of a
     shard is not the norm: caught either way."""
-    bad = mutant(_clip, "per_shard", "                squares = lax.psum(squares, axes)  # the "
-                 "whole arrays' sum of squares", "                pass")  # fmt: skip
+    bad = mutant(_clip, "per_shard", "            squares = all_reduce(squares, axes, "
+                 "reason=_SQUARES)  # the whole arrays' Σ g²", "            pass")  # fmt: skip
     t = tree()
     want = np.sqrt(sum(np.sum(np.square(v.astype(np.float64))) for v in t.values()))
     _, run = sharded(bad.global_norm)

@@ -34,6 +34,9 @@ own input (whose ``dx`` is never computed), and leaves remat's re-gather out: it
 thumb in bytes, and the benchmark (``benchmarks/strategies.py``) is its check in time. The
 collective budget (``Setup.budget``, read from the traced step) follows the choice exactly.
 
+The activation route's kernel is ``shardops.layers.dense_moving_activations``
+(``shardops/layers/_fsdp_dense.py``); this module decides which layers take it.
+
 Under sequence parallelism the dense kernels gather along S themselves; there the weight is
 always gathered.
 """
@@ -44,12 +47,11 @@ import math
 
 import jax
 import numpy as np
-from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-import shardops
 from shardops import DATA_AXIS, entry_axes, spec_entries, spec_entry
+from shardops.layers import dense_moving_activations  # noqa: F401 (the route's kernel; parallel.py takes it from here)
 from shardops_models.strategies.plan import StackedRole
 
 # --- the rule: which dim of a leaf splits over data
@@ -106,42 +108,6 @@ def fsdp_spec(shape: tuple[int, ...], spec: P, mesh: Mesh, n: int, axes=(DATA_AX
 AUTO, GATHER_WEIGHTS, MOVE_ACTIVATIONS = "auto", "gather_weights", "move_activations"
 ROUTES = (AUTO, GATHER_WEIGHTS, MOVE_ACTIVATIONS)
 
-# Why each collective of dense_moving_activations runs (shardops.comm.because; explain reads them).
-_WHY = "FSDP moves this layer's activations instead of gathering its weight (they are smaller)"
-_EXCHANGE = shardops.comm.Reason("moving_exchange", forward={
-    "all_to_all": f"{_WHY}: activations are exchanged over {{axis}} between the batch layout "
-                  f"and a layout split along features",
-}, backward={
-    "all_to_all": "it is the transpose of the forward all_to_all: the gradient returns to the "
-                  "other layout",
-})  # fmt: skip
-_PARTIAL_ROWS = shardops.comm.Reason("moving_partial_rows", forward={
-    "psum_scatter": f"{_WHY}: each device multiplied the whole batch by its block of the "
-                    f"contraction, so the output's partial sums are reduced and each device "
-                    f"keeps its rows",
-}, backward={
-    "all_gather": "it is the transpose of the forward psum_scatter: each device needs dy for "
-                  "the whole batch",
-})  # fmt: skip
-_WHOLE_BATCH = shardops.comm.Reason("moving_whole_batch", forward={
-    "all_gather": f"{_WHY}: each device needs the whole batch's input for its block of output "
-                  f"features",
-}, backward={
-    "psum_scatter": "it is the transpose of the input's all_gather: the dx partial sums are "
-                    "reduced and split back over {axis} along the batch",
-})  # fmt: skip
-_COLUMN_INPUT = shardops.comm.Reason("moving_column_input", backward={
-    "psum": "the layer is also column-parallel: x is replicated over {axis} but each device "
-            "multiplies it by its own columns of w, so the partial dx are summed (Megatron's f)",
-})  # fmt: skip
-_ROW_SUMS = shardops.comm.Reason("moving_row_partial_sums", forward={
-    "psum": "the layer's contraction is also split over {axis} (tensor parallelism): its "
-            "partial sums are reduced",
-})  # fmt: skip
-_REPLICA_WEIGHT = shardops.comm.Reason("moving_replica_weight", backward={
-    "psum": "the weight block is replicated over {axis} while the batch splits over it (HSDP): "
-            "each replica's dw is summed",
-})  # fmt: skip
 F32 = 4
 
 
@@ -181,69 +147,3 @@ def moves_activations(route: str, w_shape, split_dim, x_shape, n: int, precision
         return True
     cost = route_bytes(w_shape, split_dim, x_shape, n, precision)
     return cost[MOVE_ACTIVATIONS] < cost[GATHER_WEIGHTS]
-
-
-def dense_moving_activations(
-    x,
-    w,
-    b,
-    *,
-    split_dim: int,
-    role: str,
-    precision,
-    data_axes=(DATA_AXIS,),
-    model_axis=None,
-    replicated_over=(),
-):
-    """``x[B_data, ..., K] · w + b → y[B_data, ..., F]`` with ``w`` left split over ``data``.
-
-    Per device, inside ``jax.shard_map`` (``check_vma=True``). ``w``: the local block
-    ``w[K_data, F']`` (``split_dim=0``) or ``w[K', F_data]`` (``split_dim=1``), where ``'``
-    marks a ``model`` split under tp or sp (``role`` column: F/p; row: K/p, and ``x`` is then the
-    column layer's ``x[..., K/p]``). ``b``: the bias as the layer sees it (already gathered
-    over ``data``), added once after every reduction. ``data_axes``: the fsdp axes (``data``
-    above); ``model_axis``: the tp axis, or None; ``replicated_over``: HSDP's replica axes, over
-    which ``dw`` is AllReduced in float32.
-    """
-    with jax.named_scope("shardops.dense_moving_activations"):  # named in explain and profiles
-        return _dense_moving_activations(x, w, b, split_dim=split_dim, role=role, precision=precision,
-                                         data=tuple(data_axes), model=model_axis,
-                                         replicas=tuple(replicated_over))  # fmt: skip
-
-
-def _dense_moving_activations(x, w, b, *, split_dim: int, role: str, precision, data, model,
-                              replicas):  # fmt: skip
-    accum = precision.accum_dtype
-    column, row = model is not None and role == "column", model is not None and role == "row"
-    last = x.ndim - 1
-    because = shardops.comm.because
-    if replicas:  # w[..] replicated over the replicas: dw AllReduced over them in accum
-        with because(_REPLICA_WEIGHT, replicas):
-            w = shardops.comm.copy_to_region(w, replicas, accum)
-    if split_dim == 0:
-        # x[B_data, ..., K] → x[B, ..., K_data]: one block of K to each device, in compute dtype.
-        with because(_EXCHANGE, data):
-            x = lax.all_to_all(x, data, last, 0, tiled=True)
-        if column:  # replicated over model: dx[B, ..., K_data]{U_model} AllReduced in accum
-            with because(_COLUMN_INPUT, model):
-                x = shardops.comm.copy_to_region(x, model, accum)
-        y = precision.matmul(x, w)  # y[B, ..., F']{U_data} in accum
-        with because(_PARTIAL_ROWS, data):  # y[B_data, .., F']
-            y = lax.psum_scatter(y, data, scatter_dimension=0, tiled=True)
-        if row:
-            with because(_ROW_SUMS, model):  # y[B_data, ..., D]: the row layer's own reduction
-                y = lax.psum(y, model)
-    else:
-        # x[B_data, ..., K'] → x[B, ..., K']; backward: ReduceScatter of dx in accum.
-        with because(_WHOLE_BATCH, data):
-            x = shardops.comm.gather_to_region(x, data, 0, accum)  # x[B, ..., K'] in accum
-        if column:
-            with because(_COLUMN_INPUT, model):
-                x = shardops.comm.copy_to_region(x, model, accum)
-        y = precision.matmul(x, w)  # y[B, ..., F_data]{U_model if row} in accum
-        if row:
-            with because(_ROW_SUMS, model):
-                y = lax.psum(y, model)
-        with because(_EXCHANGE, data):  # y[B_data, ..., F'] in accum
-            y = lax.all_to_all(y, data, 0, last, tiled=True)
-    return precision.finish(y, b)

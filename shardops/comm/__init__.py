@@ -14,6 +14,8 @@
   steps with blocks of the matmul.
 - **Reasons**: ``with because(Reason(...), axis_name):`` says, next to a collective, why it runs;
   ``shardops.inspect.explain`` reads it back from the program (``REASONS``: every one made).
+  Shared by many kernels: ``REPLICATED_INPUT`` (a replicated ``x``'s partial ``dx`` summed) and
+  ``REPLICATED_GRADIENT`` (the fallback for a replicated value's gradient sum).
 """
 
 from shardops.comm._collective_matmul import all_gather_matmul, matmul_reduce_scatter
@@ -27,6 +29,8 @@ from shardops.comm._collectives import (
     ring_pass,
 )
 from shardops.comm._mappings import (
+    REPLICATED_GRADIENT,
+    REPLICATED_INPUT,
     copy_to_region,
     gather_from_region,
     gather_many_to_region,
@@ -39,6 +43,8 @@ from shardops.comm._ring import ring_all_gather, ring_all_reduce, ring_pairs, ri
 
 __all__ = [
     "REASONS",
+    "REPLICATED_GRADIENT",
+    "REPLICATED_INPUT",
     "Reason",
     "all_gather",
     "all_gather_matmul",

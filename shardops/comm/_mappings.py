@@ -37,6 +37,20 @@ _REPLICA_SHARDS = Reason("replica_gradient_shards", backward={
             "replica's gradient shard is summed, after the reduce-scatter",
 })  # fmt: skip
 
+REPLICATED_INPUT = Reason("replicated_input", backward={
+    "psum": "x is replicated over {axis} but each device multiplies it by its own block of the "
+            "weights (its columns, its heads): the partial dx are summed (Megatron's f)",
+})  # fmt: skip
+"""Why ``copy_to_region``'s backward AllReduce runs in a column-parallel layer (dense, gated
+MLP, FSDP's moving activations): every kernel that enters ``x`` into its region says this one."""
+
+REPLICATED_GRADIENT = Reason("replicated_gradient", backward={
+    "psum": "parameters replicated over {axis} meet activations split over {axis} (a batch or "
+            "sequence shard): their gradients are summed (autodiff inserts this reduction)",
+}, fallback=True)  # fmt: skip
+"""Why ``shardops.precision``'s matmul sums a cotangent over the axes its primal is invariant
+over (what autodiff does for ordinary ops): a fallback, so the kernel around it says why."""
+
 
 def copy_to_region(x, axis_name, accum_dtype):
     """``x`` (replicated over ``axis_name``) as a varying ``accum_dtype`` value.

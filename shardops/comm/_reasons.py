@@ -21,7 +21,9 @@ any collective of that pass (``"*"``). ``{axis}`` in a sentence stands for the m
 collective runs over (``'model'``, ``'replica' × 'data'``). The scope applies only to
 collectives over exactly the axes it names: autodiff's own reductions traced inside it (a
 weight replicated over ``data`` used with a batch split over ``data``) keep their own reasons.
-The innermost matching scope wins.
+The innermost matching scope wins, except that a ``fallback`` reason (a generic one, said by a
+mapping that cannot know its caller, such as the gradient reduction inside
+``shardops.precision.matmul``) yields to any other scope that explains the collective.
 """
 
 from __future__ import annotations
@@ -52,11 +54,14 @@ class Reason:
     Making one registers it under ``name`` (a Python identifier, unique: a second ``Reason``
     of the same name must say the same). A backward collective with no backward sentence whose
     kind has a forward one is remat's recomputation of the forward, and is explained as such.
+    ``fallback=True``: a generic reason, used only where no other scope over the same axes
+    explains the collective (the kernel around it knows better).
     """
 
     name: str
     forward: Mapping[str, str] = dataclasses.field(default_factory=dict)
     backward: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    fallback: bool = False
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -81,8 +86,8 @@ class Reason:
 
     def __eq__(self, other):
         return isinstance(other, Reason) and (self.name, dict(self.forward),
-                                              dict(self.backward)) == (
-            other.name, dict(other.forward), dict(other.backward))  # fmt: skip
+                                              dict(self.backward), self.fallback) == (
+            other.name, dict(other.forward), dict(other.backward), other.fallback)  # fmt: skip
 
     def __hash__(self):
         return hash(self.name)
@@ -119,13 +124,16 @@ def because(reason: Reason, axis_name: str | Sequence[str]):
 
 def reason_for(op_name: str, kind: str, backward: bool, axes: Sequence[str]) -> str | None:
     """The sentence of the innermost ``because`` scope in ``op_name`` that names exactly
-    ``axes`` and has a sentence for ``kind`` in that pass; None if there is none."""
+    ``axes`` and has a sentence for ``kind`` in that pass (a ``fallback`` reason only where no
+    other has one); None if there is none."""
     written = " × ".join(repr(a) for a in axes)
+    fallback = None
     for name, scope_axes in reversed(_SCOPE.findall(op_name)):
         reason = _REGISTRY.get(name)
         if reason is None or set(scope_axes.split(",")) != set(axes):
             continue
         text = reason.sentence(kind, backward, written)
-        if text is not None:
+        if text is not None and not reason.fallback:
             return text
-    return None
+        fallback = fallback or text
+    return fallback

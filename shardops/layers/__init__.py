@@ -11,6 +11,7 @@
 | decoding attention | | ``cached_attention_kernel`` (a KV cache of ``kv_cache_heads`` per device) | as attention's |
 | gated MLP | ``tensor_parallel_gated_mlp`` (SwiGLU) | ``tensor_parallel_gated_mlp_kernel`` | ``tensor_parallel_gated_mlp_specs`` |
 | norms | ``layer_norm``, ``rms_norm`` (any sharding of the leading dims) | | |
+| FSDP dense | | ``dense_moving_activations`` (moves ``x`` and ``y``, leaves ``w`` split over ``data``) | |
 
 Unsharded references: ``dense``, ``attention``, ``gated_mlp``. Parameters: ``init_dense``,
 ``init_attention``, ``init_gated_mlp``,
@@ -66,6 +67,7 @@ from shardops.layers._embedding import (
     vocab_parallel_embedding_specs,
 )
 from shardops.layers._flash import blocked_attention
+from shardops.layers._fsdp_dense import dense_moving_activations
 from shardops.layers._kv_heads import kv_cache_heads
 from shardops.layers._mlp import (
     GatedMlpSpecs,
@@ -105,6 +107,7 @@ __all__ = [
     "context_parallel_attention_kernel",
     "context_parallel_attention_specs",
     "dense",
+    "dense_moving_activations",
     "gated_mlp",
     "head_parallel_attention",
     "head_parallel_attention_kernel",

@@ -31,6 +31,7 @@ from jax import lax
 
 from shardops._precision import Precision, _dot, _matmul_bwd, _reduce_to
 from shardops.comm import _collective_matmul
+from shardops.comm._mappings import gather_from_region
 
 COLLECTIVE_MATMULS = (None, "ring", "bidirectional")
 
@@ -240,7 +241,8 @@ def _dense_all_reduce(ring: _Ring, x, w):
 def _dense_all_reduce_fwd(ring: _Ring, x, w):
     x_c, w_c = x.astype(ring.compute), w.astype(ring.compute)  # x[.., S, .., F/N], w[F/N, D]
     y_block = _reduce_scatter_ring(ring, x_c, w_c)  # y[.., S/N, .., D] in accum
-    y = lax.all_gather(y_block, ring.axis_name, axis=ring.dim, tiled=True, to="invarying")
+    # the caller's reason explains it (row_parallel_dense: collective matmul's psum)
+    y = gather_from_region(y_block, ring.axis_name, ring.dim)
     return y, (x_c, w_c, _kind(x), _kind(w))  # y[.., S, .., D], replicated over the axis
 
 

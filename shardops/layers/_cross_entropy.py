@@ -32,7 +32,8 @@ from jax.sharding import PartitionSpec as P
 from shardops._axes import MODEL_AXIS
 from shardops._mesh import axis_size, check_divisible, spec_entry, varying_axes
 from shardops._precision import FLOAT32, Precision
-from shardops.comm._reasons import Reason, because
+from shardops.comm._collectives import all_max, all_min, all_reduce
+from shardops.comm._reasons import Reason
 from shardops.layers._common import (
     bound_axis_size,
     check_axes,
@@ -118,17 +119,14 @@ def vocab_parallel_cross_entropy_kernel(
     real = start + jnp.arange(v_local) < vocab_size  # [V/p]: not padding
     logits = jnp.where(real, logits, -jnp.inf)  # [..., V/p], padding −∞
     local_max = jnp.max(logits, axis=-1)  # [...]
-    with because(_LOSS, axis_name):
-        global_max = lax.pmax(lax.stop_gradient(local_max), axis_name)  # [...]
+    global_max = all_max(lax.stop_gradient(local_max), axis_name, reason=_LOSS)  # [...]
     shifted = logits - global_max[..., None]  # [..., V/p], ≤ 0
-    with because(_LOSS, axis_name):
-        sum_exp = lax.psum(jnp.sum(jnp.exp(shifted), axis=-1), axis_name)  # [...]
+    sum_exp = all_reduce(jnp.sum(jnp.exp(shifted), axis=-1), axis_name, reason=_LOSS)  # [...]
     local_label = labels - start  # [...]
     owns = (local_label >= 0) & (local_label < v_local) & (labels < vocab_size)  # [...]
     index = jnp.where(owns, local_label, 0)[..., None]  # [..., 1] in [0, V/p)
     picked = jnp.take_along_axis(shifted, index, axis=-1)[..., 0]  # [...] shifted target logit
-    with because(_LOSS, axis_name):
-        target = lax.psum(jnp.where(owns, picked, 0.0), axis_name)  # [...]
+    target = all_reduce(jnp.where(owns, picked, 0.0), axis_name, reason=_LOSS)  # [...]
     return jnp.log(sum_exp) - target  # loss[...] in accum
 
 
@@ -152,12 +150,11 @@ def vocab_parallel_argmax_kernel(
     real = start + jnp.arange(v_local) < vocab_size  # [V/p]: not padding
     logits = jnp.where(real, logits, -jnp.inf)  # [..., V/p], padding never wins
     local_max = jnp.max(logits, axis=-1)  # [...]
-    with because(_ARGMAX, axis_name):
-        global_max = lax.pmax(local_max, axis_name)  # [...]
+    global_max = all_max(local_max, axis_name, reason=_ARGMAX)  # [...]
     local_index = (jnp.argmax(logits, axis=-1) + start).astype(jnp.int32)  # [...]
     candidate = jnp.where(local_max == global_max, local_index, p * v_local)  # [...]
-    with because(_ARGMAX, axis_name):
-        return lax.pmin(candidate, axis_name)  # index[...]: first device holding the max wins
+    # index[...]: the first device holding the max wins
+    return all_min(candidate, axis_name, reason=_ARGMAX)
 
 
 def vocab_parallel_cross_entropy(

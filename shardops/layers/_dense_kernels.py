@@ -17,6 +17,7 @@ from jax import lax
 from shardops._axes import MODEL_AXIS
 from shardops._precision import FLOAT32, Precision
 from shardops.comm._mappings import (
+    REPLICATED_INPUT,
     copy_to_region,
     gather_from_region,
     gather_to_region,
@@ -36,10 +37,6 @@ from shardops.layers._common import (
 )
 
 # Why each collective of these kernels runs (``shardops.comm.because``; ``explain`` reads them).
-_COLUMN_INPUT = Reason("column_replicated_input", backward={
-    "psum": "x is replicated over {axis} but each device multiplies it by its own columns of w: "
-            "the partial dx are summed (Megatron's f)",
-})  # fmt: skip
 _COLUMN_GATHER = Reason("column_sequence_gather", forward={
     "all_gather": "the input is split over {axis} along its batch or sequence dim (sequence "
                   "parallelism) and the layer needs all of it",
@@ -152,7 +149,7 @@ def column_parallel_dense_kernel(
         else:
             check_replicated_over(x, axis_name, "x", op)
             # Megatron's "f": identity forward; backward: AllReduce of dx over model in accum.
-            with because(_COLUMN_INPUT, axis_name):
+            with because(REPLICATED_INPUT, axis_name):
                 x = copy_to_region(x, axis_name, accum)  # x[..., D] in accum
         y_acc = precision.matmul(x, w)  # y[..., F/p] in accum
     y_block = precision.finish(y_acc, b)  # y[..., F/p]

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from shardops._axes import MODEL_AXIS, SEQUENCE_DIM
 from shardops._mesh import check_divisible, spec_entry
 from shardops._precision import FLOAT32, Precision
-from shardops.comm._mappings import copy_to_region, gather_to_region
+from shardops.comm._mappings import REPLICATED_INPUT, copy_to_region, gather_to_region
 from shardops.comm._reasons import Reason, because
 from shardops.layers._common import (
     bound_axis_size,
@@ -53,10 +53,6 @@ HIDDEN_NAME = "mlp_hidden"
 """The ``checkpoint_name`` of the hidden ``h``: a remat policy saving it by name
 (``shardops_models.strategies.remat.MLP_HIDDEN``) keeps it for the backward pass."""
 
-_INPUT = Reason("gated_mlp_replicated_input", backward={
-    "psum": "x is replicated over {axis} but each device multiplies it by its own columns of "
-            "the gate and up weights: their partial dx are summed, once for both",
-})  # fmt: skip
 _GATHER = Reason("gated_mlp_sequence_gather", forward={
     "all_gather": "the input is split over {axis} along the sequence (sequence parallelism) "
                   "and the gate and up projections need all of it: gathered once for both",
@@ -177,7 +173,7 @@ def tensor_parallel_gated_mlp_kernel(
     else:
         check_replicated_over(x, axis_name, "x", op)
         # Megatron's "f" once for gate and up: identity forward, one AllReduce of dx backward.
-        with because(_INPUT, axis_name):
+        with because(REPLICATED_INPUT, axis_name):
             x = copy_to_region(x, axis_name, accum)  # x[..., D] in accum
     h = _hidden(x, params, activation, precision)  # h[..., F/p] in compute dtype
     h = checkpoint_name(h, HIDDEN_NAME)  # a remat policy may keep it by name

@@ -476,7 +476,7 @@ def test_explain_reads_the_llamas_own_reasons():
         "head_parallel_attention: psum over 'model' of f32[16,4] (256 B), because 'model' does "
         "not divide the key/value heads",
         "gated_mlp: psum over 'model' of f32[4,8,16] (2.0 KiB), because x is replicated over "
-        "'model' but each device multiplies it by its own columns of the gate and up weights",
+        "'model' but each device multiplies it by its own block of the weights",
         "optimizer: psum over 'data' × 'model' of f32[] (4 B), because each device holds the "
         "gradients' shards split over 'data' × 'model': their squared sums are added",
     ):

@@ -15,6 +15,7 @@ from _mutants import mutant
 import shardops
 import shardops_models as models
 from shardops import BFLOAT16, FLOAT32, MIXED_BFLOAT16
+from shardops.layers import _fsdp_dense
 from shardops_models.strategies import fsdp, parallel
 
 ROUTES = ("gather_weights", "move_activations")
@@ -161,8 +162,8 @@ def test_collectives_follow_the_policy(precision):
 MUTANTS = {
     # No reduction over data: each device keeps its own rows of its partial sums.
     "output_not_reduced": (
-        "            y = lax.psum_scatter(y, data, scatter_dimension=0, tiled=True)\n",
-        "            y = lax.dynamic_slice_in_dim(y, lax.axis_index(data) * (y.shape[0] // lax.axis_size(data)), y.shape[0] // lax.axis_size(data), 0)\n",
+        "        y = reduce_scatter(y, data, scatter_dimension=0, reason=_PARTIAL_ROWS)  # y[B_data, .., F']\n",
+        "        y = jax.lax.dynamic_slice_in_dim(y, jax.lax.axis_index(data) * (y.shape[0] // jax.lax.axis_size(data)), y.shape[0] // jax.lax.axis_size(data), 0)\n",
         MLP_CASES[0],
         FLOAT32,
     ),
@@ -176,8 +177,8 @@ MUTANTS = {
     # The row layer's model reduction forgotten on the F-split path: check_vma refuses the
     # program (the loss would vary over model), before anything runs.
     "row_not_reduced": (
-        "            with because(_ROW_SUMS, model):\n                y = lax.psum(y, model)\n        with because(_EXCHANGE, data):  # y[B_data, ..., F'] in accum\n",
-        "            with because(_ROW_SUMS, model):\n                y = y\n        with because(_EXCHANGE, data):  # y[B_data, ..., F'] in accum\n",
+        "            y = all_reduce(y, model, reason=_ROW_SUMS)  # y[B, ..., F_data]\n",
+        "            y = y\n",
         MLP_CASES[3],
         FLOAT32,
     ),
@@ -194,7 +195,7 @@ MUTANTS = {
 @pytest.mark.parametrize("name", MUTANTS)
 def test_mutant_is_caught(monkeypatch, name):
     old, new, case, precision = MUTANTS[name]
-    bad = mutant(fsdp, name, old, new)
+    bad = mutant(_fsdp_dense, name, old, new)
     monkeypatch.setattr(parallel, "dense_moving_activations", bad.dense_moving_activations)
     strategy, mesh_shape, sizes, batch = case
     jax.clear_caches()
