@@ -66,3 +66,20 @@ def test_a_kernel_on_axes_whose_names_are_not_identifiers_still_runs():
     )
     assert y.shape == (8, 16)
     assert (jnp.asarray(y) == 32.0).all()
+
+
+def test_a_fallback_reason_yields_to_the_kernels_own():
+    """``fallback=True`` (precision.matmul's gradient sum cannot know its caller): the reason
+    of any other scope over the same axes wins, wherever it sits; alone, the fallback speaks."""
+    from shardops.comm._reasons import reason_for
+
+    kernel = Reason("test_reasons_kernel", backward={"psum": "the kernel's words"})
+    generic = Reason("test_reasons_generic", backward={"psum": "generic words"}, fallback=True)
+    inner = "transpose(jvp(because.test_reasons_kernel[model]/because.test_reasons_generic[model]))/psum"
+    assert reason_for(inner, "psum", True, ("model",)) == "the kernel's words"
+    alone = "transpose(jvp(because.test_reasons_generic[model]))/psum"
+    assert reason_for(alone, "psum", True, ("model",)) == "generic words"
+    other_axes = "because.test_reasons_kernel[data]/because.test_reasons_generic[model]/psum"
+    assert reason_for(other_axes, "psum", True, ("model",)) == "generic words"
+    assert kernel != Reason("test_reasons_kernel2", backward={"psum": "the kernel's words"})
+    assert generic.fallback and not kernel.fallback
