@@ -46,7 +46,7 @@ def check_replicated_over(x, axis_name: str, argument: str, op: str) -> None:
     if axis_name in varying_axes(x):
         raise ValueError(
             f"{op}: {argument} must be replicated over mesh axis {axis_name!r}, but it varies "
-            f"over it. Reduce it first (lax.psum), or use the option that takes a sharded input."
+            f"over it. Reduce it first (shardops.comm.all_reduce), or use the option that takes a sharded input."
         )
 
 
