@@ -43,11 +43,11 @@ from shardops_models.networks._lm import LanguageModel, check_token_range
 from shardops_models.networks._mlp import SEED_SIZES
 from shardops_models.networks.contract import check_model
 from shardops_models.networks.mlp import Mlp
+from shardops_models.strategies import zero1
 from shardops_models.strategies.fsdp import check_route, with_fsdp
 from shardops_models.strategies.parallel import (
     Parallel,
     Strategy,
-    split_dim,
     strategy_named,
     wrap,
 )
@@ -59,11 +59,12 @@ from shardops_models.strategies.plan import (
     replicated,
 )
 from shardops_models.strategies.remat import Remat, check_names, names_made
+from shardops_models.strategies.zero1 import Zero1
 
 COLLECTIVE_MATMULS = shardops.layers.COLLECTIVE_MATMULS
 
 # Why the step's own collectives run (shardops.comm.because; explain reads them).
-_Reason, _because = shardops.comm.Reason, shardops.comm.because
+_Reason = shardops.comm.Reason
 _GLOBAL_LOSS = _Reason("global_loss", forward={
     "psum": "each device's loss covers its shard of the batch (and of the sequence) over "
             "{axis}: the global loss is their sum",
@@ -75,17 +76,6 @@ _METRICS = _Reason("global_metrics", forward={
 _WHOLE_SEQUENCE = _Reason("whole_sequence", forward={
     "all_gather": "a caller outside the mesh asks for the logits of every token, whose sequence "
                   "is split over {axis} (context parallelism)",
-})  # fmt: skip
-_ZERO1_GRADS = _Reason("zero1_gradients", forward={
-    "psum": "ZeRO-1: each device's float32 partial gradients over {axis} are summed",
-})  # fmt: skip
-_ZERO1_UPDATE = _Reason("zero1_update", forward={
-    "psum_scatter": "ZeRO-1: each device updates only its shard over {axis} of the optimizer "
-                    "state, so the partial gradients are reduced and scattered",
-    "psum": "ZeRO-1: this gradient has no dim its shard could split over {axis}: its partial "
-            "sums are reduced whole",
-    "all_gather": "ZeRO-1: each device updated its shard over {axis} of the parameter: the "
-                  "shards are gathered back",
 })  # fmt: skip
 _AUX_LOSS = _Reason("auxiliary_loss_mean", forward={
     "psum": "an auxiliary loss differs between devices that hold different tokens over {axis} "
@@ -557,8 +547,8 @@ def build(
         check_names(remat, _names_made(model, plan, precision), model.name)
     padding, specs = _layout(parallel, model, roles, shapes, mesh)
     stored = padding.stored
-    opt_param_specs = None if mesh is None else _opt_param_specs(parallel, specs, stored, mesh,
-                                                                 roles)  # fmt: skip
+    opt_param_specs = None if mesh is None else zero1.optimizer_specs(parallel, specs, stored,
+                                                                      mesh, roles)  # fmt: skip
     opt_specs = None if mesh is None else opt_state_specs(optimizer, padding, opt_param_specs)
     batch_spec = P(shardops.spec_entry(*parallel.batch_axes))
     body = _Body(model, parallel, roles, specs, optimizer, remat, precision, fsdp_dense,
@@ -840,18 +830,6 @@ def _layout(parallel: Strategy, model, roles, shapes, mesh) -> tuple[Padding, An
     return Padding(shapes, stored), specs
 
 
-def _opt_param_specs(parallel: Strategy, specs, shapes, mesh, roles):
-    """The layout of the optimizer state's parameter-shaped leaves: the parameters' own, or
-    under zero1 split over its axes by the FSDP rule (the parameters stay replicated)."""
-    if not parallel.zero1:
-        return specs
-    return with_fsdp(specs, shapes, mesh, parallel.zero1, roles)
-
-
-def _or_minus_one(d: int | None) -> int:
-    return -1 if d is None else d
-
-
 def _is_spec(s) -> bool:
     return isinstance(s, P)
 
@@ -928,11 +906,7 @@ class _Body:
         self.logical = padding.logical if padding.padded else None
         self.roles, self.precision = roles, precision
         self.specs = specs if specs is not None else jax.tree.map(lambda _: P(), roles)
-        # zero1: the dim of each parameter its optimizer state splits over zero1's axes (−1:
-        # none; a leaf, where None would be an empty subtree)
-        self.zero1_dims = None if not parallel.zero1 else jax.tree.map(
-            lambda spec: _or_minus_one(split_dim(spec, parallel.zero1)), opt_param_specs,
-            is_leaf=_is_spec)  # fmt: skip
+        self.zero1 = Zero1.of(parallel, opt_param_specs, precision)  # None without zero1
         self.batch_axes = parallel.batch_axes
         self.reduce_axes = parallel.reduce_axes  # the batch's and the sequence's
         options = {"fsdp_dense": fsdp_dense, "collective_matmul": collective_matmul,
@@ -1016,71 +990,30 @@ class _Body:
         return jnp.sum(losses), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
     def _loss_and_grads(self, params, x, y):
-        zero1 = self.composition.zero1
-        if zero1:  # varying over zero1's axes, in float32 (as dp's copy_to_region gives them):
-            # each device's gradients leave the backward as its float32 partial sums
-            accum = self.precision.accum_dtype
-            params = jax.tree.map(lambda p: lax.pcast(p.astype(accum), zero1, to="varying"),
-                                  params)  # fmt: skip
+        if self.zero1:  # each device's gradients leave the backward as its f32 partial sums
+            params = self.zero1.varying(params)
         loss, grads = self._value_and_grad(params, x, y)
-        if self.reduce_axes:
-            with _because(_GLOBAL_LOSS, self.reduce_axes):  # AllReduce of one f32
-                loss = lax.psum(loss, self.reduce_axes)
+        if self.reduce_axes:  # AllReduce of one f32
+            loss = shardops.comm.all_reduce(loss, self.reduce_axes, reason=_GLOBAL_LOSS)
         return loss, grads
 
     def loss_and_grads(self, params, x, y):
         loss, grads = self._loss_and_grads(params, x, y)
-        if self.composition.zero1:  # the partial sums (f32) → the gradients, laid out like params
-            with _because(_ZERO1_GRADS, self.composition.zero1):
-                grads = jax.tree.map(
-                    lambda g, p: lax.psum(g, self.composition.zero1).astype(p.dtype), grads, params
-                )
+        if self.zero1:  # the partial sums (f32) → the gradients, laid out like params
+            grads = self.zero1.whole(grads, params)
         return loss, grads
 
     def step(self, state: TrainState, x, y):
         loss, grads = self._loss_and_grads(state.params, x, y)
         # The optimizer's own collectives (if any) count as the "optimizer" pass in a ledger.
         with jax.named_scope(shardops.inspect.OPTIMIZER_SCOPE):
-            if self.composition.zero1:
-                return self._zero1_update(state, grads), loss
+            if self.zero1:
+                params, opt_state = self.zero1.update(self.optimizer, state.params,
+                                                      state.opt_state, grads)  # fmt: skip
+                return TrainState(params, opt_state), loss
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
         return TrainState(params, opt_state), loss
-
-    def _zero1_update(self, state: TrainState, partial) -> TrainState:
-        """ZeRO-1: ReduceScatter each gradient ``g{U_zero1}`` (float32) over zero1's axes along
-        the dim its optimizer state splits (an AllReduce where none splits), cast it to the
-        parameter's dtype, update this device's shard of the parameter and of the state, and
-        AllGather the parameter back."""
-        axes = self.composition.zero1
-        n = lax.axis_size(axes)
-        dims = self.zero1_dims
-
-        def grad_shard(g, d):  # g[.., K, ..]{U_zero1} → g[.., K_zero1, ..]
-            if d < 0:
-                return lax.psum(g, axes)
-            return lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
-
-        def param_shard(p, d):  # p[.., K, ..], replicated → this device's p[.., K_zero1, ..]
-            if d < 0:
-                return p
-            size = p.shape[d] // n
-            return lax.dynamic_slice_in_dim(p, lax.axis_index(axes) * size, size, d)
-
-        def param_whole(p, d):  # the updated shards → p[.., K, ..], replicated
-            if d < 0:
-                return p
-            return lax.all_gather(p, axes, axis=d, tiled=True, to="invarying")
-
-        with _because(_ZERO1_UPDATE, axes):
-            grads = jax.tree.map(lambda g, d, p: grad_shard(g, d).astype(p.dtype), partial, dims,
-                                 state.params)  # fmt: skip
-        shards = jax.tree.map(param_shard, state.params, dims)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, shards)
-        shards = optax.apply_updates(shards, updates)
-        with _because(_ZERO1_UPDATE, axes):
-            params = jax.tree.map(param_whole, shards, dims)
-        return TrainState(params, opt_state)
 
     def logits(self, params, x):
         tree, logits, _ = self.forward(self.eval_ctx, params, x)
@@ -1096,15 +1029,14 @@ class _Body:
             )
         if tp and _output_split(self.model, tree, self.eval_ctx):
             # logits[b, ..., V_model] → the full vocabulary, for a caller outside the mesh
-            with _because(_WHOLE_LOGITS, self.composition.tp):
-                logits = lax.all_gather(logits, self.composition.tp, axis=logits.ndim - 1,
-                                        tiled=True, to="invarying")  # fmt: skip
+            logits = shardops.comm.all_gather(logits, tp, axis=logits.ndim - 1, to="invarying",
+                                              reason=_WHOLE_LOGITS)  # fmt: skip
             vocab = _output_features(self.model.output_layer(tree))
             logits = logits[..., :vocab]  # the padded vocabulary's columns dropped
         cp = self.composition.cp
         if cp:  # logits[b, S_context, V] in the layout → every token's, in order
-            with _because(_WHOLE_SEQUENCE, cp):
-                logits = lax.all_gather(logits, cp, axis=1, tiled=True, to="invarying")
+            logits = shardops.comm.all_gather(logits, cp, axis=1, to="invarying",
+                                              reason=_WHOLE_SEQUENCE)  # fmt: skip
             n = lax.axis_size(cp)
             logits = logits[:, shardops.layers.inverse_order(logits.shape[1], n)]
         return logits
@@ -1114,8 +1046,7 @@ class _Body:
         tree, logits, _ = self.forward(self.eval_ctx, params, x)
         sums = self.model.metrics(self.eval_ctx, tree, logits, self.eval_ctx.local_tokens(y))
         if self.reduce_axes:  # this device's sums → the global batch's: AllReduce of 3 scalars
-            with _because(_METRICS, self.reduce_axes):
-                sums = lax.psum(sums, self.reduce_axes)
+            sums = shardops.comm.all_reduce(sums, self.reduce_axes, reason=_METRICS)
         return Metrics(*sums)
 
 

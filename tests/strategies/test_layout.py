@@ -16,6 +16,7 @@ from _mutants import mutant
 import shardops
 import shardops_models as models
 from shardops_models.strategies import layout as layout_module
+from shardops_models.strategies import zero1 as zero1_module
 from shardops_models.training import _train
 from shardops_models.training.meshes import mesh_for as run_mesh
 
@@ -147,8 +148,8 @@ MUTANTS = {
     ),
     # ZeRO-1 updating from each device's unreduced gradients.
     "zero1_unreduced_gradients": (
-        _train,
-        "            return lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)\n",
+        zero1_module,
+        "            return comm.reduce_scatter(g, axes, scatter_dimension=d, reason=UPDATE)\n",
         "            return lax.dynamic_slice_in_dim(g, lax.axis_index(axes) * (g.shape[d] // n), g.shape[d] // n, d)\n",
         "zero1",
     ),
@@ -170,9 +171,8 @@ def swap(monkeypatch, name: str, replace: bool) -> None:
         for target in (sys.modules["shardops_models.strategies.parallel"], _train, models):
             monkeypatch.setattr(target, "STRATEGIES", bad.STRATEGIES, raising=False)
         monkeypatch.setattr(layout_module, "STRATEGIES", bad.STRATEGIES)
-    elif module is _train:
-        bad.TrainState = _train.TrainState  # the step's output is the real module's type
-        monkeypatch.setattr(_train._Body, "_zero1_update", bad._Body._zero1_update)
+    elif module is zero1_module:
+        monkeypatch.setattr(zero1_module.Zero1, "update", bad.Zero1.update)
     else:
         for name_ in ("gather_to_region", "gather_many_to_region"):
             monkeypatch.setattr(shardops.comm, name_, getattr(bad, name_))
