@@ -70,7 +70,7 @@ from shardops.comm._mappings import (
     reduce_scatter_from_region,
 )
 from shardops.comm._reasons import Reason, because
-from shardops.layers import _attention_reference, _flash, _kv_heads, _rope
+from shardops.layers import _attention_reference, _flash, _kv_heads, _masks, _rope
 from shardops.layers._common import (
     bound_axis_size,
     check_axes,
@@ -320,8 +320,11 @@ def head_parallel_attention_kernel(
         params, kv = shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum)
     else:
         kv = _kv_heads.KvHeads(kv_heads // p, None)
-    y_partial = heads_attention(x, params, heads, kv, head_dim, causal, rope_theta, *tokens,
-                                precision, context, implementation)  # fmt: skip
+    positions, segment_ids = tokens
+    core = core_for(kv, heads, causal, segment_ids, precision, implementation, context)
+    positions = global_positions(positions, x.shape[SEQUENCE_DIM], rope_theta, context)
+    y_partial = heads_attention(x, params, heads, kv, head_dim, rope_theta, positions, precision,
+                                core)  # fmt: skip
     bo = params.get("bo")
     if sequence_parallel:
         with because(PARTIAL_SUMS, axis_name):  # y[B, S/p, D] in accum
@@ -400,7 +403,13 @@ def _local_implementation(implementation: str, q, k, precision: Precision) -> st
 def _core(q, k, v, kv: _kv_heads.KvHeads, heads: int, causal: bool, segment_ids,
           precision: Precision, implementation: str):  # fmt: skip
     """``o[B, H/p, S, hd]`` in accum: softmax attention of ``q[B, H/p, S, hd]`` over ``k, v[B,
-    n, S, hd]`` by ``implementation`` (not ``"einsum"``: ``heads_attention`` runs that itself)."""
+    n, S, hd]`` (the whole sequence on this device) by ``implementation``: the blocked core
+    (``_flash.attend``), splash, or the einsum reference."""
+    if implementation == "einsum":  # the S×S reference
+        k, v = _kv_heads.for_query_heads(k, kv, heads), _kv_heads.for_query_heads(v, kv, heads)
+        positions = jnp.arange(q.shape[2], dtype=jnp.int32)  # [S]
+        visible = _masks.visible(positions, positions, segment_ids, segment_ids, causal)
+        return _attention_reference.einsum_attention(q, k, v, visible, precision)
     if kv.index is not None:  # replicated K/V read by index: each query head's own KV head
         k, v = _kv_heads.for_query_heads(k, kv, heads), _kv_heads.for_query_heads(v, kv, heads)
     if _local_implementation(implementation, q, k, precision) == "splash":
@@ -423,28 +432,21 @@ def _core(q, k, v, kv: _kv_heads.KvHeads, heads: int, causal: bool, segment_ids,
                          block_k=BLOCK_K, precision=precision)  # fmt: skip
 
 
-def heads_attention(x, params, heads: int, kv: _kv_heads.KvHeads, head_dim: int, causal: bool,
-                    rope_theta, positions, segment_ids, precision: Precision, context=None,
-            implementation: str = "auto"):  # fmt: skip
+def heads_attention(x, params, heads: int, kv: _kv_heads.KvHeads, head_dim: int, rope_theta,
+                    positions, precision: Precision, core):  # fmt: skip
     """The local heads' attention and output projection: ``x[B, S, D]`` → ``y[B, S, D]``, in
     ``accum_dtype``, a partial sum over heads when the heads are split (``y{U_model}``).
-    With ``context`` (a ``ContextParallel``) ``x`` is this device's block of the sequence and
-    its queries attend over the whole sequence by the context method."""
+
+    ``core(q, k, v) → o``: the attention of ``q[B, H/p, S, hd]`` over the projected (and
+    rotated) ``k, v[B, kv.count, S, hd]``, ``o[B, H/p, S, hd]`` in accum (``core_for``: this
+    device's sequence, or the whole sequence by a context method). ``positions[B or 1, S]``:
+    the tokens' global positions for the rotation (None: ``0 … S−1``)."""
     batch, seq, _ = x.shape
     q, k, v = projections(x, params, heads, kv.count, precision)  # q[B, H/p, S, hd], k, v
     if rope_theta is not None:
-        if positions is None and context is not None:
-            positions = context.positions(seq)[None]  # [1, S]: the tokens' global positions
         cos, sin = _rope.rotation(positions, seq, head_dim, rope_theta)  # [B, 1, S, hd/2] each
         q, k = _rope.rotate(q, cos, sin), _rope.rotate(k, cos, sin)
-    if context is not None:  # o[B, H/p, S, hd] over the whole sequence
-        o = context.attend(q, k, v, kv, heads, causal, segment_ids, precision, implementation)
-    elif implementation != "einsum":  # never S×S
-        o = _core(q, k, v, kv, heads, causal, segment_ids, precision, implementation)
-    else:
-        o = _attention_reference.einsum_attention(
-            q, k, v, kv, heads, causal, segment_ids, precision
-        )
+    o = core(q, k, v)  # o[B, H/p, S, hd] in accum
     o = o.transpose(0, 2, 1, 3).reshape(batch, seq, heads * head_dim)  # o[B, S, (H/p)·hd]
     return precision.matmul(o, params["wo"])  # y[B, S, D] in accum
 
@@ -479,19 +481,32 @@ def attention(
     tokens = check_tokens(op, positions, segment_ids, x.shape[:2], None, rope_theta)
     x = x.astype(precision.accum_dtype)  # x[B, S, D] in accum, as the kernel's region entry
     kv = _kv_heads.KvHeads(kv_heads, None)
-    y = heads_attention(
-        x,
-        params,
-        num_heads,
-        kv,
-        head_dim,
-        causal,
-        rope_theta,
-        *tokens,
-        precision,
-        implementation=implementation,
-    )
+    positions, segment_ids = tokens
+    core = core_for(kv, num_heads, causal, segment_ids, precision, implementation)
+    y = heads_attention(x, params, num_heads, kv, head_dim, rope_theta, positions, precision, core)
     return precision.finish(y, params.get("bo"))  # y in compute dtype
+
+
+def core_for(kv: _kv_heads.KvHeads, heads: int, causal: bool, segment_ids, precision: Precision,
+             implementation: str, context=None):  # fmt: skip
+    """``core(q, k, v) → o`` for ``heads_attention``: this device's heads over its own sequence
+    (``_core``), or with ``context`` (a ``ContextParallel``) its block's queries over the
+    whole sequence by the context method (``ContextParallel.attend``)."""
+    if context is None:
+        return functools.partial(_core, kv=kv, heads=heads, causal=causal,
+                                 segment_ids=segment_ids, precision=precision,
+                                 implementation=implementation)  # fmt: skip
+    return functools.partial(context.attend, kv=kv, heads=heads, causal=causal,
+                             segment_ids=segment_ids, precision=precision,
+                             implementation=implementation)  # fmt: skip
+
+
+def global_positions(positions, seq: int, rope_theta, context):
+    """The rotation's positions: ``positions``, or under ``context`` (given none, with RoPE)
+    this device's tokens' global positions ``[1, S]`` (``ContextParallel.positions``)."""
+    if rope_theta is not None and positions is None and context is not None:
+        return context.positions(seq)[None]  # [1, S]: the tokens' global positions
+    return positions
 
 
 def projections(x, params, heads: int, kv_heads: int, precision: Precision):

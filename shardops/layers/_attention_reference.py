@@ -18,28 +18,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardops._precision import Precision, _reduce_to
-from shardops.layers import _kv_heads, _masks
 
 
-def einsum_attention(q, k, v, kv: _kv_heads.KvHeads, heads: int, causal: bool, segment_ids,
-                      precision: Precision):  # fmt: skip
-    """The reference: ``o[B, H/p, S, hd]`` in accum from the whole ``[B, H/p, S, S]`` scores
-    and probabilities in float32 (kept for the backward)."""
-    batch, _, seq, head_dim = q.shape
-    k, v = (
-        _kv_heads.for_query_heads(k, kv, heads),
-        _kv_heads.for_query_heads(v, kv, heads),
-    )  # [B, H/p, S, hd]
-    q, k, v = (t.reshape(batch * heads, seq, head_dim) for t in (q, k, v))  # [B·H/p, S, hd]
-    scores = product("nqd,nkd->nqk", q, k, precision)  # scores[B·H/p, S_query, S_key] in accum
-    scores = scores * (1.0 / math.sqrt(head_dim))  # scores[B·H/p, S, S]
-    visible = _masks.visible(seq, causal, segment_ids)  # [B or 1, 1, S, S] or None
+def einsum_attention(q, k, v, visible, precision: Precision):
+    """The reference: ``o[B, H, Sq, hd]`` in accum of ``q[B, H, Sq, hd]`` over ``k, v[B, H, Sk,
+    hd]`` (one KV head per query head: ``_kv_heads.for_query_heads``), from the whole
+    ``[B, H, Sq, Sk]`` scores and probabilities in float32 (kept for the backward), masked by
+    ``visible[B or 1, 1, Sq, Sk]`` (``_masks.visible``; None: every key)."""
+    batch, heads, sq, head_dim = q.shape
+    sk = k.shape[2]
+    q = q.reshape(batch * heads, sq, head_dim)  # [B·H, Sq, hd]
+    k, v = (t.reshape(batch * heads, sk, head_dim) for t in (k, v))  # [B·H, Sk, hd]
+    scores = product("nqd,nkd->nqk", q, k, precision)  # scores[B·H, Sq, Sk] in accum
+    scores = scores * (1.0 / math.sqrt(head_dim))  # scores[B·H, Sq, Sk]
     if visible is not None:
-        scores = scores.reshape(batch, heads, seq, seq)
-        scores = jnp.where(visible, scores, -jnp.inf).reshape(batch * heads, seq, seq)
-    probs = jax.nn.softmax(scores, axis=-1)  # probs[B·H/p, S, S] in accum, normalised over keys
-    o = product("nqk,nkd->nqd", probs, v, precision)  # o[B·H/p, S, hd] in accum
-    return o.reshape(batch, heads, seq, head_dim)  # o[B, H/p, S, hd]
+        scores = scores.reshape(batch, heads, sq, sk)
+        scores = jnp.where(visible, scores, -jnp.inf).reshape(batch * heads, sq, sk)
+    probs = jax.nn.softmax(scores, axis=-1)  # probs[B·H, Sq, Sk] in accum, normalised over keys
+    o = product("nqk,nkd->nqd", probs, v, precision)  # o[B·H, Sq, hd] in accum
+    return o.reshape(batch, heads, sq, head_dim)  # o[B, H, Sq, hd]
 
 
 def product(spec: str, a, b, precision: Precision):

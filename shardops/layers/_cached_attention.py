@@ -9,9 +9,6 @@ never moves.
 
 from __future__ import annotations
 
-import math
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -19,7 +16,7 @@ from jax import lax
 from shardops._axes import MODEL_AXIS
 from shardops._precision import FLOAT32, Precision
 from shardops.comm._reasons import because
-from shardops.layers import _attention, _attention_reference, _flash, _kv_heads, _rope
+from shardops.layers import _attention, _attention_reference, _flash, _kv_heads, _masks, _rope
 from shardops.layers._common import bound_axis_size, scoped
 
 
@@ -115,24 +112,13 @@ def cached_attention_kernel(
             )
         o = _flash.cache_attention(q, keys, values, q_positions=positions, length=start + seq,
                                    block_k=_attention.BLOCK_K, precision=precision)  # fmt: skip
-        o = o.transpose(0, 2, 1, 3)  # o[B, s, H/p, hd] in accum
-        y_partial = precision.matmul(o.reshape(batch, seq, heads * head_dim), params["wo"])
-        with because(_attention.PARTIAL_SUMS, axis_name):
-            y = lax.psum(y_partial, axis_name)  # y[B, s, D] in accum
-        return precision.finish(y, params.get("bo")), (k_cache, v_cache)
-    keys = _kv_heads.for_query_heads(k_cache, kv, heads)  # [B, H/p, S_max, hd]
-    values = _kv_heads.for_query_heads(v_cache, kv, heads)
-    q = q.reshape(batch * heads, seq, head_dim)
-    keys, values = (t.reshape(batch * heads, size, head_dim) for t in (keys, values))
-    scores = _attention_reference.product("nqd,nkd->nqk", q, keys, precision) * (
-        1.0 / math.sqrt(head_dim)
-    )
-    visible = jnp.arange(size)[None, :] <= positions[:, None]  # [s, S_max]: key j ≤ query i
-    probs = jax.nn.softmax(jnp.where(visible[None], scores, -jnp.inf), axis=-1)
-    o = _attention_reference.product(
-        "nqk,nkd->nqd", probs, values, precision
-    )  # o[B·H/p, s, hd] in accum
-    o = o.reshape(batch, heads, seq, head_dim).transpose(0, 2, 1, 3)
+    else:  # the reference: scores [B, H/p, s, S_max] at once
+        keys = _kv_heads.for_query_heads(k_cache, kv, heads)  # [B, H/p, S_max, hd]
+        values = _kv_heads.for_query_heads(v_cache, kv, heads)
+        key_positions = jnp.arange(size)  # [S_max]
+        visible = _masks.visible(positions, key_positions, None, None, True)  # [1, 1, s, S_max]
+        o = _attention_reference.einsum_attention(q, keys, values, visible, precision)
+    o = o.transpose(0, 2, 1, 3)  # o[B, s, H/p, hd] in accum
     y_partial = precision.matmul(o.reshape(batch, seq, heads * head_dim), params["wo"])
     with because(_attention.PARTIAL_SUMS, axis_name):
         y = lax.psum(y_partial, axis_name)  # y[B, s, D] in accum

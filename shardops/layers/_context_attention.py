@@ -64,7 +64,7 @@ from shardops._axes import CONTEXT_AXIS
 from shardops._mesh import axis_size, check_divisible, spec_entry, varying_axes
 from shardops._precision import FLOAT32, Precision
 from shardops.comm._reasons import Reason, because
-from shardops.layers import _attention, _attention_reference, _flash, _kv_heads, _rope
+from shardops.layers import _attention, _attention_reference, _flash, _kv_heads, _masks, _rope
 from shardops.layers._common import bound_axis_size, check_axes, run_layer, scoped
 
 METHODS = ("allgather", "ring", "ulysses")
@@ -264,37 +264,6 @@ class _AllToAll:
         return lax.all_to_all(x, self.axis_name, self.split, self.concat, tiled=True)
 
 
-def _visible(q_pos, k_pos, q_seg, k_seg, causal: bool):
-    """``visible[B or 1, 1, sq, sk]``: key ``j`` visible to query ``i`` (same segment and, with
-    ``causal``, ``k_pos[j] ≤ q_pos[i]``: global positions), or None."""
-    visible = None
-    if causal:
-        visible = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, sq, sk]
-    if q_seg is not None:
-        same = q_seg[:, None, :, None] == k_seg[:, None, None, :]  # [B, 1, sq, sk]
-        visible = same if visible is None else same & visible
-    return visible
-
-
-def _local_core(q, k, v, group: int, visible, precision: Precision):
-    """Attention of ``q[B, H, sq, hd]`` over ``k, v[B, H/group, sk, hd]`` (query head ``j``
-    reads KV head ``j // group``), masked by ``visible``: ``o[B, H, sq, hd]`` in accum."""
-    batch, heads, sq, hd = q.shape
-    sk = k.shape[2]
-    if group > 1:
-        k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)  # [B, H, sk, hd]
-    q = q.reshape(batch * heads, sq, hd)
-    k, v = (t.reshape(batch * heads, sk, hd) for t in (k, v))
-    scores = _attention_reference.product("nqd,nkd->nqk", q, k, precision)  # [B·H, sq, sk] in accum
-    scores = scores * (1.0 / math.sqrt(hd))
-    if visible is not None:
-        scores = scores.reshape(batch, heads, sq, sk)
-        scores = jnp.where(visible, scores, -jnp.inf).reshape(batch * heads, sq, sk)
-    probs = jax.nn.softmax(scores, axis=-1)  # normalised over every key of the sequence
-    o = _attention_reference.product("nqk,nkd->nqd", probs, v, precision)  # [B·H, sq, hd] in accum
-    return o.reshape(batch, heads, sq, hd)
-
-
 def _local(q, k, v, group: int, q_pos, k_pos, q_seg, k_seg, causal: bool, precision: Precision,
            blocked: bool):  # fmt: skip
     """One device's attention of ``q[B, H, sq, hd]`` over ``k, v[B, H/group, sk, hd]`` at
@@ -304,7 +273,10 @@ def _local(q, k, v, group: int, q_pos, k_pos, q_seg, k_seg, causal: bool, precis
         return _flash.attend(q, k, v, q_positions=q_pos, k_positions=k_pos, q_segments=q_seg,
                              k_segments=k_seg, causal=causal, block_k=_attention.BLOCK_K,
                              precision=precision)  # fmt: skip
-    return _local_core(q, k, v, group, _visible(q_pos, k_pos, q_seg, k_seg, causal), precision)
+    if group > 1:  # the reference reads one KV head per query head
+        k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)  # [B, H, sk, hd]
+    visible = _masks.visible(q_pos, k_pos, q_seg, k_seg, causal)  # [B or 1, 1, sq, sk]
+    return _attention_reference.einsum_attention(q, k, v, visible, precision)
 
 
 def _allgather(q, k, v, segment_ids, group, causal, axis, precision, index=None, blocked=True):
@@ -638,8 +610,12 @@ def context_parallel_attention_kernel(
                                      context)  # fmt: skip
     x = x.astype(precision.accum_dtype)  # x[B, s, D] in accum; no region over the context axis
     kv = _kv_heads.KvHeads(kv_heads, None)
-    y = _attention.heads_attention(x, params, num_heads, kv, head_dim, causal, rope_theta,
-                                   *tokens, precision, context, implementation)  # fmt: skip
+    positions, segment_ids = tokens
+    core = _attention.core_for(kv, num_heads, causal, segment_ids, precision, implementation,
+                               context)  # fmt: skip
+    positions = _attention.global_positions(positions, x.shape[1], rope_theta, context)
+    y = _attention.heads_attention(x, params, num_heads, kv, head_dim, rope_theta, positions,
+                                   precision, core)  # fmt: skip
     return precision.finish(y, params.get("bo"))  # y[B, s, D] in compute dtype
 
 

@@ -1,19 +1,19 @@
-"""The attention masks of the einsum reference: which keys each query may attend to (causal,
-and within its segment for packed sequences). The blocked core (``_flash``) builds its own per
-key block."""
+"""Which keys each query may attend to, for the einsum reference: causal (by the tokens' global
+positions) and within its segment for packed sequences. The blocked core (``_flash``) builds
+its own mask per key block."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 
-
-def visible(seq: int, causal: bool, segment_ids):
-    """``visible[B or 1, 1, S_query, S_key]``: the keys each query may attend to, or None."""
+def visible(q_positions, k_positions, q_segments, k_segments, causal: bool):
+    """``visible[B or 1, 1, Sq, Sk]``: key ``j`` visible to query ``i`` (same segment and, with
+    ``causal``, ``k_positions[j] ≤ q_positions[i]``: global positions), or None (every key).
+    ``q_positions[Sq]``, ``k_positions[Sk]`` integers; ``q_segments[B, Sq]``, ``k_segments[B,
+    Sk]``: both or neither."""
     visible = None
     if causal:
-        visible = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]  # [S, S]: key j ≤ query i
-        visible = visible[None, None]
-    if segment_ids is not None:
-        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B, 1, S, S]
+        visible = (k_positions[None, :] <= q_positions[:, None])[None, None]  # [1, 1, Sq, Sk]
+    if q_segments is not None:
+        same = q_segments[:, None, :, None] == k_segments[:, None, None, :]  # [B, 1, Sq, Sk]
         visible = same if visible is None else same & visible
     return visible

@@ -43,8 +43,8 @@ ATTENTION = {  # mutant → (line of shardops/layers/_cached_attention.py, its r
         "length=start + seq,",
     ),
     "einsum_mask_of_the_last_query": (
-        "    visible = jnp.arange(size)[None, :] <= positions[:, None]  # [s, S_max]: key j ≤ query i",
-        "    visible = jnp.arange(size)[None, :] <= positions[-1:, None]",
+        "        visible = _masks.visible(positions, key_positions, None, None, True)  # [1, 1, s, S_max]",
+        "        visible = _masks.visible(positions[-1:].repeat(seq), key_positions, None, None, True)",
     ),
 }
 DECODING = {  # mutant → (line of models/generation/decoding.py, its replacement)

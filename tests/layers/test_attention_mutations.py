@@ -65,7 +65,7 @@ K_LINE = V_LINE = (  # the projections of the training kernel and the decoder's
 OTHER_HEADS = (
     'lax.all_gather(params["{w}"], MODEL_AXIS, axis=1, tiled=True)[:, : params["{w}"].shape[1]]'
 )
-MASK = "visible = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]"
+MASK = "visible = (k_positions[None, :] <= q_positions[:, None])[None, None]"
 PSUM = "        y = reduce_from_region(y_partial, axis_name)  # y[B, S, D] in accum"
 KV_INDEX = (
     "    if kv.index is not None:  # replicated K/V: each query head's own KV head, by index\n"
@@ -135,10 +135,10 @@ ATTENTION_MUTANTS = {
     ),
     # Off by one either way: a query sees the next token, or not even itself (NaN row).
     "causal_mask_sees_the_next_token": (
-        MASK, MASK.replace("[:, None] >=", "[:, None] + 1 >="), "", (F32, True, True), "numbers",
+        MASK, MASK.replace("q_positions[:, None]", "q_positions[:, None] + 1"), "", (F32, True, True), "numbers",
     ),
     "causal_mask_hides_the_diagonal": (
-        MASK, MASK.replace(">=", ">"), "", (F32, True, False), "numbers",
+        MASK, MASK.replace("<=", "<"), "", (F32, True, False), "numbers",
     ),
     # The output projection's partial sums leave unreduced (check_vma refuses the out_specs) or
     # are reduced twice (×p).
