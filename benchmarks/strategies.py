@@ -505,7 +505,7 @@ def summary_lines(rows) -> list[str]:
     heads = {
         "fsdp_dense": "**Per-layer FSDP choice** (`fsdp_dense=\"auto\"`, the default, against "
                       "`\"gather_weights\"`, the behaviour before it)",
-        "remat": "**remat** (re-gather each stage's weights in the backward pass)",
+        "remat": "**remat** (re-gather each unit's weights in the backward pass)",
         "collective_matmul": "**Collective matmul** (step time ÷ the plain row's, where XLA "
                              "runs the collectives)",
     }  # fmt: skip

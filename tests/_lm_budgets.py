@@ -98,7 +98,7 @@ EXPECTED = {
     # model shards of 2 (27,904) + the loss.
     (GPT_NAME, "dp_sp", "4x2", "sgd", None, False): {
         **_sp(8_192, 256), (AR, DATA, F32): (21, 27_904 + 4)},
-    # fsdp on data = 2 (replica and model hold replicas), b = 8. The leaves of a stage that
+    # fsdp on data = 2 (replica and model hold replicas), b = 8. The leaves of a unit that
     # share dtype and varying axes travel in one AllGather; a dense w[...] alone (here every
     # one is gathered, none moves activations): embed + pos 10,240; the block's ln1, attention,
     # ln2, up.b, down.b 256 + 16,768 + 256 + 256 + 128 = 17,664; up.w, down.w, head.w 8,192

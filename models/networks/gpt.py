@@ -1,9 +1,9 @@
 """A GPT-style language model built only from shardops layers, for every strategy.
 
-    ids[B, S] → embed: table[V, D][ids] + pos[S, D][positions]               (stage "embed")
-      → L × block: x + attention(layer_norm(x))                              (stage per block)
+    ids[B, S] → embed: table[V, D][ids] + pos[S, D][positions]               (unit "embed")
+      → L × block: x + attention(layer_norm(x))                              (unit per block)
                    x + down(gelu(up(layer_norm(x))))
-      → layer_norm → head w[D, V] → logits[B, S, V]                          (stage "head")
+      → layer_norm → head w[D, V] → logits[B, S, V]                          (unit "head")
       → cross-entropy against the next tokens labels[B, S] (integers)
 
 The default plan (``Gpt.plan``) is Megatron's: the token table split by vocabulary, attention by
@@ -125,11 +125,11 @@ class Gpt(LanguageModel):
     def apply(self, ctx, params, ids):
         """Logits ``[b, S, V]`` (``[b, S, V_model]`` under a column head) of ``ids[b, S]``, and
         no auxiliary loss (``models.Model``)."""
-        x = ctx.stage(self._embed(ctx), {"embed": params["embed"], "pos": params["pos"]}, ids)
+        x = ctx.unit(self._embed(ctx), {"embed": params["embed"], "pos": params["pos"]}, ids)
         for block in params["blocks"]:
-            x = ctx.stage(self._block(ctx), block, x)  # x[b, S, D] (sp: x[b, S_model, D])
+            x = ctx.unit(self._block(ctx), block, x)  # x[b, S, D] (sp: x[b, S_model, D])
         head = {"ln_f": params["ln_f"], "head": params["head"]}
-        return ctx.stage(self._head(ctx), head, x), {}  # logits[b, S, V(_model)]
+        return ctx.unit(self._head(ctx), head, x), {}  # logits[b, S, V(_model)]
 
     def _embed(self, ctx):
         def embed(p, ids):

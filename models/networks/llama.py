@@ -1,10 +1,10 @@
 """A Llama-style decoder built only from shardops layers, for every strategy.
 
-    ids[B, S] → embed: table[V, D][ids]                                       (stage "embed")
-      → L × block (stacked [L, …], one lax.scan):                             (one stage a layer)
+    ids[B, S] → embed: table[V, D][ids]                                       (unit "embed")
+      → L × block (stacked [L, …], one lax.scan):                             (one unit a layer)
             x + attention(rms_norm(x))   RoPE, KV heads shared by query heads, causal
             x + down(silu(gate(h)) ⊙ up(h)),  h = rms_norm(x)                 (SwiGLU)
-      → rms_norm → head w[D, V], or the embedding's table[V, D]ᵀ (tied)       (stage "head")
+      → rms_norm → head w[D, V], or the embedding's table[V, D]ᵀ (tied)       (unit "head")
       → cross-entropy against the next tokens labels[B, S]
 
 No biases, as in Llama. The blocks' parameters stack the layers along dim 0 (``[L, D, …]``)
@@ -145,10 +145,10 @@ class Llama(LanguageModel):
         """Logits ``[b, S, V]`` (``[b, S, V_model]`` under a split head) of ``ids[b, S]``, and
         no auxiliary loss (``models.Model``)."""
         segment_ids = self.segment_ids(ids)  # [b, S] or None
-        x = ctx.stage(self._embed(ctx), {"embed": params["embed"]}, ids)  # x[b, S(_model), D]
+        x = ctx.unit(self._embed(ctx), {"embed": params["embed"]}, ids)  # x[b, S(_model), D]
         x = ctx.scan(self._block(ctx, segment_ids), params["blocks"], x)
         head = {"norm": params["norm"], "out": self.output_layer(params)}
-        return ctx.stage(self._head(ctx), head, x), {}  # logits[b, S, V(_model)]
+        return ctx.unit(self._head(ctx), head, x), {}  # logits[b, S, V(_model)]
 
     def segment_ids(self, ids):
         """``segment_ids[b, S]``: the document of each token (one per ``bos_id``), or None."""

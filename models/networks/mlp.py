@@ -1,10 +1,11 @@
 """The MLP as a model of the strategy mechanism: the seed's 784-512-10 (any depth and widths).
 
-    x[B, D] → stage 0: dense → ReLU → stage 1: dense → … → logits[B, C]
+    x[B, D] → unit 0: dense → ReLU → unit 1: dense → … → logits[B, C]
 
-Each layer is one stage (one FSDP unit, one remat unit). The default plan is Megatron's pairs,
-column, row, column, row, …, an odd last layer replicated (``tp_plan``). Labels are one-hot
-``y[B, C]``; the loss is the seed's ``-mean(one_hot · log_softmax)`` over batch *and* classes.
+Each layer is one unit (``ctx.unit``: one FSDP unit, one remat unit). The default plan is
+Megatron's pairs, column, row, column, row, …, an odd last layer replicated (``tp_plan``).
+Labels are one-hot ``y[B, C]``; the loss is the seed's ``-mean(one_hot · log_softmax)`` over
+batch *and* classes.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class Mlp:
         """Logits ``[b, C]`` of the local batch ``x[b, D]`` (in compute dtype), and no
         auxiliary loss (``models.Model``)."""
         for i, layer in enumerate(params):
-            x = ctx.stage(ctx.dense, layer, x)  # (b, width)
+            x = ctx.unit(ctx.dense, layer, x)  # (b, width)
             if i < len(params) - 1:
                 x = jax.nn.relu(x)
         return x, {}  # logits[b, C]

@@ -7,7 +7,7 @@
 - ``parallel``: the layer context ``Parallel`` that a model's forward is written against.
 - ``plan``: the plan, the tensor-parallel role of every parameter (PyTorch's ``parallelize_plan``).
 - ``fsdp``: FSDP's rule (which dim of a leaf splits over ``data``) and its per-layer route.
-- ``remat``: ``Remat``, the activation-checkpoint policy of each stage (``build(remat=...)``),
+- ``remat``: ``Remat``, the activation-checkpoint policy of each unit (``build(remat=...)``),
   and the names of the activations a policy may keep; exported as ``shardops_models.Remat``.
 - ``pmap``: the seed's ``jax.pmap`` data parallelism, for comparison with ``dp``.
 """

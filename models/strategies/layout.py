@@ -4,7 +4,7 @@ number of axes with any names (MaxText's ``logical_axis_rules``, as one table).
     kind    mesh axes        the batch  parameters                  gradients
     dp      e.g. replica     split      replicated                  AllReduced (autodiff's, of pcast)
     fsdp    e.g. data        split      split, AllGathered per      ReduceScattered
-                                        stage just in time
+                                        unit just in time
     zero1   e.g. data        split      replicated; the optimizer   ReduceScattered; parameters
                                         state split                 AllGathered after the update
     tp      one axis, model  —          split by each layer's plan  the kernels' own

@@ -2,7 +2,7 @@
 layout of kinds of parallelism over named mesh axes, ``models.strategies.layout``).
 
 A model's forward is written once against ``Parallel`` (the context): it runs each group of
-parameters (a *stage*: a layer, a transformer block) through ``ctx.stage(fn, params, x)``,
+parameters (a *unit*: a layer, a transformer block) through ``ctx.unit(fn, params, x)``,
 which materialises them for the data-parallel axes (``pcast`` over the dp axes, AllGather over
 the fsdp axes, recomputed in the backward pass under remat; zero1's parameters arrive varying
 already), and calls layers as ``ctx.dense(p, x)``, ``ctx.embed``,
@@ -102,8 +102,8 @@ _CTX_GATHER = shardops.comm.Reason("ctx_gather", forward={
 class Param:
     """One parameter as a model's forward sees it: the local array, its plan role and layout.
 
-    ``ready`` is False until ``Parallel.stage`` has materialised it for the data axis; layers
-    refuse a parameter that is not ready (a forward that skipped ``ctx.stage`` would compute
+    ``ready`` is False until ``Parallel.unit`` has materialised it for the data axis; layers
+    refuse a parameter that is not ready (a forward that skipped ``ctx.unit`` would compute
     with an FSDP shard)."""
 
     __slots__ = ("logical", "path", "pending", "ready", "role", "spec", "uses", "value")
@@ -112,7 +112,7 @@ class Param:
                  logical=None):  # fmt: skip
         self.value, self.role, self.spec, self.path, self.ready = value, role, spec, path, ready
         self.uses = 0
-        """How many stages of this forward have used it so far (not part of the pytree: each
+        """How many units of this forward have used it so far (not part of the pytree: each
         trace wraps fresh ``Param`` objects)."""
         self.pending = pending
         """The dim still split over ``data`` (a dense weight whose gather waits for the layer
@@ -173,7 +173,7 @@ class Parallel:
     strategy: Strategy
     precision: Precision = FLOAT32
     remat: Remat | bool | str | tuple = False
-    """The activation-checkpoint policy of each stage (``models.strategies.remat``)."""
+    """The activation-checkpoint policy of each unit (``models.strategies.remat``)."""
     fsdp_dense: str = AUTO
     """fsdp: per dense layer, gather the weight or move the activations (``models.strategies.fsdp``)."""
     collective_matmul: str | None = None
@@ -228,20 +228,20 @@ class Parallel:
                                                context.axis_name, n)  # fmt: skip
         return jnp.take(tokens, context.positions(seq // n), axis=SEQUENCE_DIM)
 
-    # --- stages: the data-parallel axes
+    # --- units: the data-parallel axes
 
-    def stage(self, fn: Callable, params, *args):
+    def unit(self, fn: Callable, params, *args):
         """``fn(params, *args)`` with ``params`` (a tree of ``Param``) materialised for the
         data-parallel axes: AllGathered over the fsdp axes where split (the backward
         ReduceScatters the gradient, then AllReduces its shard over the dp axes: HSDP),
         ``pcast`` to varying over the dp (and fsdp) axes where replicated (the backward
         AllReduces it). Under zero1 the parameters arrive varying over its axes already
         (``models.training``): their gradients leave the step unreduced, for the optimizer's
-        ReduceScatter. Under a remat policy (``models.strategies.remat``) the stage is
+        ReduceScatter. Under a remat policy (``models.strategies.remat``) the unit is
         ``jax.checkpoint``-ed with it: the backward pass gathers again and recomputes what the
         policy does not save."""
 
-        # A leaf an earlier stage of this forward used (a tied embedding's table, in the head)
+        # A leaf an earlier unit of this forward used (a tied embedding's table, in the head)
         # is gathered again for this use: its gather reads it through an optimization barrier
         # numbered by the use, which XLA's CSE cannot merge with an earlier use's gather (the
         # steps compile with ``KEEP_REMAT``), so the whole table is not kept alive in between.
@@ -256,8 +256,15 @@ class Parallel:
 
         return Remat.of(self.remat).checkpoint(run)(params, *args)
 
+    def stage(self, *args, **kwargs):
+        """Renamed ``unit``: "stage" names a pipeline stage. Refused with the rename."""
+        raise AttributeError(
+            "ctx.stage is now ctx.unit: an FSDP and remat unit (stage names a pipeline "
+            "stage); rename the call"
+        )
+
     def _materialise_all(self, params, used=None):
-        """Every ``Param`` of a stage, ready. The split leaves that share a dtype and varying
+        """Every ``Param`` of a unit, ready. The split leaves that share a dtype and varying
         axes travel together: one AllGather over the fsdp axes (one ReduceScatter back) instead
         of one per leaf (``shardops.comm.gather_many_to_region``); XLA:CPU does not combine
         gathers by itself. (It does combine the replicated leaves' gradient AllReduces, so those
@@ -282,7 +289,7 @@ class Parallel:
         for group in gather.values():
             values = [leaves[i].value for i, _ in group]
             uses = max(used[i] for i, _ in group)
-            if uses:  # used by an earlier stage: gathered anew (see ``stage``)
+            if uses:  # used by an earlier unit: gathered anew (see ``unit``)
                 values, _ = lax.optimization_barrier((values, jnp.int32(uses)))
             dims = [d for _, d in group]
             with shardops.comm.because(_FSDP_GATHER, self.strategy.fsdp):
@@ -614,7 +621,7 @@ class Parallel:
     def scan(self, fn: Callable, params, x):
         """``x = fn(layer, x)`` for each layer of ``params``, whose leaves stack the layers
         along dim 0 (the plan's ``stacked`` roles), with ``lax.scan``: one compiled block
-        whatever the depth. Each layer runs as a stage (``ctx.stage``: FSDP gathers one
+        whatever the depth. Each layer runs as a unit (``ctx.unit``: FSDP gathers one
         layer's weights at a time, inside the loop; remat re-gathers them in the backward)."""
         leaves = [q for q in jax.tree.leaves(params, is_leaf=is_param) if is_param(q)]
         if not leaves or any(not isinstance(q.role, StackedRole) for q in leaves):
@@ -647,11 +654,11 @@ class Parallel:
                 layer = jax.tree.map(
                     lambda q, i=i: q.replace(value=q.value[i], path=q.path.replace(
                         root, f"{root}[{i}]", 1)), per_layer, is_leaf=is_param)  # fmt: skip
-                x = self.stage(fn, layer, x)
+                x = self.unit(fn, layer, x)
             return x
 
         def body(x, layer):
-            y = self.stage(fn, layer, x)
+            y = self.unit(fn, layer, x)
             if jax.typeof(y) != jax.typeof(x):
                 raise ValueError(
                     f"ctx.scan: each layer must return what it takes (a residual stream), "
@@ -716,7 +723,7 @@ class Parallel:
         return y
 
     def array(self, param):
-        """The local array of a parameter inside ``ctx.stage``: its block over ``model`` (by
+        """The local array of a parameter inside ``ctx.unit``: its block over ``model`` (by
         its plan role), whole over ``data`` (gathered under fsdp). A parameter stored padded
         (a dim the tp axis does not divide) is refused: its block would hold padding that no
         layer of yours masks."""
@@ -749,8 +756,8 @@ class Parallel:
         if isinstance(leaf, Param):
             if not leaf.ready:
                 raise ValueError(
-                    f"{leaf.path} reached {layer} without ctx.stage: run each group of "
-                    f"parameters through ctx.stage(fn, params, x) so the strategy can gather it"
+                    f"{leaf.path} reached {layer} without ctx.unit: run each group of "
+                    f"parameters through ctx.unit(fn, params, x) so the strategy can gather it"
                 )
             if leaf.pending is not None:  # not a dense layer's weight after all: gather it
                 return self._gather(leaf.value, leaf.pending)
@@ -820,7 +827,7 @@ def _check_kv_heads_as_planned(p, num_heads: int, num_kv_heads, tp: str) -> None
 
 
 def _tp_entries(spec, tp, ndim: int):
-    """``spec``'s entries with only the tp axis kept (a stage's value is whole over the rest)."""
+    """``spec``'s entries with only the tp axis kept (a unit's value is whole over the rest)."""
     entries = list(spec) + [None] * (ndim - len(spec))
     return [tp if tp in entry_axes(e) else None for e in entries]
 

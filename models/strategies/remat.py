@@ -1,12 +1,12 @@
-"""Activation checkpointing (remat): what each stage keeps for its backward pass.
+"""Activation checkpointing (remat): what each unit keeps for its backward pass.
 
-A model runs its blocks through ``ctx.stage`` (or ``ctx.scan``, a stage per layer); the policy
-``build(..., remat=...)`` wraps every stage of the train step in ``jax.checkpoint`` with a
+A model runs its blocks through ``ctx.unit`` (or ``ctx.scan``, a unit per layer); the policy
+``build(..., remat=...)`` wraps every unit of the train step in ``jax.checkpoint`` with a
 policy, under every strategy:
 
-    remat=            a stage's backward pass has                   recomputes
+    remat=            a unit's backward pass has                    recomputes
     "none", False     every residual its forward made (no remat)    nothing
-    "full", True      the stage's inputs only                       the whole stage
+    "full", True      the unit's inputs only                        the whole unit
     "matmuls"         the dense layers' outputs                     the rest: norms, activations,
                       (dots_with_no_batch_dims_saveable)            attention's score products
     ("attention_output", ...)  the activations of these names       the rest
@@ -15,10 +15,10 @@ policy, under every strategy:
     Remat("offload", names)    the named activations, on the host    the rest
     a jax.checkpoint policy    what it says is saveable               the rest
 
-Under fsdp every policy but "none" gathers the stage's weights again in the backward pass: a
+Under fsdp every policy but "none" gathers the unit's weights again in the backward pass: a
 gather's output is no dot and no named activation, so no policy here saves it (the full
-weights would stay alive from a stage's forward to its backward, undoing FSDP). ``"full"`` is
-the ``remat=True`` of before: the re-gather, and the stage's forward recomputed. The stage's
+weights would stay alive from a unit's forward to its backward, undoing FSDP). ``"full"`` is
+the ``remat=True`` of before: the re-gather, and the unit's forward recomputed. The unit's
 forward collectives (tp's AllReduce, a context ring) run again where what they made is not
 saved; ``Setup.budget`` reads them from the traced step.
 
@@ -63,7 +63,7 @@ OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 
 @dataclasses.dataclass(frozen=True)
 class Remat:
-    """An activation-checkpoint policy, applied to each stage (see the module docstring).
+    """An activation-checkpoint policy, applied to each unit (see the module docstring).
 
     ``build(remat=...)`` takes one of these or what ``Remat.of`` reads as one: ``"none"``
     (``False``), ``"full"`` (``True``), ``"matmuls"``, ``"offload"``, a tuple of names (save
@@ -135,7 +135,7 @@ class Remat:
         )
 
     def __bool__(self) -> bool:
-        """Whether a stage recomputes anything (every kind but ``"none"``)."""
+        """Whether a unit recomputes anything (every kind but ``"none"``)."""
         return self.kind != "none"
 
     def jax_policy(self) -> Callable | None:

@@ -152,7 +152,7 @@ class Setup:
     """The plan in use: the tensor-parallel role of every parameter (``models.strategies.plan``)."""
     optimizer: optax.GradientTransformation
     remat: Remat
-    """The activation-checkpoint policy of each stage (``build``'s ``remat``, read as a
+    """The activation-checkpoint policy of each unit (``build``'s ``remat``, read as a
     ``models.Remat``)."""
     precision: shardops.Precision
     fsdp_dense: str
@@ -468,9 +468,9 @@ def build(
             ``model=Mlp(sizes)``).
         plan: the tensor-parallel role of every parameter (a prefix of the parameter tree;
             ``models.strategies.plan``); default ``model.plan()``.
-        remat: the activation-checkpoint policy of each stage (``models.Remat``, every
+        remat: the activation-checkpoint policy of each unit (``models.Remat``, every
             strategy): ``"none"`` (``False``, the default) keeps every activation; ``"full"``
-            (``True``) recomputes the whole stage in the backward pass, and under fsdp
+            (``True``) recomputes the whole unit in the backward pass, and under fsdp
             gathers its weights again; ``"matmuls"`` keeps the dense layers' outputs only; a
             tuple of names (``models.strategies.remat.NAMES``) keeps those activations;
             ``"offload"`` moves the matmul outputs to the host; or a ``jax.checkpoint``
@@ -577,9 +577,9 @@ def build(
         return run
 
     # XLA:CPU expands optimization barriers before a late CSE pass, which then merges remat's
-    # backward re-gather into the forward gather, and a second stage's gather of one weight (a
+    # backward re-gather into the forward gather, and a second unit's gather of one weight (a
     # tied table) into the first's, keeping the full weights alive after all. With remat keep
-    # the barriers in these programs, and under fsdp in the train step (``Parallel.stage``
+    # the barriers in these programs, and under fsdp in the train step (``Parallel.unit``
     # puts one before a weight's second gather); other programs are unaffected.
     options = shardops.inspect.KEEP_REMAT if remat else None
     step_options = shardops.inspect.KEEP_REMAT if remat or parallel.fsdp else None

@@ -92,8 +92,8 @@ def test_mixed_dtypes_are_an_error():
         fn(jnp.zeros(4), jnp.zeros(4, jnp.bfloat16))
 
 
-def test_a_gpt_fsdp_step_moves_each_stage_in_one_collective():
-    """The GPT under fsdp: the parameters of a stage travel in one AllGather and one
+def test_a_gpt_fsdp_step_moves_each_unit_in_one_collective():
+    """The GPT under fsdp: the parameters of a unit travel in one AllGather and one
     ReduceScatter per group (dtype and varying axes), not one per leaf; the bytes are the
     budget's."""
     gpt = models.Gpt(vocab_size=64, d_model=32, num_heads=4, num_layers=2, context=16)
@@ -105,12 +105,12 @@ def test_a_gpt_fsdp_step_moves_each_stage_in_one_collective():
     led = shardops.inspect.ledger(mesh, setup.train_step, state, *setup.place_batch(ids, ids))
     assert led.totals(requested=True) == setup.collective_budget(8)
     leaves = len(jax.tree.leaves(state.params))  # 33 for this GPT
-    stages = gpt.num_layers + 2  # embedding, blocks, head
+    units = gpt.num_layers + 2  # embedding, blocks, head
     for kind in ("all-gather", "reduce-scatter"):
         count = sum(1 for c in led.requested if c.kind == kind and c.bytes)
-        # every stage's split leaves in one bundle; the dense weights (gathered when their
+        # every unit's split leaves in one bundle; the dense weights (gathered when their
         # layer chooses to) one at a time: 2 per block (up, down) + the head
-        assert count <= stages + 2 * gpt.num_layers + 1 < leaves, (kind, count, leaves)
+        assert count <= units + 2 * gpt.num_layers + 1 < leaves, (kind, count, leaves)
 
 
 # Mutants of shardops/comm/_mappings.py, each caught by the comparison above.

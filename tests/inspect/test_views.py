@@ -192,7 +192,7 @@ def explain_fsdp(fsdp_dense):
 
 
 def test_explain_fsdp_step():
-    # layer 0's stage gathers w1[98, 512] and b1[64] in one bundle: 8 × (50,176 + 64) floats
+    # layer 0's unit gathers w1[98, 512] and b1[64] in one bundle: 8 × (50,176 + 64) floats
     # (1,607,680 B = 1.5 MiB); layer 1's w2[64, 10] in 8 × 640 floats (20,480 B = 20.0 KiB)
     gathered = "weights stored split over 'data' (FSDP) are gathered just before use"
     scattered = ("it is the transpose of the weights' all_gather: gradients are summed and each "
@@ -289,7 +289,7 @@ def test_remat_regathers_are_said_to_be_recomputed():
         again = [line for line in lines if "remat recomputes" in line]
         assert again and all(line.startswith("backward pass: all_gather over 'data'")
                              and "(FSDP) are gathered" in line for line in again), lines  # fmt: skip
-        # the last stage's weights are gathered again (the first's backward does not use w1)
+        # the last unit's weights are gathered again (the first's backward does not use w1)
         forward = {line.split(" (")[0].split(" of ")[1] for line in lines
                    if line.startswith("forward pass: all_gather")}  # fmt: skip
         assert {line.split(" (")[0].split(" of ")[1] for line in again} < forward, lines

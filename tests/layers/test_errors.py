@@ -206,9 +206,9 @@ class _AttentionLM:
         def attend(p, x):
             return ctx.attention(p, x, num_heads=self.heads, num_kv_heads=self.kv)
 
-        x = ctx.stage(ctx.embed, params["embed"], ids)
-        x = x + ctx.stage(attend, params["attn"], x)
-        return ctx.stage(ctx.dense, params["head"], x), {}
+        x = ctx.unit(ctx.embed, params["embed"], ids)
+        x = x + ctx.unit(attend, params["attn"], x)
+        return ctx.unit(ctx.dense, params["head"], x), {}
 
     def loss_sum(self, ctx, params, logits, labels):
         return ctx.cross_entropy(logits, labels, split=False).sum()

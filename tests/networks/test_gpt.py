@@ -58,7 +58,7 @@ def test_every_strategy_trains_with_each_optimizer_and_every_mesh_appears():
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp_tp", "fsdp_sp"])
 def test_remat_trajectory_and_budget(strategy):
-    """Remat re-gathers each stage's parameters (and reruns its forward collectives) in the
+    """Remat re-gathers each unit's parameters (and reruns its forward collectives) in the
     backward pass: same numbers, and exactly the bytes the recorder predicts."""
     check_gpt_trajectory(strategy, "4x2", "sgd", remat=True, budget=True)
 

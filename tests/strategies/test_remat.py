@@ -27,8 +27,8 @@ POLICIES = ["full", "matmuls", SAVED, "offload"]
 LAYOUTS = [(GPT, "ref", None), (GQA, "fsdp_tp", "4x2"), (GPT, "2d", "4x2"),
            (GQA, "2d+ring", "2x2x2c"), (GPT, "sp", "2x4")]  # fmt: skip
 # Each layout and each policy once (every pair under SHARDOPS_FULL=1): the policy is one
-# jax.checkpoint around ctx.stage, the same code under every strategy; what differs is what
-# the stage recomputes (fsdp's gathers, tp's AllReduces, the context ring).
+# jax.checkpoint around ctx.unit, the same code under every strategy; what differs is what
+# the unit recomputes (fsdp's gathers, tp's AllReduces, the context ring).
 CASES = cover(LAYOUTS, POLICIES, t=1)
 
 
@@ -44,7 +44,7 @@ def test_every_policy_trains_as_the_reference(case):
     ("zero1_tp", {"data": 4, "model": 2}, "offload"),
 ], ids=str)  # fmt: skip
 def test_the_mlp_trains_as_the_reference_under_the_other_layouts(strategy, mesh_shape, remat):
-    """ZeRO-1 (parameters entering the stage already varying) and HSDP under a policy."""
+    """ZeRO-1 (parameters entering the unit already varying) and HSDP under a policy."""
     check_trajectory(strategy, mesh_shape, "sgd", sizes=SIZES, batch=32, remat=remat)
 
 

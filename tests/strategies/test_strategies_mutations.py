@@ -177,7 +177,7 @@ HELPER_MUTANTS = {
         "            value = jax.lax.pcast(value, axes, to='varying')\n",
         "flow", ("2d", {"data": 4, "model": 2}, BF16),
     ),
-    # fsdp: a stage's bundle of split leaves gathered with its gradients reduced in bf16.
+    # fsdp: a unit's bundle of split leaves gathered with its gradients reduced in bf16.
     "data_gradient_bundle_reduce_scattered_in_bf16": (
         parallel, ("Parallel", "wrap"), ("shardops_models.training._train",),
         "                                                               accum, self._replicas)  # fmt: skip\n",

@@ -72,9 +72,9 @@ class GatedLM:
                 return x + ctx.gather(h) @ down  # h[b, S, F] · down[F, D], replicated
             return x + ctx.psum(h @ down)  # y{U_model} → y[b, S, D]
 
-        x = ctx.stage(ctx.embed, params["embed"], ids)  # x[b, S, D]
-        x = ctx.stage(gated_mlp, params["mlp"], x)
-        return ctx.stage(ctx.dense, params["head"], x), {}  # logits[b, S, V]
+        x = ctx.unit(ctx.embed, params["embed"], ids)  # x[b, S, D]
+        x = ctx.unit(gated_mlp, params["mlp"], x)
+        return ctx.unit(ctx.dense, params["head"], x), {}  # logits[b, S, V]
 
     def loss_sum(self, ctx, params, logits, labels):
         return ctx.cross_entropy(logits, labels, split=False).sum()
@@ -248,9 +248,9 @@ class KeyedLM:
         return {"embed": models.REPLICATED, "norm": models.REPLICATED, "head": models.COLUMN}
 
     def apply(self, ctx, params, ids):
-        x = ctx.stage(ctx.embed, params["embed"], ids)
-        x = ctx.stage(ctx.rms_norm, params["norm"], x)
-        return ctx.stage(ctx.dense, params["head"], x), {}
+        x = ctx.unit(ctx.embed, params["embed"], ids)
+        x = ctx.unit(ctx.rms_norm, params["norm"], x)
+        return ctx.unit(ctx.dense, params["head"], x), {}
 
     def loss_sum(self, ctx, params, logits, labels):
         return ctx.cross_entropy(logits, labels, split=ctx.is_split(params["head"])).sum()
@@ -356,8 +356,8 @@ class DeclaredLM(KeyedLM):
         super().__init__({}, {"w": (D, V)})
 
     def apply(self, ctx, params, ids):
-        x = ctx.stage(lambda p, i: jnp.take(ctx.array(p["table"]), i, axis=0), params["embed"], ids)
-        return ctx.stage(ctx.dense, params["head"], x), {}
+        x = ctx.unit(lambda p, i: jnp.take(ctx.array(p["table"]), i, axis=0), params["embed"], ids)
+        return ctx.unit(ctx.dense, params["head"], x), {}
 
 
 EMBED = "the rows of params\\['embed'\\]\\['table'\\], the table ctx.embed reads"
@@ -461,3 +461,16 @@ def test_unmutated_vocabulary_check_copy_passes(monkeypatch, name):
 def test_vocabulary_check_mutant_is_caught(monkeypatch, name):
     with pytest.raises((AssertionError, pytest.fail.Exception)):
         check_vocab_mutant(monkeypatch, name, replace=True)
+
+
+# --- ctx.stage, renamed ctx.unit ("stage" names a pipeline stage)
+
+
+def test_ctx_stage_is_refused_with_its_new_name():
+    """A forward written against the old ``ctx.stage`` fails at once, naming ``ctx.unit``,
+    rather than running (an alias would leave two words for one meaning)."""
+    ctx = models.Parallel(models.STRATEGIES["ref"])
+    x = jnp.zeros((2, D))
+    with refused(AttributeError, argument="ctx.stage", got="stage names a pipeline stage",
+                 expected="ctx.unit: an FSDP and remat unit", fix="rename the call"):  # fmt: skip
+        ctx.stage(ctx.dense, {}, x)

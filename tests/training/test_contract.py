@@ -51,10 +51,10 @@ class AuxLM:
         def mlp(p, x):
             return x + ctx.dense(p["down"], jax.nn.gelu(ctx.dense(p["up"], x)))
 
-        x = ctx.stage(ctx.embed, params["embed"], ids)  # x[b, S, D] (sp, cp: S split)
-        x = ctx.stage(mlp, {"up": params["up"], "down": params["down"]}, x)
+        x = ctx.unit(ctx.embed, params["embed"], ids)  # x[b, S, D] (sp, cp: S split)
+        x = ctx.unit(mlp, {"up": params["up"], "down": params["down"]}, x)
         aux = {"activation_l2": jnp.mean(jnp.square(x.astype(jnp.float32)))}
-        return ctx.stage(ctx.dense, params["head"], x), aux
+        return ctx.unit(ctx.dense, params["head"], x), aux
 
     def loss_sum(self, ctx, params, logits, labels):
         return ctx.cross_entropy(logits, labels, split=ctx.is_split(params["head"])).sum()

@@ -36,7 +36,7 @@ class AbsMlp(models.Mlp):
 
     def apply(self, ctx, params, x):
         for i, layer in enumerate(params):
-            x = ctx.stage(ctx.dense, layer, x)  # (b, width)
+            x = ctx.unit(ctx.dense, layer, x)  # (b, width)
             if i < len(params) - 1:
                 x = jnp.sqrt(x * x)  # |x|; d/dx at 0: (0.5 / √0) · 2x = ∞ · 0
         return x, {}  # logits[b, C], no auxiliary loss
