@@ -502,40 +502,12 @@ def build(
             multiple of ``setup.batch_multiple``.
     """
     parallel = strategy_named(strategy)
-    shardops.layers.check_implementation("build", attention, "attention")
-    check_route(fsdp_dense)
-    if collective_matmul not in COLLECTIVE_MATMULS:
-        raise ValueError(
-            f"collective_matmul must be one of {COLLECTIVE_MATMULS}; got {collective_matmul!r}"
-        )
-    if model is None:
-        model = Mlp(SEED_SIZES if sizes is None else sizes)
-    elif sizes is not None:
-        raise ValueError("pass either model= or sizes= (the MLP's widths), not both")
-    declared = check_model(model)
+    model, declared = _model_of(model, sizes)
     weights = contract.aux_weights(declared, aux_weights)
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(
-            f"models.build: microbatches must be a positive int (how many parts each "
-            f"device's batch is split into, 1 for none); got {microbatches!r}"
-        )
     remat = Remat.of(remat)
-    if not isinstance(precision, shardops.Precision):
-        raise TypeError(
-            f"precision must be a shardops.Precision (FLOAT32, BFLOAT16 or MIXED_BFLOAT16); "
-            f"got {precision!r}"
-        )
-    if parallel.sp and not declared.sequence:
-        raise ValueError(
-            f"strategy {parallel.name!r} splits activations along the sequence; {model.name} "
-            f"has no sequence dimension. Use the same strategy with tp instead of sp."
-        )
-    if parallel.cp and not declared.sequence:
-        raise ValueError(
-            f"strategy {parallel.name!r} splits the sequence over {parallel.cp!r} (context "
-            f"parallelism); {model.name} has no sequence dimension. Drop "
-            f"'+{parallel.cp_method}'."
-        )
+    _check_options(parallel, declared, model.name, attention=attention, fsdp_dense=fsdp_dense,
+                   collective_matmul=collective_matmul, precision=precision,
+                   microbatches=microbatches)  # fmt: skip
     shapes = _shapes(model)
     plan = model.plan() if plan is None else plan
     roles = leaf_roles(plan, shapes)
@@ -617,6 +589,46 @@ def build(
         evaluate=jit(evaluate, "evaluate"),
         logits=jit(logits, "logits"),
     )
+
+
+def _model_of(model, sizes):
+    """The model (the MLP of ``sizes`` by default) and what it declares, checked."""
+    if model is None:
+        model = Mlp(SEED_SIZES if sizes is None else sizes)
+    elif sizes is not None:
+        raise ValueError("pass either model= or sizes= (the MLP's widths), not both")
+    return model, check_model(model)
+
+
+def _check_options(parallel: Strategy, declared, name: str, *, attention, fsdp_dense,
+                   collective_matmul, precision, microbatches) -> None:  # fmt: skip
+    """``build``'s options, each valid and fitting the strategy and the model."""
+    shardops.layers.check_implementation("build", attention, "attention")
+    check_route(fsdp_dense)
+    if collective_matmul not in COLLECTIVE_MATMULS:
+        raise ValueError(
+            f"collective_matmul must be one of {COLLECTIVE_MATMULS}; got {collective_matmul!r}"
+        )
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(
+            f"models.build: microbatches must be a positive int (how many parts each "
+            f"device's batch is split into, 1 for none); got {microbatches!r}"
+        )
+    if not isinstance(precision, shardops.Precision):
+        raise TypeError(
+            f"precision must be a shardops.Precision (FLOAT32, BFLOAT16 or MIXED_BFLOAT16); "
+            f"got {precision!r}"
+        )
+    if parallel.sp and not declared.sequence:
+        raise ValueError(
+            f"strategy {parallel.name!r} splits activations along the sequence; {name} "
+            f"has no sequence dimension. Use the same strategy with tp instead of sp."
+        )
+    if parallel.cp and not declared.sequence:
+        raise ValueError(
+            f"strategy {parallel.name!r} splits the sequence over {parallel.cp!r} (context "
+            f"parallelism); {name} has no sequence dimension. Drop '+{parallel.cp_method}'."
+        )
 
 
 def _check_concrete(mesh, what: str) -> None:
