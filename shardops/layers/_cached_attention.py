@@ -15,7 +15,7 @@ from jax import lax
 
 from shardops._axes import MODEL_AXIS
 from shardops._precision import FLOAT32, Precision
-from shardops.comm._reasons import because
+from shardops.comm._collectives import all_reduce
 from shardops.layers import _attention, _attention_reference, _flash, _kv_heads, _masks, _rope
 from shardops.layers._common import bound_axis_size, scoped
 
@@ -120,6 +120,5 @@ def cached_attention_kernel(
         o = _attention_reference.einsum_attention(q, keys, values, visible, precision)
     o = o.transpose(0, 2, 1, 3)  # o[B, s, H/p, hd] in accum
     y_partial = precision.matmul(o.reshape(batch, seq, heads * head_dim), params["wo"])
-    with because(_attention.PARTIAL_SUMS, axis_name):
-        y = lax.psum(y_partial, axis_name)  # y[B, s, D] in accum
+    y = all_reduce(y_partial, axis_name, reason=_attention.PARTIAL_SUMS)  # y[B, s, D] in accum
     return precision.finish(y, params.get("bo")), (k_cache, v_cache)

@@ -63,7 +63,8 @@ from jax.sharding import PartitionSpec as P
 from shardops._axes import CONTEXT_AXIS
 from shardops._mesh import axis_size, check_divisible, spec_entry, varying_axes
 from shardops._precision import FLOAT32, Precision
-from shardops.comm._reasons import Reason, because
+from shardops.comm._collectives import all_gather, all_to_all, reduce_scatter, ring_pass
+from shardops.comm._reasons import Reason
 from shardops.layers import _attention, _attention_reference, _flash, _kv_heads, _masks, _rope
 from shardops.layers._common import bound_axis_size, check_axes, run_layer, scoped
 
@@ -240,18 +241,20 @@ _moved.defvjp(_moved_fwd, _moved_bwd)
 class _Gather:
     axis_name: str
     dim: int
+    reason: Reason
 
     def __call__(self, x):
-        return lax.all_gather(x, self.axis_name, axis=self.dim, tiled=True)
+        return all_gather(x, self.axis_name, axis=self.dim, reason=self.reason)
 
 
 @dataclasses.dataclass(frozen=True)
 class _ScatterSum:
     axis_name: str
     dim: int
+    reason: Reason
 
     def __call__(self, g):
-        return lax.psum_scatter(g, self.axis_name, scatter_dimension=self.dim, tiled=True)
+        return reduce_scatter(g, self.axis_name, scatter_dimension=self.dim, reason=self.reason)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,9 +262,11 @@ class _AllToAll:
     axis_name: str
     split: int
     concat: int
+    reason: Reason
 
     def __call__(self, x):
-        return lax.all_to_all(x, self.axis_name, self.split, self.concat, tiled=True)
+        return all_to_all(x, self.axis_name, split_axis=self.split, concat_axis=self.concat,
+                          reason=self.reason)  # fmt: skip
 
 
 def _local(q, k, v, group: int, q_pos, k_pos, q_seg, k_seg, causal: bool, precision: Precision,
@@ -284,15 +289,14 @@ def _allgather(q, k, v, segment_ids, group, causal, axis, precision, index=None,
     ``index[H]``: the KV head each query head reads, where not by contiguous groups."""
     n, s = lax.axis_size(axis), q.shape[2]
     compute = np.dtype(precision.compute_dtype)
-    with because(_GATHER_KV, axis):  # k[B, n, s, hd] → k[B, n, S, hd]; dk ReduceScattered
-        k_all = _moved(_Gather(axis, 2), _ScatterSum(axis, 2), compute, k)
-        v_all = _moved(_Gather(axis, 2), _ScatterSum(axis, 2), compute, v)
+    gather, scatter = _Gather(axis, 2, _GATHER_KV), _ScatterSum(axis, 2, _GATHER_KV)
+    k_all = _moved(gather, scatter, compute, k)  # k[B, n, S, hd]; dk ReduceScattered
+    v_all = _moved(gather, scatter, compute, v)
     if index is not None:  # [B, H, S, hd]: each query head's KV head (dk summed back)
         k_all, v_all = jnp.take(k_all, index, axis=1), jnp.take(v_all, index, axis=1)
     k_seg = None
     if segment_ids is not None:
-        with because(_SEGMENTS, axis):
-            k_seg = lax.all_gather(segment_ids, axis, axis=1, tiled=True)  # [B, S]
+        k_seg = all_gather(segment_ids, axis, axis=1, reason=_SEGMENTS)  # [B, S]
     q_pos = _local_positions(lax.axis_index(axis), n, s)  # [s]
     k_pos = jnp.asarray(balanced_order(s * n, n), jnp.int32)  # [S]: device-major
     return _local(q, k_all, v_all, group, q_pos, k_pos, segment_ids, k_seg, causal, precision,
@@ -303,17 +307,14 @@ def _ulysses(q, k, v, segment_ids, group, causal, axis, precision, index=None, b
     """AllToAll heads ↔ sequence around local attention (module docstring)."""
     n, s = lax.axis_size(axis), q.shape[2]
     compute = np.dtype(precision.compute_dtype)
-    to_heads, to_seq = _AllToAll(axis, 1, 2), _AllToAll(axis, 2, 1)
-    with because(_ULYSSES, axis):  # [B, h, S/N, hd] → [B, h/N, S, hd]
-        q, k, v = (_moved(to_heads, to_seq, compute, t) for t in (q, k, v))
+    to_heads, to_seq = _AllToAll(axis, 1, 2, _ULYSSES), _AllToAll(axis, 2, 1, _ULYSSES)
+    q, k, v = (_moved(to_heads, to_seq, compute, t) for t in (q, k, v))  # [B, h/N, S, hd]
     seg = None
     if segment_ids is not None:
-        with because(_SEGMENTS, axis):
-            seg = lax.all_gather(segment_ids, axis, axis=1, tiled=True)  # [B, S]
+        seg = all_gather(segment_ids, axis, axis=1, reason=_SEGMENTS)  # [B, S]
     pos = jnp.asarray(balanced_order(s * n, n), jnp.int32)  # [S]: device-major
     o = _local(q, k, v, group, pos, pos, seg, seg, causal, precision, blocked)
-    with because(_ULYSSES, axis):  # o[B, H/N, S, hd] → o[B, H, S/N, hd]
-        return _moved(to_seq, to_heads, compute, o)
+    return _moved(to_seq, to_heads, compute, o)  # o[B, H/N, S, hd] → o[B, H, S/N, hd]
 
 
 # --- ring attention ---------------------------------------------------------------------------
@@ -323,17 +324,14 @@ def _ring(q, k, v, segment_ids, group, causal, axis, precision, index=None, bloc
     del group  # the blocked core groups query heads by the KV heads it is given
     seg_all = None
     if segment_ids is not None:  # every device's ids, once: each step slices its owner's
-        with because(_SEGMENTS, axis):
-            seg_all = lax.all_gather(segment_ids, axis, axis=1, tiled=True)  # [B, S]
+        seg_all = all_gather(segment_ids, axis, axis=1, reason=_SEGMENTS)  # [B, S]
     block_k = _attention.BLOCK_K if blocked else q.shape[2]  # "einsum": one block per step
     return _ring_attention(axis, causal, precision, block_k, q, k, v, seg_all, index)
 
 
-def _pass_on(tree, axis: str, n: int, way: int = 1):
+def _pass_on(tree, axis: str, way: int = 1):
     """Each device's blocks to the next device of the ring (``i → i+way mod n``)."""
-    perm = [(i, (i + way) % n) for i in range(n)]
-    with because(_RING, axis):
-        return jax.tree.map(lambda t: lax.ppermute(t, axis, perm), tree)
+    return jax.tree.map(lambda t: ring_pass(t, axis, shift=way, reason=_RING), tree)
 
 
 def _filled(like, shape, value, dtype):
@@ -445,7 +443,7 @@ def _ring_fwd(axis, causal, precision, block_k, q, k, v, seg_all, index):
 
         o, lse = _blocks(step, (o, lse), t, causal, owner < r)
         if t < n - 1:
-            held = _pass_on(held, axis, n)
+            held = _pass_on(held, axis)
     # At N = 2 the backward needs the one block the forward received: kept (a second pass
     # would be the same swap of the same values, which XLA merges with this one anyway).
     peer = held if n == 2 else None
@@ -490,11 +488,11 @@ def _ring_bwd(axis, causal, precision, block_k, residuals, do):
         dq, dk, dv = _blocks(step, (dq, dk, dv), t, causal, owner < r)
         if t < n - 1:
             if peer is None:
-                held, (dk, dv) = _pass_on((held, (dk, dv)), axis, n, _BACK)
+                held, (dk, dv) = _pass_on((held, (dk, dv)), axis, _BACK)
             else:  # N = 2: the peer's block, kept by the forward
-                held, (dk, dv) = peer, _pass_on((dk, dv), axis, n, _BACK)
+                held, (dk, dv) = peer, _pass_on((dk, dv), axis, _BACK)
     if n > 1:  # the block held last is device r−1's: its dK/dV go home
-        dk, dv = _pass_on((dk, dv), axis, n, _BACK)
+        dk, dv = _pass_on((dk, dv), axis, _BACK)
     return dq, dk, dv, None, None
 
 

@@ -67,6 +67,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardops._mesh import varying_axes
 from shardops._precision import FLOAT32, Precision
+from shardops.comm._collectives import all_reduce
+from shardops.comm._reasons import Reason
 from shardops.layers._flash import _check
 
 # The TPU vector lane width: splash's key blocks (block_kv_compute) must be multiples of it,
@@ -269,6 +271,12 @@ def _splash_fwd(key, q, k, v, segment_ids):
     return _vary(o, varies), (pullback, kinds)  # o[B, n, g, S, hd] in compute
 
 
+_REPLICATED_OPERAND = Reason("splash_replicated_operand", backward={
+    "psum": "q, k or v is replicated over {axis} but splash's output varies over it: its "
+            "gradient is summed, in float32",
+})  # fmt: skip
+
+
 def _splash_bwd(key, saved, do):
     pullback, kinds = saved
     varies = frozenset().union(*map(varying_axes, kinds))
@@ -278,7 +286,7 @@ def _splash_bwd(key, saved, do):
         grad = _vary(grad, varies)  # its value varies as o does
         extra = tuple(sorted(varies - varying_axes(kind)))  # where its primal is replicated
         if extra:  # {U_extra} → replicated, once, summed in float32 (every policy's accum)
-            grad = lax.psum(grad.astype(jnp.float32), extra)
+            grad = all_reduce(grad.astype(jnp.float32), extra, reason=_REPLICATED_OPERAND)
         out.append(grad.astype(kind.dtype))
     return (*out, None)
 

@@ -62,21 +62,21 @@ MUTANTS = {
     ),
     # dK/dV left with the device that held them last, not returned home.
     "dkv_not_returned_home": (
-        "        dk, dv = _pass_on((dk, dv), axis, n, _BACK)",
+        "        dk, dv = _pass_on((dk, dv), axis, _BACK)",
         "        dk, dv = dk, dv",
         (RING4, "ring", {}),
     ),
     # dK/dV sent on the forward way round: to the device after, not the owner (N > 2).
     "dkv_to_the_wrong_device": (
-        "        dk, dv = _pass_on((dk, dv), axis, n, _BACK)",
-        "        dk, dv = _pass_on((dk, dv), axis, n, 1)",
+        "        dk, dv = _pass_on((dk, dv), axis, _BACK)",
+        "        dk, dv = _pass_on((dk, dv), axis, 1)",
         (RING4, "ring", {}),
     ),
     # Ulysses' all-to-all splitting the head dim instead of the heads (the sequence gathered,
     # every head kept with hd/N of its features): every shape still agrees.
     "ulysses_wrong_dims": (
-        "    to_heads, to_seq = _AllToAll(axis, 1, 2), _AllToAll(axis, 2, 1)",
-        "    to_heads, to_seq = _AllToAll(axis, 3, 2), _AllToAll(axis, 2, 3)",
+        "    to_heads, to_seq = _AllToAll(axis, 1, 2, _ULYSSES), _AllToAll(axis, 2, 1, _ULYSSES)",
+        "    to_heads, to_seq = _AllToAll(axis, 3, 2, _ULYSSES), _AllToAll(axis, 2, 3, _ULYSSES)",
         (RING4, "ulysses", {"num_kv_heads": 8}),
     ),
     # Segment ids that do not travel with the keys: a query attends across a document
@@ -87,8 +87,8 @@ MUTANTS = {
         (RING4, "ring", {"documents": 3}),
     ),
     "allgather_segments_stay_home": (
-        "            k_seg = lax.all_gather(segment_ids, axis, axis=1, tiled=True)  # [B, S]",
-        "            k_seg = jnp.tile(segment_ids, (1, n))  # [B, S]",
+        "        k_seg = all_gather(segment_ids, axis, axis=1, reason=_SEGMENTS)  # [B, S]",
+        "        k_seg = jnp.tile(segment_ids, (1, n))  # [B, S]",
         (THREE, "allgather", {"documents": 3, "num_kv_heads": 4}),
     ),
 }  # fmt: skip
