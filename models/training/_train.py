@@ -553,8 +553,11 @@ def build(
     # tied table) into the first's, keeping the full weights alive after all. With remat keep
     # the barriers in these programs, and under fsdp in the train step (``Parallel.unit``
     # puts one before a weight's second gather); other programs are unaffected.
-    options = shardops.inspect.KEEP_REMAT if remat else None
-    step_options = shardops.inspect.KEEP_REMAT if remat or parallel.fsdp else None
+    # XLA:TPU cannot compile an optimization barrier left in the program ("HLO opt-barrier is
+    # not implemented on TPU", measured on a v5e): there the barriers are XLA's own business.
+    keep = shardops.inspect.KEEP_REMAT if _platform(mesh) == "cpu" else None
+    options = keep if remat else None
+    step_options = keep if remat or parallel.fsdp else None
 
     def jit(fn, name, compiler_options=options, **kwargs):
         jitted = jax.jit(checked(fn), compiler_options=compiler_options, **kwargs)
@@ -895,6 +898,14 @@ def gather_tree(tree):
 
 
 @functools.lru_cache(maxsize=64)
+def _platform(mesh) -> str:
+    """The platform ``mesh``'s devices are on (the default backend's for no or an abstract
+    mesh): ``"cpu"``, ``"tpu"``, ``"gpu"``."""
+    if isinstance(mesh, Mesh):
+        return mesh.devices.flat[0].platform
+    return jax.default_backend()
+
+
 def _spans_processes(mesh: Mesh) -> bool:
     """Whether ``mesh`` has devices of other processes (a multi-process run)."""
     here = jax.process_index()
