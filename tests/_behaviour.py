@@ -48,7 +48,7 @@ MESHES = [  # the first that has a strategy's axes
     {"replica": 2, "data": 2, "model": 2},
     {"data": 2, "context": 2, "model": 2},
     {"data": 2, "model": 4},
-    {"data": 2, "context": 4},
+    {"data": 4, "context": 2},  # Ulysses: the Llama's 2 KV heads split over context
     {"data": 8},
     {"model": 8},
     {"context": 8},
