@@ -30,6 +30,7 @@ A model may also declare (``declared`` reads them, once, with their defaults):
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -89,11 +90,10 @@ def check_model(model, where: str = "models.build") -> Declared:
             f"models.Gpt for a whole one)"
         )
     found = declared(model)
-    weights = found.aux_weights
-    if not isinstance(weights, Mapping) or not all(isinstance(k, str) for k in weights):
+    if not _weights(found.aux_weights):
         raise TypeError(
             f"{where}: {type(model).__name__}.aux_weights must map each auxiliary loss's name to "
-            f"its weight (e.g. {{'load_balance': 0.01}}); got {weights!r}"
+            f"its weight, a real number (e.g. {{'load_balance': 0.01}}); got {found.aux_weights!r}"
         )
     return found
 
@@ -107,15 +107,21 @@ def declared(model) -> Declared:
 
 def aux_weights(declared: Declared, given: Mapping[str, float] | None, where: str = "models.build"):
     """The weight of each auxiliary loss: the model's ``aux_weights`` updated by ``given``."""
-    if given is not None and (
-        not isinstance(given, Mapping)
-        or not all(isinstance(k, str) and isinstance(v, int | float) for k, v in given.items())
-    ):
-        raise TypeError(
-            f"{where}: aux_weights must map each auxiliary loss's name to a number, e.g. "
-            f"{{'load_balance': 0.01}}; got {given!r}"
-        )
-    return {**declared.aux_weights, **(given or {})}
+    for source, weights in (("the model's aux_weights", declared.aux_weights),
+                            ("aux_weights", given)):  # fmt: skip
+        if weights is not None and not _weights(weights):
+            raise TypeError(
+                f"{where}: {source} must map each auxiliary loss's name to a real number, e.g. "
+                f"{{'load_balance': 0.01}}; got {weights!r}"
+            )
+    return {k: float(v) for k, v in {**declared.aux_weights, **(given or {})}.items()}
+
+
+def _weights(weights) -> bool:
+    return isinstance(weights, Mapping) and all(
+        isinstance(k, str) and isinstance(v, numbers.Real) and not isinstance(v, bool)
+        for k, v in weights.items()
+    )
 
 
 def check_metrics(model, where: str = "setup.evaluate") -> None:

@@ -237,10 +237,10 @@ class Setup:
 
     @property
     def batch_multiple(self) -> int:
-        """Every batch size must be a multiple of this (the devices the batch is split over)."""
+        """Every batch size must be a multiple of this (the devices the batch is split over);
+        a training batch, of this × ``microbatches``."""
         axes = self.composition.batch_axes
-        devices = math.prod(self.mesh.shape[a] for a in axes) if axes else 1
-        return devices * self.microbatches
+        return math.prod(self.mesh.shape[a] for a in axes) if axes else 1
 
     def place_batch(self, x, y=None):
         """Put a global batch ``(x, y)`` (or ``x`` alone) on the mesh, split as the steps expect.
@@ -326,8 +326,7 @@ class Setup:
         for a concrete batch (not traced), its token ids and labels inside the vocabulary the
         library knows of (``_check_tokens``): a ValueError naming the array, the token, where
         it is and the fix. ``place_batch`` calls it."""
-        _check_batch(self.model, self.composition, self.mesh, x, y,
-                     microbatches=self.microbatches)  # fmt: skip
+        _check_batch(self.model, self.composition, self.mesh, x, y)
         self._check_token_range(x, y)
 
     def _check_token_range(self, x, y=None) -> None:
@@ -497,9 +496,10 @@ def build(
             devices that hold different tokens (``models.Model``).
         microbatches: the train step and ``loss_and_grads`` split each device's batch into
             this many microbatches, one forward and backward at a time (``lax.scan``), and
-            sum their gradients in float32: the same gradient as one pass over the batch,
-            with the activations of one microbatch alive at a time. The batch size must be a
-            multiple of ``setup.batch_multiple``.
+            sum their gradients in float32: one pass's gradient to float rounding, with the
+            activations of one microbatch alive at a time. Each microbatch's gradients are
+            reduced across devices as its backward makes them (k reductions a step). A
+            training batch must be a multiple of ``setup.batch_multiple`` × ``microbatches``.
     """
     parallel = strategy_named(strategy)
     model, declared = _model_of(model, sizes)
@@ -541,9 +541,9 @@ def build(
         evaluate = smap(body.evaluate, (specs, batch_spec, batch_spec), Metrics(P(), P(), P()))
         logits = smap(body.logits, (specs, batch_spec), batch_spec)
 
-    def checked(fn):  # shapes are static: a bad batch fails when the function traces
+    def checked(fn, parts=1):  # shapes are static: a bad batch fails when the function traces
         def run(state_or_params, x, *y):
-            _check_batch(model, parallel, mesh, x, *y, microbatches=microbatches)
+            _check_batch(model, parallel, mesh, x, *y, microbatches=parts)
             return fn(state_or_params, x, *y)
 
         return run
@@ -555,12 +555,13 @@ def build(
     # puts one before a weight's second gather); other programs are unaffected.
     # XLA:TPU cannot compile an optimization barrier left in the program ("HLO opt-barrier is
     # not implemented on TPU", measured on a v5e): there the barriers are XLA's own business.
-    keep = shardops.inspect.KEEP_REMAT if _platform(mesh) == "cpu" else None
+    keep = None if _platform(mesh) == "tpu" else shardops.inspect.KEEP_REMAT
     options = keep if remat else None
     step_options = keep if remat or parallel.fsdp else None
 
     def jit(fn, name, compiler_options=options, **kwargs):
-        jitted = jax.jit(checked(fn), compiler_options=compiler_options, **kwargs)
+        parts = microbatches if name in ("train_step", "loss_and_grads") else 1  # split batches
+        jitted = jax.jit(checked(fn, parts), compiler_options=compiler_options, **kwargs)
         return _DeviceChecked(jitted, mesh, name)
 
     # Each checks the params (or state) it is given when it traces, before shard_map does.
@@ -897,7 +898,6 @@ def gather_tree(tree):
     return jax.device_get(jax.tree.map(get, tree))
 
 
-@functools.lru_cache(maxsize=64)
 def _platform(mesh) -> str:
     """The platform ``mesh``'s devices are on (the default backend's for no or an abstract
     mesh): ``"cpu"``, ``"tpu"``, ``"gpu"``."""
@@ -906,6 +906,7 @@ def _platform(mesh) -> str:
     return jax.default_backend()
 
 
+@functools.lru_cache(maxsize=64)
 def _spans_processes(mesh: Mesh) -> bool:
     """Whether ``mesh`` has devices of other processes (a multi-process run)."""
     here = jax.process_index()
@@ -943,11 +944,12 @@ class _Body:
             x.astype(self.precision.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
         )
 
-    def forward(self, ctx, params, x):
-        """``(tree, logits, aux)``: the wrapped params, and what the model's ``apply`` returns."""
+    def forward(self, ctx, params, x, where: str = "the loss"):
+        """``(tree, logits, aux)``: the wrapped params, and what the model's ``apply`` returns
+        (``where``: the caller, for errors)."""
         tree = wrap(params, self.roles, self.specs, self.logical)
         out = self.model.apply(ctx, tree, self._inputs(x))
-        logits, aux = contract.split_output(out, self.model, "the train step")
+        logits, aux = contract.split_output(out, self.model, where)
         return tree, logits, aux
 
     def _global_batch(self, local: int) -> int:
@@ -975,14 +977,14 @@ class _Body:
         for name, value in sorted(aux.items()):
             if name not in self.aux_weights:
                 raise ValueError(
-                    f"the train step: {type(self.model).__name__}.apply returned the auxiliary "
+                    f"the loss: {type(self.model).__name__}.apply returned the auxiliary "
                     f"loss {name!r}, which has no weight (weights given: "
                     f"{sorted(self.aux_weights) or 'none'}); pass models.build(aux_weights="
                     f"{{{name!r}: w}}) or declare it in the model's aux_weights"
                 )
             if jnp.shape(value) != () or not jnp.issubdtype(jnp.result_type(value), jnp.floating):
                 raise ValueError(
-                    f"the train step: auxiliary loss {name!r} must be a float scalar (this "
+                    f"the loss: auxiliary loss {name!r} must be a float scalar (this "
                     f"device's value); got {jnp.result_type(value)}{tuple(jnp.shape(value))}"
                 )
             value = jnp.asarray(value, jnp.float32)
@@ -1039,7 +1041,7 @@ class _Body:
         return TrainState(params, opt_state), loss
 
     def logits(self, params, x):
-        tree, logits, _ = self.forward(self.eval_ctx, params, x)
+        tree, logits, _ = self.forward(self.eval_ctx, params, x, "setup.logits")
         tp = self.composition.tp
         if tp and contract.declared(self.model).output_layer is None and (
                 set(shardops.varying_axes(logits)) & set(entry_axes(tp))):  # fmt: skip
@@ -1066,7 +1068,7 @@ class _Body:
 
     def evaluate(self, params, x, y):
         contract.check_metrics(self.model)
-        tree, logits, _ = self.forward(self.eval_ctx, params, x)
+        tree, logits, _ = self.forward(self.eval_ctx, params, x, "setup.evaluate")
         sums = self.model.metrics(self.eval_ctx, tree, logits, self.eval_ctx.local_tokens(y))
         if self.reduce_axes:  # this device's sums → the global batch's: AllReduce of 3 scalars
             sums = shardops.comm.all_reduce(sums, self.reduce_axes, reason=_METRICS)

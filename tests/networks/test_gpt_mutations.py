@@ -23,7 +23,9 @@ from shardops_models.networks import _lm, gpt
 from shardops_models.strategies import parallel
 from shardops_models.training import _train
 
-LOCAL_TARGETS = "        targets = self._global_batch(y.shape[0]) * math.prod(y.shape[1:])\n"
+LOCAL_TARGETS = (
+    "        targets = self._global_batch(y.shape[0] * microbatches) * math.prod(y.shape[1:])\n"
+)
 SPLIT_LOSS = (
     "        losses = ctx.cross_entropy(logits, target, split=split, vocab_size=self.vocab_size)\n"
 )
@@ -71,8 +73,8 @@ def test_unmutated_copies_pass(case):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
 def test_loss_averaged_locally_is_caught(case):
-    build = mutant(_train, LOCAL_TARGETS, LOCAL_TARGETS.replace("self._global_batch(y.shape[0])",
-                                                               "y.shape[0]")).build  # fmt: skip
+    wrong = LOCAL_TARGETS.replace("self._global_batch(y.shape[0] * microbatches)", "y.shape[0]")
+    build = mutant(_train, LOCAL_TARGETS, wrong).build
     with pytest.raises(AssertionError):
         check_gpt_trajectory(*case, "sgd", build=build)
     jax.clear_caches()
@@ -120,8 +122,10 @@ def test_plan_with_one_wrong_role_is_caught(case):
 # the budget traced from the same step) passes under each; the hand-written budget
 # (tests/_lm_budgets.py) does not.
 
-SUM_EXP = "        sum_exp = lax.psum(jnp.sum(jnp.exp(shifted), axis=-1), axis_name)  # [...]"
-TARGET = "        target = lax.psum(jnp.where(owns, picked, 0.0), axis_name)  # [...]"
+SUM_EXP = (
+    "    sum_exp = all_reduce(jnp.sum(jnp.exp(shifted), axis=-1), axis_name, reason=_LOSS)  # [...]"
+)
+TARGET = "    target = all_reduce(jnp.where(owns, picked, 0.0), axis_name, reason=_LOSS)  # [...]"
 ROW_PSUM = "                y = reduce_from_region(y_partial, axis_name)  # y[B, D]"
 GRAD_PSUM = (
     "                value = shardops.comm.copy_to_region(value, axes, self.precision.accum_dtype)"
@@ -132,9 +136,9 @@ BUDGET_MUTANTS = {
     # The target logit summed in two AllReduces (even and odd labels): the same numbers, one
     # AllReduce of [16, 16] float32 more.
     "loss_target_in_two_psums": (_cross_entropy, TARGET, (
-        "        even = labels % 2 == 0  # [...]\n"
-        "        target = (lax.psum(jnp.where(owns & even, picked, 0.0), axis_name)\n"
-        "                  + lax.psum(jnp.where(owns & ~even, picked, 0.0), axis_name))"
+        "    even = labels % 2 == 0  # [...]\n"
+        "    target = (all_reduce(jnp.where(owns & even, picked, 0.0), axis_name, reason=_LOSS)\n"
+        "              + all_reduce(jnp.where(owns & ~even, picked, 0.0), axis_name, reason=_LOSS))"
     ), "tp", "2x2x2", False),
     # The row-parallel AllReduce as a ReduceScatter then an AllGather: the same numbers and the
     # same ring bytes per device, other collectives.
@@ -145,8 +149,8 @@ BUDGET_MUTANTS = {
     ), "tp", "2x2x2", False),
     # The vocab-parallel Σ exp reduced in bfloat16.
     "loss_sum_exp_in_bf16": (_cross_entropy, SUM_EXP, (
-        "        sum_exp = lax.psum(jnp.sum(jnp.exp(shifted), axis=-1).astype(jnp.bfloat16),\n"
-        "                           axis_name).astype(jnp.float32)"
+        "    sum_exp = all_reduce(jnp.sum(jnp.exp(shifted), axis=-1).astype(jnp.bfloat16),\n"
+        "                         axis_name, reason=_LOSS).astype(jnp.float32)"
     ), "tp", "2x2x2", True),
     # The row-parallel layers' partial sums reduced in bfloat16.
     "row_psum_in_bf16": (_dense_kernels, ROW_PSUM, (

@@ -26,8 +26,10 @@ from shardops_models.strategies import parallel
 from shardops_models.training import _train
 
 SOURCE = inspect.getsource(_train)
-GRADS = "        loss, grads = jax.value_and_grad(self.local_loss)(params, x, y)\n"
-LOCAL_LOSS = "        targets = self._global_batch(y.shape[0]) * math.prod(y.shape[1:])\n"
+GRADS = "        loss, grads = self._value_and_grad(params, x, y)\n"
+LOCAL_LOSS = (
+    "        targets = self._global_batch(y.shape[0] * microbatches) * math.prod(y.shape[1:])\n"
+)
 
 MUTANTS = {
     "zeroed_layer_gradient": (
@@ -42,7 +44,7 @@ MUTANTS = {
     "extra_psum_over_data": (GRADS, GRADS + "        grads = lax.psum(grads, 'data')\n"),
     "loss_averaged_locally": (
         LOCAL_LOSS,
-        LOCAL_LOSS.replace("self._global_batch(y.shape[0])", "y.shape[0]"),
+        LOCAL_LOSS.replace("self._global_batch(y.shape[0] * microbatches)", "y.shape[0]"),
     ),
 }
 CASES = [
@@ -94,7 +96,9 @@ def test_mutant_is_caught(name, case):
     jax.clear_caches()
 
 
-EVAL_REDUCE = "            sums = lax.psum(sums, self.reduce_axes)\n"
+EVAL_REDUCE = (
+    "            sums = shardops.comm.all_reduce(sums, self.reduce_axes, reason=_METRICS)\n"
+)
 EVAL_MUTANTS = {
     # The global sums of loss and hits divided by this device's row count: off by the shards.
     "eval_count_not_reduced": (
@@ -102,8 +106,14 @@ EVAL_MUTANTS = {
         "            sums = (*lax.psum(sums[:2], self.reduce_axes), sums[2])\n",
     ),
     # Per-shard sums combined with the wrong collective.
-    "eval_reduced_with_pmax": (EVAL_REDUCE, EVAL_REDUCE.replace("lax.psum", "lax.pmax")),
-    "eval_reduced_with_pmean": (EVAL_REDUCE, EVAL_REDUCE.replace("lax.psum", "lax.pmean")),
+    "eval_reduced_with_pmax": (
+        EVAL_REDUCE,
+        "            sums = lax.pmax(sums, self.reduce_axes)\n",
+    ),
+    "eval_reduced_with_pmean": (
+        EVAL_REDUCE,
+        "            sums = lax.pmean(sums, self.reduce_axes)\n",
+    ),
     # Padding rows counted as examples, or their (arbitrary) predictions as hits.
     "eval_counts_padding_rows": (
         "        return loss_sum, jnp.sum(hits, dtype=jnp.int32), jnp.sum(labelled, dtype=jnp.int32)\n",

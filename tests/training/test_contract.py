@@ -156,6 +156,12 @@ class BareLogits(AuxLM):
         return super().apply(ctx, params, ids)[0]
 
 
+class Metered(AuxLM):
+    def metrics(self, ctx, params, logits, labels):
+        n = labels.size
+        return self.loss_sum(ctx, params, logits, labels), jnp.int32(0), jnp.int32(n)
+
+
 class Unweighted(AuxLM):
     aux_weights: ClassVar = {}
 
@@ -180,10 +186,29 @@ def test_microbatches_must_split_the_batch():
     with refused(ValueError, argument="microbatches", got="0", expected="positive int",
                  fix="1 for none"):  # fmt: skip
         models.build("ref", model=AuxLM(), optimizer=optax.sgd(0.1), microbatches=0)
-    setup = models.build("dp", shardops.make_mesh({"data": 8}), model=AuxLM(),
+    setup = models.build("dp", shardops.make_mesh({"data": 8}), model=Metered(),
                          optimizer=optax.sgd(0.1), microbatches=2)  # fmt: skip
-    assert setup.batch_multiple == 16
+    assert setup.batch_multiple == 8  # an evaluation batch's; a training batch's × 2
     ids, labels = batch()
+    placed = setup.place_batch(ids[:8], labels[:8])
+    setup.evaluate(setup.init(jax.random.key(0)).params, *placed)  # not split: no refusal
     with refused(ValueError, argument="each device's batch of 1 rows", got="microbatches=2",
                  expected="multiple of 16", fix="another microbatches"):  # fmt: skip
-        setup.place_batch(ids[:8], labels[:8])
+        setup.train_step(setup.init(jax.random.key(0)), *placed)
+
+
+class Misweighted(AuxLM):
+    aux_weights: ClassVar = {"activation_l2": "big"}
+
+
+def test_aux_weights_are_real_numbers():
+    with refused(TypeError, argument="Misweighted.aux_weights", got="'big'",
+                 expected="a real number", fix="{'load_balance': 0.01}"):  # fmt: skip
+        models.build("ref", model=Misweighted(), optimizer=optax.sgd(0.1))
+    with refused(TypeError, argument="aux_weights", got="True", expected="a real number",
+                 fix="{'load_balance': 0.01}"):  # fmt: skip
+        models.build("ref", model=AuxLM(), optimizer=optax.sgd(0.1),
+                     aux_weights={"activation_l2": True})  # fmt: skip
+    setup = models.build("ref", model=AuxLM(), optimizer=optax.sgd(0.1),
+                         aux_weights={"activation_l2": np.float32(0.25)})  # fmt: skip
+    assert setup.aux_weights == {"activation_l2": 0.25}
