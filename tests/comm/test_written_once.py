@@ -6,9 +6,8 @@ goes through a named mapping of ``shardops.comm`` (``all_reduce``, ``reduce_from
 each carrying its ``Reason``, so ``explain`` and the budgets read them from one place.
 
 The source is read with ``ast`` (docstrings, comments and strings never count); a violation is
-named ``path:line``. ``ALLOWED`` lists the files that may call ``lax`` directly and why;
-``PENDING`` the files still being routed, which must shrink: a file there with no raw
-collective left fails too.
+named ``path:line``. ``ALLOWED`` lists the files that may call ``lax`` directly and why; a file there with no raw
+collective left fails too, so the list only shrinks.
 """
 
 import ast
@@ -27,12 +26,6 @@ COLLECTIVES = frozenset(
 ALLOWED = {
     # measures each collective's time on the hardware: the raw op is the thing being timed
     "models/search/_hardware.py": "the planner's microbenchmark times lax's collectives themselves",
-}
-# being routed by the attention split / kinds refactor (issue 44)
-PENDING = {
-    "shardops/layers/_cached_attention.py",
-    "shardops/layers/_context_attention.py",
-    "shardops/layers/_splash.py",
 }
 
 
@@ -94,13 +87,8 @@ def problems(root: pathlib.Path) -> list[str]:
         f"{path}:{line}: {spelling} (route it through a shardops.comm mapping with its Reason, "
         f"e.g. shardops.comm.all_reduce(x, axis, reason=...))"
         for path, hits in found.items()
-        if path not in ALLOWED and path not in PENDING
+        if path not in ALLOWED
         for line, spelling in hits
-    ]
-    out += [
-        f"{path} is in PENDING but has no raw collective left: remove it from PENDING"
-        for path in sorted(PENDING)
-        if path not in found
     ]
     out += [f"{path} is in ALLOWED but has no raw collective: remove it" for path in ALLOWED
             if path not in found]  # fmt: skip
@@ -161,10 +149,8 @@ def test_a_raw_call_added_is_named_by_file_and_line(tmp_path):
     ]
 
 
-def test_a_pending_file_routed_must_leave_pending(tmp_path):
+def test_an_allowed_file_without_raw_calls_must_leave_the_list(tmp_path):
     root = _copy(tmp_path)
-    pending = sorted(PENDING)[0]
-    (root / pending).write_text("x = 1\n")
-    assert problems(root) == [
-        f"{pending} is in PENDING but has no raw collective left: remove it from PENDING"
-    ]
+    allowed = sorted(ALLOWED)[0]
+    (root / allowed).write_text("x = 1\n")
+    assert problems(root) == [f"{allowed} is in ALLOWED but has no raw collective: remove it"]

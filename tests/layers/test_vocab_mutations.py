@@ -78,14 +78,14 @@ MUTANTS = {
     # Each device shifts by its own max: the Σexp of different devices are on different scales.
     "cross_entropy_local_max": (
         "cross_entropy",
-        "    global_max = lax.pmax(lax.stop_gradient(local_max), axis_name)  # [...]",
+        "    global_max = all_max(lax.stop_gradient(local_max), axis_name, reason=_LOSS)  # [...]",
         "    global_max = lax.stop_gradient(local_max)  # [...]",
         cross_entropy_suite,
     ),
     # No max subtracted at all: exact algebra, but exp overflows float32 once logits pass ~88.
     "cross_entropy_no_max_subtracted": (
         "cross_entropy",
-        "    global_max = lax.pmax(lax.stop_gradient(local_max), axis_name)  # [...]",
+        "    global_max = all_max(lax.stop_gradient(local_max), axis_name, reason=_LOSS)  # [...]",
         "    global_max = jnp.zeros_like(local_max)  # [...]",
         cross_entropy_suite,
     ),
@@ -93,8 +93,8 @@ MUTANTS = {
     # points at.
     "cross_entropy_target_not_masked": (
         "cross_entropy",
-        "    target = lax.psum(jnp.where(owns, picked, 0.0), axis_name)  # [...]",
-        "    target = lax.psum(picked, axis_name)  # [...]",
+        "    target = all_reduce(jnp.where(owns, picked, 0.0), axis_name, reason=_LOSS)  # [...]",
+        "    target = all_reduce(picked, axis_name, reason=_LOSS)  # [...]",
         cross_entropy_suite,
     ),
     # Padded vocabulary columns leak into the max, Σexp and the gradient.
@@ -121,8 +121,8 @@ MUTANTS = {
     # Ties across devices resolved to the last index instead of the first.
     "argmax_last_maximum": (
         "cross_entropy",
-        "    return lax.pmin(candidate, axis_name)  # index[...]: first device holding the max wins",
-        "    return lax.pmax(jnp.where(candidate < p * v_local, candidate, -1), axis_name)",
+        "    return all_min(candidate, axis_name, reason=_ARGMAX)",
+        "    return all_max(jnp.where(candidate < p * v_local, candidate, -1), axis_name, reason=_ARGMAX)",
         cross_entropy_suite,
     ),
 }

@@ -19,7 +19,9 @@ from shardops.layers import _dense_kernels
 from shardops_models.strategies import parallel
 
 TIED_LINE = "        w = table.T  # w[D, V(_model)]: the table's rows as output columns"
-PSUM_LINE = "                squares = lax.psum(squares, axes)  # the whole arrays' sum of squares"
+PSUM_LINE = (
+    "            squares = all_reduce(squares, axes, reason=_SQUARES)  # the whole arrays' Σ g²"
+)
 CASES = {"tied_head_counted_once": ("tp", "model8"), "clip_norm_per_shard": ("fsdp_tp", "4x2")}
 
 
@@ -33,9 +35,7 @@ def swapped(monkeypatch):
             module = mutant(parallel, name, TIED_LINE, new if mutated else TIED_LINE)
             monkeypatch.setattr(parallel.Parallel, "tied_head", module.Parallel.tied_head)
         else:
-            module = mutant(
-                _clip, name, PSUM_LINE, "                pass" if mutated else PSUM_LINE
-            )
+            module = mutant(_clip, name, PSUM_LINE, "            pass" if mutated else PSUM_LINE)
             monkeypatch.setattr(shardops, "clip_by_global_norm", module.clip_by_global_norm)
         jax.clear_caches()
 
