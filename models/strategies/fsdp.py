@@ -1,5 +1,11 @@
-"""FSDP: which dim of each leaf splits over ``data`` (the rule), and, per dense layer, whether to
-gather the weight or move the activations (the route).
+"""FSDP: the kind (``FsdpKind``), which dim of each leaf splits over ``data`` (the rule), and,
+per dense layer, whether to gather the weight or move the activations (the route).
+
+    x[B_data, …]    w[K_data, F] stored; AllGathered per unit just in time    dw ReduceScattered
+
+The kind lays the parameters out by the rule, after the kinds that split each layer by its
+plan role (tp); ``ctx.unit`` gathers a unit's split leaves (one AllGather per dtype, whose
+transpose ReduceScatters the gradients) and enters the rest varying over the axes like dp.
 
 The rule (``fsdp_spec``, applied to a whole tree by ``with_fsdp``) is below; the route follows.
 
@@ -44,6 +50,7 @@ always gathered.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import jax
 import numpy as np
@@ -52,7 +59,22 @@ from jax.sharding import PartitionSpec as P
 
 from shardops import DATA_AXIS, entry_axes, spec_entries, spec_entry
 from shardops.layers import dense_moving_activations  # noqa: F401 (the route's kernel; parallel.py takes it from here)
+from shardops_models.strategies.kind import Kind, LayoutContext
 from shardops_models.strategies.plan import StackedRole
+
+
+class FsdpKind(Kind):
+    """Fully sharded data parallelism over ``axes`` (``Strategy(fsdp=...)``)."""
+
+    name: ClassVar[str] = "fsdp"
+    doc: ClassVar[str] = ("the batch split; parameters split, AllGathered just in time; "
+                          "gradients ReduceScattered")  # fmt: skip
+    splits_batch: ClassVar[bool] = True
+    sums_gradients: ClassVar[bool] = True
+
+    def layout(self, specs, stored, context: LayoutContext):
+        return with_fsdp(specs, stored, context.mesh, self.axes, context.roles), stored
+
 
 # --- the rule: which dim of a leaf splits over data
 

@@ -40,42 +40,27 @@ existing kinds keep theirs. Any preset composes with context parallelism: ``<pre
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 from shardops import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, REPLICA_AXIS
 from shardops.layers import CONTEXT_METHODS
 from shardops_models.networks.contract import declared
+from shardops_models.strategies.context import ContextKind
+from shardops_models.strategies.data import DataKind
+from shardops_models.strategies.fsdp import FsdpKind
+from shardops_models.strategies.kind import Kind, axes_of
+from shardops_models.strategies.tensor import TensorKind
+from shardops_models.strategies.zero1 import Zero1Kind
 
 BATCH_KINDS = ("dp", "zero1", "fsdp")
-"""The kinds that split the batch, in the order the batch splits over them (major first)."""
-
-KIND_DOCS = {
-    "dp": "the batch split; parameters replicated; gradients AllReduced",
-    "fsdp": "the batch split; parameters split, AllGathered just in time; gradients ReduceScattered",
-    "zero1": "the batch split; parameters replicated, optimizer state split; gradients "
-    "ReduceScattered, parameters AllGathered after the update",
-    "tp": "each layer's weights split by its plan role (Megatron tensor parallelism)",
-    "sp": "tp, with activations split along the sequence between layers",
-    "cp": "every activation split along the sequence (load-balanced chunks); parameters "
-          "replicated; gradients AllReduced; attention by",
-}  # fmt: skip
-
-
-def _axes(value, kind: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = (value,)
-    if not isinstance(value, Sequence) or not all(isinstance(a, str) and a for a in value):
-        raise TypeError(
-            f"Strategy: {kind} takes a mesh axis name or a tuple of them; got {value!r}"
-        )
-    return tuple(value)
+"""The built-in kinds that split the batch, in the order the batch splits over them (major
+first)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """Which mesh axes carry each kind of parallelism (see the module docstring).
+    """Which mesh axes carry each kind of parallelism (see the module docstring): the fields
+    name the built-in kinds' axes, ``extra`` adds kinds defined elsewhere, and ``kinds`` is
+    the tuple of kind objects (``models.strategies.kind``) the rest of the library asks.
 
     Arguments:
         name: what tables and errors call it.
@@ -89,6 +74,8 @@ class Strategy:
         cp_method: context-parallel attention, one of ``shardops.layers.CONTEXT_METHODS``:
             ``"allgather"`` (K/V gathered), ``"ring"`` (K/V passed round a ring) or
             ``"ulysses"`` (all-to-all between a sequence and a head split).
+        extra: kinds of parallelism of your own (``Kind`` instances, ``docs/adding-a-kind.md``);
+            a kind that splits the batch splits it after the built-in ones.
     """
 
     name: str
@@ -99,10 +86,11 @@ class Strategy:
     sp: bool = False
     cp: str | None = None
     cp_method: str = "ring"
+    extra: tuple[Kind, ...] = ()
 
     def __post_init__(self):
         for kind in BATCH_KINDS:
-            object.__setattr__(self, kind, _axes(getattr(self, kind), kind))
+            object.__setattr__(self, kind, axes_of(getattr(self, kind), kind))
         if self.tp is not None and (not isinstance(self.tp, str) or not self.tp):
             raise TypeError(f"Strategy {self.name!r}: tp takes one mesh axis name; got {self.tp!r}")
         if self.cp is not None and (not isinstance(self.cp, str) or not self.cp):
@@ -125,52 +113,88 @@ class Strategy:
                 f"optimizer state; it composes with tp, not with dp or fsdp (for parameters "
                 f"split over one axis and replicated over another use fsdp with dp: HSDP)"
             )
+        extra = (self.extra,) if isinstance(self.extra, Kind) else tuple(self.extra)
+        for kind in extra:
+            if not isinstance(kind, Kind):
+                raise TypeError(
+                    f"Strategy {self.name!r}: extra takes kinds of parallelism "
+                    f"(models.strategies.kind.Kind instances, e.g. MyKind('data')); got "
+                    f"{kind!r}"
+                )
+        object.__setattr__(self, "extra", extra)
         seen: dict[str, str] = {}
-        for kind, axes in (*((k, getattr(self, k)) for k in BATCH_KINDS),
-                           ("tp", (self.tp,) if self.tp else ()),
-                           ("cp", (self.cp,) if self.cp else ())):  # fmt: skip
-            for axis in axes:
+        for kind in self.kinds:
+            for axis in kind.axes:
                 if axis in seen:
                     raise ValueError(
                         f"Strategy {self.name!r}: mesh axis {axis!r} carries both {seen[axis]} "
-                        f"and {kind}; each axis carries one kind of parallelism: give {kind} an "
-                        f"axis of its own (a mesh of more axes)"
+                        f"and {kind.name}; each axis carries one kind of parallelism: give "
+                        f"{kind.name} an axis of its own (a mesh of more axes)"
                     )
-                seen[axis] = kind
+                seen[axis] = kind.name
+
+    # --- the kinds, as objects
+
+    @property
+    def kinds(self) -> tuple[Kind, ...]:
+        """The strategy's kinds of parallelism, in the batch's order (dp, zero1, fsdp, the
+        extra kinds), then context, then tensor."""
+        kinds: list[Kind] = [cls(axes) for cls, axes in ((DataKind, self.dp),
+                             (Zero1Kind, self.zero1), (FsdpKind, self.fsdp)) if axes]  # fmt: skip
+        kinds += self.extra
+        if self.cp:
+            kinds.append(ContextKind((self.cp,), self.cp_method))
+        if self.tp:
+            kinds.append(TensorKind((self.tp,), self.sp))
+        return tuple(kinds)
+
+    @property
+    def tensor(self) -> TensorKind | None:
+        """The tensor-parallel kind (tp or sp), or None."""
+        return next((k for k in self.kinds if isinstance(k, TensorKind)), None)
 
     # --- what the rest of the library asks
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """Every mesh axis the strategy names."""
-        return self.batch_axes + ((self.cp,) if self.cp else ()) + ((self.tp,) if self.tp else ())
+        """Every mesh axis the strategy names: the batch's, the sequence's, then the rest."""
+        rest = tuple(a for k in self.kinds if not (k.splits_batch or k.splits_sequence)
+                     for a in k.axes)  # fmt: skip
+        return self.reduce_axes + rest
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
         """The axes the batch is split over (dim 0), major first."""
-        return self.dp + self.zero1 + self.fsdp
-
-    @property
-    def rules(self) -> dict[str, tuple[str, ...]]:
-        """Kind → mesh axes, for the kinds the strategy uses."""
-        out = {k: getattr(self, k) for k in BATCH_KINDS if getattr(self, k)}
-        if self.cp:
-            out["cp"] = (self.cp,)
-        if self.tp:
-            out["sp" if self.sp else "tp"] = (self.tp,)
-        return out
+        return tuple(a for k in self.kinds if k.splits_batch for a in k.axes)
 
     @property
     def reduce_axes(self) -> tuple[str, ...]:
         """The axes a loss or metric sum is added over: the batch's and the sequence's."""
-        return self.batch_axes + ((self.cp,) if self.cp else ())
+        return self.batch_axes + tuple(a for k in self.kinds if k.splits_sequence for a in k.axes)
+
+    @property
+    def gradient_axes(self) -> tuple[str, ...]:
+        """The axes over which a parameter not split over them meets different tokens, so its
+        gradient is summed over them (``ctx.unit`` enters it varying): the batch's kinds that
+        sum gradients, then the sequence's."""
+        first = [k for k in self.kinds if k.sums_gradients and not k.splits_sequence]
+        last = [k for k in self.kinds if k.sums_gradients and k.splits_sequence]
+        return tuple(a for k in first + last for a in k.axes)
+
+    @property
+    def rules(self) -> dict[str, tuple[str, ...]]:
+        """Kind → mesh axes, for the kinds the strategy uses."""
+        return {k.name: k.axes for k in self.kinds}
+
+    @property
+    def logical_rules(self) -> dict[str, str]:
+        """Logical dim name (``mlp``, ``heads``, ``vocab``, …) → mesh axis: each kind's rows."""
+        return {dim: axis for k in self.kinds for dim, axis in k.logical_rules().items()}
 
     def table(self) -> str:
         """The layout as a table: kind, mesh axes, what it does."""
         rows = [f"{self.name}:"] + [
-            f"  {kind:<6} {' × '.join(axes):<16} {KIND_DOCS[kind]}"
-            + (f" {self.cp_method}" if kind == "cp" else "")
-            for kind, axes in self.rules.items()
+            f"  {k.name:<6} {' × '.join(k.axes):<16} {k.description()}" for k in self.kinds
         ]
         if len(rows) == 1:
             rows.append("  (no parallelism: one device's step)")

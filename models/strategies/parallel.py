@@ -50,6 +50,7 @@ from shardops_models.strategies.fsdp import (
     dense_moving_activations,
     moves_activations,
 )
+from shardops_models.strategies.kind import split_dim
 from shardops_models.strategies.layout import (
     ALIASES,
     STRATEGIES,
@@ -205,14 +206,10 @@ class Parallel:
         return shardops.layers.ContextParallel(self.strategy.cp, self.strategy.cp_method)
 
     @property
-    def _context_axes(self) -> tuple[str, ...]:
-        return (self.strategy.cp,) if self.strategy.cp else ()
-
-    @property
     def _replicas(self) -> tuple[str, ...]:
         """The axes an FSDP-split parameter is replicated over (its shard's gradient is
-        AllReduced over them): dp's and the context axis."""
-        return self.strategy.dp + self._context_axes
+        AllReduced over them): the other kinds' that sum gradients (dp's, the context axis)."""
+        return tuple(a for a in self.strategy.gradient_axes if a not in self.strategy.fsdp)
 
     def local_tokens(self, tokens):
         """This device's tokens of ``tokens[b, S, ...]`` (the whole sequence): under context
@@ -308,8 +305,8 @@ class Parallel:
             return p.replace(ready=True, pending=dim)
         if dim is not None:
             value = self._gather(value, dim)
-        elif self.strategy.dp or self.strategy.fsdp or self.strategy.cp:  # dx AllReduced
-            axes = self.strategy.dp + self.strategy.fsdp + self._context_axes
+        elif self.strategy.gradient_axes:  # dx AllReduced
+            axes = self.strategy.gradient_axes
             with shardops.comm.because(_REPLICATED, axes):
                 value = shardops.comm.copy_to_region(value, axes, self.precision.accum_dtype)
         return p.replace(value=value, ready=True)
@@ -861,11 +858,6 @@ def _check_logits_cover_labels(ctx, logits, labels) -> None:
             f"cross_entropy: logits{tuple(logits.shape)} do not cover labels"
             f"{tuple(labels.shape)} (the logits' leading dims must equal the labels' shape).{hint}"
         )
-
-
-def split_dim(spec, axes) -> int | None:
-    """The dim of a leaf split over any of ``axes`` (by its PartitionSpec), or None."""
-    return next((d for d, e in enumerate(spec) if set(axes) & set(entry_axes(e))), None)
 
 
 def _sequence_block(x, axis: str):

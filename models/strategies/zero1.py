@@ -3,7 +3,7 @@
 Everything ZeRO-1 does, in one place (the step and ``build`` call it where the strategy has
 zero1 axes):
 
-- **Layout** (``optimizer_specs``): the optimizer state's parameter-shaped leaves are split over
+- **Layout** (``Zero1Kind.optimizer_layout``): the optimizer state's parameter-shaped leaves are split over
   zero1's axes by the FSDP rule (``models.strategies.fsdp``); the parameters stay replicated.
 - **Backward** (``Zero1.varying``): the parameters enter the loss as float32 values varying over
   the axes, so each device's gradients leave the backward as its float32 partial sums (as dp's
@@ -18,7 +18,7 @@ zero1 axes):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import optax
@@ -27,8 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardops
 from shardops_models.strategies.fsdp import with_fsdp
-from shardops_models.strategies.layout import Strategy
-from shardops_models.strategies.parallel import split_dim
+from shardops_models.strategies.kind import Kind, LayoutContext, split_dim
 
 _Reason = shardops.comm.Reason
 GRADIENTS = _Reason("zero1_gradients", forward={
@@ -44,12 +43,19 @@ UPDATE = _Reason("zero1_update", forward={
 })  # fmt: skip
 
 
-def optimizer_specs(strategy: Strategy, specs, shapes, mesh, roles):
-    """The layout of the optimizer state's parameter-shaped leaves: the parameters' own, or
-    under zero1 split over its axes by the FSDP rule (the parameters stay replicated)."""
-    if not strategy.zero1:
-        return specs
-    return with_fsdp(specs, shapes, mesh, strategy.zero1, roles)
+class Zero1Kind(Kind):
+    """ZeRO-1 over ``axes`` (``Strategy(zero1=...)``): the parameters' gradients are not summed
+    by autodiff (they enter the loss varying already, ``Zero1.varying``) but by the update."""
+
+    name: ClassVar[str] = "zero1"
+    doc: ClassVar[str] = ("the batch split; parameters replicated, optimizer state split; "
+                          "gradients ReduceScattered, parameters AllGathered after the update")  # fmt: skip
+    splits_batch: ClassVar[bool] = True
+
+    def optimizer_layout(self, specs, stored, context: LayoutContext):
+        """The optimizer state's parameter-shaped leaves split over the axes by the FSDP rule
+        (the parameters stay replicated)."""
+        return with_fsdp(specs, stored, context.mesh, self.axes, context.roles)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +68,7 @@ class Zero1:
     accum_dtype: Any
 
     @classmethod
-    def of(cls, strategy: Strategy, opt_param_specs, precision) -> Zero1 | None:
+    def of(cls, strategy, opt_param_specs, precision) -> Zero1 | None:
         """The strategy's ZeRO-1, or None where it has no zero1 axes."""
         if not strategy.zero1:
             return None

@@ -43,21 +43,15 @@ from shardops_models.networks._lm import LanguageModel, check_token_range
 from shardops_models.networks._mlp import SEED_SIZES
 from shardops_models.networks.contract import check_model
 from shardops_models.networks.mlp import Mlp
-from shardops_models.strategies import zero1
-from shardops_models.strategies.fsdp import check_route, with_fsdp
+from shardops_models.strategies.fsdp import check_route
+from shardops_models.strategies.kind import LayoutContext
 from shardops_models.strategies.parallel import (
     Parallel,
     Strategy,
     strategy_named,
     wrap,
 )
-from shardops_models.strategies.plan import (
-    HEAD,
-    is_shape,
-    leaf_roles,
-    model_specs,
-    replicated,
-)
+from shardops_models.strategies.plan import is_shape, leaf_roles, replicated
 from shardops_models.strategies.remat import Remat, check_names, names_made
 from shardops_models.strategies.zero1 import Zero1
 
@@ -511,16 +505,15 @@ def build(
     shapes = _shapes(model)
     plan = model.plan() if plan is None else plan
     roles = leaf_roles(plan, shapes)
+    context = None
     if not parallel.axes:
         mesh = None
     else:
-        _check_mesh(parallel, mesh, model, roles, shapes)
+        context = LayoutContext(mesh, roles, shapes, declared)
+        _check_mesh(parallel, mesh, context)
     if remat.names:  # names no layer of the model makes are refused
         check_names(remat, _names_made(model, plan, precision), model.name)
-    padding, specs = _layout(parallel, model, roles, shapes, mesh)
-    stored = padding.stored
-    opt_param_specs = None if mesh is None else zero1.optimizer_specs(parallel, specs, stored,
-                                                                      mesh, roles)  # fmt: skip
+    padding, specs, opt_param_specs = _layout(parallel, shapes, context)
     opt_specs = None if mesh is None else opt_state_specs(optimizer, padding, opt_param_specs)
     batch_spec = P(shardops.spec_entry(*parallel.batch_axes))
     body = _Body(model, parallel, roles, specs, optimizer, remat, precision, fsdp_dense,
@@ -623,16 +616,8 @@ def _check_options(parallel: Strategy, declared, name: str, *, attention, fsdp_d
             f"precision must be a shardops.Precision (FLOAT32, BFLOAT16 or MIXED_BFLOAT16); "
             f"got {precision!r}"
         )
-    if parallel.sp and not declared.sequence:
-        raise ValueError(
-            f"strategy {parallel.name!r} splits activations along the sequence; {name} "
-            f"has no sequence dimension. Use the same strategy with tp instead of sp."
-        )
-    if parallel.cp and not declared.sequence:
-        raise ValueError(
-            f"strategy {parallel.name!r} splits the sequence over {parallel.cp!r} (context "
-            f"parallelism); {name} has no sequence dimension. Drop '+{parallel.cp_method}'."
-        )
+    for kind in parallel.kinds:
+        kind.check_model(parallel, declared, name)
 
 
 def _check_concrete(mesh, what: str) -> None:
@@ -704,16 +689,8 @@ def _check_batch(model, parallel: Strategy, mesh, x, y=None, *, microbatches: in
             f"{shards} devices) does not split into microbatches={microbatches}; use a batch "
             f"size that is a multiple of {shards * microbatches}, or another microbatches"
         )
-    if parallel.cp:
-        shardops.layers.check_context_sequence(
-            "the batch", "x", x.shape[1], parallel.cp, mesh.shape[parallel.cp],
-            parallel.tp if parallel.sp else None, mesh.shape[parallel.tp] if parallel.sp else 1,
-        )  # fmt: skip
-    elif parallel.sp:
-        shardops.check_divisible(
-            argument="x", dim=1, dim_name="sequence", size=x.shape[1], mesh=mesh,
-            axes=(parallel.tp,),
-        )  # fmt: skip
+    for kind in parallel.kinds:
+        kind.check_batch(parallel, mesh, x)
 
 
 def _concrete_tokens(a) -> bool:
@@ -817,33 +794,21 @@ def _shapes(model):
     return jax.tree.map(lambda a: tuple(a.shape), abstract)
 
 
-def _tp_specs(model, roles, shapes, axis: str, p: int):
-    """The split of every leaf over the tp ``axis`` (size ``p``) by its plan role."""
-    return model_specs(roles, shapes, axis, p, contract.declared(model).num_heads)
-
-
-def _layout(parallel: Strategy, model, roles, shapes, mesh) -> tuple[Padding, Any]:
-    """The stored shapes (``Padding``) and the PartitionSpecs of the params: the tp split by
-    each leaf's plan role, a dim the tp axis does not divide padded up to a multiple of it,
-    then the fsdp split of the stored shapes (``None`` specs for ``ref``)."""
-    if mesh is None:
-        return Padding(shapes, shapes), None
-    if parallel.tp:
-        p = mesh.shape[parallel.tp]
-        specs = _tp_specs(model, roles, shapes, parallel.tp, p)
-        stored = jax.tree.map(
-            lambda spec, shape: tuple(
-                shardops.padded_size(n, p) if parallel.tp in entry_axes(e) else n
-                for n, e in zip(shape, shardops.spec_entries(spec, len(shape)), strict=True)
-            ),
-            specs, shapes, is_leaf=_is_spec,
-        )  # fmt: skip
-    else:
-        specs = jax.tree.map(replicated, shapes, is_leaf=is_shape)
-        stored = shapes
-    if parallel.fsdp:
-        specs = with_fsdp(specs, stored, mesh, parallel.fsdp, roles)
-    return Padding(shapes, stored), specs
+def _layout(parallel: Strategy, shapes, context: LayoutContext | None) -> tuple[Padding, Any, Any]:
+    """The stored shapes (``Padding``), the PartitionSpecs of the params and those of the
+    optimizer state's parameter-shaped leaves: each kind's split in turn, the kinds that split
+    each layer by its plan role first (tp: a dim its axis does not divide padded up to a
+    multiple of it), then the others on the stored shapes (``None`` specs for ``ref``)."""
+    if context is None:  # ref: no mesh
+        return Padding(shapes, shapes), None, None
+    specs = jax.tree.map(replicated, shapes, is_leaf=is_shape)
+    stored = shapes
+    for kind in sorted(parallel.kinds, key=lambda k: not k.splits_layers):
+        specs, stored = kind.layout(specs, stored, context)
+    opt_specs = specs
+    for kind in parallel.kinds:
+        opt_specs = kind.optimizer_layout(opt_specs, stored, context)
+    return Padding(shapes, stored), specs, opt_specs
 
 
 def _is_spec(s) -> bool:
@@ -1278,7 +1243,8 @@ def model_batch(model, batch: int, seq: int | None):
             jax.ShapeDtypeStruct((batch, sizes[-1]), jnp.float32))  # fmt: skip
 
 
-def _check_mesh(parallel: Strategy, mesh, model, roles, shapes) -> None:
+def _check_mesh(parallel: Strategy, mesh, context: LayoutContext) -> None:
+    """A mesh with the strategy's axes, on which each kind can split the model."""
     strategy = parallel.name
     if not isinstance(mesh, Mesh | AbstractMesh):
         raise TypeError(
@@ -1292,36 +1258,5 @@ def _check_mesh(parallel: Strategy, mesh, model, roles, shapes) -> None:
             f"{tuple(mesh.axis_names)} (missing {tuple(missing)}); build it with "
             f"shardops.make_mesh({{{', '.join(f'{a!r}: n' for a in parallel.axes)}}})"
         )
-    split_heads = HEAD in jax.tree.leaves(roles)
-    declared = contract.declared(model)
-    if parallel.cp and parallel.cp_method == "ulysses" and declared.num_heads:
-        heads, kv_heads = declared.num_heads, declared.kv_heads
-        p = mesh.shape[parallel.tp] if parallel.tp and split_heads else 1
-        if heads % p == 0:  # (a head count tp does not divide is refused below)
-            sent = shardops.layers.kv_cache_heads(heads, kv_heads, p)
-            if p > 1 and not shardops.layers.splits_kv_heads(kv_heads, p) and sent > 1:
-                sent = heads // p  # replicated K/V read by index: one per query head
-            shardops.layers.check_ulysses_heads("build", heads // p, sent, parallel.cp,
-                                                mesh.shape[parallel.cp])  # fmt: skip
-    if not parallel.tp:
-        return
-    axis = parallel.tp
-    p = mesh.shape[axis]
-    heads, kv_heads = declared.num_heads, declared.kv_heads
-    if heads is not None and HEAD in jax.tree.leaves(roles):
-        shardops.layers.check_head_counts("build", heads, kv_heads, axis, p)
-    # A vocabulary or a width the axis does not divide is padded (``Padding``); heads are not:
-    # each device holds whole heads.
-    specs = _tp_specs(model, roles, shapes, axis, p)
-    for (path, shape), spec, role in zip(
-        jax.tree_util.tree_leaves_with_path(shapes, is_leaf=is_shape), _spec_leaves(specs),
-        jax.tree.leaves(roles), strict=True,
-    ):  # fmt: skip
-        for dim, entry in enumerate(spec):
-            if entry_axes(entry) and shape[dim] % p and role == HEAD:
-                raise ValueError(
-                    f"params{jax.tree_util.keystr(path)} dim {dim} (heads × head_dim) = "
-                    f"{shape[dim]} is not divisible by mesh axis {axis!r} (size {p}); the plan "
-                    f"makes it head, and each device holds whole heads. Choose num_heads a "
-                    f"multiple of {p}, a smaller {axis!r} axis, or role 'replicated'"
-                )
+    for kind in parallel.kinds:
+        kind.check_mesh(parallel, mesh, context)

@@ -14,7 +14,7 @@ from test_context_parallel import (
 )
 
 import shardops_models as models
-from shardops_models.strategies import parallel
+from shardops_models.strategies import context, layout, parallel
 from shardops_models.training import _train
 
 MUTANTS = {
@@ -77,10 +77,17 @@ def test_logits_in_the_layouts_order_are_caught(monkeypatch):
 
 def test_the_batch_check_without_sequence_parallelism_is_caught(monkeypatch):
     """The batch check of sp+cp asking only 2 × context of the sequence: 12 tokens on 2 × 4
-    pass it (and fail later, inside a layer, naming neither the batch nor a length that fits)."""
-    line = "            parallel.tp if parallel.sp else None, mesh.shape[parallel.tp] if parallel.sp else 1,\n"
-    monkeypatch.setattr(
-        models, "build", mutant(_train, "cp_check_without_sp", line, "            None, 1,\n").build
-    )
+    pass it (and fail later, inside a layer, naming neither the batch nor a length that fits).
+    The check is the context kind's (``models/strategies/context.py``)."""
+    line = "            sp.axis if sp else None, mesh.shape[sp.axis] if sp else 1,\n"
+    kind = mutant(context, "cp_check_without_sp", line, "            None, 1,\n").ContextKind
+    monkeypatch.setattr(layout, "ContextKind", kind)
     with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
         test_an_empty_or_short_sequence_is_refused_with_a_length_that_fits()
+
+
+def test_the_unmutated_context_kind_refuses_the_short_sequence(monkeypatch):
+    line = "            sp.axis if sp else None, mesh.shape[sp.axis] if sp else 1,\n"
+    kind = mutant(context, "cp_check_unmutated", line, line).ContextKind
+    monkeypatch.setattr(layout, "ContextKind", kind)
+    test_an_empty_or_short_sequence_is_refused_with_a_length_that_fits()

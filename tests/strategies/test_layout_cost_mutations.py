@@ -44,7 +44,7 @@ import shardops_models.search
 from shardops.inspect import _ledger
 from shardops_models.search import _hardware, _program_cost
 from shardops_models.strategies import fsdp as _fsdp_rule
-from shardops_models.training import _train
+from shardops_models.strategies import zero1 as _zero1
 
 FREE_FIRST = "    for d in free + split:\n"
 LARGEST_FREE = "                  key=lambda d: -shape[d])  # fmt: skip\n"
@@ -141,8 +141,9 @@ FSDP_INDICES = [case for case in SHARD_INDICES if case[0] in ("fsdp", "fsdp_tp")
 
 
 def held_by_the_strategies(name: str) -> set[str]:
-    """The modules the strategies (``build``) take ``name`` from."""
-    return {getattr(_train, name).__module__}
+    """The modules the strategies' kinds take ``name`` from: fsdp's layout, zero1's optimizer
+    layout (``models.strategies.fsdp``, ``zero1``)."""
+    return {getattr(module, name).__module__ for module in (_fsdp_rule, _zero1)}
 
 
 def test_unmutated_copies_pass(monkeypatch, clear):

@@ -1,0 +1,71 @@
+"""Context parallelism: every activation split along the sequence over one mesh axis.
+
+    x[b, S_context, D] in load-balanced chunks     params replicated     dw AllReduced
+
+Token ids, positions and segment ids enter whole; ``ctx.embed`` and ``ctx.attention`` take this
+device's tokens (``shardops.layers.balanced_order``: chunks i and 2N−1−i of 2N). Attention runs
+by the strategy's ``cp_method`` (``shardops.layers.context_parallel_attention_kernel``: K/V
+all-gathered, passed round a ring, or Ulysses' all-to-all); the loss and the metrics sum over
+the shards. Under sp the tp axis splits each context block again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import shardops
+from shardops_models.strategies.kind import Kind, LayoutContext
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextKind(Kind):
+    """Context parallelism over one axis, attention by ``method``
+    (``shardops.layers.CONTEXT_METHODS``)."""
+
+    method: str = "ring"
+
+    name: ClassVar[str] = "cp"
+    doc: ClassVar[str] = ("every activation split along the sequence (load-balanced chunks); "
+                          "parameters replicated; gradients AllReduced; attention by")  # fmt: skip
+    splits_sequence: ClassVar[bool] = True
+    sums_gradients: ClassVar[bool] = True
+
+    @property
+    def axis(self) -> str:
+        return self.axes[0]
+
+    def description(self) -> str:
+        return f"{self.doc} {self.method}"
+
+    def check_model(self, strategy, declared, model_name: str) -> None:
+        if not declared.sequence:
+            raise ValueError(
+                f"strategy {strategy.name!r} splits the sequence over {self.axis!r} (context "
+                f"parallelism); {model_name} has no sequence dimension. Drop '+{self.method}'."
+            )
+
+    def check_mesh(self, strategy, mesh, context: LayoutContext) -> None:
+        """Ulysses trades the sequence split for a head split: each device's query heads (and
+        the K/V heads it sends) must split over the context axis."""
+        declared = context.declared
+        if self.method != "ulysses" or not declared.num_heads:
+            return
+        heads, kv_heads = declared.num_heads, declared.kv_heads
+        tp = strategy.tensor
+        split_heads = tp is not None and tp.splits_heads(context.roles)
+        p = mesh.shape[tp.axis] if split_heads else 1
+        if heads % p:
+            return  # a head count tp does not divide: the tensor kind refuses it
+        sent = shardops.layers.kv_cache_heads(heads, kv_heads, p)
+        if p > 1 and not shardops.layers.splits_kv_heads(kv_heads, p) and sent > 1:
+            sent = heads // p  # replicated K/V read by index: one per query head
+        shardops.layers.check_ulysses_heads("build", heads // p, sent, self.axis,
+                                            mesh.shape[self.axis])  # fmt: skip
+
+    def check_batch(self, strategy, mesh, x) -> None:
+        sp = strategy.tensor if strategy.sp else None
+        shardops.layers.check_context_sequence(
+            "the batch", "x", x.shape[1], self.axis, mesh.shape[self.axis],
+            sp.axis if sp else None, mesh.shape[sp.axis] if sp else 1,
+        )  # fmt: skip

@@ -1,0 +1,124 @@
+"""A kind of parallelism: one way of using mesh axes, as one object the core asks.
+
+A ``Strategy`` (``models.strategies.layout``) is a tuple of kinds, each over its mesh axes. The
+step, ``build`` and the layer context do not branch on which kinds there are; they ask each:
+
+    what it splits             ``splits_batch`` (the batch's dim 0 over its axes),
+                               ``splits_sequence`` (every activation's S over its axes)
+    its gradients              ``sums_gradients``: a parameter replicated over its axes meets
+                               different tokens on each device, so ``ctx.unit`` enters it
+                               varying over them and autodiff sums its gradient (an AllReduce)
+    the parameters' layout     ``layout(specs, stored, context)`` → ``(specs, stored)``: the
+                               kinds that split each layer by its plan role first
+                               (``splits_layers``), then the others on what is left
+    the optimizer's layout     ``optimizer_layout(specs, stored, context)``
+    the logical rules          ``logical_rules()``: rows of the table that maps the plan roles'
+                               logical dims (``mlp``, ``heads``, ``vocab``, …) to mesh axes
+    its checks                 ``check_model``, ``check_mesh``, ``check_batch``: each names the
+                               strategy, the kind, both sizes and the fix
+    its row in tables          ``name``, ``description()``
+
+A new kind is a subclass in a file of its own (the built-in ones: ``data.py``, ``fsdp.py``,
+``zero1.py``, ``tensor.py``, ``context.py``); a strategy takes kinds defined outside the library
+through ``Strategy(extra=(MyKind("axis"),))`` (``docs/adding-a-kind.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from jax.sharding import PartitionSpec as P
+
+from shardops import entry_axes
+
+
+def axes_of(value, kind: str) -> tuple[str, ...]:
+    """``value`` (a mesh axis name, a sequence of them, or None) as a tuple of names; a
+    TypeError naming ``kind`` otherwise."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, Sequence) or not all(isinstance(a, str) and a for a in value):
+        raise TypeError(
+            f"Strategy: {kind} takes a mesh axis name or a tuple of them; got {value!r}"
+        )
+    return tuple(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutContext:
+    """What a kind's ``layout`` may read: the mesh, the plan's leaf ``roles``, the model's own
+    (logical) ``shapes`` and what it ``declared`` (``models.networks.contract.Declared``)."""
+
+    mesh: Any
+    roles: Any
+    shapes: Any
+    declared: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """One kind of parallelism over mesh ``axes`` (see the module docstring); the base class
+    does nothing, and each hook's default leaves everything as it was.
+
+    Arguments:
+        axes: the mesh axes it uses (a name or a tuple of names).
+    """
+
+    axes: tuple[str, ...]
+
+    name: ClassVar[str] = "kind"
+    """The kind's key in ``Strategy.rules`` and tables (``dp``, ``fsdp``, …)."""
+    doc: ClassVar[str] = ""
+    """One line for the strategy's table: what it splits, what it communicates."""
+    splits_batch: ClassVar[bool] = False
+    splits_sequence: ClassVar[bool] = False
+    sums_gradients: ClassVar[bool] = False
+    splits_layers: ClassVar[bool] = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "axes", axes_of(self.axes, self.name))
+        if not self.axes:
+            raise ValueError(f"{type(self).__name__}: give it at least one mesh axis")
+
+    def description(self) -> str:
+        return self.doc
+
+    # --- layout
+
+    def logical_rules(self) -> dict[str, str]:
+        """Logical dim name → mesh axis, the rows this kind adds to the strategy's rules."""
+        return {}
+
+    def layout(self, specs, stored, context: LayoutContext):
+        """``(specs, stored)``: the parameters' PartitionSpecs and stored shapes after this
+        kind's split (``stored`` grows where a split pads a dim)."""
+        return specs, stored
+
+    def optimizer_layout(self, specs, stored, context: LayoutContext):
+        """The PartitionSpecs of the optimizer state's parameter-shaped leaves."""
+        return specs
+
+    # --- checks, each before anything traces
+
+    def check_model(self, strategy, declared, model_name: str) -> None:
+        """Refuse a model this kind cannot split (``declared``: what the model declares)."""
+
+    def check_mesh(self, strategy, mesh, context: LayoutContext) -> None:
+        """Refuse a mesh (its axes present already) on which this kind cannot split the model."""
+
+    def check_batch(self, strategy, mesh, x) -> None:
+        """Refuse a batch ``x`` this kind cannot split (the batch axes' split is checked
+        already)."""
+
+
+def split_dim(spec, axes) -> int | None:
+    """The dim of a leaf split over any of ``axes`` (by its PartitionSpec), or None."""
+    return next((d for d, e in enumerate(spec) if set(axes) & set(entry_axes(e))), None)
+
+
+def is_spec(s) -> bool:
+    return isinstance(s, P)

@@ -1,0 +1,109 @@
+"""Tensor parallelism (Megatron): each layer's weights split over one mesh axis by its plan role,
+and with ``sequence`` the activations between layers split along S over the same axis (sp).
+
+    column   x[b, S, D] · w[D, F_model] → y[b, S, F_model]      no communication forward
+    row      y[b, S, F_model] · w[F_model, D] → z{U_model}      AllReduce (sp: ReduceScatter
+                                                                along S; a column layer's
+                                                                input AllGathered along S)
+
+Layout: every leaf's split from its plan role (``models.strategies.plan``), a dim the axis does
+not divide padded up to a multiple of it (the layers mask the padding); each device holds whole
+attention heads. The kernels each role runs are ``shardops.layers``' (``Parallel.dense`` and the
+other ``ctx`` layers pick them by role).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+
+import shardops
+from shardops import entry_axes
+from shardops_models.strategies.kind import Kind, LayoutContext, is_spec
+from shardops_models.strategies.plan import HEAD, is_shape, model_specs
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorKind(Kind):
+    """Tensor parallelism over one axis; ``sequence``: sequence parallelism on it too."""
+
+    sequence: bool = False
+
+    splits_layers: ClassVar[bool] = True
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "sp" if self.sequence else "tp"
+
+    def description(self) -> str:
+        if self.sequence:
+            return "tp, with activations split along the sequence between layers"
+        return "each layer's weights split by its plan role (Megatron tensor parallelism)"
+
+    @property
+    def axis(self) -> str:
+        return self.axes[0]
+
+    def logical_rules(self) -> dict[str, str]:
+        return {"vocab": self.axis, "mlp": self.axis, "heads": self.axis, "kv_heads": self.axis}
+
+    def splits_heads(self, roles) -> bool:
+        """Whether the plan gives any leaf the head role (its attention split over the axis)."""
+        return HEAD in jax.tree.leaves(roles)
+
+    def specs(self, context: LayoutContext):
+        """Every leaf's split over the axis by its plan role."""
+        p = context.mesh.shape[self.axis]
+        return model_specs(context.roles, context.shapes, self.axis, p,
+                           context.declared.num_heads)  # fmt: skip
+
+    def layout(self, specs, stored, context: LayoutContext):
+        p = context.mesh.shape[self.axis]
+        specs = self.specs(context)
+        stored = jax.tree.map(
+            lambda spec, shape: tuple(
+                shardops.padded_size(n, p) if self.axis in entry_axes(e) else n
+                for n, e in zip(shape, shardops.spec_entries(spec, len(shape)), strict=True)
+            ),
+            specs, stored, is_leaf=is_spec,
+        )  # fmt: skip
+        return specs, stored
+
+    def check_model(self, strategy, declared, model_name: str) -> None:
+        if self.sequence and not declared.sequence:
+            raise ValueError(
+                f"strategy {strategy.name!r} splits activations along the sequence; "
+                f"{model_name} has no sequence dimension. Use the same strategy with tp "
+                f"instead of sp."
+            )
+
+    def check_mesh(self, strategy, mesh, context: LayoutContext) -> None:
+        """Each device holds whole heads: the head counts, and every dim a head role splits,
+        divide by the axis (a vocabulary or a width it does not divide is padded instead)."""
+        axis, p = self.axis, mesh.shape[self.axis]
+        heads, kv_heads = context.declared.num_heads, context.declared.kv_heads
+        if heads is not None and self.splits_heads(context.roles):
+            shardops.layers.check_head_counts("build", heads, kv_heads, axis, p)
+        specs = self.specs(context)
+        for (path, shape), spec, role in zip(
+            jax.tree_util.tree_leaves_with_path(context.shapes, is_leaf=is_shape),
+            jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(context.roles), strict=True,
+        ):  # fmt: skip
+            for dim, entry in enumerate(spec):
+                if entry_axes(entry) and shape[dim] % p and role == HEAD:
+                    raise ValueError(
+                        f"params{jax.tree_util.keystr(path)} dim {dim} (heads × head_dim) = "
+                        f"{shape[dim]} is not divisible by mesh axis {axis!r} (size {p}); the "
+                        f"plan makes it head, and each device holds whole heads. Choose "
+                        f"num_heads a multiple of {p}, a smaller {axis!r} axis, or role "
+                        f"'replicated'"
+                    )
+
+    def check_batch(self, strategy, mesh, x) -> None:
+        if self.sequence and not strategy.cp:  # (under cp the context kind checks S)
+            shardops.check_divisible(
+                argument="x", dim=1, dim_name="sequence", size=x.shape[1], mesh=mesh,
+                axes=(self.axis,),
+            )  # fmt: skip
