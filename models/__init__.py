@@ -38,6 +38,7 @@ from shardops_models.strategies.plan import (
     ROLES,
     ROW,
     VOCAB,
+    Role,
     stacked,
 )
 from shardops_models.strategies.remat import Remat
@@ -77,6 +78,7 @@ __all__ = [
     "Model",
     "Parallel",
     "Remat",
+    "Role",
     "Setup",
     "Strategy",
     "TrainState",

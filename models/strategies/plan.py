@@ -1,31 +1,50 @@
-"""Plans: the tensor-parallel role of every parameter, and the layouts derived from them.
+"""Plans: the role of every parameter, which names its dims, and the layouts derived from them.
 
 A *plan* is a pytree whose structure is a prefix of the parameter tree; each of its leaves is
-a role naming how the subtree under it is split over mesh axis ``model`` (a per-layer role, or
-a per-leaf one):
+a role for the subtree under it (a per-layer role, or a per-leaf one). A role (``Role``) names
+each dim of the leaves it lays out with a *logical* name, and one rules table (``rules``,
+MaxText's ``logical_axis_rules``) maps each logical name to a mesh axis or to none. The roles
+the library knows, and their split over the tp axis ``model`` by ``logical_rules("model")``:
 
-    role         leaves (global shapes)                          split over model
-    column       w[D, F], b[F]                                  w[D, F_model], b[F_model]
-    row          w[F, D], b[D]                                  w[F_model, D], b[D]
-    vocab        table[V, D]                                    table[V_model, D]
-    head         wq[D, H·hd], bq[H·hd], wk, wv[D, KV·hd],       by heads: w[D, (H·hd)_model],
-                 bk, bv[KV·hd], wo[H·hd, D], bo[D]              b[(H·hd)_model], wo[(H·hd)_model, D];
-                                                                wk, wv, bk, bv by KV head, or
-                                                                replicated when p ∤ KV
-    replicated   anything                                       nothing
+    role         leaf dims (logical names)                  split over model
+    column       w[embed, mlp], b[mlp]                      w[D, F_model], b[F_model]
+    row          w[mlp, embed], b[embed]                    w[F_model, D], b[D]
+    vocab        table[vocab, embed]                        table[V_model, D]
+    head         wq[embed, heads], bq[heads],               by heads: wq[D, (H·hd)_model],
+                 wk, wv[embed, kv_heads], bk, bv[kv_heads], bq[(H·hd)_model], wo[(H·hd)_model, D];
+                 wo[heads, embed], bo[embed]                wk, wv, bk, bv by KV head, or
+                                                            replicated when p ∤ KV
+    replicated   any leaf, no dim named                     nothing
+
+    logical_rules("model") = {"vocab": "model", "mlp": "model", "heads": "model",
+                              "kv_heads": "model", "embed": None, "layers": None}
+
+A plan names a role by the object (``COLUMN``, a ``Role`` of the user's) or by its name as a
+shorthand (``"column"``); a role is equal to its name, so ``role == "column"`` and ``role in
+(COLUMN, ROW)`` read either. ``column``, ``row`` and ``vocab`` lay out a leaf under another key
+by its rank (``ctx.dense`` names a key it does not take); ``head`` and a user's roles refuse a
+leaf they do not describe. Under ``stacked(...)`` every leaf carries a leading ``layers`` dim
+(``StackedRole``), not split by these rules (a pipeline's rules map it to its stage axis).
 
     plan = {"embed": "vocab", "blocks": [{"attn": "head", "up": "column", "down": "row",
             "ln1": "replicated", "ln2": "replicated"}] * depth, "head": "column", ...}
 
+    # a role of one's own, laid out by a rule of one's own (no library change):
+    EXPERT_COLUMN = Role("expert_column", {"w": ("experts", "embed", "mlp")})
+    model_specs(roles, shapes, "model", 2, rules={**logical_rules("model"), "experts": "data"})
+    # w[E, D, F] → P("data", None, "model"): w[E_data, D, F_model]
+
 PyTorch's ``parallelize_module(model, mesh, plan)`` is the model for the interface. The role
 decides two things: the layout (``model_specs``, here) and the kernel that runs the layer
-(``models.strategies.parallel.Parallel``). A data-axis strategy then adds its own split on top
-(``fsdp_spec``: the FSDP rule).
+(``models.strategies.parallel.Parallel``, by the role's name). A data-axis strategy then adds
+its own split on top (``fsdp_spec``: the FSDP rule).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -33,28 +52,196 @@ from jax.sharding import PartitionSpec as P
 
 from shardops import MODEL_AXIS, entry_axes
 
-COLUMN, ROW, VOCAB, HEAD, REPLICATED = "column", "row", "vocab", "head", "replicated"
-ROLES = (COLUMN, ROW, VOCAB, HEAD, REPLICATED)
-
-# head role: which attention leaves are split like a column layer, which like a row layer
-_HEAD_COLUMN = ("wq", "wk", "wv", "bq", "bk", "bv")
-_HEAD_ROW = ("wo",)
-_HEAD_REPLICATED = ("bo",)
-_HEAD_KV = ("wk", "wv", "bk", "bv")  # split by KV head, or replicated (``model_specs``)
+# The logical names of the library's roles (a rules table that omits one leaves it unsplit).
+LOGICAL_NAMES = ("embed", "mlp", "vocab", "heads", "kv_heads", "layers")
 
 
-class StackedRole(str):
-    """The role of a leaf that stacks one layer per index of its dim 0 (run by ``ctx.scan``
-    with ``lax.scan``): equal, as a string, to ``layer``, the role of one layer's slice, so
-    every test of a role reads it alike. Dim 0 is never split: the tp split is the layer's,
-    one dim further, and FSDP splits another dim."""
+def logical_rules(tp_axis: str | None = MODEL_AXIS) -> dict[str, str | tuple[str, ...] | None]:
+    """The rules table of tensor parallelism over ``tp_axis``: each logical dim name → the
+    mesh axis (or axes) that splits it, or ``None``. A strategy extends it with its own rows
+    (``{**logical_rules("model"), "experts": "expert", "layers": "stage"}``)."""
+    return {"vocab": tp_axis, "mlp": tp_axis, "heads": tp_axis, "kv_heads": tp_axis,
+            "embed": None, "layers": None}  # fmt: skip
 
-    __slots__ = ()
+
+class Role(str):
+    """A plan role: its ``name`` and, per leaf key, the logical names of that leaf's dims.
+
+    Arguments:
+        name: what the plan and the layer context call it (``"column"``; ``Parallel`` picks
+            a layer's kernel by it). The role is equal to, hashes as and prints as this name,
+            so ``role == "column"`` holds and a checkpoint records the name.
+        dims: leaf key → one logical name (or ``None``: not split) per dim, e.g. ``{"w":
+            ("embed", "mlp"), "b": ("mlp",)}`` for ``w[D, F]`` and ``b[F]``; ``None``: any
+            leaf, no dim named (``REPLICATED``).
+        by_rank: a leaf under a key ``dims`` does not name (or of another rank) takes the
+            dims given for its rank (the dense roles: their kernels name a key they do not
+            take); else such a leaf is an error naming it.
+
+    Frozen and hashable. A rules table (``logical_rules``) turns a leaf's names into its
+    PartitionSpec (``model_spec``)::
+
+        Role("expert_column", {"w": ("experts", "embed", "mlp")})  # w[E, D, F]
+    """
+
+    def __new__(
+        cls,
+        name: str,
+        dims: Mapping[str, Sequence[str | None]] | None = None,
+        *,
+        by_rank: bool = False,
+    ) -> Role:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"Role: name must be a non-empty string (what the plan calls the "
+                            f"role, e.g. 'expert_column'); got {name!r}")  # fmt: skip
+        if dims is not None:
+            dims = _checked_dims(str(name), dims)
+        if by_rank and dims is not None:
+            ranks = [len(d) for d in dims.values()]
+            if len(set(ranks)) != len(ranks):
+                raise ValueError(
+                    f"Role {name!r}: by_rank=True lays out a leaf by its rank, so each leaf of "
+                    f"dims must have a rank of its own; got ranks {dict(zip(dims, ranks, strict=True))}. "
+                    f"Give by_rank=False, or one leaf per rank"
+                )
+        self = super().__new__(cls, str.__str__(name))
+        object.__setattr__(self, "_dims", dims)
+        object.__setattr__(self, "_by_rank", bool(by_rank))
+        return self
 
     @property
-    def layer(self) -> str:
-        """The role of one layer (a plain ``str``)."""
+    def name(self) -> str:
+        """The role's name (a plain ``str``)."""
         return str.__str__(self)
+
+    @property
+    def dims(self) -> Mapping[str, tuple[str | None, ...]] | None:
+        """Leaf key → the logical names of its dims (read-only); ``None``: any leaf, unnamed."""
+        return self._dims
+
+    @property
+    def by_rank(self) -> bool:
+        return self._by_rank
+
+    def logical_dims(self, key: str, shape: tuple[int, ...], where: str = "a leaf"):
+        """The logical names of the dims of the leaf under ``key`` with global ``shape``
+        (``where`` names it in an error): a tuple of ``len(shape)`` names or ``None``s."""
+        if self._dims is None:
+            return (None,) * len(shape)
+        names = self._dims.get(key)
+        if names is not None and len(names) == len(shape):
+            return names
+        if self._by_rank:
+            for names in self._dims.values():
+                if len(names) == len(shape):
+                    return names
+        laid_out = ", ".join(f"{k}[{', '.join(map(str, v))}]" for k, v in self._dims.items())
+        if key in self._dims:
+            raise ValueError(
+                f"{where}: role {self.name!r} lays out {laid_out} ({len(self._dims[key])} dims "
+                f"for {key!r}); got shape {shape}. Give this leaf a role whose dims fit its "
+                f"{len(shape)} dims (e.g. 'replicated'), or a Role naming them"
+            )
+        raise ValueError(
+            f"{where}: role {self.name!r} lays out {laid_out}; it does not describe a leaf "
+            f"{key!r} (shape {shape}). Give this leaf a role that describes it (e.g. "
+            f"'replicated'), or name its dims in the role: Role({self.name!r}, {{..., "
+            f"{key!r}: <one logical name or None per dim>}})"
+        )
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"Role {self.name!r} is frozen; make a new Role instead")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"Role {self.name!r} is frozen; make a new Role instead")
+
+    def __reduce__(self):
+        dims = None if self._dims is None else dict(self._dims)
+        return (_role, (self.name, dims, self._by_rank))
+
+
+def _role(name, dims, by_rank):
+    """``Role(name, dims, by_rank=by_rank)`` (for pickle and copy)."""
+    return Role(name, dims, by_rank=by_rank)
+
+
+def _checked_dims(name: str, dims) -> types.MappingProxyType:
+    """``dims`` as a read-only dict of tuples, else a TypeError naming the entry and the fix."""
+    if not isinstance(dims, Mapping):
+        raise TypeError(f"Role {name!r}: dims must be a dict of leaf key → logical dim names, "
+                        f"e.g. {{'w': ('embed', 'mlp')}}; got {type(dims).__name__}")  # fmt: skip
+    out = {}
+    for key, names in dims.items():
+        if (not isinstance(key, str) or isinstance(names, str) or not isinstance(names, Sequence)
+                or not all(n is None or (isinstance(n, str) and n) for n in names)):  # fmt: skip
+            raise TypeError(
+                f"Role {name!r}: dims[{key!r}] must be a tuple of logical dim names (strings, or "
+                f"None for a dim no rule splits), one per dim of the leaf under a string key; "
+                f"got {names!r}. E.g. {{'w': ('embed', 'mlp'), 'b': ('mlp',)}}"
+            )
+        out[key] = tuple(names)
+    return types.MappingProxyType(out)
+
+
+COLUMN = Role("column", {"w": ("embed", "mlp"), "b": ("mlp",)}, by_rank=True)
+ROW = Role("row", {"w": ("mlp", "embed"), "b": ("embed",)}, by_rank=True)
+VOCAB = Role("vocab", {"table": ("vocab", "embed")}, by_rank=True)
+HEAD = Role(
+    "head",
+    {"wq": ("embed", "heads"), "bq": ("heads",),
+     "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"),
+     "bk": ("kv_heads",), "bv": ("kv_heads",),
+     "wo": ("heads", "embed"), "bo": ("embed",)},
+)  # fmt: skip
+REPLICATED = Role("replicated")
+ROLES = (COLUMN, ROW, VOCAB, HEAD, REPLICATED)
+_BY_NAME = {role.name: role for role in ROLES}
+
+
+def as_role(role, where: str = "plan") -> Role:
+    """``role`` as a ``Role``: itself, or the library's role of that name (the shorthand);
+    else a ValueError naming ``where``, the role and the names there are."""
+    if isinstance(role, Role):
+        return role
+    if isinstance(role, str) and role in _BY_NAME:
+        return _BY_NAME[role]
+    raise ValueError(
+        f"{where}: unknown role {role!r}; choose one of {ROLES} or give a Role(name, dims) "
+        f"that names the dims of its leaves"
+    )
+
+
+class StackedRole(Role):
+    """The role of a leaf that stacks one layer per index of its dim 0 (run by ``ctx.scan``
+    with ``lax.scan``): ``layer``'s dims behind a leading ``layers`` dim. Equal, as a name, to
+    ``layer`` (the role of one layer's slice), so every test of a role reads it alike. The
+    rules leave ``layers`` unsplit (``logical_rules``): the tp split is the layer's, one dim
+    further, and FSDP splits another dim."""
+
+    def __new__(cls, layer) -> StackedRole:
+        layer = as_role(layer, "StackedRole")
+        if isinstance(layer, StackedRole):
+            raise ValueError(f"StackedRole({layer!r}): the layer's role is stacked already; "
+                             f"one scan runs the layers stacked along one dim 0")  # fmt: skip
+        dims = None if layer.dims is None else {k: ("layers", *v) for k, v in layer.dims.items()}
+        self = super().__new__(cls, layer.name, dims, by_rank=layer.by_rank)
+        object.__setattr__(self, "_layer", layer)
+        return self
+
+    @property
+    def layer(self) -> Role:
+        """The role of one layer."""
+        return self._layer
+
+    def logical_dims(self, key: str, shape: tuple[int, ...], where: str = "a leaf"):
+        """``("layers", *`` the layer's names ``)``: dim 0 holds the layers."""
+        if not shape:
+            raise ValueError(f"{where}: a stacked leaf holds [L, …] (the layers along dim 0); "
+                             f"got a scalar")  # fmt: skip
+        return ("layers", *self._layer.logical_dims(key, shape[1:], where))
+
+    def __reduce__(self):
+        return (StackedRole, (self._layer,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +259,8 @@ def stacked(plan) -> Stacked:
 
 
 def leaf_roles(plan, params):
-    """The role of every leaf of ``params``: ``plan``'s role broadcast over its subtree (a
-    ``StackedRole`` under a ``stacked`` node).
+    """The role of every leaf of ``params`` (a ``Role``; a name in the plan is its shorthand):
+    ``plan``'s role broadcast over its subtree (a ``StackedRole`` under a ``stacked`` node).
 
     Raises a ValueError naming the path when the plan does not fit the tree or a role is
     unknown.
@@ -91,12 +278,9 @@ def leaf_roles(plan, params):
         return jax.tree.map(lambda _: role, sub, is_leaf=is_shape)
 
     roles = jax.tree.map(broadcast, plan, params, is_leaf=lambda x: isinstance(x, Stacked))
-    for path, role in jax.tree_util.tree_leaves_with_path(roles):
-        if role not in ROLES:
-            raise ValueError(
-                f"plan{jax.tree_util.keystr(path)}: unknown role {role!r}; choose one of {ROLES}"
-            )
-    return roles
+    return jax.tree_util.tree_map_with_path(
+        lambda path, role: as_role(role, f"plan{jax.tree_util.keystr(path)}"), roles
+    )
 
 
 def _check_prefix(plan, params, path: str) -> None:
@@ -144,39 +328,34 @@ def _check_prefix(plan, params, path: str) -> None:
                      f"give a role (one of {ROLES}) or a tree of them {hint}")  # fmt: skip
 
 
-def model_spec(role: str, path, shape: tuple[int, ...], axis: str = MODEL_AXIS) -> P:
-    """The split over ``axis`` (the tp axis, ``model`` by default) of one leaf (global
-    ``shape``) with ``role``; ``path`` names it.
+def model_spec(role, path, shape: tuple[int, ...], axis: str = MODEL_AXIS, *, rules=None) -> P:
+    """The PartitionSpec of one leaf (global ``shape``) with ``role`` (a ``Role`` or its name);
+    ``path`` names it: each dim's logical name (``Role.logical_dims``) mapped to mesh axes by
+    ``rules`` (default ``logical_rules(axis)``: the tp split over ``axis``).
 
-    Every leaf a role splits must have the shape the role expects; the error names the leaf,
-    the role and both shapes.
+    A leaf whose rank or key its role does not describe, or a logical name that is neither in
+    ``rules`` nor one of the library's (``LOGICAL_NAMES``, unsplit where a table omits them), is
+    a ValueError naming the leaf, the role and the fix.
     """
-    if isinstance(role, StackedRole):  # [L, …]: dim 0 holds the layers, never split
-        return P(None, *model_spec(role.layer, path, shape[1:], axis))
-    name = _last_key(path)
     where = f"params{jax.tree_util.keystr(path)}"
-    if role == REPLICATED:
-        return replicated(shape)
-    if role in (COLUMN, ROW):
-        if len(shape) not in (1, 2):
-            raise ValueError(f"{where}: a {role} layer holds w[D, F] and b; got shape {shape}")
-        if len(shape) == 2:
-            return P(None, axis) if role == COLUMN else P(axis, None)
-        return P(axis) if role == COLUMN else P(None)
-    if role == VOCAB:
-        if len(shape) != 2:
-            raise ValueError(f"{where}: the vocab role splits table[V, D]; got shape {shape}")
-        return P(axis, None)
-    # HEAD
-    if name in _HEAD_COLUMN:
-        return P(None, axis) if len(shape) == 2 else P(axis)
-    if name in _HEAD_ROW:
-        return P(axis, None)
-    if name in _HEAD_REPLICATED:
-        return replicated(shape)
+    role = as_role(role, where)
+    rules = logical_rules(axis) if rules is None else rules
+    names = role.logical_dims(_last_key(path), tuple(shape), where)
+    return P(*(_mesh_axes(name, rules, role, where) for name in names))
+
+
+def _mesh_axes(name: str | None, rules, role: Role, where: str):
+    """The mesh axes ``rules`` map the logical dim ``name`` to (``None``: not split)."""
+    if name is None:
+        return None
+    if name in rules:
+        return rules[name]
+    if name in LOGICAL_NAMES:
+        return None
     raise ValueError(
-        f"{where}: the head role splits attention parameters {_HEAD_COLUMN + _HEAD_ROW + _HEAD_REPLICATED} "
-        f"(shardops.init_attention's keys); got a leaf named {name!r}"
+        f"{where}: role {role.name!r} names a dim {name!r}, which the rules do not map (they "
+        f"map {sorted(rules)}). Add a row for it, e.g. rules={{**logical_rules(tp_axis), "
+        f"{name!r}: <a mesh axis, or None>}}, or name the dim one of {list(LOGICAL_NAMES)}"
     )
 
 
@@ -185,27 +364,40 @@ def replicated(shape: tuple[int, ...]) -> P:
     return P(*(None,) * len(shape))
 
 
-def model_specs(roles, shapes, axis: str, axis_size: int, num_heads: int | None = None):
-    """PartitionSpecs over ``axis`` (the tp axis) of a tree of leaf ``shapes`` with leaf ``roles``.
+def model_specs(roles, shapes, axis: str, axis_size: int, num_heads: int | None = None, *,
+                rules=None):  # fmt: skip
+    """PartitionSpecs of a tree of leaf ``shapes`` with leaf ``roles``: each leaf's logical
+    dims through ``rules`` (default ``logical_rules(axis)``, ``axis`` the tp axis of
+    ``axis_size`` devices; ``model_spec``).
 
-    Under the head role every device holds whole heads: ``num_heads`` (the model's attribute)
-    must be given and divide by ``axis_size`` whenever ``axis_size`` > 1, else a ValueError
-    names the block. ``wk``, ``wv`` (``bk``, ``bv``) split by KV head when ``axis_size``
-    divides the KV heads, and are replicated otherwise (grouped-query attention with fewer KV
-    heads than devices: ``shardops.layers.head_parallel_attention_specs(replicate_kv=True)``),
-    never mid-head. The KV heads are read off the shapes: ``KV = wk.shape[1] / hd`` with ``hd
-    = wq.shape[1] / num_heads``.
+    Under a role that names ``heads`` (the head role) every device holds whole heads:
+    ``num_heads`` (the model's attribute) must be given and divide by ``axis_size`` whenever
+    ``axis_size`` > 1, else a ValueError names the block. ``kv_heads`` dims (``wk``, ``wv``,
+    ``bk``, ``bv``) split by KV head when ``axis_size`` divides the KV heads, and are
+    replicated otherwise (grouped-query attention with fewer KV heads than devices:
+    ``shardops.layers.head_parallel_attention_specs(replicate_kv=True)``), never mid-head. The
+    KV heads are read off the shapes: ``KV = wk.shape[1] / hd`` with ``hd = wq.shape[1] /
+    num_heads``.
     """
+    rules = logical_rules(axis) if rules is None else rules
 
     def spec(path, role, shape):
-        if role == HEAD and axis_size > 1:
+        where = f"params{jax.tree_util.keystr(path)}"
+        role = as_role(role, where)
+        if _names_heads(role) and axis_size > 1:
             _check_whole_heads(path, shapes, axis, axis_size, num_heads)
-        if role == HEAD and _last_key(path) in _HEAD_KV and _kv_replicated(
-                path, shapes, axis, axis_size, num_heads):  # fmt: skip
-            return replicated(shape)
-        return model_spec(role, path, shape, axis)
+        names = role.logical_dims(_last_key(path), shape, where)
+        if "kv_heads" in names and _kv_replicated(path, shapes, axis, axis_size, num_heads):
+            return model_spec(role, path, shape, axis, rules={**rules, "kv_heads": None})
+        return model_spec(role, path, shape, axis, rules=rules)
 
     return jax.tree_util.tree_map_with_path(spec, roles, shapes, is_leaf=is_shape)
+
+
+def _names_heads(role: Role) -> bool:
+    """Whether ``role`` names a ``heads`` or ``kv_heads`` dim of any leaf (the head role)."""
+    dims = role.dims or {}
+    return any("heads" in names or "kv_heads" in names for names in dims.values())
 
 
 def _attention_block(path, shapes):
