@@ -50,21 +50,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardops
-from shardops.layers import (
-    cached_attention_kernel,
-    column_parallel_dense_kernel,
-    kv_cache_heads,
-    row_parallel_dense_kernel,
-    tensor_parallel_gated_mlp_kernel,
-    vocab_parallel_argmax_kernel,
-    vocab_parallel_embedding_kernel,
-)
+from shardops.layers import kv_cache_heads, vocab_parallel_argmax_kernel
+from shardops_models.generation._cached_context import CachedParallel
 from shardops_models.networks.gpt import Gpt
 from shardops_models.networks.llama import Llama
+from shardops_models.strategies.parallel import is_param, wrap
+from shardops_models.strategies.plan import leaf_roles
 from shardops_models.training._train import STATE_DONATED, build, check_not_donated
 
 STRATEGY = "2d"  # the decoding layout: tp over model, the batch over data
-GPT_EPS = 1e-5  # the GPT's layer norms (ctx.layer_norm's default)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("k", "v"),
@@ -119,6 +113,9 @@ class Decoder:
         p = mesh.shape[self.tp]
         self.cache_heads = kv_cache_heads(model.num_heads, self.kv_heads, p)
         self.param_specs = self.setup.param_specs
+        padding = self.setup.padding  # the forward's parameters, as the training step wraps them
+        self._roles = leaf_roles(self.setup.plan, padding.logical)
+        self._logical = padding.logical if padding.padded else None
         row = shardops.spec_entry(*self.data)
         # The cache: [L, B, p·n, S_max, hd] globally, device (i, j) holding rows i, heads j.
         self.cache_spec = P(None, row, self.tp, None, None)
@@ -170,75 +167,20 @@ class Decoder:
         return jax.shard_map(self._local_forward, mesh=self.mesh, in_specs=specs, out_specs=out)
 
     def _local_forward(self, params, cache, ids, start, *, last_only: bool = False):
-        """The model on ``ids[b, s]`` at positions ``start …``: ``(logits[b, s or 1, V_pad/p],
-        cache)``; ``last_only``: the head on the last position alone (what a draw reads)."""
-        forward = self._gpt_forward if isinstance(self.model, Gpt) else self._llama_forward
-        return forward(params, cache, ids, start, last_only)
-
-    def _gpt_forward(self, params, cache, ids, start, last_only):
-        """The GPT (``models.Gpt``'s forward, its blocks unrolled) on ``ids[b, s]`` at
-        positions ``start …``: the learned positions read at those positions."""
-        m, tp, prec = self.model, self.tp, self.precision
-        logical = self.setup.padding.logical
-        x = vocab_parallel_embedding_kernel(ids, params["embed"]["table"], vocab_size=m.vocab_size,
-                                            axis_name=tp, precision=prec)  # fmt: skip
-        positions = start + jnp.arange(ids.shape[1], dtype=jnp.int32)  # [s]
-        x = x + jnp.take(params["pos"]["table"], positions, axis=0).astype(x.dtype)  # x[b, s, D]
-        k_all, v_all = cache
-        for i, p in enumerate(params["blocks"]):
-            h = shardops.layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"], eps=GPT_EPS)
-            a, (k, v) = cached_attention_kernel(h, p["attn"], (k_all[i], v_all[i]), start,
-                                                num_heads=m.num_heads, axis_name=tp,
-                                                precision=prec,
-                                                implementation=self.attention)  # fmt: skip
-            k_all, v_all = k_all.at[i].set(k), v_all.at[i].set(v)
-            x = x + a
-            h = shardops.layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"], eps=GPT_EPS)
-            f = logical["blocks"][i]["up"]["w"][1]
-            h = column_parallel_dense_kernel(
-                h, p["up"]["w"], p["up"]["b"], axis_name=tp, out_features=f, precision=prec
-            )  # h[b, s, F/p]
-            x = x + row_parallel_dense_kernel(jax.nn.gelu(h), p["down"]["w"], p["down"]["b"],
-                                              axis_name=tp, in_features=f, precision=prec)  # fmt: skip
-        x = x[:, -1:] if last_only else x
-        x = shardops.layer_norm(x, params["ln_f"]["scale"], params["ln_f"]["bias"], eps=GPT_EPS)
-        logits = column_parallel_dense_kernel(x, params["head"]["w"], params["head"].get("b"),
-                                              axis_name=tp, out_features=m.vocab_size,
-                                              precision=prec)  # fmt: skip
-        return logits, (k_all, v_all)
-
-    def _llama_forward(self, params, cache, ids, start, last_only):
-        m, tp, prec = self.model, self.tp, self.precision
-        logical = self.setup.padding.logical
-        vocab = m.vocab_size
-        x = vocab_parallel_embedding_kernel(
-            ids, params["embed"]["table"], vocab_size=vocab, axis_name=tp, precision=prec
-        )  # x[b, s, D]
-        hidden = logical["blocks"]["mlp"]["gate"]["w"][2]
-
-        def layer(carry, p):
-            x, (k_all, v_all), i = carry
-            h = shardops.rms_norm(x, p["attn_norm"]["scale"], eps=m.norm_eps)
-            layer_cache = (k_all[i], v_all[i])
-            a, (k, v) = cached_attention_kernel(
-                h, p["attn"], layer_cache, start, num_heads=m.num_heads,
-                num_kv_heads=m.num_kv_heads, rope_theta=m.rope_theta, axis_name=tp,
-                precision=prec, implementation=self.attention,
-            )  # fmt: skip
-            x = x + a
-            h = shardops.rms_norm(x, p["mlp_norm"]["scale"], eps=m.norm_eps)
-            x = x + tensor_parallel_gated_mlp_kernel(h, p["mlp"], axis_name=tp, hidden=hidden,
-                                                     precision=prec)  # fmt: skip
-            return (x, (k_all.at[i].set(k), v_all.at[i].set(v)), i + 1), None
-
-        (x, cache, _), _ = lax.scan(layer, (x, cache, 0), params["blocks"])
-        x = x[:, -1:] if last_only else x
-        x = shardops.rms_norm(x, params["norm"]["scale"], eps=m.norm_eps)
-        w = params["embed"]["table"].T if m.tie_embeddings else params["head"]["w"]
-        logits = column_parallel_dense_kernel(
-            x, w, axis_name=tp, out_features=vocab, precision=prec
-        )  # [b, s, V_pad/p]
-        return logits, cache
+        """The model's own ``apply`` on ``ids[b, s]`` at positions ``start …``, through a
+        ``CachedParallel`` made for this trace: ``(logits[b, s or 1, V_pad/p], cache)``;
+        ``last_only``: the head on the last position alone (what a draw reads)."""
+        tree = wrap(params, self._roles, self.param_specs, self._logical)
+        output = jax.tree.leaves(self.model.output_layer(tree), is_leaf=is_param)
+        ctx = CachedParallel(self.setup.layout, self.precision,
+                             attention_implementation=self.attention, cache=tuple(cache),
+                             start=start, output=frozenset(q.path for q in output),
+                             last_only=last_only)  # fmt: skip
+        # The GPT reads its learned positions itself (from start); the Llama's rotary ones
+        # are the attention's, which the context starts at start.
+        positions = {"start": start} if isinstance(self.model, Gpt) else {}
+        logits, _ = self.model.apply(ctx, tree, ids, **positions)  # [b, s or 1, V_pad/p]
+        return logits, ctx.written()
 
     def _local_next(self, logits, key, temperature):
         """The next token ``[b]`` of each row from its last logits ``[b, V_pad/p]``: argmax, or

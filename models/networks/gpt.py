@@ -122,18 +122,21 @@ class Gpt(LanguageModel):
 
     # --- the forward, once for every strategy
 
-    def apply(self, ctx, params, ids):
+    def apply(self, ctx, params, ids, *, start=0):
         """Logits ``[b, S, V]`` (``[b, S, V_model]`` under a column head) of ``ids[b, S]``, and
-        no auxiliary loss (``models.Model``)."""
-        x = ctx.unit(self._embed(ctx), {"embed": params["embed"], "pos": params["pos"]}, ids)
+        no auxiliary loss (``models.Model``). ``start``: the position of ``ids[:, 0]`` (an
+        int, or a traced int32 scalar), where the learned positions are read from: 0 in
+        training, the cache's length in a KV-cache decoder's step (``models.generation``)."""
+        x = ctx.unit(self._embed(ctx, start),
+                     {"embed": params["embed"], "pos": params["pos"]}, ids)  # fmt: skip
         for block in params["blocks"]:
             x = ctx.unit(self._block(ctx), block, x)  # x[b, S, D] (sp: x[b, S_model, D])
         head = {"ln_f": params["ln_f"], "head": params["head"]}
         return ctx.unit(self._head(ctx), head, x), {}  # logits[b, S, V(_model)]
 
-    def _embed(self, ctx):
+    def _embed(self, ctx, start=0):
         def embed(p, ids):
-            positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)  # [b, S]
+            positions = jnp.broadcast_to(start + jnp.arange(ids.shape[1]), ids.shape)  # [b, S]
             return ctx.embed(p["embed"], ids) + ctx.embed(p["pos"], positions)  # x[b, S, D]
 
         return embed

@@ -1,7 +1,9 @@
 """Mutants of KV-cache decoding, each caught by a check of tests/generation/test_decoding.py
 (its unmutated copy passing the same check): positions restarting at 0 in each step, the cache
-written one position late, the causal mask read from the last query's position, the GPT's
-learned positions read from 0 in each step (teacher-forced logits against a float64 forward);
+written one position late, the causal mask read from the last query's position, and, in the
+models' own ``apply`` (which the decoder runs: it has no forward of its own), the GPT's
+learned positions read from 0 in each step, its first layer norm skipped, the Llama's MLP
+residual dropped and its final norm skipped (teacher-forced logits against a float64 forward);
 each data shard given rows 0 … b−1's noise, each model shard the first vocabulary block's
 (the same draw on every mesh); the logits multiplied by the temperature (the draws'
 distribution); the same key at every step, the temperature not applied (several sampled steps
@@ -26,7 +28,8 @@ from test_decoding import (
 )
 
 from shardops.layers import _cached_attention
-from shardops_models.generation import decoding
+from shardops_models.generation import _cached_context, decoding
+from shardops_models.networks import gpt, llama
 from shardops_models.training import _train
 
 ATTENTION = {  # mutant → (line of shardops/layers/_cached_attention.py, its replacement)
@@ -47,11 +50,31 @@ ATTENTION = {  # mutant → (line of shardops/layers/_cached_attention.py, its r
         "        visible = _masks.visible(positions[-1:].repeat(seq), key_positions, None, None, True)",
     ),
 }
-DECODING = {  # mutant → (line of models/generation/decoding.py, its replacement)
+# The model's own forward: a decoder with a second forward of its own would not see these.
+MODEL = {  # mutant → (module of models/networks, its line, the replacement)
     "gpt_positions_restart": (
-        "        positions = start + jnp.arange(ids.shape[1], dtype=jnp.int32)  # [s]",
-        "        positions = jnp.arange(ids.shape[1], dtype=jnp.int32)",
+        gpt,
+        "            positions = jnp.broadcast_to(start + jnp.arange(ids.shape[1]), ids.shape)  # [b, S]",
+        "            positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)",
     ),
+    "gpt_first_norm_skipped": (
+        gpt,
+        '            h = ctx.layer_norm(p["ln1"], x)',
+        "            h = x",
+    ),
+    "llama_mlp_residual_dropped": (
+        llama,
+        '            return x + ctx.gated_mlp(p["mlp"], h)  # x[b, S, D] (sp: x[b, S_model, D])',
+        '            return ctx.gated_mlp(p["mlp"], h)',
+    ),
+    "llama_final_norm_skipped": (
+        llama,
+        '            x = ctx.rms_norm(p["norm"], x, eps=self.norm_eps)',
+        "            pass",
+    ),
+}
+FORWARD = ("apply", "_embed", "_block", "_head")  # the methods of a model's forward
+DECODING = {  # mutant → (line of models/generation/decoding.py, its replacement)
     "noise_of_the_first_rows": (
         "            first_row = lax.axis_index(self.data) * b if self.data else 0",
         "            first_row = 0",
@@ -96,6 +119,11 @@ TRAIN = {  # mutant → (line of models/training/_train.py, its replacement): th
 CHECKS = {  # mutant → the check that catches it (a mutant not listed: the draws on 1x1 and 1x8)
     **dict.fromkeys(ATTENTION, lambda d: check_teacher_forced("gqa", "2x4", d, steps=8)),
     "gpt_positions_restart": lambda d: check_gpt("2x4", d, steps=8),
+    "gpt_first_norm_skipped": lambda d: check_gpt("1x1", d, steps=8),
+    **dict.fromkeys(
+        ["llama_mlp_residual_dropped", "llama_final_norm_skipped"],
+        lambda d: check_teacher_forced("gqa", "2x4", d, steps=8),
+    ),
     "logits_times_temperature": lambda d: check_sampling_distribution(0.5, d),
     "noise_of_the_first_rows": lambda d: check_same_draws(d, meshes=("1x1", "2x4")),  # data = 2
     # One device compiles fastest; the schedule keyed by global rows and token ids is the same
@@ -128,11 +156,19 @@ def decoder_type(monkeypatch):
         if name in ATTENTION:
             line, new = ATTENTION[name]
             module = mutant(_cached_attention, name, line, new if mutated else line)
-            monkeypatch.setattr(decoding, "cached_attention_kernel",
+            monkeypatch.setattr(_cached_context, "cached_attention_kernel",
                                 module.cached_attention_kernel)  # fmt: skip
             if name.startswith("einsum_"):
                 return functools.partial(decoding.Decoder, attention="einsum")
             return decoding.Decoder
+        if name in MODEL:  # the model's class running the mutated module's forward
+            network, line, new = MODEL[name]
+            module = mutant(network, name, line, new if mutated else line)
+            real = network.Gpt if network is gpt else network.Llama
+            for method in FORWARD:
+                monkeypatch.setattr(real, method, getattr(module, real.__name__).__dict__[method])
+            # A class of its own, so that the decoders built with this forward are not shared.
+            return type(f"Decoder_{name}", (decoding.Decoder,), {})
         if name in TRAIN:
             line, new = TRAIN[name]
             module = mutant(_train, name, line, new if mutated else line)
@@ -147,15 +183,17 @@ def decoder_type(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["positions_restart", "gpt_positions_restart",
-                                  "key_reused_every_step", "start_past_next_not_refused",
+                                  "llama_final_norm_skipped", "key_reused_every_step",
+                                  "start_past_next_not_refused",
                                   "train_state_not_recognised"])  # fmt: skip
 def test_unmutated_copy_passes(decoder_type, name):
-    """A copy of each module (attention, decoding, training) passes the checks its mutants
-    fail (one check a module where the others' copies would compile again for nothing)."""
+    """A copy of each module (attention, the GPT, the Llama, decoding, training) passes the
+    checks its mutants fail (one check a module where the others' copies would compile again
+    for nothing)."""
     _check(name, decoder_type(name, mutated=False))
 
 
-@pytest.mark.parametrize("name", [*ATTENTION, *DECODING, *TRAIN])
+@pytest.mark.parametrize("name", [*ATTENTION, *MODEL, *DECODING, *TRAIN])
 def test_mutant_is_caught(decoder_type, name):
     mutated = decoder_type(name, mutated=True)  # outside raises: a line not found is no catch
     with pytest.raises(AssertionError):
