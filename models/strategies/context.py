@@ -14,8 +14,15 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from jax import lax
+
 import shardops
 from shardops_models.strategies.kind import Kind, LayoutContext
+
+_WHOLE_SEQUENCE = shardops.comm.Reason("whole_sequence", forward={
+    "all_gather": "a caller outside the mesh asks for the logits of every token, whose sequence "
+                  "is split over {axis} (context parallelism)",
+})  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +44,14 @@ class ContextKind(Kind):
 
     def description(self) -> str:
         return f"{self.doc} {self.method}"
+
+    def gather_logits(self, logits, *, model, params, ctx):
+        """``logits[b, S_context, V]`` in the load-balanced layout → every token's, in token
+        order: AllGather over the axis, then the layout undone."""
+        logits = shardops.comm.all_gather(logits, self.axis, axis=1, to="invarying",
+                                          reason=_WHOLE_SEQUENCE)  # fmt: skip
+        n = lax.axis_size(self.axis)
+        return logits[:, shardops.layers.inverse_order(logits.shape[1], n)]
 
     def check_model(self, strategy, declared, model_name: str) -> None:
         if not declared.sequence:

@@ -102,6 +102,22 @@ class Kind:
         """The PartitionSpecs of the optimizer state's parameter-shaped leaves."""
         return specs
 
+    # --- the step
+
+    def update(self, opt_param_specs, precision):
+        """Where this kind owns the step's update (ZeRO-1: the gradients are reduced by the
+        update, not by autodiff), the object that runs it, else None. It has ``varying(params)``
+        (the parameters as the loss takes them), ``whole(partial, params)`` (the gradients
+        ``loss_and_grads`` returns) and ``update(optimizer, params, opt_state, partial)`` →
+        ``(params, opt_state)`` (``models.strategies.zero1.Zero1``)."""
+        return None
+
+    def gather_logits(self, logits, *, model, params, ctx):
+        """This device's ``logits`` → the whole of what this kind splits of them, for a caller
+        outside the mesh (``setup.logits``); ``params``: the model's wrapped parameters, ``ctx``
+        the layer context that made the logits."""
+        return logits
+
     # --- checks, each before anything traces
 
     def check_model(self, strategy, declared, model_name: str) -> None:

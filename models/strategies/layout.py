@@ -123,7 +123,7 @@ class Strategy:
                 )
         object.__setattr__(self, "extra", extra)
         seen: dict[str, str] = {}
-        for kind in self.kinds:
+        for kind in sorted(self.kinds, key=lambda k: k.splits_sequence):  # cp's axis named last
             for axis in kind.axes:
                 if axis in seen:
                     raise ValueError(

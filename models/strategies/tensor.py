@@ -21,8 +21,14 @@ import jax
 
 import shardops
 from shardops import entry_axes
+from shardops_models.networks import contract
 from shardops_models.strategies.kind import Kind, LayoutContext, is_spec
 from shardops_models.strategies.plan import HEAD, is_shape, model_specs
+
+_WHOLE_LOGITS = shardops.comm.Reason("whole_logits", forward={
+    "all_gather": "a caller outside the mesh asks for all the logits, whose vocabulary is split "
+                  "over {axis}",
+})  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +77,26 @@ class TensorKind(Kind):
         )  # fmt: skip
         return specs, stored
 
+    def gather_logits(self, logits, *, model, params, ctx):
+        """``logits[b, ..., V_model]`` from a column (or vocab) output layer → the whole
+        vocabulary, the padded columns dropped: AllGather over the axis. The model's
+        ``output_layer`` says which layer made them; logits that vary over the axis without one
+        are refused."""
+        head = contract.declared(model).output_layer
+        if head is None and self.axis in shardops.varying_axes(logits):
+            raise ValueError(
+                f"setup.logits: {type(model).__name__}'s logits{tuple(logits.shape)} (per "
+                f"device) vary over the tp axis {self.axis!r}, and the model has no "
+                f"output_layer(params) saying which layer makes them: define it (return the "
+                f"head's parameter dict, as models.Gpt does) so that logits split over the "
+                f"vocabulary are gathered"
+            )
+        if head is None or not ctx.is_split(head(params)):
+            return logits
+        logits = shardops.comm.all_gather(logits, self.axis, axis=logits.ndim - 1,
+                                          to="invarying", reason=_WHOLE_LOGITS)  # fmt: skip
+        return logits[..., : _output_features(head(params))]  # the padding's columns dropped
+
     def check_model(self, strategy, declared, model_name: str) -> None:
         if self.sequence and not declared.sequence:
             raise ValueError(
@@ -107,3 +133,12 @@ class TensorKind(Kind):
                 argument="x", dim=1, dim_name="sequence", size=x.shape[1], mesh=mesh,
                 axes=(self.axis,),
             )  # fmt: skip
+
+
+def _output_features(head) -> int | None:
+    """The model's own number of output features of the output layer (a dense ``w[D, V]`` or
+    a tied ``table[V, D]``), or None where it is not padded."""
+    leaf = head["table"] if "table" in head else head["w"]
+    if leaf.logical is None:
+        return None
+    return leaf.logical[0] if "table" in head else leaf.logical[-1]

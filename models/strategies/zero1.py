@@ -57,6 +57,13 @@ class Zero1Kind(Kind):
         (the parameters stay replicated)."""
         return with_fsdp(specs, stored, context.mesh, self.axes, context.roles)
 
+    def update(self, opt_param_specs, precision) -> Zero1:
+        """ZeRO-1's update, each parameter's optimizer state split along the dim of
+        ``opt_param_specs`` (the optimizer layout's) over the axes."""
+        dims = jax.tree.map(lambda spec: _or_minus_one(split_dim(spec, self.axes)),
+                            opt_param_specs, is_leaf=lambda s: isinstance(s, P))  # fmt: skip
+        return Zero1(self.axes, dims, precision.accum_dtype)
+
 
 @dataclasses.dataclass(frozen=True)
 class Zero1:
@@ -66,15 +73,6 @@ class Zero1:
     axes: tuple[str, ...]
     dims: Any
     accum_dtype: Any
-
-    @classmethod
-    def of(cls, strategy, opt_param_specs, precision) -> Zero1 | None:
-        """The strategy's ZeRO-1, or None where it has no zero1 axes."""
-        if not strategy.zero1:
-            return None
-        dims = jax.tree.map(lambda spec: _or_minus_one(split_dim(spec, strategy.zero1)),
-                            opt_param_specs, is_leaf=lambda s: isinstance(s, P))  # fmt: skip
-        return cls(strategy.zero1, dims, precision.accum_dtype)
 
     def varying(self, params):
         """The parameters as float32 values varying over the axes: each device's gradients

@@ -53,7 +53,6 @@ from shardops_models.strategies.parallel import (
 )
 from shardops_models.strategies.plan import is_shape, leaf_roles, replicated
 from shardops_models.strategies.remat import Remat, check_names, names_made
-from shardops_models.strategies.zero1 import Zero1
 
 COLLECTIVE_MATMULS = shardops.layers.COLLECTIVE_MATMULS
 
@@ -67,17 +66,9 @@ _METRICS = _Reason("global_metrics", forward={
     "psum": "each device's metric sums cover its shard of the batch (and of the sequence) over "
             "{axis}: they are added",
 })  # fmt: skip
-_WHOLE_SEQUENCE = _Reason("whole_sequence", forward={
-    "all_gather": "a caller outside the mesh asks for the logits of every token, whose sequence "
-                  "is split over {axis} (context parallelism)",
-})  # fmt: skip
 _AUX_LOSS = _Reason("auxiliary_loss_mean", forward={
     "psum": "an auxiliary loss differs between devices that hold different tokens over {axis} "
             "(sequence parallelism): the objective takes their mean",
-})  # fmt: skip
-_WHOLE_LOGITS = _Reason("whole_logits", forward={
-    "all_gather": "a caller outside the mesh asks for all the logits, whose vocabulary is split "
-                  "over {axis}",
 })  # fmt: skip
 
 INIT_LR = 1.0
@@ -895,7 +886,7 @@ class _Body:
         self.logical = padding.logical if padding.padded else None
         self.roles, self.precision = roles, precision
         self.specs = specs if specs is not None else jax.tree.map(lambda _: P(), roles)
-        self.zero1 = Zero1.of(parallel, opt_param_specs, precision)  # None without zero1
+        self.update = _update_owner(parallel, opt_param_specs, precision)  # None: autodiff's
         self.batch_axes = parallel.batch_axes
         self.reduce_axes = parallel.reduce_axes  # the batch's and the sequence's
         options = {"fsdp_dense": fsdp_dense, "collective_matmul": collective_matmul,
@@ -980,8 +971,8 @@ class _Body:
         return jnp.sum(losses), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
     def _loss_and_grads(self, params, x, y):
-        if self.zero1:  # each device's gradients leave the backward as its f32 partial sums
-            params = self.zero1.varying(params)
+        if self.update:  # zero1: the gradients leave the backward as f32 partial sums
+            params = self.update.varying(params)
         loss, grads = self._value_and_grad(params, x, y)
         if self.reduce_axes:  # AllReduce of one f32
             loss = shardops.comm.all_reduce(loss, self.reduce_axes, reason=_GLOBAL_LOSS)
@@ -989,16 +980,16 @@ class _Body:
 
     def loss_and_grads(self, params, x, y):
         loss, grads = self._loss_and_grads(params, x, y)
-        if self.zero1:  # the partial sums (f32) → the gradients, laid out like params
-            grads = self.zero1.whole(grads, params)
+        if self.update:  # the partial sums (f32) → the gradients, laid out like params
+            grads = self.update.whole(grads, params)
         return loss, grads
 
     def step(self, state: TrainState, x, y):
         loss, grads = self._loss_and_grads(state.params, x, y)
         # The optimizer's own collectives (if any) count as the "optimizer" pass in a ledger.
         with jax.named_scope(shardops.inspect.OPTIMIZER_SCOPE):
-            if self.zero1:
-                params, opt_state = self.zero1.update(self.optimizer, state.params,
+            if self.update:
+                params, opt_state = self.update.update(self.optimizer, state.params,
                                                       state.opt_state, grads)  # fmt: skip
                 return TrainState(params, opt_state), loss
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
@@ -1007,28 +998,8 @@ class _Body:
 
     def logits(self, params, x):
         tree, logits, _ = self.forward(self.eval_ctx, params, x, "setup.logits")
-        tp = self.composition.tp
-        if tp and contract.declared(self.model).output_layer is None and (
-                set(shardops.varying_axes(logits)) & set(entry_axes(tp))):  # fmt: skip
-            raise ValueError(
-                f"setup.logits: {type(self.model).__name__}'s logits{tuple(logits.shape)} "
-                f"(per device) vary over the tp axis {tp!r}, and the model has no "
-                f"output_layer(params) saying which layer makes them: define it (return the "
-                f"head's parameter dict, as models.Gpt does) so that logits split over the "
-                f"vocabulary are gathered"
-            )
-        if tp and _output_split(self.model, tree, self.eval_ctx):
-            # logits[b, ..., V_model] → the full vocabulary, for a caller outside the mesh
-            logits = shardops.comm.all_gather(logits, tp, axis=logits.ndim - 1, to="invarying",
-                                              reason=_WHOLE_LOGITS)  # fmt: skip
-            vocab = _output_features(self.model.output_layer(tree))
-            logits = logits[..., :vocab]  # the padded vocabulary's columns dropped
-        cp = self.composition.cp
-        if cp:  # logits[b, S_context, V] in the layout → every token's, in order
-            logits = shardops.comm.all_gather(logits, cp, axis=1, to="invarying",
-                                              reason=_WHOLE_SEQUENCE)  # fmt: skip
-            n = lax.axis_size(cp)
-            logits = logits[:, shardops.layers.inverse_order(logits.shape[1], n)]
+        for kind in self.composition.kinds:  # what each kind split of them, gathered
+            logits = kind.gather_logits(logits, model=self.model, params=tree, ctx=self.eval_ctx)
         return logits
 
     def evaluate(self, params, x, y):
@@ -1040,18 +1011,15 @@ class _Body:
         return Metrics(*sums)
 
 
-def _output_split(model, tree, ctx) -> bool:
-    head = contract.declared(model).output_layer
-    return head is not None and ctx.is_split(head(tree))
-
-
-def _output_features(head) -> int | None:
-    """The model's own number of output features of the output layer (a dense ``w[D, V]`` or
-    a tied ``table[V, D]``), or None where it is not padded."""
-    leaf = head["table"] if "table" in head else head["w"]
-    if leaf.logical is None:
-        return None
-    return leaf.logical[0] if "table" in head else leaf.logical[-1]
+def _update_owner(parallel: Strategy, opt_param_specs, precision):
+    """The one kind's object that owns the step's update (ZeRO-1's), or None: the optimizer
+    then updates the parameters from the gradients autodiff reduced."""
+    owners = [u for k in parallel.kinds if (u := k.update(opt_param_specs, precision))]
+    if len(owners) > 1:
+        names = [k.name for k in parallel.kinds if k.update(opt_param_specs, precision)]
+        raise ValueError(f"strategy {parallel.name!r}: kinds {names} each own the step's "
+                         f"update; at most one may (drop all but one of them)")  # fmt: skip
+    return owners[0] if owners else None
 
 
 @dataclasses.dataclass(frozen=True)

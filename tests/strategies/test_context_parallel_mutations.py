@@ -33,17 +33,24 @@ MUTANTS = {
     ),
     # The logits gathered over context but left in the layout's order.
     "logits_not_in_token_order": (
-        _train,
-        "            logits = logits[:, shardops.layers.inverse_order(logits.shape[1], n)]",
-        "            logits = logits",
+        context,
+        "        return logits[:, shardops.layers.inverse_order(logits.shape[1], n)]",
+        "        return logits",
     ),
 }
 
 
-def build_with(name, mutated: bool = True):
-    """``build`` from copies of the modules, ``name``'s line replaced (or, unmutated, kept)."""
+def build_with(name, mutated: bool = True, monkeypatch=None):
+    """``build`` from copies of the modules, ``name``'s line replaced (or, unmutated, kept); a
+    line of the context kind (``models/strategies/context.py``) reaches ``build`` through the
+    strategies' ``ContextKind``, swapped with ``monkeypatch``."""
     module, line, replacement = MUTANTS[name]
     replacement = replacement if mutated else line
+    if module is context:
+        monkeypatch.setattr(
+            layout, "ContextKind", mutant(context, name, line, replacement).ContextKind
+        )
+        return models.build
     if module is _train:
         return mutant(_train, name, line, replacement).build
     copy = mutant(_train, name + "_train", "import shardops\n", "import shardops\n")
@@ -70,7 +77,8 @@ def test_trajectory_catches(name, error, match):
 
 
 def test_logits_in_the_layouts_order_are_caught(monkeypatch):
-    monkeypatch.setattr(models, "build", build_with("logits_not_in_token_order"))
+    monkeypatch.setattr(models, "build", build_with("logits_not_in_token_order",
+                                                    monkeypatch=monkeypatch))  # fmt: skip
     with pytest.raises(AssertionError, match="Not equal to tolerance"):
         test_evaluate_and_logits_equal_the_reference_with_padding("ring")
 
