@@ -88,8 +88,11 @@ class CachedParallel(Parallel):
 
     def __post_init__(self):
         if not (isinstance(self.cache, tuple) and len(self.cache) == 2):
-            raise TypeError(f"CachedParallel: cache must be the pair (k, v) of this trace's "
-                            f"cache, each [L, b, n, S_max, hd]; got {type(self.cache).__name__}")  # fmt: skip
+            raise TypeError(
+                f"CachedParallel: cache must be the pair (k, v) of this trace's cache, each "
+                f"[L, b, n, S_max, hd]; got {type(self.cache).__name__}. Pass cache=(k, v), "
+                f"this device's blocks of Decoder.init_cache()'s k and v"
+            )
         object.__setattr__(self, "_cursor", _Cursor(*self.cache))
 
     @property
@@ -103,9 +106,9 @@ class CachedParallel(Parallel):
         cursor = self._cursor
         if cursor.calls != self.num_layers:
             raise ValueError(
-                f"CachedParallel: the forward attended {cursor.calls} times; the cache holds "
-                f"{self.num_layers} layers, one ctx.attention call each. Decode a model whose "
-                f"every layer attends once (models.Gpt, models.Llama)"
+                f"CachedParallel.written: the forward called ctx.attention {cursor.calls} "
+                f"times; the cache holds {self.num_layers} layers, one call each. Decode a "
+                f"model whose every layer attends once (models.Gpt, models.Llama)"
             )
         return cursor.k, cursor.v
 
@@ -128,9 +131,9 @@ class CachedParallel(Parallel):
         cursor = self._cursor
         if isinstance(cursor.layer, int) and cursor.layer >= self.num_layers:
             raise ValueError(
-                f"CachedParallel.attention: call {cursor.calls + 1} of this forward, but the "
-                f"cache holds {self.num_layers} layers (one call each). Make one context per "
-                f"forward; a model must attend once a layer"
+                f"CachedParallel.attention: call {cursor.calls + 1} of this forward; the cache "
+                f"holds {self.num_layers} layers, one call each. Make one context per forward, "
+                f"and decode a model whose every layer attends once"
             )
         params = {k: self.array(q) for k, q in p.items()}  # this device's heads' weights
         y, (k, v) = cached_attention_kernel(
@@ -157,8 +160,11 @@ class CachedParallel(Parallel):
         cursor, first, calls_before = self._cursor, self._cursor.layer, self._cursor.calls
         layers = leaves[0].value.shape[0]
         if not isinstance(first, int) or first + layers > self.num_layers:
-            raise ValueError(f"CachedParallel.scan: layers {first} … {first} + {layers} − 1, but "
-                             f"the cache holds {self.num_layers}")  # fmt: skip
+            raise ValueError(
+                f"CachedParallel.scan: {layers} stacked layers after the {first} this forward "
+                f"has attended in; the cache holds {self.num_layers} layers. Make the cache "
+                f"for the model's layers (Decoder.init_cache), one context per forward"
+            )
         per_layer = jax.tree.map(  # as Parallel.scan: each leaf the layer's role, spec and shape
             lambda q: q.replace(role=q.role.layer, spec=P(*q.spec[1:]),
                                 logical=None if q.logical is None else q.logical[1:]),
@@ -171,9 +177,11 @@ class CachedParallel(Parallel):
             cursor.layer, calls = first + i, cursor.calls
             x = self.unit(fn, layer, x)
             if cursor.calls != calls + 1:
-                raise ValueError(f"CachedParallel.scan: each stacked layer must call "
-                                 f"ctx.attention once (its slice of the cache); this one called "
-                                 f"it {cursor.calls - calls} times")  # fmt: skip
+                raise ValueError(
+                    f"CachedParallel.scan: a stacked layer called ctx.attention "
+                    f"{cursor.calls - calls} times; the cache holds one slice a layer, read "
+                    f"and written by one call. Decode a model whose every layer attends once"
+                )
             return (x, cursor.k, cursor.v), None
 
         index = jnp.arange(layers, dtype=jnp.int32)  # [L]: the layer each step reads
