@@ -12,6 +12,15 @@ a batch share the prompt length. ``generate`` runs prefill and every step in one
 program (a ``lax.scan`` over the steps: one dispatch, nothing in flight to bound).
 ``logits`` runs one prefill or step a call against a ``KVCache`` (teacher-forced decoding).
 
+**The forward is the model's own.** Each prefill and step runs ``model.apply`` (the forward
+every training strategy runs, ``models/networks``) through a ``CachedParallel``
+(``_cached_context.py``): the ``2d`` layer context whose ``attention`` reads and writes this
+layer's slice of the cache at ``start`` (``shardops.layers.cached_attention_kernel``) and whose
+``scan`` carries the cache through the loop over stacked layers. One context a trace: the
+cache goes in, ``ctx.written()`` hands the written one out. The GPT reads its learned
+positions from ``start`` (``Gpt.apply(..., start=)``); the Llama's rotary positions are the
+attention's. A draw's forward runs the output layer on the last position alone.
+
 **Layout** (the ``2d`` strategy's: Megatron's tensor parallelism over ``model``, the batch over
 ``data``): each device holds ``H/p`` query heads and the weights of ``2d``; the cache
 ``k, v[L, B/d, n, S_max, hd]`` per device holds the KV heads its query heads read: split by
