@@ -325,7 +325,7 @@ def _check_prefix(plan, params, path: str) -> None:
         return
     got = "a leaf" if is_shape(params) else type(params).__name__
     raise ValueError(f"{where}: a {type(plan).__name__} where the parameters have {got}; "
-                     f"give a role (one of {ROLES}) or a tree of them {hint}")  # fmt: skip
+                     f"give a role (one of {ROLES}, or a Role) or a tree of them {hint}")  # fmt: skip
 
 
 def model_spec(role, path, shape: tuple[int, ...], axis: str = MODEL_AXIS, *, rules=None) -> P:
