@@ -42,19 +42,17 @@ from shardops_models.strategies.plan import (
     stacked,
 )
 from shardops_models.strategies.remat import Remat
-from shardops_models.training._train import (
+from shardops_models.training._optimizer import (
     DECAY_RATE,
     DECAY_STEPS,
     INIT_LR,
-    Metrics,
-    Setup,
-    TrainState,
-    build,
-    gather_tree,
     seed_schedule,
     seed_sgd,
-    shard_tree,
 )
+from shardops_models.training._placement import gather_tree, shard_tree
+from shardops_models.training._setup import Setup
+from shardops_models.training._state import Metrics, TrainState
+from shardops_models.training._train import build
 from shardops_models.training.locate import locate, locate_non_finite
 
 __all__ = [

@@ -73,12 +73,10 @@ def first_rows_mutant() -> None:
 def unchecked_local_tokens_mutant() -> None:
     """``place_local_batch`` without the token checks of this process's rows: the global
     array's check cannot read the rows of other processes."""
-    from _mutants import mutant
-
-    from shardops_models.training import _train
+    from _mutants import training
 
     line = "        self.model.check_batch(*local)\n        self._check_token_range(*local)\n"
-    models.build = mutant(_train, "unchecked_local_tokens", line, "").build
+    models.build = training("unchecked_local_tokens", line, "").build
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Mutants: a copy of a module with one exact line replaced, loaded as a module of its own.
+"""Mutants: a copy of a module with one exact line replaced, loaded as a module of its own
+(``mutant``), and copies of the training modules that ``build`` runs (``training``).
 
 The line must occur exactly once in the real source, so a mutant cannot drift from the code
 it mutates without its test failing.
@@ -17,3 +18,44 @@ def mutant(module: types.ModuleType, name: str, line: str, replacement: str) -> 
     out.__file__ = getattr(module, "__file__", None)  # a script's paths are relative to it
     exec(compile(source.replace(line, replacement), f"<mutant {name}>", "exec"), out.__dict__)
     return out
+
+
+TRAINING = ("_state", "_optimizer", "_tokens", "_placement", "_setup", "_step", "_train")
+"""The modules of ``models/training`` that ``build`` runs, each importing only earlier ones."""
+
+
+def training(name: str, line: str | None = None, replacement: str | None = None, **names):
+    """A copy of ``models/training/_train.py`` whose ``build`` runs copies of every module of
+    ``TRAINING``: the one module holding ``line`` (exactly once, among them all) has it replaced
+    by ``replacement``, and every copy takes ``names`` (name → object, e.g. a mutated
+    ``Parallel``) in place of what it imported under those names. Each copy reaches the others'
+    names through the copies, so a mutated ``_Body`` or ``Padding`` is the one ``build`` uses."""
+    import importlib
+
+    real = {m: importlib.import_module(f"shardops_models.training.{m}") for m in TRAINING}
+    if line is not None:
+        holding = [m for m, mod in real.items() if inspect.getsource(mod).count(line) == 1]
+        total = sum(inspect.getsource(mod).count(line) for mod in real.values())
+        assert len(holding) == 1 and total == 1, (
+            f"mutant {name}: line found {total} times in models/training's modules"
+        )
+    copies = {}
+    for m, mod in real.items():
+        source = inspect.getsource(mod)
+        if line is not None and source.count(line) == 1:
+            source = source.replace(line, replacement)
+        out = types.ModuleType(f"{mod.__name__}_{name}")
+        sys.modules[out.__name__] = out  # dataclasses look their module up while they are built
+        out.__file__ = mod.__file__
+        exec(compile(source, f"<training copy {name}: {m}>", "exec"), out.__dict__)
+        copies[m] = out
+    originals = {id(v): (m, k) for m, mod in real.items() for k, v in vars(mod).items()
+                 if getattr(v, "__module__", None) == mod.__name__}  # fmt: skip
+    for out in copies.values():
+        for k, v in list(vars(out).items()):
+            if k in names:
+                setattr(out, k, names[k])
+            elif id(v) in originals:
+                m, key = originals[id(v)]
+                setattr(out, k, getattr(copies[m], key))
+    return copies["_train"]

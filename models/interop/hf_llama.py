@@ -91,7 +91,8 @@ from safetensors.numpy import save_file
 
 from shardops_models.networks.llama import Llama
 from shardops_models.strategies.plan import is_shape
-from shardops_models.training._train import Setup, TrainState
+from shardops_models.training._setup import Setup
+from shardops_models.training._state import TrainState
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"

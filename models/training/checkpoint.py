@@ -88,7 +88,9 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from shardops_models.strategies.plan import is_shape, leaf_roles
-from shardops_models.training._train import Setup, TrainState, logical_spec
+from shardops_models.training._placement import logical_spec
+from shardops_models.training._setup import Setup
+from shardops_models.training._state import TrainState
 
 FORMAT = 2  # 2: fingerprints of the leaves and a digest of the record
 KEEP = 3

@@ -18,7 +18,8 @@ from __future__ import annotations
 import jax
 
 import shardops
-from shardops_models.training._train import Setup, build
+from shardops_models.training._setup import Setup
+from shardops_models.training._train import build
 
 
 def locate(

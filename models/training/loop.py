@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardops_models.data.mnist import epoch_order
-from shardops_models.training._train import Setup, gather_tree
+from shardops_models.training._placement import gather_tree
+from shardops_models.training._setup import Setup
 from shardops_models.training.locate import locate_non_finite
 
 MAX_STEPS_IN_FLIGHT = 2

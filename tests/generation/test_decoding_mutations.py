@@ -16,7 +16,7 @@ import functools
 
 import jax
 import pytest
-from _mutants import mutant
+from _mutants import mutant, training
 from test_decoding import (
     check_cache_positions,
     check_gpt,
@@ -30,7 +30,6 @@ from test_decoding import (
 from shardops.layers import _cached_attention
 from shardops_models.generation import _cached_context, decoding
 from shardops_models.networks import gpt, llama
-from shardops_models.training import _train
 
 ATTENTION = {  # mutant → (line of shardops/layers/_cached_attention.py, its replacement)
     "positions_restart": (
@@ -106,7 +105,7 @@ DECODING = {  # mutant → (line of models/generation/decoding.py, its replaceme
         "        pass",
     ),
 }
-TRAIN = {  # mutant → (line of models/training/_train.py, its replacement): the decoder's setup
+TRAIN = {  # mutant → (line of a models/training module, its replacement): the decoder's setup
     "setup_logits_params_unchecked": (
         '    logits = _params_checked(logits, padding, "setup.logits")',
         "    logits = logits",
@@ -171,7 +170,7 @@ def decoder_type(monkeypatch):
             return type(f"Decoder_{name}", (decoding.Decoder,), {})
         if name in TRAIN:
             line, new = TRAIN[name]
-            module = mutant(_train, name, line, new if mutated else line)
+            module = training(name, line, new if mutated else line)
             monkeypatch.setattr(decoding, "build", module.build)
             # A class of its own, so that the decoders built with this setup are not shared.
             return type(f"Decoder_{name}", (decoding.Decoder,), {})

@@ -6,16 +6,12 @@ Bytes are V (``shardops.inspect.ledger``): the tensor one group of devices reduc
 expected number below is derived in the comment above it, never read from the ledger.
 """
 
-import inspect
-import sys
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _mutants import mutant
+from _mutants import mutant, training
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -24,7 +20,6 @@ import shardops
 import shardops_models as models
 from shardops.inspect import _hlo, _passes
 from shardops.testing import expect_collectives
-from shardops_models.training import _train
 
 AR, AG, RS = "all-reduce", "all-gather", "reduce-scatter"
 DATA, MODEL = ("data",), ("model",)
@@ -452,13 +447,7 @@ def test_a_step_without_the_optimizer_scope_is_caught(monkeypatch):
     """The models' step without ``named_scope(OPTIMIZER_SCOPE)``: the clip's psum moves to the
     forward, and the fsdp budget fails."""
     line = "        with jax.named_scope(shardops.inspect.OPTIMIZER_SCOPE):"
-    source = inspect.getsource(_train)
-    assert source.count(line) == 1, "the mutated line is gone from models/training/_train.py"
-    copy = types.ModuleType(f"{_train.__name__}_no_scope")
-    monkeypatch.setitem(sys.modules, copy.__name__, copy)  # dataclasses look their module up
-    exec(compile(source.replace(line, "        if True:"), "<mutant no_scope>", "exec"),
-         copy.__dict__)  # fmt: skip
-    monkeypatch.setattr(models, "build", copy.build)
+    monkeypatch.setattr(models, "build", training("no_scope", line, "        if True:").build)
     with pytest.raises(AssertionError, match=r"forward +all-reduce +data +4 +8 +\+4 +differs"):
         expect_collectives(*fsdp_step({"data": 8}, CLIPPED_SGD), forward=FSDP_FORWARD,
                            backward=FSDP_BACKWARD, optimizer=CLIP_OPTIMIZER)  # fmt: skip

@@ -437,19 +437,17 @@ HEAD_CHECK_MUTANTS = {
 @pytest.mark.parametrize("name", HEAD_CHECK_MUTANTS)
 def test_head_check_mutant_is_caught(name):
     import test_errors
-    from _mutants import mutant
+    from _mutants import mutant, training
 
     from shardops_models.strategies import parallel, plan
-    from shardops_models.training import _train
 
     where, line, replacement = HEAD_CHECK_MUTANTS[name]
     if where == "plan":
         module = mutant(plan, name, line, replacement)
         run = lambda: test_errors.check_the_plan_refuses_heads_split_mid_head(module)  # noqa: E731
     else:  # the build of a copy of models.training whose Parallel is the mutated one
-        copy = mutant(_train, name + "_train", "import shardops\n", "import shardops\n")
         mutated = mutant(parallel, name, line, replacement)
-        copy.Parallel, copy.wrap, copy.split_dim = mutated.Parallel, mutated.wrap, mutated.split_dim
+        copy = training(name, Parallel=mutated.Parallel, wrap=mutated.wrap)
         run = lambda: test_errors.check_attention_refuses_kv_heads_split_by_another_count(  # noqa: E731
             copy.build
         )

@@ -271,7 +271,7 @@ def test_build_refuses_heads_split_mid_head_before_tracing():
     import optax
 
     import shardops_models as models
-    from shardops_models.training._train import model_batch
+    from shardops_models.training._tokens import model_batch
 
     mesh = shardops.make_mesh({"model": 4}, devices=jax.devices()[:4])
     with pytest.raises(ValueError, match=NO_NUM_HEADS):
@@ -308,7 +308,7 @@ def check_attention_refuses_kv_heads_split_by_another_count(build):
     import jax
     import optax
 
-    from shardops_models.training._train import model_batch
+    from shardops_models.training._tokens import model_batch
 
     model = _AttentionLM(4, 2, 8, num_heads=8)
     mesh = shardops.make_mesh({"model": 4}, devices=jax.devices()[:4])

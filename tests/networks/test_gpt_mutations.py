@@ -15,6 +15,7 @@ from _gpt_checks import BATCH, GPT, MESHES, SEQ, check_budget, check_gpt_traject
 from _lm_budgets import check_hand_budget
 from _model_checks import mesh_for
 from _mutants import mutant as line_mutant
+from _mutants import training
 
 import shardops
 import shardops_models as models
@@ -67,14 +68,14 @@ CASES = [("fsdp_tp", "4x2"), ("2d", "2x4"), ("fsdp_sp", "4x2"), ("dp", "data8")]
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
 def test_unmutated_copies_pass(case):
-    check_gpt_trajectory(*case, "sgd", build=mutant(_train, LOCAL_TARGETS, LOCAL_TARGETS).build)
+    check_gpt_trajectory(*case, "sgd", build=training("local", LOCAL_TARGETS, LOCAL_TARGETS).build)
     check_gpt_trajectory(*case, "sgd", build=gpt_build(SPLIT_LOSS, SPLIT_LOSS))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
 def test_loss_averaged_locally_is_caught(case):
     wrong = LOCAL_TARGETS.replace("self._global_batch(y.shape[0] * microbatches)", "y.shape[0]")
-    build = mutant(_train, LOCAL_TARGETS, wrong).build
+    build = training("local", LOCAL_TARGETS, wrong).build
     with pytest.raises(AssertionError):
         check_gpt_trajectory(*case, "sgd", build=build)
     jax.clear_caches()

@@ -6,7 +6,7 @@ pass."""
 
 import pytest
 from _gpt_checks import check_lm_trajectory
-from _mutants import mutant
+from _mutants import mutant, training
 from test_context_parallel import (
     LMS,
     test_an_empty_or_short_sequence_is_refused_with_a_length_that_fits,
@@ -21,8 +21,8 @@ MUTANTS = {
     # The loss and metrics summed over the batch axes only: each device's share of the sequence.
     "loss_not_summed_over_the_sequence": (
         _train,
-        "        self.reduce_axes = parallel.reduce_axes  # the batch's and the sequence's",
-        "        self.reduce_axes = parallel.batch_axes  # the batch's and the sequence's",
+        "        self.reduce_axes = strategy.reduce_axes  # the batch's and the sequence's",
+        "        self.reduce_axes = strategy.batch_axes  # the batch's and the sequence's",
     ),
     # Each device's tokens as one contiguous block, while attention assumes the balanced layout.
     "contiguous_tokens": (
@@ -51,12 +51,10 @@ def build_with(name, mutated: bool = True, monkeypatch=None):
             layout, "ContextKind", mutant(context, name, line, replacement).ContextKind
         )
         return models.build
-    if module is _train:
-        return mutant(_train, name, line, replacement).build
-    copy = mutant(_train, name + "_train", "import shardops\n", "import shardops\n")
+    if module is _train:  # a line of one of models/training's modules
+        return training(name, line, replacement).build
     mutated = mutant(parallel, name, line, replacement)
-    copy.Parallel, copy.wrap, copy.split_dim = mutated.Parallel, mutated.wrap, mutated.split_dim
-    return copy.build
+    return training(name, Parallel=mutated.Parallel, wrap=mutated.wrap).build
 
 
 def test_unmutated_copies_pass():

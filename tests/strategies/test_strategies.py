@@ -283,9 +283,9 @@ DONATED_SCRIPT = """
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, numpy as np, optax, shardops, shardops_models as models
-from shardops_models.training import _train
+from shardops_models.training import _setup
 if sys.argv[1] == "unchecked":
-    _train.check_not_donated = lambda *args, **kwargs: None
+    _setup.check_not_donated = lambda *args, **kwargs: None
 setup = models.build("dp", shardops.make_mesh({"data": 8}), optimizer=optax.sgd(1.0),
                      sizes=(16, 32, 8))
 state = setup.init(jax.random.key(0))

@@ -16,6 +16,7 @@ from _model_checks import (
     check_evaluation,
     check_trajectory,
 )
+from _mutants import training
 from test_strategies import check_remat_regathers
 
 import shardops
@@ -68,7 +69,8 @@ def mutant_module(module, old: str, new: str):
 
 
 def mutant_build(old: str, new: str):
-    return mutant_module(_train, old, new).build
+    """``build`` of copies of models/training's modules, ``old`` (in one of them) replaced."""
+    return training("mutant", old, new).build
 
 
 def mutant_mlp_build(old: str, new: str):
@@ -182,21 +184,21 @@ BF16, MIXED = shardops.BFLOAT16, shardops.MIXED_BFLOAT16
 HELPER_MUTANTS = {
     # dp/2d: the replicated weight made varying in bf16, so autodiff all-reduces bf16 gradients.
     "data_gradient_all_reduced_in_bf16": (
-        parallel, ("Parallel", "wrap"), ("shardops_models.training._train",),
+        parallel, ("Parallel", "wrap"), ("shardops_models.training._step",),
         "            value = shardops.comm.copy_to_region(value, axes, self.precision.accum_dtype)\n",
         "            value = jax.lax.pcast(value, axes, to='varying')\n",
         "flow", ("2d", {"data": 4, "model": 2}, BF16),
     ),
     # fsdp: a unit's bundle of split leaves gathered with its gradients reduced in bf16.
     "data_gradient_bundle_reduce_scattered_in_bf16": (
-        parallel, ("Parallel", "wrap"), ("shardops_models.training._train",),
+        parallel, ("Parallel", "wrap"), ("shardops_models.training._step",),
         "                                                               accum, self._replicas)  # fmt: skip\n",
         "                                                               values[0].dtype, self._replicas)\n",
         "flow", ("fsdp_tp", {"data": 2, "model": 4}, BF16),
     ),
     # fsdp: the plain all_gather, whose transpose reduce-scatters bf16 gradients.
     "data_gradient_reduce_scattered_in_bf16": (
-        parallel, ("Parallel", "wrap"), ("shardops_models.training._train",),
+        parallel, ("Parallel", "wrap"), ("shardops_models.training._step",),
         "        return shardops.comm.gather_to_region(value, self.strategy.fsdp, dim,\n",
         "        return jax.lax.all_gather(value, self.strategy.fsdp, axis=dim, tiled=True)\n        return shardops.comm.gather_to_region(value, self.strategy.fsdp, dim,\n",
         "flow", ("fsdp_tp", {"data": 2, "model": 4}, BF16),
@@ -248,7 +250,7 @@ TRAIN_STEP = (
     '        train_step=jit(step_of_state, "train_step", step_options, donate_argnums=0),\n'
 )
 LOSS_AND_GRADS = '        loss_and_grads=jit(loss_and_grads, "loss_and_grads"),\n'
-REMAT_OPTIONS = "    step_options = keep if remat or parallel.fsdp else None\n"
+REMAT_OPTIONS = "    step_options = keep if remat or strategy.fsdp else None\n"
 DONATION_MUTANTS = {
     # The train step keeps the old state: two states in memory at every step.
     "train_step_not_donated": (TRAIN_STEP, TRAIN_STEP.replace(", donate_argnums=0", "")),
@@ -321,7 +323,7 @@ SP_MUTANTS = {
     # The replicated position table's lookup kept as this device's part of S: its dx
     # all-reduced over model in the compute dtype.
     "positions_sp_dx_all_reduced_in_bf16": (
-        parallel, ("Parallel", "wrap"), "shardops_models.training._train", SP_POSITIONS,
+        parallel, ("Parallel", "wrap"), "shardops_models.training._step", SP_POSITIONS,
         "            x = jax.lax.pcast(x, self.tp, to='varying')\n",
         [("sp", MIXED), ("fsdp_sp", BF16)],
     ),
@@ -361,13 +363,10 @@ def test_sp_bf16_reduction_mutant_is_caught(monkeypatch, name):
 def test_steps_without_their_params_check_are_caught(monkeypatch, line, replacement):
     """Without the check, shard_map refuses the params itself (a ValueError dumping both
     pytrees), where the test asks for the step's own error and advice."""
-    from _mutants import mutant
     from test_strategies import test_wrong_params_or_state_to_the_steps_are_clear_errors as wrong
 
     import shardops_models as models
 
-    monkeypatch.setattr(
-        models, "build", mutant(_train, "unchecked_params", line, replacement).build
-    )
+    monkeypatch.setattr(models, "build", training("unchecked_params", line, replacement).build)
     with pytest.raises((pytest.fail.Exception, AssertionError, ValueError, TypeError)):
         wrong()

@@ -437,17 +437,19 @@ VOCAB_MUTANTS = {
 
 
 def check_vocab_mutant(monkeypatch, name: str, replace: bool) -> None:
+    from _mutants import training
+
     from shardops_models.networks import _lm
-    from shardops_models.training import _train
+    from shardops_models.training import _setup, _tokens
 
     where, line, new = VOCAB_MUTANTS[name]
     if where == "lm":
         bad = mutant(_lm, name, line, new if replace else line)
-        monkeypatch.setattr(_train, "check_token_range", bad.check_token_range)
-    else:
-        bad = mutant(_train, name, line, new if replace else line)
-        monkeypatch.setattr(_train.Setup, "check_batch", bad.Setup.check_batch)
-        monkeypatch.setattr(_train.Setup, "_check_token_range", bad.Setup._check_token_range)
+        monkeypatch.setattr(_tokens, "check_token_range", bad.check_token_range)
+    else:  # the Setup's checks from copies of models/training's modules, one line replaced
+        bad = training(name, line, new if replace else line)
+        monkeypatch.setattr(_setup.Setup, "check_batch", bad.Setup.check_batch)
+        monkeypatch.setattr(_setup.Setup, "_check_token_range", bad.Setup._check_token_range)
     for case in TOKEN_CASES:
         check_tokens_refused(*case)
 
