@@ -51,12 +51,14 @@ def axes_of(value, kind: str) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class LayoutContext:
     """What a kind's ``layout`` may read: the mesh, the plan's leaf ``roles``, the model's own
-    (logical) ``shapes`` and what it ``declared`` (``models.networks.contract.Declared``)."""
+    (logical) ``shapes``, what it ``declared`` (``models.networks.contract.Declared``) and the
+    strategy's ``rules`` (logical dim name → mesh axis, ``Strategy.logical_rules``)."""
 
     mesh: Any
     roles: Any
     shapes: Any
     declared: Any
+    rules: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ import shardops
 from shardops import entry_axes
 from shardops_models.networks import contract
 from shardops_models.strategies.kind import Kind, LayoutContext, is_spec
-from shardops_models.strategies.plan import HEAD, is_shape, model_specs
+from shardops_models.strategies.plan import HEAD, is_shape, logical_rules, model_specs
 
 _WHOLE_LOGITS = shardops.comm.Reason("whole_logits", forward={
     "all_gather": "a caller outside the mesh asks for all the logits, whose vocabulary is split "
@@ -53,17 +53,21 @@ class TensorKind(Kind):
         return self.axes[0]
 
     def logical_rules(self) -> dict[str, str]:
-        return {"vocab": self.axis, "mlp": self.axis, "heads": self.axis, "kv_heads": self.axis}
+        """The dims the plan roles split over the axis (``plan.logical_rules``: vocab, mlp,
+        heads, kv_heads)."""
+        return {dim: axis for dim, axis in logical_rules(self.axis).items() if axis is not None}
 
     def splits_heads(self, roles) -> bool:
         """Whether the plan gives any leaf the head role (its attention split over the axis)."""
         return HEAD in jax.tree.leaves(roles)
 
     def specs(self, context: LayoutContext):
-        """Every leaf's split over the axis by its plan role."""
+        """Every leaf's split by its plan role's logical dims through the strategy's rules
+        (this kind's rows, and any other kind's: an ``experts`` dim to an expert axis)."""
         p = context.mesh.shape[self.axis]
+        rules = {**logical_rules(self.axis), **context.rules}
         return model_specs(context.roles, context.shapes, self.axis, p,
-                           context.declared.num_heads)  # fmt: skip
+                           context.declared.num_heads, rules=rules)  # fmt: skip
 
     def layout(self, specs, stored, context: LayoutContext):
         p = context.mesh.shape[self.axis]

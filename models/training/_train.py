@@ -131,7 +131,7 @@ def build(
     if not strategy.axes:
         mesh = None
     else:
-        context = LayoutContext(mesh, roles, shapes, declared)
+        context = LayoutContext(mesh, roles, shapes, declared, strategy.logical_rules)
         _check_mesh(strategy, mesh, context)
     if remat.names:  # names no layer of the model makes are refused
         check_names(remat, _names_made(model, plan, precision), model.name)

@@ -136,3 +136,35 @@ def test_a_kind_that_does_not_sum_its_gradients_is_caught():
         gradients[setup.strategy] = setup.budget(BATCH).totals()[(AR, ("data",))]
     assert gradients["replicas_tp"] == gradients["2d"]
     assert gradients["unsummed"] != gradients["2d"], gradients
+
+
+class Experts(Kind):
+    """A toy kind that only names a logical dim: ``experts`` over its axis."""
+
+    name: ClassVar[str] = "experts"
+    doc: ClassVar[str] = "a toy: the experts dim split (rules only)"
+
+    def logical_rules(self) -> dict[str, str]:
+        return {"experts": self.axes[0]}
+
+
+def test_a_kinds_logical_rules_reach_the_layout():
+    """A role of the user's (``experts``, ``embed``, ``mlp``) under tp with a kind that maps
+    ``experts`` to ``data``: the tensor kind's layout splits dim 0 over data and dim 2 over
+    model, from the strategy's one rules table."""
+    from jax.sharding import PartitionSpec as P
+
+    from shardops_models.networks.contract import declared
+    from shardops_models.strategies.kind import LayoutContext
+    from shardops_models.strategies.plan import Role, leaf_roles
+
+    strategy = models.Strategy("moe_tp", tp="model", extra=(Experts("data"),))
+    assert strategy.logical_rules["experts"] == "data"
+    expert = Role("expert_column", {"w": ("experts", "embed", "mlp")})
+    shapes = {"w": (4, 16, 32)}
+    mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+    context = LayoutContext(mesh, leaf_roles({"w": expert}, shapes), shapes, declared(GPT),
+                            strategy.logical_rules)  # fmt: skip
+    specs, stored = strategy.tensor.layout(None, shapes, context)
+    assert specs == {"w": P("data", None, "model")}
+    assert stored == shapes
