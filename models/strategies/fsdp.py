@@ -71,6 +71,7 @@ class FsdpKind(Kind):
                           "gradients ReduceScattered")  # fmt: skip
     splits_batch: ClassVar[bool] = True
     sums_gradients: ClassVar[bool] = True
+    regathers: ClassVar[bool] = True
 
     def layout(self, specs, stored, context: LayoutContext):
         return with_fsdp(specs, stored, context.mesh, self.axes, context.roles), stored

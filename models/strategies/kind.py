@@ -80,6 +80,9 @@ class Kind:
     splits_sequence: ClassVar[bool] = False
     sums_gradients: ClassVar[bool] = False
     splits_layers: ClassVar[bool] = False
+    regathers: ClassVar[bool] = False
+    """Whether ``ctx.unit`` gathers a weight again for its second use in a forward (fsdp: a
+    tied table), behind an optimization barrier the train step's compiler must keep."""
 
     def __post_init__(self):
         object.__setattr__(self, "axes", axes_of(self.axes, self.name))

@@ -138,7 +138,7 @@ class Setup:
     def batch_multiple(self) -> int:
         """Every batch size must be a multiple of this (the devices the batch is split over);
         a training batch, of this × ``microbatches``."""
-        axes = self.strategy.batch_axes
+        axes = self.layout.batch_axes
         return math.prod(self.mesh.shape[a] for a in axes) if axes else 1
 
     def place_batch(self, x, y=None):
@@ -216,7 +216,7 @@ class Setup:
         if batch % self.batch_multiple:
             raise ValueError(
                 f"batch size {batch} does not split over the {self.batch_multiple} devices of "
-                f"mesh axes {self.strategy.batch_axes} (strategy {self.strategy!r}); use a "
+                f"mesh axes {self.layout.batch_axes} (strategy {self.strategy!r}); use a "
                 f"multiple of {self.batch_multiple}"
             )
 
@@ -225,7 +225,7 @@ class Setup:
         for a concrete batch (not traced), its token ids and labels inside the vocabulary the
         library knows of (``_check_tokens``): a ValueError naming the array, the token, where
         it is and the fix. ``place_batch`` calls it."""
-        _check_batch(self.model, self.strategy, self.mesh, x, y)
+        _check_batch(self.model, self.layout, self.mesh, x, y)
         self._check_token_range(x, y)
 
     def _check_token_range(self, x, y=None) -> None:

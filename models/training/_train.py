@@ -141,42 +141,13 @@ def build(
     body = _Body(model, strategy, roles, specs, optimizer, remat, precision, fsdp_dense,
                  collective_matmul, opt_param_specs, padding, attention, weights,
                  microbatches)  # fmt: skip
-
-    if mesh is None:
-        step, loss_and_grads, evaluate = body.step, body.loss_and_grads, body.evaluate
-        logits = body.logits
-    else:
-
-        def smap(fn, in_specs, out_specs):
-            return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-
-        state_specs = TrainState(specs, opt_specs)
-        step = smap(body.step, (state_specs, batch_spec, batch_spec), (state_specs, P()))
-        loss_and_grads = smap(body.loss_and_grads, (specs, batch_spec, batch_spec), (P(), specs))
-        evaluate = smap(body.evaluate, (specs, batch_spec, batch_spec), Metrics(P(), P(), P()))
-        logits = smap(body.logits, (specs, batch_spec), batch_spec)
-
-    def checked(fn, parts=1):  # shapes are static: a bad batch fails when the function traces
-        def run(state_or_params, x, *y):
-            _check_batch(model, strategy, mesh, x, *y, microbatches=parts)
-            return fn(state_or_params, x, *y)
-
-        return run
-
-    # XLA:CPU expands optimization barriers before a late CSE pass, which then merges remat's
-    # backward re-gather into the forward gather, and a second unit's gather of one weight (a
-    # tied table) into the first's, keeping the full weights alive after all. With remat keep
-    # the barriers in these programs, and under fsdp in the train step (``Parallel.unit``
-    # puts one before a weight's second gather); other programs are unaffected.
-    # XLA:TPU cannot compile an optimization barrier left in the program ("HLO opt-barrier is
-    # not implemented on TPU", measured on a v5e): there the barriers are XLA's own business.
-    keep = None if _platform(mesh) == "tpu" else shardops.inspect.KEEP_REMAT
-    options = keep if remat else None
-    step_options = keep if remat or strategy.fsdp else None
+    step, loss_and_grads, evaluate, logits = _programs(body, mesh, specs, opt_specs, batch_spec)
+    options, step_options = _compiler_options(strategy, mesh, remat)
 
     def jit(fn, name, compiler_options=options, **kwargs):
         parts = microbatches if name in ("train_step", "loss_and_grads") else 1  # split batches
-        jitted = jax.jit(checked(fn, parts), compiler_options=compiler_options, **kwargs)
+        checked = _batch_checked(fn, model, strategy, mesh, parts)
+        jitted = jax.jit(checked, compiler_options=compiler_options, **kwargs)
         return _DeviceChecked(jitted, mesh, name)
 
     # Each checks the params (or state) it is given when it traces, before shard_map does.
@@ -208,6 +179,53 @@ def build(
         evaluate=jit(evaluate, "evaluate"),
         logits=jit(logits, "logits"),
     )
+
+
+def _programs(body: _Body, mesh, specs, opt_specs, batch_spec):
+    """``(step, loss_and_grads, evaluate, logits)``: the per-device functions of ``body``, each
+    in one ``jax.shard_map`` over ``mesh`` (as they are without one: ``ref``)."""
+    if mesh is None:
+        return body.step, body.loss_and_grads, body.evaluate, body.logits
+
+    def smap(fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+    state_specs = TrainState(specs, opt_specs)
+    return (
+        smap(body.step, (state_specs, batch_spec, batch_spec), (state_specs, P())),
+        smap(body.loss_and_grads, (specs, batch_spec, batch_spec), (P(), specs)),
+        smap(body.evaluate, (specs, batch_spec, batch_spec), Metrics(P(), P(), P())),
+        smap(body.logits, (specs, batch_spec), batch_spec),
+    )
+
+
+def _batch_checked(fn, model, strategy: Strategy, mesh, parts: int):
+    """``fn`` that first checks its batch (``parts``: the microbatches it is split into); the
+    shapes are static, so a bad batch fails when the function traces."""
+
+    def run(state_or_params, x, *y):
+        _check_batch(model, strategy, mesh, x, *y, microbatches=parts)
+        return fn(state_or_params, x, *y)
+
+    return run
+
+
+def _compiler_options(strategy: Strategy, mesh, remat: Remat):
+    """``(options, step_options)``: the XLA options of every program, and of the train step.
+
+    XLA:CPU expands optimization barriers before a late CSE pass, which then merges remat's
+    backward re-gather into the forward gather, and a second unit's gather of one weight (a
+    tied table) into the first's, keeping the full weights alive after all. With remat keep the
+    barriers in these programs, and in the train step of a kind that gathers a weight again
+    for its second use (fsdp: ``Parallel.unit`` puts a barrier before it); other programs are
+    unaffected. XLA:TPU cannot compile an optimization barrier left in the program ("HLO
+    opt-barrier is not implemented on TPU", measured on a v5e): there the barriers are XLA's
+    own business."""
+    keep = None if _platform(mesh) == "tpu" else shardops.inspect.KEEP_REMAT
+    regathers = any(kind.regathers for kind in strategy.kinds)
+    options = keep if remat else None
+    step_options = keep if remat or regathers else None
+    return options, step_options
 
 
 def _model_of(model, sizes):

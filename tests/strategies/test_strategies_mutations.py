@@ -250,7 +250,7 @@ TRAIN_STEP = (
     '        train_step=jit(step_of_state, "train_step", step_options, donate_argnums=0),\n'
 )
 LOSS_AND_GRADS = '        loss_and_grads=jit(loss_and_grads, "loss_and_grads"),\n'
-REMAT_OPTIONS = "    step_options = keep if remat or strategy.fsdp else None\n"
+REMAT_OPTIONS = "    step_options = keep if remat or regathers else None\n"
 DONATION_MUTANTS = {
     # The train step keeps the old state: two states in memory at every step.
     "train_step_not_donated": (TRAIN_STEP, TRAIN_STEP.replace(", donate_argnums=0", "")),
