@@ -671,14 +671,22 @@ class Parallel:
     def axis_name(self, kind: str = "model"):
         """The mesh axis or axes that carry ``kind`` under this strategy, or None where it has
         none: ``"model"``, the tp axis (tp and sp); ``"data"``, the batch axes (dp, zero1,
-        fsdp); ``"context"``, the cp axis (the sequence split)."""
+        fsdp and the batch kinds you add); ``"context"``, the cp axis (the sequence split); or
+        a kind's own name (``Strategy.rules``: ``"fsdp"``, a kind of your own), its axis (a
+        tuple where it has several)."""
         if kind == "model":
             return self.tp
         if kind == "data":
             return self.strategy.batch_axes or None
         if kind == "context":
             return self.strategy.cp
-        raise ValueError(f"kind must be 'model', 'data' or 'context'; got {kind!r}")
+        rules = self.strategy.rules
+        if kind in rules:
+            return rules[kind][0] if len(rules[kind]) == 1 else rules[kind]
+        raise ValueError(
+            f"ctx.axis_name: kind must be 'model', 'data', 'context' or one of the strategy's "
+            f"kinds {sorted(rules)}; got {kind!r}. Name one of them"
+        )
 
     def axis_index(self, kind: str = "model"):
         """This device's position along ``kind``'s mesh axis (``lax.axis_index``), 0 where

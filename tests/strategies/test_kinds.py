@@ -168,3 +168,17 @@ def test_a_kinds_logical_rules_reach_the_layout():
     specs, stored = strategy.tensor.layout(None, shapes, context)
     assert specs == {"w": P("data", None, "model")}
     assert stored == shapes
+
+
+def test_a_layer_of_your_own_finds_its_kinds_axis():
+    """``ctx.axis_name`` answers a kind's own name (its axis), and the batch axes include the
+    kinds that split the batch; a name the strategy lacks is refused, naming its kinds."""
+    from shardops_models.strategies.parallel import Parallel
+
+    ctx = Parallel(TOY_HSDP)
+    assert ctx.axis_name("replicas") == "replica"
+    assert ctx.axis_name("fsdp") == "data"
+    assert ctx.axis_name("data") == ("data", "replica")
+    with refused(ValueError, argument="kind", got="'expert'",
+                 expected="['fsdp', 'replicas', 'tp']", fix="Name one of them"):  # fmt: skip
+        ctx.axis_name("expert")
