@@ -20,8 +20,10 @@ def mutant(module: types.ModuleType, name: str, line: str, replacement: str) -> 
     return out
 
 
-TRAINING = ("_state", "_optimizer", "_tokens", "_placement", "_setup", "_step", "_train")
-"""The modules of ``models/training`` that ``build`` runs, each importing only earlier ones."""
+TRAINING = ("_optimizer", "_tokens", "_placement", "_setup", "_step", "_train")
+"""The modules of ``models/training`` that ``build`` runs, each importing only earlier ones
+(``_state``'s ``TrainState`` and ``Metrics`` stay the real ones: a state made outside the copy
+must fit its step)."""
 
 
 def training(name: str, line: str | None = None, replacement: str | None = None, **names):
@@ -51,11 +53,14 @@ def training(name: str, line: str | None = None, replacement: str | None = None,
         copies[m] = out
     originals = {id(v): (m, k) for m, mod in real.items() for k, v in vars(mod).items()
                  if getattr(v, "__module__", None) == mod.__name__}  # fmt: skip
+    replaced = set()
     for out in copies.values():
         for k, v in list(vars(out).items()):
             if k in names:
                 setattr(out, k, names[k])
+                replaced.add(k)
             elif id(v) in originals:
                 m, key = originals[id(v)]
                 setattr(out, k, getattr(copies[m], key))
+    assert replaced == set(names), f"training {name}: no copy holds {set(names) - replaced}"
     return copies["_train"]

@@ -53,14 +53,24 @@ import math
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from shardops import DATA_AXIS, entry_axes, spec_entries, spec_entry
-from shardops.layers import dense_moving_activations  # noqa: F401 (the route's kernel; parallel.py takes it from here)
-from shardops_models.strategies.kind import Kind, LayoutContext
+import shardops
+from shardops import DATA_AXIS, entry_axes, spec_entries, spec_entry, varying_axes
+from shardops.layers import dense_moving_activations
+from shardops_models.strategies.kind import Kind, LayoutContext, split_dim
 from shardops_models.strategies.plan import StackedRole
+
+_FSDP_GATHER = shardops.comm.Reason("fsdp_gather", forward={
+    "all_gather": "weights stored split over {axis} (FSDP) are gathered just before use",
+}, backward={
+    "psum_scatter": "it is the transpose of the weights' all_gather: gradients are summed and "
+                    "each device keeps its shard over {axis}",
+})  # fmt: skip
 
 
 class FsdpKind(Kind):
@@ -72,9 +82,80 @@ class FsdpKind(Kind):
     splits_batch: ClassVar[bool] = True
     sums_gradients: ClassVar[bool] = True
     regathers: ClassVar[bool] = True
+    splits_parameters: ClassVar[bool] = True
 
     def layout(self, specs, stored, context: LayoutContext):
         return with_fsdp(specs, stored, context.mesh, self.axes, context.roles), stored
+
+    # --- what ``ctx.unit`` does with the leaves it splits
+
+    def replicas(self, ctx) -> tuple[str, ...]:
+        """The axes a split parameter is replicated over (its shard's gradient is AllReduced
+        over them): the other kinds' that sum gradients (dp's: HSDP; the context axis)."""
+        return tuple(a for a in ctx.strategy.gradient_axes if a not in self.axes)
+
+    def materialise(self, ctx, leaves, used, ready) -> None:
+        """The unit's leaves split over the axes, ready (``ready[i]``, in place). Those that
+        share a dtype and varying axes travel together: one AllGather over the axes (one
+        ReduceScatter back) instead of one per leaf (``shardops.comm.gather_many_to_region``);
+        XLA:CPU does not combine gathers by itself. (It does combine the replicated leaves'
+        gradient AllReduces, so those stay one ``copy_to_region`` each: bundling them by hand
+        only adds copies.) Under remat the backward re-gathers the whole bundle, the leaves its
+        backward does not read (a bias, an embedding table) included: a few more bytes than one
+        gather per leaf, and on the GPT 45 collectives a step instead of 190 (``fsdp remat``
+        1.29× → 0.96× GSPMD's step, ``docs/benchmarks.md``). A dense weight that may move the
+        activations instead stays split, ``pending`` its layer's choice (``dense``). A leaf an
+        earlier unit of this forward used (``used``: a tied embedding's table, in the head) is
+        gathered anew, through an optimization barrier numbered by the use, which XLA's CSE
+        cannot merge with the earlier gather (``ctx.unit``)."""
+        gather = {}
+        for i, p in enumerate(leaves):
+            dim = split_dim(p.spec, self.axes)
+            if ready[i] is not None or dim is None:
+                continue
+            if self._may_move_activations(ctx, p):  # a dense weight: its layer chooses
+                ready[i] = p if p.ready else p.replace(ready=True, pending=dim)
+                continue
+            gather.setdefault((np.dtype(p.value.dtype), varying_axes(p.value)), []).append((i, dim))
+        accum = ctx.precision.accum_dtype
+        for group in gather.values():
+            values = [leaves[i].value for i, _ in group]
+            uses = max(used[i] for i, _ in group)
+            if uses:  # used by an earlier unit: gathered anew (see ``unit``)
+                values, _ = lax.optimization_barrier((values, jnp.int32(uses)))
+            dims = [d for _, d in group]
+            with shardops.comm.because(_FSDP_GATHER, self.axes):
+                gathered = shardops.comm.gather_many_to_region(values, self.axes, dims,
+                                                               accum, self.replicas(ctx))  # fmt: skip
+            for (i, _), value in zip(group, gathered, strict=True):
+                ready[i] = leaves[i].replace(value=value, ready=True)
+
+    def gather(self, ctx, value, dim: int):
+        """``value``, split along ``dim`` over the axes → whole (its gradient ReduceScattered
+        back, then AllReduced over ``replicas``)."""
+        with shardops.comm.because(_FSDP_GATHER, self.axes):
+            return shardops.comm.gather_to_region(value, self.axes, dim,
+                                                  ctx.precision.accum_dtype, self.replicas(ctx))  # fmt: skip
+
+    def _may_move_activations(self, ctx, p) -> bool:
+        """A dense weight (``...['w']``, rank 2) that ``dense`` may use without gathering it."""
+        return (ctx.fsdp_dense != GATHER_WEIGHTS and not ctx.sequence_parallel
+                and p.path.endswith("['w']") and p.value.ndim == 2)  # fmt: skip
+
+    def dense(self, ctx, p, x):
+        """``x · w + b`` of a dense weight left split (``pending``) by the activation route,
+        where the rule picks it for these shapes (``moves_activations``), else None (the layer
+        then gathers the weight)."""
+        w, pending = p["w"].value, p["w"].pending  # w[K_data, F'] or w[K', F_data]: this block
+        n = lax.axis_size(self.axes)
+        seen = tuple(d * n if i == pending else d for i, d in enumerate(w.shape))
+        if not moves_activations(ctx.fsdp_dense, seen, pending, x.shape, n, ctx.precision):
+            return None
+        return dense_moving_activations(
+            x, w, ctx._optional(p, "b"), split_dim=pending, role=p["w"].role,
+            data_axes=self.axes, model_axis=ctx.tp, replicated_over=self.replicas(ctx),
+            precision=ctx.precision,
+        )  # fmt: skip
 
 
 # --- the rule: which dim of a leaf splits over data

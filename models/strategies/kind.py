@@ -81,6 +81,9 @@ class Kind:
     sums_gradients: ClassVar[bool] = False
     splits_layers: ClassVar[bool] = False
     regathers: ClassVar[bool] = False
+    splits_parameters: ClassVar[bool] = False
+    """Whether it splits parameters over its axes (fsdp): ``ctx.unit`` then leaves their
+    leaves to its ``materialise``."""
     """Whether ``ctx.unit`` gathers a weight again for its second use in a forward (fsdp: a
     tied table), behind an optimization barrier the train step's compiler must keep."""
 
@@ -106,6 +109,13 @@ class Kind:
     def optimizer_layout(self, specs, stored, context: LayoutContext):
         """The PartitionSpecs of the optimizer state's parameter-shaped leaves."""
         return specs
+
+    # --- the layer context
+
+    def materialise(self, ctx, leaves, used, ready) -> None:
+        """This kind's part of ``ctx.unit``: make ready (``ready[i]``, in place) the leaves of
+        the unit (``Param``) it splits; ``used``: per leaf, how many earlier units of this
+        forward used it. The leaves no kind splits are ready already."""
 
     # --- the step
 

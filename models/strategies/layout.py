@@ -31,10 +31,9 @@ number of axes with any names (MaxText's ``logical_axis_rules``, as one table).
 Mesh axes a strategy does not name hold replicas (every device along them runs the same step).
 Today's nine strategies are presets (``STRATEGIES``) on the axes ``data`` and ``model``;
 ``hsdp``, ``hsdp_tp`` and ``hsdp_sp`` add ``replica``, and ``zero1`` and ``zero1_tp`` put
-ZeRO-1 on ``data``. A kind the
-library adds later (expert, pipeline) is one more field with its own rows here; the
-existing kinds keep theirs. Any preset composes with context parallelism: ``<preset>+<method>``
-(``with_context``).
+ZeRO-1 on ``data``. Each kind is an object in a file of its own (``models.strategies.kind``);
+a kind defined elsewhere joins a strategy through ``extra`` (``docs/adding-a-kind.md``). Any
+preset composes with context parallelism: ``<preset>+<method>`` (``with_context``).
 """
 
 from __future__ import annotations
@@ -113,15 +112,7 @@ class Strategy:
                 f"optimizer state; it composes with tp, not with dp or fsdp (for parameters "
                 f"split over one axis and replicated over another use fsdp with dp: HSDP)"
             )
-        extra = (self.extra,) if isinstance(self.extra, Kind) else tuple(self.extra)
-        for kind in extra:
-            if not isinstance(kind, Kind):
-                raise TypeError(
-                    f"Strategy {self.name!r}: extra takes kinds of parallelism "
-                    f"(models.strategies.kind.Kind instances, e.g. MyKind('data')); got "
-                    f"{kind!r}"
-                )
-        object.__setattr__(self, "extra", extra)
+        object.__setattr__(self, "extra", _extra_kinds(self.name, self.extra))
         seen: dict[str, str] = {}
         for kind in sorted(self.kinds, key=lambda k: k.splits_sequence):  # cp's axis named last
             for axis in kind.axes:
@@ -132,8 +123,28 @@ class Strategy:
                         f"{kind.name} an axis of its own (a mesh of more axes)"
                     )
                 seen[axis] = kind.name
+        self._check_kinds()
 
     # --- the kinds, as objects
+
+    def _check_kinds(self) -> None:
+        """Kinds of distinct names; one that splits parameters at most; a kind's logical rules
+        laid out by a kind that splits layers by role (tp)."""
+        names = [k.name for k in self.kinds]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"Strategy {self.name!r}: two kinds named {twice}; each kind has a "
+                             f"name of its own (give your kind another name)")  # fmt: skip
+        if sum(k.splits_parameters for k in self.kinds) > 1:
+            raise ValueError(f"Strategy {self.name!r}: more than one kind splits the parameters "
+                             f"({[k.name for k in self.kinds if k.splits_parameters]}); keep one")  # fmt: skip
+        if self.logical_rules and not any(k.splits_layers for k in self.kinds):
+            raise ValueError(
+                f"Strategy {self.name!r}: kinds {[k.name for k in self.kinds if k.logical_rules()]} "
+                f"map logical dims {sorted(self.logical_rules)} to mesh axes, but no kind lays "
+                f"the parameters out by their roles' dims (tensor parallelism does); add tp, "
+                f"e.g. tp={MODEL_AXIS!r}, or drop the rules"
+            )
 
     @property
     def kinds(self) -> tuple[Kind, ...]:
@@ -173,6 +184,11 @@ class Strategy:
         return self.batch_axes + tuple(a for k in self.kinds if k.splits_sequence for a in k.axes)
 
     @property
+    def parameter_axes(self) -> tuple[str, ...]:
+        """The axes parameters are split over by a kind that splits them (fsdp's)."""
+        return tuple(a for k in self.kinds if k.splits_parameters for a in k.axes)
+
+    @property
     def gradient_axes(self) -> tuple[str, ...]:
         """The axes over which a parameter not split over them meets different tokens, so its
         gradient is summed over them (``ctx.unit`` enters it varying): the batch's kinds that
@@ -193,8 +209,9 @@ class Strategy:
 
     def table(self) -> str:
         """The layout as a table: kind, mesh axes, what it does."""
+        width = max([6, *(len(k.name) for k in self.kinds)])
         rows = [f"{self.name}:"] + [
-            f"  {k.name:<6} {' × '.join(k.axes):<16} {k.description()}" for k in self.kinds
+            f"  {k.name:<{width}} {' × '.join(k.axes):<16} {k.description()}" for k in self.kinds
         ]
         if len(rows) == 1:
             rows.append("  (no parallelism: one device's step)")
@@ -209,6 +226,34 @@ class Strategy:
                 f"mesh {','.join(f'{k}={v}' for k, v in shape.items())}: strategy {self.name!r} "
                 f"needs mesh axes {self.axes} (missing {tuple(missing)}); e.g. {spec}"
             )
+
+
+def _extra_kinds(name: str, extra) -> tuple[Kind, ...]:
+    """``extra`` as a tuple of kinds defined outside the library; a TypeError for anything
+    else, a built-in kind (named by its own field) or a kind asking what the core does only for
+    the built-in ones (a sequence split, a layout by role)."""
+    kinds = (extra,) if isinstance(extra, Kind) else extra
+    if not isinstance(kinds, tuple | list):
+        raise TypeError(f"Strategy {name!r}: extra takes a tuple of kinds of parallelism "
+                        f"(Kind instances, e.g. (MyKind('data'),)); got {extra!r}")  # fmt: skip
+    for kind in kinds:
+        if not isinstance(kind, Kind):
+            raise TypeError(
+                f"Strategy {name!r}: extra takes kinds of parallelism "
+                f"(models.strategies.kind.Kind instances, e.g. MyKind('data')); got {kind!r}"
+            )
+        builtin = {DataKind: "dp", FsdpKind: "fsdp", Zero1Kind: "zero1", TensorKind: "tp",
+                   ContextKind: "cp"}.get(type(kind))  # fmt: skip
+        if builtin:
+            raise TypeError(f"Strategy {name!r}: {type(kind).__name__} is a built-in kind: name "
+                            f"its axes with the field {builtin}= instead of extra")  # fmt: skip
+        if kind.splits_sequence or kind.splits_layers:
+            raise ValueError(
+                f"Strategy {name!r}: kind {kind.name!r} splits the "
+                f"{'sequence' if kind.splits_sequence else 'layers by role'}, which the layer "
+                f"context does only for the built-in kinds (cp, tp) today; use those fields"
+            )
+    return tuple(kinds)
 
 
 STRATEGIES = {

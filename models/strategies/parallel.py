@@ -29,7 +29,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
@@ -46,9 +45,6 @@ from shardops import (
 )
 from shardops_models.strategies.fsdp import (
     AUTO,
-    GATHER_WEIGHTS,
-    dense_moving_activations,
-    moves_activations,
 )
 from shardops_models.strategies.kind import split_dim
 from shardops_models.strategies.layout import (
@@ -76,12 +72,6 @@ from shardops_models.strategies.remat import (
 )
 
 # Why the strategy's own collectives run (shardops.comm.because; explain reads them).
-_FSDP_GATHER = shardops.comm.Reason("fsdp_gather", forward={
-    "all_gather": "weights stored split over {axis} (FSDP) are gathered just before use",
-}, backward={
-    "psum_scatter": "it is the transpose of the weights' all_gather: gradients are summed and "
-                    "each device keeps its shard over {axis}",
-})  # fmt: skip
 _REPLICATED = shardops.comm.Reason("replicated_parameters", backward={
     "psum": "parameters replicated over {axis} meet a batch split over {axis}: their gradients "
             "are summed",
@@ -205,12 +195,6 @@ class Parallel:
             return None
         return shardops.layers.ContextParallel(self.strategy.cp, self.strategy.cp_method)
 
-    @property
-    def _replicas(self) -> tuple[str, ...]:
-        """The axes an FSDP-split parameter is replicated over (its shard's gradient is
-        AllReduced over them): the other kinds' that sum gradients (dp's, the context axis)."""
-        return tuple(a for a in self.strategy.gradient_axes if a not in self.strategy.fsdp)
-
     def local_tokens(self, tokens):
         """This device's tokens of ``tokens[b, S, ...]`` (the whole sequence): under context
         parallelism its block of the load-balanced layout, ``tokens[b, S_context, ...]``
@@ -261,69 +245,40 @@ class Parallel:
         )
 
     def _materialise_all(self, params, used=None):
-        """Every ``Param`` of a unit, ready. The split leaves that share a dtype and varying
-        axes travel together: one AllGather over the fsdp axes (one ReduceScatter back) instead
-        of one per leaf (``shardops.comm.gather_many_to_region``); XLA:CPU does not combine
-        gathers by itself. (It does combine the replicated leaves' gradient AllReduces, so those
-        stay one ``copy_to_region`` each: bundling them by hand only adds copies.) Under remat
-        the backward re-gathers the whole bundle, the leaves its backward does not read (a
-        bias, an embedding table) included: a few more bytes than one gather per leaf, and on
-        the GPT 45 collectives a step instead of 190 (``fsdp remat`` 1.29× → 0.96× GSPMD's
-        step, ``docs/benchmarks.md``)."""
+        """Every ``Param`` of a unit, ready: the leaves a kind splits (fsdp's) by that kind
+        (``Kind.materialise``), after the others (``_materialise``); ``used``: per leaf, how
+        many earlier units of this forward used it."""
         leaves, tree = jax.tree.flatten(params, is_leaf=is_param)
         used = used or [0] * len(leaves)
-        if not self.strategy.fsdp:
-            return tree.unflatten([self._materialise(p) for p in leaves])
-        ready: list = [None] * len(leaves)
-        gather = {}
-        for i, p in enumerate(leaves):
-            dim = self.split_dim(p.spec)
-            if dim is None or self._may_move_activations(p):
-                ready[i] = self._materialise(p)  # replicated, or a dense weight: alone
-                continue
-            gather.setdefault((np.dtype(p.value.dtype), varying_axes(p.value)), []).append((i, dim))
-        accum = self.precision.accum_dtype
-        for group in gather.values():
-            values = [leaves[i].value for i, _ in group]
-            uses = max(used[i] for i, _ in group)
-            if uses:  # used by an earlier unit: gathered anew (see ``unit``)
-                values, _ = lax.optimization_barrier((values, jnp.int32(uses)))
-            dims = [d for _, d in group]
-            with shardops.comm.because(_FSDP_GATHER, self.strategy.fsdp):
-                gathered = shardops.comm.gather_many_to_region(values, self.strategy.fsdp, dims,
-                                                               accum, self._replicas)  # fmt: skip
-            for (i, _), value in zip(group, gathered, strict=True):
-                ready[i] = leaves[i].replace(value=value, ready=True)
+        ready = [None if self.split_dim(p.spec) is not None else self._materialise(p)
+                 for p in leaves]  # fmt: skip
+        for kind in self.strategy.kinds:
+            kind.materialise(self, leaves, used, ready)
+        missing = [leaves[i].path for i, p in enumerate(ready) if p is None]
+        assert not missing, f"no kind of {self.strategy.name!r} materialised {missing}"
         return tree.unflatten(ready)
 
     def _materialise(self, p: Param) -> Param:
+        """A leaf no kind splits, ready: entered varying over the axes whose kinds sum its
+        gradient (``Strategy.gradient_axes``: the backward AllReduces it, in float32)."""
         if p.ready:  # entered the region already (a stacked leaf, by ``scan``)
             return p
         value = p.value
-        dim = self.split_dim(p.spec)
-        if dim is not None and self._may_move_activations(p):
-            return p.replace(ready=True, pending=dim)
-        if dim is not None:
-            value = self._gather(value, dim)
-        elif self.strategy.gradient_axes:  # dx AllReduced
+        if self.strategy.gradient_axes:  # dx AllReduced
             axes = self.strategy.gradient_axes
             with shardops.comm.because(_REPLICATED, axes):
                 value = shardops.comm.copy_to_region(value, axes, self.precision.accum_dtype)
         return p.replace(value=value, ready=True)
 
-    def _gather(self, value, dim: int):
-        with shardops.comm.because(_FSDP_GATHER, self.strategy.fsdp):
-            return shardops.comm.gather_to_region(value, self.strategy.fsdp, dim,
-                                                  self.precision.accum_dtype, self._replicas)  # fmt: skip
-
     def split_dim(self, spec) -> int | None:
-        """The dim of a leaf split over the fsdp axes (by its PartitionSpec), or None."""
-        return split_dim(spec, self.strategy.fsdp)
+        """The dim of a leaf split over the axes of a kind that splits parameters (fsdp's), by
+        its PartitionSpec, or None."""
+        return split_dim(spec, self.strategy.parameter_axes)
 
-    def _may_move_activations(self, p: Param) -> bool:
-        """A dense weight (``...['w']``, rank 2) that ``dense`` may use without gathering it."""
-        return (self.fsdp_dense != GATHER_WEIGHTS and not self.sequence_parallel
-                and p.path.endswith("['w']") and p.value.ndim == 2)  # fmt: skip
+    @property
+    def _splitter(self):
+        """The kind that splits parameters (fsdp), or None."""
+        return next((k for k in self.strategy.kinds if k.splits_parameters), None)
 
     # --- layers: the kernels
 
@@ -331,17 +286,11 @@ class Parallel:
         """``x[..., D] · w + b`` by the role of ``p["w"]``: column-parallel, row-parallel or
         local. Under sp, ``x[B, S_model, D]`` is gathered along S by a column layer and a row
         layer's output is reduce-scattered back along S."""
-        role, pending = p["w"].role, getattr(p.get("w"), "pending", None)
-        if pending is not None:
-            w = p["w"].value  # w[K_data, F'] or w[K', F_data]: this device's block
-            n = lax.axis_size(self.strategy.fsdp)
-            seen = tuple(d * n if i == pending else d for i, d in enumerate(w.shape))
-            if moves_activations(self.fsdp_dense, seen, pending, x.shape, n, self.precision):
-                return dense_moving_activations(
-                    x, w, self._optional(p, "b"), split_dim=pending, role=role,
-                    data_axes=self.strategy.fsdp, model_axis=self.tp,
-                    replicated_over=self._replicas, precision=self.precision,
-                )  # fmt: skip
+        role = p["w"].role
+        if getattr(p["w"], "pending", None) is not None:  # a weight left split (fsdp's route)
+            y = self._splitter.dense(self, p, x)
+            if y is not None:
+                return y
         w, b = self._arrays(p, "w", "dense"), self._optional(p, "b")
         sp = self.sequence_parallel and x.ndim > 2
         ring = self.collective_matmul
@@ -765,7 +714,7 @@ class Parallel:
                     f"parameters through ctx.unit(fn, params, x) so the strategy can gather it"
                 )
             if leaf.pending is not None:  # not a dense layer's weight after all: gather it
-                return self._gather(leaf.value, leaf.pending)
+                return self._splitter.gather(self, leaf.value, leaf.pending)
             return leaf.value
         return leaf
 

@@ -188,7 +188,7 @@ class _Body:
 
     def logits(self, params, x):
         tree, logits, _ = self.forward(self.eval_ctx, params, x, "setup.logits")
-        for kind in self.strategy.kinds:  # what each kind split of them, gathered
+        for kind in reversed(self.strategy.kinds):  # what each kind split of them: tp's first
             logits = kind.gather_logits(logits, model=self.model, params=tree, ctx=self.eval_ctx)
         return logits
 

@@ -219,13 +219,11 @@ def test_fsdp_gathers_a_tied_table_once_per_use(monkeypatch):
 
     from _mutants import mutant
 
-    from shardops_models.strategies import parallel
+    from shardops_models.strategies import fsdp
 
     line = "                values, _ = lax.optimization_barrier((values, jnp.int32(uses)))"
-    merged = mutant(parallel, "no_barrier", line, "                pass")
-    merged.Param, merged.is_param = parallel.Param, parallel.is_param  # the real parameters
-    monkeypatch.setattr(parallel.Parallel, "_materialise_all",
-                        merged.Parallel._materialise_all)  # fmt: skip
+    merged = mutant(fsdp, "no_barrier", line, "                pass")
+    monkeypatch.setattr(fsdp.FsdpKind, "materialise", merged.FsdpKind.materialise)
     jax.clear_caches()
     setup = models.build("fsdp_sp", mesh, optimizer=optax.sgd(0.1), model=TIED_MQA)
     assert _table_gathers(setup, setup.init(jax.random.key(0)), ids, labels) == ["forward"]

@@ -16,7 +16,7 @@ import shardops
 import shardops_models as models
 from shardops import BFLOAT16, FLOAT32, MIXED_BFLOAT16
 from shardops.layers import _fsdp_dense
-from shardops_models.strategies import fsdp, parallel
+from shardops_models.strategies import fsdp
 
 ROUTES = ("gather_weights", "move_activations")
 # (strategy, mesh, sizes, batch): w split over data along K (dim 0) everywhere but the last
@@ -196,7 +196,7 @@ MUTANTS = {
 def test_mutant_is_caught(monkeypatch, name):
     old, new, case, precision = MUTANTS[name]
     bad = mutant(_fsdp_dense, name, old, new)
-    monkeypatch.setattr(parallel, "dense_moving_activations", bad.dense_moving_activations)
+    monkeypatch.setattr(fsdp, "dense_moving_activations", bad.dense_moving_activations)
     strategy, mesh_shape, sizes, batch = case
     jax.clear_caches()
     with pytest.raises(ValueError if name == "row_not_reduced" else AssertionError):

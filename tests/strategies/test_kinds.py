@@ -13,6 +13,7 @@ import math
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -148,26 +149,61 @@ class Experts(Kind):
         return {"experts": self.axes[0]}
 
 
+class ExpertModel:
+    """The least a model needs for ``build`` to lay it out: one leaf of a user's expert role."""
+
+    name = "experts"
+
+    def init(self, key, dtype=jnp.float32):
+        return {"w": jnp.zeros((4, 16, 32), dtype)}  # w[E, D, F]
+
+    def plan(self):
+        from shardops_models.strategies.plan import Role
+
+        return {"w": Role("expert_column", {"w": ("experts", "embed", "mlp")})}
+
+    def apply(self, ctx, params, x):
+        raise NotImplementedError  # never traced: the test reads the layout only
+
+    loss_sum = check_batch = apply
+
+
 def test_a_kinds_logical_rules_reach_the_layout():
     """A role of the user's (``experts``, ``embed``, ``mlp``) under tp with a kind that maps
-    ``experts`` to ``data``: the tensor kind's layout splits dim 0 over data and dim 2 over
-    model, from the strategy's one rules table."""
+    ``experts`` to ``data``: ``build`` lays dim 0 over data and dim 2 over model, from the
+    strategy's one rules table."""
     from jax.sharding import PartitionSpec as P
-
-    from shardops_models.networks.contract import declared
-    from shardops_models.strategies.kind import LayoutContext
-    from shardops_models.strategies.plan import Role, leaf_roles
 
     strategy = models.Strategy("moe_tp", tp="model", extra=(Experts("data"),))
     assert strategy.logical_rules["experts"] == "data"
-    expert = Role("expert_column", {"w": ("experts", "embed", "mlp")})
-    shapes = {"w": (4, 16, 32)}
     mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
-    context = LayoutContext(mesh, leaf_roles({"w": expert}, shapes), shapes, declared(GPT),
-                            strategy.logical_rules)  # fmt: skip
-    specs, stored = strategy.tensor.layout(None, shapes, context)
-    assert specs == {"w": P("data", None, "model")}
-    assert stored == shapes
+    setup = models.build(strategy, mesh, model=ExpertModel(), optimizer=optax.sgd(0.1))
+    assert setup.param_specs == {"w": P("data", None, "model")}
+    with pytest.raises(ValueError, match="names a dim 'experts', which the rules do not map"):
+        models.build("tp", mesh, model=ExpertModel(), optimizer=optax.sgd(0.1))  # no such row
+
+
+def test_kinds_the_core_cannot_honour_are_refused():
+    """Two kinds of one name, a built-in kind through ``extra``, an extra kind splitting the
+    sequence, and rules with no kind to lay the roles out: each refused before anything runs."""
+    from shardops_models.strategies.data import DataKind
+
+    class Sequence(Replicas):
+        name: ClassVar[str] = "seq"
+        splits_sequence: ClassVar[bool] = True
+
+    with refused(ValueError, argument="Strategy 'twice'", got="two kinds named ['replicas']",
+                 expected="a name of its own", fix="another name"):  # fmt: skip
+        models.Strategy("twice", extra=(Replicas("a"), Replicas("b")))
+    with refused(TypeError, argument="Strategy 'builtin'", got="DataKind is a built-in kind",
+                 expected="the field dp=", fix="instead of extra"):  # fmt: skip
+        models.Strategy("builtin", extra=(DataKind("data"),))
+    with refused(ValueError, argument="kind 'seq'", got="splits the sequence",
+                 expected="only for the built-in kinds", fix="use those fields"):  # fmt: skip
+        models.Strategy("seq", extra=(Sequence("context"),))
+    with refused(ValueError, argument="Strategy 'rules'", got="map logical dims ['experts']",
+                 expected="no kind lays the parameters out", fix="add tp"):  # fmt: skip
+        models.Strategy("rules", dp="replica", extra=(Experts("data"),))
 
 
 def test_a_layer_of_your_own_finds_its_kinds_axis():

@@ -23,7 +23,7 @@ import shardops
 from shardops.layers import _attention
 from shardops.layers import _dense_kernels as _kernels
 from shardops_models.networks import _mlp, mlp
-from shardops_models.strategies import parallel
+from shardops_models.strategies import fsdp, parallel
 from shardops_models.training import _train
 
 SOURCE = inspect.getsource(_train)
@@ -191,16 +191,16 @@ HELPER_MUTANTS = {
     ),
     # fsdp: a unit's bundle of split leaves gathered with its gradients reduced in bf16.
     "data_gradient_bundle_reduce_scattered_in_bf16": (
-        parallel, ("Parallel", "wrap"), ("shardops_models.training._step",),
-        "                                                               accum, self._replicas)  # fmt: skip\n",
-        "                                                               values[0].dtype, self._replicas)\n",
+        fsdp, ("FsdpKind",), ("shardops_models.strategies.layout",),
+        "                                                               accum, self.replicas(ctx))  # fmt: skip\n",
+        "                                                               values[0].dtype, self.replicas(ctx))\n",
         "flow", ("fsdp_tp", {"data": 2, "model": 4}, BF16),
     ),
     # fsdp: the plain all_gather, whose transpose reduce-scatters bf16 gradients.
     "data_gradient_reduce_scattered_in_bf16": (
-        parallel, ("Parallel", "wrap"), ("shardops_models.training._step",),
-        "        return shardops.comm.gather_to_region(value, self.strategy.fsdp, dim,\n",
-        "        return jax.lax.all_gather(value, self.strategy.fsdp, axis=dim, tiled=True)\n        return shardops.comm.gather_to_region(value, self.strategy.fsdp, dim,\n",
+        fsdp, ("FsdpKind",), ("shardops_models.strategies.layout",),
+        "            return shardops.comm.gather_to_region(value, self.axes, dim,\n",
+        "            return jax.lax.all_gather(value, self.axes, axis=dim, tiled=True)\n            return shardops.comm.gather_to_region(value, self.axes, dim,\n",
         "flow", ("fsdp_tp", {"data": 2, "model": 4}, BF16),
     ),
     # The loss computed from bf16 logits (log_softmax in bf16) under the mixed policy.
