@@ -306,6 +306,8 @@ SHOWN = {
                                                        "falling back to step "),
     ("docs/strategies.md", "--mesh replica=2,data=2,model=2"): (None, "two commands, checked "
                                                                 "above; no output"),
+    ("docs/adding-a-kind.md", "replicas_tp:"): ("tests/strategies/test_kinds.py",
+                                                "  tp       model            each layer's"),
 }  # fmt: skip
 
 

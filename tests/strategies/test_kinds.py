@@ -91,6 +91,8 @@ def test_the_strategy_asks_its_kinds():
     assert TOY_HSDP.axes == ("data", "replica", "model")
     assert "  replicas replica" in TOY_HSDP.table()
     assert "(a toy kind)" in TOY_HSDP.table()
+    # the columns widen for the longest kind's name (docs/adding-a-kind.md shows this table)
+    assert "\n  tp       model            each layer's weights split" in TOY_2D.table()
     assert TOY_HSDP.logical_rules == {"vocab": "model", "mlp": "model", "heads": "model",
                                       "kv_heads": "model"}  # fmt: skip
 
