@@ -74,6 +74,12 @@ def test_trajectory_catches(name, error, match):
         check_lm_trajectory(LMS["gpt"], "2d+ring", "2x2x2c", "sgd", build=build_with(name))
 
 
+def test_logits_in_the_token_order_pass_with_the_unmutated_context_kind(monkeypatch):
+    monkeypatch.setattr(models, "build", build_with("logits_not_in_token_order", mutated=False,
+                                                    monkeypatch=monkeypatch))  # fmt: skip
+    test_evaluate_and_logits_equal_the_reference_with_padding("ring")
+
+
 def test_logits_in_the_layouts_order_are_caught(monkeypatch):
     monkeypatch.setattr(models, "build", build_with("logits_not_in_token_order",
                                                     monkeypatch=monkeypatch))  # fmt: skip

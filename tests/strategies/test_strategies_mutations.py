@@ -1,4 +1,4 @@
-"""Mutation check for the strategies: bugs injected into a copy of models/training/_train.py (the shared
+"""Mutation check for the strategies: bugs injected into copies of models/training's modules (the shared
 step), models/networks/mlp.py (the MLP's metrics) or models/strategies/parallel.py (the data axis) are caught by the
 same checks the suite runs (against an independent reference, or, for what values cannot show,
 the compiled program: donation, the requested bytes)."""
@@ -26,7 +26,6 @@ from shardops_models.networks import _mlp, mlp
 from shardops_models.strategies import fsdp, parallel
 from shardops_models.training import _train
 
-SOURCE = inspect.getsource(_train)
 GRADS = "        loss, grads = self._value_and_grad(params, x, y)\n"
 LOCAL_LOSS = (
     "        targets = self._global_batch(y.shape[0] * microbatches) * math.prod(y.shape[1:])\n"
@@ -150,7 +149,7 @@ MLP_EVAL_MUTANTS = {
     "eval_counts_padding_rows",
     "eval_hits_include_padding",
     "eval_loss_not_divided_by_classes",
-}  # in models/networks/mlp.py; the others in models/training/_train.py
+}  # in models/networks/mlp.py; the others in models/training's modules
 
 
 def eval_build(name: str):
@@ -245,7 +244,7 @@ def test_helper_mutant_is_caught(monkeypatch, name):
     jax.clear_caches()
 
 
-# Memory-only options of models/training/_train.py: values cannot show them, the compiled program can.
+# Memory-only options of models/training's build: values cannot show them, the compiled program can.
 TRAIN_STEP = (
     '        train_step=jit(step_of_state, "train_step", step_options, donate_argnums=0),\n'
 )
@@ -271,7 +270,7 @@ def test_donation_mutant_is_caught(name):
 
 def test_unmutated_copy_donates_alike():
     """The harness of the compiled-program checks around (donation, and remat's option below):
-    an unmutated copy of models/training/_train.py compiles the same donations as the real one."""
+    unmutated copies of models/training's modules compile the same donations as the real one."""
     check_donation(mutant_build(TRAIN_STEP, TRAIN_STEP))
 
 
