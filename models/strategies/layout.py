@@ -128,8 +128,7 @@ class Strategy:
     # --- the kinds, as objects
 
     def _check_kinds(self) -> None:
-        """Kinds of distinct names; one that splits parameters at most; a kind's logical rules
-        laid out by a kind that splits layers by role (tp)."""
+        """Kinds of distinct names; one that splits parameters at most."""
         names = [k.name for k in self.kinds]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
@@ -138,13 +137,6 @@ class Strategy:
         if sum(k.splits_parameters for k in self.kinds) > 1:
             raise ValueError(f"Strategy {self.name!r}: more than one kind splits the parameters "
                              f"({[k.name for k in self.kinds if k.splits_parameters]}); keep one")  # fmt: skip
-        if self.logical_rules and not any(k.splits_layers for k in self.kinds):
-            raise ValueError(
-                f"Strategy {self.name!r}: kinds {[k.name for k in self.kinds if k.logical_rules()]} "
-                f"map logical dims {sorted(self.logical_rules)} to mesh axes, but no kind lays "
-                f"the parameters out by their roles' dims (tensor parallelism does); add tp, "
-                f"e.g. tp={MODEL_AXIS!r}, or drop the rules"
-            )
 
     @property
     def kinds(self) -> tuple[Kind, ...]:

@@ -70,8 +70,9 @@ class TensorKind(Kind):
                            context.declared.num_heads, rules=rules)  # fmt: skip
 
     def layout(self, specs, stored, context: LayoutContext):
+        """The split by role is the core's (``specs``, through the strategy's rules); a dim
+        this axis splits and does not divide is stored padded up to a multiple of it."""
         p = context.mesh.shape[self.axis]
-        specs = self.specs(context)
         stored = jax.tree.map(
             lambda spec, shape: tuple(
                 shardops.padded_size(n, p) if self.axis in entry_axes(e) else n

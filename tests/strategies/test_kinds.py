@@ -171,9 +171,9 @@ class ExpertModel:
 
 
 def test_a_kinds_logical_rules_reach_the_layout():
-    """A role of the user's (``experts``, ``embed``, ``mlp``) under tp with a kind that maps
-    ``experts`` to ``data``: ``build`` lays dim 0 over data and dim 2 over model, from the
-    strategy's one rules table."""
+    """A role of the user's (``experts``, ``embed``, ``mlp``) with a kind that maps ``experts``
+    to ``data``: ``build`` lays dim 0 over data (and, under tp, dim 2 over model), from the
+    strategy's one rules table; a strategy without that row refuses the role."""
     from jax.sharding import PartitionSpec as P
 
     strategy = models.Strategy("moe_tp", tp="model", extra=(Experts("data"),))
@@ -181,13 +181,17 @@ def test_a_kinds_logical_rules_reach_the_layout():
     mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
     setup = models.build(strategy, mesh, model=ExpertModel(), optimizer=optax.sgd(0.1))
     assert setup.param_specs == {"w": P("data", None, "model")}
+    alone = models.Strategy("moe", dp="replica", extra=(Experts("data"),))  # no tp: the same rule
+    mesh3 = jax.sharding.AbstractMesh((2, 2), ("replica", "data"))
+    setup = models.build(alone, mesh3, model=ExpertModel(), optimizer=optax.sgd(0.1))
+    assert setup.param_specs == {"w": P("data", None, None)}
     with pytest.raises(ValueError, match="names a dim 'experts', which the rules do not map"):
         models.build("tp", mesh, model=ExpertModel(), optimizer=optax.sgd(0.1))  # no such row
 
 
 def test_kinds_the_core_cannot_honour_are_refused():
     """Two kinds of one name, a built-in kind through ``extra``, an extra kind splitting the
-    sequence, and rules with no kind to lay the roles out: each refused before anything runs."""
+    sequence: each refused before anything runs."""
     from shardops_models.strategies.data import DataKind
 
     class Sequence(Replicas):
@@ -203,9 +207,6 @@ def test_kinds_the_core_cannot_honour_are_refused():
     with refused(ValueError, argument="kind 'seq'", got="splits the sequence",
                  expected="only for the built-in kinds", fix="use those fields"):  # fmt: skip
         models.Strategy("seq", extra=(Sequence("context"),))
-    with refused(ValueError, argument="Strategy 'rules'", got="map logical dims ['experts']",
-                 expected="no kind lays the parameters out", fix="add tp"):  # fmt: skip
-        models.Strategy("rules", dp="replica", extra=(Experts("data"),))
 
 
 def test_a_layer_of_your_own_finds_its_kinds_axis():
