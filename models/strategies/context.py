@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import jax.numpy as jnp
 from jax import lax
 
 import shardops
+from shardops import SEQUENCE_DIM
 from shardops_models.strategies.kind import Kind, LayoutContext
 
 _WHOLE_SEQUENCE = shardops.comm.Reason("whole_sequence", forward={
@@ -44,6 +46,15 @@ class ContextKind(Kind):
 
     def description(self) -> str:
         return f"{self.doc} {self.method}"
+
+    def local_tokens(self, tokens):
+        """``tokens[b, S, ...]`` → this device's ``tokens[b, S_context, ...]``: its chunks i and
+        2N−1−i of 2N (``shardops.layers.balanced_order``)."""
+        context = shardops.layers.ContextParallel(self.axis, self.method)
+        n, seq = lax.axis_size(context.axis_name), tokens.shape[SEQUENCE_DIM]
+        shardops.layers.check_context_sequence("ctx.local_tokens", "tokens", seq,
+                                               context.axis_name, n)  # fmt: skip
+        return jnp.take(tokens, context.positions(seq // n), axis=SEQUENCE_DIM)
 
     def gather_logits(self, logits, *, model, params, ctx):
         """``logits[b, S_context, V]`` in the load-balanced layout → every token's, in token

@@ -117,6 +117,11 @@ class Kind:
         the unit (``Param``) it splits; ``used``: per leaf, how many earlier units of this
         forward used it. The leaves no kind splits are ready already."""
 
+    def local_tokens(self, tokens):
+        """This device's tokens of ``tokens[b, S, ...]`` (the whole sequence) where the kind
+        splits the sequence (``ctx.local_tokens``); ``tokens`` otherwise."""
+        return tokens
+
     # --- the step
 
     def update(self, opt_param_specs, precision):

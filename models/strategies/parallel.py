@@ -200,14 +200,11 @@ class Parallel:
         parallelism its block of the load-balanced layout, ``tokens[b, S_context, ...]``
         (``shardops.layers.balanced_order``: chunks i and 2N−1−i of 2N); else ``tokens``.
         ``ctx.embed`` and ``ctx.attention`` take their tokens whole and call it; call it on
-        any other per-token input of your own (labels, masks)."""
-        context = self.context
-        if context is None:
-            return tokens
-        n, seq = lax.axis_size(context.axis_name), tokens.shape[SEQUENCE_DIM]
-        shardops.layers.check_context_sequence("ctx.local_tokens", "tokens", seq,
-                                               context.axis_name, n)  # fmt: skip
-        return jnp.take(tokens, context.positions(seq // n), axis=SEQUENCE_DIM)
+        any other per-token input of your own (labels, masks). Each kind that splits the
+        sequence takes its block (``Kind.local_tokens``)."""
+        for kind in self.strategy.kinds:
+            tokens = kind.local_tokens(tokens)
+        return tokens
 
     # --- units: the data-parallel axes
 

@@ -26,7 +26,7 @@ MUTANTS = {
     ),
     # Each device's tokens as one contiguous block, while attention assumes the balanced layout.
     "contiguous_tokens": (
-        parallel,
+        context,
         "        return jnp.take(tokens, context.positions(seq // n), axis=SEQUENCE_DIM)",
         "        return lax.dynamic_slice_in_dim(tokens, lax.axis_index(context.axis_name) * (seq "
         "// n), seq // n, axis=SEQUENCE_DIM)",
@@ -57,10 +57,10 @@ def build_with(name, mutated: bool = True, monkeypatch=None):
     return training(name, Parallel=mutated.Parallel, wrap=mutated.wrap).build
 
 
-def test_unmutated_copies_pass():
+def test_unmutated_copies_pass(monkeypatch):
     for name in ("loss_not_summed_over_the_sequence", "contiguous_tokens"):
         check_lm_trajectory(LMS["gpt"], "2d+ring", "2x2x2c", "sgd",
-                            build=build_with(name, mutated=False))  # fmt: skip
+                            build=build_with(name, mutated=False, monkeypatch=monkeypatch))  # fmt: skip
 
 
 # A loss left varying over context fails shard_map's check of the step's outputs when it traces
@@ -69,9 +69,10 @@ def test_unmutated_copies_pass():
     ("loss_not_summed_over_the_sequence", ValueError, "possibly varying over {context}"),
     ("contiguous_tokens", AssertionError, "reference"),
 ])  # fmt: skip
-def test_trajectory_catches(name, error, match):
+def test_trajectory_catches(monkeypatch, name, error, match):
+    build = build_with(name, monkeypatch=monkeypatch)
     with pytest.raises(error, match=match):
-        check_lm_trajectory(LMS["gpt"], "2d+ring", "2x2x2c", "sgd", build=build_with(name))
+        check_lm_trajectory(LMS["gpt"], "2d+ring", "2x2x2c", "sgd", build=build)
 
 
 def test_logits_in_the_token_order_pass_with_the_unmutated_context_kind(monkeypatch):
