@@ -366,6 +366,8 @@ def test_steps_without_their_params_check_are_caught(monkeypatch, line, replacem
 
     import shardops_models as models
 
+    monkeypatch.setattr(models, "build", training("checked_params", line, line).build)
+    wrong()  # the unmutated copies pass: what fails below is the mutation
     monkeypatch.setattr(models, "build", training("unchecked_params", line, replacement).build)
     with pytest.raises((pytest.fail.Exception, AssertionError, ValueError, TypeError)):
         wrong()
