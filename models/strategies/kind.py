@@ -1,22 +1,29 @@
 """A kind of parallelism: one way of using mesh axes, as one object the core asks.
 
-A ``Strategy`` (``models.strategies.layout``) is a tuple of kinds, each over its mesh axes. The
-step, ``build`` and the layer context do not branch on which kinds there are; they ask each:
+A ``Strategy`` (``models.strategies.layout``) is a tuple of kinds, each over its mesh axes.
+``build``, the step and ``ctx.unit`` do not branch on which kinds there are; they ask each:
 
     what it splits             ``splits_batch`` (the batch's dim 0 over its axes),
-                               ``splits_sequence`` (every activation's S over its axes)
+                               ``splits_sequence`` (every activation's S: ``local_tokens``),
+                               ``splits_parameters`` (``materialise``: its part of ``ctx.unit``)
     its gradients              ``sums_gradients``: a parameter replicated over its axes meets
                                different tokens on each device, so ``ctx.unit`` enters it
-                               varying over them and autodiff sums its gradient (an AllReduce)
-    the parameters' layout     ``layout(specs, stored, context)`` → ``(specs, stored)``: the
-                               kinds that split each layer by its plan role first
-                               (``splits_layers``), then the others on what is left
-    the optimizer's layout     ``optimizer_layout(specs, stored, context)``
-    the logical rules          ``logical_rules()``: rows of the table that maps the plan roles'
-                               logical dims (``mlp``, ``heads``, ``vocab``, …) to mesh axes
+                               varying over them and autodiff sums its gradient (an AllReduce);
+                               ``update``: the kind that owns the step's update (zero1)
+    the parameters' layout     ``logical_rules()``: rows of the one table that maps the plan
+                               roles' logical dims (``mlp``, ``heads``, ``vocab``, …) to mesh
+                               axes, by which ``build`` splits every leaf; then
+                               ``layout(specs, stored, context)`` → ``(specs, stored)``, the
+                               kinds with ``splits_layers`` first (tp pads), the others on what
+                               is left (fsdp)
+    the optimizer's layout     ``optimizer_layout(specs, stored, context)`` (zero1)
+    for a caller outside       ``gather_logits``: the whole of what it split of the logits
     its checks                 ``check_model``, ``check_mesh``, ``check_batch``: each names the
                                strategy, the kind, both sizes and the fix
     its row in tables          ``name``, ``description()``
+
+Which kernel a plan role runs under tp and sp, and the context-parallel attention under cp, are
+still chosen by the layer context (``Parallel``) from the strategy's fields, not by a hook.
 
 A new kind is a subclass in a file of its own (the built-in ones: ``data.py``, ``fsdp.py``,
 ``zero1.py``, ``tensor.py``, ``context.py``); a strategy takes kinds defined outside the library
