@@ -36,9 +36,11 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import jax
 from jax.sharding import PartitionSpec as P
 
 from shardops import entry_axes
+from shardops_models.strategies.plan import is_shape, logical_rules, model_specs, replicated
 
 
 def axes_of(value, kind: str) -> tuple[str, ...]:
@@ -165,3 +167,17 @@ def split_dim(spec, axes) -> int | None:
 
 def is_spec(s) -> bool:
     return isinstance(s, P)
+
+
+def role_layout(context: LayoutContext):
+    """Every leaf's split by its plan role's logical dims, through the strategy's one rules table
+    (each kind's rows: tp's ``mlp``, ``heads``, … → its axis; a kind of your own's); replicated
+    where no rule maps a dim. The axis the ``heads`` rule names is the one whose devices must
+    hold whole heads (``plan.model_specs``)."""
+    if not any(axis is not None for axis in context.rules.values()):
+        return jax.tree.map(replicated, context.shapes, is_leaf=is_shape)
+    heads = context.rules.get("heads")
+    size = context.mesh.shape[heads] if isinstance(heads, str) else 1
+    rules = {**logical_rules(heads if isinstance(heads, str) else None), **context.rules}
+    return model_specs(context.roles, context.shapes, heads, size, context.declared.num_heads,
+                       rules=rules)  # fmt: skip

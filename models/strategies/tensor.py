@@ -22,8 +22,8 @@ import jax
 import shardops
 from shardops import entry_axes
 from shardops_models.networks import contract
-from shardops_models.strategies.kind import Kind, LayoutContext, is_spec
-from shardops_models.strategies.plan import HEAD, is_shape, logical_rules, model_specs
+from shardops_models.strategies.kind import Kind, LayoutContext, is_spec, role_layout
+from shardops_models.strategies.plan import HEAD, is_shape, logical_rules
 
 _WHOLE_LOGITS = shardops.comm.Reason("whole_logits", forward={
     "all_gather": "a caller outside the mesh asks for all the logits, whose vocabulary is split "
@@ -60,14 +60,6 @@ class TensorKind(Kind):
     def splits_heads(self, roles) -> bool:
         """Whether the plan gives any leaf the head role (its attention split over the axis)."""
         return HEAD in jax.tree.leaves(roles)
-
-    def specs(self, context: LayoutContext):
-        """Every leaf's split by its plan role's logical dims through the strategy's rules
-        (this kind's rows, and any other kind's: an ``experts`` dim to an expert axis)."""
-        p = context.mesh.shape[self.axis]
-        rules = {**logical_rules(self.axis), **context.rules}
-        return model_specs(context.roles, context.shapes, self.axis, p,
-                           context.declared.num_heads, rules=rules)  # fmt: skip
 
     def layout(self, specs, stored, context: LayoutContext):
         """The split by role is the core's (``specs``, through the strategy's rules); a dim
@@ -117,7 +109,7 @@ class TensorKind(Kind):
         heads, kv_heads = context.declared.num_heads, context.declared.kv_heads
         if heads is not None and self.splits_heads(context.roles):
             shardops.layers.check_head_counts("build", heads, kv_heads, axis, p)
-        specs = self.specs(context)
+        specs = role_layout(context)  # the split build makes: each leaf by its role's dims
         for (path, shape), spec, role in zip(
             jax.tree_util.tree_leaves_with_path(context.shapes, is_leaf=is_shape),
             jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(context.roles), strict=True,

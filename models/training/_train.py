@@ -26,17 +26,13 @@ from shardops_models.networks._mlp import SEED_SIZES
 from shardops_models.networks.contract import check_model
 from shardops_models.networks.mlp import Mlp
 from shardops_models.strategies.fsdp import check_route
-from shardops_models.strategies.kind import LayoutContext
+from shardops_models.strategies.kind import LayoutContext, role_layout
 from shardops_models.strategies.parallel import (
     Strategy,
     strategy_named,
 )
 from shardops_models.strategies.plan import (
-    is_shape,
     leaf_roles,
-    logical_rules,
-    model_specs,
-    replicated,
 )
 from shardops_models.strategies.remat import Remat, check_names
 from shardops_models.training._placement import (
@@ -268,13 +264,13 @@ def _check_options(strategy: Strategy, declared, name: str, *, attention, fsdp_d
 
 def _layout(strategy: Strategy, shapes, context: LayoutContext | None) -> tuple[Padding, Any, Any]:
     """The stored shapes (``Padding``), the PartitionSpecs of the params and those of the
-    optimizer state's parameter-shaped leaves: the split by role (``_role_layout``), then each
+    optimizer state's parameter-shaped leaves: the split by role (``kind.role_layout``), then each
     kind's in turn, the kinds that split each layer by its plan role first (tp: a dim its axis
     does not divide padded up to a multiple of it), then the others on the stored shapes
     (``None`` specs for ``ref``)."""
     if context is None:  # ref: no mesh
         return Padding(shapes, shapes), None, None
-    specs = _role_layout(context)
+    specs = role_layout(context)
     stored = shapes
     for kind in sorted(strategy.kinds, key=lambda k: not k.splits_layers):
         specs, stored = kind.layout(specs, stored, context)
@@ -282,20 +278,6 @@ def _layout(strategy: Strategy, shapes, context: LayoutContext | None) -> tuple[
     for kind in strategy.kinds:
         opt_specs = kind.optimizer_layout(opt_specs, stored, context)
     return Padding(shapes, stored), specs, opt_specs
-
-
-def _role_layout(context: LayoutContext):
-    """Every leaf's split by its plan role's logical dims, through the strategy's one rules table
-    (each kind's rows: tp's ``mlp``, ``heads``, … → its axis; a kind of your own's); replicated
-    where no rule maps a dim. The axis the ``heads`` rule names is the one whose devices must
-    hold whole heads (``plan.model_specs``)."""
-    if not any(axis is not None for axis in context.rules.values()):
-        return jax.tree.map(replicated, context.shapes, is_leaf=is_shape)
-    heads = context.rules.get("heads")
-    size = context.mesh.shape[heads] if isinstance(heads, str) else 1
-    rules = {**logical_rules(heads if isinstance(heads, str) else None), **context.rules}
-    return model_specs(context.roles, context.shapes, heads, size, context.declared.num_heads,
-                       rules=rules)  # fmt: skip
 
 
 def _platform(mesh) -> str:
