@@ -224,63 +224,20 @@ def row_parallel_dense_kernel(
     check_sharded_over(w, axis_name, "w", op)
     check_reduce(reduce, "y")
     f_local = w.shape[0]
-    if not input_is_parallel:
-        check_replicated_over(x, axis_name, "x", op)
-        logical = f_local * p if in_features is None else in_features
-        if x.ndim >= 2 and x.shape[-1] not in (f_local * p, logical):
-            raise ValueError(
-                f"{op}: replicated x[..., F] has F={x.shape[-1]} but the weight shard has "
-                f"{f_local} rows × {p} devices on {axis_name!r} = {f_local * p}"
-            )
-        # Its transpose all-reduces the zero-padded dx[..., F] over model, in accum_dtype.
-        with because(_ROW_INPUT, axis_name):
-            x = copy_to_region(x, axis_name, precision.accum_dtype)  # x[..., F] in accum
-        if x.shape[-1] < f_local * p:  # the logical F: pad to the stored (padded) F
-            pad = [(0, 0)] * (x.ndim - 1) + [(0, f_local * p - x.shape[-1])]
-            x = jnp.pad(x, pad)  # x[..., F_padded]
-        start = lax.axis_index(axis_name) * f_local
-        x = lax.dynamic_slice_in_dim(x, start, f_local, axis=x.ndim - 1)  # x_block[..., F/p]
+    if not input_is_parallel:  # x[..., F] → x_block[..., F/p]
+        x = _block_of_replicated_input(x, f_local, p, in_features, axis_name, precision, op)
     _check_local_shapes(x, w, None, op)
     if in_features is not None and in_features < f_local * p:
         x = x * _valid_columns(axis_name, f_local, in_features, x.dtype)  # padding → 0
     y_shape = (*x.shape[:-1], w.shape[1])  # y[B, D]
     if reduce == "psum_scatter" or collective_matmul is not None:
-        scatter_dimension = _check_dim(scatter_dimension, len(y_shape), "scatter_dimension", op)
-        if collective_matmul is not None and scatter_dimension == len(y_shape) - 1:
-            raise ValueError(
-                f"{op}: collective_matmul={collective_matmul!r} splits its ring along a leading "
-                f"dim of y (batch or sequence), but scatter_dimension={scatter_dimension} is "
-                f"the feature dim of y{y_shape}, which would split w's columns instead. Use "
-                f"scatter_dimension=0 (or the sequence) or collective_matmul=None."
-            )
-        if y_shape[scatter_dimension] % p:
-            if collective_matmul is None:
-                using, fix = "psum_scatter", ""
-            else:
-                using = f"the ring of collective_matmul={collective_matmul!r}"
-                fix = f"; choose a scatter_dimension whose size divides by {p}, or no ring"
-            raise ValueError(
-                f"{op}: output dim {scatter_dimension} = {y_shape[scatter_dimension]} is not "
-                f"divisible by mesh axis {axis_name!r} (size {p}), so {using} cannot split it{fix}"
-            )
-        if collective_matmul is not None:
-            block = y_shape[scatter_dimension] // p
-            check_even_block(op, collective_matmul, block,
-                             f"the block along scatter_dimension={scatter_dimension} has {block} rows",
-                             "an even block (a multiple of 2 × the axis size in the global array)")  # fmt: skip
-    if collective_matmul is not None:
-        # psum: ring ReduceScatter, then AllGather; psum_scatter: the ring alone (all in accum).
-        ring_dense = (
-            _collective_dense.dense_all_reduce
-            if reduce == "psum"
-            else _collective_dense.dense_reduce_scatter
+        scatter_dimension = _check_scatter_dimension(
+            scatter_dimension, y_shape, p, axis_name, collective_matmul, op
         )
-        bidirectional = collective_matmul == "bidirectional"
-        with because(_ROW_REDUCE, axis_name):
-            y = ring_dense(  # y[B, D] replicated (psum) or y[.., S/p, .., D], in accum
-                x, w, axis_name, scatter_dimension=scatter_dimension,
-                bidirectional=bidirectional, precision=precision,
-            )  # fmt: skip
+    if collective_matmul is not None:  # y[B, D] replicated (psum) or y[.., S/p, .., D], in accum
+        y = _ring_reduced_dense(
+            x, w, axis_name, reduce, scatter_dimension, collective_matmul, precision
+        )
     else:
         y_partial = precision.matmul(x, w)  # y[B, D]{U_model}
         with because(_ROW_REDUCE, axis_name):
@@ -298,6 +255,100 @@ def row_parallel_dense_kernel(
             f"features; with psum_scatter over features pass the bias shard"
         )
     return precision.finish(y, b)  # bias exactly once, after the reduction
+
+
+def _block_of_replicated_input(
+    x, f_local: int, p: int, in_features, axis_name: str, precision: Precision, op: str
+):
+    """This device's ``x_block[..., F/p]`` of a replicated ``x[..., F]``, sliced with ``axis_index``.
+
+    ``x`` may hold the stored (padded) F, ``f_local · p``, or the logical ``in_features``, which
+    is zero-padded to the stored F first. Backward: the slice's transpose zero-pads
+    ``dx[..., F]``, and ``copy_to_region`` AllReduces it over ``axis_name`` in ``accum_dtype``.
+    """
+    check_replicated_over(x, axis_name, "x", op)
+    logical = f_local * p if in_features is None else in_features
+    if x.ndim >= 2 and x.shape[-1] not in (f_local * p, logical):
+        raise ValueError(
+            f"{op}: replicated x[..., F] has F={x.shape[-1]} but the weight shard has "
+            f"{f_local} rows × {p} devices on {axis_name!r} = {f_local * p}"
+        )
+    # Its transpose all-reduces the zero-padded dx[..., F] over model, in accum_dtype.
+    with because(_ROW_INPUT, axis_name):
+        x = copy_to_region(x, axis_name, precision.accum_dtype)  # x[..., F] in accum
+    if x.shape[-1] < f_local * p:  # the logical F: pad to the stored (padded) F
+        pad = [(0, 0)] * (x.ndim - 1) + [(0, f_local * p - x.shape[-1])]
+        x = jnp.pad(x, pad)  # x[..., F_padded]
+    start = lax.axis_index(axis_name) * f_local
+    return lax.dynamic_slice_in_dim(x, start, f_local, axis=x.ndim - 1)  # x_block[..., F/p]
+
+
+def _check_scatter_dimension(
+    scatter_dimension: int,
+    y_shape: tuple,
+    p: int,
+    axis_name: str,
+    collective_matmul: str | None,
+    op: str,
+) -> int:
+    """``scatter_dimension`` as a non-negative dim of ``y[..., D]`` that ``p`` devices can split.
+
+    With a ``collective_matmul`` ring it must be a leading dim (not the features) whose block of
+    ``y_shape[scatter_dimension] / p`` rows is even where ``"bidirectional"`` needs it.
+    """
+    scatter_dimension = _check_dim(scatter_dimension, len(y_shape), "scatter_dimension", op)
+    if collective_matmul is not None and scatter_dimension == len(y_shape) - 1:
+        raise ValueError(
+            f"{op}: collective_matmul={collective_matmul!r} splits its ring along a leading "
+            f"dim of y (batch or sequence), but scatter_dimension={scatter_dimension} is "
+            f"the feature dim of y{y_shape}, which would split w's columns instead. Use "
+            f"scatter_dimension=0 (or the sequence) or collective_matmul=None."
+        )
+    if y_shape[scatter_dimension] % p:
+        if collective_matmul is None:
+            using, fix = "psum_scatter", ""
+        else:
+            using = f"the ring of collective_matmul={collective_matmul!r}"
+            fix = f"; choose a scatter_dimension whose size divides by {p}, or no ring"
+        raise ValueError(
+            f"{op}: output dim {scatter_dimension} = {y_shape[scatter_dimension]} is not "
+            f"divisible by mesh axis {axis_name!r} (size {p}), so {using} cannot split it{fix}"
+        )
+    if collective_matmul is not None:
+        block = y_shape[scatter_dimension] // p
+        check_even_block(op, collective_matmul, block,
+                         f"the block along scatter_dimension={scatter_dimension} has {block} rows",
+                         "an even block (a multiple of 2 × the axis size in the global array)")  # fmt: skip
+    return scatter_dimension
+
+
+def _ring_reduced_dense(
+    x,
+    w,
+    axis_name: str,
+    reduce: str,
+    scatter_dimension: int,
+    collective_matmul: str,
+    precision: Precision,
+):
+    """``x[..., F_model] · w[F_model, D]``, reduced by a collective-matmul ring: ``y[B, D]``.
+
+    ``reduce="psum"``: a ring ReduceScatter along ``scatter_dimension``, then the builtin
+    AllGather → ``y[B, D]`` replicated; ``"psum_scatter"``: the ring alone →
+    ``y[.., S/p, .., D]``. All in ``accum_dtype`` (``_collective_dense``).
+    """
+    # psum: ring ReduceScatter, then AllGather; psum_scatter: the ring alone (all in accum).
+    ring_dense = (
+        _collective_dense.dense_all_reduce
+        if reduce == "psum"
+        else _collective_dense.dense_reduce_scatter
+    )
+    bidirectional = collective_matmul == "bidirectional"
+    with because(_ROW_REDUCE, axis_name):
+        return ring_dense(  # y[B, D] replicated (psum) or y[.., S/p, .., D], in accum
+            x, w, axis_name, scatter_dimension=scatter_dimension,
+            bidirectional=bidirectional, precision=precision,
+        )  # fmt: skip
 
 
 def _valid_columns(axis_name: str, f_local: int, logical: int, dtype):
