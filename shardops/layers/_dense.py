@@ -256,33 +256,10 @@ def row_parallel_dense(
             f"w{tuple(w.shape)} has {w.shape[0]} rows"
         )
     if reduce == "psum_scatter":
-        d = scatter_dimension % x.ndim
-        names = {0: "batch", x.ndim - 1: "out features"}
-        size = w.shape[1] if d == x.ndim - 1 else x.shape[d]
-        axes = (batch_axis, axis_name) if d == 0 else (axis_name,)
-        arg, dim = ("w", 1) if d == x.ndim - 1 else ("x", d)
-        check_divisible(argument=arg, dim=dim, dim_name=names.get(d, "sequence"), size=size,
-                        mesh=mesh, axes=axes)  # fmt: skip
+        _check_scatter_divisible(x, w, mesh, axis_name, batch_axis, scatter_dimension)
     if collective_matmul is not None:
-        d = scatter_dimension % x.ndim
-        if d == x.ndim - 1:
-            raise ValueError(
-                f"{op}: collective_matmul={collective_matmul!r} splits its ring along a leading "
-                f"dim of y (batch or sequence), but scatter_dimension={scatter_dimension} is "
-                f"the feature dim of y{(*x.shape[:-1], w.shape[1])}, which would split w's "
-                f"columns instead. Use scatter_dimension=0 (or the sequence) or "
-                f"collective_matmul=None."
-            )
-        axes = (batch_axis, axis_name) if d == 0 else (axis_name,)
-        name = "batch" if d == 0 else "sequence"
-        hint = (
-            f" (collective_matmul={collective_matmul!r} reduce-scatters y along "
-            f"scatter_dimension={scatter_dimension}, also with reduce={reduce!r})"
-        )
-        check_divisible(argument="x", dim=d, dim_name=name, size=x.shape[d], mesh=mesh,
-                        axes=axes, hint=hint)  # fmt: skip
-        _check_even_layer_block(
-            op, collective_matmul, "scatter_dimension", d, x.shape[d], mesh, axes
+        _check_ring_dimension(
+            op, x, w, mesh, axis_name, batch_axis, reduce, scatter_dimension, collective_matmul
         )
     kernel = functools.partial(
         _kernels.row_parallel_dense_kernel,
@@ -295,14 +272,68 @@ def row_parallel_dense(
         collective_matmul=collective_matmul,
     )
     if not input_is_parallel and x.shape[-1] != w.shape[0]:  # a logical-width replicated x
-        if x.shape[-1] != in_features:
-            raise ValueError(
-                f"{op}: inner dimensions differ: x{tuple(x.shape)} has {x.shape[-1]} features "
-                f"but w{tuple(w.shape)} has {w.shape[0]} rows (and in_features={in_features}); "
-                f"for a padded w pass in_features={x.shape[-1]}"
-            )
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, w.shape[0] - x.shape[-1])])
+        x = _padded_to_stored_width(op, x, w, in_features)  # x[B, ..., F_padded]
     return _run(op, kernel, mesh, specs, x, w, b)
+
+
+def _check_scatter_divisible(x, w, mesh: Mesh, axis_name: str, batch_axis, scatter_dimension):
+    """``reduce="psum_scatter"``: the dim of ``y[B, ..., D]`` it splits divides by its mesh axes.
+
+    Batch (dim 0) is split over ``batch_axis`` and ``axis_name``, the sequence over
+    ``axis_name``, the features (``w``'s dim 1) over ``axis_name``.
+    """
+    d = scatter_dimension % x.ndim
+    names = {0: "batch", x.ndim - 1: "out features"}
+    size = w.shape[1] if d == x.ndim - 1 else x.shape[d]
+    axes = (batch_axis, axis_name) if d == 0 else (axis_name,)
+    arg, dim = ("w", 1) if d == x.ndim - 1 else ("x", d)
+    check_divisible(argument=arg, dim=dim, dim_name=names.get(d, "sequence"), size=size,
+                    mesh=mesh, axes=axes)  # fmt: skip
+
+
+def _check_ring_dimension(
+    op,
+    x,
+    w,
+    mesh: Mesh,
+    axis_name: str,
+    batch_axis,
+    reduce: str,
+    scatter_dimension: int,
+    collective_matmul: str,
+) -> None:
+    """``collective_matmul``'s ring splits ``y`` along a leading ``scatter_dimension``: not the
+    features, divisible by its mesh axes, in even blocks where ``"bidirectional"`` needs them."""
+    d = scatter_dimension % x.ndim
+    if d == x.ndim - 1:
+        raise ValueError(
+            f"{op}: collective_matmul={collective_matmul!r} splits its ring along a leading "
+            f"dim of y (batch or sequence), but scatter_dimension={scatter_dimension} is "
+            f"the feature dim of y{(*x.shape[:-1], w.shape[1])}, which would split w's "
+            f"columns instead. Use scatter_dimension=0 (or the sequence) or "
+            f"collective_matmul=None."
+        )
+    axes = (batch_axis, axis_name) if d == 0 else (axis_name,)
+    name = "batch" if d == 0 else "sequence"
+    hint = (
+        f" (collective_matmul={collective_matmul!r} reduce-scatters y along "
+        f"scatter_dimension={scatter_dimension}, also with reduce={reduce!r})"
+    )
+    check_divisible(argument="x", dim=d, dim_name=name, size=x.shape[d], mesh=mesh,
+                    axes=axes, hint=hint)  # fmt: skip
+    _check_even_layer_block(op, collective_matmul, "scatter_dimension", d, x.shape[d], mesh, axes)
+
+
+def _padded_to_stored_width(op, x, w, in_features):
+    """A replicated ``x[B, ..., F]`` of the logical width ``in_features``, zero-padded to the
+    ``F_padded`` rows ``w`` stores: ``x[B, ..., F_padded]``. Any other width is refused."""
+    if x.shape[-1] != in_features:
+        raise ValueError(
+            f"{op}: inner dimensions differ: x{tuple(x.shape)} has {x.shape[-1]} features "
+            f"but w{tuple(w.shape)} has {w.shape[0]} rows (and in_features={in_features}); "
+            f"for a padded w pass in_features={x.shape[-1]}"
+        )
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, w.shape[0] - x.shape[-1])])
 
 
 def _run(op: str, kernel, mesh: Mesh, specs: DenseSpecs, x, w, b):
