@@ -129,12 +129,7 @@ def build(
     shapes = _shapes(model)
     plan = model.plan() if plan is None else plan
     roles = leaf_roles(plan, shapes)
-    context = None
-    if not strategy.axes:
-        mesh = None
-    else:
-        context = LayoutContext(mesh, roles, shapes, declared, strategy.logical_rules)
-        _check_mesh(strategy, mesh, context)
+    mesh, context = _mesh_and_context(strategy, mesh, roles, shapes, declared)
     if remat.names:  # names no layer of the model makes are refused
         check_names(remat, _names_made(model, plan, precision), model.name)
     padding, specs, opt_param_specs = _layout(strategy, shapes, context)
@@ -143,20 +138,7 @@ def build(
     body = _Body(model, strategy, roles, specs, optimizer, remat, precision, fsdp_dense,
                  collective_matmul, opt_param_specs, padding, attention, weights,
                  microbatches)  # fmt: skip
-    step, loss_and_grads, evaluate, logits = _programs(body, mesh, specs, opt_specs, batch_spec)
-    options, step_options = _compiler_options(strategy, mesh, remat)
-
-    def jit(fn, name, compiler_options=options, **kwargs):
-        parts = microbatches if name in ("train_step", "loss_and_grads") else 1  # split batches
-        checked = _batch_checked(fn, model, strategy, mesh, parts)
-        jitted = jax.jit(checked, compiler_options=compiler_options, **kwargs)
-        return _DeviceChecked(jitted, mesh, name)
-
-    # Each checks the params (or state) it is given when it traces, before shard_map does.
-    step_of_state = _state_checked(step, padding, "setup.train_step")
-    loss_and_grads = _params_checked(loss_and_grads, padding, "setup.loss_and_grads")
-    evaluate = _params_checked(evaluate, padding, "setup.evaluate")
-    logits = _params_checked(logits, padding, "setup.logits")
+    programs = _jitted_programs(body, mesh, remat, padding, specs, opt_specs, batch_spec)
     return Setup(
         strategy=strategy.name,
         mesh=mesh,
@@ -175,6 +157,43 @@ def build(
         param_specs=specs,
         opt_specs=opt_specs,
         batch_spec=batch_spec,
+        **programs,
+    )
+
+
+def _mesh_and_context(strategy: Strategy, mesh, roles, shapes, declared):
+    """``(mesh, context)``: the mesh, checked to carry the strategy's axes and to fit each kind,
+    and the ``LayoutContext`` the kinds lay the model out in; ``(None, None)`` for ``ref``, whose
+    strategy names no axes (any mesh given is ignored)."""
+    if not strategy.axes:
+        return None, None
+    context = LayoutContext(mesh, roles, shapes, declared, strategy.logical_rules)
+    _check_mesh(strategy, mesh, context)
+    return mesh, context
+
+
+def _jitted_programs(body: _Body, mesh, remat: Remat, padding: Padding, specs, opt_specs,
+                     batch_spec) -> dict[str, Callable]:  # fmt: skip
+    """The Setup's programs by field: ``step`` (the train step of a ``TrainState``, in its
+    ``shard_map``, unjitted) and the jitted ``train_step`` (donating the state),
+    ``loss_and_grads``, ``evaluate`` and ``logits``, each checking its batch, its params (or
+    state) and its devices before ``shard_map`` does."""
+    step, loss_and_grads, evaluate, logits = _programs(body, mesh, specs, opt_specs, batch_spec)
+    options, step_options = _compiler_options(body.strategy, mesh, remat)
+    model, strategy, microbatches = body.model, body.strategy, body.microbatches
+
+    def jit(fn, name, compiler_options=options, **kwargs):
+        parts = microbatches if name in ("train_step", "loss_and_grads") else 1  # split batches
+        checked = _batch_checked(fn, model, strategy, mesh, parts)
+        jitted = jax.jit(checked, compiler_options=compiler_options, **kwargs)
+        return _DeviceChecked(jitted, mesh, name)
+
+    # Each checks the params (or state) it is given when it traces, before shard_map does.
+    step_of_state = _state_checked(step, padding, "setup.train_step")
+    loss_and_grads = _params_checked(loss_and_grads, padding, "setup.loss_and_grads")
+    evaluate = _params_checked(evaluate, padding, "setup.evaluate")
+    logits = _params_checked(logits, padding, "setup.logits")
+    return dict(
         step=step,
         train_step=jit(step_of_state, "train_step", step_options, donate_argnums=0),
         loss_and_grads=jit(loss_and_grads, "loss_and_grads"),
