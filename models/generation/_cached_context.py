@@ -144,7 +144,7 @@ class CachedParallel(Parallel):
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             rope_theta=rope_theta,
-            axis_name=self.tp,
+            axis_name=self.axis_name(),
             precision=self.precision,
             implementation=self.attention_implementation,
         )  # y[b, s, D]; k, v[b, n, S_max, hd] with positions start … start+s−1 written

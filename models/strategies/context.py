@@ -56,6 +56,36 @@ class ContextKind(Kind):
                                                context.axis_name, n)  # fmt: skip
         return jnp.take(tokens, context.positions(seq // n), axis=SEQUENCE_DIM)
 
+    def attention_options(self, ctx, options):
+        """``positions`` and ``segment_ids`` of the whole sequence → this device's (RoPE's
+        default positions within documents computed on the whole sequence first), and
+        ``context``, the attention over the axis (``shardops.layers.ContextParallel``) that a
+        head-parallel kernel takes."""
+        positions, segment_ids = options["positions"], options["segment_ids"]
+        if positions is None and segment_ids is not None and options["rope_theta"] is not None:
+            positions = shardops.layers.segment_positions(segment_ids)
+        return {**options, "positions": None if positions is None else self.local_tokens(positions),
+                "segment_ids": None if segment_ids is None else self.local_tokens(segment_ids),
+                "context": shardops.layers.ContextParallel(self.axis, self.method)}  # fmt: skip
+
+    def attention(self, ctx, p, x, options):
+        """Attention of this device's tokens by the method, the parameters replicated
+        (``context_parallel_attention_kernel``); a head-parallel one is the tensor kind's."""
+        params = {k: ctx._arrays(p, k, "attention") for k in p}
+        options = {k: v for k, v in options.items() if k != "context"}
+        return shardops.layers.context_parallel_attention_kernel(
+            x, params, method=self.method, context_axis=self.axis, precision=ctx.precision,
+            **options,
+        )  # fmt: skip
+
+    def check_locate(self, strategy) -> None:
+        raise ValueError(
+            f"the divergence locator compares activations in the natural token order; under "
+            f"context parallelism ({strategy.name!r}) each device holds load-balanced "
+            f"chunks. Locate on the same strategy without '+{self.method}' "
+            f"(the other axes' layers are the same)."
+        )
+
     def gather_logits(self, logits, *, model, params, ctx):
         """``logits[b, S_context, V]`` in the load-balanced layout → every token's, in token
         order: AllGather over the axis, then the layout undone."""

@@ -139,10 +139,11 @@ class FsdpKind(Kind):
 
     def _may_move_activations(self, ctx, p) -> bool:
         """A dense weight (``...['w']``, rank 2) that ``dense`` may use without gathering it."""
-        return (ctx.fsdp_dense != GATHER_WEIGHTS and not ctx.sequence_parallel
+        tensor = ctx.strategy.tensor  # under sp the layers gather the sequence themselves
+        return (ctx.fsdp_dense != GATHER_WEIGHTS and not (tensor and tensor.sequence)
                 and p.path.endswith("['w']") and p.value.ndim == 2)  # fmt: skip
 
-    def dense(self, ctx, p, x):
+    def pending_dense(self, ctx, p, x):
         """``x · w + b`` of a dense weight left split (``pending``) by the activation route,
         where the rule picks it for these shapes (``moves_activations``), else None (the layer
         then gathers the weight)."""
@@ -153,7 +154,7 @@ class FsdpKind(Kind):
             return None
         return dense_moving_activations(
             x, w, ctx._optional(p, "b"), split_dim=pending, role=p["w"].role,
-            data_axes=self.axes, model_axis=ctx.tp, replicated_over=self.replicas(ctx),
+            data_axes=self.axes, model_axis=ctx.axis_name(), replicated_over=self.replicas(ctx),
             precision=ctx.precision,
         )  # fmt: skip
 

@@ -17,13 +17,15 @@ A ``Strategy`` (``models.strategies.layout``) is a tuple of kinds, each over its
                                kinds with ``splits_layers`` first (tp pads), the others on what
                                is left (fsdp)
     the optimizer's layout     ``optimizer_layout(specs, stored, context)`` (zero1)
+    the kernel a role runs     ``dense``, ``embed``, ``attention`` (after every kind's
+                               ``attention_options``), ``gated_mlp``, ``tied_head``,
+                               ``cross_entropy``, ``argmax``: the layer context asks the kinds,
+                               innermost first, and runs the local kernel where none answers;
+                               ``splits_output``: a layer's output split along its features
     for a caller outside       ``gather_logits``: the whole of what it split of the logits
     its checks                 ``check_model``, ``check_mesh``, ``check_batch``: each names the
-                               strategy, the kind, both sizes and the fix
+                               strategy, the kind, both sizes and the fix; ``check_locate``
     its row in tables          ``name``, ``description()``
-
-Which kernel a plan role runs under tp and sp, and the context-parallel attention under cp, are
-still chosen by the layer context (``Parallel``) from the strategy's fields, not by a hook.
 
 A new kind is a subclass in a file of its own (the built-in ones: ``data.py``, ``fsdp.py``,
 ``zero1.py``, ``tensor.py``, ``context.py``); a strategy takes kinds defined outside the library
@@ -130,6 +132,60 @@ class Kind:
         """This device's tokens of ``tokens[b, S, ...]`` (the whole sequence) where the kind
         splits the sequence (``ctx.local_tokens``); ``tokens`` otherwise."""
         return tokens
+
+    # --- the layers: the kernel each plan role runs. The layer context asks the kinds from the
+    # innermost (tensor) to the outermost (data); the first answer that is not None runs, and
+    # where none answers, the local kernel (``shardops.dense``, …). The layer has checked the
+    # plan role (one the layer takes) and made its parameters ready (``ctx.unit``) already.
+
+    def dense(self, ctx, p, x):
+        """``x[..., D] · w + b`` of the dense layer ``p`` (``Param`` leaves ``w``, optional
+        ``b``) where this kind runs it, else None."""
+        return None
+
+    def embed(self, ctx, p, ids):
+        """``table[ids]`` (``ids``: this device's tokens) where this kind runs the lookup, else
+        None."""
+        return None
+
+    def attention_options(self, ctx, options: dict) -> dict:
+        """``ctx.attention``'s keyword options as this kind's kernels take them (the context
+        kind: this device's positions and segment ids, and its ``context``). Every kind is
+        asked, outermost first, before any kind's ``attention``."""
+        return options
+
+    def attention(self, ctx, p, x, options: dict):
+        """Self-attention of ``x`` with the parameters ``p`` where this kind runs it, else
+        None; ``options``: what ``attention_options`` made of ``ctx.attention``'s keywords."""
+        return None
+
+    def gated_mlp(self, ctx, p, x, activation):
+        """``down(activation(gate(x)) ⊙ up(x))`` where this kind runs it, else None."""
+        return None
+
+    def tied_head(self, ctx, p, w, x):
+        """``x · w`` with ``w = table.T`` (``p``: the embedding's parameters) where this kind
+        runs the tied head, else None."""
+        return None
+
+    def splits_output(self, p) -> bool:
+        """Whether the output of ``ctx.dense(p, ·)`` (or ``ctx.tied_head(p, ·)``) is split
+        along its features over this kind's axes (``ctx.is_split``)."""
+        return False
+
+    def cross_entropy(self, ctx, logits, labels, vocab_size):
+        """The per-position loss of ``logits`` this kind split along the vocabulary (the
+        ``split`` of ``ctx.cross_entropy``), else None."""
+        return None
+
+    def argmax(self, ctx, logits, vocab_size):
+        """The arg-max of ``logits`` this kind split along the vocabulary, else None."""
+        return None
+
+    def check_locate(self, strategy) -> None:
+        """Refuse the divergence locator (``shardops.inspect.compare``), which compares every
+        layer's output with the reference's, where this kind lays activations out in an order
+        the reference's cannot be compared with."""
 
     # --- the step
 

@@ -76,10 +76,6 @@ _REPLICATED = shardops.comm.Reason("replicated_parameters", backward={
     "psum": "parameters replicated over {axis} meet a batch split over {axis}: their gradients "
             "are summed",
 })  # fmt: skip
-_SEQUENCE_BLOCK = shardops.comm.Reason("embedding_sequence_block", backward={
-    "psum": "every device looks up the whole sequence and keeps its block over {axis} "
-            "(sequence parallelism): the zero-padded dx are summed",
-})  # fmt: skip
 _CTX_PSUM = shardops.comm.Reason("ctx_psum", forward={
     "psum": "the layer's partial sums over {axis} are reduced (ctx.psum)",
 })  # fmt: skip
@@ -87,6 +83,21 @@ _CTX_GATHER = shardops.comm.Reason("ctx_gather", forward={
     "all_gather": "the layer asks for all of a value whose blocks are split over {axis} "
                   "(ctx.gather)",
 })  # fmt: skip
+
+
+_RENAMED = {
+    "stage": "ctx.stage is now ctx.unit: an FSDP and remat unit (stage names a pipeline "
+             "stage); rename the call",
+    "tp": "the tp axis is ctx.axis_name('model') (None without one)",
+    "model_parallel": "whether a tp axis splits the layers is ctx.axis_name('model') is not None",
+    "sequence_parallel": "under sp the activations between layers vary over "
+                         "ctx.axis_name('model') along S (shardops.varying_axes says so)",
+    "context": "the context-parallel attention is the context kind's (Kind.attention); its axis "
+               "is ctx.axis_name('context')",
+}  # fmt: skip
+"""The layer context's former names, each with the name to use now."""
+_SPLITS = {"model": "splits_layers", "context": "splits_sequence"}
+"""``ctx.axis_name``'s kinds of axis that are the axes of the kind that splits so."""
 
 
 @jax.tree_util.register_pytree_node_class
@@ -174,26 +185,12 @@ class Parallel:
     """How each device computes attention (``shardops.layers.IMPLEMENTATIONS``: ``"auto"``,
     ``"blocked"``, ``"splash"``, ``"einsum"``)."""
 
-    @property
-    def model_parallel(self) -> bool:
-        """Whether a tp axis splits the weights: under tp and under sp."""
-        return self.strategy.tp is not None
-
-    @property
-    def sequence_parallel(self) -> bool:
-        return self.strategy.sp
-
-    @property
-    def tp(self) -> str | None:
-        """The mesh axis of tensor parallelism, or None."""
-        return self.strategy.tp
-
-    @property
-    def context(self) -> shardops.layers.ContextParallel | None:
-        """The context-parallel attention (its axis and method), or None."""
-        if self.strategy.cp is None:
-            return None
-        return shardops.layers.ContextParallel(self.strategy.cp, self.strategy.cp_method)
+    def __getattr__(self, name: str):
+        """The names the layer context had before its kernels moved into the kinds, each
+        refused with its rename (``docs/migration.md``)."""
+        if name in _RENAMED:
+            raise AttributeError(f"ctx.{name} is gone: {_RENAMED[name]}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def local_tokens(self, tokens):
         """This device's tokens of ``tokens[b, S, ...]`` (the whole sequence): under context
@@ -234,13 +231,6 @@ class Parallel:
 
         return Remat.of(self.remat).checkpoint(run)(params, *args)
 
-    def stage(self, *args, **kwargs):
-        """Renamed ``unit``: "stage" names a pipeline stage. Refused with the rename."""
-        raise AttributeError(
-            "ctx.stage is now ctx.unit: an FSDP and remat unit (stage names a pipeline "
-            "stage); rename the call"
-        )
-
     def _materialise_all(self, params, used=None):
         """Every ``Param`` of a unit, ready: the leaves a kind splits (fsdp's) by that kind
         (``Kind.materialise``), after the others (``_materialise``); ``used``: per leaf, how
@@ -267,6 +257,12 @@ class Parallel:
                 value = shardops.comm.copy_to_region(value, axes, self.precision.accum_dtype)
         return p.replace(value=value, ready=True)
 
+    def _split_size(self, p: Param, dim: int) -> int:
+        """How many blocks of ``p``'s dim ``dim`` the layers' axis splits (its devices' count
+        where the plan role splits the dim over it, else 1)."""
+        axis = self.axis_name("model")
+        return lax.axis_size(axis) if _entries_over(p.spec, axis, dim + 1)[dim] else 1
+
     def split_dim(self, spec) -> int | None:
         """The dim of a leaf split over the axes of a kind that splits parameters (fsdp's), by
         its PartitionSpec, or None."""
@@ -279,100 +275,63 @@ class Parallel:
 
     # --- layers: the kernels
 
-    def _dense(self, p, x):
-        """``x[..., D] · w + b`` by the role of ``p["w"]``: column-parallel, row-parallel or
-        local. Under sp, ``x[B, S_model, D]`` is gathered along S by a column layer and a row
-        layer's output is reduce-scattered back along S."""
-        role = p["w"].role
-        if getattr(p["w"], "pending", None) is not None:  # a weight left split (fsdp's route)
-            y = self._splitter.dense(self, p, x)
+    def _layer_kernel(self, hook: str, *args):
+        """The first answer of the kinds' layer hook ``hook`` (``Kind.dense``, …), asked from
+        the innermost kind (tensor) out, or None where none runs the layer."""
+        for kind in reversed(self.strategy.kinds):
+            y = getattr(kind, hook)(self, *args)
             if y is not None:
                 return y
-        w, b = self._arrays(p, "w", "dense"), self._optional(p, "b")
-        sp = self.sequence_parallel and x.ndim > 2
-        ring = self.collective_matmul
-        if self.model_parallel and role == COLUMN:
-            return shardops.layers.column_parallel_dense_kernel(
-                x, w, b, gather_input=sp, gather_dimension=SEQUENCE_DIM, axis_name=self.tp,
-                out_features=_logical(p["w"], 1), precision=self.precision,
-                collective_matmul=ring,
-            )  # fmt: skip
-        if self.model_parallel and role == ROW:
-            reduce = "psum_scatter" if sp else "psum"
-            # a ring splits y along S (or along the batch when y has no sequence)
-            scatter = SEQUENCE_DIM if x.ndim > 2 else 0
-            return shardops.layers.row_parallel_dense_kernel(
-                x, w, b, reduce=reduce, scatter_dimension=scatter, axis_name=self.tp,
-                in_features=_logical(p["w"], 0), precision=self.precision,
-                collective_matmul=ring,
-            )  # fmt: skip
+        return None
+
+    def _dense(self, p, x):
+        """``x[..., D] · w + b``: by the kind that runs ``p["w"]``'s role (tp's column and
+        row kernels), else local. A weight a kind left split (``pending``: fsdp's route) is
+        that kind's first."""
+        role = p["w"].role
         if role not in (COLUMN, ROW, REPLICATED):
             raise ValueError(f"{p['w'].path}: a dense layer takes role column, row or "
                              f"replicated; the plan says {role!r}")  # fmt: skip
+        if getattr(p["w"], "pending", None) is not None:  # a weight left split (fsdp's route)
+            y = self._splitter.pending_dense(self, p, x)
+            if y is not None:
+                return y
+        y = self._layer_kernel("dense", p, x)
+        if y is not None:
+            return y
+        w, b = self._arrays(p, "w", "dense"), self._optional(p, "b")
         return shardops.dense(x, w, b, precision=self.precision)
 
     def _embed(self, p, ids):
-        """``table[ids]``: vocab-parallel under tp (the AllReduce, or under sp the
-        ReduceScatter along S, of the rows each device holds), else a local lookup. Under
-        context parallelism ``ids`` hold the whole sequence and each device looks up its own
-        tokens (``local_tokens``)."""
+        """``table[ids]``: by the kind that runs the table's role (tp's vocab-parallel lookup),
+        else local. ``ids`` hold the whole sequence; each device looks up its own tokens
+        (``local_tokens``)."""
         table, role = self._arrays(p, "table", "embed"), p["table"].role
-        ids = self.local_tokens(ids)  # ids[b, S_context] under cp
-        if self.model_parallel and role == VOCAB:
-            reduce = "psum_scatter" if self.sequence_parallel else "psum"
-            return shardops.layers.vocab_parallel_embedding_kernel(
-                ids, table, reduce=reduce, scatter_dimension=SEQUENCE_DIM, axis_name=self.tp,
-                vocab_size=_logical(p["table"], 0), precision=self.precision,
-            )  # fmt: skip
         if role not in (VOCAB, REPLICATED):
             raise ValueError(f"{p['table'].path}: an embedding takes role vocab or replicated; "
                              f"the plan says {role!r}")  # fmt: skip
-        x = jnp.take(table, ids, axis=0).astype(self.precision.compute_dtype)  # x[B, S, D]
-        if self.sequence_parallel:  # keep this device's part of S; dx AllReduced over model
-            with shardops.comm.because(_SEQUENCE_BLOCK, self.tp):
-                x = shardops.comm.copy_to_region(x, self.tp, self.precision.accum_dtype)
-            x = _sequence_block(x, self.tp).astype(self.precision.compute_dtype)  # x[B, S/p, D]
-        return x
+        ids = self.local_tokens(ids)  # ids[b, S_context] under cp
+        x = self._layer_kernel("embed", p, ids)
+        if x is not None:
+            return x
+        return jnp.take(table, ids, axis=0).astype(self.precision.compute_dtype)  # x[B, S, D]
 
     def _attention(self, p, x, **options):
-        """Self-attention: head-parallel under tp (sp: x gathered along S once), else local;
-        under cp over the context axis by its method, the tokens' positions and segment ids
-        taken whole and sliced to this device's."""
+        """Self-attention: by the kind that runs it (tp's head-parallel kernel, cp's by its
+        method), each kind having made the options its own (``Kind.attention_options``: cp's
+        positions), else local."""
         params = {k: self._arrays(p, k, "attention") for k in p}
         roles = {q.role for q in p.values()}
-        context = self.context
-        if context is not None:
-            options = self._context_tokens(options)
-        options["implementation"] = self.attention_implementation
-        if self.model_parallel and roles == {HEAD}:
-            _check_kv_heads_as_planned(p, options["num_heads"], options["num_kv_heads"], self.tp)
-            return shardops.layers.head_parallel_attention_kernel(
-                x, params, axis_name=self.tp, sequence_parallel=self.sequence_parallel,
-                context=context, precision=self.precision, **options,
-            )  # fmt: skip
         if roles - {HEAD, REPLICATED} or len(roles) > 1:
             raise ValueError(f"attention parameters take one role, head or replicated; the plan "
                              f"says {sorted(roles)}")  # fmt: skip
-        if context is not None and not self.sequence_parallel:
-            return shardops.layers.context_parallel_attention_kernel(
-                x, params, method=context.method, context_axis=context.axis_name,
-                precision=self.precision, **options,
-            )  # fmt: skip
-        if self.sequence_parallel:
-            raise ValueError(
-                "under sequence parallelism attention must have the head role (it sees the "
-                "whole sequence): set the plan's attention role to 'head'"
-            )
+        for kind in self.strategy.kinds:
+            options = kind.attention_options(self, options)
+        options["implementation"] = self.attention_implementation
+        y = self._layer_kernel("attention", p, x, options)
+        if y is not None:
+            return y
         return shardops.attention(x, params, precision=self.precision, **options)
-
-    def _context_tokens(self, options):
-        """``positions`` and ``segment_ids`` of the whole sequence → this device's (RoPE's
-        default positions within documents computed on the whole sequence first)."""
-        positions, segment_ids = options["positions"], options["segment_ids"]
-        if positions is None and segment_ids is not None and options["rope_theta"] is not None:
-            positions = shardops.layers.segment_positions(segment_ids)
-        return {**options, "positions": None if positions is None else self.local_tokens(positions),
-                "segment_ids": None if segment_ids is None else self.local_tokens(segment_ids)}  # fmt: skip
 
     def _layer_norm(self, p, x, eps):
         return shardops.layer_norm(
@@ -389,8 +348,7 @@ class Parallel:
         local. Under sp, ``x[B, S_model, D]`` is gathered along S by a column layer and a row
         layer's output is reduce-scattered back along S. Keys: ``w``, optionally ``b``."""
         _check_keys(p, "dense", LAYER_KEYS["dense"])
-        p_model = lax.axis_size(self.tp) if self.model_parallel and p["w"].role == ROW else 1
-        k = x.shape[-1] * p_model  # D: a row layer's x holds D/p of it
+        k = x.shape[-1] * self._split_size(p["w"], 0)  # D: a row layer's x holds D/p of it
         return self._tap(
             self._dense(p, x),
             p,
@@ -423,7 +381,8 @@ class Parallel:
                             rope_theta=rope_theta, positions=positions,
                             segment_ids=segment_ids)  # fmt: skip
         y = checkpoint_name(y, ATTENTION_OUTPUT)  # what remat=("attention_output",) saves
-        seq = x.shape[SEQUENCE_DIM] * (lax.axis_size(self.tp) if self.sequence_parallel else 1)
+        model = self.axis_name("model")  # x[b, S_model, D] varies over it under sp
+        seq = x.shape[SEQUENCE_DIM] * (lax.axis_size(model) if model in varying_axes(x) else 1)
         return self._tap(y, p, k=max(x.shape[-1], seq))  # K: D (projections), S (p · v)
 
     def gated_mlp(self, p, x, *, activation: Callable = jax.nn.silu):
@@ -435,30 +394,13 @@ class Parallel:
         _check_keys(p, "gated_mlp", LAYER_KEYS["gated_mlp"])
         for name in ("gate", "up", "down"):
             _check_keys(p[name], "gated_mlp", LAYER_KEYS["dense"])
-        roles = tuple(p[name]["w"].role for name in ("gate", "up", "down"))
-        params = {k: {n: self._value(q, "gated_mlp") for n, q in p[k].items()} for k in p}
         x = checkpoint_name(x, MLP_INPUT)  # names for remat (the hidden's: shardops'; ``remat``)
-        if self.model_parallel and roles == (COLUMN, COLUMN, ROW):
-            y = shardops.layers.tensor_parallel_gated_mlp_kernel(
-                x, params, axis_name=self.tp, sequence_parallel=self.sequence_parallel,
-                hidden=_logical(p["gate"]["w"], 1), activation=activation,
-                precision=self.precision,
-            )  # fmt: skip
-        elif set(roles) - {REPLICATED} and self.model_parallel:
-            where = _layer_path([p[name]["w"].path for name in ("gate", "up", "down")])
-            raise ValueError(
-                f"{where}: under tp a gated MLP takes the "
-                f"roles gate column, up column, down row (or all replicated); the plan says "
-                f"{dict(zip(('gate', 'up', 'down'), roles, strict=True))}"
-            )
-        elif self.sequence_parallel:
-            raise ValueError("under sequence parallelism the gated MLP must be tensor-parallel "
-                             "(gate and up column, down row): it sees the whole sequence")  # fmt: skip
-        else:
+        y = self._layer_kernel("gated_mlp", p, x, activation)
+        if y is None:
+            params = {k: {n: self._value(q, "gated_mlp") for n, q in p[k].items()} for k in p}
             y = shardops.gated_mlp(x, params, activation=activation, precision=self.precision)
-        split = self.model_parallel and roles == (COLUMN, COLUMN, ROW)
         y = checkpoint_name(y, MLP_OUTPUT)
-        return self._tap(y, p, k=p["down"]["w"].shape[0] * (self.axis_size() if split else 1))
+        return self._tap(y, p, k=p["down"]["w"].shape[0] * self._split_size(p["down"]["w"], 0))
 
     def layer_norm(self, p, x, *, eps: float = 1e-5):
         """``shardops.layer_norm`` of ``x[..., D]``. Keys, both optional: ``scale``, ``bias``."""
@@ -479,32 +421,26 @@ class Parallel:
         if not paths:  # a layer without parameters (a norm with no scale): no name to tap by
             return y
         name = _layer_path(paths) + suffix
-        if self.strategy.cp and shardops.inspect.tapping():
-            raise ValueError(
-                f"the divergence locator compares activations in the natural token order; under "
-                f"context parallelism ({self.strategy.name!r}) each device holds load-balanced "
-                f"chunks. Locate on the same strategy without '+{self.strategy.cp_method}' "
-                f"(the other axes' layers are the same)."
-            )
-        spec = None
+        if shardops.inspect.tapping():
+            for kind in self.strategy.kinds:
+                kind.check_locate(self.strategy)
+        spec, model = None, self.axis_name("model")
         if self.strategy.axes:
             varying = varying_axes(y)
             entries: list = [None] * y.ndim
             batch = [a for a in self.strategy.batch_axes if a in varying]
             if batch:
                 entries[0] = spec_entry(*batch)
-            if self.tp in varying:
-                entries[-1 if features_split else SEQUENCE_DIM] = self.tp
+            if model in varying:
+                entries[-1 if features_split else SEQUENCE_DIM] = model
             spec = P(*entries)
         shape = None if features is None else (*(None,) * (y.ndim - 1), features)
         return shardops.inspect.tap(y, name, spec=spec, k=k, shape=shape)  # padding cut off
 
     def is_split(self, p) -> bool:
         """Whether ``dense(p, ·)``'s (or ``tied_head(p, ·)``'s) output is split along its
-        features: a column layer (a vocab table) under tp."""
-        if "table" in p:
-            return self.model_parallel and p["table"].role == VOCAB
-        return self.model_parallel and p["w"].role == COLUMN
+        features: a column layer (a vocab table) under tp (``Kind.splits_output``)."""
+        return any(kind.splits_output(p) for kind in self.strategy.kinds)
 
     def tied_head(self, p, x):
         """Logits ``x[b, S, D] · table[V, D]ᵀ`` of the embedding's own table (tied input and
@@ -515,21 +451,13 @@ class Parallel:
         gathers it and ReduceScatters its part). Keys: ``table``."""
         _check_keys(p, "tied_head", LAYER_KEYS["embed"])
         table, role = self._arrays(p, "table", "tied_head"), p["table"].role
-        w = table.T  # w[D, V(_model)]: the table's rows as output columns
-        if self.model_parallel and role == VOCAB:
-            sp = self.sequence_parallel and x.ndim > 2
-            y = shardops.layers.column_parallel_dense_kernel(
-                x, w, gather_input=sp, gather_dimension=SEQUENCE_DIM, axis_name=self.tp,
-                out_features=_logical(p["table"], 0), precision=self.precision,
-            )  # fmt: skip
-        elif role in (VOCAB, REPLICATED):
-            if self.sequence_parallel:
-                raise ValueError("under sequence parallelism a tied head must be vocab-parallel: "
-                                 "give the embedding the plan's role 'vocab'")  # fmt: skip
-            y = shardops.dense(x, w, precision=self.precision)
-        else:
+        if role not in (VOCAB, REPLICATED):
             raise ValueError(f"{p['table'].path}: a tied head takes role vocab or replicated; "
                              f"the plan says {role!r}")  # fmt: skip
+        w = table.T  # w[D, V(_model)]: the table's rows as output columns
+        y = self._layer_kernel("tied_head", p, w, x)
+        if y is None:
+            y = shardops.dense(x, w, precision=self.precision)
         return self._tap(
             y,
             p,
@@ -543,12 +471,9 @@ class Parallel:
         """Per-position loss ``[...]`` in float32 of integer ``labels``; ``split``: the logits
         are ``logits[..., V_model]`` (a column head) and the loss is vocab-parallel.
         ``vocab_size``: the logical V when the logits hold padded columns (masked out)."""
-        _check_logits_cover_labels(self, logits, labels)
+        _check_logits_cover_labels(logits, labels)
         if split:
-            return shardops.layers.vocab_parallel_cross_entropy_kernel(
-                logits, labels, vocab_size=vocab_size, axis_name=self.tp,
-                precision=self.precision,
-            )  # fmt: skip
+            return self._split_loss("cross_entropy", logits, labels, vocab_size)
         logits = logits.astype(jnp.float32)  # [..., V] in f32
         return optax.softmax_cross_entropy_with_integer_labels(logits[..., :vocab_size], labels)
 
@@ -556,10 +481,19 @@ class Parallel:
         """The arg-max over the vocabulary (int32), padded columns (from ``vocab_size`` on)
         excluded."""
         if split:
-            return shardops.layers.vocab_parallel_argmax_kernel(
-                logits, vocab_size=vocab_size, axis_name=self.tp
-            )
+            return self._split_loss("argmax", logits, vocab_size)
         return jnp.argmax(logits[..., :vocab_size], axis=-1).astype(jnp.int32)
+
+    def _split_loss(self, hook: str, logits, *args):
+        """``hook`` (``cross_entropy``, ``argmax``) of logits split along the vocabulary, by
+        the kind that split them."""
+        y = self._layer_kernel(hook, logits, *args)
+        if y is None:
+            raise ValueError(
+                f"ctx.{hook}(split=True): no kind of strategy {self.strategy.name!r} splits the "
+                f"vocabulary; pass split=ctx.is_split(head_params), which says whether it is"
+            )
+        return y
 
     def scan(self, fn: Callable, params, x):
         """``x = fn(layer, x)`` for each layer of ``params``, whose leaves stack the layers
@@ -620,12 +554,11 @@ class Parallel:
         fsdp and the batch kinds you add); ``"context"``, the cp axis (the sequence split); or
         a kind's own name (``Strategy.rules``: ``"fsdp"``, a kind of your own), its axis (a
         tuple where it has several)."""
-        if kind == "model":
-            return self.tp
+        if kind in _SPLITS:  # the axes of the kind that splits the layers (the sequence)
+            of = next((k for k in self.strategy.kinds if getattr(k, _SPLITS[kind])), None)
+            return None if of is None else of.axes[0] if len(of.axes) == 1 else of.axes
         if kind == "data":
             return self.strategy.batch_axes or None
-        if kind == "context":
-            return self.strategy.cp
         rules = self.strategy.rules
         if kind in rules:
             return rules[kind][0] if len(rules[kind]) == 1 else rules[kind]
@@ -681,13 +614,13 @@ class Parallel:
         value = self._value(param, "array")
         if isinstance(param, Param) and param.logical is not None:
             stored = tuple(n * math.prod(lax.axis_size(a) for a in entry_axes(e))
-                           for n, e in zip(value.shape, _tp_entries(param.spec, self.tp,
-                                                                   value.ndim), strict=True))  # fmt: skip
+                           for n, e in zip(value.shape, _entries_over(param.spec, self.axis_name(),
+                                                                     value.ndim), strict=True))  # fmt: skip
             if stored != tuple(param.logical):
                 raise ValueError(
                     f"ctx.array: {param.path} is stored padded, {stored} for the model's "
                     f"{tuple(param.logical)} (its plan role {param.role!r} splits a dim the tp "
-                    f"axis {self.tp!r} does not divide): the padding would reach your layer "
+                    f"axis {self.axis_name()!r} does not divide): the padding would reach your layer "
                     f"unmasked. Use a size the axis divides, role 'replicated', or a shardops "
                     f"layer (ctx.dense, ctx.embed, ctx.gated_mlp), which mask it."
                 )
@@ -757,30 +690,10 @@ def _check_keys(p, layer: str, keys) -> None:
     )
 
 
-def _check_kv_heads_as_planned(p, num_heads: int, num_kv_heads, tp: str) -> None:
-    """The plan split ``wk``, ``wv`` by KV head over ``tp`` (it counted them with the model's
-    ``num_heads`` attribute): the heads ``ctx.attention`` is given must split so too, or each
-    device would hold part of a KV head. A ValueError naming both counts and the fix."""
-    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    wk = p["wk"]
-    n = lax.axis_size(tp)  # static: the mesh axis size
-    split = any(tp in entry_axes(e) for e in wk.spec)
-    if split and isinstance(kv_heads, int) and kv_heads % n:
-        raise ValueError(
-            f"ctx.attention at {wk.path[: wk.path.rfind('[')]}: the plan split wk, wv by KV "
-            f"head over mesh axis {tp!r} (size {n}) (by the model's num_heads attribute, or, "
-            f"without one, by columns as wide as wq's), but this call has num_heads="
-            f"{num_heads}, num_kv_heads={kv_heads}, and {kv_heads} KV heads do not split over "
-            f"{n} devices (each would hold part of a head). Give the model num_heads (and "
-            f"num_kv_heads) attributes equal to what its forward passes to ctx.attention, so "
-            f"that the plan replicates them, or a head count {n} divides."
-        )
-
-
-def _tp_entries(spec, tp, ndim: int):
-    """``spec``'s entries with only the tp axis kept (a unit's value is whole over the rest)."""
+def _entries_over(spec, axis, ndim: int):
+    """``spec``'s entries with only ``axis`` kept (a unit's value is whole over the rest)."""
     entries = list(spec) + [None] * (ndim - len(spec))
-    return [tp if tp in entry_axes(e) else None for e in entries]
+    return [axis if axis is not None and axis in entry_axes(e) else None for e in entries]
 
 
 def _logical(p: Param, dim: int) -> int | None:
@@ -800,25 +713,14 @@ def _layer_path(paths) -> str:
     return prefix[: prefix.rfind("]") + 1]
 
 
-def _check_logits_cover_labels(ctx, logits, labels) -> None:
+def _check_logits_cover_labels(logits, labels) -> None:
     if logits.shape[:-1] != labels.shape:
-        hint = (
-            " Under sequence parallelism the output layer gathers the sequence only as a "
-            "column-parallel layer: give it the plan's role 'column'."
-            if ctx.sequence_parallel
-            else ""
-        )
         raise ValueError(
             f"cross_entropy: logits{tuple(logits.shape)} do not cover labels"
-            f"{tuple(labels.shape)} (the logits' leading dims must equal the labels' shape).{hint}"
+            f"{tuple(labels.shape)} (the logits' leading dims must equal the labels' shape). "
+            f"Under sequence parallelism the output layer gathers the sequence only as a "
+            f"column-parallel layer: give it the plan's role 'column'."
         )
-
-
-def _sequence_block(x, axis: str):
-    """This device's block of ``x[B, S, D]`` along S: ``x[B, S/p, D]``."""
-    p = lax.axis_size(axis)
-    s = x.shape[SEQUENCE_DIM] // p
-    return lax.dynamic_slice_in_dim(x, lax.axis_index(axis) * s, s, axis=SEQUENCE_DIM)
 
 
 __all__ = [

@@ -8,8 +8,22 @@ and with ``sequence`` the activations between layers split along S over the same
 
 Layout: every leaf's split from its plan role (``models.strategies.plan``), a dim the axis does
 not divide padded up to a multiple of it (the layers mask the padding); each device holds whole
-attention heads. The kernels each role runs are ``shardops.layers``' (``Parallel.dense`` and the
-other ``ctx`` layers pick them by role).
+attention heads.
+
+The kernel each role runs (the layer hooks, which ``ctx.dense`` and the other layers ask):
+
+    dense        column: ``column_parallel_dense_kernel`` (sp: x gathered along S)
+                 row: ``row_parallel_dense_kernel`` (AllReduce; sp: ReduceScatter along S)
+    embed        vocab: ``vocab_parallel_embedding_kernel``; a replicated table under sp:
+                 the local lookup, this device's block of S kept (dx AllReduced)
+    attention    head: ``head_parallel_attention_kernel`` (with the context kind's
+                 ``context`` under cp)
+    gated_mlp    gate, up column and down row: ``tensor_parallel_gated_mlp_kernel``
+    tied_head    vocab: a column layer of the table's rows
+    the loss     ``vocab_parallel_cross_entropy_kernel``, ``vocab_parallel_argmax_kernel``
+
+Under sp every layer that mixes tokens must be one of these (it sees the whole sequence only
+through them): a replicated attention, gated MLP or tied head is refused.
 """
 
 from __future__ import annotations
@@ -18,16 +32,30 @@ import dataclasses
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 import shardops
-from shardops import entry_axes
+from shardops import SEQUENCE_DIM, entry_axes
 from shardops_models.networks import contract
 from shardops_models.strategies.kind import Kind, LayoutContext, is_spec, role_layout
-from shardops_models.strategies.plan import HEAD, is_shape, logical_rules
+from shardops_models.strategies.plan import (
+    COLUMN,
+    HEAD,
+    REPLICATED,
+    ROW,
+    VOCAB,
+    is_shape,
+    logical_rules,
+)
 
 _WHOLE_LOGITS = shardops.comm.Reason("whole_logits", forward={
     "all_gather": "a caller outside the mesh asks for all the logits, whose vocabulary is split "
                   "over {axis}",
+})  # fmt: skip
+_SEQUENCE_BLOCK = shardops.comm.Reason("embedding_sequence_block", backward={
+    "psum": "every device looks up the whole sequence and keeps its block over {axis} "
+            "(sequence parallelism): the zero-padded dx are summed",
 })  # fmt: skip
 
 
@@ -94,6 +122,113 @@ class TensorKind(Kind):
                                           to="invarying", reason=_WHOLE_LOGITS)  # fmt: skip
         return logits[..., : _output_features(head(params))]  # the padding's columns dropped
 
+    # --- the kernel each plan role runs (the module docstring's table)
+
+    def dense(self, ctx, p, x):
+        role, sp = p["w"].role, self.sequence and x.ndim > 2
+        if role not in (COLUMN, ROW):
+            return None
+        w, b = ctx._arrays(p, "w", "dense"), ctx._optional(p, "b")
+        ring = ctx.collective_matmul
+        if role == COLUMN:
+            return shardops.layers.column_parallel_dense_kernel(
+                x, w, b, gather_input=sp, gather_dimension=SEQUENCE_DIM, axis_name=self.axis,
+                out_features=_logical(p["w"], 1), precision=ctx.precision,
+                collective_matmul=ring,
+            )  # fmt: skip
+        reduce = "psum_scatter" if sp else "psum"
+        # a ring splits y along S (or along the batch when y has no sequence)
+        scatter = SEQUENCE_DIM if x.ndim > 2 else 0
+        return shardops.layers.row_parallel_dense_kernel(
+            x, w, b, reduce=reduce, scatter_dimension=scatter, axis_name=self.axis,
+            in_features=_logical(p["w"], 0), precision=ctx.precision,
+            collective_matmul=ring,
+        )  # fmt: skip
+
+    def embed(self, ctx, p, ids):
+        table, precision = ctx._arrays(p, "table", "embed"), ctx.precision
+        if p["table"].role == VOCAB:
+            reduce = "psum_scatter" if self.sequence else "psum"
+            return shardops.layers.vocab_parallel_embedding_kernel(
+                ids, table, reduce=reduce, scatter_dimension=SEQUENCE_DIM, axis_name=self.axis,
+                vocab_size=_logical(p["table"], 0), precision=precision,
+            )  # fmt: skip
+        if not self.sequence:
+            return None
+        x = jnp.take(table, ids, axis=0).astype(precision.compute_dtype)  # x[B, S, D]
+        # keep this device's part of S; dx AllReduced over the axis
+        with shardops.comm.because(_SEQUENCE_BLOCK, self.axis):
+            x = shardops.comm.copy_to_region(x, self.axis, precision.accum_dtype)
+        return _sequence_block(x, self.axis).astype(precision.compute_dtype)  # x[B, S/p, D]
+
+    def attention(self, ctx, p, x, options):
+        if {q.role for q in p.values()} == {HEAD}:
+            _check_kv_heads_as_planned(p, options["num_heads"], options["num_kv_heads"],
+                                       self.axis)  # fmt: skip
+            params = {k: ctx._arrays(p, k, "attention") for k in p}
+            return shardops.layers.head_parallel_attention_kernel(
+                x, params, axis_name=self.axis, sequence_parallel=self.sequence,
+                precision=ctx.precision, **options,
+            )  # fmt: skip
+        if self.sequence:
+            raise ValueError(
+                "under sequence parallelism attention must have the head role (it sees the "
+                "whole sequence): set the plan's attention role to 'head'"
+            )
+        return None
+
+    def gated_mlp(self, ctx, p, x, activation):
+        roles = tuple(p[name]["w"].role for name in ("gate", "up", "down"))
+        if roles == (COLUMN, COLUMN, ROW):
+            params = {k: {n: ctx._value(q, "gated_mlp") for n, q in p[k].items()} for k in p}
+            return shardops.layers.tensor_parallel_gated_mlp_kernel(
+                x, params, axis_name=self.axis, sequence_parallel=self.sequence,
+                hidden=_logical(p["gate"]["w"], 1), activation=activation,
+                precision=ctx.precision,
+            )  # fmt: skip
+        if set(roles) - {REPLICATED}:
+            paths = [p[name]["w"].path for name in ("gate", "up", "down")]
+            where = paths[0][: paths[0].rfind("['gate']")]
+            raise ValueError(
+                f"{where}: under tp a gated MLP takes the "
+                f"roles gate column, up column, down row (or all replicated); the plan says "
+                f"{dict(zip(('gate', 'up', 'down'), roles, strict=True))}"
+            )
+        if self.sequence:
+            raise ValueError("under sequence parallelism the gated MLP must be tensor-parallel "
+                             "(gate and up column, down row): it sees the whole sequence")  # fmt: skip
+        return None
+
+    def tied_head(self, ctx, p, w, x):
+        if p["table"].role == VOCAB:
+            return shardops.layers.column_parallel_dense_kernel(
+                x, w, gather_input=self.sequence and x.ndim > 2, gather_dimension=SEQUENCE_DIM,
+                axis_name=self.axis, out_features=_logical(p["table"], 0),
+                precision=ctx.precision,
+            )  # fmt: skip
+        if self.sequence:
+            raise ValueError("under sequence parallelism a tied head must be vocab-parallel: "
+                             "give the embedding the plan's role 'vocab'")  # fmt: skip
+        return None
+
+    def splits_output(self, p) -> bool:
+        """A column layer's output, or a vocab table's logits (a tied head)."""
+        if "table" in p:
+            return p["table"].role == VOCAB
+        return p["w"].role == COLUMN
+
+    def cross_entropy(self, ctx, logits, labels, vocab_size):
+        return shardops.layers.vocab_parallel_cross_entropy_kernel(
+            logits, labels, vocab_size=vocab_size, axis_name=self.axis, precision=ctx.precision
+        )
+
+    def argmax(self, ctx, logits, vocab_size):
+        return shardops.layers.vocab_parallel_argmax_kernel(
+            logits, vocab_size=vocab_size, axis_name=self.axis
+        )
+
+    # --- checks
+
     def check_model(self, strategy, declared, model_name: str) -> None:
         if self.sequence and not declared.sequence:
             raise ValueError(
@@ -139,3 +274,35 @@ def _output_features(head) -> int | None:
     if leaf.logical is None:
         return None
     return leaf.logical[0] if "table" in head else leaf.logical[-1]
+
+
+def _logical(p, dim: int) -> int | None:
+    """The model's own size of ``p``'s dim ``dim`` (None where nothing is padded)."""
+    return None if p.logical is None else p.logical[dim]
+
+
+def _sequence_block(x, axis: str):
+    """This device's block of ``x[B, S, D]`` along S: ``x[B, S/p, D]``."""
+    p = lax.axis_size(axis)
+    s = x.shape[SEQUENCE_DIM] // p
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(axis) * s, s, axis=SEQUENCE_DIM)
+
+
+def _check_kv_heads_as_planned(p, num_heads: int, num_kv_heads, tp: str) -> None:
+    """The plan split ``wk``, ``wv`` by KV head over ``tp`` (it counted them with the model's
+    ``num_heads`` attribute): the heads ``ctx.attention`` is given must split so too, or each
+    device would hold part of a KV head. A ValueError naming both counts and the fix."""
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    wk = p["wk"]
+    n = lax.axis_size(tp)  # static: the mesh axis size
+    split = any(tp in entry_axes(e) for e in wk.spec)
+    if split and isinstance(kv_heads, int) and kv_heads % n:
+        raise ValueError(
+            f"ctx.attention at {wk.path[: wk.path.rfind('[')]}: the plan split wk, wv by KV "
+            f"head over mesh axis {tp!r} (size {n}) (by the model's num_heads attribute, or, "
+            f"without one, by columns as wide as wq's), but this call has num_heads="
+            f"{num_heads}, num_kv_heads={kv_heads}, and {kv_heads} KV heads do not split over "
+            f"{n} devices (each would hold part of a head). Give the model num_heads (and "
+            f"num_kv_heads) attributes equal to what its forward passes to ctx.attention, so "
+            f"that the plan replicates them, or a head count {n} divides."
+        )

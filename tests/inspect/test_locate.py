@@ -310,8 +310,8 @@ def test_a_bound_without_input_rounding_fails_a_clean_bf16_model(monkeypatch):
 
 def test_a_tap_with_the_sequence_and_feature_dims_swapped_fails_a_clean_model(monkeypatch):
     bad = mutant(parallel, "tap_dims_swapped",
-                 "                entries[-1 if features_split else SEQUENCE_DIM] = self.tp\n",
-                 "                entries[SEQUENCE_DIM if features_split else -1] = self.tp\n")  # fmt: skip
+                 "                entries[-1 if features_split else SEQUENCE_DIM] = model\n",
+                 "                entries[SEQUENCE_DIM if features_split else -1] = model\n")  # fmt: skip
     monkeypatch.setattr(bad, "is_param", parallel.is_param)  # the real Param class
     monkeypatch.setattr(parallel.Parallel, "_tap", bad.Parallel._tap)
     with pytest.raises(ValueError, match="global shape"):  # x[B, S/p, D] put together as

@@ -427,7 +427,7 @@ HEAD_CHECK_MUTANTS = {
     "plan_head_count_unchecked": ("plan", "    if num_heads % axis_size:", "    if False:"),
     # ctx.attention trusts the plan's KV count: the kernel's in_specs advice is the first word.
     "attention_kv_as_planned_unchecked": (
-        "parallel",
+        "tensor",
         "    if split and isinstance(kv_heads, int) and kv_heads % n:",
         "    if False:",
     ),
@@ -435,21 +435,23 @@ HEAD_CHECK_MUTANTS = {
 
 
 @pytest.mark.parametrize("name", HEAD_CHECK_MUTANTS)
-def test_head_check_mutant_is_caught(name):
+def test_head_check_mutant_is_caught(name, monkeypatch):
     import test_errors
-    from _mutants import mutant, training
+    from _mutants import mutant
 
-    from shardops_models.strategies import parallel, plan
+    import shardops_models as models
+    from shardops_models.strategies import layout, plan, tensor
 
     where, line, replacement = HEAD_CHECK_MUTANTS[name]
     if where == "plan":
         module = mutant(plan, name, line, replacement)
         run = lambda: test_errors.check_the_plan_refuses_heads_split_mid_head(module)  # noqa: E731
-    else:  # the build of a copy of models.training whose Parallel is the mutated one
-        mutated = mutant(parallel, name, line, replacement)
-        copy = training(name, Parallel=mutated.Parallel, wrap=mutated.wrap)
+    else:  # the strategies' tensor kind from the mutated copy of models/strategies/tensor.py
+        monkeypatch.setattr(
+            layout, "TensorKind", mutant(tensor, name, line, replacement).TensorKind
+        )
         run = lambda: test_errors.check_attention_refuses_kv_heads_split_by_another_count(  # noqa: E731
-            copy.build
+            models.build
         )
     with pytest.raises((AssertionError, pytest.fail.Exception)):
         run()

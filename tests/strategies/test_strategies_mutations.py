@@ -23,7 +23,7 @@ import shardops
 from shardops.layers import _attention
 from shardops.layers import _dense_kernels as _kernels
 from shardops_models.networks import _mlp, mlp
-from shardops_models.strategies import fsdp, parallel
+from shardops_models.strategies import fsdp, parallel, tensor
 from shardops_models.training import _train
 
 GRADS = "        loss, grads = self._value_and_grad(params, x, y)\n"
@@ -293,9 +293,7 @@ SP_ATTENTION = (
 )
 SP_BO = "            bo = copy_to_region(bo, axis_name, accum)  # bo[D] in accum\n"
 SP_BIAS = "        b = copy_to_region(b, axis_name, precision.accum_dtype)  # b[D] in accum\n"
-SP_POSITIONS = (
-    "            x = shardops.comm.copy_to_region(x, self.tp, self.precision.accum_dtype)\n"
-)
+SP_POSITIONS = "            x = shardops.comm.copy_to_region(x, self.axis, precision.accum_dtype)\n"
 SP_MUTANTS = {
     # A column layer's gathered input: dx reduce-scattered along S in bf16.
     "column_sp_dx_reduce_scattered_in_bf16": (
@@ -322,8 +320,8 @@ SP_MUTANTS = {
     # The replicated position table's lookup kept as this device's part of S: its dx
     # all-reduced over model in the compute dtype.
     "positions_sp_dx_all_reduced_in_bf16": (
-        parallel, ("Parallel", "wrap"), "shardops_models.training._step", SP_POSITIONS,
-        "            x = jax.lax.pcast(x, self.tp, to='varying')\n",
+        tensor, "TensorKind", "shardops_models.strategies.layout", SP_POSITIONS,
+        "            x = jax.lax.pcast(x, self.axis, to='varying')\n",
         [("sp", MIXED), ("fsdp_sp", BF16)],
     ),
 }  # fmt: skip
