@@ -329,7 +329,16 @@ def search(
         raise ValueError(
             f"no strategy and mesh of {devices} devices works for batch {batch}: {why}"
         )
-    candidates.sort(key=rank_key)
+    candidates = _ranked(candidates, hw, compile_top, recount)
+    name = getattr(model, "name", type(model).__name__)
+    return Search(candidates, ruled_out, name, batch, devices, hw, time.perf_counter() - start)
+
+
+def _ranked(candidates: list[Candidate], hw: Hardware, compile_top: int, recount: bool):
+    """``candidates`` sorted by ``rank_key`` and numbered from 1, the best ``compile_top`` with
+    their ``compiled_ledger``; with ``recount``, re-timed by the collectives their compiled
+    programs run (``recounted``) and ranked again."""
+    candidates = sorted(candidates, key=rank_key)
     candidates = [dataclasses.replace(lay, rank=i + 1) for i, lay in enumerate(candidates)]
     candidates = [
         dataclasses.replace(lay, compiled=compiled_ledger(lay)) if i < compile_top else lay
@@ -338,8 +347,7 @@ def search(
     if recount:
         candidates = sorted((recounted(lay, hw) for lay in candidates), key=rank_key)
         candidates = [dataclasses.replace(lay, rank=i + 1) for i, lay in enumerate(candidates)]
-    name = getattr(model, "name", type(model).__name__)
-    return Search(candidates, ruled_out, name, batch, devices, hw, time.perf_counter() - start)
+    return candidates
 
 
 def recounted(candidate: Candidate, hardware) -> Candidate:
