@@ -688,7 +688,9 @@ def _check_positive(name: str, n) -> None:
         raise ValueError(f"{name} must be a positive integer; got {n!r}")
 
 
-def main(argv=None) -> Search | None:
+def _parser() -> argparse.ArgumentParser:
+    """The command line's arguments: the model, batch and devices (or a mesh) to search, the
+    options ``search`` takes, and what to write."""
     p = argparse.ArgumentParser(
         prog="python -m shardops_models.search", description=__doc__.split("\n\n")[0],
     )  # fmt: skip
@@ -724,10 +726,12 @@ def main(argv=None) -> Search | None:
                         "collectives the compiled program runs (XLA combines all-reduces)")  # fmt: skip
     p.add_argument("--json", default=None, metavar="PATH", help="write the ranking as JSON")
     p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        _worker(*args.worker)
-        return None
+    return p
+
+
+def _checked_meshes(p: argparse.ArgumentParser, args) -> list[dict[str, int]] | None:
+    """The meshes ``--mesh`` asks for (None: every ``data × model`` of ``--devices``), with
+    ``args.devices`` set from it; an inconsistent or missing size exits through ``p.error``."""
     meshes = None
     if args.mesh is not None:
         try:
@@ -749,6 +753,35 @@ def main(argv=None) -> Search | None:
     if args.hardware != "calibrate" and args.hardware not in HARDWARE:
         p.error(f"unknown --hardware {args.hardware!r}; choose one of "
                 f"{sorted(HARDWARE)} or 'calibrate'")  # fmt: skip
+    return meshes
+
+
+def _print_result(result: Search, args) -> None:
+    """The ranking (and the compiled ledgers of ``--compile-top``) as tables on stdout, and the
+    JSON file of ``--json``."""
+    from rich.console import Console
+
+    console = Console(width=200)
+    console.print(result.table())
+    if args.compile_top:
+        console.print(_compiled_table(result))
+    console.print(f"searched in {result.seconds:.1f} s; bytes are what the program asks for "
+                  f"(Ledger.totals(requested=True)); times use {result.hardware.source or result.hardware.name}")  # fmt: skip
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(result.as_dict(), indent=1))
+        console.print(f"wrote {args.json}")
+
+
+def main(argv=None) -> Search | None:
+    """``python -m shardops_models.search``: search, print the ranking and return it (None in a
+    ``--worker`` subprocess). More devices than this process has: the same command re-runs in a
+    subprocess on simulated CPU devices, and this process exits with its status."""
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(*args.worker)
+        return None
+    meshes = _checked_meshes(p, args)
 
     import jax
 
@@ -770,15 +803,5 @@ def main(argv=None) -> Search | None:
                       meshes=meshes)  # fmt: skip
     except ValueError as e:
         p.error(str(e))
-    from rich.console import Console
-
-    console = Console(width=200)
-    console.print(result.table())
-    if args.compile_top:
-        console.print(_compiled_table(result))
-    console.print(f"searched in {result.seconds:.1f} s; bytes are what the program asks for "
-                  f"(Ledger.totals(requested=True)); times use {result.hardware.source or result.hardware.name}")  # fmt: skip
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(result.as_dict(), indent=1))
-        console.print(f"wrote {args.json}")
+    _print_result(result, args)
     return result
