@@ -188,64 +188,21 @@ def calibrate(devices=None, *, repeats: int = 9, memory: float | None = None) ->
     """
     import jax
     import jax.numpy as jnp
-    from jax import lax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     from shardops import make_mesh
-    from shardops.inspect import ring_bytes
-    from shardops_models.search._program_cost import program_cost
 
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     mesh = make_mesh({DATA_AXIS: n}, devices=devices)
-    split = NamedSharding(mesh, P(DATA_AXIS))
-
-    def timed(body, x):
-        return _timed(mesh, body, x, repeats)
-
     flops = {jnp.dtype(d).name: matmul_flops(devices, d, repeats=repeats)
              for d in (jnp.float32, jnp.bfloat16)}  # fmt: skip
-
-    def chain(x):
-        return jnp.exp(x * 0.5 + 1.0) * x  # 4 ops
-
-    x = jax.device_put(jnp.ones((n * 262144,), jnp.float32), split)
-    t, fn = timed(chain, x)
-    counted = program_cost(jax.make_jaxpr(fn)(x).jaxpr, {DATA_AXIS: n}).elementwise_bytes
-    memory_bandwidth = counted / t
-
-    def psum_chain(count):  # count dependent all-reduces of one float: none can be combined
-        def body(a):
-            for _ in range(count):
-                a = lax.psum(a, DATA_AXIS) * (1.0 / n)
-            return a
-
-        return body
-
-    one = jax.device_put(jnp.ones((n,), jnp.float32), split)
-    chained = LATENCY_CHAIN
-    latency = (timed(psum_chain(chained + 1), one)[0] - timed(psum_chain(1), one)[0]) / chained
-    latency = max(latency, 1e-6)
-
-    def rate(kind, elems):
-        x = jax.device_put(jnp.ones((n * elems,), jnp.float32), split)
-        v = elems * 4
-        bodies = {
-            "all-reduce": (lambda a: lax.psum(a, DATA_AXIS), v),
-            "all-gather": (lambda a: lax.all_gather(a, DATA_AXIS, tiled=True)[:elems], v * n),
-            "reduce-scatter": (lambda a: jnp.tile(lax.psum_scatter(a, DATA_AXIS, tiled=True), n), v),
-            "all-to-all": (lambda a: lax.all_to_all(a.reshape(n, -1), DATA_AXIS, 0, 0,
-                                                    tiled=True).reshape(-1), v),
-        }  # fmt: skip
-        body, nbytes = bodies[kind]
-        t, _ = timed(body, x)
-        return ring_bytes(kind, nbytes, n) / max(t - latency, 1e-9)
-
-    bandwidth = rate("all-reduce", 1 << 20)
-    base = rate("all-reduce", 1 << 18)
+    memory_bandwidth = _elementwise_bandwidth(mesh, repeats)
+    latency = _all_reduce_latency(mesh, repeats)
+    bandwidth = _ring_rate(mesh, "all-reduce", 1 << 20, latency, repeats)
+    base = _ring_rate(mesh, "all-reduce", 1 << 18, latency, repeats)
     efficiency = {
-        k: min(rate(k, 1 << 18) / base, 1.0) for k in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
+        k: min(_ring_rate(mesh, k, 1 << 18, latency, repeats) / base, 1.0)
+        for k in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
     }
     return _check_finite(
         Hardware(
@@ -259,6 +216,84 @@ def calibrate(devices=None, *, repeats: int = 9, memory: float | None = None) ->
             source=f"shardops_models.search.calibrate() on {n} {devices[0].platform} devices",
         )
     )
+
+
+def _split_ones(mesh, elems: int):
+    """``ones[n · elems]`` in float32, split over the 1-axis ``mesh`` of n devices: ``elems``
+    per device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.shape[DATA_AXIS]
+    return jax.device_put(jnp.ones((n * elems,), jnp.float32), NamedSharding(mesh, P(DATA_AXIS)))
+
+
+def _elementwise_bandwidth(mesh, repeats: int) -> float:
+    """calibrate's memory bandwidth: bytes per second of a chain of 4 elementwise ops on 1 MB
+    per device, its bytes counted as ``shardops_models.search._program_cost`` counts a
+    program's."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardops_models.search._program_cost import program_cost
+
+    n = mesh.shape[DATA_AXIS]
+
+    def chain(x):
+        return jnp.exp(x * 0.5 + 1.0) * x  # 4 ops
+
+    x = _split_ones(mesh, 262144)
+    t, fn = _timed(mesh, chain, x, repeats)
+    counted = program_cost(jax.make_jaxpr(fn)(x).jaxpr, {DATA_AXIS: n}).elementwise_bytes
+    return counted / t
+
+
+def _all_reduce_latency(mesh, repeats: int) -> float:
+    """calibrate's latency: the time of ``LATENCY_CHAIN`` more dependent all-reduces of one
+    float, per all-reduce (at least 1 µs)."""
+    from jax import lax
+
+    n = mesh.shape[DATA_AXIS]
+
+    def psum_chain(count):  # count dependent all-reduces of one float: none can be combined
+        def body(a):
+            for _ in range(count):
+                a = lax.psum(a, DATA_AXIS) * (1.0 / n)
+            return a
+
+        return body
+
+    one = _split_ones(mesh, 1)
+    chained = LATENCY_CHAIN
+    many = _timed(mesh, psum_chain(chained + 1), one, repeats)[0]
+    latency = (many - _timed(mesh, psum_chain(1), one, repeats)[0]) / chained
+    return max(latency, 1e-6)
+
+
+def _ring_rate(mesh, kind: str, elems: int, latency: float, repeats: int) -> float:
+    """Ring bytes per device per second of one ``kind`` collective of ``elems`` floats per
+    device over the 1-axis ``mesh``: ``shardops.inspect.ring_bytes`` over its time less the
+    ``latency``."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from shardops.inspect import ring_bytes
+
+    n = mesh.shape[DATA_AXIS]
+    x = _split_ones(mesh, elems)
+    v = elems * 4
+    bodies = {
+        "all-reduce": (lambda a: lax.psum(a, DATA_AXIS), v),
+        "all-gather": (lambda a: lax.all_gather(a, DATA_AXIS, tiled=True)[:elems], v * n),
+        "reduce-scatter": (lambda a: jnp.tile(lax.psum_scatter(a, DATA_AXIS, tiled=True), n), v),
+        "all-to-all": (lambda a: lax.all_to_all(a.reshape(n, -1), DATA_AXIS, 0, 0,
+                                                tiled=True).reshape(-1), v),
+    }  # fmt: skip
+    body, nbytes = bodies[kind]
+    t, _ = _timed(mesh, body, x, repeats)
+    return ring_bytes(kind, nbytes, n) / max(t - latency, 1e-9)
 
 
 def _check_finite(hw: Hardware) -> Hardware:
