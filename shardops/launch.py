@@ -381,6 +381,86 @@ def _supervise(processes: Sequence[_Process], grace_s: float, failure_grace_s: f
         time.sleep(POLL_S)
 
 
+def _check_options(
+    command: list[str],
+    nproc: int,
+    nnodes: int,
+    node_rank: int,
+    heartbeat_timeout: int,
+    grace: float,
+    failure_grace: float,
+) -> None:
+    """Refuse, with a ``LaunchError`` naming the option, a launch that cannot work: no command,
+    a count below 1, a node rank outside ``[0, nnodes)``, a heartbeat that is not whole seconds
+    ≥ 1, a negative grace."""
+    if not command:
+        raise LaunchError(
+            "no command after --: give the Python script (or -m module) to run, e.g. "
+            "python -m shardops.launch -n 2 -- train.py --steps 100"
+        )
+    for name, value, low in (("-n/--nproc", nproc, 1), ("--nnodes", nnodes, 1)):
+        distributed.integer_at_least(name, value, low, LaunchError, text=False)
+    if not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
+        raise LaunchError(
+            f"--node-rank {node_rank} is not in [0, --nnodes {nnodes}); number the nodes "
+            f"0 to {nnodes - 1}, with the coordinator on node 0"
+        )
+    if isinstance(heartbeat_timeout, bool) or not isinstance(heartbeat_timeout, int):
+        raise LaunchError(f"--heartbeat-timeout must be whole seconds; got {heartbeat_timeout!r}")
+    if heartbeat_timeout < 1:
+        raise LaunchError(f"--heartbeat-timeout must be ≥ 1 second; got {heartbeat_timeout}")
+    for name, value in (("--grace", grace), ("--failure-grace", failure_grace)):
+        if not value >= 0:
+            raise LaunchError(f"{name} must be ≥ 0 seconds; got {value}")
+
+
+def _coordinator_address(coordinator: str | None, nnodes: int, node_rank: int) -> str:
+    """The coordinator's ``host:port``: the one given (checked, and on node 0 free to bind), or
+    on a single node ``127.0.0.1`` and a free port."""
+    if coordinator is not None:
+        host, port = parse_coordinator(coordinator)
+        if node_rank == 0:
+            check_port_free(host, port)
+        return coordinator
+    if nnodes > 1:
+        raise LaunchError(
+            f"--nnodes {nnodes} needs --coordinator HOST:PORT, an address of node 0 that "
+            "every node can reach (the same on every node), e.g. --coordinator host0:8476"
+        )
+    return f"{DEFAULT_HOST}:{free_port()}"
+
+
+def _start_process(
+    command: list[str],
+    coordinator: str,
+    num_processes: int,
+    global_id: int,
+    local_devices: int | None,
+    heartbeat_timeout: int,
+    out,
+    lock: threading.Lock,
+) -> _Process:
+    """Start process ``global_id`` of the run (``sys.executable -u *command`` in its own session,
+    with ``child_env``'s environment), its output forwarded to ``out`` under ``lock``."""
+    env = child_env(
+        os.environ,
+        coordinator=coordinator,
+        num_processes=num_processes,
+        process_id=global_id,
+        local_devices=local_devices,
+        heartbeat_timeout_s=heartbeat_timeout,
+    )
+    popen = subprocess.Popen(
+        [sys.executable, "-u", *command],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    return _Process(global_id, popen, out, lock)
+
+
 def launch(
     command: Sequence[str],
     *,
@@ -416,37 +496,9 @@ def launch(
     Raises ``LaunchError`` (before starting anything) for options that cannot work.
     """
     command = list(command)
-    if not command:
-        raise LaunchError(
-            "no command after --: give the Python script (or -m module) to run, e.g. "
-            "python -m shardops.launch -n 2 -- train.py --steps 100"
-        )
-    for name, value, low in (("-n/--nproc", nproc, 1), ("--nnodes", nnodes, 1)):
-        distributed.integer_at_least(name, value, low, LaunchError, text=False)
-    if not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
-        raise LaunchError(
-            f"--node-rank {node_rank} is not in [0, --nnodes {nnodes}); number the nodes "
-            f"0 to {nnodes - 1}, with the coordinator on node 0"
-        )
-    if isinstance(heartbeat_timeout, bool) or not isinstance(heartbeat_timeout, int):
-        raise LaunchError(f"--heartbeat-timeout must be whole seconds; got {heartbeat_timeout!r}")
-    if heartbeat_timeout < 1:
-        raise LaunchError(f"--heartbeat-timeout must be ≥ 1 second; got {heartbeat_timeout}")
-    for name, value in (("--grace", grace), ("--failure-grace", failure_grace)):
-        if not value >= 0:
-            raise LaunchError(f"{name} must be ≥ 0 seconds; got {value}")
+    _check_options(command, nproc, nnodes, node_rank, heartbeat_timeout, grace, failure_grace)
     local_devices = devices_per_process(devices, nproc)
-    if coordinator is None:
-        if nnodes > 1:
-            raise LaunchError(
-                f"--nnodes {nnodes} needs --coordinator HOST:PORT, an address of node 0 that "
-                "every node can reach (the same on every node), e.g. --coordinator host0:8476"
-            )
-        coordinator = f"{DEFAULT_HOST}:{free_port()}"
-    else:
-        host, port = parse_coordinator(coordinator)
-        if node_rank == 0:
-            check_port_free(host, port)
+    coordinator = _coordinator_address(coordinator, nnodes, node_rank)  # host:port
 
     num_processes = nnodes * nproc
     first = node_rank * nproc
@@ -466,24 +518,10 @@ def launch(
         try:
             for i in range(nproc):
                 global_id = first + i
-                env = child_env(
-                    os.environ,
-                    coordinator=coordinator,
-                    num_processes=num_processes,
-                    process_id=global_id,
-                    local_devices=local_devices,
-                    heartbeat_timeout_s=heartbeat_timeout,
-                )
-                popen = subprocess.Popen(
-                    [sys.executable, "-u", *command],
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-                processes.append(_Process(global_id, popen, out, lock))
-                _say(f"process {global_id} pid {popen.pid}")
+                process = _start_process(command, coordinator, num_processes, global_id,
+                                         local_devices, heartbeat_timeout, out, lock)  # fmt: skip
+                processes.append(process)
+                _say(f"process {global_id} pid {process.popen.pid}")
             return _supervise(processes, grace, failure_grace, signals)
         finally:
             # An exception (or a KeyboardInterrupt before the handlers) must not leave orphans.
