@@ -676,29 +676,62 @@ def context_parallel_attention(
         positions = _rope.segment_positions(natural)[:, balanced_order(x.shape[1], n)]
     positions, segment_ids = _attention.check_tokens(op, positions, segment_ids, x.shape[:2],
                                                      None, rope_theta)  # fmt: skip
-    if model_axis is not None:
-        _attention.check_head_counts(op, num_heads, kv_heads, model_axis, p)
-    replicate_kv = model_axis is not None and not _attention.splits_kv_heads(kv_heads, p)
-    if method == "ulysses":
-        heads, kv_sent = ulysses_heads_sent(num_heads, kv_heads, p, replicate_kv)
-        check_ulysses_heads(op, heads, kv_sent, context_axis, n)
+    replicate_kv = _replicate_kv_checked(op, num_heads, kv_heads, method, context_axis, n,
+                                         model_axis, p)  # fmt: skip
     check_divisible(argument="x", dim=0, dim_name="batch", size=x.shape[0], mesh=mesh,
                     axes=(batch_axis,))  # fmt: skip
     specs = context_parallel_attention_specs(
         context_axis=context_axis, model_axis=model_axis, batch_axis=batch_axis,
         sequence_parallel=sequence_parallel, replicate_kv=replicate_kv,
     )  # fmt: skip
-    if permute:
-        order = balanced_order(x.shape[1], n)
-        x = x[:, order]
-        positions, segment_ids = (None if t is None else jnp.asarray(t)[:, order]
-                                  for t in (positions, segment_ids))  # fmt: skip
+    if permute:  # x[B, S, D] and the [B, S] tokens in the balanced layout
+        x, positions, segment_ids = _in_balanced_order(x, positions, segment_ids, n)
     kernel = functools.partial(
         context_parallel_attention_kernel, num_heads=num_heads, num_kv_heads=kv_heads,
         causal=causal, rope_theta=rope_theta, method=method, context_axis=context_axis,
         model_axis=model_axis, sequence_parallel=sequence_parallel, precision=precision,
         implementation=implementation,
     )  # fmt: skip
+    y = _run_with_tokens(op, kernel, mesh, specs, x, params, positions, segment_ids)
+    return y[:, inverse_order(x.shape[1], n)] if permute else y
+
+
+def _replicate_kv_checked(
+    op: str,
+    num_heads: int,
+    kv_heads: int,
+    method: str,
+    context_axis: str,
+    n: int,
+    model_axis: str | None,
+    p: int,
+) -> bool:
+    """Whether the K/V heads are replicated over ``model_axis`` (too few to split over its ``p``
+    devices), once the head counts are checked: they fit ``model_axis``, and with Ulysses the
+    heads each device sends split over the ``n`` devices of ``context_axis``."""
+    if model_axis is not None:
+        _attention.check_head_counts(op, num_heads, kv_heads, model_axis, p)
+    replicate_kv = model_axis is not None and not _attention.splits_kv_heads(kv_heads, p)
+    if method == "ulysses":
+        heads, kv_sent = ulysses_heads_sent(num_heads, kv_heads, p, replicate_kv)
+        check_ulysses_heads(op, heads, kv_sent, context_axis, n)
+    return replicate_kv
+
+
+def _in_balanced_order(x, positions, segment_ids, n: int):
+    """``x[B, S, D]`` and the ``[B, S]`` positions and segment ids (each may be ``None``) put in
+    the load-balanced layout of ``n`` devices, ``[:, balanced_order(S, n)]``."""
+    order = balanced_order(x.shape[1], n)
+    x = x[:, order]
+    positions, segment_ids = (None if t is None else jnp.asarray(t)[:, order]
+                              for t in (positions, segment_ids))  # fmt: skip
+    return x, positions, segment_ids
+
+
+def _run_with_tokens(op: str, kernel, mesh: Mesh, specs, x, params, positions, segment_ids):
+    """``kernel(x, params, positions=..., segment_ids=...)`` under ``shard_map`` (``run_layer``),
+    the token arrays passed (with ``specs.tokens``) only when given: ``y`` laid out as
+    ``specs.y``."""
     args = {"x": x, "params": params}
     in_specs = {"x": specs.x, "params": {name: specs.params[name] for name in params}}
     for name, tokens in (("positions", positions), ("segment_ids", segment_ids)):
@@ -710,8 +743,7 @@ def context_parallel_attention(
         given = dict(zip(names, values, strict=True))
         return kernel(given.pop("x"), given.pop("params"), **given)
 
-    y = run_layer(op, run, mesh, args, in_specs, specs.y)
-    return y[:, inverse_order(x.shape[1], n)] if permute else y
+    return run_layer(op, run, mesh, args, in_specs, specs.y)
 
 
 def sequence_fit(seq: int, multiple: int) -> int:
