@@ -75,14 +75,7 @@ def cached_attention_kernel(
     _rope.check_rope(op, rope_theta, head_dim)
     k_cache, v_cache = cache
     batch, seq, _ = x.shape
-    want = (batch, _kv_heads.kv_cache_heads(num_heads, kv_heads, p), k_cache.shape[2], head_dim)
-    for name, c in (("k", k_cache), ("v", v_cache)):
-        if tuple(c.shape) != want or c.dtype != np.dtype(precision.compute_dtype):
-            raise ValueError(
-                f"{op}: the {name} cache must be [B, n, S_max, hd] = {want} in "
-                f"{np.dtype(precision.compute_dtype)} (n = kv_cache_heads({num_heads}, "
-                f"{kv_heads}, {p})); got {c.dtype}{tuple(c.shape)}"
-            )
+    _check_cache(op, k_cache, v_cache, batch, head_dim, num_heads, kv_heads, p, precision)
     accum = precision.accum_dtype
     x = x.astype(accum)  # replicated over model: no region entry is needed without a backward
     if shared:
@@ -102,6 +95,57 @@ def cached_attention_kernel(
     at = (0, 0, start, 0)
     k_cache = lax.dynamic_update_slice(k_cache, k.astype(compute), at)  # [B, n, S_max, hd]
     v_cache = lax.dynamic_update_slice(v_cache, v.astype(compute), at)
+    o = _attention_over_cache(  # o[B, H/p, s, hd] in accum
+        q, k_cache, v_cache, kv, heads, positions, start, seq, implementation, precision
+    )
+    o = o.transpose(0, 2, 1, 3)  # o[B, s, H/p, hd] in accum
+    y_partial = precision.matmul(o.reshape(batch, seq, heads * head_dim), params["wo"])
+    y = all_reduce(y_partial, axis_name, reason=_attention.PARTIAL_SUMS)  # y[B, s, D] in accum
+    return precision.finish(y, params.get("bo")), (k_cache, v_cache)
+
+
+def _check_cache(
+    op: str,
+    k_cache,
+    v_cache,
+    batch: int,
+    head_dim: int,
+    num_heads: int,
+    kv_heads: int,
+    p: int,
+    precision: Precision,
+) -> None:
+    """Each of ``(k, v)`` must be ``[B, n, S_max, hd]`` in ``precision.compute_dtype``, with
+    ``n = kv_cache_heads(H, KV, p)`` (the KV heads this device's query heads read)."""
+    want = (batch, _kv_heads.kv_cache_heads(num_heads, kv_heads, p), k_cache.shape[2], head_dim)
+    for name, c in (("k", k_cache), ("v", v_cache)):
+        if tuple(c.shape) != want or c.dtype != np.dtype(precision.compute_dtype):
+            raise ValueError(
+                f"{op}: the {name} cache must be [B, n, S_max, hd] = {want} in "
+                f"{np.dtype(precision.compute_dtype)} (n = kv_cache_heads({num_heads}, "
+                f"{kv_heads}, {p})); got {c.dtype}{tuple(c.shape)}"
+            )
+
+
+def _attention_over_cache(
+    q,
+    k_cache,
+    v_cache,
+    kv,
+    heads: int,
+    positions,
+    start,
+    seq: int,
+    implementation: str,
+    precision: Precision,
+):
+    """Causal attention of ``q[B, H/p, s, hd]`` at ``positions`` (``start … start+s−1``) over
+    the cache ``[B, n, S_max, hd]`` just written: ``o[B, H/p, s, hd]`` in ``accum_dtype``.
+
+    ``implementation="einsum"`` scores ``[B, H/p, s, S_max]`` at once (the reference); any other
+    runs the blocked online softmax over the first ``start + s`` positions, in place. ``kv``
+    says which cached KV head each query head reads.
+    """
     size = k_cache.shape[2]
     if implementation != "einsum":  # blocks of the cache, never [s, S_max] at once
         keys, values = k_cache, v_cache  # [B, n, S_max, hd]
@@ -118,7 +162,4 @@ def cached_attention_kernel(
         key_positions = jnp.arange(size)  # [S_max]
         visible = _masks.visible(positions, key_positions, None, None, True)  # [1, 1, s, S_max]
         o = _attention_reference.einsum_attention(q, keys, values, visible, precision)
-    o = o.transpose(0, 2, 1, 3)  # o[B, s, H/p, hd] in accum
-    y_partial = precision.matmul(o.reshape(batch, seq, heads * head_dim), params["wo"])
-    y = all_reduce(y_partial, axis_name, reason=_attention.PARTIAL_SUMS)  # y[B, s, D] in accum
-    return precision.finish(y, params.get("bo")), (k_cache, v_cache)
+    return o
