@@ -334,9 +334,7 @@ def compare(
         raise TypeError(f"compare: precision must be a shardops.Precision; got {precision!r}")
     _check_batch("compare", batch, "compare(f, g, params, x, y)")
     if grad_k is None:
-        first = np.asarray(batch[0]) if not hasattr(batch[0], "shape") else batch[0]
-        integer = jnp.issubdtype(first.dtype, jnp.integer)
-        grad_k = math.prod(first.shape[: 2 if integer and first.ndim > 1 else 1])
+        grad_k = _default_grad_k(batch[0])
     host_params = jax.device_get(params if reference_params is None else reference_params)
     host_batch = jax.device_get(tuple(batch if reference_batch is None else reference_batch))
 
@@ -358,6 +356,35 @@ def compare(
 
     missing = tuple(sorted(set(sharded.order) ^ set(twin.order)))
     layers = tuple(n for n in sharded.order if n in twin.k)
+    rows = _tap_rows(sharded, twin, free, layers, precision)
+    rows += _param_rows(grads, ref_grads, free_grads, layers, grad_k, precision)
+    owners = (*layers, LOSS)
+    owners += tuple(sorted({r.layer for r in rows} - set(owners)))  # params of untapped layers
+    order = {n: i for i, n in enumerate(owners)}
+    rows.sort(key=lambda r: (order[r.layer], (OUTPUT, GRADIENT, PARAM).index(r.what)))
+    return Report(
+        tuple(rows),
+        owners,
+        (float(loss), float(ref_loss)),
+        precision,
+        missing,
+    )
+
+
+def _default_grad_k(first) -> int:
+    """The default K of the parameter gradients: the rows of the first batch argument (times
+    its columns for integer token ids ``[B, S]``)."""
+    first = np.asarray(first) if not hasattr(first, "shape") else first
+    integer = jnp.issubdtype(first.dtype, jnp.integer)
+    return math.prod(first.shape[: 2 if integer and first.ndim > 1 else 1])
+
+
+def _tap_rows(
+    sharded: _Session, twin: _Session, free: _Session, layers: tuple, precision: Precision
+) -> list[Row]:
+    """One ``Row`` per tapped layer's output and per gradient at it: the sharded run's value
+    against the forced reference's (``twin``) and the unforced one's (``free``), each owned by
+    the layer that makes it."""
     rows = []
     for i, name in enumerate(layers):
         for what in (OUTPUT, GRADIENT):
@@ -371,6 +398,15 @@ def compare(
             owner = name if what == OUTPUT else (layers[i + 1] if i + 1 < len(layers) else LOSS)
             k = twin.k[owner] if owner in twin.k else twin.k[name]
             rows.append(_row(owner, what, name, got, want, free_value, k, replicas, precision))
+    return rows
+
+
+def _param_rows(
+    grads, ref_grads, free_grads, layers: tuple, grad_k: int, precision: Precision
+) -> list[Row]:
+    """One ``Row`` per parameter gradient (sharded against the forced and the unforced
+    reference, summed over ``grad_k`` rows), owned by the tapped layer its path names."""
+    rows = []
     flat = jax.tree_util.tree_flatten_with_path
     for (path, g), r, f in zip(
         flat(jax.device_get(grads))[0], jax.tree.leaves(jax.device_get(ref_grads)),
@@ -379,17 +415,7 @@ def compare(
         key = jax.tree_util.keystr(path)
         layer = _owner(key, layers)
         rows.append(_row(layer, PARAM, key, g, r, f, grad_k, 0.0, precision))
-    owners = (*layers, LOSS)
-    owners += tuple(sorted({r.layer for r in rows} - set(owners)))  # params of untapped layers
-    order = {n: i for i, n in enumerate(owners)}
-    rows.sort(key=lambda r: (order[r.layer], (OUTPUT, GRADIENT, PARAM).index(r.what)))
-    return Report(
-        tuple(rows),
-        owners,
-        (float(loss), float(ref_loss)),
-        precision,
-        missing,
-    )
+    return rows
 
 
 @dataclasses.dataclass(frozen=True)
