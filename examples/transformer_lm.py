@@ -303,7 +303,7 @@ def decode(setup, params, prompt: np.ndarray, n_tokens: int, *, temperature: flo
     the heads and the rest the batch, whose rows all start from ``prompt`` (row 0 is shown).
     Returns ``(tokens, seconds, compile_seconds, rows)``: the timed call is the second one."""
     mesh = setup.mesh
-    tp = setup.layout.tp if mesh is not None else None
+    tp = setup.strategy.tp if mesh is not None else None
     model_size = mesh.shape[tp] if tp else 1
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     decode_mesh = shardops.make_mesh({"data": len(devices) // model_size, "model": model_size},

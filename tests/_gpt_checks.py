@@ -192,7 +192,7 @@ def check_budget(setup, compiled, batch_shape, case=None) -> None:
             totals[(c.kind, c.axes)] = totals.get((c.kind, c.axes), 0) + c.bytes
     expected = setup.collective_budget(*batch_shape)
     assert totals == expected, (
-        f"GPT {setup.strategy} on {dict(setup.mesh.shape)}: compiled collectives {totals} "
+        f"GPT {setup.strategy.name} on {dict(setup.mesh.shape)}: compiled collectives {totals} "
         f"!= the traced budget {expected}"
     )
     if case in EXPECTED:

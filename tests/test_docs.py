@@ -487,7 +487,7 @@ def test_readme_layer_example_moves_one_all_reduce(tmp_path_factory):
     (c,) = shardops.inspect.collectives(ns["mesh"], ns["mlp"], ns["x"], ns["p1"], ns["p2"])
     assert (c.kind, c.axes, c.bytes) == ("all-reduce", ("model",), 64 * 10 * 4)
     assert ns["y"].shape == (256, 10)
-    assert int(ns["metrics"].count) == 256 and ns["setup"].composition.name == "2d"
+    assert int(ns["metrics"].count) == 256 and ns["setup"].strategy.name == "2d"
 
 
 def test_layers_page_kernels_and_global_layers(tmp_path_factory):

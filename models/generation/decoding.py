@@ -117,8 +117,8 @@ class Decoder:
         self.attention = attention
         self.setup.check_batch_size(batch)
         self.batch = batch
-        layout = self.setup.layout
-        self.tp, self.data = layout.tp, layout.batch_axes
+        strategy = self.setup.strategy
+        self.tp, self.data = strategy.tp, strategy.batch_axes
         p = mesh.shape[self.tp]
         self.cache_heads = kv_cache_heads(model.num_heads, self.kv_heads, p)
         self.param_specs = self.setup.param_specs
@@ -181,7 +181,7 @@ class Decoder:
         ``last_only``: the head on the last position alone (what a draw reads)."""
         tree = wrap(params, self._roles, self.param_specs, self._logical)
         output = jax.tree.leaves(self.model.output_layer(tree), is_leaf=is_param)
-        ctx = CachedParallel(self.setup.layout, self.precision,
+        ctx = CachedParallel(self.setup.strategy, self.precision,
                              attention_implementation=self.attention, cache=tuple(cache),
                              start=start, output=frozenset(q.path for q in output),
                              last_only=last_only)  # fmt: skip

@@ -39,11 +39,21 @@ from shardops_models.training._tokens import (
 )
 
 
+def _renamed(name: str) -> str:
+    """The error of ``setup.<name>``, a former name of ``setup.strategy``."""
+    return (
+        f"setup.{name} is gone: setup.{name} is now setup.strategy (the Strategy); its name is "
+        f"setup.strategy.name (one word, one meaning: see docs/migration.md)"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """What ``build`` returns. Arrays go in and out laid out by the specs below."""
 
-    strategy: str
+    strategy: Strategy
+    """The ``Strategy``: which mesh axes carry each kind of parallelism, and the mesh axes that
+    split the batch; its name (``"dp"``, ``"fsdp_tp"``, …) is ``strategy.name``."""
     mesh: Mesh | None
     model: Any
     """The model (``models.Mlp``, ``models.Gpt`` or your own): init, plan, apply, loss."""
@@ -82,8 +92,6 @@ class Setup:
     """The weight of each auxiliary loss the model returns (``build``)."""
     microbatches: int = 1
     """The parts each device's batch is split into for the gradient (``build``)."""
-    layout: Strategy = None
-    """The strategy's layout: which mesh axes carry each kind of parallelism."""
     padding: Padding = None
     """The model's shapes and the stored ones: a dim the tp axis does not divide is stored
     padded with zeros (``Padding``); ``shard`` pads, ``gather`` and checkpoints see the
@@ -98,10 +106,14 @@ class Setup:
         return self.model.sizes
 
     @property
-    def composition(self) -> Strategy:
-        """The ``Strategy`` (the layout) that ``strategy`` names: which mesh axes carry each
-        kind of parallelism, and the mesh axes that split the batch."""
-        return self.layout
+    def layout(self):
+        """Gone: ``setup.strategy`` is the ``Strategy`` (an AttributeError naming it)."""
+        raise AttributeError(_renamed("layout"))
+
+    @property
+    def composition(self):
+        """Gone: ``setup.strategy`` is the ``Strategy`` (an AttributeError naming it)."""
+        raise AttributeError(_renamed("composition"))
 
     def init(self, key: jax.Array) -> TrainState:
         """The model's reference init (in the policy's param dtype) sharded onto the mesh,
@@ -138,7 +150,7 @@ class Setup:
     def batch_multiple(self) -> int:
         """Every batch size must be a multiple of this (the devices the batch is split over);
         a training batch, of this × ``microbatches``."""
-        axes = self.layout.batch_axes
+        axes = self.strategy.batch_axes
         return math.prod(self.mesh.shape[a] for a in axes) if axes else 1
 
     def place_batch(self, x, y=None):
@@ -216,7 +228,7 @@ class Setup:
         if batch % self.batch_multiple:
             raise ValueError(
                 f"batch size {batch} does not split over the {self.batch_multiple} devices of "
-                f"mesh axes {self.layout.batch_axes} (strategy {self.strategy!r}); use a "
+                f"mesh axes {self.strategy.batch_axes} (strategy {self.strategy.name!r}); use a "
                 f"multiple of {self.batch_multiple}"
             )
 
@@ -225,7 +237,7 @@ class Setup:
         for a concrete batch (not traced), its token ids and labels inside the vocabulary the
         library knows of (``_check_tokens``): a ValueError naming the array, the token, where
         it is and the fix. ``place_batch`` calls it."""
-        _check_batch(self.model, self.layout, self.mesh, x, y)
+        _check_batch(self.model, self.strategy, self.mesh, x, y)
         self._check_token_range(x, y)
 
     def _check_token_range(self, x, y=None) -> None:

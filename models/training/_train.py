@@ -140,7 +140,7 @@ def build(
                  microbatches)  # fmt: skip
     programs = _jitted_programs(body, mesh, remat, padding, specs, opt_specs, batch_spec)
     return Setup(
-        strategy=strategy.name,
+        strategy=strategy,
         mesh=mesh,
         model=model,
         plan=plan,
@@ -152,7 +152,6 @@ def build(
         attention=attention,
         aux_weights=weights,
         microbatches=microbatches,
-        layout=strategy,
         padding=padding,
         param_specs=specs,
         opt_specs=opt_specs,

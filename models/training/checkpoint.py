@@ -203,7 +203,7 @@ class Checkpoints:
         record = {
             "format": FORMAT,
             "step": int(step),
-            "strategy": setup.strategy,
+            "strategy": setup.strategy.name,
             "mesh": None if setup.mesh is None else dict(setup.mesh.shape),
             "model": describe(setup),
             "fingerprints": fingerprints(state),

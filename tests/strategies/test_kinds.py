@@ -136,7 +136,7 @@ def test_a_kind_that_does_not_sum_its_gradients_is_caught():
     for strategy in (TOY_2D, "2d", unsummed):
         setup = models.build(strategy, mesh, model=GPT, optimizer=optax.sgd(0.1),
                              precision=shardops.BFLOAT16)  # fmt: skip
-        gradients[setup.strategy] = setup.budget(BATCH).totals()[(AR, ("data",))]
+        gradients[setup.strategy.name] = setup.budget(BATCH).totals()[(AR, ("data",))]
     assert gradients["replicas_tp"] == gradients["2d"]
     assert gradients["unsummed"] != gradients["2d"], gradients
 

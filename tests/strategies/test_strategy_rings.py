@@ -78,7 +78,7 @@ def check_directions(setup, state, x, y, ring) -> None:
     custom VJPs' backward rings too), or as often each way (``"bidirectional"``)."""
     text = setup.train_step.lower(state, *setup.place_batch(x, y)).compile().as_text()
     shifts = permute_shifts(text, setup.mesh, "model")
-    check_ring_directions(shifts, ring == "bidirectional", f"{setup.strategy} {ring}")
+    check_ring_directions(shifts, ring == "bidirectional", f"{setup.strategy.name} {ring}")
 
 
 @pytest.fixture
