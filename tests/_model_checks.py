@@ -137,7 +137,11 @@ def check_trajectory(
                 f"layer {i} {name} moved only {moved:.2e} in {STEPS} steps: a test that cannot "
                 f"see a zeroed or doubled gradient; use larger inputs or init"
             )
-    key = (strategy, "x".join(map(str, mesh_shape.values())) if mesh_shape else "-", opt_name)
+    key = (
+        getattr(strategy, "name", strategy),
+        "x".join(map(str, mesh_shape.values())) if mesh_shape else "-",
+        opt_name,
+    )
     if precision != shardops.FLOAT32:
         key = (*key[:2], f"{opt_name}/{precision.name[:5].lower()}")
     old = TRAJECTORY_ERRORS.get(key, {})

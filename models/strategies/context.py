@@ -14,12 +14,14 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 import shardops
 from shardops import SEQUENCE_DIM
 from shardops_models.strategies.kind import Kind, LayoutContext
+from shardops_models.strategies.plan import HEAD
 
 _WHOLE_SEQUENCE = shardops.comm.Reason("whole_sequence", forward={
     "all_gather": "a caller outside the mesh asks for the logits of every token, whose sequence "
@@ -108,11 +110,11 @@ class ContextKind(Kind):
         if self.method != "ulysses" or not declared.num_heads:
             return
         heads, kv_heads = declared.num_heads, declared.kv_heads
-        tp = strategy.tensor
-        split_heads = tp is not None and tp.splits_heads(context.roles)
-        p = mesh.shape[tp.axis] if split_heads else 1
+        heads_axis = context.rules.get("heads")  # the axis a head role splits (tp's), or None
+        split_heads = heads_axis is not None and HEAD in jax.tree.leaves(context.roles)
+        p = mesh.shape[heads_axis] if split_heads else 1
         if heads % p:
-            return  # a head count tp does not divide: the tensor kind refuses it
+            return  # a head count the heads' axis does not divide: its kind refuses it
         sent = shardops.layers.kv_cache_heads(heads, kv_heads, p)
         if p > 1 and not shardops.layers.splits_kv_heads(kv_heads, p) and sent > 1:
             sent = heads // p  # replicated K/V read by index: one per query head
@@ -120,8 +122,10 @@ class ContextKind(Kind):
                                             mesh.shape[self.axis])  # fmt: skip
 
     def check_batch(self, strategy, mesh, x) -> None:
-        sp = strategy.tensor if strategy.sp else None
+        """S splits into 2N chunks, each of which a kind that splits the activations along S
+        between layers (sp, ``Kind.sequence_axes``) splits again."""
+        (inner, *_) = [a for k in strategy.kinds for a in k.sequence_axes] or [None]
         shardops.layers.check_context_sequence(
             "the batch", "x", x.shape[1], self.axis, mesh.shape[self.axis],
-            sp.axis if sp else None, mesh.shape[sp.axis] if sp else 1,
+            inner, mesh.shape[inner] if inner else 1,
         )  # fmt: skip

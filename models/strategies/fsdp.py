@@ -139,8 +139,8 @@ class FsdpKind(Kind):
 
     def _may_move_activations(self, ctx, p) -> bool:
         """A dense weight (``...['w']``, rank 2) that ``dense`` may use without gathering it."""
-        tensor = ctx.strategy.tensor  # under sp the layers gather the sequence themselves
-        return (ctx.fsdp_dense != GATHER_WEIGHTS and not (tensor and tensor.sequence)
+        split_s = any(k.sequence_axes for k in ctx.strategy.kinds)  # sp: the layers gather S
+        return (ctx.fsdp_dense != GATHER_WEIGHTS and not split_s
                 and p.path.endswith("['w']") and p.value.ndim == 2)  # fmt: skip
 
     def pending_dense(self, ctx, p, x):

@@ -5,7 +5,8 @@ A ``Strategy`` (``models.strategies.layout``) is a tuple of kinds, each over its
 
     what it splits             ``splits_batch`` (the batch's dim 0 over its axes),
                                ``splits_sequence`` (every activation's S: ``local_tokens``),
-                               ``splits_parameters`` (``materialise``: its part of ``ctx.unit``)
+                               ``splits_parameters`` (``materialise``: its part of ``ctx.unit``),
+                               ``sequence_axes`` (S between layers, inside its kernels: sp)
     its gradients              ``sums_gradients``: a parameter replicated over its axes meets
                                different tokens on each device, so ``ctx.unit`` enters it
                                varying over them and autodiff sums its gradient (an AllReduce);
@@ -88,15 +89,24 @@ class Kind:
     doc: ClassVar[str] = ""
     """One line for the strategy's table: what it splits, what it communicates."""
     splits_batch: ClassVar[bool] = False
+    """Whether it splits the batch's dim 0 over its axes."""
     splits_sequence: ClassVar[bool] = False
+    """Whether it splits every activation's tokens over its axes (``local_tokens``: cp)."""
     sums_gradients: ClassVar[bool] = False
+    """Whether a parameter replicated over its axes has its gradient summed over them."""
     splits_layers: ClassVar[bool] = False
+    """Whether it splits the layers' weights by plan role (tp): laid out first, and its axis is
+    ``ctx.axis_name("model")``."""
     regathers: ClassVar[bool] = False
+    """Whether ``ctx.unit`` gathers a weight again for its second use in a forward (fsdp: a
+    tied table), behind an optimization barrier the train step's compiler must keep."""
     splits_parameters: ClassVar[bool] = False
     """Whether it splits parameters over its axes (fsdp): ``ctx.unit`` then leaves their
     leaves to its ``materialise``."""
-    """Whether ``ctx.unit`` gathers a weight again for its second use in a forward (fsdp: a
-    tied table), behind an optimization barrier the train step's compiler must keep."""
+    sequence_axes: ClassVar[tuple[str, ...]] = ()
+    """The axes over which it splits every activation along S between layers, inside the
+    layers' own kernels (sp); the kind that splits the tokens (cp) checks that they divide
+    each of its chunks."""
 
     def __post_init__(self):
         object.__setattr__(self, "axes", axes_of(self.axes, self.name))

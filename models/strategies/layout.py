@@ -151,11 +151,6 @@ class Strategy:
             kinds.append(TensorKind((self.tp,), self.sp))
         return tuple(kinds)
 
-    @property
-    def tensor(self) -> TensorKind | None:
-        """The tensor-parallel kind (tp or sp), or None."""
-        return next((k for k in self.kinds if isinstance(k, TensorKind)), None)
-
     # --- what the rest of the library asks
 
     @property

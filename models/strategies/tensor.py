@@ -80,6 +80,11 @@ class TensorKind(Kind):
     def axis(self) -> str:
         return self.axes[0]
 
+    @property
+    def sequence_axes(self) -> tuple[str, ...]:  # type: ignore[override]
+        """sp: the activations between layers are split along S over the axis."""
+        return (self.axis,) if self.sequence else ()
+
     def logical_rules(self) -> dict[str, str]:
         """The dims the plan roles split over the axis (``plan.logical_rules``: vocab, mlp,
         heads, kv_heads)."""
@@ -260,7 +265,8 @@ class TensorKind(Kind):
                     )
 
     def check_batch(self, strategy, mesh, x) -> None:
-        if self.sequence and not strategy.cp:  # (under cp the context kind checks S)
+        if self.sequence and not any(k.splits_sequence for k in strategy.kinds):  # (else the
+            # kind that splits the tokens checks S: each of its chunks is split again here)
             shardops.check_divisible(
                 argument="x", dim=1, dim_name="sequence", size=x.shape[1], mesh=mesh,
                 axes=(self.axis,),

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import shardops
 import shardops_models as models
 from shardops.inspect import _locate as _compare
-from shardops_models.strategies import parallel
+from shardops_models.strategies import _layers, parallel
 
 F32, MIXED = shardops.FLOAT32, shardops.MIXED_BFLOAT16  # and BFLOAT16 once
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -309,11 +309,10 @@ def test_a_bound_without_input_rounding_fails_a_clean_bf16_model(monkeypatch):
 
 
 def test_a_tap_with_the_sequence_and_feature_dims_swapped_fails_a_clean_model(monkeypatch):
-    bad = mutant(parallel, "tap_dims_swapped",
+    bad = mutant(_layers, "tap_dims_swapped",
                  "                entries[-1 if features_split else SEQUENCE_DIM] = model\n",
                  "                entries[SEQUENCE_DIM if features_split else -1] = model\n")  # fmt: skip
-    monkeypatch.setattr(bad, "is_param", parallel.is_param)  # the real Param class
-    monkeypatch.setattr(parallel.Parallel, "_tap", bad.Parallel._tap)
+    monkeypatch.setattr(parallel.Parallel, "_tap", bad.Layers._tap)
     with pytest.raises(ValueError, match="global shape"):  # x[B, S/p, D] put together as
         locate(gpt(), "sp", {"data": 2, "model": 4}, F32)  # x[B, S/p, D·p]
 

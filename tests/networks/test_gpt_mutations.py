@@ -160,7 +160,7 @@ BUDGET_MUTANTS = {
     ), "tp", "2x2x2", True),
     # dp's gradient AllReduce (the transpose of copy_to_region) in bfloat16.
     "dp_grads_reduced_in_bf16": (parallel, GRAD_PSUM, (
-        "                value = shardops.comm.copy_to_region(value, axes, jnp.bfloat16).astype(\n"
+        "                value = shardops.comm.copy_to_region(value, axes, jax.numpy.bfloat16).astype(\n"
         "                    value.dtype)"
     ), "dp", "data8", True),
 }  # fmt: skip

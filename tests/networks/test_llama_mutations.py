@@ -16,7 +16,7 @@ import shardops
 import shardops_models as models
 from shardops import _clip
 from shardops.layers import _dense_kernels
-from shardops_models.strategies import parallel
+from shardops_models.strategies import _layers, parallel
 
 TIED_LINE = "        w = table.T  # w[D, V(_model)]: the table's rows as output columns"
 PSUM_LINE = (
@@ -32,8 +32,8 @@ def swapped(monkeypatch):
     def swap(name, mutated: bool):
         if name == "tied_head_counted_once":
             new = "        w = lax.stop_gradient(table).T  # the head's use adds no gradient"
-            module = mutant(parallel, name, TIED_LINE, new if mutated else TIED_LINE)
-            monkeypatch.setattr(parallel.Parallel, "tied_head", module.Parallel.tied_head)
+            module = mutant(_layers, name, TIED_LINE, new if mutated else TIED_LINE)
+            monkeypatch.setattr(parallel.Parallel, "tied_head", module.Layers.tied_head)
         else:
             module = mutant(_clip, name, PSUM_LINE, "            pass" if mutated else PSUM_LINE)
             monkeypatch.setattr(shardops, "clip_by_global_norm", module.clip_by_global_norm)

@@ -92,7 +92,7 @@ def test_the_batch_check_without_sequence_parallelism_is_caught(monkeypatch):
     """The batch check of sp+cp asking only 2 × context of the sequence: 12 tokens on 2 × 4
     pass it (and fail later, inside a layer, naming neither the batch nor a length that fits).
     The check is the context kind's (``models/strategies/context.py``)."""
-    line = "            sp.axis if sp else None, mesh.shape[sp.axis] if sp else 1,\n"
+    line = "            inner, mesh.shape[inner] if inner else 1,\n"
     kind = mutant(context, "cp_check_without_sp", line, "            None, 1,\n").ContextKind
     monkeypatch.setattr(layout, "ContextKind", kind)
     with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
@@ -100,7 +100,7 @@ def test_the_batch_check_without_sequence_parallelism_is_caught(monkeypatch):
 
 
 def test_the_unmutated_context_kind_refuses_the_short_sequence(monkeypatch):
-    line = "            sp.axis if sp else None, mesh.shape[sp.axis] if sp else 1,\n"
+    line = "            inner, mesh.shape[inner] if inner else 1,\n"
     kind = mutant(context, "cp_check_unmutated", line, line).ContextKind
     monkeypatch.setattr(layout, "ContextKind", kind)
     test_an_empty_or_short_sequence_is_refused_with_a_length_that_fits()

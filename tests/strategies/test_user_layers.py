@@ -14,7 +14,7 @@ from _mutants import mutant
 
 import shardops
 import shardops_models as models
-from shardops_models.strategies import parallel
+from shardops_models.strategies import _axes, parallel
 
 V, D, F, S = 16, 8, 16, 4  # vocabulary, width, gated width, sequence
 BATCH = 8
@@ -168,7 +168,7 @@ def test_the_budget_of_the_hand_written_layer_has_the_bytes_worked_out_by_hand()
         }
 
 
-# --- mutants of the ctx pieces a layer of one's own uses (models/strategies/parallel.py)
+# --- mutants of the ctx pieces a layer of one's own uses (models/strategies/_axes.py)
 
 CTX_MUTANTS = {
     # every device told it is alone on the model axis: its bias block is the whole bias
@@ -206,8 +206,8 @@ CTX_MUTANTS = {
 
 def check_mutant(monkeypatch, name: str, replace: bool) -> None:
     method, line, new, variant = CTX_MUTANTS[name]
-    bad = mutant(parallel, name, line, new if replace else line)
-    monkeypatch.setattr(parallel.Parallel, method, getattr(bad.Parallel, method))
+    bad = mutant(_axes, name, line, new if replace else line)
+    monkeypatch.setattr(parallel.Parallel, method, getattr(bad.Axes, method))
     model = GatedLM(variant)
     setup = models.build("2d", shardops.make_mesh({"data": 4, "model": 2}), model=model,
                          optimizer=optax.sgd(0.5))  # fmt: skip
