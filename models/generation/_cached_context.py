@@ -43,10 +43,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from shardops.layers import cached_attention_kernel
-from shardops_models.strategies.parallel import Parallel, is_param
+from shardops_models.strategies.parallel import Parallel, is_param, one_layer
 from shardops_models.strategies.plan import StackedRole
 
 
@@ -165,11 +164,7 @@ class CachedParallel(Parallel):
                 f"has attended in; the cache holds {self.num_layers} layers. Make the cache "
                 f"for the model's layers (Decoder.init_cache), one context per forward"
             )
-        per_layer = jax.tree.map(  # as Parallel.scan: each leaf the layer's role, spec and shape
-            lambda q: q.replace(role=q.role.layer, spec=P(*q.spec[1:]),
-                                logical=None if q.logical is None else q.logical[1:]),
-            params, is_leaf=is_param,
-        )  # fmt: skip
+        per_layer = one_layer(params)  # as Parallel.scan: each leaf the layer's view
 
         def body(carry, layer_and_index):
             x, cursor.k, cursor.v = carry  # x[b, s, D]; the whole cache [L, b, n, S_max, hd]

@@ -196,11 +196,7 @@ class Parallel(Layers, Axes):
             lambda q: self._materialise(q) if self.split_dim(q.spec) is None else q, params,
             is_leaf=is_param,
         )  # fmt: skip
-        per_layer = jax.tree.map(  # each leaf: the layer's role, spec and shape; values stacked
-            lambda q: q.replace(role=q.role.layer, spec=P(*q.spec[1:]),
-                                logical=None if q.logical is None else q.logical[1:]),
-            params, is_leaf=is_param,
-        )  # fmt: skip
+        per_layer = one_layer(params)  # each leaf: the layer's role, spec and shape; stacked
 
         if shardops.inspect.tapping():  # the locator: each layer tapped under its own name
             root = _layer_path([q.path for q in leaves])  # "['blocks']"
@@ -246,6 +242,17 @@ class Parallel(Layers, Axes):
                 return self._splitter.gather(self, leaf.value, leaf.pending)
             return leaf.value
         return leaf
+
+
+def one_layer(params):
+    """Stacked ``Param`` leaves ``[L, ...]`` as one layer of them sees them: each leaf's role,
+    PartitionSpec and logical shape without the layers dim; the values still stacked (for
+    ``lax.scan`` to slice)."""
+    return jax.tree.map(
+        lambda q: q.replace(role=q.role.layer, spec=P(*q.spec[1:]),
+                            logical=None if q.logical is None else q.logical[1:]),
+        params, is_leaf=is_param,
+    )  # fmt: skip
 
 
 __all__ = [
