@@ -10,11 +10,12 @@
 | context-parallel attention | ``context_parallel_attention`` (all-gather K/V, ring, Ulysses; a sequence split over ``context``) | ``context_parallel_attention_kernel``, or ``head_parallel_attention_kernel(context=ContextParallel(...))`` | ``context_parallel_attention_specs`` |
 | decoding attention | | ``cached_attention_kernel`` (a KV cache of ``kv_cache_heads`` per device) | as attention's |
 | gated MLP | ``tensor_parallel_gated_mlp`` (SwiGLU) | ``tensor_parallel_gated_mlp_kernel`` | ``tensor_parallel_gated_mlp_specs`` |
+| mixture of experts | ``expert_parallel_moe`` (top-k, capacity per group; ``moe_route``, ``MoeStats``) | ``moe_kernel`` | ``moe_specs`` → ``MoeSpecs`` |
 | norms | ``layer_norm``, ``rms_norm`` (any sharding of the leading dims) | | |
 | FSDP dense | | ``dense_moving_activations`` (moves ``x`` and ``y``, leaves ``w`` split over ``data``) | |
 
-Unsharded references: ``dense``, ``attention``, ``gated_mlp``. Parameters: ``init_dense``,
-``init_attention``, ``init_gated_mlp``,
+Unsharded references: ``dense``, ``attention``, ``gated_mlp``, ``moe``. Parameters: ``init_dense``,
+``init_attention``, ``init_gated_mlp``, ``init_moe``,
 ``shard_params`` (full weights onto a mesh, padded where a dim does not divide).
 """
 
@@ -77,6 +78,20 @@ from shardops.layers._mlp import (
     tensor_parallel_gated_mlp_kernel,
     tensor_parallel_gated_mlp_specs,
 )
+from shardops.layers._moe import LOAD_BALANCE as MOE_LOAD_BALANCE
+from shardops.layers._moe import SCORES as MOE_SCORES
+from shardops.layers._moe import (
+    MoeRouting,
+    MoeSpecs,
+    MoeStats,
+    expert_parallel_moe,
+    init_moe,
+    moe,
+    moe_capacity,
+    moe_kernel,
+    moe_specs,
+)
+from shardops.layers._moe import route as moe_route
 from shardops.layers._norms import layer_norm, rms_norm
 from shardops.layers._params import dense, init_dense, pad_params, padded_size, shard_params, unpad
 from shardops.layers._rope import segment_positions
@@ -86,12 +101,17 @@ __all__ = [
     "COLLECTIVE_MATMULS",
     "CONTEXT_METHODS",
     "IMPLEMENTATIONS",
+    "MOE_LOAD_BALANCE",
+    "MOE_SCORES",
     "AttentionSpecs",
     "ContextParallel",
     "CrossEntropySpecs",
     "DenseSpecs",
     "EmbeddingSpecs",
     "GatedMlpSpecs",
+    "MoeRouting",
+    "MoeSpecs",
+    "MoeStats",
     "attention",
     "balanced_order",
     "blocked_attention",
@@ -108,6 +128,7 @@ __all__ = [
     "context_parallel_attention_specs",
     "dense",
     "dense_moving_activations",
+    "expert_parallel_moe",
     "gated_mlp",
     "head_parallel_attention",
     "head_parallel_attention_kernel",
@@ -115,9 +136,15 @@ __all__ = [
     "init_attention",
     "init_dense",
     "init_gated_mlp",
+    "init_moe",
     "inverse_order",
     "kv_cache_heads",
     "layer_norm",
+    "moe",
+    "moe_capacity",
+    "moe_kernel",
+    "moe_route",
+    "moe_specs",
     "pad_params",
     "padded_size",
     "rms_norm",

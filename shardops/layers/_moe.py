@@ -1,0 +1,515 @@
+"""Mixture of experts (top-k routing, capacity per group, SwiGLU experts): per-device kernel,
+layer, specs, the unsharded reference and the routing it decides.
+
+Shapes: ``G`` groups (sequences) of ``S`` tokens, model width ``D``, ``E`` experts of hidden
+width ``F``, ``k`` experts per token, ``C`` slots per expert per group, ``N`` devices on the
+expert axis, ``p`` on the model axis.
+
+    logits = x[G, S, D] · router[D, E]                  → logits[G, S, E] (float32, replicated w)
+    top-k of probs = softmax(logits) (or sigmoid)       → chosen experts, weights renormalised
+    dispatch[G, S, E, C]: token s fills expert e's next free slot (rank-major, then by s)
+    xe[E_X, N·G·C, D] ← AllToAll over X ← xe[E, G·C, D] = dispatch · x          (expert parallel)
+    ye = down(silu(xe · gate) ⊙ (xe · up))              → ye[E_X, N·G·C, D]{U_model}
+    ye[E, G·C, D] ← AllToAll back;  y[G, S, D] = Σ_{e,c} combine · ye → psum over model
+
+**The routing rule** (``route``). Each row ``g`` of ``x[G, S, D]`` is one capacity group; a
+2-D ``x[T, D]`` is one group of T tokens. An expert takes at most
+``C = min(S, ceil(capacity_factor · S · k / E))`` tokens of a group (``moe_capacity``; the cap at S
+changes nothing: a token chooses an expert at most once). Slots are filled by choice rank,
+then by position: every token's first choice before any second choice, and within a rank in
+the order of s. A choice that finds its expert's C slots full is dropped (its combine weight
+is 0; the residual connection around the layer carries the token). Routing and capacity are
+per group, so the result does not depend on the mesh.
+
+**Auxiliary losses** (``MoeStats``). Load balance ``E · Σ_i f_i · P_i`` (Switch/GShard), with
+``f_i = count_i / (T·k)`` (``count_i``: assignments to expert i before dropping, T tokens)
+and ``P_i`` the mean router probability of expert i. ``load_balance="global"`` (Megatron's
+global-batch form): counts, probability sums and T are summed over ``batch_axes`` first, so
+every device gets one value for the whole batch. ``"group"`` (GShard): the loss of each group,
+averaged over this device's groups, with no communication. The router z-loss (ST-MoE) is the
+mean over tokens of ``logsumexp(logits)²``, over the same tokens as the load balance (the
+whole batch under ``"global"``, this device's under ``"group"``).
+
+No dropless path: a ragged AllToAll (``lax.ragged_all_to_all``) is not implemented on XLA:CPU,
+where this library is tested, so tokens past capacity are dropped (``docs/moe.md``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from shardops._axes import DATA_AXIS
+from shardops._mesh import axis_size, check_divisible, spec_entry
+from shardops._precision import FLOAT32, Precision
+from shardops.comm._collectives import all_reduce, all_to_all
+from shardops.comm._mappings import REPLICATED_INPUT, copy_to_region, reduce_from_region
+from shardops.comm._reasons import Reason, because
+from shardops.layers._common import (
+    bound_axis_size,
+    check_precision,
+    check_replicated_over,
+    check_sharded_over,
+    run_layer,
+    scoped,
+)
+from shardops.layers._mlp import _hidden
+
+SCORES = ("softmax", "sigmoid")
+"""How router logits become probabilities: ``softmax`` over the experts, or each expert's own
+``sigmoid``."""
+LOAD_BALANCE = ("global", "group")
+"""The load-balance loss over the whole batch (``batch_axes`` summed first) or per group."""
+PARAMS = ("router", "gate", "up", "down")
+
+_DISPATCH = Reason("moe_dispatch", forward={
+    "all_to_all": "each device's tokens go to the devices holding their experts (experts are "
+                  "split over {axis}): block j of xe[E, G·C, D] to device j",
+}, backward={
+    "all_to_all": "the transpose of the dispatch: the tokens' gradients return to their devices",
+})  # fmt: skip
+_RETURN = Reason("moe_return", forward={
+    "all_to_all": "the experts' outputs return over {axis} to the devices their tokens came from",
+}, backward={
+    "all_to_all": "the transpose of the return: dy's slots go to the devices of their experts",
+})  # fmt: skip
+_EXPERT_PARTIAL_SUMS = Reason("moe_expert_partial_sums", forward={
+    "psum": "each expert's hidden units are split over {axis}: the combined y[G, S, D] holds "
+            "partial sums (reduced after the combine, fewer bytes than the slots)",
+})  # fmt: skip
+_COMBINE_WEIGHTS = Reason("moe_combine_weights", backward={
+    "psum": "the combine weights are replicated over {axis} but multiply partial sums of the "
+            "experts' outputs: their gradients are summed",
+})  # fmt: skip
+_GLOBAL_BATCH = Reason("moe_global_batch", forward={
+    "psum": "load_balance='global': expert counts, probability sums and z-loss sums of the "
+            "whole batch, split over {axis}",
+})  # fmt: skip
+_STATS = Reason("moe_layer_stats", forward={
+    "psum": "the layer's statistics (tokens per expert, drops, per-group losses) over the batch "
+            "split over {axis}",
+})  # fmt: skip
+
+
+class MoeStats(NamedTuple):
+    """What routing did and its auxiliary losses (a pytree).
+
+    ``load_balance``: ``E · Σ_i f_i · P_i`` (float32 scalar; 1 when balanced);
+    ``z_loss``: mean of ``logsumexp(logits)²`` (float32 scalar);
+    ``tokens_per_expert[E]``: assignments before dropping; ``dropped[E]``: assignments
+    dropped at capacity (float32 counts over this device's groups in the kernel, over the
+    whole batch from ``expert_parallel_moe``)."""
+
+    load_balance: jax.Array
+    z_loss: jax.Array
+    tokens_per_expert: jax.Array
+    dropped: jax.Array
+
+
+class MoeRouting(NamedTuple):
+    """``route``'s decisions for ``x[G, S, D]``: ``dispatch[G, S, E, C]`` (bool: token s of
+    group g sits in slot c of expert e), ``combine[G, S, E]`` (the renormalised weight of each
+    kept choice, 0 elsewhere), ``chosen[G, S, E]`` (1.0 per choice, before dropping), and the
+    float32 ``logits`` and ``probs[G, S, E]``."""
+
+    dispatch: jax.Array
+    combine: jax.Array
+    chosen: jax.Array
+    logits: jax.Array
+    probs: jax.Array
+
+
+class MoeSpecs(NamedTuple):
+    """PartitionSpecs of the MoE layer: ``x``, ``router``, the gate and up weights ``w_in``,
+    the down weight ``w_out`` and ``y``."""
+
+    x: P
+    router: P
+    w_in: P
+    w_out: P
+    y: P
+
+    @property
+    def params(self) -> dict:
+        """The specs of ``init_moe``'s tree, for ``shard_params``."""
+        return {"router": self.router, "gate": self.w_in, "up": self.w_in, "down": self.w_out}
+
+
+def moe_specs(
+    *,
+    expert_axis: str | None = DATA_AXIS,
+    model_axis: str | None = None,
+    batch_axes: Sequence[str] = (DATA_AXIS,),
+) -> MoeSpecs:
+    """Layout of ``expert_parallel_moe``: ``x[G_batch, S, D] → y[G_batch, S, D]``,
+    ``router[D, E]`` replicated, gate and up ``w[E_expert, D, F_model]``, down
+    ``w[E_expert, F_model, D]``."""
+    x = P(spec_entry(*_axes_tuple(batch_axes)), None, None)
+    return MoeSpecs(x=x, router=P(None, None), w_in=P(expert_axis, None, model_axis),
+                    w_out=P(expert_axis, model_axis, None), y=x)  # fmt: skip
+
+
+def init_moe(key: jax.Array, d_model: int, d_ff: int, num_experts: int, dtype=jnp.float32) -> dict:
+    """Full parameters ``{"router": w[D, E], "gate", "up": w[E, D, F], "down": w[E, F, D]}``,
+    each LeCun-normal over its input features like ``init_gated_mlp``'s weights (every expert
+    one gated MLP). Shard with ``shard_params(params, mesh, moe_specs(...).params)``."""
+    for name, n in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"init_moe: {name} must be a positive int; got {n!r}")
+    k_router, k_gate, k_up, k_down = jax.random.split(key, 4)
+    expert = jax.nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+    e, d, f = num_experts, d_model, d_ff
+    return {
+        "router": jax.nn.initializers.lecun_normal()(k_router, (d, e), dtype),
+        "gate": expert(k_gate, (e, d, f), dtype),
+        "up": expert(k_up, (e, d, f), dtype),
+        "down": expert(k_down, (e, f, d), dtype),
+    }
+
+
+def moe_capacity(group_size: int, k: int, num_experts: int, capacity_factor: float) -> int:
+    """Slots per expert per group: ``C = min(S, ceil(capacity_factor · S · k / E))``."""
+    return min(group_size, math.ceil(capacity_factor * group_size * k / num_experts))
+
+
+def route(x, router, *, k: int, capacity_factor: float, score: str = "softmax") -> MoeRouting:
+    """The routing of ``x[G, S, D]`` (or ``x[T, D]``, one group) by ``router[D, E]``: top-k
+    experts per token, slots by choice rank then position (module docstring). Local: no
+    communication. Returns ``MoeRouting`` with a leading G (1 for a 2-D ``x``)."""
+    _check_options("route", k, capacity_factor, score, "global", router.shape[-1])
+    groups = x if x.ndim == 3 else x[None]  # x[G, S, D]
+    g, s, _ = groups.shape
+    e = router.shape[-1]
+    c = moe_capacity(s, k, e, capacity_factor)
+    logits = jnp.einsum("gsd,de->gse", groups.astype(jnp.float32), router.astype(jnp.float32),
+                        precision=lax.Precision.HIGHEST)  # logits[G, S, E] in float32  # fmt: skip
+    probs = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
+    top_p, top_i = lax.top_k(probs, k)  # [G, S, k]: best first
+    weights = top_p / jnp.sum(top_p, axis=-1, keepdims=True)  # [G, S, k], renormalised over k
+    choice = jax.nn.one_hot(top_i, e, dtype=jnp.int32)  # [G, S, k, E]
+    rank_major = (0, 2, 1, 3)  # [G, S, k, E] ↔ [G, k, S, E]: all first choices, then seconds
+    queue = jnp.transpose(choice, rank_major)  # [G, k, S, E], in the order slots are filled
+    position = jnp.cumsum(queue.reshape(g, k * s, e), axis=1).reshape(queue.shape) - 1
+    position = jnp.transpose(position, rank_major)  # [G, S, k, E]: each choice's place in line
+    kept = (choice == 1) & (position < c)  # [G, S, k, E]
+    slot = jax.nn.one_hot(jnp.sum(position * choice, axis=-1), c)  # [G, S, k, C] (full: 0)
+    dispatch = jnp.einsum("gske,gskc->gsec", kept.astype(jnp.float32), slot) > 0  # [G, S, E, C]
+    combine = jnp.einsum("gske,gsk->gse", kept.astype(jnp.float32), weights)  # [G, S, E]
+    chosen = jnp.sum(choice, axis=2).astype(jnp.float32)  # [G, S, E]
+    return MoeRouting(dispatch, combine, chosen, logits, probs)
+
+
+def _stats(routing: MoeRouting, k: int, load_balance: str, batch_axes: tuple) -> MoeStats:
+    """``MoeStats`` of this device's groups; ``"global"`` sums over ``batch_axes`` first."""
+    _, s, e = routing.chosen.shape
+    tokens_per_expert = jnp.sum(routing.chosen, axis=(0, 1))  # [E], before dropping
+    dropped = tokens_per_expert - jnp.sum(routing.dispatch, axis=(0, 1, 3))  # [E]
+    z = jax.nn.logsumexp(routing.logits, axis=-1) ** 2  # [G, S]
+    if load_balance == "global":
+        counts, prob_sums, z_sum = tokens_per_expert, jnp.sum(routing.probs, (0, 1)), jnp.sum(z)
+        if batch_axes:  # the whole batch's counts: every device gets the same loss
+            sums = all_reduce((counts, prob_sums, z_sum), batch_axes, reason=_GLOBAL_BATCH)
+            counts, prob_sums, z_sum = sums
+        tokens = jnp.sum(counts) / k  # T: each token makes k choices
+        balance = e * jnp.sum((counts / (tokens * k)) * (prob_sums / tokens))
+        z_loss = z_sum / tokens
+    else:  # per group (GShard), averaged over this device's groups
+        f = jnp.sum(routing.chosen, axis=1) / (s * k)  # f[G, E]
+        balance = jnp.mean(e * jnp.sum(f * jnp.mean(routing.probs, axis=1), axis=-1))
+        z_loss = jnp.mean(z)
+    return MoeStats(balance, z_loss, tokens_per_expert, dropped)
+
+
+def _experts(xe, params, activation, precision: Precision):
+    """Every local expert's SwiGLU on its slots: ``xe[E', T, D] → ye[E', T, D]`` in accum
+    (partial sums over the model axis when F is split), batched over the experts."""
+    hidden = functools.partial(_hidden, activation=activation, precision=precision)
+    h = jax.vmap(hidden)(xe, {"gate": {"w": params["gate"]}, "up": {"w": params["up"]}})
+    return jax.vmap(precision.matmul)(h, params["down"])  # ye[E', T, D] in accum
+
+
+@scoped("moe")
+def moe_kernel(
+    x,
+    params,
+    *,
+    k: int,
+    capacity_factor: float,
+    score: str = "softmax",
+    load_balance: str = "global",
+    expert_axis: str | None = None,
+    model_axis: str | None = None,
+    batch_axes: Sequence[str] = (),
+    activation: Callable = jax.nn.silu,
+    precision: Precision = FLOAT32,
+) -> tuple[jax.Array, MoeStats]:
+    """The MoE layer on local blocks: ``x[G, S, D] → y[G, S, D]`` and ``MoeStats``.
+
+    Arguments (local blocks, ``N`` = size of ``expert_axis``, ``p`` = size of ``model_axis``):
+        x: ``x[G, S, D]`` (G capacity groups of S tokens) or ``x[T, D]`` (one group), in
+            compute dtype, replicated over ``model_axis``; it may differ over ``expert_axis``
+            (normally the data axis).
+        params: ``{"router": w[D, E]`` replicated, ``"gate", "up": w[E/N, D, F/p]``,
+            ``"down": w[E/N, F/p, D]}``: this device's experts, each's hidden units split
+            over ``model_axis``.
+        k: experts per token, in [1, E]. capacity_factor: > 0; ``C`` as ``moe_capacity`` says.
+        score: one of ``SCORES``. load_balance: one of ``LOAD_BALANCE``.
+        batch_axes: the mesh axes the batch is split over, summed by ``"global"``.
+
+    Returns:
+        ``y`` shaped like ``x``, in compute dtype, replicated over ``model_axis``, and
+        ``MoeStats`` (counts of this device's groups).
+
+    Communication (V = bytes of ``xe[E, G·C, D]`` in compute dtype, ``G·C·E·D·bytes``):
+        ``expert_axis``: forward one AllToAll of ``xe`` and one of ``ye`` (in accum dtype),
+        each ``V·(N−1)/N`` per device; backward the two AllToAlls of their cotangents.
+        ``model_axis``: forward one AllReduce of ``y[G, S, D]{U_model}`` after the combine (in
+        accum; the slots ``ye[E, G·C, D]`` are ``k·capacity_factor`` times bigger); backward
+        the AllReduce of ``dx`` for gate and up together (``copy_to_region``) and one of the
+        combine weights' gradient ``[G, S, E]`` (float32). ``load_balance="global"``: an
+        AllReduce of ``2E + 1`` floats over ``batch_axes``. Expert weights' gradients are
+        local to their devices on ``expert_axis``; the router's (replicated) are summed by
+        autodiff over the axes ``x`` varies over.
+    """
+    op = "moe_kernel"
+    batch_axes = _axes_tuple(batch_axes)
+    n = 1 if expert_axis is None else bound_axis_size(expert_axis, op)
+    for axis in (model_axis, *batch_axes):
+        if axis is not None:
+            bound_axis_size(axis, op)
+    _check_params(op, params)
+    router = params["router"]
+    e = router.shape[-1] if router.ndim == 2 else 0
+    _check_options(op, k, capacity_factor, score, load_balance, e)
+    for axis in (expert_axis, model_axis):
+        if axis is not None:
+            check_replicated_over(router, axis, "params['router']", op)
+            for name in ("gate", "up", "down"):
+                check_sharded_over(params[name], axis, f"params[{name!r}]", op)
+    _check_local(op, x, params, n, expert_axis)
+    if model_axis is not None:
+        check_replicated_over(x, model_axis, "x", op)
+    groups = x if x.ndim == 3 else x[None]  # x[G, S, D]
+    g, _, d = groups.shape
+    routing = route(groups, router, k=k, capacity_factor=capacity_factor, score=score)
+    stats = _stats(routing, k, load_balance, batch_axes)
+    c = routing.dispatch.shape[-1]
+    accum, compute = precision.accum_dtype, precision.compute_dtype
+    mm = precision.matmul_precision
+    if model_axis is None:
+        x_region = groups.astype(accum)
+        weights = routing.combine  # [G, S, E] in float32
+    else:  # one dx AllReduce for gate and up (Megatron's f), one for the combine weights
+        with because(REPLICATED_INPUT, model_axis):
+            x_region = copy_to_region(groups, model_axis, accum)  # x[G, S, D] in accum
+        with because(_COMBINE_WEIGHTS, model_axis):
+            weights = copy_to_region(routing.combine, model_axis, accum)  # [G, S, E]
+    dispatch = routing.dispatch.astype(accum)  # [G, S, E, C]: 0/1, so the einsum is exact
+    xe = jnp.einsum("gsec,gsd->egcd", dispatch, x_region, precision=mm)  # xe[E, G, C, D]
+    xe = xe.astype(compute).reshape(e, g * c, d)  # xe[E, G·C, D]
+    if expert_axis is not None:  # block j (experts j·E/N…) to device j; sources concatenated
+        xe = all_to_all(xe, expert_axis, split_axis=0, concat_axis=1, reason=_DISPATCH)
+    ye = _experts(xe, params, activation, precision)  # ye[E/N, N·G·C, D] in accum {U_model}
+    if expert_axis is not None:  # each source's slots back, the experts in order
+        ye = all_to_all(ye, expert_axis, split_axis=1, concat_axis=0, reason=_RETURN)
+    ye = ye.reshape(e, g, c, d)  # ye[E, G, C, D]
+    combine = dispatch * weights[..., None]  # [G, S, E, C]
+    y = jnp.einsum("gsec,egcd->gsd", combine, ye, precision=mm)  # y[G, S, D] in accum {U_model}
+    if model_axis is not None:
+        with because(_EXPERT_PARTIAL_SUMS, model_axis):
+            y = reduce_from_region(y, model_axis)  # y[G, S, D], replicated over model
+    return y.astype(compute).reshape(x.shape), stats
+
+
+def moe(
+    x,
+    params,
+    *,
+    k: int,
+    capacity_factor: float,
+    score: str = "softmax",
+    load_balance: str = "global",
+    activation: Callable = jax.nn.silu,
+    precision: Precision = FLOAT32,
+) -> tuple[jax.Array, MoeStats]:
+    """Unsharded MoE: ``moe_kernel`` with no mesh axes, ``x[G, S, D] → y[G, S, D]`` (or
+    ``x[T, D]``, one group) and ``MoeStats`` over all of ``x``'s groups."""
+    check_precision("moe", precision)
+    return moe_kernel(x, params, k=k, capacity_factor=capacity_factor, score=score,
+                      load_balance=load_balance, activation=activation, precision=precision)  # fmt: skip
+
+
+def expert_parallel_moe(
+    x,
+    params,
+    *,
+    mesh: Mesh,
+    k: int,
+    capacity_factor: float,
+    score: str = "softmax",
+    load_balance: str = "global",
+    expert_axis: str | None = DATA_AXIS,
+    model_axis: str | None = None,
+    batch_axes: Sequence[str] = (DATA_AXIS,),
+    activation: Callable = jax.nn.silu,
+    precision: Precision = FLOAT32,
+) -> tuple[jax.Array, MoeStats]:
+    """The MoE layer on global arrays: experts split over ``expert_axis``, their hidden units
+    over ``model_axis``, the groups over ``batch_axes``.
+
+    Arguments:
+        x: ``x[G, S, D]`` in compute dtype, G split over ``batch_axes`` (which must hold
+            ``expert_axis``: each device dispatches its own groups' tokens).
+        params: full-shape parameters as ``init_moe`` makes them, laid out as
+            ``moe_specs(...).params`` (or left to ``shard_map``). E must divide by the expert
+            axis size and F by the model axis size.
+
+    Returns ``y[G, S, D]`` laid out as the specs' ``y``, and ``MoeStats`` replicated: counts
+    summed over the whole batch, the losses of the whole batch (``"group"``: the mean over
+    all groups). Communication: see the kernel, plus one AllReduce of the statistics.
+    """
+    op = "expert_parallel_moe"
+    batch_axes = _axes_tuple(batch_axes)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{op}: mesh must be a jax.sharding.Mesh (see shardops.make_mesh); got "
+                        f"{type(mesh).__name__}")  # fmt: skip
+    axis_size(mesh, expert_axis, argument="expert_axis")
+    axis_size(mesh, model_axis, argument="model_axis")
+    for axis in batch_axes:
+        axis_size(mesh, axis, argument="batch_axes")
+    if expert_axis is not None and expert_axis not in batch_axes:
+        raise ValueError(
+            f"{op}: expert_axis={expert_axis!r} must be one of batch_axes={batch_axes}: each "
+            f"device on it dispatches its own groups' tokens; pass batch_axes="
+            f"{(*batch_axes, expert_axis)} (x split over it along G)"
+        )
+    if model_axis is not None and (model_axis in batch_axes or model_axis == expert_axis):
+        raise ValueError(
+            f"{op}: model_axis={model_axis!r} splits the experts' hidden units and must differ "
+            f"from expert_axis={expert_axis!r} and batch_axes={batch_axes}; use another mesh axis"
+        )
+    check_precision(op, precision)
+    _check_params(op, params)
+    e = params["router"].shape[-1] if params["router"].ndim == 2 else 0
+    _check_options(op, k, capacity_factor, score, load_balance, e)
+    _check_local(op, x, params, 1, None)
+    if x.ndim != 3:
+        raise ValueError(f"{op}: x must be x[G, S, D] (groups of S tokens) on global arrays; got "
+                         f"x{tuple(x.shape)}; reshape x[T, D] to x[1, T, D]")  # fmt: skip
+    precision.check_activation("x", x.dtype)
+    for name in PARAMS:
+        precision.check_param(f"params[{name!r}]", params[name].dtype)
+    check_divisible(argument="x", dim=0, dim_name="groups", size=x.shape[0], mesh=mesh,
+                    axes=batch_axes)  # fmt: skip
+    check_divisible(argument="params['router']", dim=1, dim_name="experts", size=e, mesh=mesh,
+                    axes=(expert_axis,))  # fmt: skip
+    check_divisible(argument="params['gate']", dim=2, dim_name="hidden", size=params["gate"].shape[2],
+                    mesh=mesh, axes=(model_axis,))  # fmt: skip
+    specs = moe_specs(expert_axis=expert_axis, model_axis=model_axis, batch_axes=batch_axes)
+    kernel = functools.partial(
+        _layer_body, k=k, capacity_factor=capacity_factor, score=score,
+        load_balance=load_balance, expert_axis=expert_axis, model_axis=model_axis,
+        batch_axes=batch_axes, activation=activation, precision=precision,
+    )  # fmt: skip
+    replicated = MoeStats(P(), P(), P(), P())
+    return run_layer(op, kernel, mesh, {"x": x, "params": params},
+                     {"x": specs.x, "params": specs.params}, (specs.y, replicated))  # fmt: skip
+
+
+def _layer_body(x, params, *, load_balance, batch_axes, **options):
+    """``moe_kernel``, then the statistics of the whole batch (replicated)."""
+    y, stats = moe_kernel(x, params, load_balance=load_balance, batch_axes=batch_axes, **options)
+    if not batch_axes:
+        return y, stats
+    counts = all_reduce((stats.tokens_per_expert, stats.dropped), batch_axes, reason=_STATS)
+    if load_balance == "group":  # every device holds as many groups: the mean of the means
+        devices = math.prod(lax.axis_size(a) for a in batch_axes)
+        losses = all_reduce((stats.load_balance, stats.z_loss), batch_axes, reason=_STATS)
+        stats = stats._replace(load_balance=losses[0] / devices, z_loss=losses[1] / devices)
+    return y, stats._replace(tokens_per_expert=counts[0], dropped=counts[1])
+
+
+# --- checks -----------------------------------------------------------------------------------
+
+
+def _axes_tuple(batch_axes) -> tuple:
+    return (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+
+
+def _check_options(op: str, k, capacity_factor, score, load_balance, e: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= e:
+        raise ValueError(f"{op}: k={k!r} experts per token must be an int in [1, E = {e}] (the "
+                         f"router's experts); choose k between 1 and {e}")  # fmt: skip
+    if (
+        isinstance(capacity_factor, bool)
+        or not isinstance(capacity_factor, int | float)
+        or not (capacity_factor > 0 and math.isfinite(capacity_factor))
+    ):
+        raise ValueError(f"{op}: capacity_factor={capacity_factor!r} must be a finite number > 0 "
+                         f"(C = ceil(capacity_factor · S · k / E) slots per expert per group); "
+                         f"use 1.0 to 2.0 (1.25 is common)")  # fmt: skip
+    if score not in SCORES:
+        raise ValueError(f"{op}: score={score!r} is not one of {SCORES}; pass 'softmax' "
+                         f"(probabilities over the experts) or 'sigmoid'")  # fmt: skip
+    if load_balance not in LOAD_BALANCE:
+        raise ValueError(f"{op}: load_balance={load_balance!r} is not one of {LOAD_BALANCE}; pass "
+                         f"'global' (the whole batch) or 'group' (per group)")  # fmt: skip
+
+
+def _check_params(op: str, params) -> None:
+    if not isinstance(params, dict) or set(params) != set(PARAMS):
+        got = sorted(params) if isinstance(params, dict) else type(params).__name__
+        raise ValueError(f"{op}: params must be {{'router', 'gate', 'up', 'down'}} "
+                         f"(shardops.init_moe); got {got}")  # fmt: skip
+
+
+def _check_local(op: str, x, params, n: int, expert_axis) -> None:
+    """``x[G, S, D]`` or ``x[T, D]``, ``router[D, E]``, gate and up ``[E/N, D, F']``, down
+    ``[E/N, F', D]`` with ``E/N · N = E``."""
+    router, gate, up, down = (params[name] for name in PARAMS)
+    if x.ndim not in (2, 3):
+        raise ValueError(f"{op}: x must be x[G, S, D] (groups) or x[T, D] (one group); got "
+                         f"x{tuple(x.shape)}")  # fmt: skip
+    d = x.shape[-1]
+    if router.ndim != 2 or router.shape[0] != d:
+        raise ValueError(f"{op}: params['router'] must be w[D, E] with D = x's features = {d}; "
+                         f"got {tuple(router.shape)}")  # fmt: skip
+    e = router.shape[1]
+    if gate.ndim != 3 or gate.shape != up.shape or gate.shape[1] != d:
+        raise ValueError(f"{op}: params['gate'] and params['up'] must both be w[E, D, F] with D "
+                         f"= {d}; got gate {tuple(gate.shape)}, up {tuple(up.shape)}")  # fmt: skip
+    if gate.shape[0] * n != e:
+        where = "" if expert_axis is None else f" per device × {n} devices on {expert_axis!r}"
+        raise ValueError(
+            f"{op}: params['gate'] holds {gate.shape[0]} experts{where} = {gate.shape[0] * n}, "
+            f"but params['router'] has E = {e}; give every projection E/N experts per device "
+            f"(split over expert_axis along dim 0: moe_specs(...).params)"
+        )
+    want = (gate.shape[0], gate.shape[2], d)
+    if tuple(down.shape) != want:
+        raise ValueError(f"{op}: params['down'] must be w[E, F, D] = {want} to match the gate's "
+                         f"{tuple(gate.shape)}; got {tuple(down.shape)}")  # fmt: skip
+
+
+__all__ = [
+    "LOAD_BALANCE",
+    "SCORES",
+    "MoeRouting",
+    "MoeSpecs",
+    "MoeStats",
+    "expert_parallel_moe",
+    "init_moe",
+    "moe",
+    "moe_capacity",
+    "moe_kernel",
+    "moe_specs",
+    "route",
+]

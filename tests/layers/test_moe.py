@@ -1,0 +1,178 @@
+"""The mixture of experts against an independent reference (``tests/_moe_checks.py``): the same
+slots and drops, outputs, auxiliary losses and every gradient, on expert axes of 1, 2, 4 and 8
+devices, with a model axis inside the experts, with drops and without; hypothesis over E, k,
+capacity factors, group sizes and meshes; the load balance's two normalisations; the kernel in
+a user's shard_map; and bad input refused with the fix."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _cover import FULL, cover
+from _messages import refused
+from _moe_checks import MESHES, check_kernel_load_balance, check_moe, inputs, reference_routing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import shardops
+from shardops.layers import _moe
+
+MESH_NAMES = list(MESHES)
+
+
+@pytest.mark.parametrize(
+    ("mesh_name", "drops"), cover(MESH_NAMES, [True, False]), ids=str
+)  # fmt: skip
+def test_matches_the_reference_on_every_mesh(mesh_name, drops):
+    """cf = 1 with k = 2 drops tokens; cf = E / k gives every expert S slots: none dropped."""
+    check_moe(mesh_name, capacity_factor=1.0 if drops else 4.0, expect_drops=drops)
+
+
+@pytest.mark.parametrize(
+    ("score", "load_balance", "k"),
+    [("sigmoid", "group", 3), ("softmax", "group", 1), ("sigmoid", "global", 1)],
+    ids=str,
+)
+def test_scores_load_balances_and_k(score, load_balance, k):
+    check_moe("expert4_model2", score=score, load_balance=load_balance, k=k,
+              capacity_factor=1.25, seq=12)  # fmt: skip
+
+
+def test_a_single_group_of_tokens_and_no_mesh():
+    """x[T, D] is one group; ``moe`` is the kernel without axes, equal to the layer."""
+    x, params, _, logits = inputs(3, 1, 16, 16, 16, 8, 2)
+    dispatch, *_ = reference_routing(logits, 2, 1.0)
+    routing = _moe.route(x[0], params["router"], k=2, capacity_factor=1.0)
+    assert np.array_equal(np.asarray(routing.dispatch), dispatch)
+    y2, stats2 = _moe.moe(x[0], params, k=2, capacity_factor=1.0)
+    y3, stats3 = _moe.moe(x, params, k=2, capacity_factor=1.0)
+    assert y2.shape == x[0].shape
+    np.testing.assert_array_equal(y2, y3[0])
+    np.testing.assert_array_equal(stats2.dropped, stats3.dropped)
+
+
+# --- hypothesis --------------------------------------------------------------------------------
+
+MENU_E = [4, 8, 16]
+
+
+@settings(max_examples=200 if FULL else 6)
+@given(
+    data=st.data(),
+    mesh_name=st.sampled_from(MESH_NAMES),
+    capacity_factor=st.sampled_from([0.5, 1.0, 1.25, 2.0]),
+    seq=st.sampled_from([4, 8, 12]),
+    groups_per_device=st.sampled_from([1, 2]),
+    score=st.sampled_from(_moe.SCORES),
+    load_balance=st.sampled_from(_moe.LOAD_BALANCE),
+    seed=st.integers(0, 2**16),
+)
+def test_any_routing_equals_the_reference(
+    data, mesh_name, capacity_factor, seq, groups_per_device, score, load_balance, seed
+):
+    sizes, expert_axis, _, _ = MESHES[mesh_name]
+    n = sizes[expert_axis] if expert_axis else 1
+    e = data.draw(st.sampled_from([v for v in MENU_E if v % n == 0]), label="E")
+    k = data.draw(st.integers(1, min(3, e)), label="k")
+    check_moe(mesh_name, e=e, k=k, capacity_factor=capacity_factor, seq=seq,
+              groups_per_device=groups_per_device, score=score, load_balance=load_balance,
+              seed=seed)  # fmt: skip
+
+
+# --- the load balance's two normalisations -----------------------------------------------------
+
+
+def test_global_and_per_group_load_balance_differ_and_each_matches_its_formula():
+    """On 4 devices, the whole batch's fractions and the groups' average differ: each option
+    is checked against its own formula, so the other formula fails it."""
+    common = {"seq": 8, "e": 8, "k": 2, "capacity_factor": 1.0, "seed": 5}
+    global_ = check_moe("expert4", load_balance="global", **common)["load_balance"]
+    group = check_moe("expert4", load_balance="group", **common)["load_balance"]
+    assert abs(global_ - group) > 100 * 2.0**-16 * max(global_, group), (global_, group)
+
+
+@pytest.mark.parametrize("load_balance", _moe.LOAD_BALANCE)
+def test_the_kernel_s_load_balance_on_each_device(load_balance):
+    """Inside a user's shard_map: ``"global"`` gives every device the whole batch's value,
+    ``"group"`` each device the mean of its own groups' (no communication)."""
+    check_kernel_load_balance(load_balance)
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+def _layer(mesh_sizes=None, **overrides):
+    mesh = shardops.make_mesh(mesh_sizes or {"data": 4})
+    params = _moe.init_moe(jax.random.key(0), 16, 32, 8)
+    x = jnp.ones((4, 8, 16))
+    options = {"k": 2, "capacity_factor": 1.0, **overrides}
+    return lambda x=x, params=params: _moe.expert_parallel_moe(x, params, mesh=mesh, **options)
+
+
+def test_bad_options_are_refused_with_the_fix():
+    with refused(ValueError, argument="k=9", got="k=9", expected="[1, E = 8]",
+                 fix="choose k between 1 and 8"):  # fmt: skip
+        _layer(k=9)()
+    with refused(ValueError, argument="k=0", got="k=0", expected="[1, E = 8]",
+                 fix="choose k between 1 and 8"):  # fmt: skip
+        _layer(k=0)()
+    with refused(ValueError, argument="capacity_factor", got="capacity_factor=0.0",
+                 expected="> 0", fix="use 1.0 to 2.0"):  # fmt: skip
+        _layer(capacity_factor=0.0)()
+    with refused(ValueError, argument="score", got="'relu'", expected="('softmax', 'sigmoid')",
+                 fix="pass 'softmax'"):  # fmt: skip
+        _layer(score="relu")()
+    with refused(ValueError, argument="load_balance", got="'batch'",
+                 expected="('global', 'group')", fix="pass 'global'"):  # fmt: skip
+        _layer(load_balance="batch")()
+    with refused(ValueError, argument="expert_axis='data'", got="batch_axes=()",
+                 expected="one of batch_axes", fix="pass batch_axes=('data',)"):  # fmt: skip
+        _layer(batch_axes=())()
+
+
+def test_experts_that_do_not_divide_over_the_expert_axis_are_refused():
+    params = _moe.init_moe(jax.random.key(0), 16, 32, 6)
+    with refused(ValueError, argument="params['router'] dim 1 (experts)", got="= 6",
+                 expected="mesh axis 'data' (size 4)", fix="choose a multiple of 4"):  # fmt: skip
+        _layer()(params=params)
+
+
+def test_inconsistent_params_are_refused():
+    mesh = shardops.make_mesh({"data": 4})
+    params = _moe.init_moe(jax.random.key(0), 16, 32, 8)
+    specs = _moe.moe_specs()
+    # the gate's experts not split: E/N = 8 per device × 4 devices = 32, but the router has 8
+    wrong = {**specs.params, "gate": P(None, None, None), "up": P(None, None, None)}
+    kernel = functools.partial(_moe.moe_kernel, k=2, capacity_factor=1.0, expert_axis="data",
+                               batch_axes=("data",))  # fmt: skip
+    run = jax.shard_map(kernel, mesh=mesh, in_specs=(specs.x, wrong),
+                        out_specs=(specs.y, _moe.MoeStats(P("data"), P("data"), P("data"),
+                                                          P("data"))))  # fmt: skip
+    with pytest.raises(ValueError, match=r"params\['gate'\] must be the local shard of a weight "
+                                         r"split over mesh axis 'data'"):  # fmt: skip
+        run(jnp.ones((4, 8, 16)), params)
+    with refused(ValueError, argument="params['down']", got="(8, 16, 32)",
+                 expected="w[E, F, D] = (8, 32, 16)", fix="to match the gate"):  # fmt: skip
+        _moe.moe(jnp.ones((8, 16)), {**params, "down": params["up"]}, k=2, capacity_factor=1.0)
+    with refused(ValueError, argument="params['gate'] holds 8 experts", got="E = 6",
+                 expected="= 8", fix="give every projection E/N experts per device"):  # fmt: skip
+        _moe.moe(jnp.ones((8, 16)), {**params, "router": params["router"][:, :6]}, k=2,
+                 capacity_factor=1.0)  # fmt: skip
+
+
+def test_a_router_that_varies_over_the_expert_axis_is_refused():
+    mesh = shardops.make_mesh({"data": 4})
+    params = _moe.init_moe(jax.random.key(0), 16, 32, 8)
+    specs = _moe.moe_specs()
+    wrong = {**specs.params, "router": P("data", None)}  # each device a different block
+    kernel = functools.partial(_moe.moe_kernel, k=2, capacity_factor=1.0, expert_axis="data",
+                               batch_axes=("data",))  # fmt: skip
+    stats = _moe.MoeStats(P(), P(), P("data"), P("data"))
+    params = {**params, "router": jnp.tile(params["router"], (4, 1))}
+    with refused(ValueError, argument="params['router']", got="varies over it",
+                 expected="replicated over mesh axis 'data'", fix="Reduce it first"):  # fmt: skip
+        jax.shard_map(kernel, mesh=mesh, in_specs=(specs.x, wrong),
+                      out_specs=(specs.y, stats))(jnp.ones((4, 8, 16)), params)  # fmt: skip
