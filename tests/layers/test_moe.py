@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 from _cover import FULL, cover
 from _messages import refused
-from _moe_checks import MESHES, check_kernel_load_balance, check_moe, inputs, reference_routing
+from _moe_checks import (
+    MESHES,
+    check_kernel_load_balance,
+    check_moe,
+    inputs,
+    reference_routing,
+    sharded_loss_and_grads,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -176,3 +183,57 @@ def test_a_router_that_varies_over_the_expert_axis_is_refused():
                  expected="replicated over mesh axis 'data'", fix="Reduce it first"):  # fmt: skip
         jax.shard_map(kernel, mesh=mesh, in_specs=(specs.x, wrong),
                       out_specs=(specs.y, stats))(jnp.ones((4, 8, 16)), params)  # fmt: skip
+
+
+# --- communication and precision ---------------------------------------------------------------
+
+AR, A2A = "all-reduce", "all-to-all"
+DT, M = ("data",), ("model",)
+
+
+def test_collectives_per_pass():
+    """data = 4 (experts) × model = 2, 2 groups of S = 8 per device, D = F = 16, E = 8, k = 2,
+    cf = 1: C = 2 slots, xe[E, G·C, D] = 8·4·16 floats. Forward: the two AllToAlls, the psum of
+    y[G, S, D] over model after the combine, the global statistics over data; backward: the
+    two AllToAlls, dx and the combine weights' gradient over model, the router's over data,
+    and no reduction of the expert weights' gradients."""
+    mesh = shardops.make_mesh({"data": 4, "model": 2})
+    x, params, ct, _ = inputs(0, 8, 8, 16, 16, 8, 2)
+    specs = _moe.moe_specs(model_axis="model")
+    args = (jax.device_put(x, jax.NamedSharding(mesh, specs.x)),
+            shardops.shard_params(params, mesh, specs.params),
+            jax.device_put(ct, jax.NamedSharding(mesh, specs.y)))  # fmt: skip
+    options = (("k", 2), ("capacity_factor", 1.0), ("model_axis", "model"))
+    run = functools.partial(sharded_loss_and_grads, module=_moe, mesh=mesh, options=options)
+    got = shardops.inspect.ledger(mesh, run, *args).by_pass()
+    xe = 8 * (2 * 2) * 16 * 4  # E·G·C·D float32: each AllToAll, each way
+    y = 2 * 8 * 16 * 4  # y[G, S, D] (and dx)
+    # counts, probability sums, z-loss sum (2E + 1) and the layer's drops (E; its counts are
+    # the same sum as the loss's, which XLA computes once)
+    stats = (2 * 8 + 1) * 4 + 8 * 4
+    assert got["forward"] == {(A2A, DT): 2 * xe, (AR, M): y, (AR, DT): stats}
+    weights = 2 * 8 * 8 * 4  # the combine weights' gradient [G, S, E]
+    router = 16 * 8 * 4
+    assert got["backward"] == {(A2A, DT): 2 * xe, (AR, M): y + weights, (AR, DT): router}
+
+
+def test_bfloat16_flows_and_stays_near_float32():
+    """Under BFLOAT16, y and every gradient are bf16, and y is the float32 layer's (on the same
+    bf16 values; routing is float32 either way) within a few bf16 roundings (2⁻⁶ of its
+    scale; a float32 value rounded to bf16 moves by ≤ 2⁻⁹ of itself)."""
+    mesh = shardops.make_mesh({"data": 2, "model": 2})
+    x, params, _, _ = inputs(1, 4, 8, 16, 16, 8, 2)
+    x = jnp.asarray(x, jnp.bfloat16)
+    params = {n: jnp.asarray(v, jnp.bfloat16) for n, v in params.items()}
+    layer = functools.partial(_moe.expert_parallel_moe, mesh=mesh, k=2, capacity_factor=1.0,
+                              model_axis="model")  # fmt: skip
+    y, _ = jax.jit(functools.partial(layer, precision=shardops.BFLOAT16))(x, params)
+    grads = jax.grad(lambda p: jnp.sum(layer(x, p, precision=shardops.BFLOAT16)[0]))(params)
+    y32, _ = jax.jit(layer)(
+        x.astype(jnp.float32), {n: v.astype(jnp.float32) for n, v in params.items()}
+    )
+    assert y.dtype == jnp.bfloat16 and {g.dtype for g in grads.values()} == {
+        jnp.dtype(jnp.bfloat16)
+    }
+    scale = float(jnp.max(jnp.abs(y32)))
+    assert float(jnp.max(jnp.abs(y.astype(jnp.float32) - y32))) <= 2.0**-6 * scale
