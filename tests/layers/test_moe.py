@@ -170,17 +170,20 @@ def test_inconsistent_params_are_refused():
                  capacity_factor=1.0)  # fmt: skip
 
 
-def test_a_router_that_varies_over_the_expert_axis_is_refused():
-    mesh = shardops.make_mesh({"data": 4})
+def test_a_router_that_varies_over_the_model_axis_is_refused():
+    """Each tp device routes the same tokens: a router that differs over ``model`` would
+    send them to different experts. (Over the expert axis it may vary: a training step enters
+    it varying over the batch axes, ``test_moe_llama.py``.)"""
+    mesh = shardops.make_mesh({"data": 4, "model": 2})
     params = _moe.init_moe(jax.random.key(0), 16, 32, 8)
-    specs = _moe.moe_specs()
-    wrong = {**specs.params, "router": P("data", None)}  # each device a different block
+    specs = _moe.moe_specs(model_axis="model")
+    wrong = {**specs.params, "router": P("model", None)}  # each device a different block
     kernel = functools.partial(_moe.moe_kernel, k=2, capacity_factor=1.0, expert_axis="data",
-                               batch_axes=("data",))  # fmt: skip
+                               model_axis="model", batch_axes=("data",))  # fmt: skip
     stats = _moe.MoeStats(P(), P(), P("data"), P("data"))
-    params = {**params, "router": jnp.tile(params["router"], (4, 1))}
+    params = {**params, "router": jnp.tile(params["router"], (2, 1))}
     with refused(ValueError, argument="params['router']", got="varies over it",
-                 expected="replicated over mesh axis 'data'", fix="Reduce it first"):  # fmt: skip
+                 expected="replicated over mesh axis 'model'", fix="Reduce it first"):  # fmt: skip
         jax.shard_map(kernel, mesh=mesh, in_specs=(specs.x, wrong),
                       out_specs=(specs.y, stats))(jnp.ones((4, 8, 16)), params)  # fmt: skip
 
@@ -228,7 +231,9 @@ def test_bfloat16_flows_and_stays_near_float32():
     layer = functools.partial(_moe.expert_parallel_moe, mesh=mesh, k=2, capacity_factor=1.0,
                               model_axis="model")  # fmt: skip
     y, _ = jax.jit(functools.partial(layer, precision=shardops.BFLOAT16))(x, params)
-    grads = jax.grad(lambda p: jnp.sum(layer(x, p, precision=shardops.BFLOAT16)[0]))(params)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(layer(x, p, precision=shardops.BFLOAT16)[0])))(
+        params
+    )
     y32, _ = jax.jit(layer)(
         x.astype(jnp.float32), {n: v.astype(jnp.float32) for n, v in params.items()}
     )
