@@ -289,9 +289,11 @@ def moe_kernel(
     router = params["router"]
     e = router.shape[-1] if router.ndim == 2 else 0
     _check_options(op, k, capacity_factor, score, load_balance, e)
+    if model_axis is not None:  # (over the expert axis the router may vary: in a training
+        # step it enters varying over the batch axes, where its gradient is summed)
+        check_replicated_over(router, model_axis, "params['router']", op)
     for axis in (expert_axis, model_axis):
         if axis is not None:
-            check_replicated_over(router, axis, "params['router']", op)
             for name in ("gate", "up", "down"):
                 check_sharded_over(params[name], axis, f"params[{name!r}]", op)
     _check_local(op, x, params, n, expert_axis)
