@@ -257,9 +257,10 @@ def moe_kernel(
         x: ``x[G, S, D]`` (G capacity groups of S tokens) or ``x[T, D]`` (one group), in
             compute dtype, replicated over ``model_axis``; it may differ over ``expert_axis``
             (normally the data axis).
-        params: ``{"router": w[D, E]`` replicated, ``"gate", "up": w[E/N, D, F/p]``,
-            ``"down": w[E/N, F/p, D]}``: this device's experts, each's hidden units split
-            over ``model_axis``.
+        params: ``{"router": w[D, E]`` whole (replicated over ``model_axis``; over the batch
+            axes a training step may enter it typed varying), ``"gate", "up":
+            w[E/N, D, F/p]``, ``"down": w[E/N, F/p, D]}``: this device's experts, each's
+            hidden units split over ``model_axis``.
         k: experts per token, in [1, E]. capacity_factor: > 0; ``C`` as ``moe_capacity`` says.
         score: one of ``SCORES``. load_balance: one of ``LOAD_BALANCE``.
         batch_axes: the mesh axes the batch is split over, summed by ``"global"``.
