@@ -26,13 +26,14 @@ from shardops_models.networks._mlp import (
 )
 from shardops_models.networks.contract import Model, check_model
 from shardops_models.networks.gpt import Gpt
-from shardops_models.networks.llama import Llama
+from shardops_models.networks.llama import Experts, Llama
 from shardops_models.networks.mlp import Mlp, tp_plan
 from shardops_models.strategies.fsdp import fsdp_spec
-from shardops_models.strategies.layout import strategy_named, with_context
+from shardops_models.strategies.layout import strategy_named, with_context, with_experts
 from shardops_models.strategies.parallel import STRATEGIES, Parallel, Strategy, strategies_for
 from shardops_models.strategies.plan import (
     COLUMN,
+    EXPERTS,
     HEAD,
     REPLICATED,
     ROLES,
@@ -59,6 +60,7 @@ __all__ = [
     "COLUMN",
     "DECAY_RATE",
     "DECAY_STEPS",
+    "EXPERTS",
     "HEAD",
     "INIT_LR",
     "INIT_SCALE",
@@ -69,6 +71,7 @@ __all__ = [
     "SEED_SIZES",
     "STRATEGIES",
     "VOCAB",
+    "Experts",
     "Gpt",
     "Llama",
     "Metrics",
@@ -100,4 +103,5 @@ __all__ = [
     "strategy_named",
     "tp_plan",
     "with_context",
+    "with_experts",
 ]

@@ -55,6 +55,13 @@ CP_MESHES = {
     "r2d1c2m2": {"replica": 2, "data": 1, "context": 2, "model": 2},
 }
 
+# Meshes with an expert axis (tests/networks/test_moe_llama.py).
+EP_MESHES = {
+    "d2e2m2": {"data": 2, "expert": 2, "model": 2},
+    "d2e4": {"data": 2, "expert": 4},
+    "e4m2": {"data": 4, "model": 2},
+}
+
 
 def cases():
     """Every strategy on every mesh of 8 that has its axes (1-axis meshes included)."""
@@ -139,7 +146,7 @@ def check_lm_trajectory(model, strategy, mesh_name, opt_name, *, build=models.bu
     )
     if clip is not None:
         assert min(norms) > 1.5 * clip, f"clip={clip} never binds: gradient norms {norms}"
-    mesh = mesh_for(MESHES.get(mesh_name, CP_MESHES.get(mesh_name)))
+    mesh = mesh_for({**MESHES, **CP_MESHES, **EP_MESHES}[mesh_name])
     options = {} if attention == "auto" else {"attention": attention}  # a build of your own
     setup = build(strategy, mesh, optimizer=optimizer(opt_name, clip, sgd_lr=sgd_lr),
                   model=model, plan=plan, remat=remat, **options)  # fmt: skip

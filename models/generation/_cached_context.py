@@ -150,9 +150,15 @@ class CachedParallel(Parallel):
         cursor.write(k, v)
         return y
 
-    def scan(self, fn, params, x):
+    def scan(self, fn, params, x, *, outputs: bool = False):
         """``Parallel.scan``'s loop over stacked layers, carrying the cache and the layer
-        index beside ``x[b, s, D]``: layer ``l`` reads and writes ``k, v[l]``."""
+        index beside ``x[b, s, D]``: layer ``l`` reads and writes ``k, v[l]``. Layers with
+        ``outputs`` (a mixture of experts' losses) are refused: not decoded yet."""
+        if outputs:
+            raise ValueError(
+                "CachedParallel.scan: layers that return outputs beside the residual stream (a "
+                "mixture of experts) are not decoded yet; decode a dense model"
+            )
         leaves = [q for q in jax.tree.leaves(params, is_leaf=is_param) if is_param(q)]
         if not leaves or any(not isinstance(q.role, StackedRole) for q in leaves):
             return super().scan(fn, params, x)  # not stacked: Parallel's own error

@@ -32,13 +32,42 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardops_models.networks._lm import LanguageModel
-from shardops_models.strategies.plan import COLUMN, HEAD, REPLICATED, ROW, VOCAB, stacked
+from shardops_models.strategies.plan import COLUMN, EXPERTS, HEAD, REPLICATED, ROW, VOCAB, stacked
 
 
 def default_d_ff(d_model: int) -> int:
     """Llama's hidden size: ⅔ of 4·D (the gated MLP's three matrices cost what a 4·D MLP's
     two do), rounded up to a multiple of 16."""
     return 16 * math.ceil(8 * d_model / 3 / 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """A mixture of SwiGLU experts in place of each block's MLP (Mixtral): ``num_experts``
+    experts of the model's ``d_ff``, each token routed to ``k`` (``shardops.layers.moe_kernel``:
+    ``score``, top-k renormalised, ``capacity_factor`` slots per expert per sequence), the
+    load-balancing loss (``load_balance``: ``"global"`` or ``"group"``) and the router z-loss
+    added to the training loss with their weights, each summed over the layers."""
+
+    num_experts: int = 8
+    k: int = 2
+    capacity_factor: float = 1.25
+    score: str = "softmax"
+    load_balance: str = "global"
+    load_balance_weight: float = 0.01
+    z_loss_weight: float = 0.001
+
+    def __post_init__(self):
+        for name in ("num_experts", "k"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"Experts: {name} must be a positive int; got {n!r}")
+        if self.k > self.num_experts:
+            raise ValueError(f"Experts: k={self.k} > num_experts={self.num_experts}: a token "
+                             f"picks k distinct experts; use k ≤ num_experts")  # fmt: skip
+        if not self.capacity_factor > 0:
+            raise ValueError(f"Experts: capacity_factor must be > 0 (slots per expert = "
+                             f"ceil(capacity_factor · S · k / E)); got {self.capacity_factor!r}")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +90,7 @@ class Llama(LanguageModel):
     context: int = 128  # the longest sequence a batch may hold (RoPE has no table to outgrow)
     bos_id: int | None = None  # packed documents: each begins at this token
     init_scale: float = 0.02  # Hugging Face's initializer_range
+    experts: Experts | None = None  # a mixture of experts in place of each block's MLP
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -89,7 +119,8 @@ class Llama(LanguageModel):
     def name(self) -> str:
         return (f"llama L={self.num_layers} D={self.d_model} H={self.num_heads}/"
                 f"{self.num_kv_heads} F={self.d_ff} V={self.vocab_size}"
-                f"{' tied' if self.tie_embeddings else ''} S≤{self.context}")  # fmt: skip
+                f"{' tied' if self.tie_embeddings else ''} S≤{self.context}"
+                f"{f' E={self.experts.num_experts} k={self.experts.k}' if self.experts else ''}")  # fmt: skip
 
     @property
     def head_dim(self) -> int:
@@ -116,6 +147,14 @@ class Llama(LanguageModel):
             },
             "norm": {"scale": jnp.ones((d,))},
         }
+        if self.experts is not None:  # router[L, D, E]; gate, up[L, E, D, F]; down[L, E, F, D]
+            e, keys = self.experts.num_experts, jax.random.split(jax.random.fold_in(key, 1), 4)
+            del params["blocks"]["mlp"]
+            params["blocks"]["moe"] = {
+                name: normal(k, (n, *shape)) for k, (name, shape) in zip(keys, {
+                    "router": (d, e), "gate": (e, d, f), "up": (e, d, f), "down": (e, f, d),
+                }.items(), strict=True)
+            }  # fmt: skip
         if not self.tie_embeddings:
             params["head"] = {"w": normal(k_head, (d, v))}  # w[D, V]
         return params if dtype is None else jax.tree.map(lambda a: a.astype(dtype), params)
@@ -127,13 +166,19 @@ class Llama(LanguageModel):
         masking not subtracted."""
         d, f, hd, n = self.d_model, self.d_ff, self.head_dim, self.num_layers
         block = d * (self.num_heads + 2 * self.num_kv_heads) * hd + self.num_heads * hd * d
-        matmul = n * (block + 3 * d * f) + d * self.vocab_size
+        mlp = 3 * d * f  # with experts: k of them a token, and the router
+        if self.experts is not None:
+            mlp = self.experts.k * mlp + d * self.experts.num_experts
+        matmul = n * (block + mlp) + d * self.vocab_size
         return 6 * matmul + 12 * n * self.num_heads * hd * seq
 
     def plan(self):
         """Megatron's roles (see the module docstring); the blocks stacked."""
         block = {"attn_norm": REPLICATED, "attn": HEAD, "mlp_norm": REPLICATED,
                  "mlp": {"gate": COLUMN, "up": COLUMN, "down": ROW}}  # fmt: skip
+        if self.experts is not None:
+            del block["mlp"]
+            block["moe"] = EXPERTS
         plan = {"embed": VOCAB, "blocks": stacked(block), "norm": REPLICATED}
         if not self.tie_embeddings:
             plan["head"] = COLUMN
@@ -141,14 +186,29 @@ class Llama(LanguageModel):
 
     # --- the forward, once for every strategy
 
+    @property
+    def aux_weights(self) -> dict[str, float]:
+        """The weight of each auxiliary loss ``apply`` returns (the experts' two; none for
+        a dense model)."""
+        if self.experts is None:
+            return {}
+        return {"load_balance": self.experts.load_balance_weight,
+                "z_loss": self.experts.z_loss_weight}  # fmt: skip
+
     def apply(self, ctx, params, ids):
         """Logits ``[b, S, V]`` (``[b, S, V_model]`` under a split head) of ``ids[b, S]``, and
-        no auxiliary loss (``models.Model``)."""
+        the auxiliary losses (``models.Model``): with experts, the load-balancing loss and
+        the router z-loss, each summed over the layers; else none."""
         segment_ids = self.segment_ids(ids)  # [b, S] or None
         x = ctx.unit(self._embed(ctx), {"embed": params["embed"]}, ids)  # x[b, S(_model), D]
-        x = ctx.scan(self._block(ctx, segment_ids), params["blocks"], x)
+        block, aux = self._block(ctx, segment_ids), {}
+        if self.experts is None:
+            x = ctx.scan(block, params["blocks"], x)
+        else:
+            x, stats = ctx.scan(block, params["blocks"], x, outputs=True)  # each [L]
+            aux = {name: jnp.sum(stats[name]) for name in ("load_balance", "z_loss")}
         head = {"norm": params["norm"], "out": self.output_layer(params)}
-        return ctx.unit(self._head(ctx), head, x), {}  # logits[b, S, V(_model)]
+        return ctx.unit(self._head(ctx), head, x), aux  # logits[b, S, V(_model)]
 
     def segment_ids(self, ids):
         """``segment_ids[b, S]``: the document of each token (one per ``bos_id``), or None."""
@@ -169,7 +229,12 @@ class Llama(LanguageModel):
                                   num_kv_heads=self.num_kv_heads, causal=True,
                                   rope_theta=self.rope_theta, segment_ids=segment_ids)  # fmt: skip
             h = ctx.rms_norm(p["mlp_norm"], x, eps=self.norm_eps)
-            return x + ctx.gated_mlp(p["mlp"], h)  # x[b, S, D] (sp: x[b, S_model, D])
+            if self.experts is None:
+                return x + ctx.gated_mlp(p["mlp"], h)  # x[b, S, D] (sp: x[b, S_model, D])
+            e = self.experts
+            y, stats = ctx.moe(p["moe"], h, k=e.k, capacity_factor=e.capacity_factor,
+                               score=e.score, load_balance=e.load_balance)  # fmt: skip
+            return x + y, {"load_balance": stats.load_balance, "z_loss": stats.z_loss}
 
         return block
 
@@ -190,6 +255,17 @@ class Llama(LanguageModel):
 
     def reference_logits(self, params, ids):
         """The model in plain ``jax.numpy`` (no shardops), float32: ``logits[B, S, V]``."""
+        return self._reference(params, ids)[0]
+
+    def reference_loss(self, params, ids, labels):
+        """The next-token cross-entropy of the reference, plus each auxiliary loss (summed
+        over the layers) times its weight."""
+        _, aux = self._reference(params, ids)
+        loss = super().reference_loss(params, ids, labels)
+        return loss + sum(self.aux_weights[name] * value for name, value in aux.items())
+
+    def _reference(self, params, ids):
+        """``(logits[B, S, V], aux)`` in plain ``jax.numpy``, float32."""
         params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
         b, s = ids.shape
         hd, group = self.head_dim, self.num_heads // self.num_kv_heads
@@ -213,7 +289,7 @@ class Llama(LanguageModel):
         def rms(x, scale):
             return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + self.norm_eps) * scale
 
-        x = params["embed"]["table"][ids]
+        x, aux = params["embed"]["table"][ids], {}
         blocks = params["blocks"]
         for i in range(self.num_layers):
             p = jax.tree.map(lambda a, i=i: a[i], blocks)
@@ -227,9 +303,42 @@ class Llama(LanguageModel):
             o = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, s, -1)
             x = x + o @ p["attn"]["wo"]
             h = rms(x, p["mlp_norm"]["scale"])
+            if self.experts is not None:
+                y, layer_aux = _reference_experts(self.experts, p["moe"], h)
+                x, aux = x + y, {n: aux.get(n, 0.0) + v for n, v in layer_aux.items()}
+                continue
             mlp = p["mlp"]
             x = x + (jax.nn.silu(h @ mlp["gate"]["w"]) * (h @ mlp["up"]["w"])) @ mlp["down"]["w"]
         x = rms(x, params["norm"]["scale"])
         if self.tie_embeddings:
-            return x @ params["embed"]["table"].T
-        return x @ params["head"]["w"]
+            return x @ params["embed"]["table"].T, aux
+        return x @ params["head"]["w"], aux
+
+
+def _reference_experts(experts: Experts, p, h):
+    """The mixture of experts in plain ``jax.numpy`` (float32), each row of ``h[B, S, D]`` a
+    capacity group: ``(y[B, S, D], {"load_balance", "z_loss"})``. Every expert runs on every
+    token (no dispatch); a token's output is the sum over its kept choices of weight × expert."""
+    b, s, _ = h.shape
+    e, k = experts.num_experts, experts.k
+    logits = h @ p["router"]  # [B, S, E]
+    probs = jax.nn.softmax(logits, -1) if experts.score == "softmax" else jax.nn.sigmoid(logits)
+    top, chosen = jax.lax.top_k(probs, k)  # [B, S, k]
+    weights = top / jnp.sum(top, -1, keepdims=True)  # renormalised over the k
+    capacity = math.ceil(experts.capacity_factor * s * k / e)
+    choice = jax.nn.one_hot(chosen, e)  # [B, S, k, E]
+    by_rank = jnp.swapaxes(choice, 1, 2).reshape(b, k * s, e)  # rank-major: all 1st choices first
+    slot = jnp.swapaxes((jnp.cumsum(by_rank, 1) - 1).reshape(b, k, s, e), 1, 2)  # [B, S, k, E]
+    kept = choice * (slot < capacity)
+    hidden = jax.nn.silu(jnp.einsum("bsd,edf->bsef", h, p["gate"])) * jnp.einsum(
+        "bsd,edf->bsef", h, p["up"])  # fmt: skip
+    every = jnp.einsum("bsef,efd->bsed", hidden, p["down"])  # [B, S, E, D]: every expert
+    y = jnp.einsum("bske,bsk,bsed->bsd", kept, weights, every)
+    if experts.load_balance == "global":  # the whole batch's fractions
+        f, mean_p = jnp.sum(choice, (0, 1, 2)) / (b * s * k), jnp.mean(probs, (0, 1))
+        load_balance = e * jnp.sum(f * mean_p)
+    else:  # each sequence's, averaged
+        f, mean_p = jnp.sum(choice, (1, 2)) / (s * k), jnp.mean(probs, 1)  # [B, E]
+        load_balance = jnp.mean(e * jnp.sum(f * mean_p, -1))
+    z_loss = jnp.mean(jax.nn.logsumexp(logits, -1) ** 2)
+    return y, {"load_balance": load_balance, "z_loss": z_loss}

@@ -158,6 +158,26 @@ class Layers:
         y = checkpoint_name(y, MLP_OUTPUT)
         return self._tap(y, p, k=p["down"]["w"].shape[0] * self._split_size(p["down"]["w"], 0))
 
+    def moe(self, p, x, *, k: int, capacity_factor: float, score: str = "softmax",
+            load_balance: str = "global", activation: Callable = jax.nn.silu):  # fmt: skip
+        """A mixture of SwiGLU experts on ``x[b, S, D]`` (each sequence one capacity group):
+        ``(y[b, S, D], stats)``, ``stats`` a ``shardops.layers.MoeStats`` (the load-balancing
+        and router z losses, each expert's tokens and drops). Each kind adds its part of the
+        kernel's options (``Kind.moe_options``: ep's expert axis, tp's model axis); the load
+        balance's counts are summed over the batch axes. Keys: ``router``, ``gate``, ``up``,
+        ``down`` (``shardops.layers.init_moe``; the plan role ``EXPERTS``)."""
+        _check_keys(p, "moe", LAYER_KEYS["moe"])
+        params = {key: self._value(q, "moe") for key, q in p.items()}
+        options = {"k": k, "capacity_factor": capacity_factor, "score": score,
+                   "load_balance": load_balance, "batch_axes": self.strategy.batch_axes}  # fmt: skip
+        for kind in self.strategy.kinds:
+            options = kind.moe_options(self, p, options)
+        x = checkpoint_name(x, MLP_INPUT)
+        y, stats = shardops.layers.moe_kernel(x, params, activation=activation,
+                                              precision=self.precision, **options)  # fmt: skip
+        y = checkpoint_name(y, MLP_OUTPUT)
+        return self._tap(y, p, k=p["down"].shape[1] * self._split_size(p["down"], 1)), stats
+
     def layer_norm(self, p, x, *, eps: float = 1e-5):
         """``shardops.layer_norm`` of ``x[..., D]``. Keys, both optional: ``scale``, ``bias``."""
         _check_keys(p, "layer_norm", LAYER_KEYS["layer_norm"])
@@ -259,6 +279,7 @@ LAYER_KEYS = {
     "layer_norm": ((), ("scale", "bias")),
     "rms_norm": ((), ("scale",)),
     "gated_mlp": (("gate", "up", "down"), ()),
+    "moe": (("router", "gate", "up", "down"), ()),
 }
 """Each ``ctx`` layer's parameter keys: (required, optional)."""
 

@@ -80,6 +80,13 @@ class ContextKind(Kind):
             **options,
         )  # fmt: skip
 
+    def moe_options(self, ctx, p, options):
+        raise ValueError(
+            f"ctx.moe under context parallelism ({ctx.strategy.name!r}): a mixture of experts "
+            f"routes whole sequences (its capacity groups), and cp splits each over "
+            f"{self.axis!r}; drop '+{self.method}' (not supported yet)"
+        )
+
     def check_locate(self, strategy) -> None:
         raise ValueError(
             f"the divergence locator compares activations in the natural token order; under "

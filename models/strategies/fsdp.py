@@ -89,10 +89,12 @@ class FsdpKind(Kind):
 
     # --- what ``ctx.unit`` does with the leaves it splits
 
-    def replicas(self, ctx) -> tuple[str, ...]:
+    def replicas(self, ctx, varying=()) -> tuple[str, ...]:
         """The axes a split parameter is replicated over (its shard's gradient is AllReduced
-        over them): the other kinds' that sum gradients (dp's: HSDP; the context axis)."""
-        return tuple(a for a in ctx.strategy.gradient_axes if a not in self.axes)
+        over them): the other kinds' that sum gradients (dp's: HSDP; the context axis), but
+        for those it ``varying`` over already (ep's experts, split over its axis)."""
+        return tuple(a for a in ctx.strategy.gradient_axes
+                     if a not in self.axes and a not in varying)  # fmt: skip
 
     def materialise(self, ctx, leaves, used, ready) -> None:
         """The unit's leaves split over the axes, ready (``ready[i]``, in place). Those that
@@ -118,7 +120,7 @@ class FsdpKind(Kind):
                 continue
             gather.setdefault((np.dtype(p.value.dtype), varying_axes(p.value)), []).append((i, dim))
         accum = ctx.precision.accum_dtype
-        for group in gather.values():
+        for (_, varying), group in gather.items():
             values = [leaves[i].value for i, _ in group]
             uses = max(used[i] for i, _ in group)
             if uses:  # used by an earlier unit: gathered anew (see ``unit``)
@@ -126,7 +128,7 @@ class FsdpKind(Kind):
             dims = [d for _, d in group]
             with shardops.comm.because(_FSDP_GATHER, self.axes):
                 gathered = shardops.comm.gather_many_to_region(values, self.axes, dims,
-                                                               accum, self.replicas(ctx))  # fmt: skip
+                                                               accum, self.replicas(ctx, varying))  # fmt: skip
             for (i, _), value in zip(group, gathered, strict=True):
                 ready[i] = leaves[i].replace(value=value, ready=True)
 

@@ -22,6 +22,7 @@ A ``Strategy`` (``models.strategies.layout``) is a tuple of kinds, each over its
                                ``attention_options``), ``gated_mlp``, ``tied_head``,
                                ``cross_entropy``, ``argmax``: the layer context asks the kinds,
                                innermost first, and runs the local kernel where none answers;
+                               ``moe_options``: each kind's options of the experts' kernel;
                                ``splits_output``: a layer's output split along its features
     for a caller outside       ``gather_logits``: the whole of what it split of the logits
     its checks                 ``check_model``, ``check_mesh``, ``check_batch``: each names the
@@ -168,6 +169,13 @@ class Kind:
         """Self-attention of ``x`` with the parameters ``p`` where this kind runs it, else
         None; ``options``: what ``attention_options`` made of ``ctx.attention``'s keywords."""
         return None
+
+    def moe_options(self, ctx, p, options: dict) -> dict:
+        """``ctx.moe``'s options for ``shardops.layers.moe_kernel`` with this kind's part
+        (ep: ``expert_axis``; tp: ``model_axis``, each where the layer's experts are split over
+        it); a kind that cannot run a mixture of experts refuses here. Every kind is asked,
+        outermost first."""
+        return options
 
     def gated_mlp(self, ctx, p, x, activation):
         """``down(activation(gate(x)) ⊙ up(x))`` where this kind runs it, else None."""

@@ -45,10 +45,14 @@ from shardops.layers import CONTEXT_METHODS
 from shardops_models.networks.contract import declared
 from shardops_models.strategies.context import ContextKind
 from shardops_models.strategies.data import DataKind
+from shardops_models.strategies.expert import ExpertKind
 from shardops_models.strategies.fsdp import FsdpKind
 from shardops_models.strategies.kind import Kind, axes_of
 from shardops_models.strategies.tensor import TensorKind
 from shardops_models.strategies.zero1 import Zero1Kind
+
+EXPERT_AXIS = "expert"
+"""The mesh axis ``with_experts`` (``"<preset>+ep"``) puts expert parallelism on."""
 
 BATCH_KINDS = ("dp", "zero1", "fsdp")
 """The built-in kinds that split the batch, in the order the batch splits over them (major
@@ -67,6 +71,8 @@ class Strategy:
         fsdp: axes over which parameters are split (the FSDP rule picks the dim) and gathered
             just in time; gradients ReduceScattered.
         zero1: axes over which the optimizer state is split; parameters stay replicated.
+        ep: the axis of expert parallelism: the batch split over it (as dp's), the experts of
+            every mixture-of-experts layer split over it (``models.strategies.expert``).
         tp: the axis of tensor parallelism (each parameter's plan role splits it).
         sp: sequence parallelism on the ``tp`` axis.
         cp: the axis of context parallelism (the sequence of every activation split over it).
@@ -81,6 +87,7 @@ class Strategy:
     dp: tuple[str, ...] = ()
     fsdp: tuple[str, ...] = ()
     zero1: tuple[str, ...] = ()
+    ep: str | None = None
     tp: str | None = None
     sp: bool = False
     cp: str | None = None
@@ -92,6 +99,8 @@ class Strategy:
             object.__setattr__(self, kind, axes_of(getattr(self, kind), kind))
         if self.tp is not None and (not isinstance(self.tp, str) or not self.tp):
             raise TypeError(f"Strategy {self.name!r}: tp takes one mesh axis name; got {self.tp!r}")
+        if self.ep is not None and (not isinstance(self.ep, str) or not self.ep):
+            raise TypeError(f"Strategy {self.name!r}: ep takes one mesh axis name; got {self.ep!r}")
         if self.cp is not None and (not isinstance(self.cp, str) or not self.cp):
             raise TypeError(f"Strategy {self.name!r}: cp takes one mesh axis name; got {self.cp!r}")
         if self.cp is None and self.cp_method != "ring":
@@ -140,10 +149,11 @@ class Strategy:
 
     @property
     def kinds(self) -> tuple[Kind, ...]:
-        """The strategy's kinds of parallelism, in the batch's order (dp, zero1, fsdp, the
-        extra kinds), then context, then tensor."""
+        """The strategy's kinds of parallelism, in the batch's order (dp, ep, zero1, fsdp,
+        the extra kinds), then context, then tensor."""
         kinds: list[Kind] = [cls(axes) for cls, axes in ((DataKind, self.dp),
-                             (Zero1Kind, self.zero1), (FsdpKind, self.fsdp)) if axes]  # fmt: skip
+                             (ExpertKind, self.ep), (Zero1Kind, self.zero1), (FsdpKind, self.fsdp))
+                             if axes]  # fmt: skip
         kinds += self.extra
         if self.cp:
             kinds.append(ContextKind((self.cp,), self.cp_method))
@@ -230,7 +240,7 @@ def _extra_kinds(name: str, extra) -> tuple[Kind, ...]:
                 f"(models.strategies.kind.Kind instances, e.g. MyKind('data')); got {kind!r}"
             )
         builtin = {DataKind: "dp", FsdpKind: "fsdp", Zero1Kind: "zero1", TensorKind: "tp",
-                   ContextKind: "cp"}.get(type(kind))  # fmt: skip
+                   ContextKind: "cp", ExpertKind: "ep"}.get(type(kind))  # fmt: skip
         if builtin:
             raise TypeError(f"Strategy {name!r}: {type(kind).__name__} is a built-in kind: name "
                             f"its axes with the field {builtin}= instead of extra")  # fmt: skip
@@ -282,16 +292,35 @@ def strategy_named(name) -> Strategy:
     if isinstance(name, Strategy):
         return name
     if isinstance(name, str) and "+" in name:
-        base, method = name.split("+", 1)
-        if method not in CONTEXT_METHODS:
-            raise ValueError(f"unknown strategy {name!r}: after '+' name a context-parallel "
-                             f"attention, one of {CONTEXT_METHODS}; e.g. '{base}+ring'")  # fmt: skip
-        return with_context(base, method)
+        base, *added = name.split("+")
+        strategy = strategy_named(base)
+        for part in added:
+            if part == "ep":
+                strategy = with_experts(strategy)
+            elif part in CONTEXT_METHODS:
+                strategy = with_context(strategy, part)
+            else:
+                raise ValueError(
+                    f"unknown strategy {name!r}: after '+' name 'ep' (expert parallelism) or "
+                    f"a context-parallel attention, one of {CONTEXT_METHODS}; e.g. "
+                    f"'{base}+ring' or '{base}+ep'"
+                )
+        return strategy
     name = ALIASES.get(name, name)
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)} (add "
                          f"'+ring', '+allgather' or '+ulysses' for context parallelism)")  # fmt: skip
     return STRATEGIES[name]
+
+
+def with_experts(strategy, axis: str = EXPERT_AXIS) -> Strategy:
+    """``strategy`` (a preset's name or a ``Strategy``) with expert parallelism on mesh axis
+    ``axis`` (the batch split over it too), named ``"<name>+ep"``."""
+    base = strategy_named(strategy)
+    if base.ep is not None:
+        raise ValueError(f"strategy {base.name!r} already splits experts over {base.ep!r}; "
+                         f"pass the strategy without it")  # fmt: skip
+    return dataclasses.replace(base, name=f"{base.name}+ep", ep=axis)
 
 
 def with_context(strategy, method: str = "ring", axis: str = CONTEXT_AXIS) -> Strategy:

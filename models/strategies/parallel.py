@@ -27,11 +27,12 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import shardops
-from shardops import FLOAT32, Precision
+from shardops import FLOAT32, Precision, entry_axes
 from shardops_models.strategies._axes import Axes
 from shardops_models.strategies._layers import Layers, _layer_path
 from shardops_models.strategies._param import Param, is_param, values, wrap
@@ -148,12 +149,13 @@ class Parallel(Layers, Axes):
 
     def _materialise(self, p: Param) -> Param:
         """A leaf no kind splits, ready: entered varying over the axes whose kinds sum its
-        gradient (``Strategy.gradient_axes``: the backward AllReduces it, in float32)."""
+        gradient (``Strategy.gradient_axes``: the backward AllReduces it, in float32), but for
+        those its own layout splits it over (ep's experts: each device's are its own)."""
         if p.ready:  # entered the region already (a stacked leaf, by ``scan``)
             return p
-        value = p.value
-        if self.strategy.gradient_axes:  # dx AllReduced
-            axes = self.strategy.gradient_axes
+        value, split = p.value, {a for e in p.spec for a in entry_axes(e)}
+        if any(a not in split for a in self.strategy.gradient_axes):  # dx AllReduced
+            axes = tuple(a for a in self.strategy.gradient_axes if a not in split)
             with shardops.comm.because(_REPLICATED, axes):
                 value = shardops.comm.copy_to_region(value, axes, self.precision.accum_dtype)
         return p.replace(value=value, ready=True)
@@ -172,11 +174,14 @@ class Parallel(Layers, Axes):
 
     # --- layers, each tapped for shardops.inspect.compare (the identity outside it)
 
-    def scan(self, fn: Callable, params, x):
+    def scan(self, fn: Callable, params, x, *, outputs: bool = False):
         """``x = fn(layer, x)`` for each layer of ``params``, whose leaves stack the layers
         along dim 0 (the plan's ``stacked`` roles), with ``lax.scan``: one compiled block
         whatever the depth. Each layer runs as a unit (``ctx.unit``: FSDP gathers one
-        layer's weights at a time, inside the loop; remat re-gathers them in the backward)."""
+        layer's weights at a time, inside the loop; remat re-gathers them in the backward).
+        With ``outputs``, ``fn(layer, x)`` returns ``(x, out)`` and ``scan`` returns ``(x,
+        outs)``, each leaf of ``outs`` stacked over the layers ``[L, …]`` (a mixture of
+        experts' losses)."""
         leaves = [q for q in jax.tree.leaves(params, is_leaf=is_param) if is_param(q)]
         if not leaves or any(not isinstance(q.role, StackedRole) for q in leaves):
             raise ValueError(
@@ -199,25 +204,27 @@ class Parallel(Layers, Axes):
         per_layer = one_layer(params)  # each leaf: the layer's role, spec and shape; stacked
 
         if shardops.inspect.tapping():  # the locator: each layer tapped under its own name
-            root = _layer_path([q.path for q in leaves])  # "['blocks']"
+            root, outs = _layer_path([q.path for q in leaves]), []  # "['blocks']"
             for i in range(layers.pop()):
                 layer = jax.tree.map(
                     lambda q, i=i: q.replace(value=q.value[i], path=q.path.replace(
                         root, f"{root}[{i}]", 1)), per_layer, is_leaf=is_param)  # fmt: skip
-                x = self.unit(fn, layer, x)
-            return x
+                x, out = _split_output(self.unit(fn, layer, x), outputs)
+                outs.append(out)
+            return (x, jax.tree.map(lambda *o: jnp.stack(o), *outs)) if outputs else x
 
         def body(x, layer):
-            y = self.unit(fn, layer, x)
+            y, out = _split_output(self.unit(fn, layer, x), outputs)
             if jax.typeof(y) != jax.typeof(x):
                 raise ValueError(
                     f"ctx.scan: each layer must return what it takes (a residual stream), "
                     f"{jax.typeof(x)}; the layer of {_layer_path([q.path for q in leaves])} "
                     f"returned {jax.typeof(y)}"
                 )
-            return y, None
+            return y, out
 
-        return lax.scan(body, x, per_layer)[0]
+        x, outs = lax.scan(body, x, per_layer)
+        return (x, outs) if outputs else x
 
     # --- for a layer of your own: the shard-dependent pieces, by kind of parallelism
 
@@ -242,6 +249,17 @@ class Parallel(Layers, Axes):
                 return self._splitter.gather(self, leaf.value, leaf.pending)
             return leaf.value
         return leaf
+
+
+def _split_output(y, outputs: bool):
+    """A layer's ``(x, out)`` (``outputs``) or ``x`` as ``(x, out or None)``."""
+    if not outputs:
+        return y, None
+    if not (isinstance(y, tuple) and len(y) == 2):
+        raise ValueError(
+            f"ctx.scan(outputs=True): each layer returns (x, out); got {type(y).__name__}"
+        )
+    return y
 
 
 def one_layer(params):

@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 from shardops import MODEL_AXIS, entry_axes
 
 # The logical names of the library's roles (a rules table that omits one leaves it unsplit).
-LOGICAL_NAMES = ("embed", "mlp", "vocab", "heads", "kv_heads", "layers")
+LOGICAL_NAMES = ("embed", "mlp", "vocab", "heads", "kv_heads", "layers", "experts")
 
 
 def logical_rules(tp_axis: str | None = MODEL_AXIS) -> dict[str, str | tuple[str, ...] | None]:
@@ -194,7 +194,16 @@ HEAD = Role(
      "wo": ("heads", "embed"), "bo": ("embed",)},
 )  # fmt: skip
 REPLICATED = Role("replicated")
-ROLES = (COLUMN, ROW, VOCAB, HEAD, REPLICATED)
+EXPERTS = Role(
+    "experts",
+    {"router": ("embed", None),
+     "gate": ("experts", "embed", "mlp"), "up": ("experts", "embed", "mlp"),
+     "down": ("experts", "mlp", "embed")},
+)  # fmt: skip
+"""A mixture of experts (``ctx.moe``): the router ``router[D, E]`` whole, each expert's SwiGLU
+``gate, up[E, D, F]``, ``down[E, F, D]`` split by expert over the expert axis (``ep``) and by
+hidden unit over the tp axis."""
+ROLES = (COLUMN, ROW, VOCAB, HEAD, REPLICATED, EXPERTS)
 _BY_NAME = {role.name: role for role in ROLES}
 
 

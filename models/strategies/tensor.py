@@ -216,6 +216,18 @@ class TensorKind(Kind):
                              "give the embedding the plan's role 'vocab'")  # fmt: skip
         return None
 
+    def moe_options(self, ctx, p, options):
+        """Each expert's hidden units split over the axis: ``model_axis``."""
+        if self.sequence:
+            raise ValueError(
+                "ctx.moe under sequence parallelism: a mixture of experts routes whole "
+                "sequences (its capacity groups), and sp splits them between layers; use the "
+                "strategy with tp instead of sp (not supported yet)"
+            )
+        if any(self.axis in entry_axes(e) for e in p["gate"].spec):
+            return {**options, "model_axis": self.axis}
+        return options
+
     def splits_output(self, p) -> bool:
         """A column layer's output, or a vocab table's logits (a tied head)."""
         if "table" in p:

@@ -173,7 +173,7 @@ class ExpertModel:
 def test_a_kinds_logical_rules_reach_the_layout():
     """A role of the user's (``experts``, ``embed``, ``mlp``) with a kind that maps ``experts``
     to ``data``: ``build`` lays dim 0 over data (and, under tp, dim 2 over model), from the
-    strategy's one rules table; a strategy without that row refuses the role."""
+    strategy's one rules table; without that row the experts stay whole."""
     from jax.sharding import PartitionSpec as P
 
     strategy = models.Strategy("moe_tp", tp="model", extra=(Experts("data"),))
@@ -185,8 +185,9 @@ def test_a_kinds_logical_rules_reach_the_layout():
     mesh3 = jax.sharding.AbstractMesh((2, 2), ("replica", "data"))
     setup = models.build(alone, mesh3, model=ExpertModel(), optimizer=optax.sgd(0.1))
     assert setup.param_specs == {"w": P("data", None, None)}
-    with pytest.raises(ValueError, match="names a dim 'experts', which the rules do not map"):
-        models.build("tp", mesh, model=ExpertModel(), optimizer=optax.sgd(0.1))  # no such row
+    # without the row, experts (one of the library's logical names) stay whole
+    setup = models.build("tp", mesh, model=ExpertModel(), optimizer=optax.sgd(0.1))
+    assert setup.param_specs == {"w": P(None, None, "model")}
 
 
 def test_kinds_the_core_cannot_honour_are_refused():

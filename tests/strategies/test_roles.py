@@ -192,10 +192,18 @@ def test_a_role_is_frozen_and_survives_copy_and_pickle():
 
 
 def test_a_logical_name_no_rule_maps_is_refused():
-    with refused(ValueError, argument=("params['experts']['b']", "role 'expert_column'"),
-                 got="names a dim 'experts'", expected="which the rules do not map",
-                 fix="rules={**logical_rules(tp_axis), 'experts': <a mesh axis, or None>}"):  # fmt: skip
-        model_specs(leaf_roles(MOE_PLAN, MOE_SHAPES), MOE_SHAPES, "model", 2)
+    """``experts`` is one of the library's names (unsplit where no rule maps it); a name of
+    one's own must be mapped."""
+    codebooks = Role(
+        "codebook_column", {"w": ("codebooks", "embed", "mlp"), "b": ("codebooks", "mlp")}
+    )
+    plan = {"router": "replicated", "experts": codebooks}
+    with refused(ValueError, argument=("params['experts']['b']", "role 'codebook_column'"),
+                 got="names a dim 'codebooks'", expected="which the rules do not map",
+                 fix="rules={**logical_rules(tp_axis), 'codebooks': <a mesh axis, or None>}"):  # fmt: skip
+        model_specs(leaf_roles(plan, MOE_SHAPES), MOE_SHAPES, "model", 2)
+    specs = model_specs(leaf_roles(MOE_PLAN, MOE_SHAPES), MOE_SHAPES, "model", 2)
+    assert specs["experts"]["w"] == P(None, None, "model")  # experts unsplit without a rule
 
 
 def test_a_leaf_the_role_does_not_describe_is_refused():
@@ -223,7 +231,7 @@ def test_a_leaf_of_another_rank_is_refused():
 
 def test_an_unknown_role_name_is_refused():
     with refused(ValueError, argument="plan['up']['w']", got="unknown role 'colum'",
-                 expected="choose one of ('column', 'row', 'vocab', 'head', 'replicated')",
+                 expected="choose one of ('column', 'row', 'vocab', 'head', 'replicated', 'experts')",
                  fix="give a Role(name, dims)"):  # fmt: skip
         leaf_roles({"up": {"w": "colum"}}, {"up": {"w": (D, F)}})
 

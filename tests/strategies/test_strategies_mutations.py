@@ -191,8 +191,8 @@ HELPER_MUTANTS = {
     # fsdp: a unit's bundle of split leaves gathered with its gradients reduced in bf16.
     "data_gradient_bundle_reduce_scattered_in_bf16": (
         fsdp, ("FsdpKind",), ("shardops_models.strategies.layout",),
-        "                                                               accum, self.replicas(ctx))  # fmt: skip\n",
-        "                                                               values[0].dtype, self.replicas(ctx))\n",
+        "                                                               accum, self.replicas(ctx, varying))  # fmt: skip\n",
+        "                                                               values[0].dtype, self.replicas(ctx, varying))\n",
         "flow", ("fsdp_tp", {"data": 2, "model": 4}, BF16),
     ),
     # fsdp: the plain all_gather, whose transpose reduce-scatters bf16 gradients.

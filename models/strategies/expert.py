@@ -1,0 +1,78 @@
+"""Expert parallelism (GShard): the experts of every mixture-of-experts layer split over one mesh
+axis, the tokens sent to their experts' devices and back by all-to-all.
+
+    the batch      split over the axis (as dp's: each device routes its own tokens)
+    experts        gate, up[E_expert, D, F], down[E_expert, F, D]: by the plan role
+                   ``experts`` (the rules row ``experts`` → the axis)
+    other params   replicated over the axis, gradients AllReduced (as dp's)
+    ctx.moe        dispatch ``[E, G·C, D]`` AllToAll → ``[E_expert, N·G·C, D]``, the local
+                   experts, AllToAll back (``shardops.layers.moe_kernel(expert_axis=...)``);
+                   an expert's gradients stay on its device (never summed over the axis)
+
+On the data axis it is GShard's and DeepSpeed-MoE's layout (``Strategy("ep", ep="data")``: data
+parallelism whose experts are split); on an axis of its own beside dp
+(``with_experts("2d")``: ``data × expert × model``) it adds devices for experts. Tensor
+parallelism splits each expert's hidden units over its axis (the rules row ``mlp``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+
+from shardops import entry_axes
+from shardops_models.strategies.kind import Kind, LayoutContext, is_spec, role_layout
+from shardops_models.strategies.plan import is_shape
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertKind(Kind):
+    """Expert parallelism over one axis (module docstring)."""
+
+    name: ClassVar[str] = "ep"
+    doc: ClassVar[str] = ("the batch split; each mixture-of-experts layer's experts split, "
+                          "tokens sent to them by AllToAll; other gradients summed")  # fmt: skip
+    splits_batch: ClassVar[bool] = True
+    sums_gradients: ClassVar[bool] = True
+
+    @property
+    def axis(self) -> str:
+        return self.axes[0]
+
+    def logical_rules(self) -> dict[str, str]:
+        return {"experts": self.axis}
+
+    def moe_options(self, ctx, p, options: dict) -> dict:
+        """The experts' axis, where the layer's experts are split over it."""
+        if any(self.axis in entry_axes(e) for e in p["gate"].spec):
+            return {**options, "expert_axis": self.axis}
+        return options
+
+    def check_mesh(self, strategy, mesh, context: LayoutContext) -> None:
+        """The model has experts, and their number divides by the axis."""
+        n, found = mesh.shape[self.axis], False
+        specs = role_layout(context)
+        for (path, shape), spec in zip(
+            jax.tree_util.tree_leaves_with_path(context.shapes, is_leaf=is_shape),
+            jax.tree.leaves(specs, is_leaf=is_spec), strict=True,
+        ):  # fmt: skip
+            for dim, entry in enumerate(spec):
+                if self.axis not in entry_axes(entry):
+                    continue
+                found = True
+                if shape[dim] % n:
+                    raise ValueError(
+                        f"params{jax.tree_util.keystr(path)}: {shape[dim]} experts do not split "
+                        f"over mesh axis {self.axis!r} (size {n}) of strategy {strategy.name!r} "
+                        f"(expert parallelism holds whole experts on each device). Use a "
+                        f"number of experts {n} divides, or a smaller {self.axis!r} axis"
+                    )
+        if not found:
+            raise ValueError(
+                f"strategy {strategy.name!r} splits experts over {self.axis!r} (ep), and the "
+                f"model's plan gives no parameter the role 'experts' (a mixture-of-experts "
+                f"layer, models.strategies.plan.EXPERTS). Use the strategy without ep (dp on "
+                f"that axis is the same for a dense model)"
+            )
