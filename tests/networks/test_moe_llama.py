@@ -75,3 +75,47 @@ def test_experts_the_axis_does_not_divide_are_refused():
                  fix="a number of experts 8 divides"):  # fmt: skip
         models.build(models.Strategy("ep", ep="data"), mesh_for({"data": 8}), model=MOE,
                      optimizer=optax.sgd(0.1))  # fmt: skip
+
+
+# Mutants of the core's rule that an expert's gradient stays on its device: the expert weights
+# (split over the ep axis, a gradient axis) entered varying over it all the same, by ctx.unit
+# (2d+ep) and by fsdp's gather (fsdp+ep). check_vma refuses both when the step traces (a value
+# varying over the axis cannot be made varying over it again), so the bug cannot pass silently;
+# a sum that slips past check_vma is tests/layers/test_moe_mutations.py's (a custom VJP).
+UNIT_LINE = "            axes = tuple(a for a in self.strategy.gradient_axes if a not in split)\n"
+FSDP_LINE = "                     if a not in self.axes and a not in varying)  # fmt: skip\n"
+GRADIENT_MUTANTS = {
+    "unit_sums_expert_gradients": (UNIT_LINE, "            axes = self.strategy.gradient_axes\n",
+                                   "2d+ep", "d2e2m2"),
+    "fsdp_sums_expert_gradients": (FSDP_LINE, "                     if a not in self.axes)\n",
+                                   "fsdp+ep", "d2e4"),
+}  # fmt: skip
+
+
+def _mutated_build(monkeypatch, name, mutated: bool):
+    from _mutants import mutant, training
+
+    from shardops_models.strategies import fsdp, layout, parallel
+
+    line, replacement, *_ = GRADIENT_MUTANTS[name]
+    new = replacement if mutated else line
+    if name.startswith("fsdp"):
+        monkeypatch.setattr(layout, "FsdpKind", mutant(fsdp, name, line, new).FsdpKind)
+        return models.build
+    copy = mutant(parallel, name, line, new)
+    return training(name, Parallel=copy.Parallel, wrap=copy.wrap).build
+
+
+@pytest.mark.parametrize("name", GRADIENT_MUTANTS)
+def test_the_unmutated_copies_pass(monkeypatch, name):
+    *_, strategy, mesh = GRADIENT_MUTANTS[name]
+    build = _mutated_build(monkeypatch, name, mutated=False)
+    check_lm_trajectory(MOE, strategy, mesh, "adam", build=build)
+
+
+@pytest.mark.parametrize("name", GRADIENT_MUTANTS)
+def test_expert_gradients_summed_over_the_expert_axis_are_refused(monkeypatch, name):
+    *_, strategy, mesh = GRADIENT_MUTANTS[name]
+    build = _mutated_build(monkeypatch, name, mutated=True)
+    with pytest.raises(ValueError, match="pcast"):
+        check_lm_trajectory(MOE, strategy, mesh, "adam", build=build)
