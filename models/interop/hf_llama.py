@@ -155,14 +155,27 @@ def llama_from_config(config: dict | str | os.PathLike, **overrides) -> Llama:
     """The ``models.Llama`` of a transformers Llama config (a dict, ``config.json`` or its
     folder); ``overrides`` replace fields (``context=``, ``bos_id=``). Unsupported fields are
     an ``UnsupportedConfig`` naming the field (module docstring)."""
-    if not isinstance(config, dict):
-        path = os.fspath(config)
-        config = _read_json(os.path.join(path, CONFIG) if os.path.isdir(path) else path)
+    config = config_dict(config)
     if config.get("model_type") != "llama":
+        other = " (a Mixtral: interop.HfMixtral)" if config.get("model_type") == "mixtral" else ""
         raise UnsupportedConfig(
             f"config model_type={config.get('model_type')!r}: only 'llama' (LlamaForCausalLM) "
-            f"checkpoints load into models.Llama"
+            f"checkpoints load into models.Llama by HfLlama{other}"
         )
+    return Llama(**{**llama_fields(config, DEFAULTS), **overrides})
+
+
+def config_dict(config: dict | str | os.PathLike) -> dict:
+    """A transformers config: the dict itself, or read from ``config.json`` or its folder."""
+    if isinstance(config, dict):
+        return config
+    path = os.fspath(config)
+    return _read_json(os.path.join(path, CONFIG) if os.path.isdir(path) else path)
+
+
+def llama_fields(config: dict, defaults: dict) -> dict:
+    """The ``models.Llama`` fields of a Llama-family config (Llama's, Mixtral's), a field it
+    leaves out taking ``defaults``'; unsupported fields refused by name (``_UNSUPPORTED``)."""
     for field, supported, why in _UNSUPPORTED:
         if field in config and not supported(config[field]):
             raise UnsupportedConfig(f"config {field}={config[field]!r} is not supported: {why}")
@@ -173,7 +186,7 @@ def llama_from_config(config: dict | str | os.PathLike, **overrides) -> Llama:
             f"config rope_parameters.rope_type={rope_type!r} is not supported: only 'default' "
             f"RoPE (no scaling) is implemented"
         )
-    config = {**DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+    config = {**defaults, **{k: v for k, v in config.items() if v is not None}}
     heads, width = config["num_attention_heads"], config["hidden_size"]
     head_dim = config.get("head_dim")
     if head_dim is not None and head_dim * heads != width:
@@ -193,7 +206,7 @@ def llama_from_config(config: dict | str | os.PathLike, **overrides) -> Llama:
         "tie_embeddings": bool(config["tie_word_embeddings"]),
         "context": config["max_position_embeddings"],
     }
-    return Llama(**{**fields, **overrides})
+    return fields
 
 
 def hf_config(model: Llama, dtype="float32") -> dict:
@@ -235,6 +248,8 @@ class HfLlama:
     the embedding (then ``False``, with a warning, as transformers does).
     """
 
+    TABLE = NAMES  # shardops path → (transformers name, transposed)
+
     def __init__(self, directory: str | os.PathLike):
         self.directory = os.path.abspath(os.fspath(directory))
         config = os.path.join(self.directory, CONFIG)
@@ -247,14 +262,23 @@ class HfLlama:
         self.tie_embeddings = self._tie_embeddings()
         # Where each parameter is read: NAMES, but a tied head whose files hold lm_head.weight
         # alone reads the embedding from it (transformers ties to the tensor that is there).
-        self.names = dict(NAMES)
+        self.names = dict(self.TABLE)
         if self.tie_embeddings and EMBED not in self.files and HEAD in self.files:
             self.names["embed", "table"] = (HEAD, False)
 
     def model(self, **overrides) -> Llama:
         """``llama_from_config(self.config, **overrides)``, tied as ``tie_embeddings`` says."""
-        return llama_from_config({**self.config, "tie_word_embeddings": self.tie_embeddings},
+        return self._from_config({**self.config, "tie_word_embeddings": self.tie_embeddings},
                                  **overrides)  # fmt: skip
+
+    @staticmethod
+    def _from_config(config: dict, **overrides) -> Llama:
+        return llama_from_config(config, **overrides)
+
+    def _training_fields(self, model: Llama) -> dict:
+        """The fields of the setup's ``model`` that do not change the checkpoint's function
+        (how it trains, how long its batches are): taken from the setup when comparing."""
+        return dict(context=model.context, bos_id=model.bos_id, init_scale=model.init_scale)
 
     def _tie_embeddings(self) -> bool:
         """transformers' rule (``PreTrainedModel.tie_weights``): a config that ties, over files
@@ -323,8 +347,7 @@ class HfLlama:
         model = setup.model
         if not isinstance(model, Llama):
             raise TypeError(f"HfLlama.load needs a setup of models.Llama; got {type(model)}")
-        expected = self.model(context=model.context, bos_id=model.bos_id,
-                              init_scale=model.init_scale)  # fmt: skip
+        expected = self.model(**self._training_fields(model))
         if expected != model:
             diff = [f"{f}: {getattr(expected, f)!r} in the checkpoint, {getattr(model, f)!r} "
                     f"in the setup" for f in expected.__dataclass_fields__
@@ -342,7 +365,7 @@ class HfLlama:
             def leaf(path, shape, stored_shape, sharding):
                 key = tuple(k.key for k in path)
                 name, transposed = self.names[key]
-                read = _BlockReader(self, handles, name, transposed, key[0] == "blocks",
+                read = _BlockReader(self, handles, name, transposed,
                                     tuple(shape), tuple(stored_shape), dtype)  # fmt: skip
                 return jax.make_array_from_callback(tuple(stored_shape), sharding, read)
 
@@ -367,7 +390,7 @@ class HfLlama:
         for key, (name, _) in self.names.items():
             if key[0] == "head" and model.tie_embeddings:
                 continue
-            want |= {name.format(l=i) for i in range(model.num_layers)} if "{l}" in name else {name}
+            want |= set(_expand(name, _stack_sizes(model, name)))
         have = set(self.files)
         missing = sorted(want - have)
         # A tied head's lm_head.weight is the embedding (read as it, or equal to it).
@@ -386,11 +409,10 @@ class HfLlama:
             for path, shape in jax.tree_util.tree_leaves_with_path(logical, is_leaf=is_shape):
                 key = tuple(k.key for k in path)
                 name, transposed = self.names[key]
-                shape = tuple(shape[1:] if key[0] == "blocks" else shape)
+                stacked = len(_placeholders(name))
+                shape = tuple(shape[stacked:])
                 want = shape[::-1] if transposed else shape
-                names = ([name.format(l=i) for i in range(model.num_layers)] if "{l}" in name
-                         else [name])  # fmt: skip
-                for n in names:
+                for n in _expand(name, _stack_sizes(model, name)):
                     got = tuple(self._open(handles, n).get_slice(n).get_shape())
                     if got != want:
                         wrong.append(f"{n} is {list(got)}, the config gives {list(want)}")
@@ -432,14 +454,14 @@ def _read_json(path: str) -> dict:
 
 class _BlockReader:
     """``make_array_from_callback``'s callback for one parameter: the block at a device's
-    index, read from the file's tensor(s) (one per layer when stacked), transposed to
+    index, read from the file's tensor(s) (one per layer, and per expert, when stacked:
+    ``PLACEHOLDERS``), transposed to
     shardops' ``[in, out]``, zero-filled beyond the logical shape (padding). Each distinct
     block is read once (replicas ask for it again)."""
 
-    def __init__(self, ckpt: HfLlama, handles, name, transposed, stacked, shape, stored_shape,
-                 dtype):  # fmt: skip
+    def __init__(self, ckpt: HfLlama, handles, name, transposed, shape, stored_shape, dtype):
         self.ckpt, self.handles, self.name = ckpt, handles, name
-        self.transposed, self.stacked, self.dtype = transposed, stacked, dtype
+        self.transposed, self.dtype = transposed, dtype
         self.shape, self.stored_shape = shape, stored_shape
         self.blocks: dict[tuple, np.ndarray] = {}
 
@@ -457,13 +479,17 @@ class _BlockReader:
                   for s, n in zip(_bounded(index, self.stored_shape), self.shape, strict=True)]  # fmt: skip
         if any(s.start >= s.stop for s in inside):
             return block
-        if self.stacked:
-            layers = range(inside[0].start, inside[0].stop)
-            part = np.stack([self._tensor(self.name.format(l=i), inside[1:]) for i in layers])
-        else:
-            part = self._tensor(self.name, inside)
+        part = self._stacked(_placeholders(self.name), inside, {})
         block[tuple(slice(0, n) for n in part.shape)] = part
         return block
+
+    def _stacked(self, fields: tuple[str, ...], inside: list[slice], at: dict) -> np.ndarray:
+        """The block ``inside`` of the stack over ``fields`` (the leading dims: layers, then
+        experts), each of its tensors read at ``at`` and the rest of ``inside``."""
+        if not fields:
+            return self._tensor(self.name.format(**at), inside)
+        return np.stack([self._stacked(fields[1:], inside[1:], {**at, fields[0]: i})
+                         for i in range(inside[0].start, inside[0].stop)])  # fmt: skip
 
     def _tensor(self, name: str, inside: list[slice]) -> np.ndarray:
         """``name``'s slice ``inside`` in shardops' layout (the file's slice, transposed)."""
@@ -505,38 +531,53 @@ def save_hf_llama(directory: str | os.PathLike, setup: Setup, state, *,
     saved there before; all return once the files are written. Returns the files written
     (process 0; ``[]`` elsewhere).
     A model trained on packed documents (``bos_id``) is saved as it is: transformers attends
-    across documents.
+    across documents. A model with experts is a Mixtral: ``save_hf_mixtral``.
     """
     model = setup.model
     if not isinstance(model, Llama):
         raise TypeError(f"save_hf_llama needs a setup of models.Llama; got {type(model)}")
+    if model.experts is not None:
+        raise ValueError(f"save_hf_llama: the setup's model has experts ({model.experts}), "
+                         f"which LlamaForCausalLM cannot hold; save it with "
+                         f"interop.save_hf_mixtral (a MixtralForCausalLM)")  # fmt: skip
+    return save_hf(directory, setup, state, NAMES, hf_config, "save_hf_llama",
+                   max_shard_bytes=max_shard_bytes, dtype=dtype)  # fmt: skip
+
+
+def save_hf(directory, setup: Setup, state, names: dict, config_of, caller: str, *,
+            max_shard_bytes: int | None, dtype) -> list[str]:  # fmt: skip
+    """``save_hf_llama``'s and ``save_hf_mixtral``'s writer: the parameters named by ``names``
+    (``NAMES``' form), ``config_of(model, dtype)`` as ``config.json``, errors naming
+    ``caller``."""
+    model = setup.model
     params = state.params if isinstance(state, TrainState) else state
     directory = os.path.abspath(os.fspath(directory))
     if os.path.exists(directory) and not os.path.isdir(directory):
-        raise ValueError(f"save_hf_llama: directory={directory!r} is a file; expected a folder "
+        raise ValueError(f"{caller}: directory={directory!r} is a file; expected a folder "
                          f"(created if missing): pass another path or remove the file")  # fmt: skip
     if max_shard_bytes is not None and (isinstance(max_shard_bytes, bool) or not isinstance(
             max_shard_bytes, int | np.integer) or max_shard_bytes < 1):  # fmt: skip
-        raise ValueError(f"save_hf_llama: max_shard_bytes must be a positive int of bytes or "
+        raise ValueError(f"{caller}: max_shard_bytes must be a positive int of bytes or "
                          f"None (one file); got {max_shard_bytes!r}: pass a size in bytes such "
                          f"as 5 * 10**9 (save_pretrained's '5GB'), or None")  # fmt: skip
     leaves = jax.tree_util.tree_leaves_with_path(params)
-    out_dtype = _save_dtype(dtype if dtype is not None else leaves[0][1].dtype, dtype is None)
-    plan = _plan(setup, leaves, out_dtype)  # (tensor name, bytes) in the order they are made
+    out_dtype = _save_dtype(dtype if dtype is not None else leaves[0][1].dtype, dtype is None,
+                            caller)  # fmt: skip
+    plan = _plan(setup, leaves, out_dtype, names)  # (tensor name, bytes) in the order they are made
     files = _files(plan, None if max_shard_bytes is None else int(max_shard_bytes))  # name → file
     main = jax.process_index() == 0
     if main:
         os.makedirs(directory, exist_ok=True)
         _remove_weights(directory)  # a checkpoint saved here before, in either form
         with open(os.path.join(directory, CONFIG), "w") as f:
-            json.dump(hf_config(model, out_dtype), f, indent=2)
+            json.dump(config_of(model, out_dtype), f, indent=2)
     waiting = {
         file: sum(f == file for f in files.values()) for file in dict.fromkeys(files.values())
     }
     pending: dict[str, dict[str, np.ndarray]] = {file: {} for file in waiting}
     for path, leaf in leaves:
         key = tuple(k.key for k in path)
-        name, transposed = NAMES[key]
+        name, transposed = names[key]
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
             leaf = multihost_utils.process_allgather(leaf, tiled=True)  # every process calls it
         if not main:
@@ -544,8 +585,9 @@ def save_hf_llama(directory: str | os.PathLike, setup: Setup, state, *,
         whole = np.asarray(jax.device_get(leaf))[tuple(slice(0, n) for n in
                                                        _logical_shape(setup, path))]  # fmt: skip
         whole = whole.astype(out_dtype)
-        layers = ([(name.format(l=i), whole[i]) for i in range(len(whole))] if "{l}" in name
-                  else [(name, whole)])  # fmt: skip
+        fields = _placeholders(name)
+        layers = [(name.format(**dict(zip(fields, i, strict=True))), whole[i])
+                  for i in np.ndindex(whole.shape[: len(fields)])]  # fmt: skip
         for n, a in layers:
             file = files[n]
             pending[file][n] = np.ascontiguousarray(a.T if transposed else a)
@@ -561,26 +603,46 @@ def save_hf_llama(directory: str | os.PathLike, setup: Setup, state, *,
             json.dump({"metadata": metadata, "weight_map": files}, f, indent=2, sort_keys=True)
         written.append(INDEX)
     if jax.process_count() > 1:  # the others return once the files are written
-        multihost_utils.sync_global_devices(f"save_hf_llama {directory}")
+        multihost_utils.sync_global_devices(f"{caller} {directory}")
     return written if main else []
 
 
-def _plan(setup: Setup, leaves, dtype) -> list[tuple[str, int]]:
-    """``(transformers name, bytes)`` of every tensor, in the order ``save_hf_llama`` makes
-    them (the leaves', each stacked leaf layer by layer)."""
+def _plan(setup: Setup, leaves, dtype, names: dict = NAMES) -> list[tuple[str, int]]:
+    """``(transformers name, bytes)`` of every tensor ``names`` gives, in the order ``save_hf``
+    makes them (the leaves', each stacked leaf layer by layer, then expert by expert)."""
     out = []
     for path, _ in leaves:
-        name, _ = NAMES[tuple(k.key for k in path)]
+        name, _ = names[tuple(k.key for k in path)]
         shape = _logical_shape(setup, path)
-        if "{l}" in name:
-            out += [(name.format(l=i), math.prod(shape[1:]) * dtype.itemsize)
-                    for i in range(shape[0])]  # fmt: skip
-        else:
-            out.append((name, math.prod(shape) * dtype.itemsize))
+        stacked = len(_placeholders(name))
+        out += [(n, math.prod(shape[stacked:]) * dtype.itemsize)
+                for n in _expand(name, shape[:stacked])]  # fmt: skip
     return out
 
 
-def _save_dtype(dtype, from_params: bool) -> np.dtype:
+# The stacked dims of a tensor name, in the order the parameter stacks them: ``{l}`` the layer
+# (``[L, …]``), ``{e}`` the expert (``[L, E, …]``).
+PLACEHOLDERS = ("l", "e")
+
+
+def _placeholders(name: str) -> tuple[str, ...]:
+    """The stacked dims ``name`` has (``PLACEHOLDERS`` it holds), in order."""
+    return tuple(f for f in PLACEHOLDERS if "{" + f + "}" in name)
+
+
+def _stack_sizes(model: Llama, name: str) -> tuple[int, ...]:
+    """The sizes of ``name``'s stacked dims in ``model``: ``L``, then ``E``."""
+    sizes = {"l": model.num_layers, "e": model.experts.num_experts if model.experts else 0}
+    return tuple(sizes[f] for f in _placeholders(name))
+
+
+def _expand(name: str, sizes: tuple[int, ...]) -> list[str]:
+    """Every tensor name of a stack of ``sizes`` (layer-major), ``[name]`` when unstacked."""
+    fields = _placeholders(name)
+    return [name.format(**dict(zip(fields, i, strict=True))) for i in np.ndindex(*sizes)]
+
+
+def _save_dtype(dtype, from_params: bool, caller: str = "save_hf_llama") -> np.dtype:
     """``save_hf_llama``'s ``dtype``, one of ``SAVE_DTYPES``, or an error listing them."""
     try:
         out = np.dtype(dtype)
@@ -589,7 +651,7 @@ def _save_dtype(dtype, from_params: bool) -> np.dtype:
     if out is None or out.name not in SAVE_DTYPES:
         got = repr(dtype) if out is None else repr(out.name)
         got = f"the params' {got}" if from_params else got
-        raise ValueError(f"save_hf_llama: dtype must be one of {SAVE_DTYPES} (the float dtypes "
+        raise ValueError(f"{caller}: dtype must be one of {SAVE_DTYPES} (the float dtypes "
                          f"transformers loads); got {got}: pass dtype='bfloat16' or another of "
                          f"them")  # fmt: skip
     return out

@@ -1,0 +1,191 @@
+"""Hugging Face Mixtral checkpoints in and out of ``models.Llama(experts=...)``, under any
+strategy and mesh, expert-parallel ones included.
+
+    ckpt = interop.HfMixtral("path/to/mixtral")          # config.json + *.safetensors
+    setup = models.build("2d+ep", mesh, model=ckpt.model(), optimizer=optax.adamw(1e-5))
+    state = ckpt.load(setup)                              # each process reads only its slices
+    ...
+    interop.save_hf_mixtral("out/", setup, state)        # MixtralForCausalLM.from_pretrained
+
+Everything ``HfLlama`` does (``hf_llama``'s docstring: the files, reading each device's block
+straight from them, tied heads, padding, sharded saves) it does for Mixtral, whose blocks hold
+a mixture of experts in place of the MLP. The attention, norms, embedding and head are
+Llama's (``NAMES``); each block's MLP is replaced by (``E`` experts of hidden size ``F``):
+
+======================================  =======================================================  ==========
+shardops parameter                      transformers tensor (``model.layers.{l}.``…)               layout
+======================================  =======================================================  ==========
+``blocks.moe.router[L, D, E]``          ``block_sparse_moe.gate.weight[E, D]``                   stacked, ᵀ
+``blocks.moe.gate[L, E, D, F]``         ``block_sparse_moe.experts.{e}.w1.weight[F, D]``          stacked, ᵀ
+``blocks.moe.up[L, E, D, F]``           ``block_sparse_moe.experts.{e}.w3.weight[F, D]``          stacked, ᵀ
+``blocks.moe.down[L, E, F, D]``         ``block_sparse_moe.experts.{e}.w2.weight[D, F]``          stacked, ᵀ
+======================================  =======================================================  ==========
+
+(the names ``save_pretrained`` writes; transformers ≥ 5 fuses ``w1`` and ``w3`` into
+``gate_up_proj`` in memory and splits them back when saving.) The routing is Mixtral's: a
+softmax over the ``E`` router logits, the top ``k`` renormalised over the ``k``.
+
+**Capacity.** transformers' Mixtral is dropless: every token reaches its ``k`` experts. Ours
+gives each expert ``C = min(S, ceil(capacity_factor · S · k / E))`` slots per sequence and
+drops the choices beyond them. ``mixtral_from_config`` therefore sets ``capacity_factor = E /
+k``, so that ``C = S``: no choice is ever dropped, and the logits are transformers'. It is the
+costliest setting (each expert's buffer holds a whole sequence); to train cheaper, pass
+``capacity_factor=`` (e.g. 1.25) to ``HfMixtral.model`` and build the setup from that model:
+``load`` takes the setup's capacity and loss weights as its own.
+
+**Config.** The Llama fields map as ``llama_from_config`` maps them (its refusals too), with
+Mixtral's defaults for a field config.json leaves out (``DEFAULTS``: ``MixtralConfig()``'s
+``d_ff`` 14336, 8 KV heads, context 131072, ``rms_norm_eps`` 1e-5, θ 10⁶, 8 experts, k 2,
+``router_aux_loss_coef`` 0.001). ``num_local_experts`` → ``Experts.num_experts``,
+``num_experts_per_tok`` → ``k``. transformers' auxiliary loss pools the router statistics
+of all ``L`` layers and counts each of a token's ``k`` choices as a whole token:
+``coef · E · Σ_e (n_e / (T·L)) · p̄_e``; ours sums a balance term over the layers, each
+``E · Σ_e (n_e / (T·k)) · p̄_e``. ``load_balance_weight = router_aux_loss_coef · k / L`` makes
+the two equal when the layers route alike (exactly so with one layer), and is what
+``hf_config`` inverts when saving. Mixtral has no z-loss: ``z_loss_weight`` is 0. Each of
+these can be overridden (``capacity_factor=``, ``load_balance_weight=``, ``z_loss_weight=``,
+``load_balance=``). Refused, naming the field (``UnsupportedConfig``): a non-zero
+``router_jitter_noise`` (transformers multiplies the router's input by noise in training), a
+``sliding_window`` shorter than the context (our attention sees the whole sequence; a window
+at least the context never masks anything).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from shardops_models.interop import hf_llama
+from shardops_models.interop.hf_llama import (
+    HfLlama,
+    UnsupportedConfig,
+    config_dict,
+    llama_fields,
+    save_hf,
+)
+from shardops_models.networks.llama import Experts, Llama
+from shardops_models.training._setup import Setup
+
+_MOE = "model.layers.{l}.block_sparse_moe."
+# shardops path → (transformers name, transposed): Llama's, the MLP replaced by the experts.
+NAMES: dict[tuple[str, ...], tuple[str, bool]] = {
+    **{key: value for key, value in hf_llama.NAMES.items() if key[:2] != ("blocks", "mlp")},
+    ("blocks", "moe", "router"): (_MOE + "gate.weight", True),
+    ("blocks", "moe", "gate"): (_MOE + "experts.{e}.w1.weight", True),
+    ("blocks", "moe", "up"): (_MOE + "experts.{e}.w3.weight", True),
+    ("blocks", "moe", "down"): (_MOE + "experts.{e}.w2.weight", True),
+}
+
+# What transformers' ``MixtralConfig()`` gives a field that config.json leaves out.
+DEFAULTS = {
+    **hf_llama.DEFAULTS,
+    "intermediate_size": 14336,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 4096 * 32,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1e6,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "router_aux_loss_coef": 0.001,
+}
+# ``Experts`` fields a caller may set over the config's (``mixtral_from_config``'s overrides).
+TRAINING = ("capacity_factor", "load_balance", "load_balance_weight", "z_loss_weight")
+
+
+def mixtral_from_config(config: dict | str | os.PathLike, **overrides) -> Llama:
+    """The ``models.Llama(experts=...)`` of a transformers Mixtral config (a dict,
+    ``config.json`` or its folder): dropless (``capacity_factor = E / k``), the load-balance
+    weight ``router_aux_loss_coef · k / L``, no z-loss (module docstring). ``overrides``
+    replace ``Llama`` fields (``context=``) or the experts' ``TRAINING`` ones
+    (``capacity_factor=1.25``). Unsupported fields are an ``UnsupportedConfig`` naming the
+    field."""
+    config = config_dict(config)
+    if config.get("model_type") != "mixtral":
+        raise UnsupportedConfig(
+            f"config model_type={config.get('model_type')!r}: HfMixtral loads 'mixtral' "
+            f"(MixtralForCausalLM) checkpoints; a 'llama' one loads with interop.HfLlama"
+        )
+    fields = llama_fields(config, DEFAULTS)
+    training = {k: overrides.pop(k) for k in TRAINING if k in overrides}
+    context = overrides.get("context", fields["context"])
+    config = {**DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+    if config.get("router_jitter_noise"):
+        raise UnsupportedConfig(
+            f"config router_jitter_noise={config['router_jitter_noise']!r} is not supported: "
+            f"models.Llama's router takes its input as it is (no multiplicative noise in "
+            f"training); set it to 0.0"
+        )
+    window = config.get("sliding_window")
+    if window is not None and window < context:
+        raise UnsupportedConfig(
+            f"config sliding_window={window!r} is not supported under a context of {context}: "
+            f"models.Llama attends to the whole sequence; pass context={window} (a window "
+            f"at least the context masks nothing) or set sliding_window to null"
+        )
+    e, k = config["num_local_experts"], config["num_experts_per_tok"]
+    coef = float(config["router_aux_loss_coef"])
+    experts = Experts(num_experts=e, k=k, capacity_factor=e / k, score="softmax",
+                      load_balance="global",
+                      load_balance_weight=coef * k / fields["num_layers"],
+                      z_loss_weight=0.0)  # fmt: skip
+    experts = dataclasses.replace(experts, **training)
+    return Llama(**{**fields, "experts": experts, **overrides})
+
+
+def hf_config(model: Llama, dtype="float32") -> dict:
+    """The transformers ``config.json`` of ``model`` (``MixtralForCausalLM``): Llama's fields,
+    the experts', ``router_aux_loss_coef = load_balance_weight · L / k`` (module docstring)."""
+    e = model.experts
+    config = {k: v for k, v in hf_llama.hf_config(model, dtype).items()
+              if k not in ("mlp_bias", "attention_bias", "rope_scaling")}  # fmt: skip
+    return {
+        **config,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": e.num_experts,
+        "num_experts_per_tok": e.k,
+        "router_aux_loss_coef": e.load_balance_weight * model.num_layers / e.k,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+        "sliding_window": None,
+    }
+
+
+class HfMixtral(HfLlama):
+    """A transformers Mixtral checkpoint folder, read lazily: ``HfLlama``'s interface
+    (``model()``, ``load(setup)``, ``elements_read``, ``tie_embeddings``) for
+    ``MixtralForCausalLM`` (module docstring). ``load`` takes the setup's experts'
+    ``TRAINING`` fields (capacity, loss weights) as the checkpoint's."""
+
+    TABLE = NAMES
+
+    @staticmethod
+    def _from_config(config: dict, **overrides) -> Llama:
+        return mixtral_from_config(config, **overrides)
+
+    def _training_fields(self, model: Llama) -> dict:
+        fields = super()._training_fields(model)
+        if model.experts is not None:
+            fields.update({k: getattr(model.experts, k) for k in TRAINING})
+        return fields
+
+
+def save_hf_mixtral(directory: str | os.PathLike, setup: Setup, state, *,
+                    max_shard_bytes: int | None = None, dtype=None) -> list[str]:  # fmt: skip
+    """Write ``state`` (a ``TrainState`` or the params, laid out by ``setup``, a
+    ``models.Llama`` with softmax-routed experts) as a transformers Mixtral checkpoint in
+    ``directory``: ``save_hf_llama``'s files, folder and arguments (``max_shard_bytes``,
+    ``dtype``), the experts named as ``NAMES`` gives. The capacity and the z-loss are how
+    shardops trains, not part of the function: transformers runs the model dropless. Returns
+    the files written (process 0; ``[]`` elsewhere)."""
+    model = setup.model
+    if not isinstance(model, Llama) or model.experts is None:
+        raise TypeError(f"save_hf_mixtral needs a setup of models.Llama with experts; got "
+                        f"{getattr(model, 'name', type(model))} (a Llama without experts: "
+                        f"interop.save_hf_llama)")  # fmt: skip
+    if model.experts.score != "softmax":
+        raise ValueError(f"save_hf_mixtral: experts score={model.experts.score!r}: Mixtral's "
+                         f"router is a softmax (score='softmax'); a {model.experts.score} "
+                         f"router cannot be saved as one")  # fmt: skip
+    return save_hf(directory, setup, state, NAMES, hf_config, "save_hf_mixtral",
+                   max_shard_bytes=max_shard_bytes, dtype=dtype)  # fmt: skip
