@@ -1,0 +1,270 @@
+"""Hugging Face Mixtral checkpoints (``shardops_models.interop.HfMixtral``) against transformers'
+own ``MixtralForCausalLM``: a tiny checkpoint it writes from a config (random weights, nothing
+downloaded) loads under expert × tensor parallelism, tensor parallelism alone and the
+reference with transformers' logits (dropless: ``capacity_factor = E / k``); what shardops
+saves after training loads in transformers with shardops' logits, and the same files come out
+of an expert-parallel layout and a layout without one, bit for bit; mutants of the names
+table and of the capacity default are caught; what the model cannot compute is refused by
+name."""
+
+import dataclasses
+import functools
+import json
+import re
+import shutil
+
+import jax
+import numpy as np
+import optax
+import pytest
+import torch
+from _gpt_checks import EP_MESHES, MESHES
+from _hf_checks import tokens
+from _model_checks import mesh_for
+from _mutants import mutant
+from transformers import MixtralConfig, MixtralForCausalLM
+
+import shardops_models as models
+from shardops_models.interop import (
+    HfLlama,
+    HfMixtral,
+    UnsupportedConfig,
+    hf_mixtral,
+    save_hf_llama,
+    save_hf_mixtral,
+)
+
+torch.set_num_threads(1)  # the suite's workers share 2 cores
+
+# 2 layers of 4 heads on 2 KV heads, E = 4 experts of F = 32, each token to k = 2 of them.
+FIELDS = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+              num_experts_per_tok=2, max_position_embeddings=64, rope_theta=500.0,
+              router_aux_loss_coef=0.02)  # fmt: skip
+LAYOUTS = [("2d+ep", "d2e2m2"), ("tp", "2x4"), ("ref", None)]
+
+
+@functools.cache
+def _checkpoint(root: str, layers: int = 2) -> str:
+    """A ``MixtralForCausalLM`` of ``FIELDS`` (``layers`` layers), its weights N(0, 0.1) and
+    its norms 1 + N(0, 0.2) (``_hf_checks``' draw: logits that spread, routing far from
+    uniform), saved in ``root``."""
+    model = MixtralForCausalLM(MixtralConfig(**{**FIELDS, "num_hidden_layers": layers}))
+    gen = torch.Generator().manual_seed(layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            p.copy_(1 + 0.2 * noise if "norm" in name else 0.1 * noise)
+    path = f"{root}/mixtral{layers}"
+    model.eval().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return _checkpoint(str(tmp_path_factory.mktemp("hf-mixtral")))
+
+
+def _hf(path: str, dtype=torch.float32) -> MixtralForCausalLM:
+    # The eager experts: transformers' grouped matmul has no float64.
+    return MixtralForCausalLM.from_pretrained(path, dtype=dtype,
+                                              experts_implementation="eager").eval()  # fmt: skip
+
+
+def _hf_logits(path: str, ids: np.ndarray, dtype=torch.float32) -> np.ndarray:
+    with torch.no_grad():
+        return _hf(path, dtype)(torch.as_tensor(ids)).logits.numpy()
+
+
+def _check_close(got: np.ndarray, path: str, ids: np.ndarray, what: str) -> None:
+    """``_hf_checks.check_close``'s bound for Mixtral: shardops' float32 logits as close to
+    transformers' float64 forward as transformers' own float32 forward is (× 2, plus 4 float32
+    ulps of the largest logit)."""
+    exact = _hf_logits(path, ids, torch.float64)
+    own = np.abs(_hf_logits(path, ids) - exact).max()
+    bound = 2 * own + 4 * np.finfo(np.float32).eps * np.abs(exact).max()
+    err = np.abs(got.astype(np.float64) - exact).max()
+    assert got.shape == exact.shape, f"{what}: logits {got.shape}, transformers' {exact.shape}"
+    assert err <= bound, f"{what}: |shardops − transformers(float64)| = {err:.3g} > {bound:.3g}"
+
+
+def _build(model, strategy, mesh_name, optimizer=None):
+    mesh = mesh_for({**MESHES, **EP_MESHES}[mesh_name]) if mesh_name else None
+    return models.build(strategy, mesh, model=model, optimizer=optimizer or optax.sgd(0.1))
+
+
+def _logits(module, path, strategy="2d+ep", mesh_name="d2e2m2", **overrides):
+    ckpt = module.HfMixtral(path)
+    setup = _build(ckpt.model(**overrides), strategy, mesh_name)
+    params = ckpt.load(setup, optimizer_state=False)
+    ids, _ = tokens(FIELDS["vocab_size"])
+    return ckpt, np.asarray(setup.logits(params, setup.place_batch(ids))), ids
+
+
+@pytest.mark.parametrize(("strategy", "mesh_name"), LAYOUTS, ids=lambda c: str(c))
+def test_a_checkpoint_loads_with_transformers_logits(checkpoint, strategy, mesh_name):
+    """Every element of the files read once, whatever the layout (replicas share a read)."""
+    ckpt, logits, ids = _logits(hf_mixtral, checkpoint, strategy, mesh_name)
+    model = ckpt.model()
+    assert model.experts.capacity_factor == 4 / 2  # E / k: C = S, nothing dropped
+    total = sum(a.size for a in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))))
+    assert ckpt.elements_read == total
+    _check_close(logits, checkpoint, ids, f"{strategy} {mesh_name}")
+
+
+def test_a_smaller_capacity_drops_choices_and_departs_from_transformers(checkpoint):
+    """capacity_factor=1 (C = ceil(S · k / E) = 8 of 16 slots): the tokens routed here overflow
+    an expert, so the dropless default is what makes the logits transformers'."""
+    ckpt, logits, ids = _logits(hf_mixtral, checkpoint, capacity_factor=1.0)
+    assert ckpt.model(capacity_factor=1.0).experts.capacity_factor == 1.0
+    with pytest.raises(AssertionError, match="shardops − transformers"):
+        _check_close(logits, checkpoint, ids, "capacity 1")
+
+
+def test_trained_checkpoint_saved_by_shardops_loads_in_transformers_bit_for_bit(checkpoint,
+                                                                                tmp_path):  # fmt: skip
+    """3 Adam steps under 2d+ep, saved: transformers' logits are shardops'; the checkpoint
+    loaded into 2d (no expert axis) and saved again gives the same files byte for byte, and
+    loads back into 2d+ep with the trained parameters bit for bit."""
+    ckpt = HfMixtral(checkpoint)
+    setup = _build(ckpt.model(), "2d+ep", "d2e2m2", optax.adam(3e-2))
+    state = ckpt.load(setup)
+    ids, labels = tokens(FIELDS["vocab_size"], seed=1)
+    before = setup.gather(state.params)
+    for _ in range(3):
+        state, _ = setup.train_step(state, *setup.place_batch(ids, labels))
+    trained = setup.gather(state.params)
+    moe = zip(jax.tree.leaves(trained["blocks"]["moe"]), jax.tree.leaves(before["blocks"]["moe"]),
+              strict=True)  # fmt: skip
+    assert all(np.abs(a - b).max() > 1e-3 for a, b in moe), "the experts did not train"
+    out = tmp_path / "ep"
+    assert save_hf_mixtral(out, setup, state) == ["model.safetensors"]
+    _check_close(np.asarray(setup.logits(state.params, setup.place_batch(ids))), str(out), ids,
+                 "saved after training")  # fmt: skip
+    config = json.loads((out / "config.json").read_text())
+    assert config["router_aux_loss_coef"] == FIELDS["router_aux_loss_coef"]
+    again = HfMixtral(out)
+    assert again.model() == setup.model
+    dense = _build(again.model(), "2d", "2x4")
+    save_hf_mixtral(tmp_path / "2d", dense, again.load(dense, optimizer_state=False))
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "2d" / name).read_bytes() == (out / name).read_bytes(), name
+    reloaded = setup.gather(HfMixtral(tmp_path / "2d").load(setup, optimizer_state=False))
+    for a, b in zip(jax.tree.leaves(reloaded), jax.tree.leaves(trained), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_load_balance_weight_gives_transformers_aux_loss(tmp_path):
+    """One layer (where the layers cannot route apart): the load-balancing loss times its
+    weight (router_aux_loss_coef · k / L) is transformers' aux_loss times the coefficient."""
+    path = _checkpoint(str(tmp_path), layers=1)
+    ckpt = HfMixtral(path)
+    model = ckpt.model()
+    params = ckpt.load(_build(model, "ref", None), optimizer_state=False)
+    ids, labels = tokens(FIELDS["vocab_size"])
+    no_aux = dataclasses.replace(model, experts=dataclasses.replace(
+        model.experts, load_balance_weight=0.0))  # fmt: skip
+    ours = float(model.reference_loss(params, ids, labels) - no_aux.reference_loss(params, ids,
+                                                                                    labels))  # fmt: skip
+    with torch.no_grad():
+        out = _hf(path, torch.float64)(torch.as_tensor(ids), output_router_logits=True)
+    theirs = FIELDS["router_aux_loss_coef"] * float(out.aux_loss)
+    assert abs(ours - theirs) <= 1e-5 * theirs, (ours, theirs)
+
+
+def test_a_field_config_json_leaves_out_takes_transformers_default():
+    """Each Mixtral field left out: the model of transformers' own MixtralConfig."""
+    c = MixtralConfig()
+    want = dict(vocab_size=c.vocab_size, d_model=c.hidden_size, d_ff=c.intermediate_size,
+                num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+                num_kv_heads=c.num_key_value_heads, rope_theta=c.rope_parameters["rope_theta"],
+                norm_eps=c.rms_norm_eps, tie_embeddings=c.tie_word_embeddings,
+                context=c.max_position_embeddings)  # fmt: skip
+    got = hf_mixtral.mixtral_from_config({"model_type": "mixtral"})
+    assert {k: getattr(got, k) for k in want} == want
+    e = c.num_local_experts
+    assert got.experts == models.Experts(
+        num_experts=e, k=c.num_experts_per_tok, capacity_factor=e / c.num_experts_per_tok,
+        load_balance_weight=c.router_aux_loss_coef * c.num_experts_per_tok / c.num_hidden_layers,
+        z_loss_weight=0.0)  # fmt: skip
+
+
+def _edited(checkpoint, tmp_path, **changes):
+    path = tmp_path / "edited"
+    shutil.copytree(checkpoint, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **changes}))
+    return path
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("router_jitter_noise", 0.01), ("sliding_window", 32), ("attention_dropout", 0.1),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}), ("head_dim", 16),
+])  # fmt: skip
+def test_an_unsupported_config_field_is_refused_by_name(checkpoint, tmp_path, field, value):
+    with pytest.raises(UnsupportedConfig, match=re.escape(f"{field}={value!r}")):
+        HfMixtral(_edited(checkpoint, tmp_path, **{field: value})).model()
+
+
+def test_a_sliding_window_at_least_the_context_is_accepted(checkpoint, tmp_path):
+    path = _edited(checkpoint, tmp_path, sliding_window=64)
+    assert HfMixtral(path).model().context == 64
+    with pytest.raises(UnsupportedConfig, match="pass context=32"):
+        HfMixtral(_edited(checkpoint, tmp_path / "b", sliding_window=32)).model()
+    assert HfMixtral(_edited(checkpoint, tmp_path / "c", sliding_window=32)).model(
+        context=32).context == 32  # fmt: skip
+
+
+def test_each_loader_and_saver_refuses_the_other_architecture(checkpoint, tmp_path):
+    with pytest.raises(UnsupportedConfig, match=r"model_type='mixtral'.*interop\.HfMixtral"):
+        HfLlama(checkpoint).model()
+    setup = _build(HfMixtral(checkpoint).model(), "ref", None)
+    params = HfMixtral(checkpoint).load(setup, optimizer_state=False)
+    with pytest.raises(ValueError, match="save_hf_llama: the setup's model has experts.*"
+                       "save_hf_mixtral"):  # fmt: skip
+        save_hf_llama(tmp_path, setup, params)
+    dense = _build(dataclasses.replace(setup.model, experts=None), "ref", None)
+    with pytest.raises(TypeError, match="with experts.*interop.save_hf_llama"):
+        save_hf_mixtral(tmp_path, dense, params)
+    with pytest.raises(UnsupportedConfig, match="model_type='llama'.*interop.HfLlama"):
+        hf_mixtral.mixtral_from_config({"model_type": "llama"})
+
+
+def test_a_setup_of_other_experts_is_refused(checkpoint):
+    """The capacity and loss weights are the setup's; the experts' number is the checkpoint's."""
+    ckpt = HfMixtral(checkpoint)
+    ckpt.load(_build(ckpt.model(capacity_factor=1.25, z_loss_weight=1e-3), "ref", None))
+    other = dataclasses.replace(ckpt.model(), experts=models.Experts(num_experts=4, k=1))
+    with pytest.raises(ValueError, match="experts: Experts.*k=2.*in the checkpoint"):
+        ckpt.load(_build(other, "ref", None))
+
+
+# name → (exact line of hf_mixtral.py, replacement); each changes the logits on 2d+ep.
+MUTANTS = {
+    "router_not_transposed": (
+        '    ("blocks", "moe", "router"): (_MOE + "gate.weight", True),',
+        '    ("blocks", "moe", "router"): (_MOE + "gate.weight", False),'),
+    "w1_w3_swapped": (  # up read from w1, then gate (its place in the table kept) from w3
+        '    ("blocks", "moe", "up"): (_MOE + "experts.{e}.w3.weight", True),',
+        '    ("blocks", "moe", "up"): (_MOE + "experts.{e}.w1.weight", True),\n'
+        '    ("blocks", "moe", "gate"): (_MOE + "experts.{e}.w3.weight", True),'),
+    "capacity_of_training": (
+        "    experts = Experts(num_experts=e, k=k, capacity_factor=e / k, score=\"softmax\",",
+        "    experts = Experts(num_experts=e, k=k, capacity_factor=1.25, score=\"softmax\","),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", [None, *MUTANTS])
+def test_mutant_is_caught(checkpoint, name):
+    """The unmutated copy (``None``) passes; each mutant fails the logits check, or (the router
+    read ``[E, D]`` into ``[D, E]``) the check of the files' shapes."""
+    line, new = MUTANTS[name or "router_not_transposed"]
+    module = mutant(hf_mixtral, name or "unmutated", line, new if name else line)
+    if name is None:
+        _, logits, ids = _logits(module, checkpoint)
+        _check_close(logits, checkpoint, ids, "unmutated")
+        return
+    with pytest.raises((AssertionError, ValueError), match="shardops − transformers|the config "
+                       "gives"):  # fmt: skip
+        _, logits, ids = _logits(module, checkpoint)
+        _check_close(logits, checkpoint, ids, name)
