@@ -127,6 +127,16 @@ def parse_args(argv=None):
                    help="split the sequence over the mesh's 'context' axis as well, attention "
                         "by METHOD: allgather, ring or ulysses (the strategy becomes "
                         "STRATEGY+METHOD)")  # fmt: skip
+    p.add_argument("--moe", action="store_true",
+                   help="--model llama with a mixture of experts in each block (Mixtral-style; "
+                        "logs the auxiliary losses and each expert's token share and drop rate)")  # fmt: skip
+    p.add_argument("--experts", type=int, default=8, help="--moe: experts per layer")
+    p.add_argument("--top-k", type=int, default=2, help="--moe: experts per token")
+    p.add_argument("--capacity-factor", type=float, default=1.25,
+                   help="--moe: slots per expert = capacity_factor · tokens · k / experts")  # fmt: skip
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="--moe: split the experts over the mesh's 'expert' axis (the batch "
+                        "too; the strategy becomes STRATEGY+ep)")  # fmt: skip
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=8, help="windows of --context bytes")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
@@ -208,6 +218,12 @@ def parse_args(argv=None):
         p.error("--compare-reference compares whole runs from the init: not with --resume")
     if args.model == "gpt" and (args.kv_heads is not None or args.tie_embeddings):
         p.error("--kv-heads and --tie-embeddings are options of --model llama")
+    if args.moe and args.model != "llama":
+        p.error("--moe replaces the Llama's MLPs: add --model llama")
+    if args.expert_parallel:
+        if not args.moe:
+            p.error("--expert-parallel splits the experts of --moe")
+        args.strategy = f"{args.strategy}+ep"
     if args.context_parallel:
         if args.locate:
             p.error("--locate compares activations in token order; run it without "
@@ -226,9 +242,11 @@ def make_model(args):
         return models.Gpt(vocab_size=text.VOCAB_SIZE, d_model=args.width, num_heads=args.heads,
                           num_layers=args.layers, context=args.context)  # fmt: skip
     kv_heads = args.kv_heads if args.kv_heads is not None else max(1, args.heads // 2)
+    experts = (models.Experts(num_experts=args.experts, k=args.top_k,
+                              capacity_factor=args.capacity_factor) if args.moe else None)  # fmt: skip
     return models.Llama(vocab_size=text.VOCAB_SIZE, d_model=args.width, num_heads=args.heads,
                         num_kv_heads=kv_heads, num_layers=args.layers, context=args.context,
-                        tie_embeddings=args.tie_embeddings)  # fmt: skip
+                        tie_embeddings=args.tie_embeddings, experts=experts)  # fmt: skip
 
 
 def make_optimizer(args) -> optax.GradientTransformation:
@@ -255,6 +273,17 @@ def log(*args, **kwargs) -> None:
     """``print`` on process 0 only: the figures are global, one copy is enough."""
     if shardops.distributed.is_main():
         print(*args, **kwargs)
+
+
+def expert_line(model, setup, state, ids) -> str:
+    """The experts on this host batch (``Llama.expert_stats``, the whole parameters gathered):
+    the auxiliary losses, and per expert (averaged over the layers) its share of the choices
+    and the fraction of them dropped at capacity."""
+    stats = model.expert_stats(setup.gather(state.params), np.asarray(jax.device_get(ids)))
+    share, dropped = (np.mean(np.asarray(stats[k]), 0) for k in ("share", "dropped"))
+    return (f"    aux: load balance {float(stats['load_balance']):.3f}, z {float(stats['z_loss']):.2f}"
+            f"; experts' share {' '.join(f'{v:.0%}' for v in share)}"
+            f"; dropped {' '.join(f'{v:.0%}' for v in dropped)}")  # fmt: skip
 
 
 def validation_loss(setup, params, valid_batches) -> tuple[float, float]:
@@ -543,6 +572,8 @@ def train(parser, args) -> int:
                 if ref is not None:
                     line += f" (reference {float(ref_loss):.4f})"
                 progress.print(line)
+                if args.moe and jax.process_count() == 1:  # (the whole batch: one process)
+                    progress.print(expert_line(model, setup, state, placed[0]))
                 progress.update(step, float(loss))
             else:
                 progress.update(step)

@@ -478,3 +478,25 @@ def test_a_flag_list_out_of_date_is_caught(old, new):
     page = GETTING_STARTED.read_text()
     assert page.count(old) == 1, old
     assert flag_mismatches(page.replace(old, new)) != []
+
+
+def test_moe_with_expert_parallelism_trains_like_the_reference_and_logs_its_experts(tmp_path):
+    """``--moe --expert-parallel`` on data=2 × expert=2 × model=2 (``2d+ep``) trains as the
+    unsharded model does; each logging step prints the auxiliary losses and, per expert, its
+    share of the choices (they sum to 100 %) and its drop rate."""
+    metrics_path = tmp_path / "moe.json"
+    proc = run(
+        "--model", "llama", "--moe", "--experts", "4", "--expert-parallel", "--strategy", "2d",
+        "--mesh", "data=2,expert=2,model=2", "--context", "32", "--text-source", "stdlib",
+        "--steps", "4", "--log-every", "2", "--eval-every", "0", "--eval-batches", "1",
+        "--sample-tokens", "0", "--layers", "2", "--width", "32", "--compare-reference",
+        "--metrics-json", str(metrics_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    record = json.loads(metrics_path.read_text())
+    assert record["strategy"] == "2d+ep" and record["final_relative_diff"] < 1e-5, record
+    lines = [line for line in proc.stdout.splitlines() if line.strip().startswith("aux:")]
+    assert len(lines) == 2, proc.stdout
+    share = [int(v[:-1]) for v in lines[0].split("share ")[1].split(";")[0].split()]
+    assert len(share) == 4 and abs(sum(share) - 100) <= 2, lines[0]  # rounded percentages
+    assert "load balance" in lines[0] and "dropped" in lines[0]

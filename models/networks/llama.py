@@ -264,8 +264,21 @@ class Llama(LanguageModel):
         loss = super().reference_loss(params, ids, labels)
         return loss + sum(self.aux_weights[name] * value for name, value in aux.items())
 
-    def _reference(self, params, ids):
-        """``(logits[B, S, V], aux)`` in plain ``jax.numpy``, float32."""
+    def expert_stats(self, params, ids) -> dict:
+        """What the experts did with ``ids[B, S]`` at ``params`` (whole arrays), from the
+        plain-jnp reference: the auxiliary losses (summed over the layers), and per layer and
+        expert the share of the choices it got (``share[L, E]``, before dropping) and the
+        fraction of those dropped at capacity (``dropped[L, E]``)."""
+        if self.experts is None:
+            raise ValueError("Llama.expert_stats: the model has no experts (experts=None)")
+        _, aux, counts = self._reference(params, ids, counts=True)
+        chosen, kept = (jnp.stack([c[i] for c in counts]) for i in (0, 1))  # each [L, E]
+        share = chosen / jnp.sum(chosen, -1, keepdims=True)
+        return {**aux, "share": share, "dropped": 1 - kept / jnp.maximum(chosen, 1)}
+
+    def _reference(self, params, ids, counts: bool = False):
+        """``(logits[B, S, V], aux)`` in plain ``jax.numpy``, float32; with ``counts``, also
+        each layer's ``(chosen[E], kept[E])`` choices."""
         params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
         b, s = ids.shape
         hd, group = self.head_dim, self.num_heads // self.num_kv_heads
@@ -289,7 +302,7 @@ class Llama(LanguageModel):
         def rms(x, scale):
             return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + self.norm_eps) * scale
 
-        x, aux = params["embed"]["table"][ids], {}
+        x, aux, per_layer = params["embed"]["table"][ids], {}, []
         blocks = params["blocks"]
         for i in range(self.num_layers):
             p = jax.tree.map(lambda a, i=i: a[i], blocks)
@@ -304,20 +317,20 @@ class Llama(LanguageModel):
             x = x + o @ p["attn"]["wo"]
             h = rms(x, p["mlp_norm"]["scale"])
             if self.experts is not None:
-                y, layer_aux = _reference_experts(self.experts, p["moe"], h)
+                y, layer_aux, layer_counts = _reference_experts(self.experts, p["moe"], h)
                 x, aux = x + y, {n: aux.get(n, 0.0) + v for n, v in layer_aux.items()}
+                per_layer.append(layer_counts)
                 continue
             mlp = p["mlp"]
             x = x + (jax.nn.silu(h @ mlp["gate"]["w"]) * (h @ mlp["up"]["w"])) @ mlp["down"]["w"]
         x = rms(x, params["norm"]["scale"])
-        if self.tie_embeddings:
-            return x @ params["embed"]["table"].T, aux
-        return x @ params["head"]["w"], aux
+        logits = x @ (params["embed"]["table"].T if self.tie_embeddings else params["head"]["w"])
+        return (logits, aux, per_layer) if counts else (logits, aux)
 
 
 def _reference_experts(experts: Experts, p, h):
     """The mixture of experts in plain ``jax.numpy`` (float32), each row of ``h[B, S, D]`` a
-    capacity group: ``(y[B, S, D], {"load_balance", "z_loss"})``. Every expert runs on every
+    capacity group: ``(y[B, S, D], {"load_balance", "z_loss"}, (chosen[E], kept[E]))``. Every expert runs on every
     token (no dispatch); a token's output is the sum over its kept choices of weight × expert."""
     b, s, _ = h.shape
     e, k = experts.num_experts, experts.k
@@ -341,4 +354,5 @@ def _reference_experts(experts: Experts, p, h):
         f, mean_p = jnp.sum(choice, (1, 2)) / (s * k), jnp.mean(probs, 1)  # [B, E]
         load_balance = jnp.mean(e * jnp.sum(f * mean_p, -1))
     z_loss = jnp.mean(jax.nn.logsumexp(logits, -1) ** 2)
-    return y, {"load_balance": load_balance, "z_loss": z_loss}
+    counts = (jnp.sum(choice, (0, 1, 2)), jnp.sum(kept, (0, 1, 2)))  # choices per expert
+    return y, {"load_balance": load_balance, "z_loss": z_loss}, counts
