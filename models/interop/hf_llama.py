@@ -6,6 +6,9 @@
     ...
     interop.save_hf_llama("out/", setup, state)         # transformers' from_pretrained loads it
 
+(A Mixtral, ``models.Llama`` with experts: ``hf_mixtral``, which reads and writes through this
+module's reader and writer with a names table of its own.)
+
 A checkpoint is the folder ``save_pretrained`` writes: ``config.json`` and either
 ``model.safetensors`` or the sharded ``model-0000i-of-0000n.safetensors`` with
 ``model.safetensors.index.json``. Reading uses ``safetensors.safe_open(...).get_slice``: each
@@ -155,17 +158,17 @@ def llama_from_config(config: dict | str | os.PathLike, **overrides) -> Llama:
     """The ``models.Llama`` of a transformers Llama config (a dict, ``config.json`` or its
     folder); ``overrides`` replace fields (``context=``, ``bos_id=``). Unsupported fields are
     an ``UnsupportedConfig`` naming the field (module docstring)."""
-    config = config_dict(config)
+    config = _config_dict(config)
     if config.get("model_type") != "llama":
         other = " (a Mixtral: interop.HfMixtral)" if config.get("model_type") == "mixtral" else ""
         raise UnsupportedConfig(
             f"config model_type={config.get('model_type')!r}: only 'llama' (LlamaForCausalLM) "
             f"checkpoints load into models.Llama by HfLlama{other}"
         )
-    return Llama(**{**llama_fields(config, DEFAULTS), **overrides})
+    return Llama(**{**_llama_fields(config, DEFAULTS), **overrides})
 
 
-def config_dict(config: dict | str | os.PathLike) -> dict:
+def _config_dict(config: dict | str | os.PathLike) -> dict:
     """A transformers config: the dict itself, or read from ``config.json`` or its folder."""
     if isinstance(config, dict):
         return config
@@ -173,7 +176,7 @@ def config_dict(config: dict | str | os.PathLike) -> dict:
     return _read_json(os.path.join(path, CONFIG) if os.path.isdir(path) else path)
 
 
-def llama_fields(config: dict, defaults: dict) -> dict:
+def _llama_fields(config: dict, defaults: dict) -> dict:
     """The ``models.Llama`` fields of a Llama-family config (Llama's, Mixtral's), a field it
     leaves out taking ``defaults``'; unsupported fields refused by name (``_UNSUPPORTED``)."""
     for field, supported, why in _UNSUPPORTED:
@@ -540,11 +543,11 @@ def save_hf_llama(directory: str | os.PathLike, setup: Setup, state, *,
         raise ValueError(f"save_hf_llama: the setup's model has experts ({model.experts}), "
                          f"which LlamaForCausalLM cannot hold; save it with "
                          f"interop.save_hf_mixtral (a MixtralForCausalLM)")  # fmt: skip
-    return save_hf(directory, setup, state, NAMES, hf_config, "save_hf_llama",
+    return _save_hf(directory, setup, state, NAMES, hf_config, "save_hf_llama",
                    max_shard_bytes=max_shard_bytes, dtype=dtype)  # fmt: skip
 
 
-def save_hf(directory, setup: Setup, state, names: dict, config_of, caller: str, *,
+def _save_hf(directory, setup: Setup, state, names: dict, config_of, caller: str, *,
             max_shard_bytes: int | None, dtype) -> list[str]:  # fmt: skip
     """``save_hf_llama``'s and ``save_hf_mixtral``'s writer: the parameters named by ``names``
     (``NAMES``' form), ``config_of(model, dtype)`` as ``config.json``, errors naming
@@ -608,7 +611,7 @@ def save_hf(directory, setup: Setup, state, names: dict, config_of, caller: str,
 
 
 def _plan(setup: Setup, leaves, dtype, names: dict = NAMES) -> list[tuple[str, int]]:
-    """``(transformers name, bytes)`` of every tensor ``names`` gives, in the order ``save_hf``
+    """``(transformers name, bytes)`` of every tensor ``names`` gives, in the order ``_save_hf``
     makes them (the leaves', each stacked leaf layer by layer, then expert by expert)."""
     out = []
     for path, _ in leaves:

@@ -59,9 +59,9 @@ from shardops_models.interop import hf_llama
 from shardops_models.interop.hf_llama import (
     HfLlama,
     UnsupportedConfig,
-    config_dict,
-    llama_fields,
-    save_hf,
+    _config_dict,
+    _llama_fields,
+    _save_hf,
 )
 from shardops_models.networks.llama import Experts, Llama
 from shardops_models.training._setup import Setup
@@ -99,13 +99,13 @@ def mixtral_from_config(config: dict | str | os.PathLike, **overrides) -> Llama:
     replace ``Llama`` fields (``context=``) or the experts' ``TRAINING`` ones
     (``capacity_factor=1.25``). Unsupported fields are an ``UnsupportedConfig`` naming the
     field."""
-    config = config_dict(config)
+    config = _config_dict(config)
     if config.get("model_type") != "mixtral":
         raise UnsupportedConfig(
             f"config model_type={config.get('model_type')!r}: HfMixtral loads 'mixtral' "
             f"(MixtralForCausalLM) checkpoints; a 'llama' one loads with interop.HfLlama"
         )
-    fields = llama_fields(config, DEFAULTS)
+    fields = _llama_fields(config, DEFAULTS)
     training = {k: overrides.pop(k) for k in TRAINING if k in overrides}
     context = overrides.get("context", fields["context"])
     config = {**DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
@@ -187,5 +187,5 @@ def save_hf_mixtral(directory: str | os.PathLike, setup: Setup, state, *,
         raise ValueError(f"save_hf_mixtral: experts score={model.experts.score!r}: Mixtral's "
                          f"router is a softmax (score='softmax'); a {model.experts.score} "
                          f"router cannot be saved as one")  # fmt: skip
-    return save_hf(directory, setup, state, NAMES, hf_config, "save_hf_mixtral",
+    return _save_hf(directory, setup, state, NAMES, hf_config, "save_hf_mixtral",
                    max_shard_bytes=max_shard_bytes, dtype=dtype)  # fmt: skip
