@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _gpt_checks import TOL, check_lm_trajectory, lm_batches, mesh_for
+from _gpt_checks import EP_MESHES, MESHES, TOL, check_lm_trajectory, lm_batches, mesh_for
 from _messages import refused
 
 import shardops_models as models
@@ -119,3 +119,35 @@ def test_expert_gradients_summed_over_the_expert_axis_are_refused(monkeypatch, n
     build = _mutated_build(monkeypatch, name, mutated=True)
     with pytest.raises(ValueError, match="pcast"):
         check_lm_trajectory(MOE, strategy, mesh, "adam", build=build)
+
+
+def test_checkpoints_move_between_expert_parallel_and_other_layouts_bit_for_bit(tmp_path):
+    """A drawn Adam state of the MoE Llama saved under 2d+ep (experts split over ``expert``)
+    restores under 2d (every expert on every device), then ep_tp (experts over ``data``), then
+    ref: every leaf bit for bit, laid out by the restoring setup's specs."""
+    from shardops_models.training.checkpoint import Checkpoints
+
+    chain = [("2d+ep", "d2e2m2"), ("2d", "4x2"), (EP, "e4m2"), ("ref", None)]
+    rng = np.random.default_rng(3)
+    full = None
+    for i, (strategy, mesh) in enumerate(chain):
+        mesh = None if mesh is None else mesh_for({**MESHES, **EP_MESHES}[mesh])
+        setup = models.build(strategy, mesh, model=MOE, optimizer=optax.adam(1e-3))
+        if full is None:  # drawn once, every leaf (moments and counts too)
+            state = jax.eval_shape(setup.init, jax.random.key(0))
+            full = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(a.dtype)
+                                if np.issubdtype(a.dtype, np.floating)
+                                else rng.integers(1, 1000, a.shape).astype(a.dtype), state)  # fmt: skip
+            with Checkpoints(tmp_path / "0") as ckpt:
+                ckpt.save(1, setup, models.TrainState(
+                    models.shard_tree(full.params, setup.mesh, setup.param_specs),
+                    models.shard_tree(full.opt_state, setup.mesh, setup.opt_specs)))  # fmt: skip
+            continue
+        with Checkpoints(tmp_path / str(i - 1)) as ckpt:
+            restored, _ = ckpt.restore(setup)
+        for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(restored),
+                                     jax.tree.leaves(full), strict=True):  # fmt: skip
+            np.testing.assert_array_equal(np.asarray(setup.gather(got)), want,
+                                          err_msg=f"{strategy}: {jax.tree_util.keystr(path)}")  # fmt: skip
+        with Checkpoints(tmp_path / str(i)) as ckpt:
+            ckpt.save(1, setup, restored)
