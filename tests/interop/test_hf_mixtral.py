@@ -36,8 +36,10 @@ from shardops_models.interop import (
 
 torch.set_num_threads(1)  # the suite's workers share 2 cores
 
-# 2 layers of 4 heads on 2 KV heads, E = 4 experts of F = 32, each token to k = 2 of them.
-FIELDS = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+# 2 layers of 4 heads on 2 KV heads, E = 4 experts of F = 30, each token to k = 2 of them; a
+# vocabulary of 61. On model = 4 (tp on 2×4, 2d on 2×4) both are padded (F to 32, V to 64); on
+# model = 2 (2d+ep) the vocabulary alone (to 62): the experts' blocks are read zero-filled.
+FIELDS = dict(vocab_size=61, hidden_size=32, intermediate_size=30, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
               num_experts_per_tok=2, max_position_embeddings=64, rope_theta=500.0,
               router_aux_loss_coef=0.02)  # fmt: skip
@@ -124,8 +126,8 @@ def test_a_smaller_capacity_drops_choices_and_departs_from_transformers(checkpoi
 def test_trained_checkpoint_saved_by_shardops_loads_in_transformers_bit_for_bit(checkpoint,
                                                                                 tmp_path):  # fmt: skip
     """3 Adam steps under 2d+ep, saved: transformers' logits are shardops'; the checkpoint
-    loaded into 2d (no expert axis) and saved again gives the same files byte for byte, and
-    loads back into 2d+ep with the trained parameters bit for bit."""
+    loaded into 2d (no expert axis, another padding) and saved again gives the same files byte
+    for byte, and loads back into 2d+ep with the trained parameters bit for bit."""
     ckpt = HfMixtral(checkpoint)
     setup = _build(ckpt.model(), "2d+ep", "d2e2m2", optax.adam(3e-2))
     state = ckpt.load(setup)
