@@ -201,8 +201,9 @@ def route(x, router, *, k: int, capacity_factor: float, score: str = "softmax") 
     position = jnp.transpose(position, rank_major)  # [G, S, k, E]: each choice's place in line
     kept = (choice == 1) & (position < c)  # [G, S, k, E]
     slot = jax.nn.one_hot(jnp.sum(position * choice, axis=-1), c)  # [G, S, k, C] (full: 0)
-    dispatch = jnp.einsum("gske,gskc->gsec", kept.astype(jnp.float32), slot) > 0  # [G, S, E, C]
-    combine = jnp.einsum("gske,gsk->gse", kept.astype(jnp.float32), weights)  # [G, S, E]
+    dispatch = jnp.einsum("gske,gskc->gsec", kept.astype(jnp.float32), slot,
+                          precision=lax.Precision.HIGHEST) > 0  # [G, S, E, C]  # fmt: skip
+    combine = jnp.sum(kept * weights[..., None], axis=2)  # [G, S, E]: exact, not a matmul
     chosen = jnp.sum(choice, axis=2).astype(jnp.float32)  # [G, S, E]
     return MoeRouting(dispatch, combine, chosen, logits, probs)
 
@@ -325,7 +326,8 @@ def moe_kernel(
         ye = all_to_all(ye, expert_axis, split_axis=1, concat_axis=0, reason=_RETURN)
     ye = ye.reshape(e, g, c, d)  # ye[E, G, C, D]
     combine = dispatch * weights[..., None]  # [G, S, E, C]
-    y = jnp.einsum("gsec,egcd->gsd", combine, ye, precision=mm)  # y[G, S, D] in accum {U_model}
+    # in float32 on every backend (a TPU's DEFAULT would round the weights and ye to bf16)
+    y = jnp.einsum("gsec,egcd->gsd", combine, ye, precision=lax.Precision.HIGHEST)  # {U_model}
     if model_axis is not None:
         with because(_EXPERT_PARTIAL_SUMS, model_axis):
             y = reduce_from_region(y, model_axis)  # y[G, S, D], replicated over model
