@@ -483,3 +483,44 @@ def test_residuals_quick_run_lists_what_each_program_keeps(tmp_path):
     blocked, einsum = (results[f"shardops ref {a}"]["total"] for a in ("blocked", "einsum"))
     assert blocked < einsum
     assert json.loads((tmp_path / "residuals_quick.json").read_text())["totals"]
+
+
+def test_moe_quick_run_and_the_docs_table(tmp_path):
+    """benchmarks/moe.py --quick (a 1-layer Mixtral-style Llama): each row's AllToAll bytes per
+    device are the dispatch and return of every layer, forward and backward, by the ring formula
+    (``4 · L · E · C · G · D · 4 bytes · (N − 1)/N``; none for ``2d``, which holds every
+    expert), the ratios are paired, the routing figures add up; and docs/moe.md's table is the
+    one the committed JSON makes."""
+    import math
+
+    spec = importlib.util.spec_from_file_location("benchmark_moe", ROOT / "benchmarks" / "moe.py")
+    moe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(moe)
+    committed = json.loads((moe.RESULTS / "moe.json").read_text())
+    block = (ROOT / "docs" / "moe.md").read_text().split(moe.START, 1)[1].split(moe.END, 1)[0]
+    assert block == "\n" + moe.markdown(committed) + "\n", (
+        "docs/moe.md's benchmark table differs from the committed JSON: run "
+        "`python benchmarks/moe.py --tables-only`"
+    )
+    results = quick_run("moe", tmp_path)
+    model, rt = moe.model_of(quick=True), results["routing"]
+    e = model.experts
+    assert rt["capacity"] == math.ceil(e.capacity_factor * model.context * e.k / e.num_experts)
+    assert rt["choices"] == results["batch"] * model.context * e.k
+    assert rt["drop_rate"] == pytest.approx(rt["dropped"] / rt["choices"])
+    assert sum(rt["share"]) == pytest.approx(1) and sum(rt["kept_share"]) == pytest.approx(1)
+    rows = {r["label"]: r for r in results["rows"]}
+    assert list(rows) == ["2d+ep", "ep_tp", "2d"]
+    ep_axis = {"2d+ep": 2, "ep_tp": 4, "2d": 1}  # N: devices the experts are split over
+    groups = {"2d+ep": 2, "ep_tp": 2, "2d": 2}  # G: sequences per device (batch 8 over 4)
+    for label, n in ep_axis.items():
+        buffer = e.num_experts * rt["capacity"] * groups[label] * model.d_model * 4
+        want = 4 * model.num_layers * buffer * (n - 1) / n
+        assert rows[label]["all_to_all_bytes_shardops"] == pytest.approx(want), label
+        r = rows[label]
+        assert r["vs_gspmd"]["q25"] <= r["vs_gspmd"]["median"] <= r["vs_gspmd"]["q75"]
+        for program in ("shardops", "gspmd"):
+            m = r[f"memory_{program}"]
+            assert m["peak"] == m["argument"] + m["output"] - m["alias"] + m["temp"] > 0
+    assert set(results["pairs"]) == {"2d+ep ÷ 2d", "ep_tp ÷ 2d"}
+    assert "| 2d+ep | data=2,expert=2,model=2 |" in (tmp_path / "moe.md").read_text()
