@@ -24,10 +24,9 @@ in flight: the hang trap), so every ratio, ``2d+ep ÷ 2d`` included, is a median
 step-by-step ratios with its interquartile range. Per row: the AllToAll bytes each device
 sends per step and all collective bytes per mesh-axis group (ring formulas,
 ``shardops.inspect.ring_bytes``, on the compiled programs), and the peak and temp memory of
-each program (``memory_analysis``). For the example batch: the fraction of the k choices
-dropped at capacity and each expert's share of the choices, by ``shardops.layers.moe_route``
-on the first layer's router and the RMS-normalised embedded batch (the first MoE layer's input
-without the first attention's residual).
+each program (``memory_analysis``). For the example batch, over every layer: the fraction of
+the k choices dropped at capacity and each expert's share of the choices (``routing_of``: the
+reference forward's MoE inputs, routed by ``shardops.layers.moe_route``).
 
 It writes ``benchmarks/results/moe.json`` and ``moe.md`` and, from that JSON, the table between
 the ``moe-tables`` markers of docs/moe.md (tests/test_benchmark.py checks they match);
@@ -87,25 +86,39 @@ def strategy_of(spec):
 
 
 def routing_of(model, params, ids) -> dict:
-    """The first layer's routing of ``ids[B, S]``: the fraction of choices dropped at capacity
-    and each expert's share of the choices (before dropping) and of the kept ones."""
-    import jax.numpy as jnp
+    """The routing of ``ids[B, S]`` in every layer: the fraction of the k choices dropped at
+    capacity and each expert's share of the choices (before dropping) and of the kept ones.
+    The reference forward (``model.reference_logits``, plain jax.numpy, run eagerly) hands each
+    layer's MoE input and router to ``shardops.layers.moe_route``, whose decisions the
+    reference's own routing equals (tests/networks/test_moe_llama.py)."""
+    from unittest import mock
+
     import numpy as np
 
     from shardops.layers import moe_capacity, moe_route
+    from shardops_models.networks import llama
 
-    e = model.experts
-    x = params["embed"]["table"][ids]  # x[B, S, D]
-    h = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + model.norm_eps)  # mlp_norm: scale 1
-    routing = moe_route(h, params["blocks"]["moe"]["router"][0], k=e.k,
-                        capacity_factor=e.capacity_factor, score=e.score)  # fmt: skip
-    chosen = np.asarray(routing.chosen).sum((0, 1))  # [E]: choices per expert
-    kept = np.asarray(routing.dispatch).sum((0, 1, 3))  # [E]: choices that found a slot
+    e, layers = model.experts, []
+    original = llama._reference_experts
+
+    def recording(experts, p, h):  # h[B, S, D]: this layer's MoE input
+        routing = moe_route(h, p["router"], k=e.k, capacity_factor=e.capacity_factor,
+                            score=e.score)  # fmt: skip
+        chosen = np.asarray(routing.chosen).sum((0, 1))  # [E]: choices per expert
+        kept = np.asarray(routing.dispatch).sum((0, 1, 3))  # [E]: choices that found a slot
+        layers.append((chosen, kept))
+        return original(experts, p, h)
+
+    with mock.patch.object(llama, "_reference_experts", recording):
+        model.reference_logits(params, ids)
+    assert len(layers) == model.num_layers, len(layers)
+    chosen, kept = (np.sum([layer[i] for layer in layers], 0) for i in (0, 1))  # [E]
     return {
         "capacity": moe_capacity(ids.shape[1], e.k, e.num_experts, e.capacity_factor),
         "choices": int(chosen.sum()),
         "dropped": int(chosen.sum() - kept.sum()),
         "drop_rate": float(1 - kept.sum() / chosen.sum()),
+        "drop_rate_per_layer": [float(1 - k.sum() / c.sum()) for c, k in layers],
         "share": (chosen / chosen.sum()).tolist(),
         "kept_share": (kept / kept.sum()).tolist(),
     }
@@ -229,9 +242,11 @@ def markdown(results) -> str:
         "",
         f"Ring MB per device per step by collective kind: {kinds}.",
         "",
-        f"Routing of the example batch (first layer's router, capacity C = {rt['capacity']} "
-        f"slots per expert per sequence): {rt['dropped']} of {rt['choices']} choices dropped "
-        f"(drop rate {rt['drop_rate']:.3f}); each expert's share of the choices: {shares}.",
+        f"Routing of the example batch at the initial weights (every layer, capacity C = "
+        f"{rt['capacity']} slots per expert per sequence): {rt['dropped']} of {rt['choices']} "
+        f"choices dropped (drop rate {rt['drop_rate']:.3f}; by layer "
+        f"{', '.join(f'{d:.3f}' for d in rt['drop_rate_per_layer'])}); each expert's share of "
+        f"the choices: {shares}.",
     ]
     return "\n".join(lines)
 

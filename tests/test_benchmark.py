@@ -489,7 +489,7 @@ def test_moe_quick_run_and_the_docs_table(tmp_path):
     """benchmarks/moe.py --quick (a 1-layer Mixtral-style Llama): each row's AllToAll bytes per
     device are the dispatch and return of every layer, forward and backward, by the ring formula
     (``4 · L · E · C · G · D · 4 bytes · (N − 1)/N``; none for ``2d``, which holds every
-    expert), the ratios are paired, the routing figures add up; and docs/moe.md's table is the
+    expert), the ratios are paired, the routing figures (every layer's) add up; and docs/moe.md's table is the
     one the committed JSON makes."""
     import math
 
@@ -506,7 +506,8 @@ def test_moe_quick_run_and_the_docs_table(tmp_path):
     model, rt = moe.model_of(quick=True), results["routing"]
     e = model.experts
     assert rt["capacity"] == math.ceil(e.capacity_factor * model.context * e.k / e.num_experts)
-    assert rt["choices"] == results["batch"] * model.context * e.k
+    assert rt["choices"] == results["batch"] * model.context * e.k * model.num_layers
+    assert len(rt["drop_rate_per_layer"]) == model.num_layers
     assert rt["drop_rate"] == pytest.approx(rt["dropped"] / rt["choices"])
     assert sum(rt["share"]) == pytest.approx(1) and sum(rt["kept_share"]) == pytest.approx(1)
     rows = {r["label"]: r for r in results["rows"]}
