@@ -73,7 +73,7 @@ def model_of(quick: bool):
 
     experts = models.Experts(num_experts=8, k=2, capacity_factor=1.25)
     if quick:
-        return models.Llama(vocab_size=64, d_model=32, num_layers=1, num_heads=4,
+        return models.Llama(vocab_size=64, d_model=32, num_layers=2, num_heads=4,
                             num_kv_heads=2, d_ff=32, context=16, experts=experts)  # fmt: skip
     return models.Llama(vocab_size=256, d_model=128, num_layers=4, num_heads=8, num_kv_heads=2,
                         d_ff=256, context=128, experts=experts)  # fmt: skip

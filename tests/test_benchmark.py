@@ -486,7 +486,7 @@ def test_residuals_quick_run_lists_what_each_program_keeps(tmp_path):
 
 
 def test_moe_quick_run_and_the_docs_table(tmp_path):
-    """benchmarks/moe.py --quick (a 1-layer Mixtral-style Llama): each row's AllToAll bytes per
+    """benchmarks/moe.py --quick (a 2-layer Mixtral-style Llama): each row's AllToAll bytes per
     device are the dispatch and return of every layer, forward and backward, by the ring formula
     (``4 · L · E · C · G · D · 4 bytes · (N − 1)/N``; none for ``2d``, which holds every
     expert), the ratios are paired, the routing figures (every layer's) add up; and docs/moe.md's table is the
