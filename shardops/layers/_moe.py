@@ -281,26 +281,11 @@ def moe_kernel(
         local to their devices on ``expert_axis``; the router's (replicated) are summed by
         autodiff over the axes ``x`` varies over.
     """
-    op = "moe_kernel"
     batch_axes = _axes_tuple(batch_axes)
-    n = 1 if expert_axis is None else bound_axis_size(expert_axis, op)
-    for axis in (model_axis, *batch_axes):
-        if axis is not None:
-            bound_axis_size(axis, op)
-    _check_params(op, params)
+    _check_kernel_args(x, params, k, capacity_factor, score, load_balance, expert_axis,
+                       model_axis, batch_axes)  # fmt: skip
     router = params["router"]
-    e = router.shape[-1] if router.ndim == 2 else 0
-    _check_options(op, k, capacity_factor, score, load_balance, e)
-    if model_axis is not None:  # (over the expert axis the router may vary: in a training
-        # step it enters varying over the batch axes, where its gradient is summed)
-        check_replicated_over(router, model_axis, "params['router']", op)
-    for axis in (expert_axis, model_axis):
-        if axis is not None:
-            for name in ("gate", "up", "down"):
-                check_sharded_over(params[name], axis, f"params[{name!r}]", op)
-    _check_local(op, x, params, n, expert_axis)
-    if model_axis is not None:
-        check_replicated_over(x, model_axis, "x", op)
+    e = router.shape[-1]
     groups = x if x.ndim == 3 else x[None]  # x[G, S, D]
     g, _, d = groups.shape
     routing = route(groups, router, k=k, capacity_factor=capacity_factor, score=score)
@@ -383,24 +368,7 @@ def expert_parallel_moe(
     """
     op = "expert_parallel_moe"
     batch_axes = _axes_tuple(batch_axes)
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"{op}: mesh must be a jax.sharding.Mesh (see shardops.make_mesh); got "
-                        f"{type(mesh).__name__}")  # fmt: skip
-    axis_size(mesh, expert_axis, argument="expert_axis")
-    axis_size(mesh, model_axis, argument="model_axis")
-    for axis in batch_axes:
-        axis_size(mesh, axis, argument="batch_axes")
-    if expert_axis is not None and expert_axis not in batch_axes:
-        raise ValueError(
-            f"{op}: expert_axis={expert_axis!r} must be one of batch_axes={batch_axes}: each "
-            f"device on it dispatches its own groups' tokens; pass batch_axes="
-            f"{(*batch_axes, expert_axis)} (x split over it along G)"
-        )
-    if model_axis is not None and (model_axis in batch_axes or model_axis == expert_axis):
-        raise ValueError(
-            f"{op}: model_axis={model_axis!r} splits the experts' hidden units and must differ "
-            f"from expert_axis={expert_axis!r} and batch_axes={batch_axes}; use another mesh axis"
-        )
+    _check_layer_axes(op, mesh, expert_axis, model_axis, batch_axes)
     check_precision(op, precision)
     _check_params(op, params)
     e = params["router"].shape[-1] if params["router"].ndim == 2 else 0
@@ -427,6 +395,55 @@ def expert_parallel_moe(
     replicated = MoeStats(P(), P(), P(), P())
     return run_layer(op, kernel, mesh, {"x": x, "params": params},
                      {"x": specs.x, "params": specs.params}, (specs.y, replicated))  # fmt: skip
+
+
+def _check_kernel_args(
+    x, params, k, capacity_factor, score, load_balance, expert_axis, model_axis, batch_axes: tuple
+) -> None:
+    """``moe_kernel``'s arguments: the axes bound, the parameters' shapes and layouts, the
+    options, ``x`` replicated over the model axis."""
+    op = "moe_kernel"
+    n = 1 if expert_axis is None else bound_axis_size(expert_axis, op)
+    for axis in (model_axis, *batch_axes):
+        if axis is not None:
+            bound_axis_size(axis, op)
+    _check_params(op, params)
+    router = params["router"]
+    e = router.shape[-1] if router.ndim == 2 else 0
+    _check_options(op, k, capacity_factor, score, load_balance, e)
+    if model_axis is not None:  # (over the expert axis the router may vary: in a training
+        # step it enters varying over the batch axes, where its gradient is summed)
+        check_replicated_over(router, model_axis, "params['router']", op)
+    for axis in (expert_axis, model_axis):
+        if axis is not None:
+            for name in ("gate", "up", "down"):
+                check_sharded_over(params[name], axis, f"params[{name!r}]", op)
+    _check_local(op, x, params, n, expert_axis)
+    if model_axis is not None:
+        check_replicated_over(x, model_axis, "x", op)
+
+
+def _check_layer_axes(op: str, mesh, expert_axis, model_axis, batch_axes: tuple) -> None:
+    """The global layer's mesh and axes: each on the mesh, the expert axis one of the batch's,
+    the model axis none of them."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{op}: mesh must be a jax.sharding.Mesh (see shardops.make_mesh); got "
+                        f"{type(mesh).__name__}")  # fmt: skip
+    axis_size(mesh, expert_axis, argument="expert_axis")
+    axis_size(mesh, model_axis, argument="model_axis")
+    for axis in batch_axes:
+        axis_size(mesh, axis, argument="batch_axes")
+    if expert_axis is not None and expert_axis not in batch_axes:
+        raise ValueError(
+            f"{op}: expert_axis={expert_axis!r} must be one of batch_axes={batch_axes}: each "
+            f"device on it dispatches its own groups' tokens; pass batch_axes="
+            f"{(*batch_axes, expert_axis)} (x split over it along G)"
+        )
+    if model_axis is not None and (model_axis in batch_axes or model_axis == expert_axis):
+        raise ValueError(
+            f"{op}: model_axis={model_axis!r} splits the experts' hidden units and must differ "
+            f"from expert_axis={expert_axis!r} and batch_axes={batch_axes}; use another mesh axis"
+        )
 
 
 def _layer_body(x, params, *, load_balance, batch_axes, **options):
