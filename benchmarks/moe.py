@@ -54,6 +54,7 @@ from strategies import (
     random_batch,
     ring_bytes_per_group,
     start_platform,
+    time_in_rotation,
 )
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -167,20 +168,7 @@ def run(quick: bool, steps: int, warmup: int, devices) -> dict:
             rows[label][f"memory_{program}"] = memory
         print(f"compiled {label} {rows[label]['mesh']}", flush=True)
 
-    # One rotation for every program: one step each per round, each waited for (the hang
-    # trap), every other round in reverse order.
-    times = {name: [] for name in runs}
-    for i in range(warmup + steps):
-        for name in list(runs) if i % 2 == 0 else reversed(list(runs)):
-            run_ = runs[name]
-            step, state, batch_args = run_
-            start = time.perf_counter()
-            out = jax.block_until_ready(step(state, *batch_args))
-            elapsed = time.perf_counter() - start
-            run_[1] = out[0]  # the (donated) state is replaced by the new one
-            if i >= warmup:
-                times[name].append(elapsed)
-    t = {k: np.array(v) for k, v in times.items()}
+    t = time_in_rotation(runs, warmup, steps)  # one rotation for every program
     for label, row in rows.items():
         row["step_ms"] = {"shardops": float(np.median(t[label]) * 1e3),
                           "gspmd": float(np.median(t[f"{label} gspmd"]) * 1e3)}  # fmt: skip

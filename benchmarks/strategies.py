@@ -356,6 +356,26 @@ def paired(t, a, b) -> dict:
     }
 
 
+def time_in_rotation(runs: dict, warmup: int, steps: int) -> dict:
+    """Each program's step times in seconds (``np.ndarray``, the ``warmup`` rounds left out),
+    timed in rotation: one step of each per round, each waited for (one step in flight: the
+    hang trap), every other round in reverse order, so that no program always follows the same
+    neighbour. ``runs``: name → ``[step, state, batch_args]``; each state is replaced by its
+    step's new one (the old one is donated)."""
+    times = {name: [] for name in runs}
+    for i in range(warmup + steps):
+        for name in list(runs) if i % 2 == 0 else reversed(list(runs)):
+            run = runs[name]
+            step, state, batch_args = run
+            start = time.perf_counter()
+            out = jax.block_until_ready(step(state, *batch_args))
+            elapsed = time.perf_counter() - start
+            run[1] = out[0]  # the (donated) state is replaced by the new one
+            if i >= warmup:
+                times[name].append(elapsed)
+    return {k: np.array(v) for k, v in times.items()}
+
+
 def bench_group(case, model, batch, *, steps, warmup, rng, devices):
     """One row per shardops program of ``case`` (plain, then each variant), every program of
     the group timed in one rotation."""
@@ -430,20 +450,7 @@ def bench_group(case, model, batch, *, steps, warmup, rng, devices):
         if label != strategy and plain_temp is not None and row["temp_bytes_shardops"] is not None:
             row["temp_saved_vs_plain_bytes"] = plain_temp - row["temp_bytes_shardops"]
 
-    # Time in rotation: one step of each per round, each waited for. Every other round runs in
-    # reverse order, so that no program always follows the same neighbour.
-    times = {name: [] for name in runs}
-    for i in range(warmup + steps):
-        for name in list(runs) if i % 2 == 0 else reversed(list(runs)):
-            run = runs[name]
-            step, state, batch_args = run
-            start = time.perf_counter()
-            out = jax.block_until_ready(step(state, *batch_args))
-            elapsed = time.perf_counter() - start
-            run[1] = out[0]  # the (donated) state is replaced by the new one
-            if i >= warmup:
-                times[name].append(elapsed)
-    t = {k: np.array(v) for k, v in times.items()}
+    t = time_in_rotation(runs, warmup, steps)
     for label, row in rows.items():
         row["step_ms"] = {"shardops": float(np.median(t[label]) * 1e3)}
         row["step_ms"].update(
