@@ -199,8 +199,11 @@ def parse_args(argv=None):
     for name in ("steps", "batch_size", "log_every", "eval_batches", "prompt_bytes"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
+    if args.moe and (args.sample_tokens or args.compare_decoding):
+        p.error("--moe: a model with experts is not decoded yet (the KV-cache decoder refuses "
+                "it); leave out --sample-tokens and --compare-decoding")  # fmt: skip
     if args.sample_tokens is None:
-        args.sample_tokens = max(args.context - args.prompt_bytes, 0)
+        args.sample_tokens = 0 if args.moe else max(args.context - args.prompt_bytes, 0)
     if args.sample_tokens and args.prompt_bytes >= args.context:
         p.error(f"--prompt-bytes {args.prompt_bytes} leaves no room in the --context of "
                 f"{args.context} for --sample-tokens (the sample is decoded within the context)")  # fmt: skip
@@ -220,6 +223,16 @@ def parse_args(argv=None):
         p.error("--kv-heads and --tie-embeddings are options of --model llama")
     if args.moe and args.model != "llama":
         p.error("--moe replaces the Llama's MLPs: add --model llama")
+    if args.moe:
+        try:
+            models.Experts(num_experts=args.experts, k=args.top_k,
+                           capacity_factor=args.capacity_factor)  # fmt: skip
+        except ValueError as e:
+            p.error(f"--experts/--top-k/--capacity-factor: {e}")
+        if args.context_parallel or models.strategy_named(args.strategy).sp:
+            p.error("--moe routes whole sequences (each a capacity group), which sequence and "
+                    "context parallelism split: not supported yet; use a strategy without sp "
+                    "and no --context-parallel")  # fmt: skip
     if args.expert_parallel:
         if not args.moe:
             p.error("--expert-parallel splits the experts of --moe")

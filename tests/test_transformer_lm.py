@@ -483,13 +483,14 @@ def test_a_flag_list_out_of_date_is_caught(old, new):
 def test_moe_with_expert_parallelism_trains_like_the_reference_and_logs_its_experts(tmp_path):
     """``--moe --expert-parallel`` on data=2 × expert=2 × model=2 (``2d+ep``) trains as the
     unsharded model does; each logging step prints the auxiliary losses and, per expert, its
-    share of the choices (they sum to 100 %) and its drop rate."""
+    share of the choices (they sum to 100 %) and its drop rate. No sample is decoded by default
+    (the decoder refuses experts)."""
     metrics_path = tmp_path / "moe.json"
     proc = run(
         "--model", "llama", "--moe", "--experts", "4", "--expert-parallel", "--strategy", "2d",
         "--mesh", "data=2,expert=2,model=2", "--context", "32", "--text-source", "stdlib",
         "--steps", "4", "--log-every", "2", "--eval-every", "0", "--eval-batches", "1",
-        "--sample-tokens", "0", "--layers", "2", "--width", "32", "--compare-reference",
+        "--layers", "2", "--width", "32", "--compare-reference",
         "--metrics-json", str(metrics_path),
     )  # fmt: skip
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
@@ -500,3 +501,16 @@ def test_moe_with_expert_parallelism_trains_like_the_reference_and_logs_its_expe
     share = [int(v[:-1]) for v in lines[0].split("share ")[1].split(";")[0].split()]
     assert len(share) == 4 and abs(sum(share) - 100) <= 2, lines[0]  # rounded percentages
     assert "load balance" in lines[0] and "dropped" in lines[0]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--model", "llama", "--moe", "--experts", "2", "--top-k", "3"),
+     r"--experts/--top-k/--capacity-factor: Experts: k=3 > num_experts=2: .*"),
+    (("--model", "llama", "--moe", "--sample-tokens", "8"),
+     r"--moe: a model with experts is not decoded yet .*"),
+    (("--model", "llama", "--moe", "--strategy", "sp"),
+     r"--moe routes whole sequences .*"),
+    (("--moe",), r"--moe replaces the Llama's MLPs: add --model llama"),
+], ids=["k>E", "decode", "sp", "gpt"])  # fmt: skip
+def test_moe_options_the_run_cannot_honour_are_usage_errors(args, message, capsys):
+    check_usage_error(load_example("transformer_lm"), args, message, capsys)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardops.layers import MOE_LOAD_BALANCE, MOE_SCORES
 from shardops_models.networks._lm import LanguageModel
 from shardops_models.strategies.plan import COLUMN, EXPERTS, HEAD, REPLICATED, ROW, VOCAB, stacked
 
@@ -65,9 +66,14 @@ class Experts:
         if self.k > self.num_experts:
             raise ValueError(f"Experts: k={self.k} > num_experts={self.num_experts}: a token "
                              f"picks k distinct experts; use k ≤ num_experts")  # fmt: skip
-        if not self.capacity_factor > 0:
-            raise ValueError(f"Experts: capacity_factor must be > 0 (slots per expert = "
-                             f"ceil(capacity_factor · S · k / E)); got {self.capacity_factor!r}")  # fmt: skip
+        if not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
+            raise ValueError(f"Experts: capacity_factor must be a finite number > 0 (slots per "
+                             f"expert = ceil(capacity_factor · S · k / E); E / k drops nothing); "
+                             f"got {self.capacity_factor!r}")  # fmt: skip
+        for name, allowed in (("score", MOE_SCORES), ("load_balance", MOE_LOAD_BALANCE)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Experts: {name} must be one of {allowed}; got "
+                                 f"{getattr(self, name)!r}. Pass one of them")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

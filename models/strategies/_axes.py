@@ -45,7 +45,7 @@ class Axes:
 
     def axis_name(self, kind: str = "model"):
         """The mesh axis or axes that carry ``kind`` under this strategy, or None where it has
-        none: ``"model"``, the tp axis (tp and sp); ``"data"``, the batch axes (dp, zero1,
+        none: ``"model"``, the tp axis (tp and sp); ``"data"``, the batch axes (dp, ep, zero1,
         fsdp and the batch kinds you add); ``"context"``, the cp axis (the sequence split); or
         a kind's own name (``Strategy.rules``: ``"fsdp"``, a kind of your own), its axis (a
         tuple where it has several)."""
@@ -103,14 +103,17 @@ class Axes:
 
     def array(self, param):
         """The local array of a parameter inside ``ctx.unit``: its block over ``model`` (by
-        its plan role), whole over ``data`` (gathered under fsdp). A parameter stored padded
-        (a dim the tp axis does not divide) is refused: its block would hold padding that no
-        layer of yours masks."""
+        its plan role) and, for an expert leaf, over the ep axis (this device's experts);
+        whole over the axes ``ctx.unit`` gathers (fsdp's). A parameter stored padded (a dim
+        the tp axis does not divide) is refused: its block would hold padding that no layer of
+        yours masks."""
         value = self._value(param, "array")
         if isinstance(param, Param) and param.logical is not None:
-            stored = tuple(n * math.prod(lax.axis_size(a) for a in entry_axes(e))
-                           for n, e in zip(value.shape, _entries_over(param.spec, self.axis_name(),
-                                                                     value.ndim), strict=True))  # fmt: skip
+            gathered = set(self.strategy.parameter_axes)  # whole inside the unit
+            entries = list(param.spec) + [None] * (value.ndim - len(param.spec))
+            stored = tuple(n * math.prod(lax.axis_size(a) for a in entry_axes(e)
+                                         if a not in gathered)
+                           for n, e in zip(value.shape, entries, strict=True))  # fmt: skip
             if stored != tuple(param.logical):
                 raise ValueError(
                     f"ctx.array: {param.path} is stored padded, {stored} for the model's "

@@ -163,8 +163,8 @@ class Layers:
         """A mixture of SwiGLU experts on ``x[b, S, D]`` (each sequence one capacity group):
         ``(y[b, S, D], stats)``, ``stats`` a ``shardops.layers.MoeStats`` (the load-balancing
         and router z losses, each expert's tokens and drops). Each kind adds its part of the
-        kernel's options (``Kind.moe_options``: ep's expert axis, tp's model axis); the load
-        balance's counts are summed over the batch axes. Keys: ``router``, ``gate``, ``up``,
+        kernel's options (``Kind.moe_options``: ep's expert axis, tp's model axis); under
+        ``load_balance="global"`` the counts are summed over the batch axes. Keys: ``router``, ``gate``, ``up``,
         ``down`` (``shardops.layers.init_moe``; the plan role ``EXPERTS``)."""
         _check_keys(p, "moe", LAYER_KEYS["moe"])
         params = {key: self._value(q, "moe") for key, q in p.items()}
@@ -247,7 +247,8 @@ class Layers:
         """Per-position loss ``[...]`` in float32 of integer ``labels``; ``split``: the logits
         are ``logits[..., V_model]`` (a column head) and the loss is vocab-parallel.
         ``vocab_size``: the logical V when the logits hold padded columns (masked out)."""
-        _check_logits_cover_labels(logits, labels)
+        _check_logits_cover_labels(logits, labels,
+                                   any(k.sequence_axes for k in self.strategy.kinds))  # fmt: skip
         if split:
             return self._split_loss("cross_entropy", logits, labels, vocab_size)
         logits = logits.astype(jnp.float32)  # [..., V] in f32
@@ -332,11 +333,16 @@ def _layer_path(paths) -> str:
     return prefix[: prefix.rfind("]") + 1]
 
 
-def _check_logits_cover_labels(logits, labels) -> None:
+def _check_logits_cover_labels(logits, labels, sequence_split: bool) -> None:
+    """``sequence_split``: a kind splits the activations along S between layers (sp)."""
     if logits.shape[:-1] != labels.shape:
+        hint = (
+            " Under sequence parallelism the output layer gathers the sequence only as a "
+            "column-parallel layer: give it the plan's role 'column'."
+            if sequence_split
+            else ""
+        )
         raise ValueError(
             f"cross_entropy: logits{tuple(logits.shape)} do not cover labels"
-            f"{tuple(labels.shape)} (the logits' leading dims must equal the labels' shape). "
-            f"Under sequence parallelism the output layer gathers the sequence only as a "
-            f"column-parallel layer: give it the plan's role 'column'."
+            f"{tuple(labels.shape)} (the logits' leading dims must equal the labels' shape).{hint}"
         )

@@ -137,7 +137,8 @@ class FsdpKind(Kind):
         back, then AllReduced over ``replicas``)."""
         with shardops.comm.because(_FSDP_GATHER, self.axes):
             return shardops.comm.gather_to_region(value, self.axes, dim,
-                                                  ctx.precision.accum_dtype, self.replicas(ctx))  # fmt: skip
+                                                  ctx.precision.accum_dtype,
+                                                  self.replicas(ctx, varying_axes(value)))  # fmt: skip
 
     def _may_move_activations(self, ctx, p) -> bool:
         """A dense weight (``...['w']``, rank 2) that ``dense`` may use without gathering it."""
@@ -156,7 +157,8 @@ class FsdpKind(Kind):
             return None
         return dense_moving_activations(
             x, w, ctx._optional(p, "b"), split_dim=pending, role=p["w"].role,
-            data_axes=self.axes, model_axis=ctx.axis_name(), replicated_over=self.replicas(ctx),
+            data_axes=self.axes, model_axis=ctx.axis_name(),
+            replicated_over=self.replicas(ctx, varying_axes(w)),
             precision=ctx.precision,
         )  # fmt: skip
 

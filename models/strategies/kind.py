@@ -30,7 +30,7 @@ A ``Strategy`` (``models.strategies.layout``) is a tuple of kinds, each over its
     its row in tables          ``name``, ``description()``
 
 A new kind is a subclass in a file of its own (the built-in ones: ``data.py``, ``fsdp.py``,
-``zero1.py``, ``tensor.py``, ``context.py``); a strategy takes kinds defined outside the library
+``zero1.py``, ``tensor.py``, ``context.py``, ``expert.py``); a strategy takes kinds defined outside the library
 through ``Strategy(extra=(MyKind("axis"),))`` (``docs/adding-a-kind.md``).
 """
 

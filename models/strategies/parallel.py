@@ -112,7 +112,8 @@ class Parallel(Layers, Axes):
         data-parallel axes: AllGathered over the fsdp axes where split (the backward
         ReduceScatters the gradient, then AllReduces its shard over the dp axes: HSDP),
         ``pcast`` to varying over the dp (and fsdp) axes where replicated (the backward
-        AllReduces it). Under zero1 the parameters arrive varying over its axes already
+        AllReduces it), but not over an axis the leaf is split over (ep's experts: each
+        device's are its own). Under zero1 the parameters arrive varying over its axes already
         (``models.training``): their gradients leave the step unreduced, for the optimizer's
         ReduceScatter. Under a remat policy (``models.strategies.remat``) the unit is
         ``jax.checkpoint``-ed with it: the backward pass gathers again and recomputes what the
@@ -170,10 +171,6 @@ class Parallel(Layers, Axes):
         """The kind that splits parameters (fsdp), or None."""
         return next((k for k in self.strategy.kinds if k.splits_parameters), None)
 
-    # --- layers: the kernels
-
-    # --- layers, each tapped for shardops.inspect.compare (the identity outside it)
-
     def scan(self, fn: Callable, params, x, *, outputs: bool = False):
         """``x = fn(layer, x)`` for each layer of ``params``, whose leaves stack the layers
         along dim 0 (the plan's ``stacked`` roles), with ``lax.scan``: one compiled block
@@ -226,8 +223,6 @@ class Parallel(Layers, Axes):
         x, outs = lax.scan(body, x, per_layer)
         return (x, outs) if outputs else x
 
-    # --- for a layer of your own: the shard-dependent pieces, by kind of parallelism
-
     # --- helpers
 
     def _arrays(self, p, key: str, layer: str):
@@ -256,9 +251,9 @@ def _split_output(y, outputs: bool):
     if not outputs:
         return y, None
     if not (isinstance(y, tuple) and len(y) == 2):
-        raise ValueError(
-            f"ctx.scan(outputs=True): each layer returns (x, out); got {type(y).__name__}"
-        )
+        length = f" of length {len(y)}" if isinstance(y, tuple) else ""
+        raise ValueError(f"ctx.scan(outputs=True): each layer returns a pair (x, out); got a "
+                         f"{type(y).__name__}{length}")  # fmt: skip
     return y
 
 

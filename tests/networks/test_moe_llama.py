@@ -151,3 +151,46 @@ def test_checkpoints_move_between_expert_parallel_and_other_layouts_bit_for_bit(
                                           err_msg=f"{strategy}: {jax.tree_util.keystr(path)}")  # fmt: skip
         with Checkpoints(tmp_path / str(i)) as ckpt:
             ckpt.save(1, setup, restored)
+
+
+@pytest.mark.parametrize(("options", "argument", "got", "expected", "fix"), [
+    ({"k": 5}, "k=5", "> num_experts=4", "picks k distinct experts", "use k ≤ num_experts"),
+    ({"capacity_factor": 0.0}, "capacity_factor", "got 0.0", "a finite number > 0",
+     "E / k drops nothing"),
+    ({"capacity_factor": float("inf")}, "capacity_factor", "got inf", "a finite number > 0",
+     "E / k drops nothing"),
+    ({"score": "relu"}, "score", "got 'relu'", "one of ('softmax', 'sigmoid')", "Pass one"),
+    ({"load_balance": "local"}, "load_balance", "got 'local'", "one of ('global', 'group')",
+     "Pass one"),
+])  # fmt: skip
+def test_experts_refuse_what_the_layer_cannot_run(options, argument, got, expected, fix):
+    with refused(ValueError, argument=argument, got=got, expected=expected, fix=fix):
+        Experts(num_experts=4, **options)
+
+
+def test_ctx_array_of_an_expert_leaf_is_this_devices_experts():
+    """``ctx.array`` on an expert leaf under 2d+ep, in a model whose other leaves are padded (so
+    every leaf carries its logical shape): this device's experts, ``w[E/2, D, F/2]``, not
+    mistaken for a padded leaf (the expert axis counts as a split, as the model axis does)."""
+    from jax.sharding import PartitionSpec as P
+
+    from shardops_models.strategies.parallel import Parallel, Param
+
+    mesh = mesh_for(EP_MESHES["d2e2m2"])
+    ctx = Parallel(models.strategy_named("2d+ep"))
+    spec = P("expert", None, "model")
+
+    def local(w):
+        leaf = Param(w, models.EXPERTS, spec, "['moe']['gate']", ready=True, logical=(4, 8, 6))
+        return ctx.array(leaf)
+
+    w = np.arange(4 * 8 * 6, dtype=np.float32).reshape(4, 8, 6)
+    out = jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec)(w)
+    np.testing.assert_array_equal(np.asarray(out), w)
+    padded = jax.shard_map(lambda w: ctx.array(Param(w, models.EXPERTS, spec, "['w']", ready=True,
+                                                     logical=(4, 8, 5))),
+                           mesh=mesh, in_specs=spec, out_specs=spec)  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"is stored padded, \(4, 8, 6\) for the model's \(4, 8, 5\)"
+    ):
+        padded(w)
