@@ -146,7 +146,7 @@ def check_lm_trajectory(model, strategy, mesh_name, opt_name, *, build=models.bu
     )
     if clip is not None:
         assert min(norms) > 1.5 * clip, f"clip={clip} never binds: gradient norms {norms}"
-    mesh = mesh_for({**MESHES, **CP_MESHES, **EP_MESHES}[mesh_name])
+    mesh = mesh_for({**MESHES, **CP_MESHES, **EP_MESHES}.get(mesh_name))  # None: ref
     options = {} if attention == "auto" else {"attention": attention}  # a build of your own
     setup = build(strategy, mesh, optimizer=optimizer(opt_name, clip, sgd_lr=sgd_lr),
                   model=model, plan=plan, remat=remat, **options)  # fmt: skip
