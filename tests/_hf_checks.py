@@ -80,12 +80,15 @@ def tokens(vocab: int, seed: int = 0, batch: int = BATCH, seq: int = SEQ):
     return row[:, :-1], row[:, 1:]
 
 
-def check_close(got: np.ndarray, path: str, ids: np.ndarray, what: str) -> float:
+def check_close(got: np.ndarray, path: str, ids: np.ndarray, what: str, *,
+                forward=None) -> float:  # fmt: skip
     """``got`` (float32 logits of shardops) is as close to transformers' float64 forward as
     transformers' own float32 forward is (× 2, plus 4 float32 ulps of the largest logit: the
-    two float32 programs round in different orders). Returns the ratio to that bound."""
-    exact = hf_logits(path, ids, torch.float64)
-    own = np.abs(hf_logits(path, ids) - exact).max()
+    two float32 programs round in different orders). Returns the ratio to that bound.
+    ``forward(path, ids, dtype)``: transformers' logits (default ``hf_logits``, the Llama's)."""
+    forward = forward or hf_logits
+    exact = forward(path, ids, torch.float64)
+    own = np.abs(forward(path, ids) - exact).max()
     bound = 2 * own + 4 * np.finfo(np.float32).eps * np.abs(exact).max()
     err = np.abs(got.astype(np.float64) - exact).max()
     assert got.shape == exact.shape, f"{what}: logits {got.shape}, transformers' {exact.shape}"

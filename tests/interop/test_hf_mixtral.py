@@ -19,7 +19,7 @@ import optax
 import pytest
 import torch
 from _gpt_checks import EP_MESHES, MESHES
-from _hf_checks import tokens
+from _hf_checks import check_close, tokens
 from _model_checks import mesh_for
 from _mutants import mutant
 from transformers import MixtralConfig, MixtralForCausalLM
@@ -79,15 +79,8 @@ def _hf_logits(path: str, ids: np.ndarray, dtype=torch.float32) -> np.ndarray:
 
 
 def _check_close(got: np.ndarray, path: str, ids: np.ndarray, what: str) -> None:
-    """``_hf_checks.check_close``'s bound for Mixtral: shardops' float32 logits as close to
-    transformers' float64 forward as transformers' own float32 forward is (× 2, plus 4 float32
-    ulps of the largest logit)."""
-    exact = _hf_logits(path, ids, torch.float64)
-    own = np.abs(_hf_logits(path, ids) - exact).max()
-    bound = 2 * own + 4 * np.finfo(np.float32).eps * np.abs(exact).max()
-    err = np.abs(got.astype(np.float64) - exact).max()
-    assert got.shape == exact.shape, f"{what}: logits {got.shape}, transformers' {exact.shape}"
-    assert err <= bound, f"{what}: |shardops − transformers(float64)| = {err:.3g} > {bound:.3g}"
+    """``_hf_checks.check_close`` with transformers' Mixtral forward."""
+    check_close(got, path, ids, what, forward=_hf_logits)
 
 
 def _build(model, strategy, mesh_name, optimizer=None):
