@@ -7,8 +7,8 @@
 ``models.generation.Decoder`` has no forward of its own: it runs ``Gpt.apply`` and
 ``Llama.apply``, the forward every training strategy runs, through this ``Parallel`` whose
 ``attention`` reads and writes a KV cache. Every other layer (``unit``, ``embed``, ``dense``,
-``gated_mlp``, the norms, ``tied_head``) is ``Parallel``'s own, so a change to the model or to
-its layers reaches the decoder too.
+``gated_mlp``, the norms, ``tied_head``) is ``Parallel``'s own (``moe`` too, at a dropless
+capacity), so a change to the model or to its layers reaches the decoder too.
 
 **Design: one context per trace, the cache in and the written cache out.** A context is made
 for one call of ``model.apply`` inside one trace (the decoder makes one per prefill and per
@@ -28,12 +28,24 @@ reading and writing its slice inside the loop (one compiled block whatever the d
 cache updated in place), as unrolled blocks (the GPT's ``ctx.unit`` per block) do one after
 another. Each layer must attend exactly once.
 
+**A mixture of experts routes dropless** (``moe``; the Mixtral-style ``Llama(experts=...)``,
+whose stacked blocks return their statistics beside the residual stream through ``scan(...,
+outputs=True)``): every token goes to its ``k`` experts, whatever capacity factor the model
+trained with. The capacity is per sequence, ``C = min(S, ceil(cf · S · k / E))``: a one-token
+step never drops, but a prefill of a long prompt at a small ``cf`` would, and the same tokens
+would then route one way when prefilled and another when fed one at a time. Raising ``cf`` to
+``E / k`` (``C = S``) makes the prefill, every step and teacher-forced ``Decoder.logits`` agree
+with each other and with the full forward of the model with a dropless ``Experts``
+(``capacity_factor ≥ E / k``), as Hugging Face's Mixtral routes at inference (it has no
+capacity). A prefill's dispatch is then ``[b, S, E, S]``: quadratic in the prompt's length.
+
 **Last only.** With ``last_only`` the output layer (``output``: the paths of
 ``model.output_layer(params)``'s parameters) sees the last position alone, ``x[b, 1, D]``:
 what a draw reads, so a prefill's head costs one position, not ``s``.
 
 Communication: ``Parallel``'s, per layer: the cached attention's AllReduce of ``y[b, s, D]``
-over the tp axis replaces the training kernel's (the same), and the cache never moves.
+over the tp axis replaces the training kernel's (the same), and the cache never moves; the
+experts' statistics are each device's own (no AllReduce over the batch).
 """
 
 from __future__ import annotations
@@ -47,6 +59,20 @@ from jax import lax
 from shardops.layers import cached_attention_kernel
 from shardops_models.strategies.parallel import Parallel, is_param, one_layer
 from shardops_models.strategies.plan import StackedRole
+
+
+def dropless_capacity_factor(num_experts: int, k: int) -> float:
+    """``E / k``: the smallest capacity factor at which no token is dropped, ``C = min(S,
+    ceil(E/k · S · k / E)) = S`` slots per expert for any group of ``S`` tokens
+    (``shardops.layers.moe_capacity``): each expert can take every token of the group."""
+    return num_experts / k
+
+
+def _returned(y) -> str:
+    """What a layer returned, for an error: an array's type, or a tuple's length."""
+    if isinstance(y, tuple):
+        return f"a tuple of {len(y)}"
+    return str(jax.typeof(y)) if isinstance(y, jax.Array) else type(y).__name__
 
 
 class _Cursor:
@@ -152,16 +178,13 @@ class CachedParallel(Parallel):
 
     def scan(self, fn, params, x, *, outputs: bool = False):
         """``Parallel.scan``'s loop over stacked layers, carrying the cache and the layer
-        index beside ``x[b, s, D]``: layer ``l`` reads and writes ``k, v[l]``. Layers with
-        ``outputs`` (a mixture of experts' losses) are refused: not decoded yet."""
-        if outputs:
-            raise ValueError(
-                "CachedParallel.scan: layers that return outputs beside the residual stream (a "
-                "mixture of experts) are not decoded yet; decode a dense model"
-            )
+        index beside ``x[b, s, D]``: layer ``l`` reads and writes ``k, v[l]``. With
+        ``outputs`` (a mixture of experts' statistics), ``fn(layer, x)`` returns ``(x, out)``
+        and ``scan`` returns ``(x, outs)``, each leaf of ``outs`` stacked over the layers
+        ``[L, …]``, as ``Parallel.scan`` does."""
         leaves = [q for q in jax.tree.leaves(params, is_leaf=is_param) if is_param(q)]
         if not leaves or any(not isinstance(q.role, StackedRole) for q in leaves):
-            return super().scan(fn, params, x)  # not stacked: Parallel's own error
+            return super().scan(fn, params, x, outputs=outputs)  # not stacked: Parallel's error
         cursor, first, calls_before = self._cursor, self._cursor.layer, self._cursor.calls
         layers = leaves[0].value.shape[0]
         if not isinstance(first, int) or first + layers > self.num_layers:
@@ -176,19 +199,42 @@ class CachedParallel(Parallel):
             x, cursor.k, cursor.v = carry  # x[b, s, D]; the whole cache [L, b, n, S_max, hd]
             layer, i = layer_and_index
             cursor.layer, calls = first + i, cursor.calls
-            x = self.unit(fn, layer, x)
+            y = self.unit(fn, layer, x)
+            if outputs and not (isinstance(y, tuple) and len(y) == 2):
+                raise ValueError(
+                    f"CachedParallel.scan(outputs=True): each layer must return (x, out), the "
+                    f"residual stream and its outputs; got {_returned(y)}. Return the "
+                    f"pair, or scan without outputs"
+                )
+            x, out = y if outputs else (y, None)  # x[b, s, D]; out: this layer's outputs
             if cursor.calls != calls + 1:
                 raise ValueError(
                     f"CachedParallel.scan: a stacked layer called ctx.attention "
                     f"{cursor.calls - calls} times; the cache holds one slice a layer, read "
                     f"and written by one call. Decode a model whose every layer attends once"
                 )
-            return (x, cursor.k, cursor.v), None
+            return (x, cursor.k, cursor.v), out
 
         index = jnp.arange(layers, dtype=jnp.int32)  # [L]: the layer each step reads
-        (x, cursor.k, cursor.v), _ = lax.scan(body, (x, cursor.k, cursor.v), (per_layer, index))
+        (x, cursor.k, cursor.v), outs = lax.scan(body, (x, cursor.k, cursor.v),
+                                                 (per_layer, index))  # outs: each leaf [L, …]  # fmt: skip
         cursor.layer, cursor.calls = first + layers, calls_before + layers
-        return x
+        return (x, outs) if outputs else x
+
+    def moe(self, p, x, *, k: int, capacity_factor: float, score: str = "softmax",
+            load_balance: str = "global", activation=jax.nn.silu):  # fmt: skip
+        """``Parallel.moe`` routed **dropless**: every token of ``x[b, s, D]`` goes to its
+        ``k`` experts, whatever ``capacity_factor`` the model trained with (the inference
+        rule; module docstring). The capacity is raised to ``C = s`` (``capacity_factor =
+        dropless_capacity_factor(E, k) = E/k``: ``C = min(s, ceil(E/k · s · k / E)) = s``),
+        so a prefill of ``s`` tokens and each one-token step route every token as the full
+        forward of a dropless model does. The statistics are this device's
+        (``load_balance="group"``: no AllReduce over the batch; the decoder discards them).
+        Communication: ``Parallel.moe``'s over the tp axis (the combine's AllReduce of
+        ``y[b, s, D]``)."""
+        e = p["router"].shape[-1]  # router[D, E]: every expert's column on each device
+        return super().moe(p, x, k=k, capacity_factor=dropless_capacity_factor(e, k),
+                           score=score, load_balance="group", activation=activation)  # fmt: skip
 
     def dense(self, p, x):
         """``Parallel.dense``; the output layer on the last position alone under

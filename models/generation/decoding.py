@@ -31,6 +31,19 @@ as in training. Other mesh axes (``context``, ``replica``) are accepted and repl
 decoding: the devices along them hold the same rows, weights and cache, and compute the same
 tokens (no faster; build the mesh from ``data`` and ``model`` alone to use them for rows).
 
+**A mixture of experts** (``Llama(experts=Experts(...))``, Mixtral-style) decodes dropless:
+every token, of the prompt and of each step, goes to its ``k`` experts, whatever capacity
+factor the model trained with (``CachedParallel.moe`` raises it to ``E / k``, so ``C = S``).
+A one-token step could never drop; a prefill of a long prompt at the training capacity would,
+and its tokens would route otherwise than the same tokens fed one a step. So the tokens are
+those of the full forward of the model with ``capacity_factor = E / k`` (Hugging Face's
+Mixtral, which has no capacity, routes so), whichever way they are fed. The experts are laid
+out as ``2d`` lays them out: each expert's hidden units split over ``model`` (its combine one
+AllReduce of ``[b, s, D]``, in place of the MLP's), every expert on every row shard. Expert
+parallelism is not a decoding layout: an ``expert`` axis of the mesh replicates the decoding
+as ``context`` does; parameters trained under ``ep`` decode from their full arrays
+(``Setup.gather``, then ``place``).
+
 **Sampling.** Greedy is the vocab-parallel argmax (an AllReduce(max) and an AllReduce(min) of
 ``B/d`` numbers; the logits are never gathered). With ``temperature`` > 0 a token is drawn by
 the Gumbel-max trick, ``argmax(logits/T + g)``: entry ``(r, v)`` of ``g`` is
@@ -42,7 +55,7 @@ mesh.
 
 **Per step** (one token, batch ``b = B/d`` per device), over ``model``: the embedding's
 AllReduce of ``x[b, 1, D]``, two AllReduces of ``[b, 1, D]`` per layer (attention's output
-and the MLP's), and the argmax's two of ``[b, 1]``; all float32. Nothing over ``data``.
+and the MLP's, or the experts' combine), and the argmax's two of ``[b, 1]``; all float32. Nothing over ``data``.
 """
 
 from __future__ import annotations

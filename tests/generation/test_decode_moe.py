@@ -1,0 +1,139 @@
+"""KV-cache decoding of a Llama with a mixture of experts (Mixtral-style), which routes
+dropless (``CachedParallel.moe``): greedy tokens of a prefill and every step are the argmax of
+the full forward of the same model with a dropless ``Experts`` (``capacity_factor = E / k``),
+on one device, under tp (1×8), 2d (2×4) and on a mesh with an expert axis (which replicates the
+decoding, as any axis besides data and model does); the model trains at a capacity factor that
+drops choices of the prompt, and that forward's first token differs, so a decoder that kept
+the training capacity in its prefill fails (its mutant is caught); the experts' statistics
+cost no collective over the batch; a scanned layer that does not return ``(x, out)`` is
+refused by name."""
+
+import collections
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _messages import refused
+from _model_checks import mesh_for
+from _mutants import mutant
+from test_cached_context import _block_attending
+
+import shardops_models as models
+from shardops.inspect import collectives
+from shardops_models.generation import Decoder, _cached_context, decoding
+from shardops_models.generation._cached_context import dropless_capacity_factor
+
+E, K = 4, 2
+# capacity_factor 0.5: C = ceil(0.5 · 12 · 2 / 4) = 3 slots per expert for a prompt's 24
+# choices; the training forward drops about half of them. Weights N(0, 0.3²): routing and
+# logits far from ties (the margins below).
+MODEL = models.Llama(vocab_size=64, d_model=32, num_layers=2, num_heads=8, num_kv_heads=2,
+                     d_ff=32, context=32, init_scale=0.3,
+                     experts=models.Experts(num_experts=E, k=K, capacity_factor=0.5))  # fmt: skip
+DROPLESS = dataclasses.replace(MODEL, experts=dataclasses.replace(
+    MODEL.experts, capacity_factor=dropless_capacity_factor(E, K)))  # fmt: skip
+PROMPT, STEPS, BATCH = 12, 6, 4
+MESHES = {
+    "1x1": {"data": 1, "model": 1},  # the unsharded decoding
+    "1x8": {"data": 1, "model": 8},  # tp: each expert's hidden units over 8, F = 32 → 4 each
+    "2x4": {"data": 2, "model": 4},  # 2d
+    "d2e2m2": {"data": 2, "expert": 2, "model": 2},  # an expert axis: replicates
+}
+
+
+def _prompt():
+    return np.random.default_rng(1).integers(0, MODEL.vocab_size, (BATCH, PROMPT), np.int32)
+
+
+def _clear_argmax(logits, what: str) -> np.ndarray:
+    """The argmax of float32 ``logits[B, T, V]``, each with a top-2 margin far beyond the two
+    float32 programs' rounding (64 ulps of the largest logit), so that the comparison is
+    exact: a failure here is a seed to change, not a decoder bug."""
+    top2 = np.sort(logits, axis=-1)[..., -2:]
+    margin = (top2[..., 1] - top2[..., 0]).min()
+    bound = 64 * np.finfo(np.float32).eps * np.abs(logits).max()
+    assert margin > bound, f"{what}: a top-2 margin of {margin:.3g} ≤ {bound:.3g}"
+    return logits.argmax(-1)
+
+
+def check_greedy(mesh_name: str = "1x1", decoder_type=Decoder) -> None:
+    """Greedy ``generate`` from a prompt the training forward drops choices of: each token is
+    the argmax of the dropless forward of the prompt and the tokens before it."""
+    params, prompt = MODEL.init(jax.random.key(0)), _prompt()
+    dropped = np.asarray(MODEL.expert_stats(params, prompt)["dropped"])  # [L, E]
+    assert dropped.max() > 0.25, f"the training capacity drops too little: {dropped}"
+    decoder = decoder_type(MODEL, mesh_for(MESHES[mesh_name]), batch=BATCH,
+                           max_len=PROMPT + STEPS)  # fmt: skip
+    got = np.asarray(decoder.generate(decoder.place(params), prompt, STEPS))  # [B, steps]
+    fed = np.concatenate([prompt, got[:, :-1]], axis=1)  # each token's inputs
+    full = np.asarray(DROPLESS.reference_logits(params, fed))[:, PROMPT - 1 :]  # [B, steps, V]
+    want = _clear_argmax(full, "the dropless forward")
+    # The training capacity's forward of the prompt picks another first token in some row:
+    # a prefill that dropped would be seen.
+    trained = np.asarray(MODEL.reference_logits(params, prompt))[:, -1]  # [B, V]
+    assert (trained.argmax(-1) != want[:, 0]).any(), "the drops change no first token"
+    np.testing.assert_array_equal(got, want, err_msg=f"greedy tokens on {mesh_name}")
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_greedy_tokens_are_the_dropless_forwards_argmax_at_every_step(mesh_name):
+    check_greedy(mesh_name)
+
+
+TRAINING_CAPACITY = (  # the mutant: the decoder routes at the model's training capacity
+    "        return super().moe(p, x, k=k, capacity_factor=dropless_capacity_factor(e, k),",
+    "        return super().moe(p, x, k=k, capacity_factor=capacity_factor,",
+)
+
+
+@pytest.mark.parametrize("mutated", [False, True], ids=["copy", "training_capacity"])
+def test_a_decoder_that_keeps_the_training_capacity_is_caught(monkeypatch, mutated):
+    """The mutant (its prefill drops the prompt's overflowing choices) fails ``check_greedy``;
+    its unmutated copy passes."""
+    line, new = TRAINING_CAPACITY
+    module = mutant(_cached_context, "training_capacity", line, new if mutated else line)
+    monkeypatch.setattr(decoding, "CachedParallel", module.CachedParallel)
+    decoder_type = type("Decoder_training_capacity", (decoding.Decoder,), {})
+    try:
+        if mutated:
+            with pytest.raises(AssertionError, match="greedy tokens"):
+                check_greedy("1x1", decoder_type)
+        else:
+            check_greedy("1x1", decoder_type)
+    finally:
+        jax.clear_caches()
+
+
+def test_the_experts_statistics_cost_no_collective_over_data():
+    """On 2×4 the program's collectives are over model alone (the attention's, the experts'
+    combine, the embedding's and the argmax's): the routing statistics, which the decoder
+    discards, are each device's own (``load_balance="group"``), not AllReduced over data."""
+    decoder = Decoder(MODEL, mesh_for(MESHES["2x4"]), batch=BATCH, max_len=PROMPT + STEPS)
+    ledger = collections.Counter(c.axes for c in collectives(
+        decoder.mesh, decoder.generate_program(2), *_abstract(decoder)))  # fmt: skip
+    assert set(ledger) == {("model",)}, ledger
+
+
+def _abstract(decoder):
+    """Abstract placed ``(params, prompt, key)`` of ``decoder.generate_program``."""
+    sharding = jax.sharding.NamedSharding
+    params = jax.tree.map(
+        lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                             sharding=sharding(decoder.mesh, spec)),
+        decoder.setup.padding.abstract(jnp.float32), decoder.param_specs)  # fmt: skip
+    prompt = jax.ShapeDtypeStruct((BATCH, PROMPT), jnp.int32,
+                                  sharding=sharding(decoder.mesh, decoder.batch_spec))  # fmt: skip
+    return params, prompt, jax.random.key(0)
+
+
+def test_a_scanned_layer_without_its_outputs_is_refused(monkeypatch):
+    """The Llama with experts scans its blocks with ``outputs=True``: a block that returns
+    the residual stream alone (it attends once, as the cache needs) is refused by name."""
+    monkeypatch.setattr(models.Llama, "_block", _block_attending(1))
+    decoder = Decoder(MODEL, mesh_for(MESHES["1x1"]), batch=BATCH, max_len=PROMPT)
+    params = decoder.place(MODEL.init(jax.random.key(0)))
+    with refused(ValueError, argument="CachedParallel.scan(outputs=True)", got="got float32[4,12,32]",
+                 expected="must return (x, out)", fix="Return the pair"):  # fmt: skip
+        decoder.logits(params, decoder.init_cache(), _prompt(), 0)
