@@ -3,7 +3,7 @@
 The surface, by concept (each subpackage has its own short ``__all__``):
 
 - **mesh**: ``make_mesh``, ``abstract_mesh`` (no devices: traces at any size), ``parse_mesh``
-  (``replica=2,data=2,model=2`` or ``4x2``) and ``format_mesh``, ``DATA_AXIS`` / ``MODEL_AXIS`` / ``REPLICA_AXIS`` / ``CONTEXT_AXIS`` /
+  (``replica=2,data=2,model=2`` or ``4x2``) and ``format_mesh``, ``DATA_AXIS`` / ``MODEL_AXIS`` / ``REPLICA_AXIS`` / ``CONTEXT_AXIS`` / ``PIPE_AXIS`` /
   ``SEQUENCE_DIM``, ``axis_size``, ``check_divisible``, ``check_devices``; PartitionSpec entries
   (``spec_entry``, ``entry_axes``, ``spec_entries``, ``normalized_spec``) and ``varying_axes``
   inside ``shard_map``.
@@ -15,6 +15,8 @@ The surface, by concept (each subpackage has its own short ``__all__``):
 - **training**: ``clip_by_global_norm`` and ``global_norm`` (an optax transform whose norm is
   the global gradients', whatever their sharding).
 - ``shardops.comm``: the communication patterns the kernels are built from.
+- ``shardops.pipeline``: pipeline schedules as tables (GPipe, 1F1B) and the per-device
+  program that follows one.
 - ``shardops.inspect``: collectives, ledger, explain, layouts, the divergence locator.
 - ``shardops.testing``: the derived error bound, dtype flow, collective budgets.
 - ``shardops.distributed`` / ``python -m shardops.launch``: multi-process runs;
@@ -22,8 +24,15 @@ The surface, by concept (each subpackage has its own short ``__all__``):
   ``shardops.watchdog`` (a process stuck between steps stops the run, named).
 """
 
-from shardops import comm, distributed, inspect, layers, preemption, testing, watchdog
-from shardops._axes import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, REPLICA_AXIS, SEQUENCE_DIM
+from shardops import comm, distributed, inspect, layers, pipeline, preemption, testing, watchdog
+from shardops._axes import (
+    CONTEXT_AXIS,
+    DATA_AXIS,
+    MODEL_AXIS,
+    PIPE_AXIS,
+    REPLICA_AXIS,
+    SEQUENCE_DIM,
+)
 from shardops._clip import clip_by_global_norm, global_norm
 from shardops._devices import DeviceMismatchError, check_devices
 from shardops._mesh import (
@@ -79,6 +88,7 @@ __all__ = [  # noqa: RUF022 (grouped by concept, as the docstring lists them)
     # mesh
     "DATA_AXIS",
     "MODEL_AXIS",
+    "PIPE_AXIS",
     "CONTEXT_AXIS",
     "REPLICA_AXIS",
     "SEQUENCE_DIM",
@@ -141,6 +151,7 @@ __all__ = [  # noqa: RUF022 (grouped by concept, as the docstring lists them)
     "distributed",
     "inspect",
     "layers",
+    "pipeline",
     "preemption",
     "testing",
     "watchdog",

@@ -14,6 +14,9 @@ CONTEXT_AXIS = "context"
 """Mesh axis that splits the sequence of every activation, attention included (context
 parallelism)."""
 
+PIPE_AXIS = "pipe"
+"""Mesh axis that splits the stacked layers into pipeline stages (pipeline parallelism)."""
+
 MODEL_AXIS = "model"
 """Mesh axis that splits weight matrices (tensor / model parallelism)."""
 

@@ -1,7 +1,7 @@
 """Communication patterns for per-device code inside ``jax.shard_map``, each defined once.
 
 - **Collectives**: ``all_reduce``, ``all_max``, ``all_min``, ``all_gather``, ``reduce_scatter``,
-  ``all_to_all`` and ``ring_pass`` are ``lax``'s own calls (``psum``, ``pmax``, ``pmin``,
+  ``all_to_all``, ``ring_pass`` and ``send`` are ``lax``'s own calls (``psum``, ``pmax``, ``pmin``,
   ``all_gather``, ``psum_scatter``, ``all_to_all``, ``ppermute``) with a required
   ``reason=``: nothing in shardops calls ``lax``'s collectives but this package.
 - **Regions** (Megatron's ``mappings.py``): ``copy_to_region``, ``gather_to_region`` and
@@ -27,6 +27,7 @@ from shardops.comm._collectives import (
     all_to_all,
     reduce_scatter,
     ring_pass,
+    send,
 )
 from shardops.comm._mappings import (
     REPLICATED_GRADIENT,
@@ -66,4 +67,5 @@ __all__ = [
     "ring_pairs",
     "ring_pass",
     "ring_reduce_scatter",
+    "send",
 ]

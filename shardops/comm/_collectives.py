@@ -19,6 +19,7 @@ them; ``axis_name`` a mesh axis or a tuple of them).
 | ``reduce_scatter`` | ``psum_scatter`` (tiled)   | ``A[I]{U_X} → A[I_X]``                |
 | ``all_to_all``   | ``all_to_all`` (tiled)       | ``A[I_X, J] → A[I, J_X]``             |
 | ``ring_pass``    | ``ppermute`` to ``i + shift`` | one ring step: device i's block to i + shift |
+| ``send``         | ``ppermute`` along ``pairs``  | device i's block to j for each (i, j); zeros elsewhere |
 """
 
 from __future__ import annotations
@@ -97,3 +98,11 @@ def ring_pass(x, axis_name: AxisName, *, shift: int = 1, reason: Reason):
     n = math.prod(lax.axis_size(a) for a in axes)
     with because(reason, axis_name):
         return lax.ppermute(x, axis_name, ring_pairs(n, shift))
+
+
+def send(x, axis_name: str, pairs: Sequence[tuple[int, int]], *, reason: Reason):
+    """``lax.ppermute`` along ``pairs``: for each ``(i, j)`` device i's ``x`` goes to device
+    j over ``axis_name``; a device no pair sends to receives zeros (a pipeline stage's
+    activation to the next stage). Backward (JAX's): each ``dx`` back from j to i."""
+    with because(reason, axis_name):
+        return lax.ppermute(x, axis_name, [tuple(p) for p in pairs])

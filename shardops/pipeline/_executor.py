@@ -1,0 +1,210 @@
+"""The pipeline's per-device program: a schedule's table (``shardops.pipeline.Schedule``) run
+round by round inside one ``jax.shard_map``, with explicit per-stage ``jax.vjp`` calls.
+
+    stage s = axis_index(pipe); P = stages, M = microbatches, K = schedule.buffer_slots
+    for each round r of the table (unrolled: the table is static):
+      forward phase (where a stage runs one):
+        i = forward[r][s]; keep h_in in slot i mod K of the buffer h[K, ...]
+        h_out = stage_fn(params, h_in, inputs[i])          (stage 0 starts from inputs[i])
+        h_in ← send h_out over pipe, s → s + 1, for each stage that ran
+      backward phase (where a stage runs one):
+        i = backward[r][s]; h = the buffer's slot i mod K
+        (dparams, dh) = vjp(stage_fn at params, h)(dh_out, dloss)   (recomputes the forward)
+        dparams accumulated in float32; dh_out ← send dh over pipe, s → s − 1
+    loss = psum over pipe of the last stage's losses; dparams of a parameter replicated over
+    pipe (the embedding, the head) psummed over it once, in float32
+
+Every device runs every phase of a round that any stage runs (one SPMD program): a stage the
+table leaves idle in it computes on a placeholder and its result is masked out (``jnp.where``),
+so no collective of the stage's layers sits inside a ``lax.cond`` on the stage index, and the
+round takes no longer than its busiest stage. The ``send`` of a phase names only the stages
+that ran: each microbatch's activation crosses the P − 1 stage boundaries forward and its
+gradient P − 1 backward, and no placeholder is sent.
+
+Memory: each stage keeps the stage inputs of the microbatches in flight (``K`` slots: M under
+GPipe, at most 2P − 1 under 1F1B), not the layers' activations: a backward recomputes its
+stage's forward (the cost of one more forward per microbatch, as full rematerialisation).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from shardops._mesh import varying_axes
+from shardops.comm._collectives import all_reduce, send
+from shardops.comm._mappings import copy_to_region
+from shardops.comm._reasons import Reason
+from shardops.pipeline._schedule import Schedule
+
+_FORWARD = Reason("pipeline_forward", forward={
+    "ppermute": "each pipeline stage's output over {axis} is the next stage's input",
+}, backward={
+    "ppermute": "the gradient of a stage's input returns to the stage before it over {axis}",
+})  # fmt: skip
+_BACKWARD = Reason("pipeline_backward", forward={
+    "ppermute": "the gradient of a stage's input goes back to the stage before it over {axis} "
+                "(the schedule's backward, run by explicit vjp calls)",
+})  # fmt: skip
+_LOSS = Reason("pipeline_loss", forward={
+    "psum": "only the last stage over {axis} computes each microbatch's loss: the others add 0",
+})  # fmt: skip
+_REPLICATED = Reason("pipeline_replicated_gradients", forward={
+    "psum": "parameters replicated over {axis} (the embedding, the head) get gradient "
+            "contributions on the first and last stages: summed once per step, in float32",
+})  # fmt: skip
+
+FORWARD_SCOPE, BACKWARD_SCOPE = "shardops.pipeline.forward", "shardops.pipeline.backward"
+"""The named scopes of each round's forward and backward phase (``stage_steps`` counts them)."""
+
+
+def pipeline_value_and_grad(stage_fn, params, inputs, schedule: Schedule, *, axis_name: str,
+                            activation, accum_dtype=jnp.float32):  # fmt: skip
+    """One step's loss and gradients by ``schedule``, per device inside ``jax.shard_map`` over
+    ``axis_name`` (module docstring).
+
+    Arguments:
+        stage_fn: ``stage_fn(params, h, inputs_i, first, last) → (h_out, loss)``, one stage's
+            forward of microbatch i: ``h`` the stage's input (``first``, a traced bool: stage 0,
+            which starts from ``inputs_i`` instead), ``h_out`` what the next stage takes, and
+            ``loss`` the microbatch's share of the objective (``last``: the last stage, whose
+            loss alone counts; the others' must be finite).
+        params: this device's parameters (a pytree): leaves varying over ``axis_name`` are its
+            stage's own (its layers ``[L_pipe, …]``); the others are replicated over it.
+        inputs: a pytree of ``[M, …]`` arrays, microbatch i at index i (replicated over the
+            pipe axis: every stage reads the microbatch it runs).
+        schedule: the table (``gpipe``, ``one_f_one_b``), for ``lax.axis_size(axis_name)``
+            stages.
+        activation: the type of ``h`` (``jax.typeof`` of one: its shape, dtype and the axes
+            it varies over).
+        accum_dtype: the gradients' accumulation dtype (float32).
+
+    Returns:
+        ``(loss, grads)``: Σ of the microbatches' losses (the same on every stage) and the
+        gradients of ``params``, laid out like them (each in its parameter's dtype).
+    """
+    _check_program(schedule, axis_name, inputs)
+    stage = lax.axis_index(axis_name)
+    own = jax.tree.map(lambda q: axis_name in varying_axes(q), params)
+    params = jax.tree.map(lambda q, o: q if o else copy_to_region(q, axis_name, q.dtype),
+                          params, own)  # fmt: skip
+    run = _Run(stage_fn, params, inputs, schedule, axis_name, stage, accum_dtype,
+               _zeros_like(activation, axis_name))  # fmt: skip
+    for forward, backward in schedule.rounds:
+        if any(i is not None for i in forward):
+            with jax.named_scope(FORWARD_SCOPE):
+                run.forward(forward)
+        if any(i is not None for i in backward):
+            with jax.named_scope(BACKWARD_SCOPE):
+                run.backward(backward)
+    loss = all_reduce(run.loss, axis_name, reason=_LOSS)
+    grads = jax.tree.map(
+        lambda g, q, o: (g if o else all_reduce(g, axis_name, reason=_REPLICATED)).astype(q.dtype),
+        run.grads, params, own,
+    )  # fmt: skip
+    return loss, grads
+
+
+class _Run:
+    """One device's state between the phases of the rounds: the buffer of stage inputs
+    ``h[K, ...]``, what the last forward phase sent it (``received``) and the last backward
+    phase (``returned``), the gradients (``accum_dtype``) and the loss so far."""
+
+    def __init__(self, stage_fn, params, inputs, schedule, axis_name, stage, accum_dtype, zero):
+        self.stage_fn, self.params, self.inputs, self.axis_name = (
+            stage_fn,
+            params,
+            inputs,
+            axis_name,
+        )
+        self.stages, self.slots, self.accum_dtype = (
+            schedule.stages,
+            schedule.buffer_slots,
+            accum_dtype,
+        )
+        self.stage, self.first, self.last = stage, stage == 0, stage == schedule.stages - 1
+        self.zero, self.received, self.returned = zero, zero, zero  # h of the activation's type
+        self.buffer = jnp.zeros((self.slots, *zero.shape), zero.dtype) + zero[None]  # h[K, ...]
+        self.grads = jax.tree.map(lambda q: jnp.zeros(q.shape, accum_dtype) + _vary(q, accum_dtype),
+                                  params)  # fmt: skip
+        self.loss = _vary(zero, accum_dtype)
+
+    def _apply(self, params, h, i):
+        microbatch = jax.tree.map(lambda a: a[i], self.inputs)
+        return self.stage_fn(params, h, microbatch, self.first, self.last)
+
+    def forward(self, phase) -> None:
+        """Each stage ``phase`` names keeps its input and runs its layers; the outputs go on."""
+        i, runs = _entry(phase, self.stage)
+        slot = i % self.slots
+        old = lax.dynamic_index_in_dim(self.buffer, slot, 0, keepdims=False)
+        kept = jnp.where(runs, self.received, old)
+        self.buffer = lax.dynamic_update_index_in_dim(self.buffer, kept, slot, 0)
+        h_out, _ = self._apply(self.params, self.received, i)
+        pairs = [(s, s + 1) for s in range(self.stages - 1) if phase[s] is not None]
+        self.received = (send(h_out, self.axis_name, pairs, reason=_FORWARD) if pairs
+                         else self.zero)  # fmt: skip
+
+    def backward(self, phase) -> None:
+        """Each stage ``phase`` names runs the vjp of its layers (the forward recomputed from
+        the input it kept) and adds the gradients; its input's gradient goes back."""
+        i, runs = _entry(phase, self.stage)
+        h = lax.dynamic_index_in_dim(self.buffer, i % self.slots, 0, keepdims=False)
+        (h_out, loss), vjp = jax.vjp(lambda q, h: self._apply(q, h, i), self.params, h)
+        seed = _like(jnp.where(self.last & runs, 1.0, 0.0).astype(loss.dtype), loss)
+        d_params, d_h = vjp((_like(self.returned, h_out), seed))
+        accum, mask = self.accum_dtype, runs
+        self.grads = jax.tree.map(lambda g, d: g + jnp.where(mask, d.astype(accum), 0),
+                                  self.grads, d_params)  # fmt: skip
+        self.loss = self.loss + jnp.where(self.last & runs, loss.astype(accum), 0)
+        pairs = [(s, s - 1) for s in range(1, self.stages) if phase[s] is not None]
+        self.returned = (send(d_h, self.axis_name, pairs, reason=_BACKWARD) if pairs
+                         else self.zero)  # fmt: skip
+
+
+def _entry(phase, stage):
+    """``(i, runs)``: the microbatch this device's stage runs in ``phase`` (0 where it runs
+    none) and whether it runs one, each looked up by the traced stage index."""
+    table = np.array([-1 if i is None else i for i in phase], np.int32)
+    i = jnp.asarray(table)[stage]
+    return jnp.maximum(i, 0), i >= 0
+
+
+def _zeros_like(activation, axis_name: str):
+    """Zeros of ``activation``'s shape and dtype, varying over its axes and the pipe axis."""
+    zeros = jnp.zeros(activation.shape, activation.dtype)
+    manual = getattr(activation, "manual_axis_type", None)
+    axes = tuple(sorted({*getattr(manual, "varying", ()), axis_name}))
+    return lax.pcast(zeros, axes, to="varying")
+
+
+def _vary(q, dtype):
+    """A scalar zero of ``dtype`` varying over the axes ``q`` varies over (a gradient's
+    type)."""
+    axes = tuple(sorted(varying_axes(q)))
+    zero = jnp.zeros((), dtype)
+    return lax.pcast(zero, axes, to="varying") if axes else zero
+
+
+def _like(value, ref):
+    """``value`` varying over the axes ``ref`` varies over (a cotangent's type)."""
+    missing = tuple(sorted(varying_axes(ref) - varying_axes(value)))
+    return lax.pcast(value, missing, to="varying") if missing else value
+
+
+def _check_program(schedule: Schedule, axis_name: str, inputs) -> None:
+    """The pipe axis has the schedule's stages, and every input holds its microbatches."""
+    n = lax.axis_size(axis_name)
+    if n != schedule.stages:
+        raise ValueError(f"pipeline_value_and_grad: schedule {schedule.name!r} has "
+                         f"{schedule.stages} stages; mesh axis {axis_name!r} has {n} devices. "
+                         f"Make the schedule for {n} stages")  # fmt: skip
+    for path, leaf in jax.tree_util.tree_leaves_with_path(inputs):
+        if not leaf.shape or leaf.shape[0] != schedule.microbatches:
+            raise ValueError(
+                f"pipeline_value_and_grad: inputs{jax.tree_util.keystr(path)} has shape "
+                f"{leaf.shape}; each input holds the {schedule.microbatches} microbatches "
+                f"along dim 0 ([M, ...]). Reshape the batch to [M, b / M, ...]"
+            )
