@@ -34,6 +34,16 @@ activation over the mesh's ``context`` axis too, attention by that method
     python examples/transformer_lm.py --strategy 2d --mesh data=2,context=2,model=2 \\
         --context-parallel ring --context 1024 --compare-reference
 
+``--moe`` (with ``--model llama``) puts a mixture of ``--experts`` SwiGLU experts in each
+block, each byte routed to ``--top-k`` of them at ``--capacity-factor`` (Mixtral-style), and
+logs the auxiliary losses and each expert's share and drops; ``--expert-parallel`` splits the
+experts over the mesh's ``expert`` axis. The sample decodes dropless: every byte, of the prompt
+and of each step, goes to its k experts, whatever the training capacity
+(``docs/hugging-face-and-decoding.md``):
+
+    python examples/transformer_lm.py --model llama --moe --experts 4 --expert-parallel \
+        --strategy 2d --mesh data=2,expert=2,model=2 --compare-decoding --temperature 0
+
 Text (``shardops_models.data.text``): tiny_shakespeare through tfds when it is prepared, else the
 Python standard library's source, which every machine has (one line says which).
 ``--compare-reference`` trains the unsharded model (strategy ``ref``) in lockstep, from the
@@ -78,6 +88,7 @@ if not ACCELERATOR and "xla_force_host_platform_device_count" not in os.environ.
     ).strip()
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -199,11 +210,8 @@ def parse_args(argv=None):
     for name in ("steps", "batch_size", "log_every", "eval_batches", "prompt_bytes"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
-    if args.moe and (args.sample_tokens or args.compare_decoding):
-        p.error("--moe: a model with experts is not decoded yet (the KV-cache decoder refuses "
-                "it); leave out --sample-tokens and --compare-decoding")  # fmt: skip
     if args.sample_tokens is None:
-        args.sample_tokens = 0 if args.moe else max(args.context - args.prompt_bytes, 0)
+        args.sample_tokens = max(args.context - args.prompt_bytes, 0)
     if args.sample_tokens and args.prompt_bytes >= args.context:
         p.error(f"--prompt-bytes {args.prompt_bytes} leaves no room in the --context of "
                 f"{args.context} for --sample-tokens (the sample is decoded within the context)")  # fmt: skip
@@ -316,12 +324,14 @@ def validation_loss(setup, params, valid_batches) -> tuple[float, float]:
 def generate(setup, params, prompt: np.ndarray, n_tokens: int, *, temperature: float, key):
     """``n_tokens`` bytes after ``prompt`` ``(P,)``, one ``setup.logits`` call per byte: the
     whole prefix recomputed for every byte (what ``--compare-decoding`` times against the KV
-    cache of ``decode``).
+    cache of ``decode``). A model with experts is recomputed dropless
+    (``recompute_setup``), as the decoder routes.
 
     Every call sees the same window ``ids[batch_multiple, context]`` (the last ``context``
     bytes, padded on the right; only row 0 is used), so the forward compiles once. Causal
     attention keeps the padding from reaching the logits read at the last real position.
     """
+    setup = recompute_setup(setup)
     context = setup.model.context
     rows = setup.batch_multiple
     tokens = list(prompt)
@@ -337,6 +347,20 @@ def generate(setup, params, prompt: np.ndarray, n_tokens: int, *, temperature: f
             token = int(jax.random.categorical(jax.random.fold_in(key, i), last / temperature))
         tokens.append(token)
     return np.asarray(tokens[len(prompt) :], np.int32)
+
+
+def recompute_setup(setup):
+    """``setup``, or for a model with experts the same strategy, mesh and policy building the
+    model routed dropless (``capacity_factor = E / k``: every token to its k experts), the
+    rule of the KV-cache decoder: the same parameters, the same layout, and the window's
+    right padding, routed apart from the real bytes, cannot take their experts' slots."""
+    experts = getattr(setup.model, "experts", None)
+    if experts is None:
+        return setup
+    dropless = dataclasses.replace(setup.model, experts=dataclasses.replace(
+        experts, capacity_factor=experts.num_experts / experts.k))  # fmt: skip
+    return models.build(setup.strategy, setup.mesh, model=dropless, optimizer=optax.identity(),
+                        precision=setup.precision, attention=setup.attention)  # fmt: skip
 
 
 def decode(setup, params, prompt: np.ndarray, n_tokens: int, *, temperature: float, key):

@@ -483,17 +483,21 @@ def test_a_flag_list_out_of_date_is_caught(old, new):
 def test_moe_with_expert_parallelism_trains_like_the_reference_and_logs_its_experts(tmp_path):
     """``--moe --expert-parallel`` on data=2 × expert=2 × model=2 (``2d+ep``) trains as the
     unsharded model does; each logging step prints the auxiliary losses and, per expert, its
-    share of the choices (they sum to 100 %) and its drop rate. No sample is decoded by default
-    (the decoder refuses experts)."""
+    share of the choices (they sum to 100 %) and its drop rate. The trained experts decode
+    (gathered from 2d+ep, tp over model = 2 and 4 rows): greedy, the KV cache's bytes are the
+    dropless recompute's, every one."""
     metrics_path = tmp_path / "moe.json"
     proc = run(
         "--model", "llama", "--moe", "--experts", "4", "--expert-parallel", "--strategy", "2d",
         "--mesh", "data=2,expert=2,model=2", "--context", "32", "--text-source", "stdlib",
         "--steps", "4", "--log-every", "2", "--eval-every", "0", "--eval-batches", "1",
         "--layers", "2", "--width", "32", "--compare-reference",
-        "--metrics-json", str(metrics_path),
+        "--metrics-json", str(metrics_path), "--sample-tokens", "8", "--prompt-bytes", "16",
+        "--temperature", "0", "--compare-decoding",
     )  # fmt: skip
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    assert "KV-cache decoding: 4 × 8 bytes in " in proc.stdout, proc.stdout
+    assert re.search(r"Greedy, 8 bytes: full recompute .* 8 of 8 bytes the same", proc.stdout)
     record = json.loads(metrics_path.read_text())
     assert record["strategy"] == "2d+ep" and record["final_relative_diff"] < 1e-5, record
     lines = [line for line in proc.stdout.splitlines() if line.strip().startswith("aux:")]
@@ -506,11 +510,9 @@ def test_moe_with_expert_parallelism_trains_like_the_reference_and_logs_its_expe
 @pytest.mark.parametrize(("args", "message"), [
     (("--model", "llama", "--moe", "--experts", "2", "--top-k", "3"),
      r"--experts/--top-k/--capacity-factor: Experts: k=3 > num_experts=2: .*"),
-    (("--model", "llama", "--moe", "--sample-tokens", "8"),
-     r"--moe: a model with experts is not decoded yet .*"),
     (("--model", "llama", "--moe", "--strategy", "sp"),
      r"--moe routes whole sequences .*"),
     (("--moe",), r"--moe replaces the Llama's MLPs: add --model llama"),
-], ids=["k>E", "decode", "sp", "gpt"])  # fmt: skip
+], ids=["k>E", "sp", "gpt"])  # fmt: skip
 def test_moe_options_the_run_cannot_honour_are_usage_errors(args, message, capsys):
     check_usage_error(load_example("transformer_lm"), args, message, capsys)

@@ -326,7 +326,12 @@ class Decoder:
     def generate_program(self, steps: int, temperature: float = 0.0):
         """The jitted ``(params, prompt[B, S_p], key) → tokens[B, steps]`` program behind
         ``generate`` (placed arguments; for ``shardops.inspect``): the prefill and ``steps − 1``
-        one-token steps in a ``lax.scan``, the cache created and kept inside it."""
+        one-token steps in a ``lax.scan``, the cache created and kept inside it. Made once per
+        ``(steps, temperature)`` and kept: a later ``generate`` of the same length and
+        temperature runs it without tracing again."""
+        cached = self._programs.get((steps, temperature))
+        if cached is not None:
+            return cached
         m = self.model
         local_batch = self.batch // self.setup.batch_multiple
 
@@ -351,7 +356,7 @@ class Decoder:
 
         specs = (self.param_specs, self.batch_spec, P())
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=self.batch_spec)
-        return jax.jit(fn)
+        return self._programs.setdefault((steps, temperature), jax.jit(fn))
 
     def budget(self, prompt_len: int, steps: int, *, temperature: float = 0.0):
         """The ``shardops.inspect.Ledger`` of ``generate_program(steps, temperature)`` on a

@@ -5,8 +5,8 @@ on one device, under tp (1×8), 2d (2×4) and on a mesh with an expert axis (whi
 decoding, as any axis besides data and model does); the model trains at a capacity factor that
 drops choices of the prompt, and that forward's first token differs, so a decoder that kept
 the training capacity in its prefill fails (its mutant is caught); the experts' statistics
-cost no collective over the batch; a scanned layer that does not return ``(x, out)`` is
-refused by name."""
+cost no collective over the batch; a second ``generate`` runs its program without tracing
+again; a scanned layer that does not return ``(x, out)`` is refused by name."""
 
 import collections
 import dataclasses
@@ -126,6 +126,28 @@ def _abstract(decoder):
     prompt = jax.ShapeDtypeStruct((BATCH, PROMPT), jnp.int32,
                                   sharding=sharding(decoder.mesh, decoder.batch_spec))  # fmt: skip
     return params, prompt, jax.random.key(0)
+
+
+def test_a_second_generate_runs_the_program_without_tracing_again(monkeypatch):
+    """``generate`` keeps its program per (steps, temperature): the same request again traces
+    the model's forward no more (it would compile again: the example times that second call);
+    another length traces a program of its own."""
+    traced = []
+    apply = models.Llama.apply
+
+    def spy(self, ctx, params, ids, **kwargs):
+        traced.append(ids.shape)
+        return apply(self, ctx, params, ids, **kwargs)
+
+    decoder = Decoder(MODEL, mesh_for(MESHES["1x1"]), batch=BATCH, max_len=PROMPT + STEPS)
+    params = decoder.place(MODEL.init(jax.random.key(0)))
+    monkeypatch.setattr(models.Llama, "apply", spy)
+    first = np.asarray(decoder.generate(params, _prompt(), STEPS))
+    assert traced == [(BATCH, PROMPT), (BATCH, 1)]  # the prefill and the step
+    np.testing.assert_array_equal(decoder.generate(params, _prompt(), STEPS), first)
+    assert len(traced) == 2
+    decoder.generate(params, _prompt(), STEPS - 1)
+    assert len(traced) == 4
 
 
 def test_a_scanned_layer_without_its_outputs_is_refused(monkeypatch):
