@@ -3,7 +3,8 @@ own ``MixtralForCausalLM``: a tiny checkpoint it writes from a config (random we
 downloaded) loads under expert × tensor parallelism, tensor parallelism alone and the
 reference with transformers' logits (dropless: ``capacity_factor = E / k``); what shardops
 saves after training loads in transformers with shardops' logits, and the same files come out
-of an expert-parallel layout and a layout without one, bit for bit; mutants of the names
+of an expert-parallel layout and a layout without one, bit for bit; greedy KV-cache decoding
+generates transformers' ``generate`` tokens; mutants of the names
 table and of the capacity default are caught; what the model cannot compute is refused by
 name."""
 
@@ -25,6 +26,7 @@ from _mutants import mutant
 from transformers import MixtralConfig, MixtralForCausalLM
 
 import shardops_models as models
+from shardops_models.generation import Decoder
 from shardops_models.interop import (
     HfLlama,
     HfMixtral,
@@ -147,6 +149,33 @@ def test_trained_checkpoint_saved_by_shardops_loads_in_transformers_bit_for_bit(
     reloaded = setup.gather(HfMixtral(tmp_path / "2d").load(setup, optimizer_state=False))
     for a, b in zip(jax.tree.leaves(reloaded), jax.tree.leaves(trained), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_greedy_decoding_is_transformers_generate(checkpoint):
+    """The KV-cache decoder (tp over model = 4, the batch over data = 2; dropless routing) of
+    the checkpoint generates, greedy, the tokens of transformers' ``generate(do_sample=False)``
+    (float64, its own KV cache), every one of 8 rows × 12 steps: each step's top-2 margin in
+    transformers' float64 forward exceeds twice the float32 bound of ``check_close``."""
+    prompt_len, steps = 8, 12
+    ckpt = HfMixtral(checkpoint)
+    decoder = Decoder(ckpt.model(), mesh_for(MESHES["2x4"]), batch=8,
+                      max_len=prompt_len + steps)  # fmt: skip
+    params = ckpt.load(decoder.setup, optimizer_state=False)
+    prompt, _ = tokens(FIELDS["vocab_size"], seed=4, seq=prompt_len)
+    got = np.asarray(decoder.generate(params, prompt, steps))
+    hf = _hf(checkpoint, torch.float64)
+    hf.generation_config.eos_token_id = None  # a random model's eos ends nothing
+    with torch.no_grad():
+        out = hf.generate(torch.as_tensor(prompt), attention_mask=torch.ones(prompt.shape),
+                          max_new_tokens=steps, do_sample=False, pad_token_id=0).numpy()  # fmt: skip
+    want = out[:, prompt_len:]
+    fed = out[:, :-1]  # each generated token's inputs
+    exact = _hf_logits(checkpoint, fed, torch.float64)[:, prompt_len - 1 :]
+    bound = 2 * np.abs(_hf_logits(checkpoint, fed)[:, prompt_len - 1 :] - exact).max()
+    bound += 4 * np.finfo(np.float32).eps * np.abs(exact).max()
+    top2 = np.sort(exact, axis=-1)[..., -2:]
+    assert (top2[..., 1] - top2[..., 0]).min() > 2 * bound, "a near tie: change the seed"
+    np.testing.assert_array_equal(got, want)
 
 
 def test_the_load_balance_weight_gives_transformers_aux_loss(tmp_path):
