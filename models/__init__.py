@@ -29,7 +29,12 @@ from shardops_models.networks.gpt import Gpt
 from shardops_models.networks.llama import Experts, Llama
 from shardops_models.networks.mlp import Mlp, tp_plan
 from shardops_models.strategies.fsdp import fsdp_spec
-from shardops_models.strategies.layout import strategy_named, with_context, with_experts
+from shardops_models.strategies.layout import (
+    strategy_named,
+    with_context,
+    with_experts,
+    with_pipeline,
+)
 from shardops_models.strategies.parallel import STRATEGIES, Parallel, Strategy, strategies_for
 from shardops_models.strategies.plan import (
     COLUMN,
@@ -104,4 +109,5 @@ __all__ = [
     "tp_plan",
     "with_context",
     "with_experts",
+    "with_pipeline",
 ]

@@ -24,13 +24,16 @@ A ``Strategy`` (``models.strategies.layout``) is a tuple of kinds, each over its
                                innermost first, and runs the local kernel where none answers;
                                ``moe_options``: each kind's options of the experts' kernel;
                                ``splits_output``: a layer's output split along its features
+    the stacked layers         ``scan``: where it runs ``ctx.scan`` (pp: the stages in turn)
+    the step                   ``value_and_grad``: where it runs the forward and backward
+                               itself (pp: by its schedule)
     for a caller outside       ``gather_logits``: the whole of what it split of the logits
     its checks                 ``check_model``, ``check_mesh``, ``check_batch``: each names the
                                strategy, the kind, both sizes and the fix; ``check_locate``
     its row in tables          ``name``, ``description()``
 
 A new kind is a subclass in a file of its own (the built-in ones: ``data.py``, ``fsdp.py``,
-``zero1.py``, ``tensor.py``, ``context.py``, ``expert.py``); a strategy takes kinds defined outside the library
+``zero1.py``, ``tensor.py``, ``context.py``, ``expert.py``, ``pipe.py``); a strategy takes kinds defined outside the library
 through ``Strategy(extra=(MyKind("axis"),))`` (``docs/adding-a-kind.md``).
 """
 
@@ -200,6 +203,11 @@ class Kind:
         """The arg-max of ``logits`` this kind split along the vocabulary, else None."""
         return None
 
+    def scan(self, ctx, fn, params, x, outputs: bool):
+        """``ctx.scan(fn, params, x, outputs=outputs)`` where this kind runs the stacked
+        layers (pp: through its stages), else None; ``ctx.scan_layers`` runs this device's."""
+        return None
+
     def check_locate(self, strategy) -> None:
         """Refuse the divergence locator (``shardops.inspect.compare``), which compares every
         layer's output with the reference's, where this kind lays activations out in an order
@@ -213,6 +221,13 @@ class Kind:
         (the parameters as the loss takes them), ``whole(partial, params)`` (the gradients
         ``loss_and_grads`` returns) and ``update(optimizer, params, opt_state, partial)`` →
         ``(params, opt_state)`` (``models.strategies.zero1.Zero1``)."""
+        return None
+
+    def value_and_grad(self, body, params, x, y):
+        """Where this kind runs the step's forward and backward itself (pp: by its schedule),
+        ``(loss, grads)``: this device's share of the loss and the gradients of ``params``
+        (``body``: the step, ``models.training._step._Body``; ``x, y``: this device's batch);
+        else None (autodiff of ``body.local_loss``)."""
         return None
 
     def gather_logits(self, logits, *, model, params, ctx):

@@ -40,14 +40,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardops import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, REPLICA_AXIS
+from shardops import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, PIPE_AXIS, REPLICA_AXIS
 from shardops.layers import CONTEXT_METHODS
+from shardops.pipeline import SCHEDULES
 from shardops_models.networks.contract import declared
 from shardops_models.strategies.context import ContextKind
 from shardops_models.strategies.data import DataKind
 from shardops_models.strategies.expert import ExpertKind
 from shardops_models.strategies.fsdp import FsdpKind
 from shardops_models.strategies.kind import Kind, axes_of
+from shardops_models.strategies.pipe import PipeKind
 from shardops_models.strategies.tensor import TensorKind
 from shardops_models.strategies.zero1 import Zero1Kind
 
@@ -79,6 +81,10 @@ class Strategy:
         cp_method: context-parallel attention, one of ``shardops.layers.CONTEXT_METHODS``:
             ``"allgather"`` (K/V gathered), ``"ring"`` (K/V passed round a ring) or
             ``"ulysses"`` (all-to-all between a sequence and a head split).
+        pp: the axis of pipeline parallelism (the stacked layers split into stages over it,
+            the batch into ``build``'s microbatches; ``models.strategies.pipe``).
+        pp_schedule: the pipeline's schedule, one of ``shardops.pipeline.SCHEDULES``
+            (``"gpipe"``, ``"1f1b"``).
         extra: kinds of parallelism of your own (``Kind`` instances, ``docs/adding-a-kind.md``);
             a kind that splits the batch splits it after the built-in ones.
     """
@@ -92,6 +98,8 @@ class Strategy:
     sp: bool = False
     cp: str | None = None
     cp_method: str = "ring"
+    pp: str | None = None
+    pp_schedule: str = "1f1b"
     extra: tuple[Kind, ...] = ()
 
     def __post_init__(self):
@@ -103,6 +111,14 @@ class Strategy:
             raise TypeError(f"Strategy {self.name!r}: ep takes one mesh axis name; got {self.ep!r}")
         if self.cp is not None and (not isinstance(self.cp, str) or not self.cp):
             raise TypeError(f"Strategy {self.name!r}: cp takes one mesh axis name; got {self.cp!r}")
+        if self.pp is not None and (not isinstance(self.pp, str) or not self.pp):
+            raise TypeError(f"Strategy {self.name!r}: pp takes one mesh axis name; got {self.pp!r}")
+        if self.pp is None and self.pp_schedule != "1f1b":
+            raise ValueError(f"Strategy {self.name!r}: pp_schedule={self.pp_schedule!r} without "
+                             f"a pp axis; name it, e.g. pp={PIPE_AXIS!r}")  # fmt: skip
+        if self.pp_schedule not in SCHEDULES:
+            raise ValueError(f"Strategy {self.name!r}: pp_schedule must be one of {SCHEDULES}; "
+                             f"got {self.pp_schedule!r}")  # fmt: skip
         if self.cp is None and self.cp_method != "ring":
             raise ValueError(f"Strategy {self.name!r}: cp_method={self.cp_method!r} without a "
                              f"cp axis; name it, e.g. cp={CONTEXT_AXIS!r}")  # fmt: skip
@@ -149,9 +165,10 @@ class Strategy:
 
     @property
     def kinds(self) -> tuple[Kind, ...]:
-        """The strategy's kinds of parallelism, in the batch's order (dp, ep, zero1, fsdp,
-        the extra kinds), then context, then tensor."""
-        kinds: list[Kind] = [cls(axes) for cls, axes in ((DataKind, self.dp),
+        """The strategy's kinds of parallelism: pipeline, then in the batch's order (dp, ep,
+        zero1, fsdp, the extra kinds), then context, then tensor."""
+        kinds: list[Kind] = [PipeKind((self.pp,), self.pp_schedule)] if self.pp else []
+        kinds += [cls(axes) for cls, axes in ((DataKind, self.dp),
                              (ExpertKind, self.ep), (Zero1Kind, self.zero1), (FsdpKind, self.fsdp))
                              if axes]  # fmt: skip
         kinds += self.extra
@@ -240,7 +257,7 @@ def _extra_kinds(name: str, extra) -> tuple[Kind, ...]:
                 f"(models.strategies.kind.Kind instances, e.g. MyKind('data')); got {kind!r}"
             )
         builtin = {DataKind: "dp", FsdpKind: "fsdp", Zero1Kind: "zero1", TensorKind: "tp",
-                   ContextKind: "cp", ExpertKind: "ep"}.get(type(kind))  # fmt: skip
+                   ContextKind: "cp", ExpertKind: "ep", PipeKind: "pp"}.get(type(kind))  # fmt: skip
         if builtin:
             raise TypeError(f"Strategy {name!r}: {type(kind).__name__} is a built-in kind: name "
                             f"its axes with the field {builtin}= instead of extra")  # fmt: skip
@@ -297,13 +314,16 @@ def strategy_named(name) -> Strategy:
         for part in added:
             if part == "ep":
                 strategy = with_experts(strategy)
+            elif part in SCHEDULES:
+                strategy = with_pipeline(strategy, part)
             elif part in CONTEXT_METHODS:
                 strategy = with_context(strategy, part)
             else:
                 raise ValueError(
-                    f"unknown strategy {name!r}: after '+' name 'ep' (expert parallelism) or "
-                    f"a context-parallel attention, one of {CONTEXT_METHODS}; e.g. "
-                    f"'{base}+ring' or '{base}+ep'"
+                    f"unknown strategy {name!r}: after '+' name 'ep' (expert parallelism), "
+                    f"a context-parallel attention, one of {CONTEXT_METHODS}, or a pipeline "
+                    f"schedule, one of {SCHEDULES}; e.g. '{base}+ring', '{base}+ep' or "
+                    f"'{base}+1f1b'"
                 )
         return strategy
     name = ALIASES.get(name, name)
@@ -321,6 +341,18 @@ def with_experts(strategy, axis: str = EXPERT_AXIS) -> Strategy:
         raise ValueError(f"strategy {base.name!r} already splits experts over {base.ep!r}; "
                          f"pass the strategy without it")  # fmt: skip
     return dataclasses.replace(base, name=f"{base.name}+ep", ep=axis)
+
+
+def with_pipeline(strategy, schedule: str = "1f1b", axis: str = PIPE_AXIS) -> Strategy:
+    """``strategy`` (a preset's name or a ``Strategy``) with pipeline parallelism on mesh axis
+    ``axis`` by ``schedule`` (``shardops.pipeline.SCHEDULES``), named ``"<name>+<schedule>"``."""
+    base = strategy_named(strategy)
+    if base.pp is not None:
+        raise ValueError(f"strategy {base.name!r} already pipelines over {base.pp!r}; pass the "
+                         f"strategy without it")  # fmt: skip
+    if schedule not in SCHEDULES:
+        raise ValueError(f"with_pipeline: schedule must be one of {SCHEDULES}; got {schedule!r}")
+    return dataclasses.replace(base, name=f"{base.name}+{schedule}", pp=axis, pp_schedule=schedule)
 
 
 def with_context(strategy, method: str = "ring", axis: str = CONTEXT_AXIS) -> Strategy:

@@ -178,7 +178,16 @@ class Parallel(Layers, Axes):
         layer's weights at a time, inside the loop; remat re-gathers them in the backward).
         With ``outputs``, ``fn(layer, x)`` returns ``(x, out)`` and ``scan`` returns ``(x,
         outs)``, each leaf of ``outs`` stacked over the layers ``[L, …]`` (a mixture of
-        experts' losses)."""
+        experts' losses). A kind that splits the layers dim (pp) runs it (``Kind.scan``);
+        else ``scan_layers``."""
+        for kind in self.strategy.kinds:
+            y = kind.scan(self, fn, params, x, outputs)
+            if y is not None:
+                return y
+        return self.scan_layers(fn, params, x, outputs=outputs)
+
+    def scan_layers(self, fn: Callable, params, x, *, outputs: bool = False):
+        """``scan`` over this device's stacked layers (under pp, its stage's), asking no kind."""
         leaves = [q for q in jax.tree.leaves(params, is_leaf=is_param) if is_param(q)]
         if not leaves or any(not isinstance(q.role, StackedRole) for q in leaves):
             raise ValueError(

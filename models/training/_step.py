@@ -101,13 +101,15 @@ class _Body:
     def _global_batch(self, local: int) -> int:
         return local * math.prod(lax.axis_size(a) for a in self.batch_axes)
 
-    def local_loss(self, params, x, y, microbatches: int = 1):
+    def local_loss(self, params, x, y, microbatches: int = 1, ctx=None):
         """This device's share of the objective, for one of ``microbatches`` parts of its
         batch: the loss summed over its targets / the global batch's targets, plus each
-        auxiliary loss × its weight / (the devices holding different tokens × microbatches)."""
-        tree, logits, aux = self.forward(self.ctx, params, x)
+        auxiliary loss × its weight / (the devices holding different tokens × microbatches).
+        ``ctx``: the layer context (the step's; a pipeline stage's, ``Kind.value_and_grad``)."""
+        ctx = self.ctx if ctx is None else ctx
+        tree, logits, aux = self.forward(ctx, params, x)
         targets = self._global_batch(y.shape[0] * microbatches) * math.prod(y.shape[1:])
-        loss = self.model.loss_sum(self.ctx, tree, logits, self.ctx.local_tokens(y)) / targets
+        loss = self.model.loss_sum(ctx, tree, logits, ctx.local_tokens(y)) / targets
         if aux:
             loss = loss + self._weighted(aux) / microbatches
         return loss
@@ -144,6 +146,10 @@ class _Body:
     def _value_and_grad(self, params, x, y):
         """The local loss and its gradients, over ``microbatches`` parts of the batch one at a
         time (a ``lax.scan``; the gradients summed in float32, then in the params' dtype)."""
+        for kind in self.strategy.kinds:  # a kind that runs the backward itself (pp)
+            out = kind.value_and_grad(self, params, x, y)
+            if out is not None:
+                return out
         k = self.microbatches
         grad = jax.value_and_grad(functools.partial(self.local_loss, microbatches=k))
         if k == 1:

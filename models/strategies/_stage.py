@@ -1,0 +1,57 @@
+"""The layer context of one pipeline stage's forward of one microbatch (``pipe.PipeKind``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from shardops_models.strategies.parallel import Parallel
+from shardops_models.strategies.pipe import refuse_outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class StageContext(Parallel):
+    """``Parallel`` but for ``scan``: it takes ``h`` (this stage's input) in place of the
+    scan's input except on the ``first`` stage (which starts from the model's embedding), runs
+    this stage's layers, records their output in ``outputs`` and hands the rest of the forward
+    (the head) zeros except on the ``last`` stage. ``first``, ``last``: traced bools."""
+
+    h: Any = None
+    first: Any = None
+    last: Any = None
+    outputs: list = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, base: Parallel, h, first, last) -> StageContext:
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Parallel)}
+        return cls(**fields, h=h, first=first, last=last)
+
+    def scan(self, fn, params, x, *, outputs: bool = False):
+        refuse_outputs(outputs)
+        if self.h is None:  # the stacked layers' input type only (``entry_type``)
+            raise _Entry(jax.typeof(x))
+        h = self.scan_layers(fn, params, jnp.where(self.first, x, self.h))  # h[b, S, D]
+        self.outputs.append(h)
+        return jnp.where(self.last, h, jnp.zeros_like(h))
+
+
+class _Entry(Exception):
+    """Raised by ``StageContext.scan`` with the type of the stacked layers' input."""
+
+    def __init__(self, type_):
+        super().__init__("the stacked layers' input")
+        self.type = type_
+
+
+def entry_type(body, params, x):
+    """The type (``jax.typeof``) of what the model's forward gives its stacked layers, for a
+    microbatch ``x``: its forward run up to ``ctx.scan``."""
+    try:
+        body.forward(StageContext.of(body.ctx, None, True, True), params, x)
+    except _Entry as entry:
+        return entry.type
+    raise ValueError(f"pp: {type(body.model).__name__}.apply never called ctx.scan; pipeline "
+                     f"parallelism splits the stacked layers ctx.scan runs")  # fmt: skip

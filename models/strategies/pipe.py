@@ -1,0 +1,160 @@
+"""Pipeline parallelism: the stacked layers split into contiguous stages over one mesh axis, the
+batch into microbatches that flow through them by a schedule (``shardops.pipeline``).
+
+    layers         every stacked leaf [L, …] → [L_pipe, …]: stage s holds layers
+                   s·L/P … (s+1)·L/P − 1 (the rules row ``layers`` → the axis)
+    other params   replicated over the axis (the embedding, the final norm, the head): every
+                   stage runs them on every microbatch, and only the first stage's embedding
+                   and the last stage's head count; their gradients are summed over the axis
+                   once per step
+    the batch      replicated over the axis, split into ``microbatches`` (``build``'s)
+    the step       ``shardops.pipeline.pipeline_value_and_grad`` by the strategy's schedule
+                   (``gpipe``, ``1f1b``): activations sent forward and gradients backward
+                   with ``ppermute``, each stage's backward an explicit ``jax.vjp`` of the
+                   model's own forward
+    a forward      (``setup.logits``, ``evaluate``) one microbatch through the P stages in
+                   turn, the last stage's output psummed to every stage
+
+**The model is cut where its forward calls ``ctx.scan``**: what runs before (the embedding) is
+the first stage's, the stacked layers are split, and what runs after (the norm, the head, the
+loss) the last stage's. No model code changes: the stage's layer context
+(``models.strategies._stage.StageContext``) runs the model's whole ``apply``, replacing the scan's input by the stage's
+input on every stage but the first, running this stage's layers only, and masking what the head
+sees on every stage but the last.
+
+**Replicated embedding and head, and their cost.** Every stage holds (and its optimizer
+updates) the embedding and the head, and computes them for every microbatch it runs, discarded
+but on the first and last stage. Time: a round lasts as long as its busiest stage, and the last
+stage computes the head anyway, so the step is no longer; memory: ``V·D`` (twice if untied) on
+every stage, beside ``L·D²``-sized layers split P ways. Placing them on the first and last stage
+only would need a stage-dependent program (a ``lax.cond`` around collectives) or uneven stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import shardops
+from shardops import entry_axes
+from shardops.pipeline import SCHEDULES, pipeline_value_and_grad, schedule
+from shardops_models.strategies.kind import Kind, LayoutContext, is_spec, role_layout
+from shardops_models.strategies.plan import is_shape
+
+_LAST_STAGE = shardops.comm.Reason("pipeline_output", forward={
+    "psum": "the last stage over {axis} holds the layers' output: every stage takes it (the "
+            "others add 0)",
+})  # fmt: skip
+_NEXT_STAGE = shardops.comm.Reason("pipeline_stage", forward={
+    "ppermute": "a stage's output over {axis} is the next stage's input",
+})  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class PipeKind(Kind):
+    """Pipeline parallelism over one axis by ``schedule`` (``shardops.pipeline.SCHEDULES``)
+    (module docstring)."""
+
+    schedule: str = "1f1b"
+
+    name: ClassVar[str] = "pp"
+    doc: ClassVar[str] = ("the stacked layers split into stages; microbatches sent stage to "
+                          "stage by ppermute; other parameters replicated; schedule")  # fmt: skip
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"PipeKind: schedule must be one of {SCHEDULES}; got "
+                             f"{self.schedule!r}")  # fmt: skip
+
+    @property
+    def axis(self) -> str:
+        return self.axes[0]
+
+    def description(self) -> str:
+        return f"{self.doc} {self.schedule}"
+
+    def logical_rules(self) -> dict[str, str]:
+        return {"layers": self.axis}
+
+    # --- the step and the forward
+
+    def value_and_grad(self, body, params, x, y):
+        """The step's local loss and gradients by the schedule (``shardops.pipeline``): the
+        batch ``x, y[b, …]`` in ``body.microbatches`` parts, each run by ``_stage_loss``."""
+        from shardops_models.strategies._stage import StageContext, entry_type  # (a cycle)
+
+        m = body.microbatches
+        table = schedule(self.schedule, lax.axis_size(self.axis), m)
+        inputs = tuple(a.reshape(m, a.shape[0] // m, *a.shape[1:]) for a in (x, y))
+        activation = entry_type(body, params, inputs[0][0])
+
+        def stage_fn(params, h, microbatch, first, last):
+            ctx = StageContext.of(body.ctx, h, first, last)
+            loss = body.local_loss(params, *microbatch, microbatches=m, ctx=ctx)
+            return ctx.outputs[0], loss
+
+        return pipeline_value_and_grad(stage_fn, params, inputs, table, axis_name=self.axis,
+                                       activation=activation,
+                                       accum_dtype=body.precision.accum_dtype)  # fmt: skip
+
+    def scan(self, ctx, fn, params, x, outputs: bool):
+        """A forward outside the step (``setup.logits``, ``evaluate``): ``x`` through the
+        stages in turn, stage r's output sent to stage r + 1, the last one's psummed to every
+        stage (each stage computes in every turn; only its own turn counts)."""
+        refuse_outputs(outputs)
+        p, stage = lax.axis_size(self.axis), lax.axis_index(self.axis)
+        h = x
+        for r in range(p):
+            y = ctx.scan_layers(fn, params, h)
+            if r < p - 1:
+                h = shardops.comm.send(y, self.axis, [(r, r + 1)], reason=_NEXT_STAGE)
+        return shardops.comm.all_reduce(jnp.where(stage == p - 1, y, 0), self.axis,
+                                        reason=_LAST_STAGE)  # fmt: skip
+
+    def check_locate(self, strategy) -> None:
+        raise ValueError(
+            f"shardops.inspect.compare: strategy {strategy.name!r} pipelines the layers over "
+            f"{self.axis!r} (pp), and the locator taps each layer inside one device's forward; "
+            f"locate the divergence with the strategy without pp"
+        )
+
+    # --- checks
+
+    def check_mesh(self, strategy, mesh, context: LayoutContext) -> None:
+        """The model stacks its layers (``ctx.scan``), and their number divides by the axis."""
+        n, found = mesh.shape[self.axis], False
+        for (path, shape), spec in zip(
+            jax.tree_util.tree_leaves_with_path(context.shapes, is_leaf=is_shape),
+            jax.tree.leaves(role_layout(context), is_leaf=is_spec), strict=True,
+        ):  # fmt: skip
+            if not spec or self.axis not in entry_axes(spec[0]):
+                continue
+            found = True
+            if shape[0] % n:
+                raise ValueError(
+                    f"params{jax.tree_util.keystr(path)}: {shape[0]} layers do not split into "
+                    f"{n} pipeline stages over mesh axis {self.axis!r} of strategy "
+                    f"{strategy.name!r} (each stage holds L / P whole layers). Use a number of "
+                    f"layers {n} divides, or a smaller {self.axis!r} axis"
+                )
+        if not found:
+            raise ValueError(
+                f"strategy {strategy.name!r} pipelines the stacked layers over {self.axis!r} "
+                f"(pp), and the model's plan stacks none (models.strategies.plan.stacked, run "
+                f"by ctx.scan). Pipeline a model whose blocks are stacked (models.Llama), or "
+                f"use the strategy without pp"
+            )
+
+
+def refuse_outputs(outputs: bool) -> None:
+    if outputs:
+        raise ValueError(
+            "pp: layers that return outputs beside the residual stream (a mixture of experts' "
+            "losses, ctx.scan(outputs=True)) are not pipelined yet; train the model with "
+            "experts without pp"
+        )
