@@ -62,9 +62,9 @@ from shardops_models.strategies.plan import StackedRole
 
 
 def dropless_capacity_factor(num_experts: int, k: int) -> float:
-    """``E / k``: the smallest capacity factor at which no token is dropped, ``C = min(S,
-    ceil(E/k · S · k / E)) = S`` slots per expert for any group of ``S`` tokens
-    (``shardops.layers.moe_capacity``): each expert can take every token of the group."""
+    """``E / k``: the smallest capacity factor that drops no token whatever the group's
+    length, ``C = min(S, ceil(E/k · S · k / E)) = S`` slots per expert for a group of ``S``
+    tokens (``shardops.layers.moe_capacity``): each expert can take every token of it."""
     return num_experts / k
 
 

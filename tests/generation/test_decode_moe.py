@@ -4,11 +4,10 @@ the full forward of the same model with a dropless ``Experts`` (``capacity_facto
 on one device, under tp (1×8), 2d (2×4) and on a mesh with an expert axis (which replicates the
 decoding, as any axis besides data and model does); the model trains at a capacity factor that
 drops choices of the prompt, and that forward's first token differs, so a decoder that kept
-the training capacity in its prefill fails (its mutant is caught); the experts' statistics
-cost no collective over the batch; a second ``generate`` runs its program without tracing
+the training capacity in its prefill fails (its mutant is caught); the experts cost no
+collective over the batch; a second ``generate`` runs its program without tracing
 again; a scanned layer that does not return ``(x, out)`` is refused by name."""
 
-import collections
 import dataclasses
 
 import jax
@@ -106,14 +105,17 @@ def test_a_decoder_that_keeps_the_training_capacity_is_caught(monkeypatch, mutat
         jax.clear_caches()
 
 
-def test_the_experts_statistics_cost_no_collective_over_data():
+def test_the_experts_cost_no_collective_over_data():
     """On 2×4 the program's collectives are over model alone (the attention's, the experts'
-    combine, the embedding's and the argmax's): the routing statistics, which the decoder
-    discards, are each device's own (``load_balance="group"``), not AllReduced over data."""
+    combine, the embedding's and the argmax's), traced (``budget``) and compiled: every
+    expert is on every row shard (no AllToAll over data), and the routing statistics, which
+    the decoder discards, are not AllReduced over the batch."""
     decoder = Decoder(MODEL, mesh_for(MESHES["2x4"]), batch=BATCH, max_len=PROMPT + STEPS)
-    ledger = collections.Counter(c.axes for c in collectives(
-        decoder.mesh, decoder.generate_program(2), *_abstract(decoder)))  # fmt: skip
-    assert set(ledger) == {("model",)}, ledger
+    traced = {axes for _, axes in decoder.budget(PROMPT, 2).totals(requested=True)}
+    assert traced == {("model",)}, traced
+    compiled = {c.axes for c in collectives(decoder.mesh, decoder.generate_program(2),
+                                            *_abstract(decoder))}  # fmt: skip
+    assert compiled == {("model",)}, compiled
 
 
 def _abstract(decoder):
