@@ -62,6 +62,18 @@ EP_MESHES = {
     "e4m2": {"data": 4, "model": 2},
 }
 
+# Meshes with a pipe axis (tests/strategies/test_pipeline.py).
+PP_MESHES = {
+    "pipe2": {"pipe": 2},
+    "pipe4": {"pipe": 4},
+    "pipe8": {"pipe": 8},
+    "p2d4": {"pipe": 2, "data": 4},
+    "p2d2m2": {"pipe": 2, "data": 2, "model": 2},
+    "p2r2d2": {"pipe": 2, "replica": 2, "data": 2},
+    "p2c2m2": {"pipe": 2, "context": 2, "model": 2},
+    "p4m2": {"pipe": 4, "model": 2},
+}
+
 
 def cases():
     """Every strategy on every mesh of 8 that has its axes (1-axis meshes included)."""
@@ -118,11 +130,12 @@ def reference_trajectory(model, params, ids, labels, opt):
 
 
 @functools.cache
-def _reference(model, opt_name: str, clip: float | None = None, sgd_lr: float = 4.0):
+def _reference(model, opt_name: str, clip: float | None = None, sgd_lr: float = 4.0,
+               batch: int = BATCH):  # fmt: skip
     """The initial params, the batches and the reference trajectory of ``model`` under
     ``opt_name``, computed once per session: every strategy, mesh and mutant shares it."""
     params = model.init(jax.random.key(0))
-    ids, labels = lm_batches(model)
+    ids, labels = lm_batches(model, batch=batch)
     labels[:, 0, -3:] = PAD_LABEL  # a short document's end: no loss, no gradient, every layout
     opt = optimizer(opt_name, clip, sharded=False, sgd_lr=sgd_lr)
     return params, ids, labels, reference_trajectory(model, params, ids, labels, opt)
@@ -135,19 +148,22 @@ def check_gpt_trajectory(strategy, mesh_name, opt_name, **options) -> dict:
 
 def check_lm_trajectory(model, strategy, mesh_name, opt_name, *, build=models.build, plan=None,
                         remat=False, budget=False, clip=None, sgd_lr=4.0, tol=None,
-                        attention="auto") -> dict:  # fmt: skip
+                        attention="auto", microbatches=1, batch=BATCH) -> dict:  # fmt: skip
     """Assert 5 steps' losses, gradients and params of ``model`` equal its plain reference;
     with ``budget``, also that the compiled train step's collectives equal
     ``collective_budget``; with ``clip``, the gradients are clipped to that global norm (and
-    the reference's norm must exceed it, so the clipping is exercised)."""
+    the reference's norm must exceed it, so the clipping is exercised); ``microbatches``: the
+    build's (each device's batch of ``batch`` split so)."""
     tol = tol or TOL[opt_name]
     params, ids, labels, (ref_losses, ref_grads, ref_params, norms) = _reference(
-        model, opt_name, clip, sgd_lr
+        model, opt_name, clip, sgd_lr, batch
     )
     if clip is not None:
         assert min(norms) > 1.5 * clip, f"clip={clip} never binds: gradient norms {norms}"
-    mesh = mesh_for({**MESHES, **CP_MESHES, **EP_MESHES}.get(mesh_name))  # None: ref
+    mesh = mesh_for({**MESHES, **CP_MESHES, **EP_MESHES, **PP_MESHES}.get(mesh_name))  # None: ref
     options = {} if attention == "auto" else {"attention": attention}  # a build of your own
+    if microbatches != 1:
+        options["microbatches"] = microbatches
     setup = build(strategy, mesh, optimizer=optimizer(opt_name, clip, sgd_lr=sgd_lr),
                   model=model, plan=plan, remat=remat, **options)  # fmt: skip
     state = setup.shard(params)

@@ -108,7 +108,7 @@ class PipeKind(Kind):
         stage (each stage computes in every turn; only its own turn counts)."""
         refuse_outputs(outputs)
         p, stage = lax.axis_size(self.axis), lax.axis_index(self.axis)
-        h = x
+        h = shardops.comm.copy_to_region(x, self.axis, x.dtype)  # x varying over pipe
         for r in range(p):
             y = ctx.scan_layers(fn, params, h)
             if r < p - 1:

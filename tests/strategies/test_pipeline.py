@@ -1,0 +1,181 @@
+"""Pipeline parallelism (``pp``, ``models.strategies.pipe``) trains the Llama like its plain
+reference: every schedule, stage count and microbatch count, alone and composed with data, fsdp,
+HSDP, zero1, tensor, sequence and context parallelism; budgets, checkpoints between pipeline
+layouts, and the refusals.
+
+The model stacks 8 layers, so that 2, 4 and 8 stages each hold whole layers. Each case runs 5
+steps of SGD (gradients checked every step) or Adam and checks the losses, the gradients and
+the parameters (every leaf moving ≥ 100× the tolerance) against ``Llama.reference_loss``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+from _gpt_checks import PP_MESHES, check_budget, check_lm_trajectory, lm_batches
+from _messages import refused
+from _model_checks import mesh_for
+
+import shardops
+import shardops_models as models
+from shardops_models.training.checkpoint import Checkpoints
+
+# Weights × 0.1 and clipped SGD at 0.5, as tests/networks/test_llama.py: every leaf moves in 5
+# steps and float32 differences stay near rounding.
+LLAMA = models.Llama(vocab_size=97, d_model=32, num_layers=8, num_heads=8, num_kv_heads=2,
+                     d_ff=64, context=16, bos_id=1, init_scale=0.1)  # fmt: skip
+CLIP, SGD_LR = 0.25, 0.5
+FULL = os.environ.get("SHARDOPS_FULL") == "1"
+
+
+def _pipe(base: str, schedule: str) -> str:
+    return f"{base}+{schedule}"
+
+
+# (strategy, mesh, microbatches, optimizer): every schedule on 2, 4 and 8 stages; M = 1, P and
+# 2P + 1 (a batch of 20 for M = 5); each composition once.
+COVER = [
+    ("ref+1f1b", "pipe2", 5, "sgd"),
+    ("ref+gpipe", "pipe4", 4, "adam"),
+    ("ref+1f1b", "pipe8", 1, "sgd"),
+    ("ref+gpipe", "pipe2", 1, "sgd"),
+    ("2d+1f1b", "p2d2m2", 2, "adam"),
+    ("fsdp_sp+gpipe", "p2d2m2", 2, "sgd"),
+    ("hsdp+1f1b", "p2r2d2", 2, "sgd"),
+    ("zero1+1f1b", "p2d4", 4, "adam"),
+    ("tp+ring+1f1b", "p2c2m2", 2, "sgd"),
+    ("tp+gpipe", "p4m2", 9, "sgd"),
+]
+
+
+def _full():
+    """Every schedule × P ∈ {2, 4, 8} × M ∈ {1, P, 2P + 1}, alone; and every composition with
+    both schedules."""
+    out = []
+    for schedule in ("gpipe", "1f1b"):
+        for mesh, p in (("pipe2", 2), ("pipe4", 4), ("pipe8", 8)):
+            out += [(f"ref+{schedule}", mesh, m, "sgd") for m in (1, p, 2 * p + 1)]
+        for base, mesh in (("2d", "p2d2m2"), ("fsdp_tp", "p2d2m2"), ("dp_sp", "p2d2m2"),
+                           ("hsdp", "p2r2d2"), ("zero1", "p2d4"), ("fsdp", "p2d4"),
+                           ("tp+ulysses", "p2c2m2"), ("tp", "p4m2")):  # fmt: skip
+            out += [(_pipe(base, schedule), mesh, 2, opt) for opt in ("sgd", "adam")]
+    return out
+
+
+def _batch(mesh: str, m: int) -> int:
+    """The smallest batch of ≥ 16 the mesh's batch axes and ``m`` microbatches divide."""
+    shape = PP_MESHES[mesh]
+    shards = shape.get("data", 1) * shape.get("replica", 1)
+    unit = shards * m
+    return unit * -(-16 // unit)
+
+
+@pytest.mark.parametrize(("strategy", "mesh", "m", "opt"), _full() if FULL else COVER)
+def test_pipeline_trains_like_the_reference(strategy, mesh, m, opt):
+    check_lm_trajectory(LLAMA, models.strategy_named(strategy), mesh, opt, microbatches=m,
+                        batch=_batch(mesh, m), clip=CLIP, sgd_lr=SGD_LR,
+                        budget=opt == "sgd")  # fmt: skip
+
+
+def _setup(strategy, mesh_name, m, model=LLAMA):
+    return models.build(strategy, mesh_for(PP_MESHES[mesh_name]), optimizer=optax.sgd(0.1),
+                        model=model, microbatches=m)  # fmt: skip
+
+
+def test_stage_layers_are_contiguous():
+    """Stage s holds layers s·L/P … (s+1)·L/P − 1: the blocks' dim 0 split over pipe."""
+    setup = _setup("ref+1f1b", "pipe4", 4)
+    state = setup.shard(LLAMA.init(jax.random.key(0)))
+    wq = state.params["blocks"]["attn"]["wq"]
+    assert wq.sharding.spec[0] == "pipe"
+    for shard in wq.addressable_shards:
+        stage = shard.index[0].start // 2  # 2 layers a stage
+        assert shard.index[0] == slice(2 * stage, 2 * stage + 2)
+
+
+def test_checkpoints_move_between_pipeline_layouts_bit_for_bit(tmp_path):
+    """A drawn Adam state saved under 1F1B on 2 stages × 2d restores under GPipe on 4 stages,
+    then 2d (no pipeline), then 1F1B on 8 stages, then ref: every leaf bit for bit, each
+    saved by the setup before it (Megatron-LM 1232's tp2pp2dp2 → tp2pp1dp4, here any P)."""
+    chain = [("2d+1f1b", "p2d2m2"), ("ref+gpipe", "pipe4"), ("2d", {"data": 4, "model": 2}),
+             ("ref+1f1b", "pipe8"), ("ref", None)]  # fmt: skip
+    rng, full, previous = np.random.default_rng(3), None, None
+    for i, (strategy, mesh) in enumerate(chain):
+        mesh = mesh_for(PP_MESHES.get(mesh, mesh) if isinstance(mesh, str) else mesh)
+        setup = models.build(strategy, mesh, model=LLAMA, optimizer=optax.adam(1e-3))
+        if full is None:  # drawn once, every leaf (moments and counts too)
+            state = jax.eval_shape(setup.init, jax.random.key(0))
+            full = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(a.dtype)
+                                if np.issubdtype(a.dtype, np.floating)
+                                else rng.integers(1, 1000, a.shape).astype(a.dtype), state)  # fmt: skip
+            previous = models.TrainState(models.shard_tree(full.params, setup.mesh, setup.param_specs),
+                                         models.shard_tree(full.opt_state, setup.mesh,
+                                                           setup.opt_specs))  # fmt: skip
+            full = jax.device_get(setup.gather(previous))  # the model's shapes (unpadded)
+        else:
+            with Checkpoints(tmp_path / str(i - 1)) as ckpt:
+                previous, _ = ckpt.restore(setup)
+            gathered = setup.gather(previous)  # the model's shapes, every leaf
+            for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(gathered),
+                                         jax.tree.leaves(full), strict=True):  # fmt: skip
+                np.testing.assert_array_equal(np.asarray(got), want,
+                                              err_msg=f"{strategy}: {jax.tree_util.keystr(path)}")  # fmt: skip
+        with Checkpoints(tmp_path / str(i)) as ckpt:
+            ckpt.save(1, setup, previous)
+
+
+def test_logits_and_evaluate_through_the_stages():
+    """``setup.logits`` and ``setup.evaluate`` (one forward through the stages in turn) equal
+    the reference's."""
+    params = LLAMA.init(jax.random.key(1))
+    ids, labels = lm_batches(LLAMA)
+    setup = _setup("2d+1f1b", "p2d2m2", 2)
+    state = setup.shard(params)
+    logits = setup.logits(state.params, setup.place_batch(ids[0]))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(LLAMA.reference_logits(params, ids[0])),
+                               atol=2e-5)  # fmt: skip
+    loss_sum, _, count = setup.evaluate(state.params, *setup.place_batch(ids[0], labels[0]))
+    ref = LLAMA.reference_loss(params, ids[0], labels[0])
+    assert int(count) == ids[0].size
+    assert abs(float(loss_sum) / int(count) - float(ref)) < 1e-5
+
+
+def test_budget_sends_each_microbatch_across_every_boundary():
+    """The compiled step's collective-permutes over pipe move, per device, one microbatch's
+    activation ``[b/M, S, D]`` per phase that sends: M + P − 2 forward phases and as many
+    backward (each microbatch crosses P − 1 boundaries each way, the phases overlapping)."""
+    p, m, b, s, d = 2, 4, 16, 16, LLAMA.d_model
+    setup = _setup("ref+1f1b", "pipe2", m)
+    state = setup.shard(LLAMA.init(jax.random.key(0)))
+    ids, labels = lm_batches(LLAMA)
+    compiled = setup.train_step.lower(state, *setup.place_batch(ids[0], labels[0])).compile()
+    check_budget(setup, compiled, ids.shape[1:])
+    permutes = [c for c in shardops.inspect.collectives(setup.mesh, compiled)
+                if c.kind == "collective-permute" and c.bytes]  # fmt: skip
+    activation = (b // m) * s * d * 4
+    assert sum(c.bytes for c in permutes) == 2 * (m + p - 2) * activation
+    assert all(c.axes == ("pipe",) for c in permutes)
+
+
+def test_refusals():
+    """Layers that do not split into the stages, a model without stacked layers, experts, the
+    divergence locator, an unknown schedule."""
+    odd = models.Llama(vocab_size=97, d_model=32, num_layers=6, num_heads=8, num_kv_heads=2,
+                       d_ff=64, context=16)  # fmt: skip
+    with refused(ValueError, argument="params['blocks']", got="6 layers", expected="4 pipeline stages",
+                 fix="a number of layers 4 divides"):  # fmt: skip
+        _setup("ref+1f1b", "pipe4", 4, model=odd)
+    gpt = models.Gpt(vocab_size=64, d_model=32, num_heads=8, num_layers=2, context=16, d_ff=64)
+    with refused(ValueError, argument="pipelines the stacked layers", got="stacks none",
+                 expected="models.strategies.plan.stacked", fix="models.Llama"):  # fmt: skip
+        _setup("ref+1f1b", "pipe2", 2, model=gpt)
+    with refused(ValueError, argument="pp_schedule", got="'zb'", expected="'gpipe', '1f1b'",
+                 fix="one of"):  # fmt: skip
+        models.Strategy("x", pp="pipe", pp_schedule="zb")
+    with refused(ValueError, argument="pp_schedule='gpipe'", got="without a pp axis",
+                 expected="pp=", fix="name it"):  # fmt: skip
+        models.Strategy("x", pp_schedule="gpipe")
