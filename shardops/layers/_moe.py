@@ -1,5 +1,5 @@
-"""Mixture of experts (top-k routing, capacity per group, SwiGLU experts): per-device kernel,
-layer, specs, the unsharded reference and the routing it decides.
+"""Mixture of experts (top-k routing, capacity per group or dropless, SwiGLU experts): per-device
+kernel, layer, specs, the unsharded reference and the routing it decides.
 
 Shapes: ``G`` groups (sequences) of ``S`` tokens, model width ``D``, ``E`` experts of hidden
 width ``F``, ``k`` experts per token, ``C`` slots per expert per group, ``N`` devices on the
@@ -30,8 +30,20 @@ averaged over this device's groups, with no communication. The router z-loss (ST
 mean over tokens of ``logsumexp(logits)²``, over the same tokens as the load balance (the
 whole batch under ``"global"``, this device's under ``"group"``).
 
-No dropless path: a ragged AllToAll (``lax.ragged_all_to_all``) is not implemented on XLA:CPU,
-where this library is tested, so tokens past capacity are dropped (``docs/moe.md``).
+**Dropless** (``capacity_factor=None``): no slots and nothing dropped. This device's T·k
+choices are sorted by expert (a stable argsort), each expert applies its SwiGLU to exactly its
+rows by grouped matmuls (``lax.ragged_dot``, or the Pallas TPU kernels of megablox with
+``grouped_matmul="megablox"``; group sizes = tokens per expert), the outputs return to token
+order and are combined with the renormalised weights:
+
+    xs[T·k, D] = x[token of each sorted choice];  group_sizes[E] = choices per expert
+    ys = down(silu(xs · gate) ⊙ (xs · up)) by grouped matmuls  → ys[T·k, D]{U_model}
+    y[G, S, D] = Σ_k weights[G, S, k] · ys[unsorted] → psum over model
+
+It equals the capacity path at ``capacity_factor ≥ E / k`` (``C = S``) without its padding.
+The experts are not split: with an expert axis of size > 1 the tokens per device and expert
+are ragged, which needs ``lax.ragged_all_to_all``, not implemented on XLA:CPU where this
+library is tested; that combination is refused (``docs/moe.md``).
 """
 
 from __future__ import annotations
@@ -48,8 +60,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from shardops._axes import DATA_AXIS
-from shardops._mesh import axis_size, check_divisible, spec_entry
-from shardops._precision import FLOAT32, Precision
+from shardops._mesh import axis_size, check_divisible, spec_entry, varying_axes
+from shardops._precision import FLOAT32, Precision, _reduce_to
 from shardops.comm._collectives import all_reduce, all_to_all
 from shardops.comm._mappings import REPLICATED_INPUT, copy_to_region, reduce_from_region
 from shardops.comm._reasons import Reason, because
@@ -61,13 +73,16 @@ from shardops.layers._common import (
     run_layer,
     scoped,
 )
-from shardops.layers._mlp import _hidden
+from shardops.layers._mlp import _gated, _hidden
 
 SCORES = ("softmax", "sigmoid")
 """How router logits become probabilities: ``softmax`` over the experts, or each expert's own
 ``sigmoid``."""
 LOAD_BALANCE = ("global", "group")
 """The load-balance loss over the whole batch (``batch_axes`` summed first) or per group."""
+GROUPED_MATMULS = ("ragged_dot", "megablox")
+"""The dropless path's grouped matmul: ``lax.ragged_dot`` (any backend), or the Pallas TPU
+kernels of ``jax.experimental.pallas.ops.tpu.megablox`` (a TPU; interpreted elsewhere)."""
 PARAMS = ("router", "gate", "up", "down")
 
 _DISPATCH = Reason("moe_dispatch", forward={
@@ -175,25 +190,38 @@ def init_moe(key: jax.Array, d_model: int, d_ff: int, num_experts: int, dtype=jn
     }
 
 
-def moe_capacity(group_size: int, k: int, num_experts: int, capacity_factor: float) -> int:
-    """Slots per expert per group: ``C = min(S, ceil(capacity_factor · S · k / E))``."""
+def moe_capacity(group_size: int, k: int, num_experts: int, capacity_factor: float | None) -> int:
+    """Slots per expert per group: ``C = min(S, ceil(capacity_factor · S · k / E))``; ``S`` for
+    ``capacity_factor=None`` (dropless: every choice kept)."""
+    if capacity_factor is None:
+        return group_size
     return min(group_size, math.ceil(capacity_factor * group_size * k / num_experts))
 
 
-def route(x, router, *, k: int, capacity_factor: float, score: str = "softmax") -> MoeRouting:
-    """The routing of ``x[G, S, D]`` (or ``x[T, D]``, one group) by ``router[D, E]``: top-k
-    experts per token, slots by choice rank then position (module docstring). Local: no
-    communication. Returns ``MoeRouting`` with a leading G (1 for a 2-D ``x``)."""
-    _check_options("route", k, capacity_factor, score, "global", router.shape[-1])
-    groups = x if x.ndim == 3 else x[None]  # x[G, S, D]
-    g, s, _ = groups.shape
-    e = router.shape[-1]
-    c = moe_capacity(s, k, e, capacity_factor)
+def _top_k(groups, router, k: int, score: str):
+    """``(logits, probs[G, S, E]`` float32, ``top_i[G, S, k]``, ``weights[G, S, k])``: each
+    token's k best experts, best first, and their probabilities renormalised over the k."""
     logits = jnp.einsum("gsd,de->gse", groups.astype(jnp.float32), router.astype(jnp.float32),
                         precision=lax.Precision.HIGHEST)  # logits[G, S, E] in float32  # fmt: skip
     probs = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
     top_p, top_i = lax.top_k(probs, k)  # [G, S, k]: best first
     weights = top_p / jnp.sum(top_p, axis=-1, keepdims=True)  # [G, S, k], renormalised over k
+    return logits, probs, top_i, weights
+
+
+def route(
+    x, router, *, k: int, capacity_factor: float | None, score: str = "softmax"
+) -> MoeRouting:
+    """The routing of ``x[G, S, D]`` (or ``x[T, D]``, one group) by ``router[D, E]``: top-k
+    experts per token, slots by choice rank then position (module docstring);
+    ``capacity_factor=None``: ``C = S``, nothing dropped (the dropless layer's decisions).
+    Local: no communication. Returns ``MoeRouting`` with a leading G (1 for a 2-D ``x``)."""
+    _check_options("route", k, capacity_factor, score, "global", router.shape[-1])
+    groups = x if x.ndim == 3 else x[None]  # x[G, S, D]
+    g, s, _ = groups.shape
+    e = router.shape[-1]
+    c = moe_capacity(s, k, e, capacity_factor)
+    logits, probs, top_i, weights = _top_k(groups, router, k, score)
     choice = jax.nn.one_hot(top_i, e, dtype=jnp.int32)  # [G, S, k, E]
     rank_major = (0, 2, 1, 3)  # [G, S, k, E] ↔ [G, k, S, E]: all first choices, then seconds
     queue = jnp.transpose(choice, rank_major)  # [G, k, S, E], in the order slots are filled
@@ -209,10 +237,14 @@ def route(x, router, *, k: int, capacity_factor: float, score: str = "softmax") 
 
 
 def _stats(routing: MoeRouting, k: int, load_balance: str, batch_axes: tuple) -> MoeStats:
-    """``MoeStats`` of this device's groups; ``"global"`` sums over ``batch_axes`` first."""
+    """``MoeStats`` of this device's groups; ``"global"`` sums over ``batch_axes`` first. A
+    routing without ``dispatch`` (None: the dropless layer's) dropped nothing."""
     _, s, e = routing.chosen.shape
     tokens_per_expert = jnp.sum(routing.chosen, axis=(0, 1))  # [E], before dropping
-    dropped = tokens_per_expert - jnp.sum(routing.dispatch, axis=(0, 1, 3))  # [E]
+    if routing.dispatch is None:  # dropless
+        dropped = jnp.zeros_like(tokens_per_expert)  # [E]
+    else:
+        dropped = tokens_per_expert - jnp.sum(routing.dispatch, axis=(0, 1, 3))  # [E]
     z = jax.nn.logsumexp(routing.logits, axis=-1) ** 2  # [G, S]
     if load_balance == "global":
         counts, prob_sums, z_sum = tokens_per_expert, jnp.sum(routing.probs, (0, 1)), jnp.sum(z)
@@ -237,13 +269,148 @@ def _experts(xe, params, activation, precision: Precision):
     return jax.vmap(precision.matmul)(h, params["down"])  # ye[E', T, D] in accum
 
 
+# --- the dropless path: tokens sorted by expert, grouped matmuls --------------------------------
+
+
+def _grouped_dot(how: str, x_c, w_c, group_sizes, accum, precision):
+    """``y[M, N]``: rows ``x_c[M, K]`` of group i (``group_sizes[i]`` rows, in order) times
+    ``w_c[i, K, N]``, accumulated in ``accum``."""
+    if how == "megablox":
+        return _megablox().gmm(x_c, w_c, group_sizes, accum, _tiling(x_c.shape[0], *w_c.shape[1:]),
+                                interpret=_interpret())  # fmt: skip
+    return lax.ragged_dot(x_c, w_c, group_sizes, precision=precision, preferred_element_type=accum)
+
+
+def _grouped_dot_rhs_t(how: str, g_c, w_c, group_sizes, accum, precision):
+    """``dx[M, K]``: rows ``g_c[M, N]`` of group i times ``w_c[i, K, N]ᵀ``."""
+    if how == "megablox":
+        return _megablox().gmm(g_c, w_c, group_sizes, accum, _tiling(g_c.shape[0], *w_c.shape[2:0:-1]),
+                                transpose_rhs=True, interpret=_interpret())  # fmt: skip
+    return lax.ragged_dot(g_c, jnp.swapaxes(w_c, 1, 2), group_sizes, precision=precision,
+                          preferred_element_type=accum)  # fmt: skip
+
+
+def _grouped_outer(how: str, x_c, g_c, group_sizes, accum, precision):
+    """``dw[E, K, N]``: ``dw[i] = x_c[rows of i]ᵀ · g_c[rows of i]`` (the contraction ragged)."""
+    e = group_sizes.shape[0]
+    if how == "megablox":
+        m, k_dim, n = x_c.shape[0], x_c.shape[1], g_c.shape[1]
+        return _megablox().tgmm(x_c.swapaxes(0, 1), g_c, group_sizes, accum, _tiling(m, k_dim, n),
+                                 num_actual_groups=e, interpret=_interpret())  # fmt: skip
+    dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                         lhs_ragged_dimensions=[0], rhs_group_dimensions=[])  # fmt: skip
+    return lax.ragged_dot_general(x_c, g_c, group_sizes, dims, precision=precision,
+                                  preferred_element_type=accum)  # fmt: skip
+
+
+def _megablox():
+    """JAX's Pallas TPU grouped matmuls (imported when asked for)."""
+    import importlib  # the package's name ``gmm`` is a function: the module by its path
+
+    return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+def _tiling(m: int, k_dim: int, n: int) -> tuple[int, int, int]:
+    """megablox's tiles: rows by 512, features by the largest of 1024, 512, 256, 128 that
+    divides them (MaxText's sizes), or a whole dimension that none divides (small tests)."""
+
+    def tile(dim, sizes):
+        return next((t for t in sizes if dim % t == 0), dim)
+
+    features = (1024, 512, 256, 128)
+    return tile(m, (512, 256, 128)), tile(k_dim, features), tile(n, features)
+
+
+def _interpret() -> bool:
+    """megablox's Pallas kernels compile for a TPU; elsewhere they run interpreted (tests)."""
+    return jax.default_backend() != "tpu"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _grouped_matmul(how, compute, accum, precision, x, w, group_sizes):
+    """``y[M, N]`` = rows of ``x[M, K]`` grouped by ``group_sizes[E]`` times ``w[E, K, N]``:
+    operands in ``compute``, accumulated and returned in ``accum``; the backward's products
+    in ``compute`` too (as ``Precision.matmul``'s)."""
+    return _grouped_dot(how, x.astype(compute), w.astype(compute), group_sizes, accum, precision)
+
+
+def _grouped_matmul_fwd(how, compute, accum, precision, x, w, group_sizes):
+    x_c, w_c = x.astype(compute), w.astype(compute)  # residuals in compute_dtype
+    y = _grouped_dot(how, x_c, w_c, group_sizes, accum, precision)
+    # empty slices carry x's and w's dtypes and varying mesh axes into the backward pass
+    return y, (x_c, w_c, group_sizes, x.reshape(-1)[:0], w.reshape(-1)[:0])
+
+
+def _grouped_matmul_bwd(how, compute, accum, precision, residuals, g):
+    x_c, w_c, group_sizes, x_kind, w_kind = residuals
+    g_c = g.astype(compute)  # g[M, N]
+    dx = _grouped_dot_rhs_t(how, g_c, w_c, group_sizes, accum, precision)  # dx[M, K] in accum
+    dw = _grouped_outer(how, x_c, g_c, group_sizes, accum, precision)  # dw[E, K, N] in accum
+    dx, dw = _reduce_to(dx, x_kind), _reduce_to(dw, w_kind)  # over axes only g varies over
+    return dx.astype(x_kind.dtype), dw.astype(w_kind.dtype), None
+
+
+_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def _grouped_experts(xs, group_sizes, params, activation, precision: Precision, how: str):
+    """Every expert's SwiGLU on its rows of ``xs[M, D]`` (grouped by expert, ``group_sizes[E]``
+    rows each): ``ys[M, D]`` in accum, partial sums over the model axis when F is split."""
+    mm = functools.partial(_grouped_matmul, how, precision.compute_dtype, precision.accum_dtype,
+                           precision.matmul_precision)  # fmt: skip
+    gate = mm(xs, params["gate"], group_sizes)  # gate[M, F/p] in accum
+    up = mm(xs, params["up"], group_sizes)  # up[M, F/p] in accum
+    h = jax.checkpoint(_gated, static_argnums=(2, 3))(gate, up, activation, precision)  # h[M, F/p]
+    return mm(h, params["down"], group_sizes)  # ys[M, D] in accum {U_model}
+
+
+def _dropless(x_region, top_i, weights, params, activation, precision: Precision, how: str):
+    """``y[G, S, D]`` (accum, ``{U_model}`` when F is split): each of the T·k choices of
+    ``top_i[G, S, k]`` sorted by expert, the experts applied by grouped matmuls (every choice
+    its expert, none dropped), the outputs put back in token order and combined with
+    ``weights[G, S, k]``."""
+    g, s, d = x_region.shape
+    k, e = top_i.shape[-1], params["gate"].shape[0]
+    expert = top_i.reshape(g * s * k)  # [T·k]: each choice's expert, token-major
+    order = jnp.argsort(expert, stable=True)  # [T·k]: the choices sorted by expert
+    group_sizes = jnp.bincount(expert, length=e).astype(jnp.int32)  # [E]: tokens per expert
+    xs = x_region.reshape(g * s, d)[order // k]  # xs[T·k, D] in accum, grouped by expert
+    ys = _grouped_experts(xs, group_sizes, params, activation, precision, how)  # ys[T·k, D]
+    unsort = jnp.argsort(order)  # [T·k]: where each choice sits among the sorted
+    ye = ys[unsort].reshape(g, s, k, d)  # ye[G, S, k, D]: choice j of token s back in place
+    # in float32 on every backend, as the capacity path's combine
+    return jnp.einsum("gsk,gskd->gsd", weights, ye, precision=lax.Precision.HIGHEST)
+
+
+def _capacity(x_region, dispatch, weights, params, expert_axis, activation, precision: Precision):
+    """``y[G, S, D]`` (accum, ``{U_model}`` when F is split) by the capacity-padded dispatch
+    ``dispatch[G, S, E, C]``, the AllToAlls over ``expert_axis`` and the combine ``weights[G,
+    S, E]``."""
+    g, _, d = x_region.shape
+    e, c = dispatch.shape[2:]
+    accum, compute = precision.accum_dtype, precision.compute_dtype
+    mm = precision.matmul_precision
+    dispatch = dispatch.astype(accum)  # [G, S, E, C]: 0/1, so the einsum is exact
+    xe = jnp.einsum("gsec,gsd->egcd", dispatch, x_region, precision=mm)  # xe[E, G, C, D]
+    xe = xe.astype(compute).reshape(e, g * c, d)  # xe[E, G·C, D]
+    if expert_axis is not None:  # block j (experts j·E/N…) to device j; sources concatenated
+        xe = all_to_all(xe, expert_axis, split_axis=0, concat_axis=1, reason=_DISPATCH)
+    ye = _experts(xe, params, activation, precision)  # ye[E/N, N·G·C, D] in accum {U_model}
+    if expert_axis is not None:  # each source's slots back, the experts in order
+        ye = all_to_all(ye, expert_axis, split_axis=1, concat_axis=0, reason=_RETURN)
+    ye = ye.reshape(e, g, c, d)  # ye[E, G, C, D]
+    combine = dispatch * weights[..., None]  # [G, S, E, C]
+    # in float32 on every backend (a TPU's DEFAULT would round the weights and ye to bf16)
+    return jnp.einsum("gsec,egcd->gsd", combine, ye, precision=lax.Precision.HIGHEST)
+
+
 @scoped("moe")
 def moe_kernel(
     x,
     params,
     *,
     k: int,
-    capacity_factor: float,
+    capacity_factor: float | None,
     score: str = "softmax",
     load_balance: str = "global",
     expert_axis: str | None = None,
@@ -251,6 +418,7 @@ def moe_kernel(
     batch_axes: Sequence[str] = (),
     activation: Callable = jax.nn.silu,
     precision: Precision = FLOAT32,
+    grouped_matmul: str = "ragged_dot",
 ) -> tuple[jax.Array, MoeStats]:
     """The MoE layer on local blocks: ``x[G, S, D] → y[G, S, D]`` and ``MoeStats``.
 
@@ -262,9 +430,15 @@ def moe_kernel(
             axes a training step may enter it typed varying), ``"gate", "up":
             w[E/N, D, F/p]``, ``"down": w[E/N, F/p, D]}``: this device's experts, each's
             hidden units split over ``model_axis``.
-        k: experts per token, in [1, E]. capacity_factor: > 0; ``C`` as ``moe_capacity`` says.
+        k: experts per token, in [1, E]. capacity_factor: > 0; ``C`` as ``moe_capacity`` says;
+            ``None``: dropless (every choice computed by its expert; ``expert_axis`` must then
+            be None or of size 1).
         score: one of ``SCORES``. load_balance: one of ``LOAD_BALANCE``.
         batch_axes: the mesh axes the batch is split over, summed by ``"global"``.
+        grouped_matmul: the dropless path's grouped matmul, one of ``GROUPED_MATMULS``:
+            ``"ragged_dot"`` (``lax.ragged_dot``, any backend) or ``"megablox"`` (the Pallas
+            TPU kernels ``gmm``/``tgmm``, outside ``shard_map`` only: ``moe`` on one device;
+            interpreted off a TPU, for tests only).
 
     Returns:
         ``y`` shaped like ``x``, in compute dtype, replicated over ``model_axis``, and
@@ -276,43 +450,40 @@ def moe_kernel(
         ``model_axis``: forward one AllReduce of ``y[G, S, D]{U_model}`` after the combine (in
         accum; the slots ``ye[E, G·C, D]`` are ``k·capacity_factor`` times bigger); backward
         the AllReduce of ``dx`` for gate and up together (``copy_to_region``) and one of the
-        combine weights' gradient ``[G, S, E]`` (float32). ``load_balance="global"``: an
-        AllReduce of ``2E + 1`` floats over ``batch_axes``. Expert weights' gradients are
-        local to their devices on ``expert_axis``; the router's (replicated) are summed by
-        autodiff over the axes ``x`` varies over.
+        combine weights' gradient ``[G, S, E]`` (float32; dropless ``[G, S, k]``).
+        ``load_balance="global"``: an AllReduce of ``2E + 1`` floats over ``batch_axes``.
+        Expert weights' gradients are local to their devices on ``expert_axis``; the router's
+        (replicated) are summed by autodiff over the axes ``x`` varies over. Dropless: no
+        AllToAll (no expert split); the experts' weights' gradients are summed over the axes
+        ``x`` varies over, as the router's.
     """
     batch_axes = _axes_tuple(batch_axes)
     _check_kernel_args(x, params, k, capacity_factor, score, load_balance, expert_axis,
-                       model_axis, batch_axes)  # fmt: skip
+                       model_axis, batch_axes, grouped_matmul)  # fmt: skip
     router = params["router"]
     e = router.shape[-1]
     groups = x if x.ndim == 3 else x[None]  # x[G, S, D]
-    g, _, d = groups.shape
-    routing = route(groups, router, k=k, capacity_factor=capacity_factor, score=score)
-    stats = _stats(routing, k, load_balance, batch_axes)
-    c = routing.dispatch.shape[-1]
     accum, compute = precision.accum_dtype, precision.compute_dtype
-    mm = precision.matmul_precision
+    if capacity_factor is None:  # dropless: the top-k alone, no slots
+        logits, probs, top_i, combine = _top_k(groups, router, k, score)  # combine[G, S, k]
+        chosen = jnp.sum(jax.nn.one_hot(top_i, e, dtype=jnp.float32), axis=2)  # [G, S, E]
+        routing = MoeRouting(None, combine, chosen, logits, probs)
+    else:
+        routing = route(groups, router, k=k, capacity_factor=capacity_factor, score=score)
+    stats = _stats(routing, k, load_balance, batch_axes)
     if model_axis is None:
         x_region = groups.astype(accum)
-        weights = routing.combine  # [G, S, E] in float32
+        weights = routing.combine  # [G, S, E] (dropless [G, S, k]) in float32
     else:  # one dx AllReduce for gate and up (Megatron's f), one for the combine weights
         with because(REPLICATED_INPUT, model_axis):
             x_region = copy_to_region(groups, model_axis, accum)  # x[G, S, D] in accum
         with because(_COMBINE_WEIGHTS, model_axis):
             weights = copy_to_region(routing.combine, model_axis, accum)  # [G, S, E]
-    dispatch = routing.dispatch.astype(accum)  # [G, S, E, C]: 0/1, so the einsum is exact
-    xe = jnp.einsum("gsec,gsd->egcd", dispatch, x_region, precision=mm)  # xe[E, G, C, D]
-    xe = xe.astype(compute).reshape(e, g * c, d)  # xe[E, G·C, D]
-    if expert_axis is not None:  # block j (experts j·E/N…) to device j; sources concatenated
-        xe = all_to_all(xe, expert_axis, split_axis=0, concat_axis=1, reason=_DISPATCH)
-    ye = _experts(xe, params, activation, precision)  # ye[E/N, N·G·C, D] in accum {U_model}
-    if expert_axis is not None:  # each source's slots back, the experts in order
-        ye = all_to_all(ye, expert_axis, split_axis=1, concat_axis=0, reason=_RETURN)
-    ye = ye.reshape(e, g, c, d)  # ye[E, G, C, D]
-    combine = dispatch * weights[..., None]  # [G, S, E, C]
-    # in float32 on every backend (a TPU's DEFAULT would round the weights and ye to bf16)
-    y = jnp.einsum("gsec,egcd->gsd", combine, ye, precision=lax.Precision.HIGHEST)  # {U_model}
+    if capacity_factor is None:
+        y = _dropless(x_region, top_i, weights, params, activation, precision, grouped_matmul)
+    else:
+        y = _capacity(x_region, routing.dispatch, weights, params, expert_axis, activation,
+                      precision)  # y[G, S, D] in accum {U_model}  # fmt: skip
     if model_axis is not None:
         with because(_EXPERT_PARTIAL_SUMS, model_axis):
             y = reduce_from_region(y, model_axis)  # y[G, S, D], replicated over model
@@ -324,17 +495,20 @@ def moe(
     params,
     *,
     k: int,
-    capacity_factor: float,
+    capacity_factor: float | None,
     score: str = "softmax",
     load_balance: str = "global",
     activation: Callable = jax.nn.silu,
     precision: Precision = FLOAT32,
+    grouped_matmul: str = "ragged_dot",
 ) -> tuple[jax.Array, MoeStats]:
     """Unsharded MoE: ``moe_kernel`` with no mesh axes, ``x[G, S, D] → y[G, S, D]`` (or
-    ``x[T, D]``, one group) and ``MoeStats`` over all of ``x``'s groups."""
+    ``x[T, D]``, one group) and ``MoeStats`` over all of ``x``'s groups;
+    ``capacity_factor=None``: dropless."""
     check_precision("moe", precision)
     return moe_kernel(x, params, k=k, capacity_factor=capacity_factor, score=score,
-                      load_balance=load_balance, activation=activation, precision=precision)  # fmt: skip
+                      load_balance=load_balance, activation=activation, precision=precision,
+                      grouped_matmul=grouped_matmul)  # fmt: skip
 
 
 def expert_parallel_moe(
@@ -343,7 +517,7 @@ def expert_parallel_moe(
     *,
     mesh: Mesh,
     k: int,
-    capacity_factor: float,
+    capacity_factor: float | None,
     score: str = "softmax",
     load_balance: str = "global",
     expert_axis: str | None = DATA_AXIS,
@@ -351,6 +525,7 @@ def expert_parallel_moe(
     batch_axes: Sequence[str] = (DATA_AXIS,),
     activation: Callable = jax.nn.silu,
     precision: Precision = FLOAT32,
+    grouped_matmul: str = "ragged_dot",
 ) -> tuple[jax.Array, MoeStats]:
     """The MoE layer on global arrays: experts split over ``expert_axis``, their hidden units
     over ``model_axis``, the groups over ``batch_axes``.
@@ -361,6 +536,9 @@ def expert_parallel_moe(
         params: full-shape parameters as ``init_moe`` makes them, laid out as
             ``moe_specs(...).params`` (or left to ``shard_map``). E must divide by the expert
             axis size and F by the model axis size.
+        capacity_factor: as the kernel's; ``None`` is dropless and needs ``expert_axis=None``
+            (every expert on every device; a split of the experts would need a ragged
+            AllToAll): ``moe_specs(expert_axis=None, ...)``.
 
     Returns ``y[G, S, D]`` laid out as the specs' ``y``, and ``MoeStats`` replicated: counts
     summed over the whole batch, the losses of the whole batch (``"group"``: the mean over
@@ -373,6 +551,8 @@ def expert_parallel_moe(
     _check_params(op, params)
     e = params["router"].shape[-1] if params["router"].ndim == 2 else 0
     _check_options(op, k, capacity_factor, score, load_balance, e)
+    _check_dropless(op, capacity_factor, grouped_matmul, expert_axis,
+                    1 if expert_axis is None else mesh.shape[expert_axis])  # fmt: skip
     _check_local(op, x, params, 1, None)
     if x.ndim != 3:
         raise ValueError(f"{op}: x must be x[G, S, D] (groups of S tokens) on global arrays; got "
@@ -391,6 +571,7 @@ def expert_parallel_moe(
         _layer_body, k=k, capacity_factor=capacity_factor, score=score,
         load_balance=load_balance, expert_axis=expert_axis, model_axis=model_axis,
         batch_axes=batch_axes, activation=activation, precision=precision,
+        grouped_matmul=grouped_matmul,
     )  # fmt: skip
     replicated = MoeStats(P(), P(), P(), P())
     return run_layer(op, kernel, mesh, {"x": x, "params": params},
@@ -398,7 +579,16 @@ def expert_parallel_moe(
 
 
 def _check_kernel_args(
-    x, params, k, capacity_factor, score, load_balance, expert_axis, model_axis, batch_axes: tuple
+    x,
+    params,
+    k,
+    capacity_factor,
+    score,
+    load_balance,
+    expert_axis,
+    model_axis,
+    batch_axes: tuple,
+    grouped_matmul: str,
 ) -> None:
     """``moe_kernel``'s arguments: the axes bound, the parameters' shapes and layouts, the
     options, ``x`` replicated over the model axis."""
@@ -411,6 +601,16 @@ def _check_kernel_args(
     router = params["router"]
     e = router.shape[-1] if router.ndim == 2 else 0
     _check_options(op, k, capacity_factor, score, load_balance, e)
+    _check_dropless(op, capacity_factor, grouped_matmul, expert_axis, n)
+    axes = {a for a in (expert_axis, model_axis, *batch_axes) if a is not None}
+    axes |= set().union(*(varying_axes(v) for v in (x, *params.values())))
+    if grouped_matmul == "megablox" and axes:
+        raise ValueError(
+            f"{op}: grouped_matmul='megablox' runs outside shard_map only (its Pallas kernels "
+            f"declare no varying mesh axes, which shard_map's check_vma needs), but the layer "
+            f"runs over mesh axes {sorted(axes)}; pass grouped_matmul='ragged_dot' (or call "
+            f"moe on one device)"
+        )
     if model_axis is not None:  # (over the expert axis the router may vary: in a training
         # step it enters varying over the batch axes, where its gradient is summed)
         check_replicated_over(router, model_axis, "params['router']", op)
@@ -470,20 +670,37 @@ def _check_options(op: str, k, capacity_factor, score, load_balance, e: int) -> 
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= e:
         raise ValueError(f"{op}: k={k!r} experts per token must be an int in [1, E = {e}] (the "
                          f"router's experts); choose k between 1 and {e}")  # fmt: skip
-    if (
+    if capacity_factor is not None and (
         isinstance(capacity_factor, bool)
         or not isinstance(capacity_factor, int | float)
         or not (capacity_factor > 0 and math.isfinite(capacity_factor))
     ):
         raise ValueError(f"{op}: capacity_factor={capacity_factor!r} must be a finite number > 0 "
-                         f"(C = ceil(capacity_factor · S · k / E) slots per expert per group); "
-                         f"use 1.0 to 2.0 (1.25 is common)")  # fmt: skip
+                         f"(C = ceil(capacity_factor · S · k / E) slots per expert per group) "
+                         f"or None (dropless); use 1.0 to 2.0 (1.25 is common), or None")  # fmt: skip
     if score not in SCORES:
         raise ValueError(f"{op}: score={score!r} is not one of {SCORES}; pass 'softmax' "
                          f"(probabilities over the experts) or 'sigmoid'")  # fmt: skip
     if load_balance not in LOAD_BALANCE:
         raise ValueError(f"{op}: load_balance={load_balance!r} is not one of {LOAD_BALANCE}; pass "
                          f"'global' (the whole batch) or 'group' (per group)")  # fmt: skip
+
+
+def _check_dropless(op: str, capacity_factor, grouped_matmul, expert_axis, n: int) -> None:
+    """The grouped matmul is one of ``GROUPED_MATMULS``; dropless experts are not split."""
+    if grouped_matmul not in GROUPED_MATMULS:
+        raise ValueError(f"{op}: grouped_matmul={grouped_matmul!r} is not one of "
+                         f"{GROUPED_MATMULS}; pass 'ragged_dot' (any backend) or 'megablox' "
+                         f"(a TPU)")  # fmt: skip
+    if capacity_factor is None and n > 1:
+        raise ValueError(
+            f"{op}: capacity_factor=None (dropless) needs the experts unsplit, but expert_axis="
+            f"{expert_axis!r} has size {n}: sending each expert a ragged number of tokens needs "
+            f"a ragged AllToAll (lax.ragged_all_to_all), which XLA:CPU, where shardops is "
+            f"tested, does not implement; pass expert_axis=None (every expert on every device, "
+            f"moe_specs(expert_axis=None)) or a capacity_factor (the capacity path: e.g. 1.25, "
+            f"or E / k, which drops nothing)"
+        )
 
 
 def _check_params(op: str, params) -> None:
@@ -522,6 +739,7 @@ def _check_local(op: str, x, params, n: int, expert_axis) -> None:
 
 
 __all__ = [
+    "GROUPED_MATMULS",
     "LOAD_BALANCE",
     "SCORES",
     "MoeRouting",
