@@ -124,11 +124,12 @@ class Schedule:
         p, m = self.stages, self.microbatches
         if p < 1 or m < 1:
             raise ValueError(f"Schedule {self.name!r}: needs stages >= 1 and microbatches >= 1; "
-                             f"got {p} and {m}")  # fmt: skip
+                             f"got {p} and {m}. Pass positive ints")  # fmt: skip
         for r, (forward, backward) in enumerate(self.rounds):
             if len(forward) != p or len(backward) != p:
                 raise ValueError(f"Schedule {self.name!r}: round {r} names {len(forward)} and "
-                                 f"{len(backward)} stages; the schedule has {p}")  # fmt: skip
+                                 f"{len(backward)} stages; the schedule has {p}. Give each "
+                                 f"phase one entry per stage (None where it idles)")  # fmt: skip
         fwd, bwd = self._rounds("forward"), self._rounds("backward")
         for i in range(m):
             for s in range(p - 1):
@@ -136,18 +137,21 @@ class Schedule:
                     raise ValueError(
                         f"Schedule {self.name!r}: microbatch {i} runs forward on stage {s} in "
                         f"round {fwd[i, s]} and on stage {s + 1} in round {fwd[i, s + 1]}; a hop "
-                        f"takes exactly one round"
+                        f"takes exactly one round. Run it forward on stage {s + 1} in round "
+                        f"{fwd[i, s] + 1}"
                     )
                 if bwd[i, s] != bwd[i, s + 1] + 1:
                     raise ValueError(
                         f"Schedule {self.name!r}: microbatch {i} runs backward on stage {s + 1} "
                         f"in round {bwd[i, s + 1]} and on stage {s} in round {bwd[i, s]}; a hop "
-                        f"takes exactly one round"
+                        f"takes exactly one round. Run it backward on stage {s} in round "
+                        f"{bwd[i, s + 1] + 1}"
                     )
             if bwd[i, p - 1] < fwd[i, p - 1]:
                 raise ValueError(
                     f"Schedule {self.name!r}: microbatch {i} runs backward on the last stage in "
-                    f"round {bwd[i, p - 1]}, before its forward (round {fwd[i, p - 1]})"
+                    f"round {bwd[i, p - 1]}, before its forward (round {fwd[i, p - 1]}). Run "
+                    f"its backward there in round {fwd[i, p - 1]} or later"
                 )
 
     def _rounds(self, phase: str) -> dict[tuple[int, int], int]:
@@ -161,8 +165,10 @@ class Schedule:
                 if not 0 <= i < self.microbatches or (i, s) in seen:
                     raise ValueError(
                         f"Schedule {self.name!r}: round {r} runs microbatch {i} {phase} on stage "
-                        f"{s}, " + (f"which ran in round {seen[i, s]} already" if (i, s) in seen
-                                    else f"not one of the {self.microbatches} microbatches")
+                        f"{s}, " + (f"which ran in round {seen[i, s]} already; each runs once. "
+                                    f"Remove one of the two" if (i, s) in seen
+                                    else f"not one of the {self.microbatches} microbatches "
+                                    f"0..{self.microbatches - 1}. Name one of those")
                     )  # fmt: skip
                 seen[i, s] = r
         missing = [(i, s) for i in range(self.microbatches) for s in range(self.stages)
@@ -170,7 +176,8 @@ class Schedule:
         if missing:
             i, s = missing[0]
             raise ValueError(f"Schedule {self.name!r}: microbatch {i} never runs {phase} on "
-                             f"stage {s} ({len(missing)} such pairs)")  # fmt: skip
+                             f"stage {s} ({len(missing)} such pairs); each runs once on every "
+                             f"stage. Add it to a round")  # fmt: skip
         return seen
 
 
@@ -213,5 +220,6 @@ def schedule(name: str, stages: int, microbatches: int) -> Schedule:
 def _check_sizes(name: str, stages, microbatches) -> tuple[int, int]:
     for argument, value in (("stages", stages), ("microbatches", microbatches)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: {argument} must be a positive int; got {value!r}")
+            raise ValueError(f"{name}: {argument} must be a positive int; got {value!r}. "
+                             f"Pass an int >= 1")  # fmt: skip
     return stages, microbatches
