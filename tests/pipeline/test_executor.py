@@ -1,0 +1,95 @@
+"""shardops.pipeline.pipeline_value_and_grad on the toy model (tests/pipeline/_pipeline_checks.py):
+GPipe and 1F1B on pipe = 2, 4, 8 (× data where the 8 devices allow) with M ∈ {1, P, 2P + 1}
+microbatches give the unsharded model's loss and gradients within the derived float32 bound;
+the program runs one stage call per time step of the table, in its phase and order; each
+microbatch's activation crosses P − 1 stage boundaries forward and its gradient P − 1 back,
+with no other traffic over pipe than one AllReduce of the loss and the replicated gradients;
+and the refusals (a schedule for another stage count, inputs without the microbatch dim).
+
+By default a pairwise covering design over (mesh, schedule, M); the full product of every
+mesh under ``SHARDOPS_FULL=1``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from _cover import FULL, cover
+from _messages import refused
+from _pipeline_checks import DATA, PIPE, check_pipeline, mesh_of
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardops.pipeline import SCHEDULES, gpipe, pipeline_value_and_grad
+
+ALL_MESHES = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1)]  # (pipe, data)
+MESHES = ALL_MESHES if FULL else [(2, 4), (4, 2), (8, 1)]
+MICROBATCHES = ("1", "P", "2P+1")
+
+
+def _m(kind: str, p: int) -> int:
+    return {"1": 1, "P": p, "2P+1": 2 * p + 1}[kind]
+
+
+CASES = cover(MESHES, SCHEDULES, MICROBATCHES)
+
+
+def _id(case) -> str:
+    (p, data), name, m_kind = case
+    return f"pipe{p}xdata{data}-{name}-M={m_kind}"
+
+
+@pytest.mark.parametrize("mesh, name, m_kind", CASES, ids=map(_id, CASES))
+def test_pipeline_equals_the_unsharded_gradients(mesh, name, m_kind):
+    (p, data), m = mesh, _m(m_kind, mesh[0])
+    check_pipeline(name, p, m, data)
+
+
+def test_cover_holds_every_pair():
+    from _cover import covered
+
+    assert covered(CASES, MESHES, SCHEDULES, MICROBATCHES, t=2)
+
+
+# --- refusals, inside the shard_map (the pipe axis's size is known there)
+
+
+def _refused_step(sched, mesh, microbatched: bool):
+    """A trivial pipeline step (one scale per stage) whose inputs hold ``[M, …]`` or not."""
+
+    def stage_fn(q, h, x, first, last):  # h[2, 4]
+        h = jnp.where(first, x, h) * q["scale"][0]
+        return h, jnp.sum(jnp.where(last, h, 0))
+
+    def body(params, x):  # x[M·2, 4]
+        x = x.reshape(sched.microbatches, 2, 4) if microbatched else x
+        act = jax.typeof(jax.lax.pcast(jnp.zeros((2, 4)), (DATA,), to="varying"))
+        loss, grads = pipeline_value_and_grad(stage_fn, params, x, sched, axis_name=PIPE,
+                                              activation=act)  # fmt: skip
+        return jax.lax.psum(loss, DATA), grads
+
+    p, data = mesh.shape[PIPE], mesh.shape[DATA]
+    params = {"scale": jax.device_put(jnp.ones((p,)), NamedSharding(mesh, P(PIPE)))}
+    x = jax.device_put(jnp.ones((sched.microbatches * 2 * data, 4)), NamedSharding(mesh, P(DATA)))
+    step = jax.shard_map(body, mesh=mesh, in_specs=({"scale": P(PIPE)}, P(DATA)),
+                         out_specs=(P(), {"scale": P(PIPE)}))  # fmt: skip
+    return jax.jit(step).lower(params, x)
+
+
+def test_the_trivial_step_compiles():
+    _refused_step(gpipe(4, 3), mesh_of(4, 2), microbatched=True).compile()
+
+
+def test_schedule_for_another_stage_count_is_refused():
+    with refused(ValueError, argument="schedule 'gpipe' has 2 stages",
+                 got="mesh axis 'pipe' has 4 devices", expected="has 2 stages",
+                 fix="Make the schedule for 4 stages"):  # fmt: skip
+        _refused_step(gpipe(2, 3), mesh_of(4, 2), microbatched=True)
+
+
+def test_inputs_without_the_microbatch_dim_are_refused():
+    with refused(ValueError, argument="inputs has shape (6, 4)", got="(6, 4)",
+                 expected="the 3 microbatches along dim 0 ([M, ...])",
+                 fix="Reshape the batch to [M, b / M, ...]"):  # fmt: skip
+        _refused_step(gpipe(4, 3), mesh_of(4, 2), microbatched=False)
