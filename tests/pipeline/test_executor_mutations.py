@@ -1,0 +1,106 @@
+"""Mutation check: known pipeline bugs, each one exact line of a copy of
+shardops/pipeline/_executor.py or _schedule.py (``tests/_mutants.py``), are caught by
+``check_pipeline`` (values against the unsharded gradients, the phases, the pipe collectives)
+or refused by ``Schedule.check``; the unmutated copies pass the same cases."""
+
+from __future__ import annotations
+
+import pytest
+from _mutants import mutant
+from _pipeline_checks import check_pipeline
+
+from shardops.pipeline import _executor, _schedule
+
+BACKWARD_PAIRS = (
+    "        pairs = [(s, s - 1) for s in range(1, self.stages) if phase[s] is not None]"
+)
+
+# name → (line, replacement, (schedule, P, M, data))
+MUTANTS = {
+    # the input's gradient goes on to the next stage instead of back to the previous one
+    "gradient_sent_forward": (
+        BACKWARD_PAIRS,
+        "        pairs = [(s - 1, s) for s in range(1, self.stages) if phase[s] is not None]",
+        ("gpipe", 2, 2, 2),
+    ),
+    # the gradient of stage s's input sent to stage s + 1 (the last stage's to stage 0)
+    "gradient_sent_to_a_shifted_stage": (
+        BACKWARD_PAIRS,
+        "        pairs = [(s, (s + 1) % self.stages) for s in range(1, self.stages) "
+        "if phase[s] is not None]",
+        ("1f1b", 4, 4, 2),
+    ),
+    # the activation skips a stage: stage s sends to s + 2 (the last stages' wrap around)
+    "activation_sent_two_stages_on": (
+        "        pairs = [(s, s + 1) for s in range(self.stages - 1) if phase[s] is not None]",
+        "        pairs = [(s, (s + 2) % self.stages) for s in range(self.stages - 1) "
+        "if phase[s] is not None]",
+        ("1f1b", 4, 4, 2),
+    ),
+    # the table's last round (stage 0's backward of the last microbatch) never runs
+    "last_round_skipped": (
+        "    for forward, backward in schedule.rounds:",
+        "    for forward, backward in schedule.rounds[:-1]:",
+        ("1f1b", 2, 3, 1),
+    ),
+    # the last microbatch's backward runs on every stage but its gradients are not added
+    "last_microbatch_not_accumulated": (
+        "        accum, mask = self.accum_dtype, runs",
+        "        accum, mask = self.accum_dtype, runs & (i < len(jax.tree.leaves(self.inputs)[0]) - 1)",
+        ("gpipe", 4, 3, 2),
+    ),
+    # the gradients accumulated (and the replicated ones summed over pipe) in bfloat16
+    "accumulation_in_bfloat16": (
+        "                            activation, accum_dtype=jnp.float32):  # fmt: skip",
+        "                            activation, accum_dtype=jnp.bfloat16):  # fmt: skip",
+        ("1f1b", 2, 5, 4),
+    ),
+    # the backward recomputes the forward from another microbatch's stage input
+    "backward_from_the_next_slot": (
+        "        h = lax.dynamic_index_in_dim(self.buffer, i % self.slots, 0, keepdims=False)",
+        "        h = lax.dynamic_index_in_dim(self.buffer, (i + 1) % self.slots, 0, "
+        "keepdims=False)",
+        ("1f1b", 4, 9, 2),
+    ),
+    # every stage's loss counted, not only the last one's
+    "loss_of_every_stage": (
+        "        counted = jnp.where(self.last & runs, loss.astype(accum), 0)",
+        "        counted = jnp.where(runs, loss.astype(accum), 0)",
+        ("gpipe", 2, 1, 4),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_executor_mutant_is_caught(name):
+    line, replacement, case = MUTANTS[name]
+    module = mutant(_executor, name, line, replacement)
+    with pytest.raises(AssertionError):
+        check_pipeline(*case, executor=module)
+
+
+def test_unmutated_executor_copy_passes():
+    module = mutant(_executor, "unmutated", BACKWARD_PAIRS, BACKWARD_PAIRS)
+    for _, _, case in MUTANTS.values():
+        check_pipeline(*case, executor=module)
+
+
+ONE_F_ONE_B = (
+    '    return _table("1f1b", p, m, lambda i, s: i + s, lambda i, s: i + 2 * (p - 1) - s)'
+)
+
+
+def test_one_f_one_b_warm_up_one_round_short_is_refused():
+    """1F1B's backward a round early: the last stage would run a microbatch backward in the
+    round before its forward arrives; ``check`` refuses the table, so no program runs it."""
+    module = mutant(_schedule, "warm_up_short", ONE_F_ONE_B, ONE_F_ONE_B[:-1] + " - 1)")
+    for p, m in ((2, 1), (4, 4), (8, 17)):
+        with pytest.raises(ValueError, match="runs backward on the last stage in round"):
+            module.one_f_one_b(p, m)
+    with pytest.raises(ValueError, match="before its forward"):
+        check_pipeline("1f1b", 2, 2, 2, schedules=module)
+
+
+def test_unmutated_schedule_copy_passes():
+    module = mutant(_schedule, "unmutated", ONE_F_ONE_B, ONE_F_ONE_B)
+    check_pipeline("1f1b", 2, 2, 2, schedules=module)
