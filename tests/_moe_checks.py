@@ -44,15 +44,27 @@ MESHES = {
     "data4_no_expert_axis": ({"data": 4}, None, None, ("data",)),
     "model4_only": ({"model": 4}, None, "model", ()),
 }
+# the dropless layer's meshes: no expert split (every expert on every device)
+DROPLESS_MESHES = {
+    "data4_no_expert_axis": MESHES["data4_no_expert_axis"],
+    "model4_only": MESHES["model4_only"],
+    "data2_model2_no_expert_axis": ({"data": 2, "model": 2}, None, "model", ("data",)),
+    "data2_expert2_model2_unsplit": ({"data": 2, "expert": 2, "model": 2}, None, "model", BOTH),
+    "expert1": MESHES["expert1"],  # an expert axis of one device: nothing split
+}
 
 
-def reference_routing(logits: np.ndarray, k: int, capacity_factor: float):
+def reference_routing(logits: np.ndarray, k: int, capacity_factor: float | None):
     """``(dispatch[G, S, E, C] bool, chosen[G, S, E], dropped[E], margin)`` by loops: every
     token's first choice, in token order, then every second choice, …; a choice whose expert
-    has ``C`` tokens already is dropped. ``margin``: the smallest gap between a token's k-th
-    and (k+1)-th logit (a near-tie could be decided either way by float32)."""
+    has ``C`` tokens already is dropped (``capacity_factor=None``: no capacity, ``C = S``
+    slots, which no expert can fill: nothing dropped). ``margin``: the smallest gap between a
+    token's k-th and (k+1)-th logit (a near-tie could be decided either way by float32)."""
     g_count, s_count, e_count = logits.shape
-    c_count = min(s_count, math.ceil(capacity_factor * s_count * k / e_count))
+    if capacity_factor is None:
+        c_count = s_count
+    else:
+        c_count = min(s_count, math.ceil(capacity_factor * s_count * k / e_count))
     dispatch = np.zeros((g_count, s_count, e_count, c_count), bool)
     chosen = np.zeros((g_count, s_count, e_count))
     dropped = np.zeros(e_count)
@@ -152,10 +164,12 @@ def close(name, got, want, where, terms=0.0):
 
 def check_moe(mesh_name, *, groups_per_device=2, seq=8, d=16, f=16, e=8, k=2,
               capacity_factor=1.0, score="softmax", load_balance="global", seed=0,
-              module=_moe, expect_drops=None) -> dict:  # fmt: skip
+              module=_moe, expect_drops=None, grouped_matmul=None) -> dict:  # fmt: skip
     """Route, output, statistics and every gradient of ``module.expert_parallel_moe`` on
-    ``MESHES[mesh_name]`` against the reference; returns the reference's values."""
-    sizes, expert_axis, model_axis, batch_axes = MESHES[mesh_name]
+    ``MESHES[mesh_name]`` (or ``DROPLESS_MESHES``) against the reference; returns the
+    reference's values and the layer's. ``capacity_factor=None``: the dropless layer, against
+    the loops with no capacity."""
+    sizes, expert_axis, model_axis, batch_axes = {**MESHES, **DROPLESS_MESHES}[mesh_name]
     mesh = shardops.make_mesh(sizes)
     groups = groups_per_device * math.prod(sizes[a] for a in batch_axes)
     x, params, ct, logits = inputs(seed, groups, seq, d, f, e, k)
@@ -192,6 +206,8 @@ def check_moe(mesh_name, *, groups_per_device=2, seq=8, d=16, f=16, e=8, k=2,
     options = (("k", k), ("capacity_factor", capacity_factor), ("score", score),
                ("load_balance", load_balance), ("expert_axis", expert_axis),
                ("model_axis", model_axis), ("batch_axes", batch_axes))  # fmt: skip
+    if grouped_matmul is not None:
+        options += (("grouped_matmul", grouped_matmul),)
     y, stats, (dx, dp) = sharded_loss_and_grads(
         jax.device_put(x, jax.NamedSharding(mesh, specs.x)),
         shardops.shard_params(params, mesh, specs.params),
@@ -208,7 +224,8 @@ def check_moe(mesh_name, *, groups_per_device=2, seq=8, d=16, f=16, e=8, k=2,
     for name in _moe.PARAMS:
         terms = router_terms if name == "router" else 0.0
         close(f"d{name}", dp[name], dp_ref[name], where, terms)
-    return {"load_balance": float(balance_ref), "dropped": dropped, "dispatch": dispatch}
+    return {"load_balance": float(balance_ref), "dropped": dropped, "dispatch": dispatch,
+            "layer": (y, stats, dx, dp)}  # fmt: skip
 
 
 def check_kernel_load_balance(load_balance, module=_moe):

@@ -10,7 +10,7 @@
 | context-parallel attention | ``context_parallel_attention`` (all-gather K/V, ring, Ulysses; a sequence split over ``context``) | ``context_parallel_attention_kernel``, or ``head_parallel_attention_kernel(context=ContextParallel(...))`` | ``context_parallel_attention_specs`` |
 | decoding attention | | ``cached_attention_kernel`` (a KV cache of ``kv_cache_heads`` per device) | as attention's |
 | gated MLP | ``tensor_parallel_gated_mlp`` (SwiGLU) | ``tensor_parallel_gated_mlp_kernel`` | ``tensor_parallel_gated_mlp_specs`` |
-| mixture of experts | ``expert_parallel_moe`` (top-k, capacity per group; ``moe_route``, ``MoeStats``) | ``moe_kernel`` | ``moe_specs`` → ``MoeSpecs`` |
+| mixture of experts | ``expert_parallel_moe`` (top-k, capacity per group or dropless; ``moe_route``, ``MoeStats``) | ``moe_kernel`` | ``moe_specs`` → ``MoeSpecs`` |
 | norms | ``layer_norm``, ``rms_norm`` (any sharding of the leading dims) | | |
 | FSDP dense | | ``dense_moving_activations`` (moves ``x`` and ``y``, leaves ``w`` split over ``data``) | |
 
@@ -78,6 +78,7 @@ from shardops.layers._mlp import (
     tensor_parallel_gated_mlp_kernel,
     tensor_parallel_gated_mlp_specs,
 )
+from shardops.layers._moe import GROUPED_MATMULS as MOE_GROUPED_MATMULS
 from shardops.layers._moe import LOAD_BALANCE as MOE_LOAD_BALANCE
 from shardops.layers._moe import SCORES as MOE_SCORES
 from shardops.layers._moe import (
@@ -101,6 +102,7 @@ __all__ = [
     "COLLECTIVE_MATMULS",
     "CONTEXT_METHODS",
     "IMPLEMENTATIONS",
+    "MOE_GROUPED_MATMULS",
     "MOE_LOAD_BALANCE",
     "MOE_SCORES",
     "AttentionSpecs",
