@@ -539,6 +539,8 @@ def expert_parallel_moe(
         capacity_factor: as the kernel's; ``None`` is dropless and needs ``expert_axis=None``
             (every expert on every device; a split of the experts would need a ragged
             AllToAll): ``moe_specs(expert_axis=None, ...)``.
+        grouped_matmul: the dropless path's grouped matmul (the kernel's); ``"megablox"`` is
+            refused over any mesh axis (its kernels declare no varying axes): use ``moe``.
 
     Returns ``y[G, S, D]`` laid out as the specs' ``y``, and ``MoeStats`` replicated: counts
     summed over the whole batch, the losses of the whole batch (``"group"``: the mean over

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _messages import refused
-from _moe_checks import TOLERANCE, check_moe, close, inputs
+from _moe_checks import TOLERANCE, check_moe, close, inputs, sharded_loss_and_grads
 from _mutants import mutant
 from jax.sharding import PartitionSpec as P
 
@@ -110,6 +110,29 @@ def test_bfloat16_flows_and_stays_near_float32():
     assert {g.dtype for g in grads.values()} == {jnp.dtype(jnp.bfloat16)}
     scale = float(jnp.max(jnp.abs(y32)))
     assert float(jnp.max(jnp.abs(y.astype(jnp.float32) - y32))) <= 2.0**-6 * scale
+
+
+def test_collectives_per_pass():
+    """data = 4 × model = 2, no expert split, 2 groups of S = 8 per device, D = F = 16, E = 8,
+    k = 2. Forward: no AllToAll; the one AllReduce of y[G, S, D] over model after the combine,
+    the global statistics (2E + 1 floats) over data (the drops are zeros: nothing reduced).
+    Backward: dx and the combine weights' gradient [G, S, k] over model; the router's and,
+    every expert on every device, the experts' gradients [E, D, F/2] (three) over data."""
+    mesh = shardops.make_mesh({"data": 4, "model": 2})
+    x, params, ct, _ = inputs(0, 8, 8, 16, 16, 8, 2)
+    specs = _moe.moe_specs(expert_axis=None, model_axis="model")
+    args = (jax.device_put(x, jax.NamedSharding(mesh, specs.x)),
+            shardops.shard_params(params, mesh, specs.params),
+            jax.device_put(ct, jax.NamedSharding(mesh, specs.y)))  # fmt: skip
+    options = (("k", 2), ("capacity_factor", None), ("expert_axis", None), ("model_axis", "model"))
+    run = functools.partial(sharded_loss_and_grads, module=_moe, mesh=mesh, options=options)
+    got = shardops.inspect.ledger(mesh, run, *args).by_pass()
+    ar, data, model = "all-reduce", ("data",), ("model",)
+    y = 2 * 8 * 16 * 4  # y[G, S, D] float32 (and dx)
+    assert got["forward"] == {(ar, model): y, (ar, data): (2 * 8 + 1) * 4}
+    weights = 2 * 8 * 2 * 4  # [G, S, k]
+    router, experts = 16 * 8 * 4, 3 * 8 * 16 * 8 * 4
+    assert got["backward"] == {(ar, model): y + weights, (ar, data): router + experts}
 
 
 # --- refused ------------------------------------------------------------------------------------
