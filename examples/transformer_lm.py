@@ -44,6 +44,12 @@ and of each step, goes to its k experts, whatever the training capacity
     python examples/transformer_lm.py --model llama --moe --experts 4 --expert-parallel \
         --strategy 2d --mesh data=2,expert=2,model=2 --compare-decoding --temperature 0
 
+``--schedule gpipe`` (or ``1f1b``) pipelines the Llama's layers over the mesh's ``pipe`` axis,
+each device's batch split into ``--microbatches`` (``docs/pipeline.md``):
+
+    python examples/transformer_lm.py --model llama --strategy 2d --schedule 1f1b \
+        --mesh pipe=2,data=2,model=2 --microbatches 4 --compare-reference
+
 Text (``shardops_models.data.text``): tiny_shakespeare through tfds when it is prepared, else the
 Python standard library's source, which every machine has (one line says which).
 ``--compare-reference`` trains the unsharded model (strategy ``ref``) in lockstep, from the
@@ -148,6 +154,12 @@ def parse_args(argv=None):
     p.add_argument("--expert-parallel", action="store_true",
                    help="--moe: split the experts over the mesh's 'expert' axis (the batch "
                         "too; the strategy becomes STRATEGY+ep)")  # fmt: skip
+    p.add_argument("--schedule", choices=shardops.pipeline.SCHEDULES, default=None,
+                   help="--model llama: pipeline the layers over the mesh's 'pipe' axis by this "
+                        "schedule (the strategy becomes STRATEGY+SCHEDULE; docs/pipeline.md)")  # fmt: skip
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="split each device's batch into this many microbatches (the pipeline's "
+                        "M; without --schedule, gradient accumulation)")  # fmt: skip
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=8, help="windows of --context bytes")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
@@ -245,6 +257,15 @@ def parse_args(argv=None):
         if not args.moe:
             p.error("--expert-parallel splits the experts of --moe")
         args.strategy = f"{args.strategy}+ep"
+    if args.microbatches < 1:
+        p.error(f"--microbatches must be a positive int; got {args.microbatches}")
+    if args.schedule:
+        if args.model != "llama":
+            p.error("--schedule pipelines stacked layers: add --model llama (the GPT's blocks "
+                    "are not stacked)")  # fmt: skip
+        if args.moe or args.locate:
+            p.error("--schedule: a model with experts and --locate are not pipelined yet")
+        args.strategy = f"{args.strategy}+{args.schedule}"
     if args.context_parallel:
         if args.locate:
             p.error("--locate compares activations in token order; run it without "
@@ -454,7 +475,7 @@ def train(parser, args) -> int:
         optimizer = make_optimizer(args)
         options = dict(precision=PRECISIONS[args.precision], attention=args.attention)
         setup = models.build(args.strategy, mesh, model=model, optimizer=optimizer,
-                             remat=args.remat, **options)  # fmt: skip
+                             remat=args.remat, microbatches=args.microbatches, **options)  # fmt: skip
         ref = (
             models.build("ref", model=model, optimizer=optimizer, **options)
             if args.compare_reference
@@ -462,10 +483,12 @@ def train(parser, args) -> int:
         )
     except ValueError as e:  # a mesh the model cannot split over, or more devices than exist
         parser.error(str(e))
-    if args.batch_size % setup.batch_multiple:
+    if args.batch_size % (setup.batch_multiple * args.microbatches):
         parser.error(
-            f"--batch-size {args.batch_size} must be a multiple of {setup.batch_multiple} (the "
-            f"devices {args.strategy} splits the batch over on this mesh)"
+            f"--batch-size {args.batch_size} must be a multiple of "
+            f"{setup.batch_multiple * args.microbatches} (the devices {args.strategy} splits the "
+            f"batch over on this mesh, {setup.batch_multiple}, × --microbatches "
+            f"{args.microbatches})"
         )
     try:  # the batches' shape, as the steps will check it: --context under cp and sp
         setup.check_batch(np.zeros((args.batch_size, args.context), np.int32))

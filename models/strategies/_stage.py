@@ -17,17 +17,20 @@ class StageContext(Parallel):
     """``Parallel`` but for ``scan``: it takes ``h`` (this stage's input) in place of the
     scan's input except on the ``first`` stage (which starts from the model's embedding), runs
     this stage's layers, records their output in ``outputs`` and hands the rest of the forward
-    (the head) zeros except on the ``last`` stage. ``first``, ``last``: traced bools."""
+    (the head) zeros except on the ``last`` stage. ``first``, ``last``: traced bools. With
+    ``stop`` it raises ``StageExit`` after the layers (a forward phase, which needs their
+    output alone: nothing past them is traced)."""
 
     h: Any = None
     first: Any = None
     last: Any = None
+    stop: bool = False
     outputs: list = dataclasses.field(default_factory=list)
 
     @classmethod
-    def of(cls, base: Parallel, h, first, last) -> StageContext:
+    def of(cls, base: Parallel, h, first, last, *, stop: bool = False) -> StageContext:
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Parallel)}
-        return cls(**fields, h=h, first=first, last=last)
+        return cls(**fields, h=h, first=first, last=last, stop=stop)
 
     def scan(self, fn, params, x, *, outputs: bool = False):
         refuse_outputs(outputs)
@@ -35,7 +38,13 @@ class StageContext(Parallel):
             raise _Entry(jax.typeof(x))
         h = self.scan_layers(fn, params, jnp.where(self.first, x, self.h))  # h[b, S, D]
         self.outputs.append(h)
+        if self.stop:
+            raise StageExit
         return jnp.where(self.last, h, jnp.zeros_like(h))
+
+
+class StageExit(Exception):
+    """Raised by ``StageContext.scan`` after the layers, under ``stop``."""
 
 
 class _Entry(Exception):

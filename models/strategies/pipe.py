@@ -85,17 +85,24 @@ class PipeKind(Kind):
 
     def value_and_grad(self, body, params, x, y):
         """The step's local loss and gradients by the schedule (``shardops.pipeline``): the
-        batch ``x, y[b, …]`` in ``body.microbatches`` parts, each run by ``_stage_loss``."""
-        from shardops_models.strategies._stage import StageContext, entry_type  # (a cycle)
+        batch ``x, y[b, …]`` in ``body.microbatches`` parts, each a stage of ``body.local_loss`` (``StageContext``)."""
+        from shardops_models.strategies._stage import (  # (a cycle)
+            StageContext,
+            StageExit,
+            entry_type,
+        )
 
         m = body.microbatches
         table = schedule(self.schedule, lax.axis_size(self.axis), m)
         inputs = tuple(a.reshape(m, a.shape[0] // m, *a.shape[1:]) for a in (x, y))
         activation = entry_type(body, params, inputs[0][0])
 
-        def stage_fn(params, h, microbatch, first, last):
-            ctx = StageContext.of(body.ctx, h, first, last)
-            loss = body.local_loss(params, *microbatch, microbatches=m, ctx=ctx)
+        def stage_fn(params, h, microbatch, first, last, with_loss):
+            ctx = StageContext.of(body.ctx, h, first, last, stop=not with_loss)
+            try:
+                loss = body.local_loss(params, *microbatch, microbatches=m, ctx=ctx)
+            except StageExit:  # a forward phase: the layers' output is all it needs
+                loss = None
             return ctx.outputs[0], loss
 
         return pipeline_value_and_grad(stage_fn, params, inputs, table, axis_name=self.axis,

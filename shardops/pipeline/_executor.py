@@ -66,11 +66,13 @@ def pipeline_value_and_grad(stage_fn, params, inputs, schedule: Schedule, *, axi
     ``axis_name`` (module docstring).
 
     Arguments:
-        stage_fn: ``stage_fn(params, h, inputs_i, first, last) → (h_out, loss)``, one stage's
-            forward of microbatch i: ``h`` the stage's input (``first``, a traced bool: stage 0,
-            which starts from ``inputs_i`` instead), ``h_out`` what the next stage takes, and
-            ``loss`` the microbatch's share of the objective (``last``: the last stage, whose
-            loss alone counts; the others' must be finite).
+        stage_fn: ``stage_fn(params, h, inputs_i, first, last, with_loss) → (h_out, loss)``,
+            one stage's forward of microbatch i: ``h`` the stage's input (``first``, a traced
+            bool: stage 0, which starts from ``inputs_i`` instead), ``h_out`` what the next
+            stage takes, and ``loss`` the microbatch's share of the objective (``last``: the
+            last stage, whose loss alone counts; the others' must be finite). A forward phase
+            passes ``with_loss=False`` and needs ``h_out`` alone (``loss`` may be None): what
+            lies past the layers need not be traced there.
         params: this device's parameters (a pytree): leaves varying over ``axis_name`` are its
             stage's own (its layers ``[L_pipe, …]``); the others are replicated over it.
         inputs: a pytree of ``[M, …]`` arrays, microbatch i at index i (replicated over the
@@ -129,11 +131,19 @@ class _Run:
         self.buffer = jnp.zeros((self.slots, *zero.shape), zero.dtype) + zero[None]  # h[K, ...]
         self.grads = jax.tree.map(lambda q: jnp.zeros(q.shape, accum_dtype) + _vary(q, accum_dtype),
                                   params)  # fmt: skip
-        self.loss = _vary(zero, accum_dtype)
+        self.loss = None  # the loss's type is stage_fn's
+        self.phases = 0  # the phases run so far: each one's barrier is its own
 
-    def _apply(self, params, h, i):
+    def _operands(self, h, i):
+        """``(params, h, microbatch i)`` behind an optimization barrier: XLA may not merge a
+        phase's work (a weight's gather, say) with another phase's, so the compiled program
+        runs each phase the table lists, and its collectives are the traced ones."""
         microbatch = jax.tree.map(lambda a: a[i], self.inputs)
-        return self.stage_fn(params, h, microbatch, self.first, self.last)
+        self.phases += 1
+        return _barrier((self.params, h, microbatch), self.phases)
+
+    def _apply(self, params, h, microbatch, with_loss: bool = True):
+        return self.stage_fn(params, h, microbatch, self.first, self.last, with_loss)
 
     def forward(self, phase) -> None:
         """Each stage ``phase`` names keeps its input and runs its layers; the outputs go on."""
@@ -142,7 +152,7 @@ class _Run:
         old = lax.dynamic_index_in_dim(self.buffer, slot, 0, keepdims=False)
         kept = jnp.where(runs, self.received, old)
         self.buffer = lax.dynamic_update_index_in_dim(self.buffer, kept, slot, 0)
-        h_out, _ = self._apply(self.params, self.received, i)
+        h_out, _ = self._apply(*self._operands(self.received, i), with_loss=False)
         pairs = [(s, s + 1) for s in range(self.stages - 1) if phase[s] is not None]
         self.received = (send(h_out, self.axis_name, pairs, reason=_FORWARD) if pairs
                          else self.zero)  # fmt: skip
@@ -152,16 +162,35 @@ class _Run:
         the input it kept) and adds the gradients; its input's gradient goes back."""
         i, runs = _entry(phase, self.stage)
         h = lax.dynamic_index_in_dim(self.buffer, i % self.slots, 0, keepdims=False)
-        (h_out, loss), vjp = jax.vjp(lambda q, h: self._apply(q, h, i), self.params, h)
+        params, h, microbatch = self._operands(h, i)
+        (h_out, loss), vjp = jax.vjp(lambda q, h: self._apply(q, h, microbatch), params, h)
         seed = _like(jnp.where(self.last & runs, 1.0, 0.0).astype(loss.dtype), loss)
         d_params, d_h = vjp((_like(self.returned, h_out), seed))
         accum, mask = self.accum_dtype, runs
         self.grads = jax.tree.map(lambda g, d: g + jnp.where(mask, d.astype(accum), 0),
                                   self.grads, d_params)  # fmt: skip
-        self.loss = self.loss + jnp.where(self.last & runs, loss.astype(accum), 0)
+        counted = jnp.where(self.last & runs, loss.astype(accum), 0)
+        self.loss = counted if self.loss is None else self.loss + counted
         pairs = [(s, s - 1) for s in range(1, self.stages) if phase[s] is not None]
         self.returned = (send(d_h, self.axis_name, pairs, reason=_BACKWARD) if pairs
                          else self.zero)  # fmt: skip
+
+
+def _barrier(tree, phase: int):
+    """``lax.optimization_barrier`` of ``tree``'s leaves, one barrier per set of leaves that
+    vary over the same axes (a barrier's outputs vary over the union of its operands' axes),
+    each with the ``phase``'s number among its operands: two phases' barriers of the same
+    parameters are not one instruction that XLA's CSE could merge."""
+    leaves, treedef = jax.tree.flatten(tree)
+    groups: dict[frozenset, list[int]] = {}
+    for n, leaf in enumerate(leaves):
+        groups.setdefault(varying_axes(leaf), []).append(n)
+    out = list(leaves)
+    for members in groups.values():
+        values, _ = lax.optimization_barrier(([leaves[n] for n in members], np.int32(phase)))
+        for n, value in zip(members, values, strict=True):
+            out[n] = value
+    return treedef.unflatten(out)
 
 
 def _entry(phase, stage):

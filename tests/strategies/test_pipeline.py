@@ -76,9 +76,12 @@ def _batch(mesh: str, m: int) -> int:
 
 @pytest.mark.parametrize(("strategy", "mesh", "m", "opt"), _full() if FULL else COVER)
 def test_pipeline_trains_like_the_reference(strategy, mesh, m, opt):
+    """5 steps equal the reference; with SGD the compiled step's collectives equal the traced
+    budget, but under cp, where XLA hoists the all-gather of the segment ids (the same in
+    every layer) out of the stage's scan, which the traced budget counts per layer."""
     check_lm_trajectory(LLAMA, models.strategy_named(strategy), mesh, opt, microbatches=m,
                         batch=_batch(mesh, m), clip=CLIP, sgd_lr=SGD_LR,
-                        budget=opt == "sgd")  # fmt: skip
+                        budget=opt == "sgd" and "ring" not in strategy)  # fmt: skip
 
 
 def _setup(strategy, mesh_name, m, model=LLAMA):
