@@ -136,7 +136,7 @@ def program(mesh, sched, t: Toy, *, executor=_executor, **options) -> Program:
     def body(params, x, y):  # x[B/data, IN], y[B/data, OUT]
         xs, ys = x.reshape(m, b, IN), y.reshape(m, b, OUT)  # [M, b, …]
 
-        def stage_fn(q, h, inp, first, last):  # h[b, D]
+        def stage_fn(q, h, inp, first, last, with_loss=True):  # h[b, D]
             n = len(calls)
             calls.append(n)
             with jax.named_scope(f"toy_call{n}"):
@@ -145,6 +145,8 @@ def program(mesh, sched, t: Toy, *, executor=_executor, **options) -> Program:
                 h = jnp.where(first, xi @ w0, h)  # stage 0 starts from the input
                 h = _layers(q["layers"], h)  # this stage's L/P layers
                 w1 = jax.lax.pcast(q["w1"], DATA, to="varying")
+                if not with_loss:  # a forward phase needs h alone
+                    return h, None
                 loss = jnp.sum((jnp.where(last, h, 0) @ w1 - yi) ** 2) / t.batch
                 return h, loss
 

@@ -58,7 +58,7 @@ def test_cover_holds_every_pair():
 def _refused_step(sched, mesh, microbatched: bool):
     """A trivial pipeline step (one scale per stage) whose inputs hold ``[M, …]`` or not."""
 
-    def stage_fn(q, h, x, first, last):  # h[2, 4]
+    def stage_fn(q, h, x, first, last, with_loss=True):  # h[2, 4]
         h = jnp.where(first, x, h) * q["scale"][0]
         return h, jnp.sum(jnp.where(last, h, 0))
 
