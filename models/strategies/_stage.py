@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from shardops_models.strategies.parallel import Parallel
+from shardops_models.strategies.parallel import Parallel, is_param
 from shardops_models.strategies.pipe import refuse_outputs
 
 
@@ -25,12 +25,30 @@ class StageContext(Parallel):
     first: Any = None
     last: Any = None
     stop: bool = False
+    ready: bool = False
     outputs: list = dataclasses.field(default_factory=list)
 
     @classmethod
-    def of(cls, base: Parallel, h, first, last, *, stop: bool = False) -> StageContext:
+    def of(cls, base: Parallel, h, first, last, *, stop: bool = False,
+           ready: bool = False) -> StageContext:  # fmt: skip
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Parallel)}
-        return cls(**fields, h=h, first=first, last=last, stop=stop)
+        return cls(**fields, h=h, first=first, last=last, stop=stop, ready=ready)
+
+    # With ``ready``, the parameters arrive made ready for the whole step (gathered over fsdp's
+    # axes, varying over the axes that sum gradients: ``pipe._ready``): no unit gathers or
+    # enters them again.
+
+    def _materialise_all(self, params, used=None):
+        if not self.ready:
+            return super()._materialise_all(params, used)
+        return jax.tree.map(lambda p: p.replace(ready=True) if is_param(p) else p, params,
+                            is_leaf=is_param)  # fmt: skip
+
+    def _materialise(self, p):
+        return p.replace(ready=True) if self.ready else super()._materialise(p)
+
+    def split_dim(self, spec):
+        return None if self.ready else super().split_dim(spec)
 
     def scan(self, fn, params, x, *, outputs: bool = False):
         refuse_outputs(outputs)

@@ -33,6 +33,7 @@ only would need a stage-dependent program (a ``lax.cond`` around collectives) or
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
@@ -42,6 +43,8 @@ from jax import lax
 import shardops
 from shardops import entry_axes
 from shardops.pipeline import SCHEDULES, pipeline_value_and_grad, schedule
+from shardops_models.strategies._param import values, wrap
+from shardops_models.strategies.fsdp import GATHER_WEIGHTS
 from shardops_models.strategies.kind import Kind, LayoutContext, is_spec, role_layout
 from shardops_models.strategies.plan import is_shape
 
@@ -96,18 +99,23 @@ class PipeKind(Kind):
         table = schedule(self.schedule, lax.axis_size(self.axis), m)
         inputs = tuple(a.reshape(m, a.shape[0] // m, *a.shape[1:]) for a in (x, y))
         activation = entry_type(body, params, inputs[0][0])
+        # Every parameter made ready once for the step (fsdp's AllGather, dp's pcast), and its
+        # gradient reduced once after the schedule (ReduceScatter, AllReduce), not per phase.
+        ready, reduce = jax.vjp(functools.partial(_ready, body), params)
 
-        def stage_fn(params, h, microbatch, first, last, with_loss):
-            ctx = StageContext.of(body.ctx, h, first, last, stop=not with_loss)
+        def stage_fn(ready, h, microbatch, first, last, with_loss):
+            ctx = StageContext.of(body.ctx, h, first, last, stop=not with_loss, ready=True)
             try:
-                loss = body.local_loss(params, *microbatch, microbatches=m, ctx=ctx)
+                loss = body.local_loss(ready, *microbatch, microbatches=m, ctx=ctx)
             except StageExit:  # a forward phase: the layers' output is all it needs
                 loss = None
             return ctx.outputs[0], loss
 
-        return pipeline_value_and_grad(stage_fn, params, inputs, table, axis_name=self.axis,
-                                       activation=activation,
-                                       accum_dtype=body.precision.accum_dtype)  # fmt: skip
+        loss, grads = pipeline_value_and_grad(stage_fn, ready, inputs, table,
+                                              axis_name=self.axis, activation=activation,
+                                              accum_dtype=body.precision.accum_dtype)  # fmt: skip
+        (grads,) = reduce(grads)
+        return loss, grads
 
     def scan(self, ctx, fn, params, x, outputs: bool):
         """A forward outside the step (``setup.logits``, ``evaluate``): ``x`` through the
@@ -156,6 +164,15 @@ class PipeKind(Kind):
                 f"by ctx.scan). Pipeline a model whose blocks are stacked (models.Llama), or "
                 f"use the strategy without pp"
             )
+
+
+def _ready(body, params):
+    """``params`` (this device's arrays) made ready for the layers, as ``ctx.unit`` would one
+    unit at a time: AllGathered over fsdp's axes (whole weights, not moving activations),
+    entered varying over the axes that sum gradients; in the accumulation dtype where gathered.
+    Its vjp reduces the gradients (ReduceScatter, AllReduce in float32)."""
+    ctx = dataclasses.replace(body.ctx, fsdp_dense=GATHER_WEIGHTS)
+    return values(ctx._materialise_all(wrap(params, body.roles, body.specs, body.logical)))
 
 
 def refuse_outputs(outputs: bool) -> None:

@@ -19,6 +19,7 @@ import pytest
 from _gpt_checks import PP_MESHES, check_budget, check_lm_trajectory, lm_batches
 from _messages import refused
 from _model_checks import mesh_for
+from jax.sharding import PartitionSpec as P
 
 import shardops
 import shardops_models as models
@@ -182,3 +183,22 @@ def test_refusals():
     with refused(ValueError, argument="pp_schedule='gpipe'", got="without a pp axis",
                  expected="pp=", fix="name it"):  # fmt: skip
         models.Strategy("x", pp_schedule="gpipe")
+
+
+@pytest.mark.parametrize("strategy", ["fsdp+1f1b", "2d+gpipe"])
+def test_weights_gathered_and_gradients_reduced_once_per_step(strategy):
+    """fsdp's AllGather of the stage's weights and ReduceScatter of their gradients (and dp's
+    AllReduce) run once per step, whatever M: the traced budget's bytes over the batch axes are
+    the same for 2 and 8 microbatches, and the fsdp gather moves the stage's parameters once."""
+    mesh = "p2d4" if strategy.startswith("fsdp") else "p2d2m2"
+    budgets = [_setup(strategy, mesh, m).collective_budget(32, 16) for m in (2, 8)]
+    data = [{k: v for k, v in b.items() if "data" in k[1] and "pipe" not in k[1]} for b in budgets]
+    assert data[0] == data[1] and data[0], data
+    if strategy.startswith("fsdp"):
+        setup = _setup(strategy, mesh, 2)
+        shapes = jax.eval_shape(setup.init, jax.random.key(0)).params
+        specs = jax.tree.leaves(setup.param_specs, is_leaf=lambda s: isinstance(s, P))
+        stage = sum(a.size * 4 // (2 if "pipe" in str(s) else 1)  # f32; this stage's layers
+                    for a, s in zip(jax.tree.leaves(shapes), specs, strict=True)
+                    if "data" in str(s))  # fmt: skip
+        assert data[0][("all-gather", ("data",))] == stage
