@@ -19,7 +19,8 @@ Packed sequences: with ``bos_id`` set, each ``bos_id`` token starts a new docume
 stays within a document and the rotary positions restart at 0 at each.
 
 ``reference_logits`` is the same model in plain ``jax.numpy`` (no shardops layer), written
-independently: Hugging Face's ``repeat_kv`` grouping and rotate-half RoPE.
+independently: Hugging Face's ``repeat_kv`` grouping and rotate-half RoPE; its experts run every
+expert on every token and keep the choices that fit the capacity (all of them when dropless).
 """
 
 from __future__ import annotations
@@ -33,7 +34,28 @@ import numpy as np
 
 from shardops.layers import MOE_LOAD_BALANCE, MOE_SCORES
 from shardops_models.networks._lm import LanguageModel
-from shardops_models.strategies.plan import COLUMN, EXPERTS, HEAD, REPLICATED, ROW, VOCAB, stacked
+from shardops_models.strategies.plan import (
+    COLUMN,
+    EXPERTS,
+    HEAD,
+    REPLICATED,
+    ROW,
+    VOCAB,
+    Role,
+    stacked,
+)
+
+DROPLESS_EXPERTS = Role(
+    "experts",
+    {"router": ("embed", None),
+     "gate": (None, "embed", "mlp"), "up": (None, "embed", "mlp"),
+     "down": (None, "mlp", "embed")},
+)  # fmt: skip
+"""The plan role of a dropless mixture of experts (``Experts(capacity_factor=None)``):
+``EXPERTS`` with no dim named ``experts``, so every expert stays whole on each device (each
+one's hidden units split by the ``mlp`` rule, over the tp axis). Its name is ``EXPERTS``'s, so a
+checkpoint moves between the capacity and dropless layers; a strategy with ep refuses it when
+it builds (``models.strategies.expert``)."""
 
 
 def default_d_ff(d_model: int) -> int:
@@ -46,13 +68,19 @@ def default_d_ff(d_model: int) -> int:
 class Experts:
     """A mixture of SwiGLU experts in place of each block's MLP (Mixtral): ``num_experts``
     experts of the model's ``d_ff``, each token routed to ``k`` (``shardops.layers.moe_kernel``:
-    ``score``, top-k renormalised, ``capacity_factor`` slots per expert per sequence), the
-    load-balancing loss (``load_balance``: ``"global"`` or ``"group"``) and the router z-loss
-    added to the training loss with their weights, each summed over the layers."""
+    ``score``, top-k renormalised, ``capacity_factor`` slots per expert per sequence, or
+    ``None``: dropless, every choice computed by its expert), the load-balancing loss
+    (``load_balance``: ``"global"`` or ``"group"``) and the router z-loss added to the training
+    loss with their weights, each summed over the layers.
+
+    Dropless (``capacity_factor=None``) computes what ``capacity_factor = E / k`` (``C = S``)
+    does without the slots' padding (tokens sorted by expert, grouped matmuls). Its experts are
+    whole on every device (the plan role ``DROPLESS_EXPERTS``): a strategy with expert
+    parallelism (ep) refuses it; there ``E / k`` drops nothing either."""
 
     num_experts: int = 8
     k: int = 2
-    capacity_factor: float = 1.25
+    capacity_factor: float | None = 1.25  # the common training choice (Switch, GShard: 1–2)
     score: str = "softmax"
     load_balance: str = "global"
     load_balance_weight: float = 0.01
@@ -66,10 +94,12 @@ class Experts:
         if self.k > self.num_experts:
             raise ValueError(f"Experts: k={self.k} > num_experts={self.num_experts}: a token "
                              f"picks k distinct experts; use k ≤ num_experts")  # fmt: skip
-        if not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, int | float)
+                               or not (cf > 0 and math.isfinite(cf))):  # fmt: skip
             raise ValueError(f"Experts: capacity_factor must be a finite number > 0 (slots per "
-                             f"expert = ceil(capacity_factor · S · k / E); E / k drops nothing); "
-                             f"got {self.capacity_factor!r}")  # fmt: skip
+                             f"expert = ceil(capacity_factor · S · k / E)) or None (dropless); "
+                             f"got {cf!r}. E / k drops nothing, and so does None")  # fmt: skip
         for name, allowed in (("score", MOE_SCORES), ("load_balance", MOE_LOAD_BALANCE)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Experts: {name} must be one of {allowed}; got "
@@ -182,9 +212,9 @@ class Llama(LanguageModel):
         """Megatron's roles (see the module docstring); the blocks stacked."""
         block = {"attn_norm": REPLICATED, "attn": HEAD, "mlp_norm": REPLICATED,
                  "mlp": {"gate": COLUMN, "up": COLUMN, "down": ROW}}  # fmt: skip
-        if self.experts is not None:
+        if self.experts is not None:  # dropless: every expert whole on each device
             del block["mlp"]
-            block["moe"] = EXPERTS
+            block["moe"] = EXPERTS if self.experts.capacity_factor is not None else DROPLESS_EXPERTS
         plan = {"embed": VOCAB, "blocks": stacked(block), "norm": REPLICATED}
         if not self.tie_embeddings:
             plan["head"] = COLUMN
@@ -274,13 +304,14 @@ class Llama(LanguageModel):
         """What the experts did with ``ids[B, S]`` at ``params`` (whole arrays), from the
         plain-jnp reference: the auxiliary losses (summed over the layers), and per layer and
         expert the share of the choices it got (``share[L, E]``, before dropping) and the
-        fraction of those dropped at capacity (``dropped[L, E]``)."""
+        fraction of those dropped at capacity (``dropped[L, E]``; 0 for an expert no token
+        chose, and everywhere when dropless)."""
         if self.experts is None:
             raise ValueError("Llama.expert_stats: the model has no experts (experts=None)")
         _, aux, counts = self._reference(params, ids, counts=True)
         chosen, kept = (jnp.stack([c[i] for c in counts]) for i in (0, 1))  # each [L, E]
         share = chosen / jnp.sum(chosen, -1, keepdims=True)
-        return {**aux, "share": share, "dropped": 1 - kept / jnp.maximum(chosen, 1)}
+        return {**aux, "share": share, "dropped": (chosen - kept) / jnp.maximum(chosen, 1)}
 
     def _reference(self, params, ids, counts: bool = False):
         """``(logits[B, S, V], aux)`` in plain ``jax.numpy``, float32; with ``counts``, also
@@ -336,19 +367,23 @@ class Llama(LanguageModel):
 
 def _reference_experts(experts: Experts, p, h):
     """The mixture of experts in plain ``jax.numpy`` (float32), each row of ``h[B, S, D]`` a
-    capacity group: ``(y[B, S, D], {"load_balance", "z_loss"}, (chosen[E], kept[E]))``. Every expert runs on every
-    token (no dispatch); a token's output is the sum over its kept choices of weight × expert."""
+    capacity group: ``(y[B, S, D], {"load_balance", "z_loss"}, (chosen[E], kept[E]))``. Every
+    expert runs on every token (no dispatch); a token's output is the sum over its kept choices
+    of weight × expert: those that fit the capacity, or every one (``capacity_factor=None``)."""
     b, s, _ = h.shape
     e, k = experts.num_experts, experts.k
     logits = h @ p["router"]  # [B, S, E]
     probs = jax.nn.softmax(logits, -1) if experts.score == "softmax" else jax.nn.sigmoid(logits)
     top, chosen = jax.lax.top_k(probs, k)  # [B, S, k]
     weights = top / jnp.sum(top, -1, keepdims=True)  # renormalised over the k
-    capacity = math.ceil(experts.capacity_factor * s * k / e)
     choice = jax.nn.one_hot(chosen, e)  # [B, S, k, E]
-    by_rank = jnp.swapaxes(choice, 1, 2).reshape(b, k * s, e)  # rank-major: all 1st choices first
-    slot = jnp.swapaxes((jnp.cumsum(by_rank, 1) - 1).reshape(b, k, s, e), 1, 2)  # [B, S, k, E]
-    kept = choice * (slot < capacity)
+    if experts.capacity_factor is None:  # dropless: every choice kept
+        kept = choice
+    else:
+        capacity = math.ceil(experts.capacity_factor * s * k / e)
+        by_rank = jnp.swapaxes(choice, 1, 2).reshape(b, k * s, e)  # rank-major: 1st choices first
+        slot = jnp.swapaxes((jnp.cumsum(by_rank, 1) - 1).reshape(b, k, s, e), 1, 2)  # [B,S,k,E]
+        kept = choice * (slot < capacity)
     hidden = jax.nn.silu(jnp.einsum("bsd,edf->bsef", h, p["gate"])) * jnp.einsum(
         "bsd,edf->bsef", h, p["up"])  # fmt: skip
     every = jnp.einsum("bsef,efd->bsed", hidden, p["down"])  # [B, S, E, D]: every expert

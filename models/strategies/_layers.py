@@ -158,11 +158,12 @@ class Layers:
         y = checkpoint_name(y, MLP_OUTPUT)
         return self._tap(y, p, k=p["down"]["w"].shape[0] * self._split_size(p["down"]["w"], 0))
 
-    def moe(self, p, x, *, k: int, capacity_factor: float, score: str = "softmax",
+    def moe(self, p, x, *, k: int, capacity_factor: float | None, score: str = "softmax",
             load_balance: str = "global", activation: Callable = jax.nn.silu):  # fmt: skip
-        """A mixture of SwiGLU experts on ``x[b, S, D]`` (each sequence one capacity group):
-        ``(y[b, S, D], stats)``, ``stats`` a ``shardops.layers.MoeStats`` (the load-balancing
-        and router z losses, each expert's tokens and drops). Each kind adds its part of the
+        """A mixture of SwiGLU experts on ``x[b, S, D]`` (each sequence one capacity group;
+        ``capacity_factor=None``: dropless, the experts unsplit): ``(y[b, S, D], stats)``,
+        ``stats`` a ``shardops.layers.MoeStats`` (the load-balancing and router z losses, each
+        expert's tokens and drops). Each kind adds its part of the
         kernel's options (``Kind.moe_options``: ep's expert axis, tp's model axis); under
         ``load_balance="global"`` the counts are summed over the batch axes. Keys: ``router``, ``gate``, ``up``,
         ``down`` (``shardops.layers.init_moe``; the plan role ``EXPERTS``)."""

@@ -13,6 +13,12 @@ On the data axis it is GShard's and DeepSpeed-MoE's layout (``Strategy("ep", ep=
 parallelism whose experts are split); on an axis of its own beside dp
 (``with_experts("2d")``: ``data × expert × model``) it adds devices for experts. Tensor
 parallelism splits each expert's hidden units over its axis (the rules row ``mlp``).
+
+A dropless mixture of experts (``capacity_factor=None``) is refused when the setup builds:
+each expert would get a ragged number of tokens from each device, which needs a ragged
+AllToAll (``lax.ragged_all_to_all``, not implemented on XLA:CPU, where shardops is tested).
+Such a layer's plan role names no ``experts`` dim (``models.networks.llama.DROPLESS_EXPERTS``);
+a layer split by ``EXPERTS`` but called dropless is refused by ``ctx.moe`` when it traces.
 """
 
 from __future__ import annotations
@@ -45,13 +51,28 @@ class ExpertKind(Kind):
         return {"experts": self.axis}
 
     def moe_options(self, ctx, p, options: dict) -> dict:
-        """The experts' axis, where the layer's experts are split over it."""
+        """The experts' axis, where the layer's experts are split over it (not dropless)."""
         if any(self.axis in entry_axes(e) for e in p["gate"].spec):
+            if options.get("capacity_factor", 0) is None:
+                raise ValueError(
+                    f"ctx.moe: capacity_factor=None (dropless) under strategy "
+                    f"{ctx.strategy.name!r}, whose ep splits this layer's experts over "
+                    f"{self.axis!r}: {_DROPLESS_REASON}. {_DROPLESS_FIX}"
+                )
             return {**options, "expert_axis": self.axis}
         return options
 
     def check_mesh(self, strategy, mesh, context: LayoutContext) -> None:
-        """The model has experts, and their number divides by the axis."""
+        """The model has experts, none dropless, and their number divides by the axis."""
+        whole = _whole_experts(context)
+        if whole:
+            raise ValueError(
+                f"strategy {strategy.name!r} splits experts over {self.axis!r} (ep), and the "
+                f"model's mixture of experts is dropless: params{whole[0]}'s plan role "
+                f"'experts' names no 'experts' dim (every expert whole on each device: "
+                f"Experts(capacity_factor=None)). {_DROPLESS_REASON[0].upper()}"
+                f"{_DROPLESS_REASON[1:]}. {_DROPLESS_FIX}"
+            )
         n, found = mesh.shape[self.axis], False
         specs = role_layout(context)
         for (path, shape), spec in zip(
@@ -76,3 +97,29 @@ class ExpertKind(Kind):
                 f"layer, models.strategies.plan.EXPERTS). Use the strategy without ep (dp on "
                 f"that axis is the same for a dense model)"
             )
+
+
+_DROPLESS_REASON = (
+    "dropless routing sends each expert a ragged number of tokens from each device, which "
+    "needs a ragged AllToAll (lax.ragged_all_to_all, not implemented on XLA:CPU)"
+)
+_DROPLESS_FIX = (
+    "Use Experts(capacity_factor=E / k) under ep (C = S slots per expert: it drops nothing "
+    "either), or keep capacity_factor=None and use the strategy without ep (dp on that axis)"
+)
+
+
+def _whole_experts(context: LayoutContext) -> list[str]:
+    """The paths of the expert leaves (``gate``, ``up``, ``down``) whose plan role is named
+    ``experts`` but names no ``experts`` dim: a dropless layer's, whole on each device."""
+    found = []
+    for (path, shape), role in zip(
+        jax.tree_util.tree_leaves_with_path(context.shapes, is_leaf=is_shape),
+        jax.tree.leaves(context.roles), strict=True,
+    ):  # fmt: skip
+        key = getattr(path[-1], "key", None) if path else None
+        if role == "experts" and key in ("gate", "up", "down"):
+            where = f"params{jax.tree_util.keystr(path)}"
+            if "experts" not in role.logical_dims(key, tuple(shape), where):
+                found.append(jax.tree_util.keystr(path))
+    return found

@@ -3,23 +3,30 @@ each block) trains like its plain-jnp reference under the strategies with and wi
 parallelism: 5 steps of SGD and Adam, losses (the load-balancing and z losses included),
 gradients and parameters. The reference runs every expert on every token and keeps each token's
 choices that fit its expert's capacity (``Llama._reference``), an implementation of the routing
-rule independent of the kernel's dispatch."""
+rule independent of the kernel's dispatch. The dropless model (``capacity_factor=None``) trains
+like its reference (every choice kept) under the strategies without expert parallelism, gives
+the capacity path's logits at ``E / k``, and is refused by ep when it builds."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
 import optax
 import pytest
+from _cover import cover
 from _gpt_checks import EP_MESHES, MESHES, TOL, check_lm_trajectory, lm_batches, mesh_for
 from _messages import refused
 
 import shardops_models as models
 from shardops_models import Experts, Llama
+from shardops_models.strategies.plan import stacked
 
 MOE = Llama(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=32,
             context=16, experts=Experts(num_experts=4, k=2, capacity_factor=1.0))  # fmt: skip
 EP = models.Strategy("ep_tp", ep="data", tp="model")  # GShard's: experts over the data axis
+DROPLESS = dataclasses.replace(MOE, experts=dataclasses.replace(MOE.experts, capacity_factor=None))
 
 CASES = [
     ("dp", "data8"),
@@ -153,12 +160,100 @@ def test_checkpoints_move_between_expert_parallel_and_other_layouts_bit_for_bit(
             ckpt.save(1, setup, restored)
 
 
+# Dropless: the strategies without an expert axis (each expert whole on every device, its
+# hidden units split over model under tp), each optimizer once by default; every pair under
+# SHARDOPS_FULL=1 (tests/_cover.py).
+DROPLESS_CASES = cover([("dp", "data8"), ("tp", "2x4"), ("fsdp_tp", "4x2")], ["sgd", "adam"])
+
+
+@pytest.mark.parametrize(("layout", "opt"), DROPLESS_CASES, ids=lambda c: "-".join(c) if
+                         isinstance(c, tuple) else c)  # fmt: skip
+def test_the_dropless_mixture_trains_like_the_reference(layout, opt):
+    """Every choice computed by its expert (tokens sorted by expert, ``lax.ragged_dot``) equals
+    the reference that keeps every choice, at the capacity model's tolerances; the compiled
+    step's collectives equal the traced budget (no AllToAll). At the checks' inputs the capacity
+    model drops choices (``test_capacity_drops_tokens_in_these_checks``), so a dropless layer
+    that dropped as it does would be off by the dropped choices' outputs."""
+    strategy, mesh = layout
+    tol = {**TOL[opt], "grads": 1e-5}
+    check_lm_trajectory(DROPLESS, strategy, mesh, opt, tol=tol, budget=True, sgd_lr=2.0)
+
+
+def test_the_dropless_cases_cover_every_layout_and_optimizer():
+    assert {c[0][0] for c in DROPLESS_CASES} == {"dp", "tp", "fsdp_tp"}
+    assert {c[1] for c in DROPLESS_CASES} == {"sgd", "adam"}
+
+
+def _logits(model, strategy, mesh_name, params, ids):
+    setup = models.build(strategy, mesh_for(MESHES[mesh_name]), model=model,
+                         optimizer=optax.sgd(0.1))  # fmt: skip
+    return np.asarray(setup.logits(setup.shard(params).params, setup.place_batch(ids)))
+
+
+def test_dropless_gives_the_capacity_paths_logits_at_e_over_k():
+    """At ``capacity_factor = E / k`` (``C = S``) the capacity path drops nothing: its logits
+    under tp are the dropless layer's (float32 rounding of two summation orders), while at the
+    model's capacity (1.0, which drops) they differ by far more."""
+    e = MOE.experts
+    params = MOE.init(jax.random.key(0))
+    ids = lm_batches(MOE)[0][0]
+    dropless = _logits(DROPLESS, "tp", "2x4", params, ids)
+    at = {cf: _logits(dataclasses.replace(MOE, experts=dataclasses.replace(
+        e, capacity_factor=cf)), "tp", "2x4", params, ids) for cf in (e.num_experts / e.k, 1.0)}  # fmt: skip
+    np.testing.assert_allclose(dropless, at[e.num_experts / e.k], rtol=0, atol=2e-6)
+    assert np.max(np.abs(dropless - at[1.0])) > 1e-3, "capacity 1.0 dropped nothing here"
+
+
+def test_dropless_expert_stats_drop_nothing():
+    """``expert_stats`` on sequences of one repeated token (every position the same ``h``, so
+    each layer's k = 2 choices go to the same two experts, 16 tokens each): dropless drops
+    nothing; the capacity model (C = 8) drops half of each chosen expert's tokens and none of
+    an expert no token chose (not 1 − 0/0); the shares are the same (before dropping)."""
+    params = MOE.init(jax.random.key(0))
+    ids = np.full((2, MOE.context), 5, np.int32)
+    dropless, capacity = DROPLESS.expert_stats(params, ids), MOE.expert_stats(params, ids)
+    share = np.asarray(dropless["share"])  # [L, E]
+    np.testing.assert_array_equal(np.sort(share, -1), [[0, 0, 0.5, 0.5]] * MOE.num_layers)
+    np.testing.assert_array_equal(np.asarray(dropless["dropped"]), 0.0)
+    np.testing.assert_array_equal(np.asarray(capacity["dropped"]), np.where(share > 0, 0.5, 0.0))
+    np.testing.assert_array_equal(np.asarray(capacity["share"]), share)
+
+
+@pytest.mark.parametrize(("strategy", "mesh"), [(EP, "e4m2"), ("2d+ep", "d2e2m2")],
+                         ids=lambda c: getattr(c, "name", c))  # fmt: skip
+def test_dropless_under_expert_parallelism_is_refused_when_it_builds(strategy, mesh):
+    name = models.strategy_named(strategy).name
+    axis = models.strategy_named(strategy).ep
+    with refused(ValueError, argument=f"strategy {name!r}",
+                 got=("is dropless", "names no 'experts' dim"),
+                 expected=(f"splits experts over {axis!r}", "ragged AllToAll"),
+                 fix=("Experts(capacity_factor=E / k) under ep", "the strategy without ep")):  # fmt: skip
+        models.build(strategy, mesh_for(EP_MESHES[mesh]), model=DROPLESS, optimizer=optax.sgd(0.1))
+
+
+def test_dropless_on_expert_parallel_experts_is_refused_when_it_traces():
+    """A plan that splits the experts (``EXPERTS``) over ep around a dropless layer (a user's
+    plan): ``ctx.moe`` refuses it when the step traces, naming the strategy, before the
+    kernel's own check."""
+    plan = {**DROPLESS.plan()}
+    plan["blocks"] = stacked({**plan["blocks"].plan, "moe": models.EXPERTS})
+    setup = models.build(EP, mesh_for(EP_MESHES["e4m2"]), model=DROPLESS, plan=plan,
+                         optimizer=optax.sgd(0.1))  # fmt: skip
+    ids = lm_batches(MOE)[0][0]
+    with refused(ValueError, argument="strategy 'ep_tp'", got="capacity_factor=None (dropless)",
+                 expected="splits this layer's experts over 'data'",
+                 fix="Experts(capacity_factor=E / k) under ep"):  # fmt: skip
+        setup.logits(setup.shard(MOE.init(jax.random.key(0))).params, setup.place_batch(ids))
+
+
 @pytest.mark.parametrize(("options", "argument", "got", "expected", "fix"), [
     ({"k": 5}, "k=5", "> num_experts=4", "picks k distinct experts", "use k ≤ num_experts"),
     ({"capacity_factor": 0.0}, "capacity_factor", "got 0.0", "a finite number > 0",
      "E / k drops nothing"),
     ({"capacity_factor": float("inf")}, "capacity_factor", "got inf", "a finite number > 0",
      "E / k drops nothing"),
+    ({"capacity_factor": True}, "capacity_factor", "got True", "or None (dropless)",
+     "and so does None"),
     ({"score": "relu"}, "score", "got 'relu'", "one of ('softmax', 'sigmoid')", "Pass one"),
     ({"load_balance": "local"}, "load_balance", "got 'local'", "one of ('global', 'group')",
      "Pass one"),
@@ -194,3 +289,8 @@ def test_ctx_array_of_an_expert_leaf_is_this_devices_experts():
         ValueError, match=r"is stored padded, \(4, 8, 6\) for the model's \(4, 8, 5\)"
     ):
         padded(w)
+
+
+def test_experts_accept_none_as_dropless():
+    assert Experts(num_experts=4, capacity_factor=None).capacity_factor is None
+    assert DROPLESS.plan()["blocks"].plan["moe"] == models.EXPERTS  # one name: checkpoints move
