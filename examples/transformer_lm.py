@@ -249,10 +249,9 @@ def parse_args(argv=None):
                            capacity_factor=args.capacity_factor)  # fmt: skip
         except ValueError as e:
             p.error(f"--experts/--top-k/--capacity-factor: {e}")
-        if args.context_parallel or models.strategy_named(args.strategy).sp:
-            p.error("--moe routes whole sequences (each a capacity group), which sequence and "
-                    "context parallelism split: not supported yet; use a strategy without sp "
-                    "and no --context-parallel")  # fmt: skip
+        if args.context_parallel:
+            p.error("--moe routes whole sequences (each a capacity group), which context "
+                    "parallelism splits: not supported yet; run it without --context-parallel")  # fmt: skip
     if args.expert_parallel:
         if not args.moe:
             p.error("--expert-parallel splits the experts of --moe")

@@ -510,10 +510,10 @@ def test_moe_with_expert_parallelism_trains_like_the_reference_and_logs_its_expe
 @pytest.mark.parametrize(("args", "message"), [
     (("--model", "llama", "--moe", "--experts", "2", "--top-k", "3"),
      r"--experts/--top-k/--capacity-factor: Experts: k=3 > num_experts=2: .*"),
-    (("--model", "llama", "--moe", "--strategy", "sp"),
+    (("--model", "llama", "--moe", "--strategy", "2d", "--context-parallel", "ring"),
      r"--moe routes whole sequences .*"),
     (("--moe",), r"--moe replaces the Llama's MLPs: add --model llama"),
-], ids=["k>E", "sp", "gpt"])  # fmt: skip
+], ids=["k>E", "cp", "gpt"])  # fmt: skip
 def test_moe_options_the_run_cannot_honour_are_usage_errors(args, message, capsys):
     check_usage_error(load_example("transformer_lm"), args, message, capsys)
 

@@ -217,15 +217,18 @@ class TensorKind(Kind):
         return None
 
     def moe_options(self, ctx, p, options):
-        """Each expert's hidden units split over the axis: ``model_axis``."""
+        """Each expert's hidden units split over the axis: ``model_axis``; under sp the tokens
+        enter split along S over it too (gathered whole into the layer, each sequence routed
+        as one group, and the output ReduceScattered along S: ``sequence_parallel``)."""
+        if any(self.axis in entry_axes(e) for e in p["gate"].spec):
+            return {**options, "model_axis": self.axis, "sequence_parallel": self.sequence}
         if self.sequence:
             raise ValueError(
-                "ctx.moe under sequence parallelism: a mixture of experts routes whole "
-                "sequences (its capacity groups), and sp splits them between layers; use the "
-                "strategy with tp instead of sp (not supported yet)"
+                f"ctx.moe under sequence parallelism over {self.axis!r}: the experts' hidden "
+                f"units are not split over it (their spec {p['gate'].spec}), and the layer "
+                f"gathers the sequence only where they are; give the experts the plan role "
+                f"EXPERTS (hidden units over 'mlp')"
             )
-        if any(self.axis in entry_axes(e) for e in p["gate"].spec):
-            return {**options, "model_axis": self.axis}
         return options
 
     def splits_output(self, p) -> bool:

@@ -63,7 +63,13 @@ from shardops._axes import DATA_AXIS
 from shardops._mesh import axis_size, check_divisible, spec_entry, varying_axes
 from shardops._precision import FLOAT32, Precision, _reduce_to
 from shardops.comm._collectives import all_reduce, all_to_all
-from shardops.comm._mappings import REPLICATED_INPUT, copy_to_region, reduce_from_region
+from shardops.comm._mappings import (
+    REPLICATED_INPUT,
+    copy_to_region,
+    gather_from_region,
+    reduce_from_region,
+    reduce_scatter_from_region,
+)
 from shardops.comm._reasons import Reason, because
 from shardops.layers._common import (
     bound_axis_size,
@@ -96,9 +102,15 @@ _RETURN = Reason("moe_return", forward={
 }, backward={
     "all_to_all": "the transpose of the return: dy's slots go to the devices of their experts",
 })  # fmt: skip
+_SEQUENCE_GATHER = Reason("moe_sequence_gather", forward={
+    "all_gather": "sequence parallelism splits x along S over {axis}; each group is routed whole "
+                  "(its capacity is the sequence's)",
+})  # fmt: skip
 _EXPERT_PARTIAL_SUMS = Reason("moe_expert_partial_sums", forward={
     "psum": "each expert's hidden units are split over {axis}: the combined y[G, S, D] holds "
             "partial sums (reduced after the combine, fewer bytes than the slots)",
+    "psum_scatter": "each expert's hidden units are split over {axis}: the combined y[G, S, D] "
+                    "holds partial sums, reduced and split along S (sequence parallelism)",
 })  # fmt: skip
 _COMBINE_WEIGHTS = Reason("moe_combine_weights", backward={
     "psum": "the combine weights are replicated over {axis} but multiply partial sums of the "
@@ -419,6 +431,7 @@ def moe_kernel(
     activation: Callable = jax.nn.silu,
     precision: Precision = FLOAT32,
     grouped_matmul: str = "ragged_dot",
+    sequence_parallel: bool = False,
 ) -> tuple[jax.Array, MoeStats]:
     """The MoE layer on local blocks: ``x[G, S, D] → y[G, S, D]`` and ``MoeStats``.
 
@@ -439,6 +452,10 @@ def moe_kernel(
             ``"ragged_dot"`` (``lax.ragged_dot``, any backend) or ``"megablox"`` (the Pallas
             TPU kernels ``gmm``/``tgmm``, outside ``shard_map`` only: ``moe`` on one device;
             interpreted off a TPU, for tests only).
+        sequence_parallel: ``x[G, S_model, D]`` and ``y`` split along S over ``model_axis``
+            (Megatron's sequence parallelism): ``x`` is AllGathered along S first (each group
+            routed whole, as without it), and ``y{U_model}`` ReduceScattered along S instead
+            of AllReduced.
 
     Returns:
         ``y`` shaped like ``x``, in compute dtype, replicated over ``model_axis``, and
@@ -459,10 +476,13 @@ def moe_kernel(
     """
     batch_axes = _axes_tuple(batch_axes)
     _check_kernel_args(x, params, k, capacity_factor, score, load_balance, expert_axis,
-                       model_axis, batch_axes, grouped_matmul)  # fmt: skip
+                       model_axis, batch_axes, grouped_matmul, sequence_parallel)  # fmt: skip
     router = params["router"]
     e = router.shape[-1]
-    groups = x if x.ndim == 3 else x[None]  # x[G, S, D]
+    groups = x if x.ndim == 3 else x[None]  # x[G, S, D] (sp: x[G, S_model, D])
+    if sequence_parallel:  # whole groups, invariant over model: dx is each device's slice
+        with because(_SEQUENCE_GATHER, model_axis):
+            groups = gather_from_region(groups, model_axis, axis=1)  # x[G, S, D]
     accum, compute = precision.accum_dtype, precision.compute_dtype
     if capacity_factor is None:  # dropless: the top-k alone, no slots
         logits, probs, top_i, combine = _top_k(groups, router, k, score)  # combine[G, S, k]
@@ -484,7 +504,10 @@ def moe_kernel(
     else:
         y = _capacity(x_region, routing.dispatch, weights, params, expert_axis, activation,
                       precision)  # y[G, S, D] in accum {U_model}  # fmt: skip
-    if model_axis is not None:
+    if sequence_parallel:
+        with because(_EXPERT_PARTIAL_SUMS, model_axis):
+            y = reduce_scatter_from_region(y, model_axis, dim=1)  # y[G, S_model, D]
+    elif model_axis is not None:
         with because(_EXPERT_PARTIAL_SUMS, model_axis):
             y = reduce_from_region(y, model_axis)  # y[G, S, D], replicated over model
     return y.astype(compute).reshape(x.shape), stats
@@ -591,9 +614,11 @@ def _check_kernel_args(
     model_axis,
     batch_axes: tuple,
     grouped_matmul: str,
+    sequence_parallel: bool = False,
 ) -> None:
     """``moe_kernel``'s arguments: the axes bound, the parameters' shapes and layouts, the
-    options, ``x`` replicated over the model axis."""
+    options, ``x`` replicated over the model axis (split along S over it: sequence
+    parallelism)."""
     op = "moe_kernel"
     n = 1 if expert_axis is None else bound_axis_size(expert_axis, op)
     for axis in (model_axis, *batch_axes):
@@ -621,7 +646,13 @@ def _check_kernel_args(
             for name in ("gate", "up", "down"):
                 check_sharded_over(params[name], axis, f"params[{name!r}]", op)
     _check_local(op, x, params, n, expert_axis)
-    if model_axis is not None:
+    if sequence_parallel and (model_axis is None or x.ndim != 3):
+        raise ValueError(
+            f"{op}: sequence_parallel=True splits x[G, S, D] along S over model_axis; got "
+            f"model_axis={model_axis!r} and x of shape {x.shape}. Pass the model axis and "
+            f"x[G, S_model, D], or sequence_parallel=False"
+        )
+    if model_axis is not None and not sequence_parallel:
         check_replicated_over(x, model_axis, "x", op)
 
 
