@@ -7,8 +7,8 @@
 ``models.generation.Decoder`` has no forward of its own: it runs ``Gpt.apply`` and
 ``Llama.apply``, the forward every training strategy runs, through this ``Parallel`` whose
 ``attention`` reads and writes a KV cache. Every other layer (``unit``, ``embed``, ``dense``,
-``gated_mlp``, the norms, ``tied_head``) is ``Parallel``'s own (``moe`` too, at a dropless
-capacity), so a change to the model or to its layers reaches the decoder too.
+``gated_mlp``, the norms, ``tied_head``) is ``Parallel``'s own (``moe`` too, routed dropless),
+so a change to the model or to its layers reaches the decoder too.
 
 **Design: one context per trace, the cache in and the written cache out.** A context is made
 for one call of ``model.apply`` inside one trace (the decoder makes one per prefill and per
@@ -33,11 +33,12 @@ whose stacked blocks return their statistics beside the residual stream through 
 outputs=True)``): every token goes to its ``k`` experts, whatever capacity factor the model
 trained with. The capacity is per sequence, ``C = min(S, ceil(cf · S · k / E))``: a one-token
 step never drops, but a prefill of a long prompt at a small ``cf`` would, and the same tokens
-would then route one way when prefilled and another when fed one at a time. Raising ``cf`` to
-``E / k`` (``C = S``) makes the prefill, every step and teacher-forced ``Decoder.logits`` agree
+would then route one way when prefilled and another when fed one at a time. The dropless
+layer (``capacity_factor=None``: the choices sorted by expert, grouped matmuls, linear in the
+prompt's length) makes the prefill, every step and teacher-forced ``Decoder.logits`` agree
 with each other and with the full forward of the model with a dropless ``Experts``
-(``capacity_factor ≥ E / k``), as Hugging Face's Mixtral routes at inference (it has no
-capacity). A prefill's dispatch is then ``[b, S, E, S]``: quadratic in the prompt's length.
+(``capacity_factor=None``, or ``≥ E / k``), as Hugging Face's Mixtral routes at inference (it
+has no capacity).
 
 **Last only.** With ``last_only`` the output layer (``output``: the paths of
 ``model.output_layer(params)``'s parameters) sees the last position alone, ``x[b, 1, D]``:
@@ -59,13 +60,6 @@ from jax import lax
 from shardops.layers import cached_attention_kernel
 from shardops_models.strategies.parallel import Parallel, is_param, one_layer
 from shardops_models.strategies.plan import StackedRole
-
-
-def dropless_capacity_factor(num_experts: int, k: int) -> float:
-    """``E / k``: the smallest capacity factor that drops no token whatever the group's
-    length, ``C = min(S, ceil(E/k · S · k / E)) = S`` slots per expert for a group of ``S``
-    tokens (``shardops.layers.moe_capacity``): each expert can take every token of it."""
-    return num_experts / k
 
 
 def _returned(y) -> str:
@@ -221,19 +215,17 @@ class CachedParallel(Parallel):
         cursor.layer, cursor.calls = first + layers, calls_before + layers
         return (x, outs) if outputs else x
 
-    def moe(self, p, x, *, k: int, capacity_factor: float, score: str = "softmax",
+    def moe(self, p, x, *, k: int, capacity_factor: float | None, score: str = "softmax",
             load_balance: str = "global", activation=jax.nn.silu):  # fmt: skip
-        """``Parallel.moe`` routed **dropless**: every token of ``x[b, s, D]`` goes to its
-        ``k`` experts, whatever ``capacity_factor`` the model trained with (the inference
-        rule; module docstring). The capacity is raised to ``C = s`` (``capacity_factor =
-        dropless_capacity_factor(E, k) = E/k``: ``C = min(s, ceil(E/k · s · k / E)) = s``),
-        so a prefill of ``s`` tokens and each one-token step route every token as the full
-        forward of a dropless model does. The statistics are this device's
-        (``load_balance="group"``: no AllReduce over the batch; the decoder discards them).
-        Communication: ``Parallel.moe``'s over the tp axis (the combine's AllReduce of
-        ``y[b, s, D]``)."""
-        e = p["router"].shape[-1]  # router[D, E]: every expert's column on each device
-        return super().moe(p, x, k=k, capacity_factor=dropless_capacity_factor(e, k),
+        """``Parallel.moe`` routed **dropless** (``capacity_factor=None``): every token of
+        ``x[b, s, D]`` goes to its ``k`` experts, whatever ``capacity_factor`` the model
+        trained with (the inference rule; module docstring), so a prefill of ``s`` tokens and
+        each one-token step route every token as the full forward of a dropless model does.
+        Every expert is on each device (the decoder's layout splits none). The statistics are
+        this device's (``load_balance="group"``: no AllReduce over the batch; the decoder
+        discards them). Communication: ``Parallel.moe``'s over the tp axis (the combine's
+        AllReduce of ``y[b, s, D]``)."""
+        return super().moe(p, x, k=k, capacity_factor=None,
                            score=score, load_balance="group", activation=activation)  # fmt: skip
 
     def dense(self, p, x):

@@ -33,11 +33,12 @@ tokens (no faster; build the mesh from ``data`` and ``model`` alone to use them 
 
 **A mixture of experts** (``Llama(experts=Experts(...))``, Mixtral-style) decodes dropless:
 every token, of the prompt and of each step, goes to its ``k`` experts, whatever capacity
-factor the model trained with (``CachedParallel.moe`` raises it to ``E / k``, so ``C = S``).
-A one-token step could never drop; a prefill of a long prompt at the training capacity would,
-and its tokens would route otherwise than the same tokens fed one a step. So the tokens are
-those of the full forward of the model with ``capacity_factor = E / k`` (Hugging Face's
-Mixtral, which has no capacity, routes so), whichever way they are fed. The experts are laid
+factor the model trained with (``CachedParallel.moe`` routes with ``capacity_factor=None``:
+the choices sorted by expert, grouped matmuls). A one-token step could never drop; a prefill
+of a long prompt at the training capacity would, and its tokens would route otherwise than
+the same tokens fed one a step. So the tokens are those of the full forward of the dropless
+model (``capacity_factor=None``, or the capacity path at ``E / k``: Hugging Face's Mixtral,
+which has no capacity, routes so), whichever way they are fed. The experts are laid
 out as ``2d`` lays them out: each expert's hidden units split over ``model`` (its combine one
 AllReduce of ``[b, s, D]``, in place of the MLP's), every expert on every row shard. Expert
 parallelism is not a decoding layout: an ``expert`` axis of the mesh replicates the decoding

@@ -1,6 +1,6 @@
 """KV-cache decoding of a Llama with a mixture of experts (Mixtral-style), which routes
 dropless (``CachedParallel.moe``): greedy tokens of a prefill and every step are the argmax of
-the full forward of the same model with a dropless ``Experts`` (``capacity_factor = E / k``),
+the full forward of the same model with a dropless ``Experts`` (``capacity_factor=None``),
 on one device, under tp (1×8), 2d (2×4) and on a mesh with an expert axis (which replicates the
 decoding, as any axis besides data and model does); the model trains at a capacity factor that
 drops choices of the prompt, and that forward's first token differs, so a decoder that kept
@@ -22,7 +22,6 @@ from test_cached_context import _block_attending
 import shardops_models as models
 from shardops.inspect import collectives
 from shardops_models.generation import Decoder, _cached_context, decoding
-from shardops_models.generation._cached_context import dropless_capacity_factor
 
 E, K = 4, 2
 # capacity_factor 0.5: C = ceil(0.5 · 12 · 2 / 4) = 3 slots per expert for a prompt's 24
@@ -31,8 +30,8 @@ E, K = 4, 2
 MODEL = models.Llama(vocab_size=64, d_model=32, num_layers=2, num_heads=8, num_kv_heads=2,
                      d_ff=32, context=32, init_scale=0.3,
                      experts=models.Experts(num_experts=E, k=K, capacity_factor=0.5))  # fmt: skip
-DROPLESS = dataclasses.replace(MODEL, experts=dataclasses.replace(
-    MODEL.experts, capacity_factor=dropless_capacity_factor(E, K)))  # fmt: skip
+DROPLESS = dataclasses.replace(MODEL, experts=dataclasses.replace(MODEL.experts,
+                                                                  capacity_factor=None))  # fmt: skip
 PROMPT, STEPS, BATCH = 12, 6, 4
 MESHES = {
     "1x1": {"data": 1, "model": 1},  # the unsharded decoding
@@ -82,7 +81,7 @@ def test_greedy_tokens_are_the_dropless_forwards_argmax_at_every_step(mesh_name)
 
 
 TRAINING_CAPACITY = (  # the mutant: the decoder routes at the model's training capacity
-    "        return super().moe(p, x, k=k, capacity_factor=dropless_capacity_factor(e, k),",
+    "        return super().moe(p, x, k=k, capacity_factor=None,",
     "        return super().moe(p, x, k=k, capacity_factor=capacity_factor,",
 )
 
