@@ -1,7 +1,7 @@
 """A GPT-style language model built only from shardops layers, for every strategy.
 
     ids[B, S] → embed: table[V, D][ids] + pos[S, D][positions]               (unit "embed")
-      → L × block: x + attention(layer_norm(x))                              (unit per block)
+      → L × block: x + attention(layer_norm(x))       (unit per block; stacked: one lax.scan)
                    x + down(gelu(up(layer_norm(x))))
       → layer_norm → head w[D, V] → logits[B, S, V]                          (unit "head")
       → cross-entropy against the next tokens labels[B, S] (integers)
@@ -11,6 +11,14 @@ heads, ``up`` column- and ``down`` row-parallel, the head column-parallel (logit
 over the vocabulary; the loss is vocab-parallel and never gathers them), norms and positions
 replicated. Under sequence parallelism (``sp``) the activations between layers are
 ``x[B, S_model, D]``.
+
+**Stacked layers** (``Gpt(stacked=True)``, MaxText's ``scan_layers``): the blocks' parameters
+stack the layers along dim 0 (``params["blocks"]["up"]["w"][L, D, F]``, plan
+``stacked(block)``) and run with ``ctx.scan``, as the Llama's do: one compiled block whatever
+the depth, and the layout pipeline parallelism (``pp``) cuts into stages. The unrolled default
+keeps a list of per-block dicts (``params["blocks"][l]``), one ``ctx.unit`` a block. The two
+are the same function of the same weights: ``init`` draws the same numbers either way, stacked
+(``stack_blocks``/``unstack_blocks`` convert a tree between them).
 
 ``reference_logits`` is the same model in plain ``jax.numpy`` with no shardops layer, written
 independently: the ``ref`` strategy is checked against it, every other strategy against ``ref``.
@@ -28,17 +36,19 @@ from jax.ad_checkpoint import checkpoint_name
 
 import shardops
 from shardops_models.networks._lm import PAD_LABEL, LanguageModel, check_token_range
-from shardops_models.strategies.plan import COLUMN, HEAD, REPLICATED, ROW, VOCAB
+from shardops_models.strategies.plan import COLUMN, HEAD, REPLICATED, ROW, VOCAB, stacked
 from shardops_models.strategies.remat import MLP_HIDDEN, MLP_INPUT, MLP_OUTPUT
 
-__all__ = ["PAD_LABEL", "Gpt", "check_token_range"]
+__all__ = ["PAD_LABEL", "Gpt", "check_token_range", "stack_blocks", "unstack_blocks"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Gpt(LanguageModel):
     """A decoder-only transformer: ``num_layers`` blocks of width ``d_model`` with ``num_heads``
     heads of ``d_model / num_heads``, an MLP of ``d_ff`` (default 4·d_model), learned positions
-    up to ``context``, causal attention and a separate (untied) output head."""
+    up to ``context``, causal attention and a separate (untied) output head. ``stacked``:
+    the blocks stored ``[L, …]`` and run by one ``lax.scan`` (``ctx.scan``; needed by
+    pipeline parallelism), else unrolled, one ``ctx.unit`` a block (module docstring)."""
 
     vocab_size: int = 256
     d_model: int = 128
@@ -47,8 +57,12 @@ class Gpt(LanguageModel):
     context: int = 128
     d_ff: int | None = None
     init_scale: float = 0.02
+    stacked: bool = False  # the blocks [L, …] under one scan (pp needs it); else a list
 
     def __post_init__(self):
+        if not isinstance(self.stacked, bool):
+            raise TypeError(f"Gpt: stacked must be a bool (True: the blocks stacked [L, …] "
+                            f"and scanned; False: a list, unrolled); got {self.stacked!r}")  # fmt: skip
         for name in ("vocab_size", "d_model", "num_heads", "num_layers", "context"):
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -64,7 +78,8 @@ class Gpt(LanguageModel):
     @property
     def name(self) -> str:
         return (f"gpt L={self.num_layers} D={self.d_model} H={self.num_heads} "
-                f"F={self.d_ff} V={self.vocab_size} S≤{self.context}")  # fmt: skip
+                f"F={self.d_ff} V={self.vocab_size} S≤{self.context}"
+                f"{' stacked' if self.stacked else ''}")  # fmt: skip
 
     @property
     def head_dim(self) -> int:
@@ -72,7 +87,8 @@ class Gpt(LanguageModel):
 
     def init(self, key, dtype=None):
         """Full parameters: GPT-2's init (normal × 0.02, the residual projections scaled by
-        1/√(2L)), biases zero, norms identity. Drawn in float32, then cast to ``dtype``."""
+        1/√(2L)), biases zero, norms identity. Drawn in float32, then cast to ``dtype``.
+        ``stacked``: the same numbers, the blocks stacked ``[L, …]`` (``stack_blocks``)."""
         d, v, f = self.d_model, self.vocab_size, self.d_ff
         normal = jax.nn.initializers.normal(self.init_scale)
         residual = jax.nn.initializers.normal(self.init_scale / math.sqrt(2 * self.num_layers))
@@ -95,7 +111,7 @@ class Gpt(LanguageModel):
         params = {
             "embed": {"table": normal(k_embed, (v, d))},  # table[V, D]
             "pos": {"table": normal(k_pos, (self.context, d))},  # pos[S, D]
-            "blocks": blocks,
+            "blocks": stack_blocks(blocks) if self.stacked else blocks,
             "ln_f": _norm(d),
             "head": {"w": normal(k_head, (d, v))},  # w[D, V]
         }
@@ -110,12 +126,13 @@ class Gpt(LanguageModel):
         return 6 * matmul + 12 * n * d * seq
 
     def plan(self):
-        """Megatron's roles (see the module docstring)."""
+        """Megatron's roles (see the module docstring); ``stacked``: the blocks' one plan."""
         block = {"ln1": REPLICATED, "attn": HEAD, "ln2": REPLICATED, "up": COLUMN, "down": ROW}
+        blocks = stacked(block) if self.stacked else [dict(block) for _ in range(self.num_layers)]
         return {
             "embed": VOCAB,
             "pos": REPLICATED,
-            "blocks": [dict(block) for _ in range(self.num_layers)],
+            "blocks": blocks,
             "ln_f": REPLICATED,
             "head": COLUMN,
         }
@@ -129,8 +146,11 @@ class Gpt(LanguageModel):
         training, the cache's length in a KV-cache decoder's step (``models.generation``)."""
         x = ctx.unit(self._embed(ctx, start),
                      {"embed": params["embed"], "pos": params["pos"]}, ids)  # fmt: skip
-        for block in params["blocks"]:
-            x = ctx.unit(self._block(ctx), block, x)  # x[b, S, D] (sp: x[b, S_model, D])
+        if self.stacked:  # one lax.scan over blocks[L, …] (pp: this stage's layers)
+            x = ctx.scan(self._block(ctx), params["blocks"], x)  # x[b, S(_model), D]
+        else:
+            for block in params["blocks"]:
+                x = ctx.unit(self._block(ctx), block, x)  # x[b, S, D] (sp: x[b, S_model, D])
         head = {"ln_f": params["ln_f"], "head": params["head"]}
         return ctx.unit(self._head(ctx), head, x), {}  # logits[b, S, V(_model)]
 
@@ -165,8 +185,11 @@ class Gpt(LanguageModel):
     # --- the independent reference
 
     def reference_logits(self, params, ids):
-        """The model in plain ``jax.numpy`` (no shardops), float32: ``logits[B, S, V]``."""
+        """The model in plain ``jax.numpy`` (no shardops), float32: ``logits[B, S, V]``.
+        Stacked blocks are unstacked and run one after another, as unrolled ones."""
         params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+        if self.stacked:
+            params = {**params, "blocks": unstack_blocks(params["blocks"])}
         seq = ids.shape[1]
         x = params["embed"]["table"][ids] + params["pos"]["table"][:seq][None]
         mask = np.tril(np.ones((seq, seq), bool))
@@ -189,6 +212,19 @@ class Gpt(LanguageModel):
         weights = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)  # (B, H, S, S)
         o = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, s, self.d_model)
         return o @ p["wo"] + p["bo"]
+
+
+def stack_blocks(blocks: list) -> dict:
+    """Per-block trees ``[{"up": {"w": w[D, F]}, …}] * L`` → one tree of ``[L, …]`` leaves
+    (``{"up": {"w": w[L, D, F]}, …}``): the unrolled GPT's blocks as ``Gpt(stacked=True)``
+    holds them."""
+    return jax.tree.map(lambda *layers: jnp.stack(layers), *blocks)
+
+
+def unstack_blocks(blocks: dict) -> list:
+    """``stack_blocks``' inverse: one tree of ``[L, …]`` leaves → ``L`` per-block trees."""
+    n = jax.tree.leaves(blocks)[0].shape[0]
+    return [jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(n)]
 
 
 def _norm(d: int) -> dict:
