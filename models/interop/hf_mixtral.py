@@ -2,7 +2,8 @@
 strategy and mesh, expert-parallel ones included.
 
     ckpt = interop.HfMixtral("path/to/mixtral")          # config.json + *.safetensors
-    setup = models.build("2d+ep", mesh, model=ckpt.model(), optimizer=optax.adamw(1e-5))
+    setup = models.build("2d+ep", mesh, model=ckpt.model(strategy="2d+ep"),
+                         optimizer=optax.adamw(1e-5))    # ep: capacity E / k (drops nothing)
     state = ckpt.load(setup)                              # each process reads only its slices
     ...
     interop.save_hf_mixtral("out/", setup, state)        # MixtralForCausalLM.from_pretrained
@@ -25,13 +26,16 @@ shardops parameter                      transformers tensor (``model.layers.{l}.
 ``gate_up_proj`` in memory and splits them back when saving.) The routing is Mixtral's: a
 softmax over the ``E`` router logits, the top ``k`` renormalised over the ``k``.
 
-**Capacity.** transformers' Mixtral is dropless: every token reaches its ``k`` experts. Ours
-gives each expert ``C = min(S, ceil(capacity_factor · S · k / E))`` slots per sequence and
-drops the choices beyond them. ``mixtral_from_config`` therefore sets ``capacity_factor = E /
-k``, so that ``C = S``: no choice is ever dropped, and the logits are transformers'. It is the
-costliest setting (each expert's buffer holds a whole sequence); to train cheaper, pass
-``capacity_factor=`` (e.g. 1.25) to ``HfMixtral.model`` and build the setup from that model:
-``load`` takes the setup's capacity and loss weights as its own.
+**Capacity.** transformers' Mixtral is dropless: every token reaches its ``k`` experts.
+``mixtral_from_config`` (and ``HfMixtral.model``) therefore builds a dropless model,
+``capacity_factor=None`` (each expert computes exactly its tokens: sorted by expert, grouped
+matmuls), whose logits are transformers'. Expert parallelism cannot split dropless experts
+(``models.strategies.expert``): given ``strategy=`` with ep (``"2d+ep"``), the model takes the
+capacity path at ``capacity_factor = E / k`` instead, so that ``C = min(S, ceil(capacity_factor
+· S · k / E)) = S``: still no choice dropped and transformers' logits, at the cost of buffers
+that hold a whole sequence per expert. To train cheaper, pass ``capacity_factor=`` (e.g. 1.25:
+the choices beyond ``C`` dropped) and build the setup from that model: ``load`` takes the
+setup's capacity and loss weights as its own.
 
 **Config.** The Llama fields map as ``llama_from_config`` maps them (its refusals too), with
 Mixtral's defaults for a field config.json leaves out (``DEFAULTS``: ``MixtralConfig()``'s
@@ -64,6 +68,7 @@ from shardops_models.interop.hf_llama import (
     _save_hf,
 )
 from shardops_models.networks.llama import Experts, Llama
+from shardops_models.strategies.layout import Strategy, strategy_named
 from shardops_models.training._setup import Setup
 
 _MOE = "model.layers.{l}.block_sparse_moe."
@@ -92,11 +97,14 @@ DEFAULTS = {
 TRAINING = ("capacity_factor", "load_balance", "load_balance_weight", "z_loss_weight")
 
 
-def mixtral_from_config(config: dict | str | os.PathLike, **overrides) -> Llama:
+def mixtral_from_config(config: dict | str | os.PathLike, *,
+                        strategy: Strategy | str | None = None, **overrides) -> Llama:  # fmt: skip
     """The ``models.Llama(experts=...)`` of a transformers Mixtral config (a dict,
-    ``config.json`` or its folder): dropless (``capacity_factor = E / k``), the load-balance
-    weight ``router_aux_loss_coef · k / L``, no z-loss (module docstring). ``overrides``
-    replace ``Llama`` fields (``context=``) or the experts' ``TRAINING`` ones
+    ``config.json`` or its folder): dropless (``capacity_factor=None``; ``E / k``, which drops
+    nothing either, where ``strategy`` has expert parallelism), the load-balance weight
+    ``router_aux_loss_coef · k / L``, no z-loss (module docstring). ``strategy``: the
+    ``Strategy`` (or preset name) the model will be built under, None for one without ep.
+    ``overrides`` replace ``Llama`` fields (``context=``) or the experts' ``TRAINING`` ones
     (``capacity_factor=1.25``). Unsupported fields are an ``UnsupportedConfig`` naming the
     field."""
     config = _config_dict(config)
@@ -124,7 +132,8 @@ def mixtral_from_config(config: dict | str | os.PathLike, **overrides) -> Llama:
         )
     e, k = config["num_local_experts"], config["num_experts_per_tok"]
     coef = float(config["router_aux_loss_coef"])
-    experts = Experts(num_experts=e, k=k, capacity_factor=e / k, score="softmax",
+    ep = strategy is not None and strategy_named(strategy).ep is not None
+    experts = Experts(num_experts=e, k=k, capacity_factor=e / k if ep else None, score="softmax",
                       load_balance="global",
                       load_balance_weight=coef * k / fields["num_layers"],
                       z_loss_weight=0.0)  # fmt: skip
@@ -154,8 +163,9 @@ def hf_config(model: Llama, dtype="float32") -> dict:
 class HfMixtral(HfLlama):
     """A transformers Mixtral checkpoint folder, read lazily: ``HfLlama``'s interface
     (``model()``, ``load(setup)``, ``elements_read``, ``tie_embeddings``) for
-    ``MixtralForCausalLM`` (module docstring). ``load`` takes the setup's experts'
-    ``TRAINING`` fields (capacity, loss weights) as the checkpoint's."""
+    ``MixtralForCausalLM`` (module docstring). ``model(strategy=..., **overrides)`` is
+    ``mixtral_from_config``'s: dropless, or ``E / k`` under ep. ``load`` takes the setup's
+    experts' ``TRAINING`` fields (capacity, loss weights) as the checkpoint's."""
 
     TABLE = NAMES
 
@@ -176,7 +186,8 @@ def save_hf_mixtral(directory: str | os.PathLike, setup: Setup, state, *,
     ``models.Llama`` with softmax-routed experts) as a transformers Mixtral checkpoint in
     ``directory``: ``save_hf_llama``'s files, folder and arguments (``max_shard_bytes``,
     ``dtype``), the experts named as ``NAMES`` gives. The capacity and the z-loss are how
-    shardops trains, not part of the function: transformers runs the model dropless. Returns
+    shardops trains, not part of the function: transformers runs the model dropless (and
+    ``HfMixtral.model`` reads it back dropless, or at ``E / k`` under ep). Returns
     the files written (process 0; ``[]`` elsewhere)."""
     model = setup.model
     if not isinstance(model, Llama) or model.experts is None:

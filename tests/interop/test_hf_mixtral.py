@@ -1,7 +1,8 @@
 """Hugging Face Mixtral checkpoints (``shardops_models.interop.HfMixtral``) against transformers'
 own ``MixtralForCausalLM``: a tiny checkpoint it writes from a config (random weights, nothing
 downloaded) loads under expert × tensor parallelism, tensor parallelism alone and the
-reference with transformers' logits (dropless: ``capacity_factor = E / k``); what shardops
+reference with transformers' logits (dropless: ``capacity_factor=None``, and ``E / k`` under
+expert parallelism, which cannot split dropless experts); what shardops
 saves after training loads in transformers with shardops' logits, and the same files come out
 of an expert-parallel layout and a layout without one, bit for bit; greedy KV-cache decoding
 generates transformers' ``generate`` tokens; mutants of the names
@@ -21,6 +22,7 @@ import pytest
 import torch
 from _gpt_checks import EP_MESHES, MESHES
 from _hf_checks import check_close, tokens
+from _messages import refused
 from _model_checks import mesh_for
 from _mutants import mutant
 from transformers import MixtralConfig, MixtralForCausalLM
@@ -92,7 +94,7 @@ def _build(model, strategy, mesh_name, optimizer=None):
 
 def _logits(module, path, strategy="2d+ep", mesh_name="d2e2m2", **overrides):
     ckpt = module.HfMixtral(path)
-    setup = _build(ckpt.model(**overrides), strategy, mesh_name)
+    setup = _build(ckpt.model(strategy=strategy, **overrides), strategy, mesh_name)
     params = ckpt.load(setup, optimizer_state=False)
     ids, _ = tokens(FIELDS["vocab_size"])
     return ckpt, np.asarray(setup.logits(params, setup.place_batch(ids))), ids
@@ -100,10 +102,12 @@ def _logits(module, path, strategy="2d+ep", mesh_name="d2e2m2", **overrides):
 
 @pytest.mark.parametrize(("strategy", "mesh_name"), LAYOUTS, ids=lambda c: str(c))
 def test_a_checkpoint_loads_with_transformers_logits(checkpoint, strategy, mesh_name):
-    """Every element of the files read once, whatever the layout (replicas share a read)."""
+    """Every element of the files read once, whatever the layout (replicas share a read); the
+    model dropless, or at ``E / k`` (``C = S``, nothing dropped) under expert parallelism."""
     ckpt, logits, ids = _logits(hf_mixtral, checkpoint, strategy, mesh_name)
-    model = ckpt.model()
-    assert model.experts.capacity_factor == 4 / 2  # E / k: C = S, nothing dropped
+    model = ckpt.model(strategy=strategy)
+    expert_parallel = strategy is not None and models.strategy_named(strategy).ep is not None
+    assert model.experts.capacity_factor == (4 / 2 if expert_parallel else None)
     total = sum(a.size for a in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))))
     assert ckpt.elements_read == total
     _check_close(logits, checkpoint, ids, f"{strategy} {mesh_name}")
@@ -124,7 +128,7 @@ def test_trained_checkpoint_saved_by_shardops_loads_in_transformers_bit_for_bit(
     loaded into 2d (no expert axis, another padding) and saved again gives the same files byte
     for byte, and loads back into 2d+ep with the trained parameters bit for bit."""
     ckpt = HfMixtral(checkpoint)
-    setup = _build(ckpt.model(), "2d+ep", "d2e2m2", optax.adam(3e-2))
+    setup = _build(ckpt.model(strategy="2d+ep"), "2d+ep", "d2e2m2", optax.adam(3e-2))
     state = ckpt.load(setup)
     ids, labels = tokens(FIELDS["vocab_size"], seed=1)
     before = setup.gather(state.params)
@@ -141,8 +145,8 @@ def test_trained_checkpoint_saved_by_shardops_loads_in_transformers_bit_for_bit(
     config = json.loads((out / "config.json").read_text())
     assert config["router_aux_loss_coef"] == FIELDS["router_aux_loss_coef"]
     again = HfMixtral(out)
-    assert again.model() == setup.model
-    dense = _build(again.model(), "2d", "2x4")
+    assert again.model(strategy="2d+ep") == setup.model
+    dense = _build(again.model(), "2d", "2x4")  # dropless
     save_hf_mixtral(tmp_path / "2d", dense, again.load(dense, optimizer_state=False))
     for name in ("model.safetensors", "config.json"):
         assert (tmp_path / "2d" / name).read_bytes() == (out / name).read_bytes(), name
@@ -208,7 +212,7 @@ def test_a_field_config_json_leaves_out_takes_transformers_default():
     assert {k: getattr(got, k) for k in want} == want
     e = c.num_local_experts
     assert got.experts == models.Experts(
-        num_experts=e, k=c.num_experts_per_tok, capacity_factor=e / c.num_experts_per_tok,
+        num_experts=e, k=c.num_experts_per_tok, capacity_factor=None,
         load_balance_weight=c.router_aux_loss_coef * c.num_experts_per_tok / c.num_hidden_layers,
         z_loss_weight=0.0)  # fmt: skip
 
@@ -263,7 +267,10 @@ def test_a_setup_of_other_experts_is_refused(checkpoint):
         ckpt.load(_build(other, "ref", None))
 
 
-# name → (exact line of hf_mixtral.py, replacement); each changes the logits on 2d+ep.
+# name → (exact line of hf_mixtral.py, replacement); each changes the logits on 2d+ep, but
+# the dropless default's (read on tp: MUTANT_LAYOUTS).
+_CAPACITY = ("    experts = Experts(num_experts=e, k=k, capacity_factor=e / k if ep else None, "
+             "score=\"softmax\",")  # fmt: skip
 MUTANTS = {
     "router_not_transposed": (
         '    ("blocks", "moe", "router"): (_MOE + "gate.weight", True),',
@@ -272,10 +279,10 @@ MUTANTS = {
         '    ("blocks", "moe", "up"): (_MOE + "experts.{e}.w3.weight", True),',
         '    ("blocks", "moe", "up"): (_MOE + "experts.{e}.w1.weight", True),\n'
         '    ("blocks", "moe", "gate"): (_MOE + "experts.{e}.w3.weight", True),'),
-    "capacity_of_training": (
-        "    experts = Experts(num_experts=e, k=k, capacity_factor=e / k, score=\"softmax\",",
-        "    experts = Experts(num_experts=e, k=k, capacity_factor=1.25, score=\"softmax\","),
+    "capacity_of_training": (_CAPACITY, _CAPACITY.replace("e / k if ep else None", "1.25")),
+    "capacity_of_training_without_ep": (_CAPACITY, _CAPACITY.replace("else None", "else 1.25")),
 }  # fmt: skip
+MUTANT_LAYOUTS = {"capacity_of_training_without_ep": ("tp", "2x4")}
 
 
 @pytest.mark.parametrize("name", [None, *MUTANTS])
@@ -288,7 +295,16 @@ def test_mutant_is_caught(checkpoint, name):
         _, logits, ids = _logits(module, checkpoint)
         _check_close(logits, checkpoint, ids, "unmutated")
         return
+    layout = MUTANT_LAYOUTS.get(name, ())
     with pytest.raises((AssertionError, ValueError), match="shardops − transformers|the config "
                        "gives"):  # fmt: skip
-        _, logits, ids = _logits(module, checkpoint)
+        _, logits, ids = _logits(module, checkpoint, *layout)
         _check_close(logits, checkpoint, ids, name)
+
+
+def test_a_dropless_model_under_expert_parallelism_is_refused(checkpoint):
+    """The default model (dropless) built under ep: refused when the setup builds, naming
+    the fix (``ckpt.model(strategy=...)`` gives ``E / k`` there)."""
+    with refused(ValueError, argument="strategy '2d+ep'", got="is dropless",
+                 expected="splits experts over 'expert'", fix="capacity_factor=E / k"):  # fmt: skip
+        _build(HfMixtral(checkpoint).model(), "2d+ep", "d2e2m2")
