@@ -35,9 +35,9 @@ activation over the mesh's ``context`` axis too, attention by that method
         --context-parallel ring --context 1024 --compare-reference
 
 ``--moe`` (with ``--model llama``) puts a mixture of ``--experts`` SwiGLU experts in each
-block, each byte routed to ``--top-k`` of them at ``--capacity-factor`` (Mixtral-style), and
-logs the auxiliary losses and each expert's share and drops; ``--expert-parallel`` splits the
-experts over the mesh's ``expert`` axis. The sample decodes dropless: every byte, of the prompt
+block, each byte routed to ``--top-k`` of them at ``--capacity-factor`` (Mixtral-style;
+``none``: dropless), and logs the auxiliary losses and each expert's share and drops;
+``--expert-parallel`` splits the experts over the mesh's ``expert`` axis (not dropless). The sample decodes dropless: every byte, of the prompt
 and of each step, goes to its k experts, whatever the training capacity
 (``docs/hugging-face-and-decoding.md``):
 
@@ -149,8 +149,9 @@ def parse_args(argv=None):
                         "logs the auxiliary losses and each expert's token share and drop rate)")  # fmt: skip
     p.add_argument("--experts", type=int, default=8, help="--moe: experts per layer")
     p.add_argument("--top-k", type=int, default=2, help="--moe: experts per token")
-    p.add_argument("--capacity-factor", type=float, default=1.25,
-                   help="--moe: slots per expert = capacity_factor · tokens · k / experts")  # fmt: skip
+    p.add_argument("--capacity-factor", type=capacity_factor, default=1.25,
+                   help="--moe: slots per expert = capacity_factor · tokens · k / experts, or "
+                        "'none': dropless (every choice computed; not with --expert-parallel)")  # fmt: skip
     p.add_argument("--expert-parallel", action="store_true",
                    help="--moe: split the experts over the mesh's 'expert' axis (the batch "
                         "too; the strategy becomes STRATEGY+ep)")  # fmt: skip
@@ -255,6 +256,11 @@ def parse_args(argv=None):
     if args.expert_parallel:
         if not args.moe:
             p.error("--expert-parallel splits the experts of --moe")
+        if args.capacity_factor is None:
+            p.error(f"--capacity-factor none (dropless) keeps every expert whole on each "
+                    f"device, which --expert-parallel splits; pass --capacity-factor "
+                    f"{args.experts / args.top_k:g} (experts / top-k: drops nothing either) "
+                    f"or drop --expert-parallel")  # fmt: skip
         args.strategy = f"{args.strategy}+ep"
     if args.microbatches < 1:
         p.error(f"--microbatches must be a positive int; got {args.microbatches}")
@@ -275,6 +281,18 @@ def parse_args(argv=None):
     if args.clip is not None and not args.clip > 0:
         p.error(f"--clip must be a positive norm; got {args.clip}")
     return p, args
+
+
+def capacity_factor(text: str) -> float | None:
+    """``--capacity-factor``: a number, or ``none`` (dropless: ``Experts(capacity_factor=None)``)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a number (e.g. 1.25) nor 'none' (dropless)"
+        ) from None
 
 
 def make_model(args):
