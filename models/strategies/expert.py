@@ -17,8 +17,9 @@ parallelism splits each expert's hidden units over its axis (the rules row ``mlp
 A dropless mixture of experts (``capacity_factor=None``) is refused when the setup builds:
 each expert would get a ragged number of tokens from each device, which needs a ragged
 AllToAll (``lax.ragged_all_to_all``, not implemented on XLA:CPU, where shardops is tested).
-Such a layer's plan role names no ``experts`` dim (``models.networks.llama.DROPLESS_EXPERTS``);
-a layer split by ``EXPERTS`` but called dropless is refused by ``ctx.moe`` when it traces.
+Such a layer's plan role names no ``experts`` dim
+(``shardops_models.networks.llama.DROPLESS_EXPERTS``); a layer split by ``EXPERTS`` but called
+dropless is refused by ``ctx.moe`` when it traces.
 """
 
 from __future__ import annotations
