@@ -3,13 +3,14 @@ the unrolled GPT on the same weights: ``init`` draws the same numbers, stacked; 
 equal under ``ref`` and a sharded strategy; it trains like its plain reference under a covering
 design of strategies (dp, tp, fsdp_sp with remat) and under pipeline parallelism (1F1B alone,
 GPipe composed with 2d), which refuses the unrolled GPT; a KV-cache decoder greedily emits the
-unrolled one's tokens."""
+unrolled one's tokens; the divergence locator names the stacked layer a bug is in."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -124,3 +125,36 @@ def test_greedy_decoding_equals_the_unrolled_gpt():
     np.testing.assert_allclose(logits[True], logits[False], atol=2e-6)
     np.testing.assert_array_equal(tokens[True], tokens[False])
     assert len(np.unique(tokens[True])) > 8  # not one token repeated: the steps are exercised
+
+
+def test_the_locator_names_the_stacked_layer_a_bug_is_in(monkeypatch):
+    """``models.locate`` taps each stacked layer under its own path (``['blocks'][i]…``): a
+    wrong head split in block 1's attention is the first and only layer beyond its bound
+    (beside the stacked attention weights' gradients, which hold block 1's). Two blocks: the
+    tapped forward unrolls the scan."""
+    model = dataclasses.replace(GPT_STACKED, num_layers=2)
+    real, calls = shardops.layers.head_parallel_attention_kernel, [0]
+
+    def kernel(x, params, **kwargs):  # block 1's wk with this device's two halves swapped
+        i, calls[0] = calls[0], calls[0] + 1
+        if i % model.num_layers == 1:
+            wk = params["wk"]  # wk[D, (H·hd)_model]
+            half = wk.shape[1] // 2
+            params = {**params, "wk": jnp.concatenate([wk[:, half:], wk[:, :half]], axis=1)}
+        return real(x, params, **kwargs)
+
+    monkeypatch.setattr(shardops.layers, "head_parallel_attention_kernel", kernel)
+    setup = models.build("fsdp_tp", shardops.make_mesh({"data": 4, "model": 2}),
+                         model=model, optimizer=optax.sgd(0.1))  # fmt: skip
+    params = model.init(jax.random.key(0))
+    ids, labels = (a[0, :8] for a in lm_batches(model, seed=5))
+    report = models.locate(setup, setup.shard(params).params, ids, labels,
+                           reference_params=params, end_to_end=False)  # fmt: skip
+    assert report.first == "['blocks'][1]['attn']", str(report)
+    layers = {r.layer for r in report.rows if r.beyond and r.what != "param"}
+    assert layers == {"['blocks'][1]['attn']"}, str(report)
+    # A stacked leaf's gradient is one row [L, …]: attention's, holding block 1's, differ.
+    grads = {r.layer for r in report.rows if r.beyond and r.what == "param"}
+    assert grads and all(g.startswith("['blocks']['attn']") for g in grads), str(report)
+    tapped = {r.layer for r in report.rows if r.what == "output"}
+    assert len(tapped) == 2 + 2 * 5 + 2, sorted(tapped)  # embed, pos; 5 a block; ln_f, head
