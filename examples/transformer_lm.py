@@ -44,7 +44,8 @@ and of each step, goes to its k experts, whatever the training capacity
     python examples/transformer_lm.py --model llama --moe --experts 4 --expert-parallel \
         --strategy 2d --mesh data=2,expert=2,model=2 --compare-decoding --temperature 0
 
-``--schedule gpipe`` (or ``1f1b``) pipelines the Llama's layers over the mesh's ``pipe`` axis,
+``--schedule gpipe`` (or ``1f1b``) pipelines the layers over the mesh's ``pipe`` axis (the GPT
+built with its blocks stacked, ``models.Gpt(stacked=True)``),
 each device's batch split into ``--microbatches`` (``docs/pipeline.md``):
 
     python examples/transformer_lm.py --model llama --strategy 2d --schedule 1f1b \
@@ -156,8 +157,9 @@ def parse_args(argv=None):
                    help="--moe: split the experts over the mesh's 'expert' axis (the batch "
                         "too; the strategy becomes STRATEGY+ep)")  # fmt: skip
     p.add_argument("--schedule", choices=shardops.pipeline.SCHEDULES, default=None,
-                   help="--model llama: pipeline the layers over the mesh's 'pipe' axis by this "
-                        "schedule (the strategy becomes STRATEGY+SCHEDULE; docs/pipeline.md)")  # fmt: skip
+                   help="pipeline the layers over the mesh's 'pipe' axis by this schedule (the "
+                        "strategy becomes STRATEGY+SCHEDULE; the GPT's blocks stacked; "
+                        "docs/pipeline.md)")  # fmt: skip
     p.add_argument("--microbatches", type=int, default=1,
                    help="split each device's batch into this many microbatches (the pipeline's "
                         "M; without --schedule, gradient accumulation)")  # fmt: skip
@@ -265,9 +267,6 @@ def parse_args(argv=None):
     if args.microbatches < 1:
         p.error(f"--microbatches must be a positive int; got {args.microbatches}")
     if args.schedule:
-        if args.model != "llama":
-            p.error("--schedule pipelines stacked layers: add --model llama (the GPT's blocks "
-                    "are not stacked)")  # fmt: skip
         if args.moe or args.locate:
             p.error("--schedule: a model with experts and --locate are not pipelined yet")
         args.strategy = f"{args.strategy}+{args.schedule}"
@@ -299,7 +298,8 @@ def make_model(args):
     """``models.Gpt`` or ``models.Llama`` of the arguments' sizes, over the 256 byte values."""
     if args.model == "gpt":
         return models.Gpt(vocab_size=text.VOCAB_SIZE, d_model=args.width, num_heads=args.heads,
-                          num_layers=args.layers, context=args.context)  # fmt: skip
+                          num_layers=args.layers, context=args.context,
+                          stacked=bool(args.schedule))  # fmt: skip
     kv_heads = args.kv_heads if args.kv_heads is not None else max(1, args.heads // 2)
     experts = (models.Experts(num_experts=args.experts, k=args.top_k,
                               capacity_factor=args.capacity_factor) if args.moe else None)  # fmt: skip

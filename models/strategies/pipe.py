@@ -161,8 +161,8 @@ class PipeKind(Kind):
             raise ValueError(
                 f"strategy {strategy.name!r} pipelines the stacked layers over {self.axis!r} "
                 f"(pp), and the model's plan stacks none (models.strategies.plan.stacked, run "
-                f"by ctx.scan). Pipeline a model whose blocks are stacked (models.Llama), or "
-                f"use the strategy without pp"
+                f"by ctx.scan). Pipeline a model whose blocks are stacked (models.Llama, "
+                f"models.Gpt(stacked=True)), or use the strategy without pp"
             )
 
 

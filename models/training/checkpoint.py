@@ -440,7 +440,8 @@ def waited_on_error(ckpt: Checkpoints | None):
 
 
 def describe(setup: Setup) -> dict:
-    """What identifies the model of ``setup`` (JSON): type, config, params, plan, optimizer."""
+    """What identifies the model of ``setup`` (JSON): type, config, params, plan, optimizer;
+    and the config's defaults (what a field added since a save is taken to have been)."""
     model = setup.model
     shapes = _param_shapes(setup)
     roles = leaf_roles(setup.plan, jax.tree.map(lambda a: tuple(a.shape), shapes))
@@ -449,6 +450,7 @@ def describe(setup: Setup) -> dict:
     return {
         "type": f"{type(model).__module__}.{type(model).__qualname__}",
         "config": config,
+        "defaults": _defaults(model),
         "params": {_key(p): [list(a.shape), str(a.dtype)] for p, a in _leaves(shapes)},
         "plan": {_key(p): r for p, r in _leaves(roles)},
         "optimizer_state": {_key(p): [list(a.shape), str(a.dtype)] for p, a in _leaves(opt_state)},
@@ -468,8 +470,11 @@ def differences(saved: dict, here: dict) -> list[str]:
     if MOVED_TYPES.get(saved["type"], saved["type"]) != here["type"]:
         out.append(f"model type {saved['type']} in the checkpoint, {here['type']} here")
         return out
+    defaults = here.get("defaults", {})
     for field in sorted(set(saved["config"]) | set(here["config"])):
         a, b = saved["config"].get(field), here["config"].get(field)
+        if field not in saved["config"] and field in defaults and b == defaults[field]:
+            continue  # a field added since the save, at its default: the model it saved
         if a != b:
             out.append(f"model config {field}: {a} in the checkpoint, {b} here")
     for what, name in (("params", "params"), ("plan", "plan role of params"),
@@ -588,6 +593,18 @@ def _config(model) -> dict:
         value = _jsonable(value)
         if _plain(value):
             out[name] = value
+    return out
+
+
+def _defaults(model) -> dict:
+    """The plain defaults of a dataclass model's config fields: a checkpoint saved before a
+    field existed restores where the field is at its default (``differences``)."""
+    if not dataclasses.is_dataclass(model):
+        return {}
+    out = {}
+    for f in dataclasses.fields(model):
+        if f.default is not dataclasses.MISSING and _plain(_jsonable(f.default)):
+            out[f.name] = _jsonable(f.default)
     return out
 
 

@@ -175,7 +175,7 @@ def test_refusals():
         _setup("ref+1f1b", "pipe4", 4, model=odd)
     gpt = models.Gpt(vocab_size=64, d_model=32, num_heads=8, num_layers=2, context=16, d_ff=64)
     with refused(ValueError, argument="pipelines the stacked layers", got="stacks none",
-                 expected="models.strategies.plan.stacked", fix="models.Llama"):  # fmt: skip
+                 expected="models.strategies.plan.stacked", fix="models.Gpt(stacked=True)"):  # fmt: skip
         _setup("ref+1f1b", "pipe2", 2, model=gpt)
     with refused(ValueError, argument="pp_schedule", got="'zb'", expected="'gpipe', '1f1b'",
                  fix="one of"):  # fmt: skip
