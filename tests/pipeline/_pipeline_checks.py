@@ -4,8 +4,9 @@ test_executor_mutations.py).
 The model: ``x[B, 8] · w0[8, D]`` (an input projection, replicated over pipe), ``L`` tanh
 layers ``h ← tanh(h · W_l)`` stacked as ``layers[L, D, D]`` (split over pipe: stage s holds
 layers ``[s·L/P, (s+1)·L/P)``), and a head ``w1[D, 3]`` (replicated over pipe) with a
-mean-squared loss ``Σ_rows |h · w1 − y|² / B``. The batch is split over data (if the mesh has
-it), and each device's rows into M microbatches.
+mean-squared loss ``Σ_rows |h · w1 − y|² / B``, which every stage computes on its own output
+(the executor must count, and differentiate, the last stage's alone). The batch is split over
+data (if the mesh has it), and each device's rows into M microbatches.
 
 ``check_pipeline`` compiles ``shardops.pipeline.pipeline_value_and_grad`` (or a mutant's) in a
 ``jax.shard_map`` over ``pipe × data`` and checks, against independent counts:
@@ -147,7 +148,9 @@ def program(mesh, sched, t: Toy, *, executor=_executor, **options) -> Program:
                 w1 = jax.lax.pcast(q["w1"], DATA, to="varying")
                 if not with_loss:  # a forward phase needs h alone
                     return h, None
-                loss = jnp.sum((jnp.where(last, h, 0) @ w1 - yi) ** 2) / t.batch
+                # every stage's loss, unmasked: only the last one's may count (its value and
+                # its gradients), and the executor must drop the others'
+                loss = jnp.sum((h @ w1 - yi) ** 2) / t.batch
                 return h, loss
 
         act = jax.typeof(jax.lax.pcast(jnp.zeros((b, D)), DATA, to="varying"))
