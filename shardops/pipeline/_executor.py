@@ -166,9 +166,15 @@ class _Run:
         (h_out, loss), vjp = jax.vjp(lambda q, h: self._apply(q, h, microbatch), params, h)
         seed = _like(jnp.where(self.last & runs, 1.0, 0.0).astype(loss.dtype), loss)
         d_params, d_h = vjp((_like(self.returned, h_out), seed))
-        accum, mask = self.accum_dtype, runs
-        self.grads = jax.tree.map(lambda g, d: g + jnp.where(mask, d.astype(accum), 0),
-                                  self.grads, d_params)  # fmt: skip
+        accum = self.accum_dtype
+        # Added under a cond on ``runs`` (no collective inside): a fusion boundary, so XLA
+        # does not fuse the accumulation across phases and keep each phase's gradients alive.
+        self.grads = lax.cond(
+            runs,
+            lambda g, d: jax.tree.map(lambda a, b: a + b.astype(accum), g, d),
+            lambda g, d: g,
+            self.grads, d_params,
+        )  # fmt: skip
         counted = jnp.where(self.last & runs, loss.astype(accum), 0)
         self.loss = counted if self.loss is None else self.loss + counted
         pairs = [(s, s - 1) for s in range(1, self.stages) if phase[s] is not None]
