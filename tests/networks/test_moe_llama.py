@@ -130,16 +130,18 @@ def test_expert_gradients_summed_over_the_expert_axis_are_refused(monkeypatch, n
 
 def test_checkpoints_move_between_expert_parallel_and_other_layouts_bit_for_bit(tmp_path):
     """A drawn Adam state of the MoE Llama saved under 2d+ep (experts split over ``expert``)
-    restores under 2d (every expert on every device), then ep_tp (experts over ``data``), then
-    ref: every leaf bit for bit, laid out by the restoring setup's specs."""
+    restores into the dropless model under 2d (every expert on every device; the plan role's
+    name is the same), then the capacity model under ep_tp (experts over ``data``), then the
+    dropless one under ref: every leaf bit for bit, laid out by the restoring setup's specs."""
     from shardops_models.training.checkpoint import Checkpoints
 
-    chain = [("2d+ep", "d2e2m2"), ("2d", "4x2"), (EP, "e4m2"), ("ref", None)]
+    chain = [("2d+ep", "d2e2m2", MOE), ("2d", "4x2", DROPLESS), (EP, "e4m2", MOE),
+             ("ref", None, DROPLESS)]  # fmt: skip
     rng = np.random.default_rng(3)
     full = None
-    for i, (strategy, mesh) in enumerate(chain):
+    for i, (strategy, mesh, model) in enumerate(chain):
         mesh = None if mesh is None else mesh_for({**MESHES, **EP_MESHES}[mesh])
-        setup = models.build(strategy, mesh, model=MOE, optimizer=optax.adam(1e-3))
+        setup = models.build(strategy, mesh, model=model, optimizer=optax.adam(1e-3))
         if full is None:  # drawn once, every leaf (moments and counts too)
             state = jax.eval_shape(setup.init, jax.random.key(0))
             full = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(a.dtype)
