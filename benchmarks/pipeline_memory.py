@@ -22,16 +22,16 @@ is run): ``temp`` (the buffers the program allocates, the stage inputs among the
 arguments (the parameters and ``x``, which holds all M microbatches) and the outputs (the
 gradients). Memory analysis is deterministic: the figures are the same on every run.
 
-What XLA:CPU makes of it (jax 0.10.2): ``temp`` grows with M under both schedules. Each
-backward phase's weight gradients ``d`` are added to the accumulator by
-``g + where(runs, d, 0)``, and XLA fuses that chain, over every phase, into one fusion whose
-operands are all the phases' ``d``: each stays live until the end, a stage's weights' worth per
-microbatch (4 MiB here, 1F1B's whole growth). A ``lax.scan`` stage adds the scan's stacked
-residual buffers, zero-initialised by copies XLA schedules at the program's start, one set per
-backward phase. GPipe also grows by the forwards that XLA recomputes early (a backward's
-recompute needs only its kept input). Accumulating under ``lax.cond(runs, …)`` (a fusion
-boundary) keeps an unrolled 1F1B stage's temp flat in M; tests/test_benchmark_pipeline_memory.py
-holds the claim as a strict xfail until then.
+What XLA:CPU makes of it (jax 0.10.2). With the stage unrolled, 1F1B's temp is flat in M
+from M = 2P − 1 on, and GPipe's grows by more than a stage input per microbatch: XLA recomputes
+the forwards of the backward phases early (a recompute needs only its kept input), so GPipe
+also holds their residuals. The gradients are accumulated under ``lax.cond(runs, …)``: added
+by ``g + where(runs, d, 0)``, XLA fused the adds of every backward phase into one fusion that
+kept each phase's weight gradients alive to the end (a stage's weights' worth per microbatch),
+and 1F1B grew like GPipe (tests/test_benchmark_pipeline_memory.py keeps that as a mutant).
+With the stage as a ``lax.scan``, both still grow with M on XLA:CPU: the scan's stacked
+residual buffers of every backward phase are zero-initialised by copies that XLA schedules at
+the program's start.
 
 It prints the table and writes ``pipeline_memory.json`` and ``pipeline_memory.md`` to
 ``benchmarks/results`` (``--quick``: a temporary folder unless ``--out`` is given).

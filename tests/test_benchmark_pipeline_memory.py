@@ -9,6 +9,7 @@ import json
 import pathlib
 
 import pytest
+from _mutants import mutant
 
 ROOT = pathlib.Path(__file__).parent.parent
 _spec = importlib.util.spec_from_file_location(
@@ -48,19 +49,43 @@ def test_quick_rows_and_the_bytes_by_hand(quick):
         assert r["peak"] == r["argument"] + r["output"] - r["alias"] + r["temp"] > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="XLA:CPU fuses each weight's gradient accumulation `g + where(runs, d, 0)` of every "
-    "backward phase into one multi-operand fusion, so every phase's d_params stays live to the "
-    "end and 1F1B's temp grows with M like GPipe's; accumulating under lax.cond(runs, …) in "
-    "_executor.py keeps it bounded (see the helper's report)",
-)
-def test_one_f_one_b_temp_stays_bounded_while_gpipe_grows(quick):
+def check_claim(results) -> None:
+    """GPipe's temp grows by at least a stage input per microbatch from M = 2P to the largest M;
+    1F1B's stays below it and grows by under a tenth of GPipe's growth."""
     (p,) = bench.QUICK["stages"]
-    gpipe, one_f_one_b = _temps(quick, "gpipe"), _temps(quick, "1f1b")
+    gpipe, one_f_one_b = _temps(results, "gpipe"), _temps(results, "1f1b")
     small, large = 2 * p, max(bench.QUICK["microbatches"])
-    act = quick["rows"][0]["act"]
+    act = results["rows"][0]["act"]
     gpipe_growth = gpipe[large] - gpipe[small]
-    assert gpipe_growth >= (large - small) * act  # at least one stage input per microbatch
+    assert gpipe_growth >= (large - small) * act
     assert one_f_one_b[large] < gpipe[large]
     assert one_f_one_b[large] - one_f_one_b[small] <= 0.1 * gpipe_growth
+
+
+def test_one_f_one_b_temp_stays_bounded_while_gpipe_grows(quick):
+    check_claim(quick)
+
+
+ACCUMULATION = """        self.grads = lax.cond(
+            runs,
+            lambda g, d: jax.tree.map(lambda a, b: a + b.astype(accum), g, d),
+            lambda g, d: g,
+            self.grads, d_params,
+        )  # fmt: skip"""
+
+
+def test_accumulation_fused_across_phases_breaks_the_claim(tmp_path, monkeypatch):
+    """Mutant: the gradients accumulated by ``g + where(runs, d, 0)`` (no fusion boundary):
+    XLA:CPU fuses the adds of every backward phase into one fusion that keeps each phase's
+    gradients alive to the end, and 1F1B's temp grows with M like GPipe's."""
+    import shardops.pipeline
+    from shardops.pipeline import _executor
+
+    fused = mutant(_executor, "fused_accumulation", ACCUMULATION,
+                   "        self.grads = jax.tree.map(lambda g, d: g + jnp.where(runs, "
+                   "d.astype(accum), 0), self.grads, d_params)")  # fmt: skip
+    monkeypatch.setattr(shardops.pipeline, "pipeline_value_and_grad",
+                        fused.pipeline_value_and_grad)  # fmt: skip
+    results = bench.main(["--quick", "--out", str(tmp_path)])
+    with pytest.raises(AssertionError):
+        check_claim(results)

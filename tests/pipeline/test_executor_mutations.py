@@ -14,6 +14,9 @@ from shardops.pipeline import _executor, _schedule
 BACKWARD_PAIRS = (
     "        pairs = [(s, s - 1) for s in range(1, self.stages) if phase[s] is not None]"
 )
+NEXT_SLOT_LINE = (
+    "        h = lax.dynamic_index_in_dim(self.buffer, i % self.slots, 0, keepdims=False)"
+)
 
 # name → (line, replacement, (schedule, P, M, data))
 MUTANTS = {
@@ -43,10 +46,10 @@ MUTANTS = {
         "    for forward, backward in schedule.rounds[:-1]:",
         ("1f1b", 2, 3, 1),
     ),
-    # the last microbatch's backward runs on every stage but its gradients are not added
-    "last_microbatch_not_accumulated": (
-        "        accum, mask = self.accum_dtype, runs",
-        "        accum, mask = self.accum_dtype, runs & (i < len(jax.tree.leaves(self.inputs)[0]) - 1)",
+    # the last microbatch's backward masked out on every stage (its gradients not added)
+    "last_microbatch_backward_masked": (
+        NEXT_SLOT_LINE,
+        NEXT_SLOT_LINE + "\n        runs = runs & (i < len(jax.tree.leaves(self.inputs)[0]) - 1)",
         ("gpipe", 4, 3, 2),
     ),
     # the gradients accumulated (and the replicated ones summed over pipe) in bfloat16
@@ -57,7 +60,7 @@ MUTANTS = {
     ),
     # the backward recomputes the forward from another microbatch's stage input
     "backward_from_the_next_slot": (
-        "        h = lax.dynamic_index_in_dim(self.buffer, i % self.slots, 0, keepdims=False)",
+        NEXT_SLOT_LINE,
         "        h = lax.dynamic_index_in_dim(self.buffer, (i + 1) % self.slots, 0, "
         "keepdims=False)",
         ("1f1b", 4, 9, 2),
