@@ -267,8 +267,9 @@ def parse_args(argv=None):
     if args.microbatches < 1:
         p.error(f"--microbatches must be a positive int; got {args.microbatches}")
     if args.schedule:
-        if args.moe or args.locate:
-            p.error("--schedule: a model with experts and --locate are not pipelined yet")
+        if args.locate:
+            p.error("--schedule: --locate taps the layers of one device's forward; locate "
+                    "without --schedule (the layers are the same)")  # fmt: skip
         args.strategy = f"{args.strategy}+{args.schedule}"
     if args.context_parallel:
         if args.locate:

@@ -536,8 +536,8 @@ def test_pipeline_trains_like_the_reference(tmp_path):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("--schedule", "1f1b", "--moe", "--model", "llama"),
-     r"--schedule: a model with experts and --locate are not pipelined yet"),
+    (("--schedule", "1f1b", "--locate"),
+     r"--schedule: --locate taps the layers of one device's forward; .*"),
     (("--model", "llama", "--schedule", "gpipe", "--microbatches", "3", "--mesh",
       "pipe=2,data=2,model=2", "--strategy", "2d", "--layers", "2"),
      r"--batch-size 8 must be a multiple of 6 .*"),
@@ -545,6 +545,6 @@ def test_pipeline_trains_like_the_reference(tmp_path):
       "--strategy", "2d", "--layers", "3"),
      r"params\['blocks'\]\S+: 3 layers do not split into 2 pipeline stages .*"),
     (("--microbatches", "0",), r"--microbatches must be a positive int; got 0"),
-], ids=["moe", "batch", "layers", "zero"])  # fmt: skip
+], ids=["locate", "batch", "layers", "zero"])  # fmt: skip
 def test_pipeline_options_the_run_cannot_honour_are_usage_errors(args, message, capsys):
     check_usage_error(load_example("transformer_lm"), args, message, capsys)

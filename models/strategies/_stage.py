@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 
 from shardops_models.strategies.parallel import Parallel, is_param
-from shardops_models.strategies.pipe import refuse_outputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,14 +50,17 @@ class StageContext(Parallel):
         return None if self.ready else super().split_dim(spec)
 
     def scan(self, fn, params, x, *, outputs: bool = False):
-        refuse_outputs(outputs)
+        """This stage's layers on its input; with ``outputs``, also their outputs ``[L_pipe,
+        …]`` (the model's auxiliary losses then cover this stage's layers alone)."""
         if self.h is None:  # the stacked layers' input type only (``entry_type``)
             raise _Entry(jax.typeof(x))
-        h = self.scan_layers(fn, params, jnp.where(self.first, x, self.h))  # h[b, S, D]
+        out = self.scan_layers(fn, params, jnp.where(self.first, x, self.h), outputs=outputs)
+        h, outs = out if outputs else (out, None)  # h[b, S, D]
         self.outputs.append(h)
         if self.stop:
             raise StageExit
-        return jnp.where(self.last, h, jnp.zeros_like(h))
+        h = jnp.where(self.last, h, jnp.zeros_like(h))
+        return (h, outs) if outputs else h
 
 
 class StageExit(Exception):

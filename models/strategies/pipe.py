@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import ClassVar
 
 import jax
@@ -51,6 +52,10 @@ from shardops_models.strategies.plan import is_shape
 _LAST_STAGE = shardops.comm.Reason("pipeline_output", forward={
     "psum": "the last stage over {axis} holds the layers' output: every stage takes it (the "
             "others add 0)",
+})  # fmt: skip
+_STAGE_OUTPUTS = shardops.comm.Reason("pipeline_stage_outputs", forward={
+    "all_gather": "each stage over {axis} holds its layers' outputs (a mixture of experts' "
+                  "losses): the forward returns every layer's",
 })  # fmt: skip
 _NEXT_STAGE = shardops.comm.Reason("pipeline_stage", forward={
     "ppermute": "a stage's output over {axis} is the next stage's input",
@@ -105,11 +110,17 @@ class PipeKind(Kind):
 
         def stage_fn(ready, h, microbatch, first, last, with_loss):
             ctx = StageContext.of(body.ctx, h, first, last, stop=not with_loss, ready=True)
+            x, y = microbatch
             try:
-                loss = body.local_loss(ready, *microbatch, microbatches=m, ctx=ctx)
+                tree, logits, aux = body.forward(ctx, ready, x)
             except StageExit:  # a forward phase: the layers' output is all it needs
-                loss = None
-            return ctx.outputs[0], loss
+                return ctx.outputs[0], None
+            targets = body._global_batch(y.shape[0] * m) * math.prod(y.shape[1:])
+            loss = body.model.loss_sum(ctx, tree, logits, ctx.local_tokens(y)) / targets
+            if not aux:
+                return ctx.outputs[0], loss
+            # this stage's layers' auxiliary losses (a mixture of experts'): its own share
+            return ctx.outputs[0], loss, body._weighted(aux, own=(self.axis,)) / m
 
         loss, grads = pipeline_value_and_grad(stage_fn, ready, inputs, table,
                                               axis_name=self.axis, activation=activation,
@@ -121,15 +132,22 @@ class PipeKind(Kind):
         """A forward outside the step (``setup.logits``, ``evaluate``): ``x`` through the
         stages in turn, stage r's output sent to stage r + 1, the last one's psummed to every
         stage (each stage computes in every turn; only its own turn counts)."""
-        refuse_outputs(outputs)
         p, stage = lax.axis_size(self.axis), lax.axis_index(self.axis)
-        h = shardops.comm.copy_to_region(x, self.axis, x.dtype)  # x varying over pipe
+        h, own = shardops.comm.copy_to_region(x, self.axis, x.dtype), None  # h varying over pipe
         for r in range(p):
-            y = ctx.scan_layers(fn, params, h)
+            y, outs = _pair(ctx.scan_layers(fn, params, h, outputs=outputs), outputs)
+            if outputs:  # this stage's layers' outputs are those of its own turn
+                own = outs if own is None else jax.tree.map(
+                    lambda o, n, r=r: jnp.where(stage == r, n, o), own, outs)  # fmt: skip
             if r < p - 1:
                 h = shardops.comm.send(y, self.axis, [(r, r + 1)], reason=_NEXT_STAGE)
-        return shardops.comm.all_reduce(jnp.where(stage == p - 1, y, 0), self.axis,
-                                        reason=_LAST_STAGE)  # fmt: skip
+        y = shardops.comm.all_reduce(jnp.where(stage == p - 1, y, 0), self.axis,
+                                     reason=_LAST_STAGE)  # fmt: skip
+        if not outputs:
+            return y
+        with shardops.comm.because(_STAGE_OUTPUTS, self.axis):  # [L_pipe, …] → [L, …]
+            return y, jax.tree.map(lambda o: lax.all_gather(o, self.axis, axis=0, tiled=True),
+                                   own)  # fmt: skip
 
     def check_locate(self, strategy) -> None:
         raise ValueError(
@@ -175,10 +193,6 @@ def _ready(body, params):
     return values(ctx._materialise_all(wrap(params, body.roles, body.specs, body.logical)))
 
 
-def refuse_outputs(outputs: bool) -> None:
-    if outputs:
-        raise ValueError(
-            "pp: layers that return outputs beside the residual stream (a mixture of experts' "
-            "losses, ctx.scan(outputs=True)) are not pipelined yet; train the model with "
-            "experts without pp"
-        )
+def _pair(result, outputs: bool):
+    """``scan``'s result as ``(x, outs or None)``."""
+    return result if outputs else (result, None)

@@ -114,13 +114,15 @@ class _Body:
             loss = loss + self._weighted(aux) / microbatches
         return loss
 
-    def _weighted(self, aux):
+    def _weighted(self, aux, own: tuple[str, ...] = ()):
         """Σ weight × auxiliary loss (float32) / the devices the step's loss sum adds over.
 
         Each loss is a device's value for its tokens; its global value is the mean over the
         devices it differs between (its varying axes) and the ones the loss is added over
         (``reduce_axes``, where a loss the same on every device is then counted once). Axes
-        it varies over that the loss sum does not add over (sp's) are averaged here."""
+        it varies over that the loss sum does not add over (sp's) are averaged here; but
+        ``own`` axes, over which each device's value is its own part (a pipeline stage's
+        layers' losses), which the caller adds."""
         total = 0.0
         for name, value in sorted(aux.items()):
             if name not in self.aux_weights:
@@ -136,7 +138,8 @@ class _Body:
                     f"device's value); got {jnp.result_type(value)}{tuple(jnp.shape(value))}"
                 )
             value = jnp.asarray(value, jnp.float32)
-            varying = tuple(sorted(set(shardops.varying_axes(value)) - set(self.reduce_axes)))
+            varying = tuple(sorted(set(shardops.varying_axes(value)) - set(self.reduce_axes)
+                                   - set(own)))  # fmt: skip
             if varying:
                 value = shardops.comm.all_reduce(value, varying, reason=_AUX_LOSS)
             shares = math.prod(lax.axis_size(a) for a in (*self.reduce_axes, *varying))

@@ -49,7 +49,8 @@ _BACKWARD = Reason("pipeline_backward", forward={
                 "(the schedule's backward, run by explicit vjp calls)",
 })  # fmt: skip
 _LOSS = Reason("pipeline_loss", forward={
-    "psum": "only the last stage over {axis} computes each microbatch's loss: the others add 0",
+    "psum": "only the last stage over {axis} computes each microbatch's loss (every stage its "
+            "own layers' auxiliary losses): the stages' shares are added",
 })  # fmt: skip
 _REPLICATED = Reason("pipeline_replicated_gradients", forward={
     "psum": "parameters replicated over {axis} (the embedding, the head) get gradient "
@@ -72,7 +73,9 @@ def pipeline_value_and_grad(stage_fn, params, inputs, schedule: Schedule, *, axi
             stage takes, and ``loss`` the microbatch's share of the objective (``last``: the
             last stage, whose loss alone counts; the others' must be finite). A forward phase
             passes ``with_loss=False`` and needs ``h_out`` alone (``loss`` may be None): what
-            lies past the layers need not be traced there.
+            lies past the layers need not be traced there. It may return a third value,
+            ``own``: a share of the objective that every stage computes from its own layers
+            (a mixture of experts' auxiliary losses), counted on every stage.
         params: this device's parameters (a pytree): leaves varying over ``axis_name`` are its
             stage's own (its layers ``[L_pipe, …]``); the others are replicated over it.
         inputs: a pytree of ``[M, …]`` arrays, microbatch i at index i (replicated over the
@@ -101,7 +104,8 @@ def pipeline_value_and_grad(stage_fn, params, inputs, schedule: Schedule, *, axi
         if any(i is not None for i in backward):
             with jax.named_scope(BACKWARD_SCOPE):
                 run.backward(backward)
-    loss = all_reduce(run.loss, axis_name, reason=_LOSS)
+    loss = run.loss if run.own is None else run.loss + run.own
+    loss = all_reduce(loss, axis_name, reason=_LOSS)
     grads = jax.tree.map(
         lambda g, q, o: (g if o else all_reduce(g, axis_name, reason=_REPLICATED)).astype(q.dtype),
         run.grads, params, own,
@@ -131,7 +135,7 @@ class _Run:
         self.buffer = jnp.zeros((self.slots, *zero.shape), zero.dtype) + zero[None]  # h[K, ...]
         self.grads = jax.tree.map(lambda q: jnp.zeros(q.shape, accum_dtype) + _vary(q, accum_dtype),
                                   params)  # fmt: skip
-        self.loss = None  # the loss's type is stage_fn's
+        self.loss = self.own = None  # their types are stage_fn's
         self.phases = 0  # the phases run so far: each one's barrier is its own
 
     def _operands(self, h, i):
@@ -143,7 +147,12 @@ class _Run:
         return _barrier((self.params, h, microbatch), self.phases)
 
     def _apply(self, params, h, microbatch, with_loss: bool = True):
-        return self.stage_fn(params, h, microbatch, self.first, self.last, with_loss)
+        out = self.stage_fn(params, h, microbatch, self.first, self.last, with_loss)
+        if len(out) == 3:  # ``own`` entered varying where the loss varies, as ``loss + own``
+            # would (its transpose sums ``own``'s gradient over the devices the loss sums)
+            h_out, loss, own = out
+            out = (h_out, loss, _like(own, loss))
+        return out
 
     def forward(self, phase) -> None:
         """Each stage ``phase`` names keeps its input and runs its layers; the outputs go on."""
@@ -163,9 +172,14 @@ class _Run:
         i, runs = _entry(phase, self.stage)
         h = lax.dynamic_index_in_dim(self.buffer, i % self.slots, 0, keepdims=False)
         params, h, microbatch = self._operands(h, i)
-        (h_out, loss), vjp = jax.vjp(lambda q, h: self._apply(q, h, microbatch), params, h)
-        seed = _like(jnp.where(self.last & runs, 1.0, 0.0).astype(loss.dtype), loss)
-        d_params, d_h = vjp((_like(self.returned, h_out), seed))
+        out, vjp = jax.vjp(lambda q, h: self._apply(q, h, microbatch), params, h)
+        h_out, loss, own = (*out, None)[:3]
+        seeds = [_like(self.returned, h_out), _seed(self.last & runs, loss)]
+        if own is not None:  # every stage's own share, seeded where it runs
+            seeds.append(_seed(runs, own))
+            counted = jnp.where(runs, own.astype(self.accum_dtype), 0)
+            self.own = counted if self.own is None else self.own + counted
+        d_params, d_h = vjp(tuple(seeds))
         accum = self.accum_dtype
         # Added under a cond on ``runs`` (no collective inside): a fusion boundary, so XLA
         # does not fuse the accumulation across phases and keep each phase's gradients alive.
@@ -221,6 +235,11 @@ def _vary(q, dtype):
     axes = tuple(sorted(varying_axes(q)))
     zero = jnp.zeros((), dtype)
     return lax.pcast(zero, axes, to="varying") if axes else zero
+
+
+def _seed(where, value):
+    """The cotangent 1 (0 where ``where`` is False) of the scalar ``value``, of its type."""
+    return _like(jnp.where(where, 1.0, 0.0).astype(value.dtype), value)
 
 
 def _like(value, ref):

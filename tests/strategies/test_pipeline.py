@@ -10,13 +10,14 @@ the parameters (every leaf moving ≥ 100× the tolerance) against ``Llama.refer
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
 import numpy as np
 import optax
 import pytest
-from _gpt_checks import PP_MESHES, check_budget, check_lm_trajectory, lm_batches
+from _gpt_checks import PP_MESHES, TOL, check_budget, check_lm_trajectory, lm_batches
 from _messages import refused
 from _model_checks import mesh_for
 from jax.sharding import PartitionSpec as P
@@ -202,3 +203,27 @@ def test_weights_gathered_and_gradients_reduced_once_per_step(strategy):
                     for a, s in zip(jax.tree.leaves(shapes), specs, strict=True)
                     if "data" in str(s))  # fmt: skip
         assert data[0][("all-gather", ("data",))] == stage
+
+
+MOE = models.Llama(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=32,
+                   context=16, experts=models.Experts(num_experts=4, k=2, capacity_factor=1.0))  # fmt: skip
+# GShard's per-group load balance: the mean of each sequence's, so M microbatches' losses
+# average to the batch's (Megatron's global form is each microbatch's own under microbatches,
+# pipelined or not: not the reference's whole-batch value but for M = 1).
+MOE_GROUP = dataclasses.replace(MOE, experts=dataclasses.replace(MOE.experts, load_balance="group"))
+
+
+@pytest.mark.parametrize(("model", "strategy", "mesh", "m", "opt"), [
+    (MOE, "ref+1f1b", "pipe2", 1, "sgd"),
+    (MOE_GROUP, "ref+gpipe", "pipe2", 4, "sgd"),
+    (MOE_GROUP, models.with_pipeline(models.with_experts("2d"), "1f1b"), "p2d2m2e", 2, "adam"),
+    (MOE, "dp+gpipe", "p2d4", 1, "adam"),
+], ids=["global-1f1b", "group-gpipe-M4", "group-2d+ep+1f1b", "global-dp+gpipe"])  # fmt: skip
+def test_experts_train_through_the_stages(model, strategy, mesh, m, opt):
+    """A Mixtral-style Llama: each stage's layers' auxiliary losses (load balance, router
+    z-loss) count in the objective on every stage (their gradients summed over the batch axes
+    as the loss's), the experts split over an expert axis too; 5 steps like the reference (SGD
+    at 2, gradients held to 1e-5, as tests/networks/test_moe_llama.py)."""
+    tol = {**TOL[opt], "grads": 1e-5}
+    check_lm_trajectory(model, models.strategy_named(strategy), mesh, opt, microbatches=m,
+                        batch=_batch(mesh, m), tol=tol, sgd_lr=2.0, budget=opt == "sgd")  # fmt: skip
