@@ -68,8 +68,8 @@ MUTANTS = {
     # every stage's loss seeded in the backward: the non-last stages' (unmasked in the toy)
     # add their gradients
     "every_stage_loss_seeded": (
-        "        seed = _like(jnp.where(self.last & runs, 1.0, 0.0).astype(loss.dtype), loss)",
-        "        seed = _like(jnp.where(runs, 1.0, 0.0).astype(loss.dtype), loss)",
+        "        seeds = [_like(self.returned, h_out), _seed(self.last & runs, loss)]",
+        "        seeds = [_like(self.returned, h_out), _seed(runs, loss)]",
         ("1f1b", 4, 4, 2),
     ),
     # every stage's loss counted, not only the last one's
