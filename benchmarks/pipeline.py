@@ -1,7 +1,7 @@
 """Pipeline parallelism: each schedule against the same model without pipelining and against
 GSPMD on the same mesh.
 
-    python benchmarks/pipeline.py               # the full table (about 10 minutes on 2 shared cores)
+    python benchmarks/pipeline.py               # the full table (about 9 minutes on 2 shared cores)
     python benchmarks/pipeline.py --quick       # a small end-to-end run (CI); times mean nothing
     python benchmarks/pipeline.py --tables-only # docs/pipeline.md's table from the stored JSON
 
@@ -195,7 +195,8 @@ def markdown(results) -> str:
     """The table, the paired shardops ratios and the bytes by collective kind."""
     tokens = results["batch"] * results["context"]
     lines = [
-        f"Measured on {results['machine']}, JAX {results['jax']}; load average "
+        f"Measured on {results['machine']}, JAX {results['jax']}, shardops at "
+        f"{results.get('commit') or 'an unknown commit'}; load average "
         f"{results['load_average_at_start']:.1f} at the start, "
         f"{results['load_average_at_end']:.1f} at the end; the run took "
         f"{results['seconds']:.0f} s. {results['model']} ({results['layers']} layers, one "
@@ -236,6 +237,25 @@ def markdown(results) -> str:
     return "\n".join(lines)
 
 
+def commit_of() -> str | None:
+    """The commit measured: ``SHARDOPS_COMMIT`` (a run from an exported tree), else this
+    checkout's HEAD with ``+modified`` where shardops/ or models/ differ from it (other work in
+    the tree is measured too), else None."""
+    import subprocess
+
+    if os.environ.get("SHARDOPS_COMMIT"):
+        return os.environ["SHARDOPS_COMMIT"]
+    root = pathlib.Path(__file__).parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "shardops", "models"],
+                               cwd=root, capture_output=True, text=True, check=True).stdout  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+modified" if dirty.strip() else "")
+
+
 def write_table(results, path=PAGE) -> None:
     """Replace the table between docs/pipeline.md's ``pipeline-tables`` markers by
     ``markdown(results)``."""
@@ -250,7 +270,7 @@ def write_table(results, path=PAGE) -> None:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes and few steps: checks it runs")
-    p.add_argument("--steps", type=int, default=None, help="timed rounds (default 24; quick 2)")
+    p.add_argument("--steps", type=int, default=None, help="timed rounds (default 20; quick 2)")
     p.add_argument(
         "--out", default=None,
         help=f"results folder (default {RESULTS}; with --quick a temporary folder)",
@@ -272,11 +292,12 @@ def main(argv=None):
     import jax
 
     start, load = time.perf_counter(), os.getloadavg()[0]
-    steps = args.steps or (2 if args.quick else 24)
+    steps = args.steps or (2 if args.quick else 20)
     results = run(args.quick, steps, 1 if args.quick else 2, devices)
     results.update({
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, cpu ×{len(devices)}",
         "jax": jax.__version__,
+        "commit": commit_of(),
         "quick": args.quick,
         "load_average_at_start": load,
         "load_average_at_end": os.getloadavg()[0],
