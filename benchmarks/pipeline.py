@@ -1,7 +1,7 @@
 """Pipeline parallelism: each schedule against the same model without pipelining and against
 GSPMD on the same mesh.
 
-    python benchmarks/pipeline.py               # the full table (about 9 minutes on 2 shared cores)
+    python benchmarks/pipeline.py               # the full table (4 to 10 minutes on 2 shared cores)
     python benchmarks/pipeline.py --quick       # a small end-to-end run (CI); times mean nothing
     python benchmarks/pipeline.py --tables-only # docs/pipeline.md's table from the stored JSON
 
