@@ -54,7 +54,11 @@ class StageContext(Parallel):
         …]`` (the model's auxiliary losses then cover this stage's layers alone)."""
         if self.h is None:  # the stacked layers' input type only (``entry_type``)
             raise _Entry(jax.typeof(x))
-        out = self.scan_layers(fn, params, jnp.where(self.first, x, self.h), outputs=outputs)
+        # Unrolled: a scan's stacked residuals would be zero-initialised by copies XLA:CPU
+        # schedules at the program's start, one set per backward phase, so 1F1B's memory
+        # would grow with M (benchmarks/pipeline_memory.py); unrolled, it stays flat.
+        out = self.scan_layers(fn, params, jnp.where(self.first, x, self.h), outputs=outputs,
+                               unroll=True)  # fmt: skip
         h, outs = out if outputs else (out, None)  # h[b, S, D]
         self.outputs.append(h)
         if self.stop:

@@ -186,8 +186,10 @@ class Parallel(Layers, Axes):
                 return y
         return self.scan_layers(fn, params, x, outputs=outputs)
 
-    def scan_layers(self, fn: Callable, params, x, *, outputs: bool = False):
-        """``scan`` over this device's stacked layers (under pp, its stage's), asking no kind."""
+    def scan_layers(self, fn: Callable, params, x, *, outputs: bool = False,
+                    unroll: bool | int = 1):  # fmt: skip
+        """``scan`` over this device's stacked layers (under pp, its stage's), asking no kind;
+        ``unroll``: ``lax.scan``'s (a pipeline stage unrolls its layers)."""
         leaves = [q for q in jax.tree.leaves(params, is_leaf=is_param) if is_param(q)]
         if not leaves or any(not isinstance(q.role, StackedRole) for q in leaves):
             raise ValueError(
@@ -229,7 +231,7 @@ class Parallel(Layers, Axes):
                 )
             return y, out
 
-        x, outs = lax.scan(body, x, per_layer)
+        x, outs = lax.scan(body, x, per_layer, unroll=unroll)
         return (x, outs) if outputs else x
 
     # --- helpers
