@@ -50,7 +50,7 @@ COVER = [
     ("hsdp+1f1b", "p2r2d2", 2, "sgd"),
     ("zero1+1f1b", "p2d4", 4, "adam"),
     ("tp+ring+1f1b", "p2c2m2", 2, "sgd"),
-    ("tp+gpipe", "p4m2", 9, "sgd"),
+    ("tp+gpipe", "p4m2", 4, "sgd"),
 ]
 
 
