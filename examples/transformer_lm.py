@@ -162,7 +162,8 @@ def parse_args(argv=None):
                         "docs/pipeline.md)")  # fmt: skip
     p.add_argument("--microbatches", type=int, default=1,
                    help="split each device's batch into this many microbatches (the pipeline's "
-                        "M; without --schedule, gradient accumulation)")  # fmt: skip
+                        "M; without --schedule, gradient accumulation; with --moe the global "
+                        "load balance is each microbatch's)")  # fmt: skip
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=8, help="windows of --context bytes")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")

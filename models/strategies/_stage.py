@@ -54,6 +54,12 @@ class StageContext(Parallel):
         …]`` (the model's auxiliary losses then cover this stage's layers alone)."""
         if self.h is None:  # the stacked layers' input type only (``entry_type``)
             raise _Entry(jax.typeof(x))
+        if self.outputs:
+            raise ValueError(
+                "pp: the model's forward calls ctx.scan twice; pipeline parallelism cuts the "
+                "model at its one stack of layers. Stack every block in one ctx.scan, or train "
+                "the model without pp"
+            )
         # Unrolled: a scan's stacked residuals would be zero-initialised by copies XLA:CPU
         # schedules at the program's start, one set per backward phase, so 1F1B's memory
         # would grow with M (benchmarks/pipeline_memory.py); unrolled, it stays flat.

@@ -12,7 +12,7 @@ batch into microbatches that flow through them by a schedule (``shardops.pipelin
                    (``gpipe``, ``1f1b``): activations sent forward and gradients backward
                    with ``ppermute``, each stage's backward an explicit ``jax.vjp`` of the
                    model's own forward
-    a forward      (``setup.logits``, ``evaluate``) one microbatch through the P stages in
+    a forward      (``setup.logits``, ``evaluate``) the whole batch through the P stages in
                    turn, the last stage's output psummed to every stage
 
 **The model is cut where its forward calls ``ctx.scan``**: what runs before (the embedding) is
@@ -119,6 +119,7 @@ class PipeKind(Kind):
             loss = body.model.loss_sum(ctx, tree, logits, ctx.local_tokens(y)) / targets
             if not aux:
                 return ctx.outputs[0], loss
+            _check_own(aux, self.axis)
             # this stage's layers' auxiliary losses (a mixture of experts'): its own share
             return ctx.outputs[0], loss, body._weighted(aux, own=(self.axis,)) / m
 
@@ -191,6 +192,20 @@ def _ready(body, params):
     Its vjp reduces the gradients (ReduceScatter, AllReduce in float32)."""
     ctx = dataclasses.replace(body.ctx, fsdp_dense=GATHER_WEIGHTS)
     return values(ctx._materialise_all(wrap(params, body.roles, body.specs, body.logical)))
+
+
+def _check_own(aux, axis: str) -> None:
+    """Each auxiliary loss is this stage's own: it comes from its layers' outputs (``ctx.scan
+    (outputs=True)``), so it varies over the pipe axis. One that does not (a value every stage
+    computes alike) would be counted once per stage."""
+    for name, value in sorted(aux.items()):
+        if axis not in shardops.varying_axes(value):
+            raise ValueError(
+                f"pp: the auxiliary loss {name!r} is the same on every pipeline stage over "
+                f"{axis!r}, and each stage's auxiliary losses are counted as its own layers' "
+                f"share. Compute auxiliary losses from the layers' outputs (ctx.scan(outputs="
+                f"True)), or train the model without pp"
+            )
 
 
 def _pair(result, outputs: bool):

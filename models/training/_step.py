@@ -101,15 +101,13 @@ class _Body:
     def _global_batch(self, local: int) -> int:
         return local * math.prod(lax.axis_size(a) for a in self.batch_axes)
 
-    def local_loss(self, params, x, y, microbatches: int = 1, ctx=None):
+    def local_loss(self, params, x, y, microbatches: int = 1):
         """This device's share of the objective, for one of ``microbatches`` parts of its
         batch: the loss summed over its targets / the global batch's targets, plus each
-        auxiliary loss × its weight / (the devices holding different tokens × microbatches).
-        ``ctx``: the layer context (the step's; a pipeline stage's, ``Kind.value_and_grad``)."""
-        ctx = self.ctx if ctx is None else ctx
-        tree, logits, aux = self.forward(ctx, params, x)
+        auxiliary loss × its weight / (the devices holding different tokens × microbatches)."""
+        tree, logits, aux = self.forward(self.ctx, params, x)
         targets = self._global_batch(y.shape[0] * microbatches) * math.prod(y.shape[1:])
-        loss = self.model.loss_sum(ctx, tree, logits, ctx.local_tokens(y)) / targets
+        loss = self.model.loss_sum(self.ctx, tree, logits, self.ctx.local_tokens(y)) / targets
         if aux:
             loss = loss + self._weighted(aux) / microbatches
         return loss

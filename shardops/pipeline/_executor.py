@@ -71,7 +71,8 @@ def pipeline_value_and_grad(stage_fn, params, inputs, schedule: Schedule, *, axi
             one stage's forward of microbatch i: ``h`` the stage's input (``first``, a traced
             bool: stage 0, which starts from ``inputs_i`` instead), ``h_out`` what the next
             stage takes, and ``loss`` the microbatch's share of the objective (``last``: the
-            last stage, whose loss alone counts; the others' must be finite). A forward phase
+            last stage, whose loss alone counts; the others' and their gradients must be finite:
+            a zero seed times an infinite derivative is NaN). A forward phase
             passes ``with_loss=False`` and needs ``h_out`` alone (``loss`` may be None): what
             lies past the layers need not be traced there. It may return a third value,
             ``own``: a share of the objective that every stage computes from its own layers
@@ -148,7 +149,7 @@ class _Run:
 
     def _apply(self, params, h, microbatch, with_loss: bool = True):
         out = self.stage_fn(params, h, microbatch, self.first, self.last, with_loss)
-        if len(out) == 3:  # ``own`` entered varying where the loss varies, as ``loss + own``
+        if with_loss and len(out) == 3:  # ``own`` varying where the loss varies, as ``loss + own``
             # would (its transpose sums ``own``'s gradient over the devices the loss sums)
             h_out, loss, own = out
             out = (h_out, loss, _like(own, loss))

@@ -119,8 +119,9 @@ class Schedule:
 
     def check(self) -> None:
         """Every microbatch runs forward and backward once on every stage, a hop takes exactly
-        one round each way, and the last stage's backward comes no earlier than its forward;
-        a ValueError naming the microbatch, the stage and the rounds otherwise."""
+        one round each way, the last stage's backward comes no earlier than its forward, and
+        no two microbatches held at once share a buffer slot; a ValueError naming the
+        microbatch, the stage and the rounds otherwise."""
         p, m = self.stages, self.microbatches
         if p < 1 or m < 1:
             raise ValueError(f"Schedule {self.name!r}: needs stages >= 1 and microbatches >= 1; "
@@ -153,6 +154,25 @@ class Schedule:
                     f"round {bwd[i, p - 1]}, before its forward (round {fwd[i, p - 1]}). Run "
                     f"its backward there in round {fwd[i, p - 1]} or later"
                 )
+        self._check_slots(fwd, bwd)
+
+    def _check_slots(self, fwd, bwd) -> None:
+        """No two microbatches that share a buffer slot (``i mod buffer_slots``) are held at
+        once on a stage past the first (whose input the program never reads): a round's forward
+        phase writes its slot before the backward phase reads, so one held from its forward's
+        round to its backward's round inclusive would be overwritten (backwards out of the
+        forwards' order can do it)."""
+        k = self.buffer_slots
+        for s in range(1, self.stages):
+            for i in range(self.microbatches):
+                for j in range(i + k, self.microbatches, k):  # the later ones in i's slot
+                    if fwd[j, s] <= bwd[i, s] and fwd[i, s] <= bwd[j, s]:
+                        raise ValueError(
+                            f"Schedule {self.name!r}: microbatches {i} and {j} share buffer slot "
+                            f"{i % k} of {k} on stage {s} and are held at once there (rounds "
+                            f"{fwd[i, s]}–{bwd[i, s]} and {fwd[j, s]}–{bwd[j, s]}). Run the "
+                            f"backwards in the order of the forwards"
+                        )
 
     def _rounds(self, phase: str) -> dict[tuple[int, int], int]:
         """``{(microbatch, stage): round}`` of ``phase``; a ValueError where one runs twice

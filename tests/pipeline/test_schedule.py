@@ -205,3 +205,20 @@ def test_unknown_schedule_is_refused():
     with refused(ValueError, argument="schedule:", got="unknown schedule 'nope'",
                  expected=repr(SCHEDULES), fix="choose one of"):  # fmt: skip
         schedule("nope", 2, 4)
+
+
+def test_microbatches_held_at_once_in_one_buffer_slot_are_refused():
+    """Backwards out of the forwards' order (the last stage's: 1, 2, 3, 0, 4) hold 4 stage
+    inputs at most, so microbatches 0 and 4 share slot 0 of 4, and 4's forward (round 5) would
+    overwrite 0's input before 0's backward reads it in the same round."""
+    p, last = 2, {1: 2, 2: 3, 3: 4, 0: 5, 4: 6}
+    rounds = []
+    for r in range(8):
+        forward = tuple(next((i for i in range(5) if i + s == r), None) for s in range(p))
+        backward = tuple(next((i for i in range(5) if last[i] + (p - 1 - s) == r), None)
+                         for s in range(p))  # fmt: skip
+        rounds.append((forward, backward))
+    with refused(ValueError, argument="microbatches 0 and 4", got="held at once",
+                 expected="share buffer slot 0 of 4 on stage 1",
+                 fix="Run the backwards in the order of the forwards"):  # fmt: skip
+        Schedule("out of order", p, 5, tuple(rounds))

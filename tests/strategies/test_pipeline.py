@@ -167,8 +167,8 @@ def test_budget_sends_each_microbatch_across_every_boundary():
 
 
 def test_refusals():
-    """Layers that do not split into the stages, a model without stacked layers, experts, the
-    divergence locator, an unknown schedule."""
+    """Layers that do not split into the stages, a model without stacked layers, the
+    divergence locator, an unknown schedule, a schedule without a pp axis."""
     odd = models.Llama(vocab_size=97, d_model=32, num_layers=6, num_heads=8, num_kv_heads=2,
                        d_ff=64, context=16)  # fmt: skip
     with refused(ValueError, argument="params['blocks']", got="6 layers", expected="4 pipeline stages",
@@ -178,6 +178,11 @@ def test_refusals():
     with refused(ValueError, argument="pipelines the stacked layers", got="stacks none",
                  expected="models.strategies.plan.stacked", fix="models.Gpt(stacked=True)"):  # fmt: skip
         _setup("ref+1f1b", "pipe2", 2, model=gpt)
+    setup = _setup("ref+1f1b", "pipe2", 2)
+    ids, labels = lm_batches(LLAMA)
+    with refused(ValueError, argument="shardops.inspect.compare", got="pipelines the layers",
+                 expected="inside one device's forward", fix="without pp"):  # fmt: skip
+        models.locate(setup, setup.init(jax.random.key(0)).params, ids[0], labels[0])
     with refused(ValueError, argument="pp_schedule", got="'zb'", expected="'gpipe', '1f1b'",
                  fix="one of"):  # fmt: skip
         models.Strategy("x", pp="pipe", pp_schedule="zb")
@@ -246,3 +251,27 @@ def test_1f1b_memory_stays_flat_in_m_while_gpipe_grows():
     assert temp["gpipe"][1] - temp["gpipe"][0] >= 4 * act, temp
     assert temp["1f1b"][1] - temp["1f1b"][0] <= act, temp
     assert temp["1f1b"][1] < temp["gpipe"][1], temp
+
+
+@dataclasses.dataclass(frozen=True)
+class _TwoStacks(models.Llama):
+    """The Llama's blocks run twice, by two ``ctx.scan`` calls: pp cuts at one."""
+
+    def apply(self, ctx, params, ids):
+        x = ctx.unit(self._embed(ctx), {"embed": params["embed"]}, ids)
+        block = self._block(ctx, None)
+        x = ctx.scan(block, params["blocks"], ctx.scan(block, params["blocks"], x))
+        head = {"norm": params["norm"], "out": self.output_layer(params)}
+        return ctx.unit(self._head(ctx), head, x), {}
+
+
+def test_a_forward_with_two_stacks_is_refused():
+    model = _TwoStacks(vocab_size=97, d_model=32, num_layers=2, num_heads=8, num_kv_heads=2,
+                       d_ff=64, context=16)  # fmt: skip
+    setup = _setup("ref+1f1b", "pipe2", 2, model=model)
+    ids, labels = lm_batches(model)
+    with refused(ValueError, argument="calls ctx.scan twice", got="twice",
+                 expected="its one stack of layers", fix="Stack every block in one ctx.scan"):  # fmt: skip
+        setup.loss_and_grads(
+            setup.init(jax.random.key(0)).params, *setup.place_batch(ids[0], labels[0])
+        )

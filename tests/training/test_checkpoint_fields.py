@@ -1,6 +1,7 @@
-"""A checkpoint saved before a model's config gained a field (the GPT's ``stacked``, the
-Llama's ``experts``) still identifies the model where the field is at its default, and not
-where it is not."""
+"""A checkpoint saved before a model's config gained a field (the GPT's ``stacked``) still
+identifies the model where the field is at its default, and not where it is not. (The Llama's
+``experts``, an ``Experts`` or None, is not a plain value: no config records it, and the
+experts' parameters tell the models apart.)"""
 
 from __future__ import annotations
 
@@ -14,9 +15,7 @@ from shardops_models.training.checkpoint import describe, differences
 @pytest.mark.parametrize(("model", "field", "other"), [
     (models.Gpt(vocab_size=64, d_model=32, num_heads=4, num_layers=2, context=16, d_ff=64),
      "stacked", {"stacked": True}),
-    (models.Llama(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                  d_ff=32, context=16), "experts", {"tie_embeddings": True}),
-], ids=["gpt", "llama"])  # fmt: skip
+], ids=["gpt"])  # fmt: skip
 def test_a_field_added_since_the_save_at_its_default_is_the_same_model(model, field, other):
     import dataclasses
 
@@ -27,7 +26,4 @@ def test_a_field_added_since_the_save_at_its_default_is_the_same_model(model, fi
     changed = models.build("ref", model=dataclasses.replace(model, **other),
                            optimizer=optax.sgd(0.1))  # fmt: skip
     assert differences(saved, describe(changed)), "a field off its default is another model"
-    saved_without = describe(setup)
-    del saved_without["config"][field]
-    if field == "stacked":  # a field missing from the save, set here off its default: differs
-        assert any(field in d for d in differences(saved_without, describe(changed)))
+    assert any(field in d for d in differences(saved, describe(changed)))
