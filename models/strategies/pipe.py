@@ -146,9 +146,9 @@ class PipeKind(Kind):
                                      reason=_LAST_STAGE)  # fmt: skip
         if not outputs:
             return y
-        with shardops.comm.because(_STAGE_OUTPUTS, self.axis):  # [L_pipe, …] → [L, …]
-            return y, jax.tree.map(lambda o: lax.all_gather(o, self.axis, axis=0, tiled=True),
-                                   own)  # fmt: skip
+        return y, jax.tree.map(  # [L_pipe, …] → [L, …]
+            lambda o: shardops.comm.all_gather(o, self.axis, axis=0, reason=_STAGE_OUTPUTS), own
+        )
 
     def check_locate(self, strategy) -> None:
         raise ValueError(
