@@ -55,6 +55,7 @@ from strategies import (
     ring_bytes_per_group,
     start_platform,
     time_in_rotation,
+    write_between_markers,
 )
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -241,12 +242,7 @@ def markdown(results) -> str:
 
 def write_table(results, path=PAGE) -> None:
     """Replace the table between docs/moe.md's ``moe-tables`` markers by ``markdown(results)``."""
-    text = path.read_text()
-    start, end = text.find(START), text.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"{path} needs the markers {START} and {END}, in that order, around "
-                         f"the benchmark table; add them to its Benchmarks section")  # fmt: skip
-    path.write_text(text[: start + len(START)] + "\n" + markdown(results) + "\n" + text[end:])
+    write_between_markers(path, START, END, markdown(results))
 
 
 def main(argv=None):

@@ -45,6 +45,7 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from strategies import write_between_markers
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 PAGE = pathlib.Path(__file__).parent.parent / "docs" / "moe.md"
@@ -196,12 +197,7 @@ def _fmt_ratio(v) -> str:
 
 def write_table(results, path=PAGE) -> None:
     """Replace the table between docs/moe.md's markers by ``markdown(results)``."""
-    text = path.read_text()
-    start, end = text.find(START), text.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"{path} needs the markers {START} and {END}, in that order, around "
-                         f"the dropless benchmark table; add them to its dropless section")  # fmt: skip
-    path.write_text(text[: start + len(START)] + "\n" + markdown(results) + "\n" + text[end:])
+    write_between_markers(path, START, END, markdown(results))
 
 
 def main(argv=None):

@@ -591,6 +591,18 @@ def tables_block(text: str) -> str:
     return text[start + len(TABLES_START) : end].strip("\n")
 
 
+def write_between_markers(path, start_marker: str, end_marker: str, body: str) -> None:
+    """Replace what ``path`` holds between ``start_marker`` and ``end_marker`` by ``body`` (a
+    benchmark's table in its docs page); a ValueError naming the markers if either is missing
+    or they are out of order."""
+    text = path.read_text()
+    start, end = text.find(start_marker), text.find(end_marker)
+    if start < 0 or end < start:
+        raise ValueError(f"{path} needs the markers {start_marker} and {end_marker}, in that "
+                         f"order, around the benchmark table; add them to the page")  # fmt: skip
+    path.write_text(text[: start + len(start_marker)] + "\n" + body + "\n" + text[end:])
+
+
 def write_tables(results, path=TABLES_PAGE) -> None:
     """Replace docs/benchmarks.md's benchmark tables with ``markdown(results)``."""
     text = path.read_text()

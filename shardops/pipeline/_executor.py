@@ -58,7 +58,7 @@ _REPLICATED = Reason("pipeline_replicated_gradients", forward={
 })  # fmt: skip
 
 FORWARD_SCOPE, BACKWARD_SCOPE = "shardops.pipeline.forward", "shardops.pipeline.backward"
-"""The named scopes of each round's forward and backward phase (``stage_steps`` counts them)."""
+"""The named scopes of each round's forward and backward phase (tests/pipeline counts them)."""
 
 
 def pipeline_value_and_grad(stage_fn, params, inputs, schedule: Schedule, *, axis_name: str,
@@ -120,17 +120,9 @@ class _Run:
     phase (``returned``), the gradients (``accum_dtype``) and the loss so far."""
 
     def __init__(self, stage_fn, params, inputs, schedule, axis_name, stage, accum_dtype, zero):
-        self.stage_fn, self.params, self.inputs, self.axis_name = (
-            stage_fn,
-            params,
-            inputs,
-            axis_name,
-        )
-        self.stages, self.slots, self.accum_dtype = (
-            schedule.stages,
-            schedule.buffer_slots,
-            accum_dtype,
-        )
+        self.stage_fn, self.params, self.inputs = stage_fn, params, inputs
+        self.axis_name, self.accum_dtype = axis_name, accum_dtype
+        self.stages, self.slots = schedule.stages, schedule.buffer_slots
         self.stage, self.first, self.last = stage, stage == 0, stage == schedule.stages - 1
         self.zero, self.received, self.returned = zero, zero, zero  # h of the activation's type
         self.buffer = jnp.zeros((self.slots, *zero.shape), zero.dtype) + zero[None]  # h[K, ...]
