@@ -1,16 +1,19 @@
 """The pipeline's per-device program: a schedule's table (``shardops.pipeline.Schedule``) run
 round by round inside one ``jax.shard_map``, with explicit per-stage ``jax.vjp`` calls.
 
-    stage s = axis_index(pipe); P = stages, M = microbatches, K = schedule.buffer_slots
+    stage s = axis_index(pipe); P = stages, M = microbatches, V = virtual stages,
+    K = schedule.buffer_slots
     for each round r of the table (unrolled: the table is static):
       forward phase (where a stage runs one):
-        i = forward[r][s]; keep h_in in slot i mod K of the buffer h[K, ...]
-        h_out = stage_fn(params, h_in, inputs[i])          (stage 0 starts from inputs[i])
-        h_in ← send h_out over pipe, s → s + 1, for each stage that ran
+        (i, v) = forward[r][s]; keep h_in in slot (v, i mod K) of the buffer h[V·K, ...]
+        h_out = stage_fn(params, h_in, inputs[i], virtual=v)   (chunk 0 starts from inputs[i])
+        h_in ← send h_out over pipe, s → s + 1 (mod P: a lap's end starts the next lap on
+               stage 0), for each stage that ran and not on the last chunk
       backward phase (where a stage runs one):
-        i = backward[r][s]; h = the buffer's slot i mod K
+        (i, v) = backward[r][s]; h = the buffer's slot (v, i mod K)
         (dparams, dh) = vjp(stage_fn at params, h)(dh_out, dloss)   (recomputes the forward)
-        dparams accumulated in float32; dh_out ← send dh over pipe, s → s − 1
+        dparams accumulated in float32; dh_out ← send dh over pipe, s → s − 1 (mod P), not
+        from the first chunk
     loss = psum over pipe of the last stage's losses; dparams of a parameter replicated over
     pipe (the embedding, the head) psummed over it once, in float32
 
@@ -67,22 +70,27 @@ def pipeline_value_and_grad(stage_fn, params, inputs, schedule: Schedule, *, axi
     ``axis_name`` (module docstring).
 
     Arguments:
-        stage_fn: ``stage_fn(params, h, inputs_i, first, last, with_loss) → (h_out, loss)``,
-            one stage's forward of microbatch i: ``h`` the stage's input (``first``, a traced
-            bool: stage 0, which starts from ``inputs_i`` instead), ``h_out`` what the next
-            stage takes, and ``loss`` the microbatch's share of the objective (``last``: the
-            last stage, whose loss alone counts; the others' and their gradients must be finite:
+        stage_fn: ``stage_fn(params, h, inputs_i, first, last, with_loss, virtual) → (h_out,
+            loss)``, one stage's forward of microbatch i: ``h`` the stage's input (``first``, a
+            traced bool: the first chunk, which starts from ``inputs_i`` instead), ``h_out``
+            what the next stage takes, and ``loss`` the microbatch's share of the objective
+            (``last``: the last chunk, whose loss alone counts; the others' and their gradients
+            must be finite:
             a zero seed times an infinite derivative is NaN). A forward phase
             passes ``with_loss=False`` and needs ``h_out`` alone (``loss`` may be None): what
             lies past the layers need not be traced there. It may return a third value,
             ``own``: a share of the objective that every stage computes from its own layers
-            (a mixture of experts' auxiliary losses), counted on every stage.
+            (a mixture of experts' auxiliary losses), counted on every stage. ``virtual``: the
+            virtual stage v (a traced int32, 0 without virtual stages): the stage runs its
+            layers of chunk ``v·P + s`` (a ``circular`` schedule's).
         params: this device's parameters (a pytree): leaves varying over ``axis_name`` are its
-            stage's own (its layers ``[L_pipe, …]``); the others are replicated over it.
+            stage's own (its layers ``[L_pipe, …]``: with virtual stages, its V chunks in
+            turn, stored in the order ``stage_order`` gives); the others are replicated over
+            it.
         inputs: a pytree of ``[M, …]`` arrays, microbatch i at index i (replicated over the
             pipe axis: every stage reads the microbatch it runs).
-        schedule: the table (``gpipe``, ``one_f_one_b``), for ``lax.axis_size(axis_name)``
-            stages.
+        schedule: the table (``gpipe``, ``one_f_one_b``, ``circular``), for
+            ``lax.axis_size(axis_name)`` stages.
         activation: the type of ``h`` (``jax.typeof`` of one: its shape, dtype and the axes
             it varies over).
         accum_dtype: the gradients' accumulation dtype (float32).
@@ -116,16 +124,18 @@ def pipeline_value_and_grad(stage_fn, params, inputs, schedule: Schedule, *, axi
 
 class _Run:
     """One device's state between the phases of the rounds: the buffer of stage inputs
-    ``h[K, ...]``, what the last forward phase sent it (``received``) and the last backward
+    ``h[V·K, ...]``, what the last forward phase sent it (``received``) and the last backward
     phase (``returned``), the gradients (``accum_dtype``) and the loss so far."""
 
     def __init__(self, stage_fn, params, inputs, schedule, axis_name, stage, accum_dtype, zero):
         self.stage_fn, self.params, self.inputs = stage_fn, params, inputs
-        self.axis_name, self.accum_dtype = axis_name, accum_dtype
-        self.stages, self.slots = schedule.stages, schedule.buffer_slots
-        self.stage, self.first, self.last = stage, stage == 0, stage == schedule.stages - 1
+        self.axis_name, self.accum_dtype, self.schedule = axis_name, accum_dtype, schedule
+        self.stages, self.slots, self.virtual = (schedule.stages, schedule.buffer_slots,
+                                                 schedule.virtual)  # fmt: skip
+        self.stage = stage
         self.zero, self.received, self.returned = zero, zero, zero  # h of the activation's type
-        self.buffer = jnp.zeros((self.slots, *zero.shape), zero.dtype) + zero[None]  # h[K, ...]
+        slots = self.virtual * self.slots
+        self.buffer = jnp.zeros((slots, *zero.shape), zero.dtype) + zero[None]  # h[V·K, ...]
         self.grads = jax.tree.map(lambda q: jnp.zeros(q.shape, accum_dtype) + _vary(q, accum_dtype),
                                   params)  # fmt: skip
         self.loss = self.own = None  # their types are stage_fn's
@@ -139,8 +149,18 @@ class _Run:
         self.phases += 1
         return _barrier((self.params, h, microbatch), self.phases)
 
-    def _apply(self, params, h, microbatch, with_loss: bool = True):
-        out = self.stage_fn(params, h, microbatch, self.first, self.last, with_loss)
+    def _ends(self, v):
+        """``(first, last)``: whether this stage's chunk on virtual stage ``v`` is the
+        pipeline's first (stage 0, v = 0) or last (stage P − 1, v = V − 1)."""
+        return ((self.stage == 0) & (v == 0),
+                (self.stage == self.stages - 1) & (v == self.virtual - 1))  # fmt: skip
+
+    def _slot(self, i, v):
+        return v * self.slots + i % self.slots
+
+    def _apply(self, params, h, microbatch, v, with_loss: bool = True):
+        first, last = self._ends(v)
+        out = self.stage_fn(params, h, microbatch, first, last, with_loss, v)
         if with_loss and len(out) == 3:  # ``own`` varying where the loss varies, as ``loss + own``
             # would (its transpose sums ``own``'s gradient over the devices the loss sums)
             h_out, loss, own = out
@@ -149,25 +169,26 @@ class _Run:
 
     def forward(self, phase) -> None:
         """Each stage ``phase`` names keeps its input and runs its layers; the outputs go on."""
-        i, runs = _entry(phase, self.stage)
-        slot = i % self.slots
+        i, v, runs = _entry(self.schedule, phase, self.stage)
+        slot = self._slot(i, v)
         old = lax.dynamic_index_in_dim(self.buffer, slot, 0, keepdims=False)
         kept = jnp.where(runs, self.received, old)
         self.buffer = lax.dynamic_update_index_in_dim(self.buffer, kept, slot, 0)
-        h_out, _ = self._apply(*self._operands(self.received, i), with_loss=False)
-        pairs = [(s, s + 1) for s in range(self.stages - 1) if phase[s] is not None]
+        h_out, _ = self._apply(*self._operands(self.received, i), v, with_loss=False)
+        pairs = self._pairs(phase, +1)
         self.received = (send(h_out, self.axis_name, pairs, reason=_FORWARD) if pairs
                          else self.zero)  # fmt: skip
 
     def backward(self, phase) -> None:
         """Each stage ``phase`` names runs the vjp of its layers (the forward recomputed from
         the input it kept) and adds the gradients; its input's gradient goes back."""
-        i, runs = _entry(phase, self.stage)
-        h = lax.dynamic_index_in_dim(self.buffer, i % self.slots, 0, keepdims=False)
+        i, v, runs = _entry(self.schedule, phase, self.stage)
+        h = lax.dynamic_index_in_dim(self.buffer, self._slot(i, v), 0, keepdims=False)
         params, h, microbatch = self._operands(h, i)
-        out, vjp = jax.vjp(lambda q, h: self._apply(q, h, microbatch), params, h)
+        out, vjp = jax.vjp(lambda q, h: self._apply(q, h, microbatch, v), params, h)
+        last = self._ends(v)[1]
         h_out, loss, own = (*out, None)[:3]
-        seeds = [_like(self.returned, h_out), _seed(self.last & runs, loss)]
+        seeds = [_like(self.returned, h_out), _seed(last & runs, loss)]
         if own is not None:  # every stage's own share, seeded where it runs
             seeds.append(_seed(runs, own))
             counted = jnp.where(runs, own.astype(self.accum_dtype), 0)
@@ -182,11 +203,26 @@ class _Run:
             lambda g, d: g,
             self.grads, d_params,
         )  # fmt: skip
-        counted = jnp.where(self.last & runs, loss.astype(accum), 0)
+        counted = jnp.where(last & runs, loss.astype(accum), 0)
         self.loss = counted if self.loss is None else self.loss + counted
-        pairs = [(s, s - 1) for s in range(1, self.stages) if phase[s] is not None]
+        pairs = self._pairs(phase, -1)
         self.returned = (send(d_h, self.axis_name, pairs, reason=_BACKWARD) if pairs
                          else self.zero)  # fmt: skip
+
+    def _pairs(self, phase, step: int) -> list[tuple[int, int]]:
+        """The sends of ``phase``, a forward's (``step`` +1) or a backward's (−1): from each
+        stage that runs to its neighbour s + step mod P, but from the pipeline's last chunk
+        forward and its first backward (whose chunk has no neighbour)."""
+        p, end = self.stages, (self.virtual - 1 if step > 0 else 0)
+        pairs = []
+        for s, e in enumerate(phase):
+            if e is None:
+                continue
+            _, v = self.schedule.entry(e)
+            edge = s == (p - 1 if step > 0 else 0)  # the lap's end: the wrap to the next lap
+            if not (edge and v == end):
+                pairs.append((s, (s + step) % p))
+        return pairs
 
 
 def _barrier(tree, phase: int):
@@ -206,12 +242,13 @@ def _barrier(tree, phase: int):
     return treedef.unflatten(out)
 
 
-def _entry(phase, stage):
-    """``(i, runs)``: the microbatch this device's stage runs in ``phase`` (0 where it runs
-    none) and whether it runs one, each looked up by the traced stage index."""
-    table = np.array([-1 if i is None else i for i in phase], np.int32)
-    i = jnp.asarray(table)[stage]
-    return jnp.maximum(i, 0), i >= 0
+def _entry(schedule: Schedule, phase, stage):
+    """``(i, v, runs)``: the microbatch this device's stage runs in ``phase`` and its virtual
+    stage (0 where it runs none), and whether it runs one, each looked up by the traced stage
+    index."""
+    entries = [schedule.entry(e) or (-1, 0) for e in phase]
+    table = jnp.asarray(np.array(entries, np.int32))[stage]  # [2]
+    return jnp.maximum(table[0], 0), table[1], table[0] >= 0
 
 
 def _zeros_like(activation, axis_name: str):

@@ -3,7 +3,8 @@ test_executor_mutations.py).
 
 The model: ``x[B, 8] · w0[8, D]`` (an input projection, replicated over pipe), ``L`` tanh
 layers ``h ← tanh(h · W_l)`` stacked as ``layers[L, D, D]`` (split over pipe: stage s holds
-layers ``[s·L/P, (s+1)·L/P)``), and a head ``w1[D, 3]`` (replicated over pipe) with a
+layers ``[s·L/P, (s+1)·L/P)``; with V virtual stages it holds chunks s, s + P, … of L/(P·V)
+layers, the stack stored in ``stage_order``), and a head ``w1[D, 3]`` (replicated over pipe) with a
 mean-squared loss ``Σ_rows |h · w1 − y|² / B``, which every stage computes on its own output
 (the executor must count, and differentiate, the last stage's alone). The batch is split over
 data (if the mesh has it), and each device's rows into M microbatches.
@@ -15,11 +16,11 @@ data (if the mesh has it), and each device's rows into M microbatches.
   ``bound`` (below);
 - the program's phases: one ``stage_fn`` call per time step of ``schedule.steps()``, each in
   the named scope of its phase (``FORWARD_SCOPE``, ``BACKWARD_SCOPE``), in the table's order;
-- the collectives over pipe: each microbatch's activation crosses the P − 1 stage boundaries
-  forward (pipe coordinate s → s + 1, same data coordinate) and its gradient P − 1 backward
-  (s → s − 1), one collective-permute per phase that sends (M + P − 2 each way), each of one
-  activation ``f32[b, D]``; and one AllReduce over pipe of the loss and the replicated leaves'
-  gradients (w0, w1), no more.
+- the collectives over pipe: each microbatch's activation crosses the P·V − 1 chunk boundaries
+  forward (pipe coordinate s → s + 1 mod P, same data coordinate) and its gradient P·V − 1
+  backward (s → s − 1 mod P), one collective-permute per phase that sends (V·M + P − 2 each
+  way), each of one activation ``f32[b, D]``; and one AllReduce over pipe of the loss and the
+  replicated leaves' gradients (w0, w1), no more.
 
 The bound. Per row the pipeline computes what the reference computes (the layers contract
 over D, never over the batch); what it reorders are the sums over the batch: the loss and
@@ -123,28 +124,32 @@ class Program:
 
     compiled: object
     mesh: object
+    schedule: object
     calls: int  # stage_fn calls while tracing
     jaxpr: object
 
 
 def program(mesh, sched, t: Toy, *, executor=_executor, **options) -> Program:
-    """The pipeline step of ``t`` by ``sched`` on ``mesh`` (pipe × data), compiled;
-    ``options`` go to ``pipeline_value_and_grad`` (none: its defaults)."""
-    m, data = sched.microbatches, mesh.shape[DATA]
+    """The pipeline step of ``t`` by ``sched`` on ``mesh`` (pipe × data), compiled, the
+    layers stored in ``stage_order`` (``t``'s own order is the model's); ``options`` go to
+    ``pipeline_value_and_grad`` (none: its defaults)."""
+    m, data, v = sched.microbatches, mesh.shape[DATA], sched.virtual
+    chunk = LAYERS // (sched.stages * v)  # layers of a chunk
     b = t.batch // (m * data)  # rows of a microbatch on a device
     calls = []
 
     def body(params, x, y):  # x[B/data, IN], y[B/data, OUT]
         xs, ys = x.reshape(m, b, IN), y.reshape(m, b, OUT)  # [M, b, …]
 
-        def stage_fn(q, h, inp, first, last, with_loss=True):  # h[b, D]
+        def stage_fn(q, h, inp, first, last, with_loss=True, virtual=0):  # h[b, D]
             n = len(calls)
             calls.append(n)
             with jax.named_scope(f"toy_call{n}"):
                 xi, yi = inp  # xi[b, IN], yi[b, OUT]
                 w0 = jax.lax.pcast(q["w0"], DATA, to="varying")
                 h = jnp.where(first, xi @ w0, h)  # stage 0 starts from the input
-                h = _layers(q["layers"], h)  # this stage's L/P layers
+                ws = jax.lax.dynamic_slice_in_dim(q["layers"], virtual * chunk, chunk, 0)
+                h = _layers(ws, h)  # this chunk's L/(P·V) layers
                 w1 = jax.lax.pcast(q["w1"], DATA, to="varying")
                 if not with_loss:  # a forward phase needs h alone
                     return h, None
@@ -161,10 +166,16 @@ def program(mesh, sched, t: Toy, *, executor=_executor, **options) -> Program:
 
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(SPECS, P(DATA), P(DATA)),
                                  out_specs=(P(), SPECS)))  # fmt: skip
-    params, x, y = placed(mesh, t)
+    params, x, y = placed(mesh, stored(t, sched))
     jaxpr = jax.make_jaxpr(step)(params, x, y)  # traces once: ``calls`` fills here
     compiled = step.lower(params, x, y).compile()
-    return Program(compiled, mesh, len(calls), jaxpr)
+    return Program(compiled, mesh, sched, len(calls), jaxpr)
+
+
+def stored(t: Toy, sched) -> Toy:
+    """``t`` with its layers in ``stage_order`` for ``sched``'s stages."""
+    order = np.asarray(shardops.pipeline.stage_order(LAYERS, sched.stages, sched.virtual))
+    return dataclasses.replace(t, params={**t.params, "layers": t.params["layers"][order]})
 
 
 def placed(mesh, t: Toy):
@@ -178,7 +189,10 @@ def placed(mesh, t: Toy):
 def check_values(pr: Program, t: Toy) -> dict:
     """The loss and every gradient leaf against ``reference`` within ``bound``; the worst
     error ÷ bound per leaf."""
-    loss, grads = pr.compiled(*placed(pr.mesh, t))
+    loss, grads = pr.compiled(*placed(pr.mesh, stored(t, pr.schedule)))
+    order = np.asarray(shardops.pipeline.stage_order(LAYERS, pr.schedule.stages,
+                                                     pr.schedule.virtual))  # fmt: skip
+    grads = {**grads, "layers": np.asarray(grads["layers"])[np.argsort(order)]}
     ref_loss, ref_grads = reference(t)
     loss_a, grads_a = absolute_sums(t)
     ratios = {"loss": float(jnp.abs(loss - ref_loss) / bound(t, loss_a))}
@@ -244,7 +258,7 @@ def permutes(hlo: str) -> list[tuple[str, list[tuple[int, int]]]]:
 
 def check_collectives(pr: Program, sched, t: Toy) -> None:
     """The pipe collectives against the counts of the module docstring."""
-    p, m, data = sched.stages, sched.microbatches, pr.mesh.shape[DATA]
+    p, m, data, v = sched.stages, sched.microbatches, pr.mesh.shape[DATA], sched.virtual
     b = t.batch // (m * data)
     activation = b * D * 4  # f32[b, D]
     found = shardops.inspect.collectives(pr.mesh, pr.compiled)
@@ -252,29 +266,31 @@ def check_collectives(pr: Program, sched, t: Toy) -> None:
     assert all(c.axes == (PIPE,) and c.shapes == (("f32", (b, D)),) for c in permute), permute
     for scope, step in ((_executor.FORWARD_SCOPE, 1), (_executor.BACKWARD_SCOPE, -1)):
         ops = [c for c in permute if scope in c.op_name]
-        # a phase sends where a stage that is not the last (first) runs: M + P − 2 of them
-        assert len(ops) == (m + p - 2 if p > 1 else 0), (scope, len(ops))
+        # a phase sends where a chunk that is not the last (first) runs: V·M + P − 2 of them
+        assert len(ops) == (v * m + p - 2 if p * v > 1 else 0), (scope, len(ops))
         assert sum(c.bytes for c in ops) == len(ops) * activation
         pairs = [pair for name, ps in permutes(pr.compiled.as_text()) if scope in name
                  for pair in ps]  # fmt: skip
         hops = [(divmod(a, data), divmod(b_, data)) for a, b_ in pairs]  # (pipe, data) coords
-        assert all(t_[0] == s_[0] + step and t_[1] == s_[1] for s_, t_ in hops), (scope, hops)
-        # each microbatch crosses P − 1 boundaries, on every data coordinate
-        assert len(hops) == m * (p - 1) * data, (scope, len(hops))
-        senders = range(p - 1) if step == 1 else range(1, p)
-        assert [sum(h[0][0] == s for h in hops) for s in senders] == [m * data] * (p - 1)
-    assert len(permute) == 2 * (m + p - 2)
+        assert all(t_[0] == (s_[0] + step) % p and t_[1] == s_[1] for s_, t_ in hops), hops
+        # each microbatch crosses P·V − 1 boundaries, on every data coordinate: V from each
+        # stage, but V − 1 from the one whose last (first) chunk sends nothing
+        assert len(hops) == m * (p * v - 1) * data, (scope, len(hops))
+        end = p - 1 if step == 1 else 0
+        assert [sum(h[0][0] == s for h in hops) for s in range(p)] == [
+            m * data * (v - (s == end)) for s in range(p)]  # fmt: skip
+    assert len(permute) == 2 * (v * m + p - 2)
     over_pipe = [c for c in found if c.axes == (PIPE,) and c.kind != "collective-permute"]
     replicated = sum(t.params[k].size for k in ("w0", "w1")) * 4
     assert {c.kind for c in over_pipe} == {"all-reduce"}, over_pipe
     assert sum(c.bytes for c in over_pipe) == 4 + replicated  # the loss, dw0, dw1
 
 
-def check_pipeline(name: str, p: int, m: int, data: int, *, executor=_executor,
-                   schedules=_schedule) -> dict:  # fmt: skip
-    """The step of ``schedules.schedule(name, p, m)`` on pipe=p × data: values, phases and
-    collectives; the worst error ÷ bound per leaf."""
-    sched = schedules.schedule(name, p, m)
+def check_pipeline(name: str, p: int, m: int, data: int, *, virtual: int = 1,
+                   executor=_executor, schedules=_schedule) -> dict:  # fmt: skip
+    """The step of ``schedules.schedule(name, p, m, virtual)`` on pipe=p × data: values,
+    phases and collectives; the worst error ÷ bound per leaf."""
+    sched = schedules.schedule(name, p, m, virtual)
     t = toy(m, data)
     pr = program(mesh_of(p, data), sched, t, executor=executor)
     check_phases(pr, sched)

@@ -1,8 +1,8 @@
 """shardops.pipeline.pipeline_value_and_grad on the toy model (tests/pipeline/_pipeline_checks.py):
 GPipe and 1F1B on pipe = 2, 4, 8 (× data where the 8 devices allow) with M ∈ {1, P, 2P + 1}
-microbatches give the unsharded model's loss and gradients within the derived float32 bound;
+microbatches, and circular with V = 2 and 4 virtual stages, give the unsharded model's loss and gradients within the derived float32 bound;
 the program runs one stage call per time step of the table, in its phase and order; each
-microbatch's activation crosses P − 1 stage boundaries forward and its gradient P − 1 back,
+microbatch's activation crosses P·V − 1 chunk boundaries forward and its gradient P·V − 1 back,
 with no other traffic over pipe than one AllReduce of the loss and the replicated gradients;
 and the refusals (a schedule for another stage count, inputs without the microbatch dim).
 
@@ -21,7 +21,7 @@ from _pipeline_checks import DATA, PIPE, check_pipeline, mesh_of
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardops.pipeline import SCHEDULES, gpipe, pipeline_value_and_grad
+from shardops.pipeline import gpipe, pipeline_value_and_grad
 
 ALL_MESHES = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1)]  # (pipe, data)
 MESHES = ALL_MESHES if FULL else [(2, 4), (4, 2), (8, 1)]
@@ -32,7 +32,8 @@ def _m(kind: str, p: int) -> int:
     return {"1": 1, "P": p, "2P+1": 2 * p + 1}[kind]
 
 
-CASES = cover(MESHES, SCHEDULES, MICROBATCHES)
+CONTIGUOUS = ("gpipe", "1f1b")
+CASES = cover(MESHES, CONTIGUOUS, MICROBATCHES)
 
 
 def _id(case) -> str:
@@ -49,7 +50,19 @@ def test_pipeline_equals_the_unsharded_gradients(mesh, name, m_kind):
 def test_cover_holds_every_pair():
     from _cover import covered
 
-    assert covered(CASES, MESHES, SCHEDULES, MICROBATCHES, t=2)
+    assert covered(CASES, MESHES, CONTIGUOUS, MICROBATCHES, t=2)
+
+
+# (pipe, data, M, V): the toy's 8 layers in P·V chunks; M a multiple of P (groups of P), one
+# group and several; a chunk of one layer (P·V = 8) and of two
+CIRCULAR = [(2, 4, 2, 2), (4, 2, 8, 2), (2, 1, 4, 4)]
+
+
+@pytest.mark.parametrize("p, data, m, v", CIRCULAR, ids=lambda c: str(c))
+def test_circular_pipeline_equals_the_unsharded_gradients(p, data, m, v):
+    """Each stage's chunks stored in ``stage_order``: chunk v·P + s is the v-th block of stage
+    s's layers, and the gradients come back in that order (un-permuted for the comparison)."""
+    check_pipeline("circular", p, m, data, virtual=v)
 
 
 # --- refusals, inside the shard_map (the pipe axis's size is known there)
@@ -58,7 +71,7 @@ def test_cover_holds_every_pair():
 def _refused_step(sched, mesh, microbatched: bool):
     """A trivial pipeline step (one scale per stage) whose inputs hold ``[M, …]`` or not."""
 
-    def stage_fn(q, h, x, first, last, with_loss=True):  # h[2, 4]
+    def stage_fn(q, h, x, first, last, with_loss=True, virtual=0):  # h[2, 4]
         h = jnp.where(first, x, h) * q["scale"][0]
         return h, jnp.sum(jnp.where(last, h, 0))
 

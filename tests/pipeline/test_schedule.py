@@ -2,8 +2,9 @@
 M ∈ {1, P, 2P + 1} microbatches take 2(M + P − 1) time steps, idle (P − 1)/(M + P − 1) of
 them, run every (microbatch, stage) forward and backward once in dependency order, and hold the
 stage inputs each schedule promises (GPipe M, 1F1B min(M, 2(P − s) − 1) on stage s), each
-counted here from the table's time steps, not from the schedule's own formulas; ``render``'s
-text; and ``check``'s refusals of broken tables."""
+counted here from the table's time steps, not from the schedule's own formulas; the circular
+schedule's 2(V·M + P − 1) steps, idle (P − 1)/(V·M + P − 1), chunk-to-chunk order and bounded
+inputs, and ``stage_order``; ``render``'s text; and ``check``'s refusals of broken tables."""
 
 from __future__ import annotations
 
@@ -13,22 +14,36 @@ from fractions import Fraction
 import pytest
 from _messages import refused
 
-from shardops.pipeline import SCHEDULES, Schedule, gpipe, one_f_one_b, schedule
+from shardops.pipeline import (
+    SCHEDULES,
+    Schedule,
+    circular,
+    gpipe,
+    one_f_one_b,
+    schedule,
+    stage_order,
+)
+from shardops.pipeline._schedule import _table
 
-CASES = [(name, p, m) for name in SCHEDULES for p in (2, 4, 8) for m in (1, p, 2 * p + 1)]
-_CELL = re.compile(r"^([FB])(\d+)$")
+CONTIGUOUS = ("gpipe", "1f1b")
+CASES = [(name, p, m) for name in CONTIGUOUS for p in (2, 4, 8) for m in (1, p, 2 * p + 1)]
+# circular: (P, M, V), M a multiple of P
+CIRCULAR = [(p, m, v) for p in (2, 4, 8) for m in (p, 2 * p, 5 * p) for v in (2, 3, 4)]
+_CELL = re.compile(r"^([FB])(\d+)(?:\.(\d+))?$")
 
 
-def _events(sched: Schedule) -> dict[tuple[str, int, int], list[int]]:
-    """``{(phase, microbatch, stage): [time steps]}`` read from ``steps()``'s cells."""
-    found: dict[tuple[str, int, int], list[int]] = {}
+def _events(sched: Schedule) -> dict[tuple, list[int]]:
+    """``{(phase, microbatch, stage): [time steps]}`` read from ``steps()``'s cells
+    (``(phase, microbatch, chunk)``, chunk ``v·P + s``, where they name virtual stages)."""
+    found: dict[tuple, list[int]] = {}
     for t, step in enumerate(sched.steps()):
         assert len(step) == sched.stages, (t, step)
         for s, cell in enumerate(step):
             if cell == ".":
                 continue
-            phase, i = _CELL.match(cell).groups()
-            found.setdefault((phase, int(i), s), []).append(t)
+            phase, i, v = _CELL.match(cell).groups()
+            where = s if v is None else int(v) * sched.stages + s
+            found.setdefault((phase, int(i), where), []).append(t)
     return found
 
 
@@ -107,7 +122,117 @@ def test_render_pins_the_table():
 def test_schedule_by_name_is_the_maker():
     assert schedule("gpipe", 4, 5) == gpipe(4, 5)
     assert schedule("1f1b", 4, 5) == one_f_one_b(4, 5)
+    assert schedule("circular", 4, 8, 3) == circular(4, 8, 3)
     assert gpipe(4, 5) != one_f_one_b(4, 5)
+
+
+# --- circular: chunk c = v·P + s of the P·V on stage s
+
+
+@pytest.mark.parametrize("p, m, v", CIRCULAR)
+def test_circular_bubble_steps_and_dependencies(p, m, v):
+    """2(V·M + P − 1) time steps, idle (P − 1)/(V·M + P − 1), every (microbatch, chunk) once
+    each way, a hop one step on from chunk to chunk (the lap's end, stage P − 1, to stage 0),
+    and each stage's microbatches in order on each of its chunks."""
+    sched = circular(p, m, v)
+    steps = sched.steps()
+    assert len(steps) == 2 * (v * m + p - 1)
+    cells = [c for step in steps for c in step]
+    bubble = Fraction(p - 1, v * m + p - 1)
+    assert Fraction(cells.count("."), len(cells)) == bubble
+    assert sched.idle_fraction() == pytest.approx(sched.bubble()) and sched.bubble() == float(
+        bubble
+    )
+    assert all([step[s] for step in steps].count(".") == 2 * (p - 1) for s in range(p))
+    events = _events(sched)
+    chunks = p * v
+    assert set(events) == {(f, i, c) for f in "FB" for i in range(m) for c in range(chunks)}
+    assert all(len(ts) == 1 for ts in events.values()), "a (microbatch, chunk) ran twice"
+    at = {k: ts[0] for k, ts in events.items()}
+    for i in range(m):
+        for c in range(chunks - 1):
+            assert at["F", i, c] < at["F", i, c + 1]
+            assert at["B", i, c + 1] < at["B", i, c]
+        assert at["F", i, chunks - 1] < at["B", i, chunks - 1]
+    for c in range(chunks):
+        for f in "FB":
+            assert [at[f, i, c] for i in range(m)] == sorted(at[f, i, c] for i in range(m))
+
+
+def test_circular_holds_a_bounded_number_of_stage_inputs():
+    """Each chunk holds at most min(M, 2P) inputs, stage 0 V·P + P − 1 in all, whatever M
+    (counted from the table's rounds); GPipe's grow with M."""
+    for p, v in ((2, 2), (4, 2), (2, 4), (8, 3)):
+        for m in (2 * p, 8 * p):
+            sched = circular(p, m, v)
+            per_chunk = [sched.in_flight(s, u) for s in range(p) for u in range(v)]
+            assert max(per_chunk) == min(m, 2 * p)
+            assert sched.in_flight(0) == v * p + p - 1 < gpipe(p, m).in_flight(0) * v
+            assert sched.buffer_slots == 2 * p
+
+
+def test_circular_with_one_virtual_stage_is_1f1b():
+    for p in (2, 4, 8):
+        for m in (p, 3 * p):
+            assert circular(p, m, 1).rounds == one_f_one_b(p, m).rounds
+
+
+def test_circular_render_pins_the_table():
+    assert circular(2, 2, 2).render() == (
+        "circular: P=2 stages, M=2 microbatches, V=2 virtual stages\n"
+        "stage 0: F0.0 F1.0 F0.1 F1.1    .    . B0.1 B1.1 B0.0 B1.0\n"
+        "stage 1:    . F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 B0.0 B1.0    ."
+    )
+
+
+def test_circular_microbatches_not_divisible_by_stages_are_refused():
+    with refused(ValueError, argument="circular: 6 microbatches", got="6 microbatches",
+                 expected="groups of 4 (one per stage)",
+                 fix="Use a number of microbatches 4 divides (8, say), or the 1f1b schedule"):  # fmt: skip
+        circular(4, 6, 2)
+
+
+def test_virtual_stages_of_a_contiguous_schedule_are_refused():
+    with refused(ValueError, argument="'1f1b' runs contiguous stages", got="virtual=2",
+                 expected="virtual=1", fix="the 'circular' schedule for virtual stages"):  # fmt: skip
+        schedule("1f1b", 2, 4, 2)
+    with refused(ValueError, argument="virtual must be", got="got 0", expected="positive int",
+                 fix="Pass an int >= 1"):  # fmt: skip
+        circular(2, 4, 0)
+
+
+def test_a_hop_from_the_lap_end_of_two_rounds_is_refused():
+    """circular(2, 2, 2) with stage 0's second lap a round late: microbatch 0 leaves stage 1's
+    first chunk in round 1 and would reach stage 0's second in round 3."""
+    good = circular(2, 2, 2)
+    with refused(ValueError, argument="microbatch 0 runs forward on stage 1 (virtual stage 0)",
+                 got="on stage 0 (virtual stage 1) in round 3",
+                 expected="a hop takes exactly one round",
+                 fix="Run it forward on stage 0 (virtual stage 1) in round 2"):  # fmt: skip
+        _table("late lap", 2, 2,
+               lambda i, u, s: good.forward_round(i, s, u) + ((u, s) == (1, 0)),
+               lambda i, u, s: good.backward_round(i, s, u) + 1, 2)  # fmt: skip
+
+
+def test_stage_order_gives_each_stage_its_chunks():
+    """Stored row r = s·L/P + v·L/(P·V) + j holds layer (v·P + s)·L/(P·V) + j: stage s's
+    contiguous block is its chunks s, s + P, … in turn."""
+    assert stage_order(8, 2, 2) == (0, 1, 4, 5, 2, 3, 6, 7)
+    assert stage_order(6, 3, 1) == tuple(range(6))
+    for layers, p, v in ((8, 2, 2), (12, 2, 3), (16, 4, 2), (8, 8, 1)):
+        order, chunk = stage_order(layers, p, v), layers // (p * v)
+        assert sorted(order) == list(range(layers))
+        for s in range(p):
+            block = order[s * layers // p : (s + 1) * layers // p]
+            want = [c * chunk + j for c in range(s, p * v, p) for j in range(chunk)]
+            assert list(block) == want
+
+
+def test_stage_order_of_layers_the_chunks_do_not_divide_is_refused():
+    with refused(ValueError, argument="stage_order: 6 layers", got="6 layers",
+                 expected="2 stages × 2 virtual stages (4 chunks of whole layers)",
+                 fix="Use a number of layers 4 divides"):  # fmt: skip
+        stage_order(6, 2, 2)
 
 
 # --- refusals of broken tables: P = 2 stages, M = 1 or 2 microbatches, rounds written out
@@ -185,12 +310,12 @@ def test_wrong_stage_count_is_refused():
 
 
 def test_empty_schedule_is_refused():
-    with refused(ValueError, argument="needs stages >= 1 and microbatches >= 1",
-                 got="got 2 and 0", expected="microbatches >= 1", fix="Pass positive ints"):  # fmt: skip
+    with refused(ValueError, argument="needs stages, microbatches and virtual >= 1",
+                 got="got 2, 0 and 1", expected=">= 1", fix="Pass positive ints"):  # fmt: skip
         Schedule("empty", 2, 0, ())
 
 
-@pytest.mark.parametrize("maker", [gpipe, one_f_one_b])
+@pytest.mark.parametrize("maker", [gpipe, one_f_one_b, circular])
 @pytest.mark.parametrize("stages, microbatches, argument, got", [
     (0, 4, "stages", "0"), (2, 0, "microbatches", "0"), (2.0, 4, "stages", "2.0"),
     (True, 4, "stages", "True"), (2, -1, "microbatches", "-1"),
