@@ -60,6 +60,8 @@ EP_MESHES = {
     "d2e2m2": {"data": 2, "expert": 2, "model": 2},
     "d2e4": {"data": 2, "expert": 4},
     "e4m2": {"data": 4, "model": 2},
+    "r2d2e2": {"replica": 2, "data": 2, "expert": 2},
+    "e2c2m2": {"expert": 2, "context": 2, "model": 2},
 }
 
 # Meshes with a pipe axis (tests/strategies/test_pipeline.py).
@@ -116,8 +118,11 @@ def gpt_batches(seed: int = 0):
     return lm_batches(GPT, seed)
 
 
-def reference_trajectory(model, params, ids, labels, opt):
-    value_and_grad = jax.jit(jax.value_and_grad(model.reference_loss))
+def reference_trajectory(model, params, ids, labels, opt, context_shards: int = 1):
+    loss = model.reference_loss
+    if context_shards != 1:  # the experts' capacity groups as cp over that many devices
+        loss = functools.partial(loss, context_shards=context_shards)
+    value_and_grad = jax.jit(jax.value_and_grad(loss))
     opt_state = opt.init(params)
     losses, grads, norms = [], [], []
     for x, y in zip(ids, labels, strict=True):
@@ -132,14 +137,15 @@ def reference_trajectory(model, params, ids, labels, opt):
 
 @functools.cache
 def _reference(model, opt_name: str, clip: float | None = None, sgd_lr: float = 4.0,
-               batch: int = BATCH):  # fmt: skip
+               batch: int = BATCH, context_shards: int = 1):  # fmt: skip
     """The initial params, the batches and the reference trajectory of ``model`` under
     ``opt_name``, computed once per session: every strategy, mesh and mutant shares it."""
     params = model.init(jax.random.key(0))
     ids, labels = lm_batches(model, batch=batch)
     labels[:, 0, -3:] = PAD_LABEL  # a short document's end: no loss, no gradient, every layout
     opt = optimizer(opt_name, clip, sharded=False, sgd_lr=sgd_lr)
-    return params, ids, labels, reference_trajectory(model, params, ids, labels, opt)
+    trajectory = reference_trajectory(model, params, ids, labels, opt, context_shards)
+    return params, ids, labels, trajectory
 
 
 def check_gpt_trajectory(strategy, mesh_name, opt_name, **options) -> dict:
@@ -149,15 +155,18 @@ def check_gpt_trajectory(strategy, mesh_name, opt_name, **options) -> dict:
 
 def check_lm_trajectory(model, strategy, mesh_name, opt_name, *, build=models.build, plan=None,
                         remat=False, budget=False, clip=None, sgd_lr=4.0, tol=None,
-                        attention="auto", microbatches=1, batch=BATCH) -> dict:  # fmt: skip
+                        attention="auto", microbatches=1, batch=BATCH,
+                        context_shards=1) -> dict:  # fmt: skip
     """Assert 5 steps' losses, gradients and params of ``model`` equal its plain reference;
     with ``budget``, also that the compiled train step's collectives equal
     ``collective_budget``; with ``clip``, the gradients are clipped to that global norm (and
     the reference's norm must exceed it, so the clipping is exercised); ``microbatches``: the
-    build's (each device's batch of ``batch`` split so)."""
+    build's (each device's batch of ``batch`` split so); ``context_shards``: the reference's
+    (``Llama.reference_loss``: a mixture of experts' capacity groups under cp over that many
+    devices)."""
     tol = tol or TOL[opt_name]
     params, ids, labels, (ref_losses, ref_grads, ref_params, norms) = _reference(
-        model, opt_name, clip, sgd_lr, batch
+        model, opt_name, clip, sgd_lr, batch, context_shards
     )
     if clip is not None:
         assert min(norms) > 1.5 * clip, f"clip={clip} never binds: gradient norms {norms}"

@@ -21,6 +21,8 @@ stays within a document and the rotary positions restart at 0 at each.
 ``reference_logits`` is the same model in plain ``jax.numpy`` (no shardops layer), written
 independently: Hugging Face's ``repeat_kv`` grouping and rotate-half RoPE; its experts run every
 expert on every token and keep the choices that fit the capacity (all of them when dropless).
+Its capacity groups are the sequences, or with ``context_shards=N`` each sequence's tokens as
+context parallelism over N devices holds them (``_capacity_groups``).
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from shardops.layers import MOE_LOAD_BALANCE, MOE_SCORES
-from shardops_models.networks._lm import LanguageModel
+from shardops_models.networks._lm import PAD_LABEL, LanguageModel
 from shardops_models.strategies.plan import (
     COLUMN,
     EXPERTS,
@@ -68,7 +71,7 @@ def default_d_ff(d_model: int) -> int:
 class Experts:
     """A mixture of SwiGLU experts in place of each block's MLP (Mixtral): ``num_experts``
     experts of the model's ``d_ff``, each token routed to ``k`` (``shardops.layers.moe_kernel``:
-    ``score``, top-k renormalised, ``capacity_factor`` slots per expert per sequence, or
+    ``score``, top-k renormalised, ``capacity_factor`` slots per expert per capacity group, or
     ``None``: dropless, every choice computed by its expert), the load-balancing loss
     (``load_balance``: ``"global"`` or ``"group"``) and the router z-loss added to the training
     loss with their weights, each summed over the layers.
@@ -76,7 +79,12 @@ class Experts:
     Dropless (``capacity_factor=None``) computes what ``capacity_factor = E / k`` (``C = S``)
     does without the slots' padding (tokens sorted by expert, grouped matmuls). Its experts are
     whole on every device (the plan role ``DROPLESS_EXPERTS``): a strategy with expert
-    parallelism (ep) refuses it; there ``E / k`` drops nothing either."""
+    parallelism (ep) refuses it; there ``E / k`` drops nothing either.
+
+    A capacity group is a sequence; under context parallelism over N devices, each device's
+    chunks of a sequence (S/N tokens: chunks i and 2N−1−i of 2N), so a capacity model's
+    routing depends on N (Megatron's, whose capacity counts each device's tokens; dropless
+    routing does not). The reference takes N as ``context_shards``."""
 
     num_experts: int = 8
     k: int = 2
@@ -289,35 +297,40 @@ class Llama(LanguageModel):
 
     # --- the independent reference
 
-    def reference_logits(self, params, ids):
-        """The model in plain ``jax.numpy`` (no shardops), float32: ``logits[B, S, V]``."""
-        return self._reference(params, ids)[0]
+    def reference_logits(self, params, ids, *, context_shards: int = 1):
+        """The model in plain ``jax.numpy`` (no shardops), float32: ``logits[B, S, V]``;
+        ``context_shards``: the experts' capacity groups are each sequence's tokens as context
+        parallelism over that many devices holds them (``Experts``)."""
+        return self._reference(params, ids, context_shards=context_shards)[0]
 
-    def reference_loss(self, params, ids, labels):
+    def reference_loss(self, params, ids, labels, *, context_shards: int = 1):
         """The next-token cross-entropy of the reference, plus each auxiliary loss (summed
-        over the layers) times its weight."""
-        _, aux = self._reference(params, ids)
-        loss = super().reference_loss(params, ids, labels)
+        over the layers) times its weight (``context_shards``: ``reference_logits``'s)."""
+        logits, aux = self._reference(params, ids, context_shards=context_shards)
+        real = labels != PAD_LABEL
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(real, labels, 0))
+        loss = jnp.sum(jnp.where(real, losses, 0.0)) / labels.size
         return loss + sum(self.aux_weights[name] * value for name, value in aux.items())
 
-    def expert_stats(self, params, ids) -> dict:
+    def expert_stats(self, params, ids, *, context_shards: int = 1) -> dict:
         """What the experts did with ``ids[B, S]`` at ``params`` (whole arrays), from the
         plain-jnp reference: the auxiliary losses (summed over the layers), and per layer and
         expert the share of the choices it got (``share[L, E]``, before dropping) and the
         fraction of those dropped at capacity (``dropped[L, E]``; 0 for an expert no token
-        chose, and everywhere when dropless)."""
+        chose, and everywhere when dropless); ``context_shards``: ``reference_logits``'s."""
         if self.experts is None:
             raise ValueError("Llama.expert_stats: the model has no experts (experts=None)")
-        _, aux, counts = self._reference(params, ids, counts=True)
+        _, aux, counts = self._reference(params, ids, counts=True, context_shards=context_shards)
         chosen, kept = (jnp.stack([c[i] for c in counts]) for i in (0, 1))  # each [L, E]
         share = chosen / jnp.sum(chosen, -1, keepdims=True)
         return {**aux, "share": share, "dropped": (chosen - kept) / jnp.maximum(chosen, 1)}
 
-    def _reference(self, params, ids, counts: bool = False):
+    def _reference(self, params, ids, counts: bool = False, context_shards: int = 1):
         """``(logits[B, S, V], aux)`` in plain ``jax.numpy``, float32; with ``counts``, also
         each layer's ``(chosen[E], kept[E])`` choices."""
         params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
         b, s = ids.shape
+        groups = _capacity_groups(s, context_shards)  # [S]: each position's capacity group
         hd, group = self.head_dim, self.num_heads // self.num_kv_heads
         causal = np.tril(np.ones((s, s), bool))[None, None]  # (1, 1, S, S)
         if self.bos_id is None:
@@ -354,7 +367,7 @@ class Llama(LanguageModel):
             x = x + o @ p["attn"]["wo"]
             h = rms(x, p["mlp_norm"]["scale"])
             if self.experts is not None:
-                y, layer_aux, layer_counts = _reference_experts(self.experts, p["moe"], h)
+                y, layer_aux, layer_counts = _reference_experts(self.experts, p["moe"], h, groups)
                 x, aux = x + y, {n: aux.get(n, 0.0) + v for n, v in layer_aux.items()}
                 per_layer.append(layer_counts)
                 continue
@@ -365,13 +378,37 @@ class Llama(LanguageModel):
         return (logits, aux, per_layer) if counts else (logits, aux)
 
 
-def _reference_experts(experts: Experts, p, h):
-    """The mixture of experts in plain ``jax.numpy`` (float32), each row of ``h[B, S, D]`` a
-    capacity group: ``(y[B, S, D], {"load_balance", "z_loss"}, (chosen[E], kept[E]))``. Every
-    expert runs on every token (no dispatch); a token's output is the sum over its kept choices
-    of weight × expert: those that fit the capacity, or every one (``capacity_factor=None``)."""
+def _capacity_groups(s: int, n: int) -> np.ndarray:
+    """``group[S]``: the capacity group of each position of a sequence of ``s`` tokens whose
+    layers run under context parallelism over ``n`` devices: the sequence cut into 2n chunks of
+    s/(2n), chunk c on device min(c, 2n−1−c) (the load-balanced layout: device i holds chunks i
+    and 2n−1−i, causal attention's work even). ``n = 1``: the whole sequence, group 0."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"Llama reference: context_shards={n!r}; expected the devices of the "
+                         f"context axis, a positive int. Pass 1 (no context parallelism) or "
+                         f"the context axis' size")  # fmt: skip
+    if n == 1:
+        return np.zeros(s, np.int32)
+    if s % (2 * n):
+        raise ValueError(
+            f"Llama reference: context_shards={n} cuts each sequence into 2 × {n} = {2 * n} "
+            f"equal chunks, but S = {s} does not divide by {2 * n}; use sequences of a multiple "
+            f"of {2 * n} tokens (as cp over {n} devices needs)"
+        )
+    chunk = np.arange(s) // (s // (2 * n))  # [S]: 0 … 2n−1
+    return np.minimum(chunk, 2 * n - 1 - chunk).astype(np.int32)
+
+
+def _reference_experts(experts: Experts, p, h, groups):
+    """The mixture of experts in plain ``jax.numpy`` (float32) on ``h[B, S, D]``, the positions
+    of each row in capacity groups ``groups[S]`` (``_capacity_groups``; one group: the row):
+    ``(y[B, S, D], {"load_balance", "z_loss"}, (chosen[E], kept[E]))``. Every expert runs on
+    every token (no dispatch); a token's output is the sum over its kept choices of weight ×
+    expert: those that fit the capacity of their group, or every one (``capacity_factor=None``)."""
     b, s, _ = h.shape
     e, k = experts.num_experts, experts.k
+    n = int(groups.max()) + 1  # capacity groups per sequence, each of s / n tokens
+    member = jax.nn.one_hot(groups, n)  # [S, N]: 1 where position s lies in group j
     logits = h @ p["router"]  # [B, S, E]
     probs = jax.nn.softmax(logits, -1) if experts.score == "softmax" else jax.nn.sigmoid(logits)
     top, chosen = jax.lax.top_k(probs, k)  # [B, S, k]
@@ -380,9 +417,11 @@ def _reference_experts(experts: Experts, p, h):
     if experts.capacity_factor is None:  # dropless: every choice kept
         kept = choice
     else:
-        capacity = math.ceil(experts.capacity_factor * s * k / e)
-        by_rank = jnp.swapaxes(choice, 1, 2).reshape(b, k * s, e)  # rank-major: 1st choices first
-        slot = jnp.swapaxes((jnp.cumsum(by_rank, 1) - 1).reshape(b, k, s, e), 1, 2)  # [B,S,k,E]
+        capacity = math.ceil(experts.capacity_factor * (s // n) * k / e)
+        grouped = choice[..., None] * member[:, None, None, :]  # [B, S, k, E, N]
+        by_rank = jnp.swapaxes(grouped, 1, 2).reshape(b, k * s, e, n)  # 1st choices first
+        line = jnp.swapaxes((jnp.cumsum(by_rank, 1) - 1).reshape(b, k, s, e, n), 1, 2)
+        slot = jnp.sum(line * member[:, None, None, :], -1)  # [B, S, k, E]: place in its group
         kept = choice * (slot < capacity)
     hidden = jax.nn.silu(jnp.einsum("bsd,edf->bsef", h, p["gate"])) * jnp.einsum(
         "bsd,edf->bsef", h, p["up"])  # fmt: skip
@@ -391,8 +430,9 @@ def _reference_experts(experts: Experts, p, h):
     if experts.load_balance == "global":  # the whole batch's fractions
         f, mean_p = jnp.sum(choice, (0, 1, 2)) / (b * s * k), jnp.mean(probs, (0, 1))
         load_balance = e * jnp.sum(f * mean_p)
-    else:  # each sequence's, averaged
-        f, mean_p = jnp.sum(choice, (1, 2)) / (s * k), jnp.mean(probs, 1)  # [B, E]
+    else:  # each group's, averaged
+        f = jnp.einsum("bske,sn->bne", choice, member) / (s // n * k)  # [B, N, E]
+        mean_p = jnp.einsum("bse,sn->bne", probs, member) / (s // n)  # [B, N, E]
         load_balance = jnp.mean(e * jnp.sum(f * mean_p, -1))
     z_loss = jnp.mean(jax.nn.logsumexp(logits, -1) ** 2)
     counts = (jnp.sum(choice, (0, 1, 2)), jnp.sum(kept, (0, 1, 2)))  # choices per expert

@@ -6,7 +6,8 @@ Token ids, positions and segment ids enter whole; ``ctx.embed`` and ``ctx.attent
 device's tokens (``shardops.layers.balanced_order``: chunks i and 2N−1−i of 2N). Attention runs
 by the strategy's ``cp_method`` (``shardops.layers.context_parallel_attention_kernel``: K/V
 all-gathered, passed round a ring, or Ulysses' all-to-all); the loss and the metrics sum over
-the shards. Under sp the tp axis splits each context block again.
+the shards. ``ctx.moe`` routes each device's chunks of a sequence as one capacity group (S/N
+tokens; ``moe_options``). Under sp the tp axis splits each context block again.
 """
 
 from __future__ import annotations
@@ -81,11 +82,13 @@ class ContextKind(Kind):
         )  # fmt: skip
 
     def moe_options(self, ctx, p, options):
-        raise ValueError(
-            f"ctx.moe under context parallelism ({ctx.strategy.name!r}): a mixture of experts "
-            f"routes whole sequences (its capacity groups), and cp splits each over "
-            f"{self.axis!r}; drop '+{self.method}' (not supported yet)"
-        )
+        """Each device routes its own tokens: every sequence's chunks i and 2N−1−i on this
+        device (``x[b, S_context, D]``, S/N tokens in order of position) are one capacity
+        group, ``C = ceil(capacity_factor · S/N · k / E)`` (Megatron's: capacity per device's
+        tokens; the reference's ``context_shards``). The tokens are split over the axis, so
+        the global load balance and z-loss sum their counts over it too (``batch_axes``). The
+        experts are replicated over it: autodiff sums their gradients (``ctx.unit``)."""
+        return {**options, "batch_axes": (*options["batch_axes"], self.axis)}
 
     def check_locate(self, strategy) -> None:
         raise ValueError(

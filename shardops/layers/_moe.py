@@ -118,7 +118,7 @@ _COMBINE_WEIGHTS = Reason("moe_combine_weights", backward={
 })  # fmt: skip
 _GLOBAL_BATCH = Reason("moe_global_batch", forward={
     "psum": "load_balance='global': expert counts, probability sums and z-loss sums of the "
-            "whole batch, split over {axis}",
+            "whole batch, whose tokens are split over {axis}",
 })  # fmt: skip
 _STATS = Reason("moe_layer_stats", forward={
     "psum": "the layer's statistics (tokens per expert, drops, per-group losses) over the batch "
@@ -447,7 +447,9 @@ def moe_kernel(
             ``None``: dropless (every choice computed by its expert; ``expert_axis`` must then
             be None or of size 1).
         score: one of ``SCORES``. load_balance: one of ``LOAD_BALANCE``.
-        batch_axes: the mesh axes the batch is split over, summed by ``"global"``.
+        batch_axes: the mesh axes the tokens are split over, summed by ``"global"``: the
+            batch's, and under context parallelism the sequence's (each device's chunk of a
+            sequence is then its own capacity group).
         grouped_matmul: the dropless path's grouped matmul, one of ``GROUPED_MATMULS``:
             ``"ragged_dot"`` (``lax.ragged_dot``, any backend) or ``"megablox"`` (the Pallas
             TPU kernels ``gmm``/``tgmm``, outside ``shard_map`` only: ``moe`` on one device;

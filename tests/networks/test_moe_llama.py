@@ -1,7 +1,7 @@
 """The Mixtral-style Llama (``models.Llama(experts=Experts(...))``: a mixture of SwiGLU experts in
 each block) trains like its plain-jnp reference under the strategies with and without expert
-parallelism: 5 steps of SGD and Adam, losses (the load-balancing and z losses included),
-gradients and parameters. The reference runs every expert on every token and keeps each token's
+parallelism (ep composed with HSDP and ZeRO-1 too): 5 steps of SGD and Adam, losses (the
+load-balancing and z losses included), gradients and parameters. The reference runs every expert on every token and keeps each token's
 choices that fit its expert's capacity (``Llama._reference``), an implementation of the routing
 rule independent of the kernel's dispatch. The dropless model (``capacity_factor=None``) trains
 like its reference (every choice kept) under the strategies without expert parallelism, gives
@@ -51,6 +51,29 @@ def test_the_mixture_of_experts_trains_like_the_reference(strategy, mesh, opt):
     tol = {**TOL[opt], "grads": 1e-5}
     expert_parallel = models.strategy_named(strategy).ep is not None
     check_lm_trajectory(MOE, strategy, mesh, opt, tol=tol, budget=expert_parallel, sgd_lr=2.0)
+
+
+# ep composed with the presets that keep the optimizer state or the parameters apart from the
+# batch's other axes: HSDP (dp over replica, fsdp over data) and ZeRO-1 (the optimizer state
+# split over data, the update's ReduceScatter and AllGather), the experts over expert. One
+# optimizer each by default, both under SHARDOPS_FULL=1 (tests/_cover.py).
+COMPOSED = cover([("hsdp+ep", "r2d2e2"), ("zero1+ep", "d2e4")], ["sgd", "adam"])
+
+
+@pytest.mark.parametrize(("layout", "opt"), COMPOSED,
+                         ids=lambda c: "-".join(c) if isinstance(c, tuple) else c)  # fmt: skip
+def test_expert_parallelism_composed_with_hsdp_and_zero1_trains_like_the_reference(layout, opt):
+    """As ``test_the_mixture_of_experts_trains_like_the_reference``, the compiled step's
+    collectives equal to the traced budget."""
+    strategy, mesh = layout
+    check_lm_trajectory(MOE, strategy, mesh, opt, tol={**TOL[opt], "grads": 1e-5}, budget=True,
+                        sgd_lr=2.0)  # fmt: skip
+
+
+def test_the_composed_cases_cover_both_strategies_and_optimizers():
+    assert {c[0][0] for c in COMPOSED} == {"hsdp+ep", "zero1+ep"}
+    assert {c[1] for c in COMPOSED} == {"sgd", "adam"}
+    assert ("zero1+ep", "adam") in {(c[0][0], c[1]) for c in COMPOSED}  # its state split
 
 
 def test_capacity_drops_tokens_in_these_checks():
