@@ -44,12 +44,15 @@ and of each step, goes to its k experts, whatever the training capacity
     python examples/transformer_lm.py --model llama --moe --experts 4 --expert-parallel \
         --strategy 2d --mesh data=2,expert=2,model=2 --compare-decoding --temperature 0
 
-``--schedule gpipe`` (or ``1f1b``) pipelines the layers over the mesh's ``pipe`` axis (the GPT
-built with its blocks stacked, ``models.Gpt(stacked=True)``),
-each device's batch split into ``--microbatches`` (``docs/pipeline.md``):
+``--schedule gpipe`` (or ``1f1b``, or ``circular`` with ``--virtual`` stages per stage)
+pipelines the layers over the mesh's ``pipe`` axis (the GPT built with its blocks stacked,
+``models.Gpt(stacked=True)``), each device's batch split into ``--microbatches``
+(``docs/pipeline.md``):
 
     python examples/transformer_lm.py --model llama --strategy 2d --schedule 1f1b \
         --mesh pipe=2,data=2,model=2 --microbatches 4 --compare-reference
+    python examples/transformer_lm.py --model llama --strategy 2d --schedule circular \
+        --virtual 2 --layers 4 --mesh pipe=2,data=2,model=2 --microbatches 4
 
 Text (``shardops_models.data.text``): tiny_shakespeare through tfds when it is prepared, else the
 Python standard library's source, which every machine has (one line says which).
@@ -160,6 +163,9 @@ def parse_args(argv=None):
                    help="pipeline the layers over the mesh's 'pipe' axis by this schedule (the "
                         "strategy becomes STRATEGY+SCHEDULE; the GPT's blocks stacked; "
                         "docs/pipeline.md)")  # fmt: skip
+    p.add_argument("--virtual", type=int, default=None,
+                   help="--schedule circular: virtual stages per stage (default 2; the layers "
+                        "split into pipe × VIRTUAL chunks)")  # fmt: skip
     p.add_argument("--microbatches", type=int, default=1,
                    help="split each device's batch into this many microbatches (the pipeline's "
                         "M; without --schedule, gradient accumulation; with --moe the global "
@@ -271,7 +277,11 @@ def parse_args(argv=None):
         if args.locate:
             p.error("--schedule: --locate taps the layers of one device's forward; locate "
                     "without --schedule (the layers are the same)")  # fmt: skip
-        args.strategy = f"{args.strategy}+{args.schedule}"
+        circular = args.virtual not in (None, 2) and args.schedule == "circular"
+        args.strategy = f"{args.strategy}+{args.schedule}" + (str(args.virtual) if circular else "")
+    if args.virtual is not None and args.schedule != "circular":
+        p.error(f"--virtual {args.virtual}: virtual stages are the circular schedule's; add "
+                f"--schedule circular")  # fmt: skip
     if args.context_parallel:
         if args.locate:
             p.error("--locate compares activations in token order; run it without "

@@ -518,21 +518,26 @@ def test_moe_options_the_run_cannot_honour_are_usage_errors(args, message, capsy
     check_usage_error(load_example("transformer_lm"), args, message, capsys)
 
 
-def test_pipeline_trains_like_the_reference(tmp_path):
+@pytest.mark.parametrize(("schedule", "name"), [
+    (("--schedule", "1f1b", "--layers", "2"), "2d+1f1b"),
+    (("--schedule", "circular", "--virtual", "2", "--layers", "4"), "2d+circular"),
+], ids=["1f1b", "circular"])  # fmt: skip
+def test_pipeline_trains_like_the_reference(tmp_path, schedule, name):
     """``--schedule 1f1b --microbatches 4`` on pipe=2 × data=2 × model=2 (``2d+1f1b``): the
-    Llama's layers split into 2 stages train as the unsharded model does."""
+    Llama's layers split into 2 stages train as the unsharded model does; ``--schedule
+    circular --virtual 2``: 4 layers in 2 stages × 2 virtual stages."""
     metrics_path = tmp_path / "pp.json"
     proc = run(
-        "--model", "llama", "--strategy", "2d", "--schedule", "1f1b", "--microbatches", "4",
+        "--model", "llama", "--strategy", "2d", *schedule, "--microbatches", "4",
         "--mesh", "pipe=2,data=2,model=2", "--context", "32", "--text-source", "stdlib",
         "--steps", "4", "--log-every", "2", "--eval-every", "0", "--eval-batches", "1",
-        "--layers", "2", "--width", "32", "--compare-reference", "--sample-tokens", "0",
+        "--width", "32", "--compare-reference", "--sample-tokens", "0",
         "--metrics-json", str(metrics_path),
     )  # fmt: skip
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     record = json.loads(metrics_path.read_text())
-    assert record["strategy"] == "2d+1f1b" and record["final_relative_diff"] < 1e-5, record
-    assert "strategy 2d+1f1b on pipe=2 × data=2 × model=2" in proc.stdout
+    assert record["strategy"] == name and record["final_relative_diff"] < 1e-5, record
+    assert f"strategy {name} on pipe=2 × data=2 × model=2" in proc.stdout
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -545,6 +550,11 @@ def test_pipeline_trains_like_the_reference(tmp_path):
       "--strategy", "2d", "--layers", "3"),
      r"params\['blocks'\]\S+: 3 layers do not split into 2 pipeline stages .*"),
     (("--microbatches", "0",), r"--microbatches must be a positive int; got 0"),
-], ids=["locate", "batch", "layers", "zero"])  # fmt: skip
+    (("--schedule", "1f1b", "--virtual", "2"),
+     r"--virtual 2: virtual stages are the circular schedule's; add --schedule circular"),
+    (("--model", "llama", "--schedule", "circular", "--mesh", "pipe=2,data=2,model=2",
+      "--strategy", "2d", "--layers", "2"),
+     r"params\['blocks'\]\S+: 2 layers do not split into 4 chunks \(2 stages × 2 virtual .*"),
+], ids=["locate", "batch", "layers", "zero", "virtual", "chunks"])  # fmt: skip
 def test_pipeline_options_the_run_cannot_honour_are_usage_errors(args, message, capsys):
     check_usage_error(load_example("transformer_lm"), args, message, capsys)

@@ -368,8 +368,9 @@ class HfLlama:
             def leaf(path, shape, stored_shape, sharding):
                 key = tuple(k.key for k in path)
                 name, transposed = self.names[key]
-                read = _BlockReader(self, handles, name, transposed,
-                                    tuple(shape), tuple(stored_shape), dtype)  # fmt: skip
+                read = _BlockReader(self, handles, name, transposed, tuple(shape),
+                                    tuple(stored_shape), dtype,
+                                    setup.padding.order.get(jax.tree_util.keystr(path)))  # fmt: skip
                 return jax.make_array_from_callback(tuple(stored_shape), sharding, read)
 
             params = jax.tree_util.tree_map_with_path(leaf, logical, stored, shardings,
@@ -462,10 +463,12 @@ class _BlockReader:
     shardops' ``[in, out]``, zero-filled beyond the logical shape (padding). Each distinct
     block is read once (replicas ask for it again)."""
 
-    def __init__(self, ckpt: HfLlama, handles, name, transposed, shape, stored_shape, dtype):
+    def __init__(self, ckpt: HfLlama, handles, name, transposed, shape, stored_shape, dtype,
+                 order=None):  # fmt: skip
         self.ckpt, self.handles, self.name = ckpt, handles, name
         self.transposed, self.dtype = transposed, dtype
         self.shape, self.stored_shape = shape, stored_shape
+        self.order = order  # stored row r holds layer order[r] (pp's circular chunks)
         self.blocks: dict[tuple, np.ndarray] = {}
 
     def __call__(self, index):
@@ -482,17 +485,22 @@ class _BlockReader:
                   for s, n in zip(_bounded(index, self.stored_shape), self.shape, strict=True)]  # fmt: skip
         if any(s.start >= s.stop for s in inside):
             return block
-        part = self._stacked(_placeholders(self.name), inside, {})
+        rows = (None if self.order is None
+                else [self.order[r] for r in range(inside[0].start, inside[0].stop)])  # fmt: skip
+        part = self._stacked(_placeholders(self.name), inside, {}, rows)
         block[tuple(slice(0, n) for n in part.shape)] = part
         return block
 
-    def _stacked(self, fields: tuple[str, ...], inside: list[slice], at: dict) -> np.ndarray:
+    def _stacked(self, fields: tuple[str, ...], inside: list[slice], at: dict,
+                 rows=None) -> np.ndarray:  # fmt: skip
         """The block ``inside`` of the stack over ``fields`` (the leading dims: layers, then
-        experts), each of its tensors read at ``at`` and the rest of ``inside``."""
+        experts), each of its tensors read at ``at`` and the rest of ``inside``; the first
+        dim's ``rows`` where given (the stored order's)."""
         if not fields:
             return self._tensor(self.name.format(**at), inside)
+        rows = range(inside[0].start, inside[0].stop) if rows is None else rows
         return np.stack([self._stacked(fields[1:], inside[1:], {**at, fields[0]: i})
-                         for i in range(inside[0].start, inside[0].stop)])  # fmt: skip
+                         for i in rows])  # fmt: skip
 
     def _tensor(self, name: str, inside: list[slice]) -> np.ndarray:
         """``name``'s slice ``inside`` in shardops' layout (the file's slice, transposed)."""
@@ -585,8 +593,7 @@ def _save_hf(directory, setup: Setup, state, names: dict, config_of, caller: str
             leaf = multihost_utils.process_allgather(leaf, tiled=True)  # every process calls it
         if not main:
             continue
-        whole = np.asarray(jax.device_get(leaf))[tuple(slice(0, n) for n in
-                                                       _logical_shape(setup, path))]  # fmt: skip
+        whole = setup.padding.unpad_leaf(path, np.asarray(jax.device_get(leaf)))
         whole = whole.astype(out_dtype)
         fields = _placeholders(name)
         layers = [(name.format(**dict(zip(fields, i, strict=True))), whole[i])

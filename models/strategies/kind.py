@@ -18,6 +18,8 @@ A ``Strategy`` (``models.strategies.layout``) is a tuple of kinds, each over its
                                kinds with ``splits_layers`` first (tp pads), the others on what
                                is left (fsdp)
     the optimizer's layout     ``optimizer_layout(specs, stored, context)`` (zero1)
+    the stored order           ``stored_order(specs, context)``: dim 0 of a leaf stored
+                               permuted (pp's circular chunks, one block per stage)
     the kernel a role runs     ``dense``, ``embed``, ``attention`` (after every kind's
                                ``attention_options``), ``gated_mlp``, ``tied_head``,
                                ``cross_entropy``, ``argmax``: the layer context asks the kinds,
@@ -134,6 +136,11 @@ class Kind:
     def optimizer_layout(self, specs, stored, context: LayoutContext):
         """The PartitionSpecs of the optimizer state's parameter-shaped leaves."""
         return specs
+
+    def stored_order(self, specs, context: LayoutContext) -> dict[str, tuple[int, ...]]:
+        """The leaves stored in another order along dim 0 than the model's (pp's circular
+        chunks), ``{keystr(path): order}``: stored row r holds the model's row ``order[r]``."""
+        return {}
 
     # --- the layer context
 

@@ -39,6 +39,7 @@ preset composes with context parallelism: ``<preset>+<method>`` (``with_context`
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from shardops import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, PIPE_AXIS, REPLICA_AXIS
 from shardops.layers import CONTEXT_METHODS
@@ -84,7 +85,9 @@ class Strategy:
         pp: the axis of pipeline parallelism (the stacked layers split into stages over it,
             the batch into ``build``'s microbatches; ``models.strategies.pipe``).
         pp_schedule: the pipeline's schedule, one of ``shardops.pipeline.SCHEDULES``
-            (``"gpipe"``, ``"1f1b"``).
+            (``"gpipe"``, ``"1f1b"``, ``"circular"``).
+        pp_virtual: the circular schedule's virtual stages per stage (V; default 2): the
+            stacked layers in P·V chunks, chunk ``v·P + s`` on stage s.
         extra: kinds of parallelism of your own (``Kind`` instances, ``docs/adding-a-kind.md``);
             a kind that splits the batch splits it after the built-in ones.
     """
@@ -100,6 +103,7 @@ class Strategy:
     cp_method: str = "ring"
     pp: str | None = None
     pp_schedule: str = "1f1b"
+    pp_virtual: int | None = None
     extra: tuple[Kind, ...] = ()
 
     def __post_init__(self):
@@ -119,6 +123,10 @@ class Strategy:
         if self.pp_schedule not in SCHEDULES:
             raise ValueError(f"Strategy {self.name!r}: pp_schedule must be one of {SCHEDULES}; "
                              f"got {self.pp_schedule!r}")  # fmt: skip
+        if self.pp_virtual is not None and self.pp_schedule != "circular":
+            raise ValueError(f"Strategy {self.name!r}: pp_virtual={self.pp_virtual!r} with the "
+                             f"{self.pp_schedule!r} schedule, whose stages are contiguous; "
+                             f"pass pp_schedule='circular' for virtual stages")  # fmt: skip
         if self.cp is None and self.cp_method != "ring":
             raise ValueError(f"Strategy {self.name!r}: cp_method={self.cp_method!r} without a "
                              f"cp axis; name it, e.g. cp={CONTEXT_AXIS!r}")  # fmt: skip
@@ -167,7 +175,8 @@ class Strategy:
     def kinds(self) -> tuple[Kind, ...]:
         """The strategy's kinds of parallelism: pipeline, then in the batch's order (dp, ep,
         zero1, fsdp, the extra kinds), then context, then tensor."""
-        kinds: list[Kind] = [PipeKind((self.pp,), self.pp_schedule)] if self.pp else []
+        virtual = self.pp_virtual or (2 if self.pp_schedule == "circular" else 1)
+        kinds: list[Kind] = [PipeKind((self.pp,), self.pp_schedule, virtual)] if self.pp else []
         kinds += [cls(axes) for cls, axes in ((DataKind, self.dp),
                              (ExpertKind, self.ep), (Zero1Kind, self.zero1), (FsdpKind, self.fsdp))
                              if axes]  # fmt: skip
@@ -316,14 +325,16 @@ def strategy_named(name) -> Strategy:
                 strategy = with_experts(strategy)
             elif part in SCHEDULES:
                 strategy = with_pipeline(strategy, part)
+            elif re.fullmatch(r"circular\d+", part):  # circular with V virtual stages
+                strategy = with_pipeline(strategy, "circular", virtual=int(part[8:]))
             elif part in CONTEXT_METHODS:
                 strategy = with_context(strategy, part)
             else:
                 raise ValueError(
                     f"unknown strategy {name!r}: after '+' name 'ep' (expert parallelism), "
                     f"a context-parallel attention, one of {CONTEXT_METHODS}, or a pipeline "
-                    f"schedule, one of {SCHEDULES}; e.g. '{base}+ring', '{base}+ep' or "
-                    f"'{base}+1f1b'"
+                    f"schedule, one of {SCHEDULES} ('circular<V>': V virtual stages); e.g. "
+                    f"'{base}+ring', '{base}+ep' or '{base}+1f1b'"
                 )
         return strategy
     name = ALIASES.get(name, name)
@@ -343,16 +354,20 @@ def with_experts(strategy, axis: str = EXPERT_AXIS) -> Strategy:
     return dataclasses.replace(base, name=f"{base.name}+ep", ep=axis)
 
 
-def with_pipeline(strategy, schedule: str = "1f1b", axis: str = PIPE_AXIS) -> Strategy:
+def with_pipeline(strategy, schedule: str = "1f1b", axis: str = PIPE_AXIS, *,
+                  virtual: int | None = None) -> Strategy:  # fmt: skip
     """``strategy`` (a preset's name or a ``Strategy``) with pipeline parallelism on mesh axis
-    ``axis`` by ``schedule`` (``shardops.pipeline.SCHEDULES``), named ``"<name>+<schedule>"``."""
+    ``axis`` by ``schedule`` (``shardops.pipeline.SCHEDULES``), named ``"<name>+<schedule>"``
+    (``"<name>+circular<V>"`` for the circular schedule's ``virtual`` stages other than 2)."""
     base = strategy_named(strategy)
     if base.pp is not None:
         raise ValueError(f"strategy {base.name!r} already pipelines over {base.pp!r}; pass the "
                          f"strategy without it")  # fmt: skip
     if schedule not in SCHEDULES:
         raise ValueError(f"with_pipeline: schedule must be one of {SCHEDULES}; got {schedule!r}")
-    return dataclasses.replace(base, name=f"{base.name}+{schedule}", pp=axis, pp_schedule=schedule)
+    part = schedule if virtual in (None, 2) else f"{schedule}{virtual}"
+    return dataclasses.replace(base, name=f"{base.name}+{part}", pp=axis, pp_schedule=schedule,
+                               pp_virtual=virtual)  # fmt: skip
 
 
 def with_context(strategy, method: str = "ring", axis: str = CONTEXT_AXIS) -> Strategy:

@@ -2,18 +2,21 @@
 batch into microbatches that flow through them by a schedule (``shardops.pipeline``).
 
     layers         every stacked leaf [L, …] → [L_pipe, …]: stage s holds layers
-                   s·L/P … (s+1)·L/P − 1 (the rules row ``layers`` → the axis)
+                   s·L/P … (s+1)·L/P − 1 (the rules row ``layers`` → the axis); under the
+                   circular schedule its V chunks s, s + P, … of L/(P·V) layers, the stack
+                   stored in ``shardops.pipeline.stage_order`` (``Setup.shard`` and
+                   ``gather``, checkpoints and the HF loader convert it)
     other params   replicated over the axis (the embedding, the final norm, the head): every
                    stage runs them on every microbatch, and only the first stage's embedding
                    and the last stage's head count; their gradients are summed over the axis
                    once per step
     the batch      replicated over the axis, split into ``microbatches`` (``build``'s)
     the step       ``shardops.pipeline.pipeline_value_and_grad`` by the strategy's schedule
-                   (``gpipe``, ``1f1b``): activations sent forward and gradients backward
+                   (``gpipe``, ``1f1b``, ``circular``): activations sent forward and gradients backward
                    with ``ppermute``, each stage's backward an explicit ``jax.vjp`` of the
                    model's own forward
     a forward      (``setup.logits``, ``evaluate``) the whole batch through the P stages in
-                   turn, the last stage's output psummed to every stage
+                   turn (P·V chunks: V laps), the last stage's output psummed to every stage
 
 **The model is cut where its forward calls ``ctx.scan``**: what runs before (the embedding) is
 the first stage's, the stacked layers are split, and what runs after (the norm, the head, the
@@ -39,11 +42,12 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import shardops
 from shardops import entry_axes
-from shardops.pipeline import SCHEDULES, pipeline_value_and_grad, schedule
+from shardops.pipeline import SCHEDULES, pipeline_value_and_grad, schedule, stage_order
 from shardops_models.strategies._param import values, wrap
 from shardops_models.strategies.fsdp import GATHER_WEIGHTS
 from shardops_models.strategies.kind import Kind, LayoutContext, is_spec, role_layout
@@ -64,10 +68,11 @@ _NEXT_STAGE = shardops.comm.Reason("pipeline_stage", forward={
 
 @dataclasses.dataclass(frozen=True)
 class PipeKind(Kind):
-    """Pipeline parallelism over one axis by ``schedule`` (``shardops.pipeline.SCHEDULES``)
-    (module docstring)."""
+    """Pipeline parallelism over one axis by ``schedule`` (``shardops.pipeline.SCHEDULES``),
+    with ``virtual`` stages per stage for the circular one (module docstring)."""
 
     schedule: str = "1f1b"
+    virtual: int = 1
 
     name: ClassVar[str] = "pp"
     doc: ClassVar[str] = ("the stacked layers split into stages; microbatches sent stage to "
@@ -78,13 +83,20 @@ class PipeKind(Kind):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"PipeKind: schedule must be one of {SCHEDULES}; got "
                              f"{self.schedule!r}")  # fmt: skip
+        v = self.virtual
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"PipeKind: virtual (the virtual stages per stage) must be a "
+                             f"positive int; got {v!r}")  # fmt: skip
+        if v > 1 and self.schedule != "circular":
+            raise ValueError(f"PipeKind: virtual={v} with the {self.schedule!r} schedule, whose "
+                             f"stages are contiguous; use schedule='circular'")  # fmt: skip
 
     @property
     def axis(self) -> str:
         return self.axes[0]
 
     def description(self) -> str:
-        return f"{self.doc} {self.schedule}"
+        return f"{self.doc} {self.schedule}" + (f" (V={self.virtual})" if self.virtual > 1 else "")
 
     def logical_rules(self) -> dict[str, str]:
         return {"layers": self.axis}
@@ -101,14 +113,15 @@ class PipeKind(Kind):
         )
 
         m = body.microbatches
-        table = schedule(self.schedule, lax.axis_size(self.axis), m)
+        table = schedule(self.schedule, lax.axis_size(self.axis), m, self.virtual)
         inputs = tuple(a.reshape(m, a.shape[0] // m, *a.shape[1:]) for a in (x, y))
         activation = entry_type(body, params, inputs[0][0])
         # Every parameter made ready once for the step (fsdp's AllGather, dp's pcast), and its
         # gradient reduced once after the schedule (ReduceScatter, AllReduce), not per phase.
         ready, reduce = jax.vjp(functools.partial(_ready, body), params)
+        stacked = jax.tree.map(lambda q: self.axis in shardops.varying_axes(q), ready)
 
-        def stage_fn(ready, h, microbatch, first, last, with_loss):
+        def stage_fn(ready, h, microbatch, first, last, with_loss, virtual):
             ctx = StageContext.of(body.ctx, h, first, last, stop=not with_loss, ready=True)
             x, y = microbatch
             try:
@@ -125,30 +138,52 @@ class PipeKind(Kind):
 
         loss, grads = pipeline_value_and_grad(stage_fn, ready, inputs, table,
                                               axis_name=self.axis, activation=activation,
-                                              accum_dtype=body.precision.accum_dtype)  # fmt: skip
+                                              accum_dtype=body.precision.accum_dtype,
+                                              select=lambda q, v: self._chunk(q, v, stacked))  # fmt: skip
         (grads,) = reduce(grads)
         return loss, grads
 
+    def _chunk(self, params, virtual, stacked=None):
+        """``params`` with each stacked leaf (this stage's ``[V·L_c, …]``; where ``stacked``,
+        a tree of bools, says so, or every leaf) cut to virtual stage ``virtual``'s chunk
+        ``[L_c, …]``; all of them for V = 1."""
+        if self.virtual == 1:
+            return params
+
+        def cut(q, split=True):
+            if not split:
+                return q
+            n = q.shape[0] // self.virtual
+            return lax.dynamic_slice_in_dim(q, virtual * n, n, 0)
+
+        return jax.tree.map(cut, params) if stacked is None else jax.tree.map(cut, params, stacked)
+
     def scan(self, ctx, fn, params, x, outputs: bool):
         """A forward outside the step (``setup.logits``, ``evaluate``): ``x`` through the
-        stages in turn, stage r's output sent to stage r + 1, the last one's psummed to every
-        stage (each stage computes in every turn; only its own turn counts)."""
-        p, stage = lax.axis_size(self.axis), lax.axis_index(self.axis)
-        h, own = shardops.comm.copy_to_region(x, self.axis, x.dtype), None  # h varying over pipe
-        for r in range(p):
-            y, outs = _pair(ctx.scan_layers(fn, params, h, outputs=outputs), outputs)
-            if outputs:  # this stage's layers' outputs are those of its own turn
-                own = outs if own is None else jax.tree.map(
-                    lambda o, n, r=r: jnp.where(stage == r, n, o), own, outs)  # fmt: skip
-            if r < p - 1:
-                h = shardops.comm.send(y, self.axis, [(r, r + 1)], reason=_NEXT_STAGE)
+        P·V chunks in turn, turn t's on stage t mod P (its chunk t div P), its output sent to
+        the next stage, the last one's psummed to every stage (each stage computes in every
+        turn; only its own turn counts)."""
+        p, stage, v = lax.axis_size(self.axis), lax.axis_index(self.axis), self.virtual
+        h = shardops.comm.copy_to_region(x, self.axis, x.dtype)  # h varying over pipe
+        own = [None] * v  # per virtual stage, its layers' outputs
+        for t in range(p * v):
+            u, r = divmod(t, p)
+            chunk = self._chunk(params, u)
+            y, outs = _pair(ctx.scan_layers(fn, chunk, h, outputs=outputs), outputs)
+            if outputs:  # this stage's chunk's outputs are those of its own turn
+                own[u] = outs if own[u] is None else jax.tree.map(
+                    lambda o, n, r=r: jnp.where(stage == r, n, o), own[u], outs)  # fmt: skip
+            if t < p * v - 1:
+                h = shardops.comm.send(y, self.axis, [(r, (r + 1) % p)], reason=_NEXT_STAGE)
         y = shardops.comm.all_reduce(jnp.where(stage == p - 1, y, 0), self.axis,
                                      reason=_LAST_STAGE)  # fmt: skip
         if not outputs:
             return y
-        return y, jax.tree.map(  # [L_pipe, …] → [L, …]
-            lambda o: shardops.comm.all_gather(o, self.axis, axis=0, reason=_STAGE_OUTPUTS), own
-        )
+        order = np.argsort(stage_order(p * v, p, v))  # the chunks in the model's order
+        own = jax.tree.map(lambda *chunks: jnp.stack(chunks), *own)  # [V, L_c, …]
+        return y, jax.tree.map(  # [P·V, L_c, …] in the stored order → [L, …]
+            lambda o: shardops.comm.all_gather(o, self.axis, axis=0, reason=_STAGE_OUTPUTS)
+            [order].reshape(-1, *o.shape[2:]), own)  # fmt: skip
 
     def check_locate(self, strategy) -> None:
         raise ValueError(
@@ -161,7 +196,7 @@ class PipeKind(Kind):
 
     def check_mesh(self, strategy, mesh, context: LayoutContext) -> None:
         """The model stacks its layers (``ctx.scan``), and their number divides by the axis."""
-        n, found = mesh.shape[self.axis], False
+        n, found = mesh.shape[self.axis] * self.virtual, False
         for (path, shape), spec in zip(
             jax.tree_util.tree_leaves_with_path(context.shapes, is_leaf=is_shape),
             jax.tree.leaves(role_layout(context), is_leaf=is_spec), strict=True,
@@ -169,12 +204,21 @@ class PipeKind(Kind):
             if not spec or self.axis not in entry_axes(spec[0]):
                 continue
             found = True
+            if entry_axes(spec[0])[0] != self.axis:
+                raise ValueError(
+                    f"params{jax.tree_util.keystr(path)}: dim 0 (the layers) is split over "
+                    f"{entry_axes(spec[0])} in strategy {strategy.name!r}; pp needs its axis "
+                    f"{self.axis!r} first (major), so that each stage holds a contiguous block. "
+                    f"Split the layers over {self.axis!r} before any other axis"
+                )
             if shape[0] % n:
+                stages = (f"{n} pipeline stages" if self.virtual == 1 else f"{n} chunks "
+                          f"({mesh.shape[self.axis]} stages × {self.virtual} virtual stages)")  # fmt: skip
                 raise ValueError(
                     f"params{jax.tree_util.keystr(path)}: {shape[0]} layers do not split into "
-                    f"{n} pipeline stages over mesh axis {self.axis!r} of strategy "
-                    f"{strategy.name!r} (each stage holds L / P whole layers). Use a number of "
-                    f"layers {n} divides, or a smaller {self.axis!r} axis"
+                    f"{stages} over mesh axis {self.axis!r} of strategy {strategy.name!r} (each "
+                    f"holds whole layers). Use a number of layers {n} divides, or a smaller "
+                    f"{self.axis!r} axis" + (" or fewer virtual stages" if self.virtual > 1 else "")
                 )
         if not found:
             raise ValueError(
@@ -183,6 +227,20 @@ class PipeKind(Kind):
                 f"by ctx.scan). Pipeline a model whose blocks are stacked (models.Llama, "
                 f"models.Gpt(stacked=True)), or use the strategy without pp"
             )
+
+    def stored_order(self, specs, context: LayoutContext) -> dict[str, tuple[int, ...]]:
+        """Under the circular schedule, each stacked leaf in ``stage_order``: stage s's
+        contiguous block of dim 0 holds its chunks s, s + P, … in turn."""
+        if self.virtual == 1:
+            return {}
+        p, orders = context.mesh.shape[self.axis], {}
+        for (path, shape), spec in zip(
+            jax.tree_util.tree_leaves_with_path(context.shapes, is_leaf=is_shape),
+            jax.tree.leaves(specs, is_leaf=is_spec), strict=True,
+        ):  # fmt: skip
+            if spec and self.axis in entry_axes(spec[0]):
+                orders[jax.tree_util.keystr(path)] = stage_order(shape[0], p, self.virtual)
+        return orders
 
 
 def _ready(body, params):

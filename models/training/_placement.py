@@ -90,16 +90,34 @@ class Padding:
     4 devices, d_ff = 172 on 8) is stored padded with zeros up to a multiple of it
     (``shardops.padded_size``), and the layers are told the logical size, so the padding
     reaches no output, loss, metric or gradient (``models.strategies.parallel``). Budgets and
-    memory count the stored bytes; ``Setup.gather`` and checkpoints see the logical shapes."""
+    memory count the stored bytes; ``Setup.gather`` and checkpoints see the logical shapes.
+
+    ``order``: the leaves stored in another order along dim 0 (``{keystr(path): order}``,
+    stored row r holds the model's row ``order[r]``): pp's circular chunks
+    (``shardops.pipeline.stage_order``); ``pad`` and ``unpad`` permute them too."""
 
     logical: Any
     stored: Any
+    order: dict = dataclasses.field(default_factory=dict)
 
     @property
     def padded(self) -> bool:
         """Whether any leaf is stored padded."""
         return jax.tree.leaves(self.logical, is_leaf=is_shape) != jax.tree.leaves(
             self.stored, is_leaf=is_shape)  # fmt: skip
+
+    @property
+    def converts(self) -> bool:
+        """Whether any leaf is stored otherwise than the model holds it: padded or permuted."""
+        return self.padded or bool(self.order)
+
+    def _targets(self, shapes):
+        """``shapes`` (``logical`` or ``stored``) as ``_Target`` leaves carrying each leaf's
+        order."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, shape: _Target(tuple(shape), self.order.get(jax.tree_util.keystr(path))),
+            shapes, is_leaf=is_shape,
+        )  # fmt: skip
 
     def abstract(self, dtype):
         """The stored params as ``jax.ShapeDtypeStruct``s of ``dtype``."""
@@ -158,16 +176,25 @@ class Padding:
             )
 
     def pad(self, params):
-        """Model-shaped leaves → stored ones, zero-padded (numpy in, numpy out)."""
-        if not self.padded:
+        """Model-shaped leaves → stored ones, zero-padded and permuted (numpy in, numpy
+        out)."""
+        if not self.converts:
             return params
-        return jax.tree.map(_pad_to, params, self.stored, is_leaf=_is_array)
+        return jax.tree.map(_pad_to, params, self._targets(self.stored), is_leaf=_is_array)
 
     def unpad(self, params):
-        """Stored leaves → the model's shapes (any array type; a slice)."""
-        if not self.padded:
+        """Stored leaves → the model's shapes and order (any array type; a slice)."""
+        if not self.converts:
             return params
-        return jax.tree.map(_unpad_to, params, self.logical, is_leaf=_is_array)
+        return jax.tree.map(_unpad_to, params, self._targets(self.logical), is_leaf=_is_array)
+
+    def unpad_leaf(self, path, a):
+        """The leaf at ``path`` (a key path of the params) from stored to the model's shape
+        and order (``unpad`` of one leaf)."""
+        node = self.logical
+        for k in path:
+            node = node[k.key]
+        return _unpad_to(a, _Target(tuple(node), self.order.get(jax.tree_util.keystr(path))))
 
     def unpad_tree(self, tree, optimizer):
         """``unpad`` of a ``TrainState`` (its params and the optimizer state's param-shaped
@@ -180,18 +207,20 @@ class Padding:
         return self._map_tree(tree, optimizer, _pad_to, self.stored)
 
     def _map_tree(self, tree, optimizer, fn, shapes):
-        if not self.padded:
+        if not self.converts:
             return tree
+        targets = self._targets(shapes)
+        is_target = lambda x: isinstance(x, _Target)  # noqa: E731
         if isinstance(tree, TrainState):
-            opt_state = optax.tree_map_params(optimizer, fn, tree.opt_state, shapes,
-                                              is_leaf=is_shape)  # fmt: skip
-            return TrainState(jax.tree.map(fn, tree.params, shapes, is_leaf=_is_array),
+            opt_state = optax.tree_map_params(optimizer, fn, tree.opt_state, targets,
+                                              is_leaf=is_target)  # fmt: skip
+            return TrainState(jax.tree.map(fn, tree.params, targets, is_leaf=_is_array),
                               opt_state)  # fmt: skip
         if jax.tree.structure(tree) == jax.tree.structure(shapes, is_leaf=is_shape):
-            return jax.tree.map(fn, tree, shapes, is_leaf=_is_array)
+            return jax.tree.map(fn, tree, targets, is_leaf=_is_array)
         opt_state = jax.eval_shape(optimizer.init, self.abstract(jnp.float32))
         if jax.tree.structure(tree) == jax.tree.structure(opt_state):
-            return optax.tree_map_params(optimizer, fn, tree, shapes, is_leaf=is_shape)
+            return optax.tree_map_params(optimizer, fn, tree, targets, is_leaf=is_target)
         return tree
 
     def logical_specs(self, specs, mesh):
@@ -247,14 +276,24 @@ def _state_checked(fn, padding: Padding, what: str):
     return run
 
 
-def _pad_to(a, shape):
-    if tuple(a.shape) == tuple(shape):
-        return a
-    widths = [(0, s - n) for n, s in zip(a.shape, shape, strict=True)]
-    return np.pad(np.asarray(a), widths) if isinstance(a, np.ndarray) else jnp.pad(a, widths)
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """A leaf's shape to pad (slice) to, and the order of its dim 0 (None: the model's)."""
+
+    shape: tuple[int, ...]
+    order: tuple[int, ...] | None
 
 
-def _unpad_to(a, shape):
-    if tuple(a.shape) == tuple(shape):
+def _pad_to(a, target: _Target):
+    if tuple(a.shape) != target.shape:
+        widths = [(0, s - n) for n, s in zip(a.shape, target.shape, strict=True)]
+        a = np.pad(np.asarray(a), widths) if isinstance(a, np.ndarray) else jnp.pad(a, widths)
+    return a if target.order is None else a[np.asarray(target.order)]
+
+
+def _unpad_to(a, target: _Target):
+    if target.order is not None:
+        a = a[np.argsort(target.order)]
+    if tuple(a.shape) == target.shape:
         return a
-    return a[tuple(slice(0, n) for n in shape)]
+    return a[tuple(slice(0, n) for n in target.shape)]

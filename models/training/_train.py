@@ -295,7 +295,9 @@ def _layout(strategy: Strategy, shapes, context: LayoutContext | None) -> tuple[
     opt_specs = specs
     for kind in strategy.kinds:
         opt_specs = kind.optimizer_layout(opt_specs, stored, context)
-    return Padding(shapes, stored), specs, opt_specs
+    order = {path: o for kind in strategy.kinds
+             for path, o in kind.stored_order(specs, context).items()}  # fmt: skip
+    return Padding(shapes, stored, order), specs, opt_specs
 
 
 def _platform(mesh) -> str:

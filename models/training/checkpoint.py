@@ -523,7 +523,7 @@ def _abstract_state(setup: Setup) -> dict:
 
 def _logical_specs(setup: Setup) -> TrainState:
     """The setup's specs of params and optimizer state, for the model's own shapes."""
-    if setup.mesh is None or not setup.padding.padded:
+    if setup.mesh is None or not setup.padding.converts:
         return TrainState(setup.param_specs, setup.opt_specs)
     padding, mesh = setup.padding, setup.mesh
     opt = optax.tree_map_params(
@@ -535,7 +535,7 @@ def _logical_specs(setup: Setup) -> TrainState:
 
 def _logical_state(setup: Setup, state: TrainState) -> TrainState:
     """``state`` in the model's own shapes (the padding sliced off), laid out for saving."""
-    if setup.mesh is None or not setup.padding.padded:
+    if setup.mesh is None or not setup.padding.converts:
         return state
     shardings = _shardings(setup, _logical_specs(setup))
     return jax.jit(lambda s: setup.padding.unpad_tree(s, setup.optimizer),
@@ -544,7 +544,7 @@ def _logical_state(setup: Setup, state: TrainState) -> TrainState:
 
 def _stored_state(setup: Setup, state: TrainState) -> TrainState:
     """A restored (model-shaped) state padded to the setup's stored shapes and layout."""
-    if setup.mesh is None or not setup.padding.padded:
+    if setup.mesh is None or not setup.padding.converts:
         return state
     shardings = _shardings(setup, TrainState(setup.param_specs, setup.opt_specs))
     return jax.jit(lambda s: setup.padding.pad_tree(s, setup.optimizer),

@@ -65,7 +65,7 @@ FORWARD_SCOPE, BACKWARD_SCOPE = "shardops.pipeline.forward", "shardops.pipeline.
 
 
 def pipeline_value_and_grad(stage_fn, params, inputs, schedule: Schedule, *, axis_name: str,
-                            activation, accum_dtype=jnp.float32):  # fmt: skip
+                            activation, accum_dtype=jnp.float32, select=None):  # fmt: skip
     """One step's loss and gradients by ``schedule``, per device inside ``jax.shard_map`` over
     ``axis_name`` (module docstring).
 
@@ -94,6 +94,12 @@ def pipeline_value_and_grad(stage_fn, params, inputs, schedule: Schedule, *, axi
         activation: the type of ``h`` (``jax.typeof`` of one: its shape, dtype and the axes
             it varies over).
         accum_dtype: the gradients' accumulation dtype (float32).
+        select: ``select(params, virtual) → params``, the parameters ``stage_fn`` of virtual
+            stage ``virtual`` (traced) takes: its chunk of the stacked layers (a slice; default
+            all of them). Its transpose (the chunk's gradient widened to the whole, zeros
+            elsewhere) runs inside the accumulation's ``lax.cond``, so no phase's zeros are
+            scheduled ahead and kept: 1F1B's memory stays flat in M. A ``stage_fn`` may slice
+            itself instead, at that cost.
 
     Returns:
         ``(loss, grads)``: Σ of the microbatches' losses (the same on every stage) and the
@@ -105,7 +111,7 @@ def pipeline_value_and_grad(stage_fn, params, inputs, schedule: Schedule, *, axi
     params = jax.tree.map(lambda q, o: q if o else copy_to_region(q, axis_name, q.dtype),
                           params, own)  # fmt: skip
     run = _Run(stage_fn, params, inputs, schedule, axis_name, stage, accum_dtype,
-               _zeros_like(activation, axis_name))  # fmt: skip
+               _zeros_like(activation, axis_name), select or (lambda q, v: q))  # fmt: skip
     for forward, backward in schedule.rounds:
         if any(i is not None for i in forward):
             with jax.named_scope(FORWARD_SCOPE):
@@ -127,8 +133,9 @@ class _Run:
     ``h[V·K, ...]``, what the last forward phase sent it (``received``) and the last backward
     phase (``returned``), the gradients (``accum_dtype``) and the loss so far."""
 
-    def __init__(self, stage_fn, params, inputs, schedule, axis_name, stage, accum_dtype, zero):
-        self.stage_fn, self.params, self.inputs = stage_fn, params, inputs
+    def __init__(self, stage_fn, params, inputs, schedule, axis_name, stage, accum_dtype, zero,
+                 select):  # fmt: skip
+        self.stage_fn, self.params, self.inputs, self.select = stage_fn, params, inputs, select
         self.axis_name, self.accum_dtype, self.schedule = axis_name, accum_dtype, schedule
         self.stages, self.slots, self.virtual = (schedule.stages, schedule.buffer_slots,
                                                  schedule.virtual)  # fmt: skip
@@ -174,7 +181,8 @@ class _Run:
         old = lax.dynamic_index_in_dim(self.buffer, slot, 0, keepdims=False)
         kept = jnp.where(runs, self.received, old)
         self.buffer = lax.dynamic_update_index_in_dim(self.buffer, kept, slot, 0)
-        h_out, _ = self._apply(*self._operands(self.received, i), v, with_loss=False)
+        params, h, microbatch = self._operands(self.received, i)
+        h_out, _ = self._apply(self.select(params, v), h, microbatch, v, with_loss=False)
         pairs = self._pairs(phase, +1)
         self.received = (send(h_out, self.axis_name, pairs, reason=_FORWARD) if pairs
                          else self.zero)  # fmt: skip
@@ -185,7 +193,8 @@ class _Run:
         i, v, runs = _entry(self.schedule, phase, self.stage)
         h = lax.dynamic_index_in_dim(self.buffer, self._slot(i, v), 0, keepdims=False)
         params, h, microbatch = self._operands(h, i)
-        out, vjp = jax.vjp(lambda q, h: self._apply(q, h, microbatch, v), params, h)
+        chunk, widen = jax.vjp(lambda q: self.select(q, v), params)  # this chunk's parameters
+        out, vjp = jax.vjp(lambda q, h: self._apply(q, h, microbatch, v), chunk, h)
         last = self._ends(v)[1]
         h_out, loss, own = (*out, None)[:3]
         seeds = [_like(self.returned, h_out), _seed(last & runs, loss)]
@@ -193,15 +202,16 @@ class _Run:
             seeds.append(_seed(runs, own))
             counted = jnp.where(runs, own.astype(self.accum_dtype), 0)
             self.own = counted if self.own is None else self.own + counted
-        d_params, d_h = vjp(tuple(seeds))
+        d_chunk, d_h = vjp(tuple(seeds))
         accum = self.accum_dtype
         # Added under a cond on ``runs`` (no collective inside): a fusion boundary, so XLA
-        # does not fuse the accumulation across phases and keep each phase's gradients alive.
+        # does not fuse the accumulation across phases and keep each phase's gradients alive;
+        # the chunk's gradient is widened to the parameters' shapes inside it.
         self.grads = lax.cond(
             runs,
-            lambda g, d: jax.tree.map(lambda a, b: a + b.astype(accum), g, d),
+            lambda g, d: jax.tree.map(lambda a, b: a + b.astype(accum), g, widen(d)[0]),
             lambda g, d: g,
-            self.grads, d_params,
+            self.grads, d_chunk,
         )  # fmt: skip
         counted = jnp.where(last & runs, loss.astype(accum), 0)
         self.loss = counted if self.loss is None else self.loss + counted

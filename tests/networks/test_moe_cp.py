@@ -73,7 +73,7 @@ def _case_id(case) -> str:
 def test_experts_under_context_parallelism_train_like_the_reference(case, opt):
     """(As tests/networks/test_moe_llama.py: SGD at 2, gradients held to 1e-5.) The compiled
     step's collectives equal the traced budget: the ring's permutes, ep's AllToAlls and the
-    statistics' AllReduce over the context axis."""
+    global load balance's AllReduce over the batch and context axes."""
     model, strategy, mesh = case
     tol = {**TOL[opt], "grads": 1e-5}
     check_lm_trajectory(model, strategy, mesh, opt, tol=tol, budget=True, sgd_lr=2.0,

@@ -64,8 +64,8 @@ MUTANTS = {
     ),
     # the gradients accumulated (and the replicated ones summed over pipe) in bfloat16
     "accumulation_in_bfloat16": (
-        "                            activation, accum_dtype=jnp.float32):  # fmt: skip",
-        "                            activation, accum_dtype=jnp.bfloat16):  # fmt: skip",
+        "                            activation, accum_dtype=jnp.float32, select=None):  # fmt: skip",
+        "                            activation, accum_dtype=jnp.bfloat16, select=None):  # fmt: skip",
         ("1f1b", 2, 5, 4),
     ),
     # the backward recomputes the forward from another microbatch's stage input

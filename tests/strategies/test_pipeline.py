@@ -1,7 +1,7 @@
 """Pipeline parallelism (``pp``, ``models.strategies.pipe``) trains the Llama like its plain
-reference: every schedule, stage count and microbatch count, alone and composed with data, fsdp,
-HSDP, zero1, tensor, sequence and context parallelism; budgets, checkpoints between pipeline
-layouts, and the refusals.
+reference: every schedule (circular with 2 and 4 virtual stages), stage count and microbatch
+count, alone and composed with data, fsdp, HSDP, zero1, tensor, sequence and context
+parallelism; budgets, checkpoints between pipeline layouts, and the refusals.
 
 The model stacks 8 layers, so that 2, 4 and 8 stages each hold whole layers. Each case runs 5
 steps of SGD (gradients checked every step) or Adam and checks the losses, the gradients and
@@ -51,13 +51,24 @@ COVER = [
     ("zero1+1f1b", "p2d4", 4, "adam"),
     ("tp+ring+1f1b", "p2c2m2", 2, "sgd"),
     ("tp+gpipe", "p4m2", 4, "sgd"),
+    ("ref+circular", "pipe4", 4, "sgd"),  # 8 chunks of one layer
+    ("2d+circular", "p2d2m2", 2, "adam"),
+    ("fsdp+circular4", "p2d4", 4, "sgd"),  # 2 stages × 4 virtual stages, two groups of P
 ]
 
 
 def _full():
-    """Every schedule × P ∈ {2, 4, 8} × M ∈ {1, P, 2P + 1}, alone; and every composition with
-    both schedules."""
+    """Every schedule × P ∈ {2, 4, 8} × M ∈ {1, P, 2P + 1}, alone (circular: P ∈ {2, 4}, V = 2
+    and 4 where P·V divides the 8 layers, M ∈ {P, 2P, 3P}); and every composition with every
+    schedule."""
     out = []
+    for mesh, p in (("pipe2", 2), ("pipe4", 4)):
+        for v in (2, 4) if p == 2 else (2,):
+            name = "circular" if v == 2 else f"circular{v}"
+            out += [(f"ref+{name}", mesh, m, "sgd") for m in (p, 2 * p, 3 * p)]
+    for base, mesh in (("2d", "p2d2m2"), ("fsdp_tp", "p2d2m2"), ("hsdp", "p2r2d2"),
+                       ("zero1", "p2d4"), ("tp+ring", "p2c2m2"), ("tp", "p4m2")):  # fmt: skip
+        out += [(_pipe(base, "circular"), mesh, 4, opt) for opt in ("sgd", "adam")]
     for schedule in ("gpipe", "1f1b"):
         for mesh, p in (("pipe2", 2), ("pipe4", 4), ("pipe8", 8)):
             out += [(f"ref+{schedule}", mesh, m, "sgd") for m in (1, p, 2 * p + 1)]
@@ -102,12 +113,32 @@ def test_stage_layers_are_contiguous():
         assert shard.index[0] == slice(2 * stage, 2 * stage + 2)
 
 
+def test_circular_stages_hold_their_chunks():
+    """Under circular on 2 stages × 2 virtual stages (8 layers, chunks of 2) stage 0 holds
+    layers 0, 1, 4, 5 and stage 1 layers 2, 3, 6, 7 (``stage_order``), and ``gather`` gives the
+    model's order back."""
+    setup = _setup("ref+circular", "pipe2", 2)
+    params = LLAMA.init(jax.random.key(0))
+    wq = params["blocks"]["attn"]["wq"]
+    params["blocks"]["attn"]["wq"] = np.arange(8, dtype=np.float32).reshape(8, 1, 1) + 0 * wq
+    state = setup.shard(params)
+    stored = state.params["blocks"]["attn"]["wq"]
+    for shard in stored.addressable_shards:
+        stage = shard.index[0].start // 4
+        want = [0, 1, 4, 5] if stage == 0 else [2, 3, 6, 7]
+        assert list(np.asarray(shard.data)[:, 0, 0]) == want, stage
+    np.testing.assert_array_equal(setup.gather(state.params)["blocks"]["attn"]["wq"],
+                                  params["blocks"]["attn"]["wq"])  # fmt: skip
+
+
 def test_checkpoints_move_between_pipeline_layouts_bit_for_bit(tmp_path):
-    """A drawn Adam state saved under 1F1B on 2 stages × 2d restores under GPipe on 4 stages,
-    then 2d (no pipeline), then 1F1B on 8 stages, then ref: every leaf bit for bit, each
-    saved by the setup before it (Megatron-LM 1232's tp2pp2dp2 → tp2pp1dp4, here any P)."""
-    chain = [("2d+1f1b", "p2d2m2"), ("ref+gpipe", "pipe4"), ("2d", {"data": 4, "model": 2}),
-             ("ref+1f1b", "pipe8"), ("ref", None)]  # fmt: skip
+    """A drawn Adam state saved under 1F1B on 2 stages × 2d restores under circular on 2 × 2
+    virtual stages, GPipe on 4 stages, then 2d (no pipeline), circular on 2 × 4, 1F1B on 8
+    stages, then ref: every leaf bit for bit, each saved by the setup before it (Megatron-LM
+    1232's tp2pp2dp2 → tp2pp1dp4, here any P and V)."""
+    chain = [("2d+1f1b", "p2d2m2"), ("2d+circular", "p2d2m2"), ("ref+gpipe", "pipe4"),
+             ("2d", {"data": 4, "model": 2}), ("fsdp+circular4", "p2d4"), ("ref+1f1b", "pipe8"),
+             ("ref", None)]  # fmt: skip
     rng, full, previous = np.random.default_rng(3), None, None
     for i, (strategy, mesh) in enumerate(chain):
         mesh = mesh_for(PP_MESHES.get(mesh, mesh) if isinstance(mesh, str) else mesh)
@@ -133,12 +164,13 @@ def test_checkpoints_move_between_pipeline_layouts_bit_for_bit(tmp_path):
             ckpt.save(1, setup, previous)
 
 
-def test_logits_and_evaluate_through_the_stages():
-    """``setup.logits`` and ``setup.evaluate`` (one forward through the stages in turn) equal
-    the reference's."""
+@pytest.mark.parametrize("strategy", ["2d+1f1b", "2d+circular"])
+def test_logits_and_evaluate_through_the_stages(strategy):
+    """``setup.logits`` and ``setup.evaluate`` (one forward through the stages in turn; V laps
+    under circular) equal the reference's."""
     params = LLAMA.init(jax.random.key(1))
     ids, labels = lm_batches(LLAMA)
-    setup = _setup("2d+1f1b", "p2d2m2", 2)
+    setup = _setup(strategy, "p2d2m2", 2)
     state = setup.shard(params)
     logits = setup.logits(state.params, setup.place_batch(ids[0]))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(LLAMA.reference_logits(params, ids[0])),
@@ -149,12 +181,14 @@ def test_logits_and_evaluate_through_the_stages():
     assert abs(float(loss_sum) / int(count) - float(ref)) < 1e-5
 
 
-def test_budget_sends_each_microbatch_across_every_boundary():
+@pytest.mark.parametrize(("strategy", "v"), [("ref+1f1b", 1), ("ref+circular", 2)])
+def test_budget_sends_each_microbatch_across_every_boundary(strategy, v):
     """The compiled step's collective-permutes over pipe move, per device, one microbatch's
-    activation ``[b/M, S, D]`` per phase that sends: M + P − 2 forward phases and as many
-    backward (each microbatch crosses P − 1 boundaries each way, the phases overlapping)."""
+    activation ``[b/M, S, D]`` per phase that sends: V·M + P − 2 forward phases and as many
+    backward (each microbatch crosses P·V − 1 chunk boundaries each way, the phases
+    overlapping)."""
     p, m, b, s, d = 2, 4, 16, 16, LLAMA.d_model
-    setup = _setup("ref+1f1b", "pipe2", m)
+    setup = _setup(strategy, "pipe2", m)
     state = setup.shard(LLAMA.init(jax.random.key(0)))
     ids, labels = lm_batches(LLAMA)
     compiled = setup.train_step.lower(state, *setup.place_batch(ids[0], labels[0])).compile()
@@ -162,7 +196,7 @@ def test_budget_sends_each_microbatch_across_every_boundary():
     permutes = [c for c in shardops.inspect.collectives(setup.mesh, compiled)
                 if c.kind == "collective-permute" and c.bytes]  # fmt: skip
     activation = (b // m) * s * d * 4
-    assert sum(c.bytes for c in permutes) == 2 * (m + p - 2) * activation
+    assert sum(c.bytes for c in permutes) == 2 * (v * m + p - 2) * activation
     assert all(c.axes == ("pipe",) for c in permutes)
 
 
@@ -189,6 +223,27 @@ def test_refusals():
     with refused(ValueError, argument="pp_schedule='gpipe'", got="without a pp axis",
                  expected="pp=", fix="name it"):  # fmt: skip
         models.Strategy("x", pp_schedule="gpipe")
+
+
+def test_circular_refusals():
+    """Layers the P·V chunks do not divide, microbatches not in groups of P, virtual stages
+    on a contiguous schedule."""
+    odd = dataclasses.replace(LLAMA, num_layers=6)
+    with refused(ValueError, argument="params['blocks']", got="6 layers",
+                 expected="4 chunks (2 stages × 2 virtual stages)",
+                 fix="a number of layers 4 divides, or a smaller 'pipe' axis or fewer virtual "
+                     "stages"):  # fmt: skip
+        _setup("ref+circular", "pipe2", 2, model=odd)
+    with refused(ValueError, argument="circular: 3 microbatches", got="3 microbatches",
+                 expected="groups of 2 (one per stage)",
+                 fix="a number of microbatches 2 divides (4, say), or the 1f1b schedule"):  # fmt: skip
+        _setup("ref+circular", "pipe2", 3).collective_budget(18, 16)  # traces the step
+    with refused(ValueError, argument="pp_virtual=2", got="'1f1b' schedule",
+                 expected="stages are contiguous", fix="pp_schedule='circular'"):  # fmt: skip
+        models.Strategy("x", pp="pipe", pp_virtual=2)
+    assert models.with_pipeline("2d", "circular", virtual=4).name == "2d+circular4"
+    assert models.strategy_named("2d+circular4").kinds[0].virtual == 4
+    assert models.strategy_named("2d+circular").kinds[0].virtual == 2
 
 
 @pytest.mark.parametrize("strategy", ["fsdp+1f1b", "2d+gpipe"])
@@ -223,7 +278,9 @@ MOE_GROUP = dataclasses.replace(MOE, experts=dataclasses.replace(MOE.experts, lo
     (MOE_GROUP, "ref+gpipe", "pipe2", 4, "sgd"),
     (MOE_GROUP, models.with_pipeline(models.with_experts("2d"), "1f1b"), "p2d2m2e", 2, "adam"),
     (MOE, "dp+gpipe", "p2d4", 1, "adam"),
-], ids=["global-1f1b", "group-gpipe-M4", "group-2d+ep+1f1b", "global-dp+gpipe"])  # fmt: skip
+    (dataclasses.replace(MOE_GROUP, num_layers=4), "ref+circular", "pipe2", 2, "sgd"),
+], ids=["global-1f1b", "group-gpipe-M4", "group-2d+ep+1f1b", "global-dp+gpipe",
+        "group-circular"])  # fmt: skip
 def test_experts_train_through_the_stages(model, strategy, mesh, m, opt):
     """A Mixtral-style Llama: each stage's layers' auxiliary losses (load balance, router
     z-loss) count in the objective on every stage (their gradients summed over the batch axes
@@ -246,11 +303,14 @@ def test_1f1b_memory_stays_flat_in_m_while_gpipe_grows():
         schedule: [models.build(f"ref+{schedule}", mesh_for(PP_MESHES["pipe2"]), model=llama,
                                 optimizer=optax.sgd(0.1), microbatches=m).temp_bytes(4 * m, 64)
                    for m in (4, 8)]
-        for schedule in ("gpipe", "1f1b")
+        for schedule in ("gpipe", "1f1b", "circular")
     }  # fmt: skip
     assert temp["gpipe"][1] - temp["gpipe"][0] >= 4 * act, temp
     assert temp["1f1b"][1] - temp["1f1b"][0] <= act, temp
     assert temp["1f1b"][1] < temp["gpipe"][1], temp
+    # circular (V = 2): each chunk holds at most min(M, 2P) = 4 inputs, flat from M = 4 on
+    assert temp["circular"][1] - temp["circular"][0] <= act, temp
+    assert temp["circular"][1] < temp["gpipe"][1], temp
 
 
 @dataclasses.dataclass(frozen=True)
