@@ -37,7 +37,10 @@ activation over the mesh's ``context`` axis too, attention by that method
 ``--moe`` (with ``--model llama``) puts a mixture of ``--experts`` SwiGLU experts in each
 block, each byte routed to ``--top-k`` of them at ``--capacity-factor`` (Mixtral-style;
 ``none``: dropless), and logs the auxiliary losses and each expert's share and drops;
-``--expert-parallel`` splits the experts over the mesh's ``expert`` axis (not dropless). The sample decodes dropless: every byte, of the prompt
+``--expert-parallel`` splits the experts over the mesh's ``expert`` axis (not dropless). With
+``--context-parallel`` each device's S/N tokens of a sequence are one capacity group (N: the
+``context`` axis' size), and the logged drops and ``--compare-reference``'s plain-jnp reference
+route those groups (``context_shards=N``). The sample decodes dropless: every byte, of the prompt
 and of each step, goes to its k experts, whatever the training capacity
 (``docs/hugging-face-and-decoding.md``):
 
@@ -99,6 +102,7 @@ if not ACCELERATOR and "xla_force_host_platform_device_count" not in os.environ.
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -106,6 +110,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -259,9 +264,6 @@ def parse_args(argv=None):
                            capacity_factor=args.capacity_factor)  # fmt: skip
         except ValueError as e:
             p.error(f"--experts/--top-k/--capacity-factor: {e}")
-        if args.context_parallel:
-            p.error("--moe routes whole sequences (each a capacity group), which context "
-                    "parallelism splits: not supported yet; run it without --context-parallel")  # fmt: skip
     if args.expert_parallel:
         if not args.moe:
             p.error("--expert-parallel splits the experts of --moe")
@@ -346,11 +348,57 @@ def log(*args, **kwargs) -> None:
         print(*args, **kwargs)
 
 
-def expert_line(model, setup, state, ids) -> str:
-    """The experts on this host batch (``Llama.expert_stats``, the whole parameters gathered):
-    the auxiliary losses, and per expert (averaged over the layers) its share of the choices
-    and the fraction of them dropped at capacity."""
-    stats = model.expert_stats(setup.gather(state.params), np.asarray(jax.device_get(ids)))
+def context_shards(setup) -> int:
+    """The devices of ``setup``'s context axis, N (1 without context parallelism): under cp
+    each device's S/N tokens of a sequence are one capacity group of the experts
+    (``models.Experts``), so a capacity model's routing depends on N."""
+    cp = setup.strategy.cp
+    return setup.mesh.shape[cp] if cp else 1
+
+
+def grouped_reference(ref, shards: int):
+    """``ref`` (the unsharded Setup) with its train step and evaluate taken from the model's
+    plain-jnp reference (``Llama.reference_loss``, ``reference_logits``; float32 whatever the
+    policy), whose experts route each sequence's tokens in the groups that context
+    parallelism over ``shards`` devices makes (``context_shards``): the unsharded layers
+    route each sequence as one group. ``--compare-reference`` under ``--moe
+    --context-parallel``."""
+    model, optimizer = ref.model, ref.optimizer
+    value_and_grad = jax.value_and_grad(
+        lambda params, x, y: model.reference_loss(params, x, y, context_shards=shards)
+    )
+
+    @jax.jit
+    def train_step(state, x, y):  # (TrainState, loss): one step of ref's optimizer
+        loss, grads = value_and_grad(state.params, x, y)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        return models.TrainState(optax.apply_updates(state.params, updates), opt_state), loss
+
+    @jax.jit
+    def evaluate(params, x, y):  # Metrics: sums over the labelled positions of x[B, S]
+        logits = model.reference_logits(params, x, context_shards=shards)  # (B, S, V)
+        real = y != models.PAD_LABEL  # (B, S)
+        target = jnp.where(real, y, 0)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, target)  # (B, S)
+        hits = (jnp.argmax(logits, -1) == target) & real
+        return models.Metrics(jnp.sum(jnp.where(real, losses, 0.0)),
+                              jnp.sum(hits, dtype=jnp.int32), jnp.sum(real, dtype=jnp.int32))  # fmt: skip
+
+    return dataclasses.replace(ref, train_step=train_step, evaluate=evaluate)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def expert_stats(model, params, ids, shards: int) -> dict:
+    """``model.expert_stats(params, ids, context_shards=shards)``, compiled once per model."""
+    return model.expert_stats(params, ids, context_shards=shards)
+
+
+def expert_line(model, params, ids, shards: int) -> str:
+    """The experts on the host batch ``ids[B, S]`` at ``params`` (whole arrays), routed in the
+    run's capacity groups (``Llama.expert_stats`` with ``context_shards=shards``, the run's
+    ``context_shards``): the auxiliary losses, and per expert (averaged over the layers) its
+    share of the choices and the fraction of them dropped at capacity."""
+    stats = expert_stats(model, params, np.asarray(jax.device_get(ids)), shards)
     share, dropped = (np.mean(np.asarray(stats[k]), 0) for k in ("share", "dropped"))
     return (f"    aux: load balance {float(stats['load_balance']):.3f}, z {float(stats['z_loss']):.2f}"
             f"; experts' share {' '.join(f'{v:.0%}' for v in share)}"
@@ -510,6 +558,8 @@ def train(parser, args) -> int:
             if args.compare_reference
             else None
         )
+        if ref is not None and args.moe and args.context_parallel:  # cp's capacity groups
+            ref = grouped_reference(ref, context_shards(setup))
     except ValueError as e:  # a mesh the model cannot split over, or more devices than exist
         parser.error(str(e))
     if args.batch_size % (setup.batch_multiple * args.microbatches):
@@ -662,7 +712,8 @@ def train(parser, args) -> int:
                     line += f" (reference {float(ref_loss):.4f})"
                 progress.print(line)
                 if args.moe and jax.process_count() == 1:  # (the whole batch: one process)
-                    progress.print(expert_line(model, setup, state, placed[0]))
+                    progress.print(expert_line(model, setup.gather(state.params), placed[0],
+                                               context_shards(setup)))  # fmt: skip
                 progress.update(step, float(loss))
             else:
                 progress.update(step)

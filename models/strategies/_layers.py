@@ -160,13 +160,15 @@ class Layers:
 
     def moe(self, p, x, *, k: int, capacity_factor: float | None, score: str = "softmax",
             load_balance: str = "global", activation: Callable = jax.nn.silu):  # fmt: skip
-        """A mixture of SwiGLU experts on ``x[b, S, D]`` (each sequence one capacity group;
-        ``capacity_factor=None``: dropless, the experts unsplit): ``(y[b, S, D], stats)``,
-        ``stats`` a ``shardops.layers.MoeStats`` (the load-balancing and router z losses, each
-        expert's tokens and drops). Each kind adds its part of the
-        kernel's options (``Kind.moe_options``: ep's expert axis, tp's model axis); under
-        ``load_balance="global"`` the counts are summed over the batch axes. Keys: ``router``, ``gate``, ``up``,
-        ``down`` (``shardops.layers.init_moe``; the plan role ``EXPERTS``)."""
+        """A mixture of SwiGLU experts on ``x[b, S, D]`` (``capacity_factor=None``: dropless,
+        the experts unsplit): ``(y[b, S, D], stats)``, ``stats`` a ``shardops.layers.MoeStats``
+        (the load-balancing and router z losses, each expert's tokens and drops). Each
+        sequence is one capacity group; under context parallelism over N devices each
+        device's share of a sequence (``x[b, S/N, D]``: chunks i and 2N−1−i of 2N) is one
+        group. Each kind adds its part of the kernel's options (``Kind.moe_options``: ep's
+        expert axis, tp's model axis, cp's context axis); under ``load_balance="global"`` the
+        counts are summed over the batch axes (and the context axis). Keys: ``router``,
+        ``gate``, ``up``, ``down`` (``shardops.layers.init_moe``; the plan role ``EXPERTS``)."""
         _check_keys(p, "moe", LAYER_KEYS["moe"])
         params = {key: self._value(q, "moe") for key, q in p.items()}
         options = {"k": k, "capacity_factor": capacity_factor, "score": score,
