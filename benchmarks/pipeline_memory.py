@@ -53,7 +53,8 @@ FULL = {"stages": (2, 4), "microbatches": (2, 4, 8, 16, 32), "forms": ("unrolled
 QUICK = {"stages": (2,), "microbatches": (4, 8, 16), "forms": ("unrolled",),
          "rows": 2, "seq": 32, "d_model": 64, "d_ff": 128, "layers": 4}  # fmt: skip
 HEAD = 8  # the head's outputs
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "circular")
+VIRTUAL = 2  # the circular schedule's virtual stages
 
 
 def step_of(
@@ -71,23 +72,24 @@ def step_of(
 
     pipe = shardops.PIPE_AXIS
     b, s, d, f, layers = (sizes[k] for k in ("rows", "seq", "d_model", "d_ff", "layers"))
-    sched = schedule(name, stages, microbatches)
+    v = VIRTUAL if name == "circular" else 1
+    sched = schedule(name, stages, microbatches, v)
     mesh = shardops.make_mesh({pipe: stages}, axis_types="explicit", devices=devices)
     specs = {"w1": P(pipe), "w2": P(pipe), "head": P()}
 
-    def blocks(q, h):  # h[b, S, D]; q["w1"][L/P, D, F], q["w2"][L/P, F, D]
+    def blocks(q, h):  # h[b, S, D]; q["w1"][L/(P·V), D, F], q["w2"][L/(P·V), F, D]
         def block(h, w):
             w1, w2 = w
             return h + jnp.tanh(h @ w1) @ w2, None  # [b, S, F] → [b, S, D]
 
         if scan:
             return jax.lax.scan(block, h, (q["w1"], q["w2"]))[0]
-        for n in range(layers // stages):
+        for n in range(layers // (stages * v)):
             h, _ = block(h, (q["w1"][n], q["w2"][n]))
         return h
 
     def body(params, x):  # x[M, b, S, D], replicated over pipe
-        def stage_fn(q, h, x_i, first, last, with_loss=True):  # h[b, S, D]
+        def stage_fn(q, h, x_i, first, last, with_loss=True, virtual=0):  # h[b, S, D]
             h = blocks(q, jnp.where(first, x_i, h))
             if not with_loss:  # a forward phase needs h alone
                 return h, None
@@ -96,7 +98,7 @@ def step_of(
 
         act = jax.typeof(jax.lax.pcast(jnp.zeros((b, s, d)), pipe, to="varying"))
         return pipeline_value_and_grad(stage_fn, params, x, sched, axis_name=pipe,
-                                       activation=act)  # fmt: skip
+                                       activation=act, chunks={"w1": True, "w2": True, "head": False})  # fmt: skip
 
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=(P(), specs)))
     shaped = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.float32,  # noqa: E731
@@ -111,6 +113,8 @@ def measure(sizes: dict) -> list[dict]:
     rows = []
     for form, stages, name in itertools.product(sizes["forms"], sizes["stages"], SCHEDULES):
         for m in sizes["microbatches"]:
+            if name == "circular" and m % stages:  # groups of P microbatches
+                continue
             step, args, sched = step_of(sizes, stages, name, m, scan=form == "scan")
             memory = step.lower(*args).compile().memory_analysis()
             row = {

@@ -1,8 +1,9 @@
-"""benchmarks/pipeline_memory.py --quick: the pipeline step compiled for GPipe and 1F1B on
-pipe = 2 at M = 4, 8, 16 (XLA's memory analysis, deterministic: nothing is timed). The stage
-inputs each schedule keeps, the argument and output bytes against counts by hand, and the claim
-of shardops/pipeline/_schedule.py: GPipe's temp grows by at least a stage input per microbatch,
-1F1B's stays bounded (``2P − 1`` stage inputs)."""
+"""benchmarks/pipeline_memory.py --quick: the pipeline step compiled for GPipe, 1F1B and
+circular (V = 2) on pipe = 2 at M = 4, 8, 16 (XLA's memory analysis, deterministic: nothing is
+timed). The stage inputs each schedule keeps, the argument and output bytes against counts by
+hand, and the claim of shardops/pipeline/_schedule.py: GPipe's temp grows by at least a stage
+input per microbatch, 1F1B's and circular's stay bounded (``2P − 1`` stage inputs; ``2P`` a
+chunk)."""
 
 import importlib.util
 import json
@@ -41,7 +42,8 @@ def test_quick_rows_and_the_bytes_by_hand(quick):
     rows = {(r["schedule"], r["microbatches"]): r for r in quick["rows"]}
     assert set(rows) == {(n, m) for n in bench.SCHEDULES for m in sizes["microbatches"]}
     for (name, m), r in rows.items():
-        assert r["slots"] == (m if name == "gpipe" else min(m, 2 * p - 1)), (name, m)
+        slots = {"gpipe": m, "1f1b": min(m, 2 * p - 1), "circular": min(m, 2 * p)}[name]
+        assert r["slots"] == slots, (name, m)
         assert r["act"] == act
         assert r["argument"] == params + m * act  # x[M, b, S, D] holds every microbatch
         # the gradients and the loss, and on XLA:CPU the output tuple's table of 4 pointers
@@ -49,17 +51,19 @@ def test_quick_rows_and_the_bytes_by_hand(quick):
         assert r["peak"] == r["argument"] + r["output"] - r["alias"] + r["temp"] > 0
 
 
-def check_claim(results) -> None:
+def check_claim(results, bounded=("1f1b", "circular")) -> None:
     """GPipe's temp grows by at least a stage input per microbatch from M = 2P to the largest M;
-    1F1B's stays below it and grows by under a tenth of GPipe's growth."""
+    each of ``bounded`` stays below it and grows by under a tenth of GPipe's growth."""
     (p,) = bench.QUICK["stages"]
-    gpipe, one_f_one_b = _temps(results, "gpipe"), _temps(results, "1f1b")
+    gpipe = _temps(results, "gpipe")
     small, large = 2 * p, max(bench.QUICK["microbatches"])
     act = results["rows"][0]["act"]
     gpipe_growth = gpipe[large] - gpipe[small]
     assert gpipe_growth >= (large - small) * act
-    assert one_f_one_b[large] < gpipe[large]
-    assert one_f_one_b[large] - one_f_one_b[small] <= 0.1 * gpipe_growth
+    for name in bounded:
+        temp = _temps(results, name)
+        assert temp[large] < gpipe[large], name
+        assert temp[large] - temp[small] <= 0.1 * gpipe_growth, name
 
 
 def test_one_f_one_b_temp_stays_bounded_while_gpipe_grows(quick):
@@ -68,10 +72,11 @@ def test_one_f_one_b_temp_stays_bounded_while_gpipe_grows(quick):
 
 ACCUMULATION = """        self.grads = lax.cond(
             runs,
-            lambda g, d: jax.tree.map(lambda a, b: a + b.astype(accum), g, d),
+            lambda g, d: jax.tree.map(lambda a, b: a + b.astype(accum), g, widen(d)[0]),
             lambda g, d: g,
-            self.grads, d_params,
+            self.grads, d_chunk,
         )  # fmt: skip"""
+CUT = "            return lax.dynamic_slice_in_dim(q, v * n + _tie(g), n, 0)"
 
 
 def test_accumulation_fused_across_phases_breaks_the_claim(tmp_path, monkeypatch):
@@ -83,9 +88,24 @@ def test_accumulation_fused_across_phases_breaks_the_claim(tmp_path, monkeypatch
 
     fused = mutant(_executor, "fused_accumulation", ACCUMULATION,
                    "        self.grads = jax.tree.map(lambda g, d: g + jnp.where(runs, "
-                   "d.astype(accum), 0), self.grads, d_params)")  # fmt: skip
+                   "d.astype(accum), 0), self.grads, widen(d_chunk)[0])")  # fmt: skip
     monkeypatch.setattr(shardops.pipeline, "pipeline_value_and_grad",
                         fused.pipeline_value_and_grad)  # fmt: skip
     results = bench.main(["--quick", "--out", str(tmp_path)])
     with pytest.raises(AssertionError):
-        check_claim(results)
+        check_claim(results, bounded=("1f1b",))
+
+
+def test_a_chunk_cut_at_an_index_known_in_advance_breaks_the_claim(tmp_path, monkeypatch):
+    """Mutant: the executor cuts each virtual stage's chunk at ``v · n`` alone (``v`` read
+    from the table): XLA:CPU computes every phase's cut at the program's start and keeps them
+    all, a chunk's weights per phase, and circular's temp grows with M."""
+    import shardops.pipeline
+    from shardops.pipeline import _executor
+
+    untied = mutant(_executor, "untied_cut", CUT, CUT.replace(" + _tie(g)", ""))
+    monkeypatch.setattr(shardops.pipeline, "pipeline_value_and_grad",
+                        untied.pipeline_value_and_grad)  # fmt: skip
+    results = bench.main(["--quick", "--out", str(tmp_path)])
+    with pytest.raises(AssertionError):
+        check_claim(results, bounded=("circular",))

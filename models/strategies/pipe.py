@@ -139,24 +139,9 @@ class PipeKind(Kind):
         loss, grads = pipeline_value_and_grad(stage_fn, ready, inputs, table,
                                               axis_name=self.axis, activation=activation,
                                               accum_dtype=body.precision.accum_dtype,
-                                              select=lambda q, v: self._chunk(q, v, stacked))  # fmt: skip
+                                              chunks=stacked)  # fmt: skip
         (grads,) = reduce(grads)
         return loss, grads
-
-    def _chunk(self, params, virtual, stacked=None):
-        """``params`` with each stacked leaf (this stage's ``[V·L_c, …]``; where ``stacked``,
-        a tree of bools, says so, or every leaf) cut to virtual stage ``virtual``'s chunk
-        ``[L_c, …]``; all of them for V = 1."""
-        if self.virtual == 1:
-            return params
-
-        def cut(q, split=True):
-            if not split:
-                return q
-            n = q.shape[0] // self.virtual
-            return lax.dynamic_slice_in_dim(q, virtual * n, n, 0)
-
-        return jax.tree.map(cut, params) if stacked is None else jax.tree.map(cut, params, stacked)
 
     def scan(self, ctx, fn, params, x, outputs: bool):
         """A forward outside the step (``setup.logits``, ``evaluate``): ``x`` through the
@@ -168,7 +153,9 @@ class PipeKind(Kind):
         own = [None] * v  # per virtual stage, its layers' outputs
         for t in range(p * v):
             u, r = divmod(t, p)
-            chunk = self._chunk(params, u)
+            chunk = jax.tree.map(
+                lambda q, u=u: q[u * (q.shape[0] // v) : (u + 1) * (q.shape[0] // v)], params
+            )  # this stage's chunk u of its layers [V·L_c, …]
             y, outs = _pair(ctx.scan_layers(fn, chunk, h, outputs=outputs), outputs)
             if outputs:  # this stage's chunk's outputs are those of its own turn
                 own[u] = outs if own[u] is None else jax.tree.map(

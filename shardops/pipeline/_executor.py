@@ -65,7 +65,7 @@ FORWARD_SCOPE, BACKWARD_SCOPE = "shardops.pipeline.forward", "shardops.pipeline.
 
 
 def pipeline_value_and_grad(stage_fn, params, inputs, schedule: Schedule, *, axis_name: str,
-                            activation, accum_dtype=jnp.float32, select=None):  # fmt: skip
+                            activation, accum_dtype=jnp.float32, chunks=None):  # fmt: skip
     """One step's loss and gradients by ``schedule``, per device inside ``jax.shard_map`` over
     ``axis_name`` (module docstring).
 
@@ -94,12 +94,15 @@ def pipeline_value_and_grad(stage_fn, params, inputs, schedule: Schedule, *, axi
         activation: the type of ``h`` (``jax.typeof`` of one: its shape, dtype and the axes
             it varies over).
         accum_dtype: the gradients' accumulation dtype (float32).
-        select: ``select(params, virtual) → params``, the parameters ``stage_fn`` of virtual
-            stage ``virtual`` (traced) takes: its chunk of the stacked layers (a slice; default
-            all of them). Its transpose (the chunk's gradient widened to the whole, zeros
-            elsewhere) runs inside the accumulation's ``lax.cond``, so no phase's zeros are
-            scheduled ahead and kept: 1F1B's memory stays flat in M. A ``stage_fn`` may slice
-            itself instead, at that cost.
+        chunks: with virtual stages, a tree like ``params`` of bools: the leaves that stack
+            the stage's V chunks along dim 0 (``[V·L_c, …]``: its layers). ``stage_fn`` of
+            virtual stage v then gets chunk v of each (``[L_c, …]``) and the others whole
+            (default: every leaf whole, for a ``stage_fn`` that cuts them itself, at the memory
+            cost below). Each phase's cut reads its index from the gradients accumulated so
+            far, so XLA cannot compute every phase's cut at the program's start and keep them
+            all (a chunk's weights per phase: the memory would grow with M); the cut's
+            gradient is widened to the whole leaf inside the accumulation's ``lax.cond``, for
+            the same reason.
 
     Returns:
         ``(loss, grads)``: Σ of the microbatches' losses (the same on every stage) and the
@@ -111,7 +114,7 @@ def pipeline_value_and_grad(stage_fn, params, inputs, schedule: Schedule, *, axi
     params = jax.tree.map(lambda q, o: q if o else copy_to_region(q, axis_name, q.dtype),
                           params, own)  # fmt: skip
     run = _Run(stage_fn, params, inputs, schedule, axis_name, stage, accum_dtype,
-               _zeros_like(activation, axis_name), select or (lambda q, v: q))  # fmt: skip
+               _zeros_like(activation, axis_name), chunks)  # fmt: skip
     for forward, backward in schedule.rounds:
         if any(i is not None for i in forward):
             with jax.named_scope(FORWARD_SCOPE):
@@ -134,8 +137,8 @@ class _Run:
     phase (``returned``), the gradients (``accum_dtype``) and the loss so far."""
 
     def __init__(self, stage_fn, params, inputs, schedule, axis_name, stage, accum_dtype, zero,
-                 select):  # fmt: skip
-        self.stage_fn, self.params, self.inputs, self.select = stage_fn, params, inputs, select
+                 chunks):  # fmt: skip
+        self.stage_fn, self.params, self.inputs, self.chunks = stage_fn, params, inputs, chunks
         self.axis_name, self.accum_dtype, self.schedule = axis_name, accum_dtype, schedule
         self.stages, self.slots, self.virtual = (schedule.stages, schedule.buffer_slots,
                                                  schedule.virtual)  # fmt: skip
@@ -155,6 +158,20 @@ class _Run:
         microbatch = jax.tree.map(lambda a: a[i], self.inputs)
         self.phases += 1
         return _barrier((self.params, h, microbatch), self.phases)
+
+    def _chunk(self, params, v):
+        """``params`` with each leaf ``chunks`` names cut to virtual stage ``v``'s chunk, the
+        cut's index tied to that leaf's gradients so far (``_tie``)."""
+        if self.chunks is None or self.virtual == 1:
+            return params
+
+        def cut(q, g, stacked):
+            if not stacked:
+                return q
+            n = q.shape[0] // self.virtual
+            return lax.dynamic_slice_in_dim(q, v * n + _tie(g), n, 0)
+
+        return jax.tree.map(cut, params, self.grads, self.chunks)
 
     def _ends(self, v):
         """``(first, last)``: whether this stage's chunk on virtual stage ``v`` is the
@@ -182,7 +199,7 @@ class _Run:
         kept = jnp.where(runs, self.received, old)
         self.buffer = lax.dynamic_update_index_in_dim(self.buffer, kept, slot, 0)
         params, h, microbatch = self._operands(self.received, i)
-        h_out, _ = self._apply(self.select(params, v), h, microbatch, v, with_loss=False)
+        h_out, _ = self._apply(self._chunk(params, v), h, microbatch, v, with_loss=False)
         pairs = self._pairs(phase, +1)
         self.received = (send(h_out, self.axis_name, pairs, reason=_FORWARD) if pairs
                          else self.zero)  # fmt: skip
@@ -193,7 +210,7 @@ class _Run:
         i, v, runs = _entry(self.schedule, phase, self.stage)
         h = lax.dynamic_index_in_dim(self.buffer, self._slot(i, v), 0, keepdims=False)
         params, h, microbatch = self._operands(h, i)
-        chunk, widen = jax.vjp(lambda q: self.select(q, v), params)  # this chunk's parameters
+        chunk, widen = jax.vjp(lambda q: self._chunk(q, v), params)  # this chunk's parameters
         out, vjp = jax.vjp(lambda q, h: self._apply(q, h, microbatch, v), chunk, h)
         last = self._ends(v)[1]
         h_out, loss, own = (*out, None)[:3]
@@ -233,6 +250,12 @@ class _Run:
             if not (edge and v == end):
                 pairs.append((s, (s + step) % p))
         return pairs
+
+
+def _tie(g):
+    """A zero that XLA cannot compute before ``g`` (an int32 scalar, varying as ``g``):
+    ``min(isnan(g[0]), 0)``, whose range XLA does not know."""
+    return jnp.minimum(jnp.isnan(g.reshape(-1)[0]).astype(jnp.int32), 0)
 
 
 def _barrier(tree, phase: int):

@@ -129,10 +129,12 @@ class Program:
     jaxpr: object
 
 
-def program(mesh, sched, t: Toy, *, executor=_executor, **options) -> Program:
+def program(mesh, sched, t: Toy, *, executor=_executor, chunks: bool = False,
+            **options) -> Program:  # fmt: skip
     """The pipeline step of ``t`` by ``sched`` on ``mesh`` (pipe × data), compiled, the
     layers stored in ``stage_order`` (``t``'s own order is the model's); ``options`` go to
-    ``pipeline_value_and_grad`` (none: its defaults)."""
+    ``pipeline_value_and_grad`` (none: its defaults). With ``chunks`` the executor cuts each
+    virtual stage's layers (its ``chunks`` argument), else ``stage_fn`` does."""
     m, data, v = sched.microbatches, mesh.shape[DATA], sched.virtual
     chunk = LAYERS // (sched.stages * v)  # layers of a chunk
     b = t.batch // (m * data)  # rows of a microbatch on a device
@@ -148,7 +150,8 @@ def program(mesh, sched, t: Toy, *, executor=_executor, **options) -> Program:
                 xi, yi = inp  # xi[b, IN], yi[b, OUT]
                 w0 = jax.lax.pcast(q["w0"], DATA, to="varying")
                 h = jnp.where(first, xi @ w0, h)  # stage 0 starts from the input
-                ws = jax.lax.dynamic_slice_in_dim(q["layers"], virtual * chunk, chunk, 0)
+                ws = (q["layers"] if chunks
+                      else jax.lax.dynamic_slice_in_dim(q["layers"], virtual * chunk, chunk, 0))  # fmt: skip
                 h = _layers(ws, h)  # this chunk's L/(P·V) layers
                 w1 = jax.lax.pcast(q["w1"], DATA, to="varying")
                 if not with_loss:  # a forward phase needs h alone
@@ -159,6 +162,8 @@ def program(mesh, sched, t: Toy, *, executor=_executor, **options) -> Program:
                 return h, loss
 
         act = jax.typeof(jax.lax.pcast(jnp.zeros((b, D)), DATA, to="varying"))
+        if chunks:
+            options["chunks"] = {"w0": False, "layers": True, "w1": False}
         loss, grads = executor.pipeline_value_and_grad(
             stage_fn, params, (xs, ys), sched, axis_name=PIPE, activation=act, **options
         )
@@ -287,12 +292,12 @@ def check_collectives(pr: Program, sched, t: Toy) -> None:
 
 
 def check_pipeline(name: str, p: int, m: int, data: int, *, virtual: int = 1,
-                   executor=_executor, schedules=_schedule) -> dict:  # fmt: skip
+                   executor=_executor, schedules=_schedule, chunks: bool = False) -> dict:  # fmt: skip
     """The step of ``schedules.schedule(name, p, m, virtual)`` on pipe=p × data: values,
-    phases and collectives; the worst error ÷ bound per leaf."""
+    phases and collectives; the worst error ÷ bound per leaf. ``chunks``: ``program``'s."""
     sched = schedules.schedule(name, p, m, virtual)
     t = toy(m, data)
-    pr = program(mesh_of(p, data), sched, t, executor=executor)
+    pr = program(mesh_of(p, data), sched, t, executor=executor, chunks=chunks)
     check_phases(pr, sched)
     check_collectives(pr, sched, t)
     return check_values(pr, t)

@@ -58,11 +58,13 @@ def test_cover_holds_every_pair():
 CIRCULAR = [(2, 4, 2, 2), (4, 2, 8, 2), (2, 1, 4, 4)]
 
 
+@pytest.mark.parametrize("chunks", [False, True], ids=["stage_fn cuts", "executor cuts"])
 @pytest.mark.parametrize("p, data, m, v", CIRCULAR, ids=lambda c: str(c))
-def test_circular_pipeline_equals_the_unsharded_gradients(p, data, m, v):
+def test_circular_pipeline_equals_the_unsharded_gradients(p, data, m, v, chunks):
     """Each stage's chunks stored in ``stage_order``: chunk v·P + s is the v-th block of stage
-    s's layers, and the gradients come back in that order (un-permuted for the comparison)."""
-    check_pipeline("circular", p, m, data, virtual=v)
+    s's layers, and the gradients come back in that order (un-permuted for the comparison);
+    the chunk cut by ``stage_fn`` or by the executor (``chunks``)."""
+    check_pipeline("circular", p, m, data, virtual=v, chunks=chunks)
 
 
 # --- refusals, inside the shard_map (the pipe axis's size is known there)

@@ -50,6 +50,12 @@ MUTANTS = {
         "(v + 1) % self.virtual)",
         ("circular", 4, 4, 2, 2),
     ),
+    # circular, the executor cutting the chunks: the next virtual stage's chunk cut
+    "executor_cuts_the_neighbouring_chunk": (
+        "            return lax.dynamic_slice_in_dim(q, v * n + _tie(g), n, 0)",
+        "            return lax.dynamic_slice_in_dim(q, (v + 1) % self.virtual * n + _tie(g), n, 0)",
+        ("circular", 2, 2, 2, 2, "chunks"),
+    ),
     # the table's last round (stage 0's backward of the last microbatch) never runs
     "last_round_skipped": (
         "    for forward, backward in schedule.rounds:",
@@ -64,8 +70,8 @@ MUTANTS = {
     ),
     # the gradients accumulated (and the replicated ones summed over pipe) in bfloat16
     "accumulation_in_bfloat16": (
-        "                            activation, accum_dtype=jnp.float32, select=None):  # fmt: skip",
-        "                            activation, accum_dtype=jnp.bfloat16, select=None):  # fmt: skip",
+        "                            activation, accum_dtype=jnp.float32, chunks=None):  # fmt: skip",
+        "                            activation, accum_dtype=jnp.bfloat16, chunks=None):  # fmt: skip",
         ("1f1b", 2, 5, 4),
     ),
     # the backward recomputes the forward from another microbatch's stage input
@@ -105,8 +111,9 @@ MUTANTS = {
 
 
 def _check(case, **modules):
-    name, p, m, data, *virtual = case
-    return check_pipeline(name, p, m, data, virtual=(virtual or [1])[0], **modules)
+    name, p, m, data, *rest = case
+    virtual = rest[0] if rest else 1
+    return check_pipeline(name, p, m, data, virtual=virtual, chunks="chunks" in rest, **modules)
 
 
 @pytest.mark.parametrize("name", MUTANTS)

