@@ -75,8 +75,7 @@ def pipeline_value_and_grad(stage_fn, params, inputs, schedule: Schedule, *, axi
             traced bool: the first chunk, which starts from ``inputs_i`` instead), ``h_out``
             what the next stage takes, and ``loss`` the microbatch's share of the objective
             (``last``: the last chunk, whose loss alone counts; the others' and their gradients
-            must be finite:
-            a zero seed times an infinite derivative is NaN). A forward phase
+            must be finite: a zero seed times an infinite derivative is NaN). A forward phase
             passes ``with_loss=False`` and needs ``h_out`` alone (``loss`` may be None): what
             lies past the layers need not be traced there. It may return a third value,
             ``own``: a share of the objective that every stage computes from its own layers

@@ -84,11 +84,13 @@ def test_trains_like_the_reference(strategy, mesh, opt, remat):
 @pytest.mark.parametrize(("strategy", "mesh", "m", "opt"), [
     ("ref+1f1b", "pipe2", 2, "sgd"),
     ("2d+gpipe", "p2d2m2", 2, "adam"),
+    ("ref+circular", "pipe2", 2, "sgd"),
 ])  # fmt: skip
 def test_pipelines_like_the_reference(strategy, mesh, m, opt):
-    """Pipeline parallelism cuts the stacked blocks into contiguous stages (2 blocks a stage):
-    5 steps equal the reference; the embedding, positions and head, replicated over the stages,
-    train too (every leaf must move)."""
+    """Pipeline parallelism cuts the stacked blocks into contiguous stages (2 blocks a stage;
+    circular: 2 chunks of one block a stage, stored in ``stage_order``): 5 steps equal the
+    reference; the embedding, positions and head, replicated over the stages, train too
+    (every leaf must move)."""
     check_lm_trajectory(GPT_STACKED, models.strategy_named(strategy), mesh, opt, microbatches=m,
                         clip=CLIP, sgd_lr=SGD_LR, budget=opt == "sgd")  # fmt: skip
 
