@@ -9,9 +9,10 @@ The model (``model_of``) is ``models.Llama`` with its blocks stacked ``[L, …]`
 width 128, 8 layers, 8 heads sharing 2 KV heads, SwiGLU 256, vocabulary 256; batch 16 × 128
 tokens, SGD. The rows (``ROWS``), all on the same 8 simulated CPU devices:
 
-- ``2d+gpipe`` and ``2d+1f1b`` on pipe = 2 × data = 2 × model = 2, M = 4 and M = 8
-  microbatches: the 8 layers in 2 stages of 4 (``w[L_pipe, D, F_model]``), each stage's batch
-  ``[B_data, S]`` (replicated over pipe) cut into M microbatches;
+- ``2d+gpipe``, ``2d+1f1b`` and ``2d+circular`` on pipe = 2 × data = 2 × model = 2, M = 4
+  and M = 8 microbatches: the 8 layers in 2 stages of 4 (``w[L_pipe, D, F_model]``; circular:
+  2 chunks of 2 per stage), each stage's batch ``[B_data, S]`` (replicated over pipe) cut into
+  M microbatches;
 - ``ref+1f1b`` on pipe = 8, M = 8: one layer a stage, nothing else split;
 - ``2d`` on data = 4 × model = 2: the same devices without pipelining (every layer on every
   device, the batch over data), the row every other one is divided by.
@@ -27,7 +28,7 @@ reversed, one step in flight: the hang trap), so every ratio is the median of pa
 step-by-step ratios with its interquartile range.
 
 Per row: the step time; ``÷ 2d`` and ``÷ GSPMD`` (paired); the schedule's bubble
-``(P − 1)/(M + P − 1)`` (``Schedule.bubble``) and the ratio to ``2d`` that the bubble and the
+``(P − 1)/(V·M + P − 1)`` (``Schedule.bubble``) and the ratio to ``2d`` that the bubble and the
 recomputed forward predict when nothing overlaps (``loss_model``); collective ring bytes per
 device per mesh-axis group and per collective kind on the compiled programs
 (``shardops.inspect.ring_bytes``); the peak and temp memory of each program
@@ -75,6 +76,8 @@ ROWS = (  # (label, strategy, mesh, microbatches or None)
     ("2d+1f1b M=4", "2d+1f1b", PP_MESH, 4),
     ("2d+gpipe M=8", "2d+gpipe", PP_MESH, 8),
     ("2d+1f1b M=8", "2d+1f1b", PP_MESH, 8),
+    ("2d+circular M=4", "2d+circular", PP_MESH, 4),
+    ("2d+circular M=8", "2d+circular", PP_MESH, 8),
     ("ref+1f1b M=8", "ref+1f1b", {"pipe": 8}, 8),
     (BASELINE, "2d", {"data": 4, "model": 2}, None),
 )
@@ -84,6 +87,8 @@ PAIRS = (  # shardops ÷ shardops, from the same rotation
     ("2d+1f1b M=8", "2d+gpipe M=8"),
     ("2d+gpipe M=8", "2d+gpipe M=4"),
     ("2d+1f1b M=8", "2d+1f1b M=4"),
+    ("2d+circular M=4", "2d+1f1b M=4"),
+    ("2d+circular M=8", "2d+1f1b M=8"),
 )
 RECOMPUTE = 4 / 3
 """A backward recomputes its stage's forward (full rematerialisation): forward + backward ≈
@@ -142,7 +147,8 @@ def run(quick: bool, steps: int, warmup: int, devices) -> dict:
                "microbatches": microbatches}  # fmt: skip
         if microbatches is not None:
             table = shardops.pipeline.schedule(setup.strategy.pp_schedule,
-                                               shape[setup.strategy.pp], microbatches)  # fmt: skip
+                                               shape[setup.strategy.pp], microbatches,
+                                               setup.strategy.kinds[0].virtual)  # fmt: skip
             row.update({"schedule": table.name, "stages": table.stages,
                         "bubble": table.bubble(), "idle_fraction": table.idle_fraction(),
                         "buffer_slots": table.buffer_slots,
