@@ -592,8 +592,11 @@ def test_pipeline_trains_like_the_reference(tmp_path, schedule, name):
     (("--schedule", "1f1b", "--virtual", "2"),
      r"--virtual 2: virtual stages are the circular schedule's; add --schedule circular"),
     (("--model", "llama", "--schedule", "circular", "--mesh", "pipe=2,data=2,model=2",
-      "--strategy", "2d", "--layers", "2"),
+      "--strategy", "2d", "--layers", "2", "--microbatches", "2"),
      r"params\['blocks'\]\S+: 2 layers do not split into 4 chunks \(2 stages × 2 virtual .*"),
-], ids=["locate", "batch", "layers", "zero", "virtual", "chunks"])  # fmt: skip
+    (("--model", "llama", "--schedule", "circular", "--mesh", "pipe=2,data=2,model=2",
+      "--strategy", "2d", "--layers", "4", "--microbatches", "3", "--batch-size", "12"),
+     r"circular: 3 microbatches do not split into groups of 2 \(one per stage\).*"),
+], ids=["locate", "batch", "layers", "zero", "virtual", "chunks", "groups"])  # fmt: skip
 def test_pipeline_options_the_run_cannot_honour_are_usage_errors(args, message, capsys):
     check_usage_error(load_example("transformer_lm"), args, message, capsys)

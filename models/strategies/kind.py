@@ -69,14 +69,16 @@ def axes_of(value, kind: str) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class LayoutContext:
     """What a kind's ``layout`` may read: the mesh, the plan's leaf ``roles``, the model's own
-    (logical) ``shapes``, what it ``declared`` (``models.networks.contract.Declared``) and the
-    strategy's ``rules`` (logical dim name → mesh axis, ``Strategy.logical_rules``)."""
+    (logical) ``shapes``, what it ``declared`` (``models.networks.contract.Declared``), the
+    strategy's ``rules`` (logical dim name → mesh axis, ``Strategy.logical_rules``) and
+    ``build``'s ``microbatches``."""
 
     mesh: Any
     roles: Any
     shapes: Any
     declared: Any
     rules: dict = dataclasses.field(default_factory=dict)
+    microbatches: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

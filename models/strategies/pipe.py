@@ -182,7 +182,10 @@ class PipeKind(Kind):
     # --- checks
 
     def check_mesh(self, strategy, mesh, context: LayoutContext) -> None:
-        """The model stacks its layers (``ctx.scan``), and their number divides by the axis."""
+        """The model stacks its layers (``ctx.scan``), their number divides by the axis (× the
+        virtual stages), and the schedule takes ``build``'s microbatches (circular: M
+        divisible by P)."""
+        schedule(self.schedule, mesh.shape[self.axis], context.microbatches, self.virtual)
         n, found = mesh.shape[self.axis] * self.virtual, False
         for (path, shape), spec in zip(
             jax.tree_util.tree_leaves_with_path(context.shapes, is_leaf=is_shape),

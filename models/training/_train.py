@@ -129,7 +129,7 @@ def build(
     shapes = _shapes(model)
     plan = model.plan() if plan is None else plan
     roles = leaf_roles(plan, shapes)
-    mesh, context = _mesh_and_context(strategy, mesh, roles, shapes, declared)
+    mesh, context = _mesh_and_context(strategy, mesh, roles, shapes, declared, microbatches)
     if remat.names:  # names no layer of the model makes are refused
         check_names(remat, _names_made(model, plan, precision), model.name)
     padding, specs, opt_param_specs = _layout(strategy, shapes, context)
@@ -160,13 +160,13 @@ def build(
     )
 
 
-def _mesh_and_context(strategy: Strategy, mesh, roles, shapes, declared):
+def _mesh_and_context(strategy: Strategy, mesh, roles, shapes, declared, microbatches: int):
     """``(mesh, context)``: the mesh, checked to carry the strategy's axes and to fit each kind,
     and the ``LayoutContext`` the kinds lay the model out in; ``(None, None)`` for ``ref``, whose
     strategy names no axes (any mesh given is ignored)."""
     if not strategy.axes:
         return None, None
-    context = LayoutContext(mesh, roles, shapes, declared, strategy.logical_rules)
+    context = LayoutContext(mesh, roles, shapes, declared, strategy.logical_rules, microbatches)
     _check_mesh(strategy, mesh, context)
     return mesh, context
 

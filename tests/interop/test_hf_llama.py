@@ -92,7 +92,7 @@ def test_a_checkpoint_loads_into_circular_stages_and_saves_back(tmp_path):
     perturb(LlamaForCausalLM(LlamaConfig(**fields)), seed=4).save_pretrained(path)
     ckpt = HfLlama(path)
     setup = models.build("2d+circular", mesh_for(PP_MESHES["p2d2m2"]), model=ckpt.model(),
-                         optimizer=optax.sgd(0.1))  # fmt: skip
+                         optimizer=optax.sgd(0.1), microbatches=2)  # fmt: skip
     assert setup.padding.order  # the stacked leaves are stored permuted
     state = ckpt.load(setup)
     ids, _ = tokens(setup.model.vocab_size)

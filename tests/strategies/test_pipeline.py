@@ -142,7 +142,13 @@ def test_checkpoints_move_between_pipeline_layouts_bit_for_bit(tmp_path):
     rng, full, previous = np.random.default_rng(3), None, None
     for i, (strategy, mesh) in enumerate(chain):
         mesh = mesh_for(PP_MESHES.get(mesh, mesh) if isinstance(mesh, str) else mesh)
-        setup = models.build(strategy, mesh, model=LLAMA, optimizer=optax.adam(1e-3))
+        setup = models.build(
+            strategy,
+            mesh,
+            model=LLAMA,
+            optimizer=optax.adam(1e-3),
+            microbatches=2 if "circular" in strategy else 1,
+        )  # groups of P
         if full is None:  # drawn once, every leaf (moments and counts too)
             state = jax.eval_shape(setup.init, jax.random.key(0))
             full = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(a.dtype)
@@ -237,7 +243,7 @@ def test_circular_refusals():
     with refused(ValueError, argument="circular: 3 microbatches", got="3 microbatches",
                  expected="groups of 2 (one per stage)",
                  fix="a number of microbatches 2 divides (4, say), or the 1f1b schedule"):  # fmt: skip
-        _setup("ref+circular", "pipe2", 3).collective_budget(18, 16)  # traces the step
+        _setup("ref+circular", "pipe2", 3)  # when the setup builds
     with refused(ValueError, argument="pp_virtual=2", got="'1f1b' schedule",
                  expected="stages are contiguous", fix="pp_schedule='circular'"):  # fmt: skip
         models.Strategy("x", pp="pipe", pp_virtual=2)
