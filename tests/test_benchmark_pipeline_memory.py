@@ -91,6 +91,7 @@ def test_accumulation_fused_across_phases_breaks_the_claim(tmp_path, monkeypatch
                    "d.astype(accum), 0), self.grads, widen(d_chunk)[0])")  # fmt: skip
     monkeypatch.setattr(shardops.pipeline, "pipeline_value_and_grad",
                         fused.pipeline_value_and_grad)  # fmt: skip
+    monkeypatch.setattr(bench, "SCHEDULES", ("gpipe", "1f1b"))
     results = bench.main(["--quick", "--out", str(tmp_path)])
     with pytest.raises(AssertionError):
         check_claim(results, bounded=("1f1b",))
@@ -106,6 +107,7 @@ def test_a_chunk_cut_at_an_index_known_in_advance_breaks_the_claim(tmp_path, mon
     untied = mutant(_executor, "untied_cut", CUT, CUT.replace(" + _tie(g)", ""))
     monkeypatch.setattr(shardops.pipeline, "pipeline_value_and_grad",
                         untied.pipeline_value_and_grad)  # fmt: skip
+    monkeypatch.setattr(bench, "SCHEDULES", ("gpipe", "circular"))
     results = bench.main(["--quick", "--out", str(tmp_path)])
     with pytest.raises(AssertionError):
         check_claim(results, bounded=("circular",))
