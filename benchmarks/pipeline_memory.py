@@ -119,7 +119,7 @@ def measure(sizes: dict) -> list[dict]:
             memory = step.lower(*args).compile().memory_analysis()
             row = {
                 "form": form, "stages": stages, "schedule": name, "microbatches": m,
-                "slots": sched.buffer_slots, "act": act,
+                "slots": sched.buffer_slots, "virtual": sched.virtual, "act": act,
                 "temp": memory.temp_size_in_bytes,
                 "argument": memory.argument_size_in_bytes,
                 "output": memory.output_size_in_bytes,
@@ -138,7 +138,7 @@ def markdown(results: dict) -> str:
     smallest M."""
     mib = lambda n: f"{n / 2**20:.2f}"  # noqa: E731
     lines = [
-        "| layers | P | schedule | M | stage inputs kept K | K × act MiB | temp MiB "
+        "| layers | P | schedule | M | buffer slots K (a chunk's) | V·K × act MiB | temp MiB "
         "| temp − temp(M₀) MiB | arguments MiB | outputs MiB |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -147,7 +147,8 @@ def markdown(results: dict) -> str:
         base = first.setdefault((r["form"], r["stages"], r["schedule"]), r["temp"])
         lines.append(
             f"| {r['form']} | {r['stages']} | {r['schedule']} | {r['microbatches']} | {r['slots']} | "
-            f"{mib(r['slots'] * r['act'])} | {mib(r['temp'])} | {mib(r['temp'] - base)} | "
+            f"{mib(r['slots'] * r.get('virtual', 1) * r['act'])} | {mib(r['temp'])} | "
+            f"{mib(r['temp'] - base)} | "
             f"{mib(r['argument'])} | {mib(r['output'])} |"
         )
     return "\n".join(lines) + "\n"

@@ -623,7 +623,7 @@ def _plan(setup: Setup, leaves, dtype, names: dict = NAMES) -> list[tuple[str, i
     out = []
     for path, _ in leaves:
         name, _ = names[tuple(k.key for k in path)]
-        shape = _logical_shape(setup, path)
+        shape = setup.padding.logical_shape(path)
         stacked = len(_placeholders(name))
         out += [(n, math.prod(shape[stacked:]) * dtype.itemsize)
                 for n in _expand(name, shape[:stacked])]  # fmt: skip
@@ -702,10 +702,3 @@ def _remove_weights(directory: str) -> None:
     for name in os.listdir(directory):
         if name in (SINGLE, INDEX) or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name):
             os.remove(os.path.join(directory, name))
-
-
-def _logical_shape(setup: Setup, path) -> tuple[int, ...]:
-    node = setup.padding.logical
-    for k in path:
-        node = node[k.key]
-    return tuple(node)

@@ -127,6 +127,13 @@ class Strategy:
             raise ValueError(f"Strategy {self.name!r}: pp_virtual={self.pp_virtual!r} with the "
                              f"{self.pp_schedule!r} schedule, whose stages are contiguous; "
                              f"pass pp_schedule='circular' for virtual stages")  # fmt: skip
+        v = self.pp_virtual
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"Strategy {self.name!r}: pp_virtual (the circular schedule's "
+                             f"virtual stages per stage) must be a positive int; got {v!r}. "
+                             f"Pass an int >= 1, e.g. pp_virtual=2")  # fmt: skip
+        if self.pp_schedule == "circular" and v is None:  # its default, stored
+            object.__setattr__(self, "pp_virtual", 2)
         if self.cp is None and self.cp_method != "ring":
             raise ValueError(f"Strategy {self.name!r}: cp_method={self.cp_method!r} without a "
                              f"cp axis; name it, e.g. cp={CONTEXT_AXIS!r}")  # fmt: skip
@@ -175,7 +182,7 @@ class Strategy:
     def kinds(self) -> tuple[Kind, ...]:
         """The strategy's kinds of parallelism: pipeline, then in the batch's order (dp, ep,
         zero1, fsdp, the extra kinds), then context, then tensor."""
-        virtual = self.pp_virtual or (2 if self.pp_schedule == "circular" else 1)
+        virtual = self.pp_virtual if self.pp_schedule == "circular" else 1
         kinds: list[Kind] = [PipeKind((self.pp,), self.pp_schedule, virtual)] if self.pp else []
         kinds += [cls(axes) for cls, axes in ((DataKind, self.dp),
                              (ExpertKind, self.ep), (Zero1Kind, self.zero1), (FsdpKind, self.fsdp))
@@ -365,6 +372,10 @@ def with_pipeline(strategy, schedule: str = "1f1b", axis: str = PIPE_AXIS, *,
                          f"strategy without it")  # fmt: skip
     if schedule not in SCHEDULES:
         raise ValueError(f"with_pipeline: schedule must be one of {SCHEDULES}; got {schedule!r}")
+    if virtual is not None and schedule != "circular":
+        raise ValueError(f"with_pipeline: virtual={virtual!r} with the {schedule!r} schedule, "
+                         f"whose stages are contiguous; pass schedule='circular' for virtual "
+                         f"stages")  # fmt: skip
     part = schedule if virtual in (None, 2) else f"{schedule}{virtual}"
     return dataclasses.replace(base, name=f"{base.name}+{part}", pp=axis, pp_schedule=schedule,
                                pp_virtual=virtual)  # fmt: skip

@@ -194,6 +194,13 @@ class PipeKind(Kind):
             if not spec or self.axis not in entry_axes(spec[0]):
                 continue
             found = True
+            if self.virtual > 1 and entry_axes(spec[0]) != (self.axis,):
+                raise ValueError(
+                    f"params{jax.tree_util.keystr(path)}: dim 0 (the layers) is split over "
+                    f"{entry_axes(spec[0])} in strategy {strategy.name!r}; the circular "
+                    f"schedule needs it split over {self.axis!r} alone (each stage's block its "
+                    f"V chunks in turn). Split the layers over {self.axis!r} only"
+                )
             if entry_axes(spec[0])[0] != self.axis:
                 raise ValueError(
                     f"params{jax.tree_util.keystr(path)}: dim 0 (the layers) is split over "

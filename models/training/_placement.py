@@ -188,13 +188,18 @@ class Padding:
             return params
         return jax.tree.map(_unpad_to, params, self._targets(self.logical), is_leaf=_is_array)
 
+    def logical_shape(self, path) -> tuple[int, ...]:
+        """The model's shape of the leaf at ``path`` (a key path of the params)."""
+        node = self.logical
+        for k in path:
+            node = node[getattr(k, "key", getattr(k, "idx", None))]
+        return tuple(node)
+
     def unpad_leaf(self, path, a):
         """The leaf at ``path`` (a key path of the params) from stored to the model's shape
         and order (``unpad`` of one leaf)."""
-        node = self.logical
-        for k in path:
-            node = node[k.key]
-        return _unpad_to(a, _Target(tuple(node), self.order.get(jax.tree_util.keystr(path))))
+        order = self.order.get(jax.tree_util.keystr(path))
+        return _unpad_to(a, _Target(self.logical_shape(path), order))
 
     def unpad_tree(self, tree, optimizer):
         """``unpad`` of a ``TrainState`` (its params and the optimizer state's param-shaped

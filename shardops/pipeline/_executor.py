@@ -25,8 +25,10 @@ that ran: each microbatch's activation crosses the P − 1 stage boundaries forw
 gradient P − 1 backward, and no placeholder is sent.
 
 Memory: each stage keeps the stage inputs of the microbatches in flight (``K`` slots: M under
-GPipe, at most 2P − 1 under 1F1B), not the layers' activations: a backward recomputes its
-stage's forward (the cost of one more forward per microbatch, as full rematerialisation).
+GPipe, at most 2P − 1 under 1F1B; circular ``V·K`` slots, K = min(M, 2P) a chunk, of which at
+most V·P + P − 1 hold inputs at once on stage 0), not the layers' activations: a backward
+recomputes its stage's (chunk's) forward (the cost of one more forward per microbatch, as full
+rematerialisation).
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def pipeline_value_and_grad(stage_fn, params, inputs, schedule: Schedule, *, axi
         ``(loss, grads)``: Σ of the microbatches' losses (the same on every stage) and the
         gradients of ``params``, laid out like them (each in its parameter's dtype).
     """
-    _check_program(schedule, axis_name, inputs)
+    _check_program(schedule, axis_name, inputs, params, chunks)
     stage = lax.axis_index(axis_name)
     own = jax.tree.map(lambda q: axis_name in varying_axes(q), params)
     params = jax.tree.map(lambda q, o: q if o else copy_to_region(q, axis_name, q.dtype),
@@ -253,7 +255,9 @@ class _Run:
 
 def _tie(g):
     """A zero that XLA cannot compute before ``g`` (an int32 scalar, varying as ``g``):
-    ``min(isnan(g[0]), 0)``, whose range XLA does not know."""
+    ``min(isnan(g[0]), 0)``, whose range XLA does not know. Should XLA learn to fold it, the
+    cuts would run at the program's start again: tests/test_benchmark_pipeline_memory.py's
+    untied mutant shows what that costs, and its claim would fail."""
     return jnp.minimum(jnp.isnan(g.reshape(-1)[0]).astype(jnp.int32), 0)
 
 
@@ -310,8 +314,9 @@ def _like(value, ref):
     return lax.pcast(value, missing, to="varying") if missing else value
 
 
-def _check_program(schedule: Schedule, axis_name: str, inputs) -> None:
-    """The pipe axis has the schedule's stages, and every input holds its microbatches."""
+def _check_program(schedule: Schedule, axis_name: str, inputs, params, chunks) -> None:
+    """The pipe axis has the schedule's stages, every input holds its microbatches, and
+    ``chunks`` names leaves of ``params`` whose dim 0 splits into the virtual stages."""
     n = lax.axis_size(axis_name)
     if n != schedule.stages:
         raise ValueError(f"pipeline_value_and_grad: schedule {schedule.name!r} has "
@@ -323,4 +328,19 @@ def _check_program(schedule: Schedule, axis_name: str, inputs) -> None:
                 f"pipeline_value_and_grad: inputs{jax.tree_util.keystr(path)} has shape "
                 f"{leaf.shape}; each input holds the {schedule.microbatches} microbatches "
                 f"along dim 0 ([M, ...]). Reshape the batch to [M, b / M, ...]"
+            )
+    if chunks is None:
+        return
+    if jax.tree.structure(chunks) != jax.tree.structure(params):
+        raise ValueError(f"pipeline_value_and_grad: chunks must be a tree like params (a bool "
+                         f"per leaf); got {jax.tree.structure(chunks)} for params' "
+                         f"{jax.tree.structure(params)}. Mark each leaf True or False")  # fmt: skip
+    for (path, leaf), stacked in zip(jax.tree_util.tree_leaves_with_path(params),
+                                     jax.tree.leaves(chunks), strict=True):  # fmt: skip
+        if stacked and (not leaf.shape or leaf.shape[0] % schedule.virtual):
+            raise ValueError(
+                f"pipeline_value_and_grad: params{jax.tree_util.keystr(path)} has shape "
+                f"{leaf.shape}; chunks marks it as the stage's {schedule.virtual} chunks stacked "
+                f"along dim 0, which must divide by {schedule.virtual}. Stack whole chunks "
+                f"([V·L_c, …]), or mark it False"
             )

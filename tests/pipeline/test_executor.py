@@ -108,3 +108,31 @@ def test_inputs_without_the_microbatch_dim_are_refused():
                  expected="the 3 microbatches along dim 0 ([M, ...])",
                  fix="Reshape the batch to [M, b / M, ...]"):  # fmt: skip
         _refused_step(gpipe(4, 3), mesh_of(4, 2), microbatched=False)
+
+
+def test_chunks_that_do_not_split_into_the_virtual_stages_are_refused():
+    from shardops.pipeline import circular
+
+    sched, mesh = circular(2, 2, 2), mesh_of(2, 1)
+
+    def lower(params, chunks):
+        def stage_fn(q, h, x, first, last, with_loss=True, virtual=0):
+            return jnp.where(first, x, h), jnp.sum(jnp.where(last, h, 0))
+
+        def body(params, x):
+            act = jax.typeof(jax.lax.pcast(jnp.zeros((2, 4)), (DATA,), to="varying"))
+            return pipeline_value_and_grad(stage_fn, params, x.reshape(2, 2, 4), sched,
+                                           axis_name=PIPE, activation=act, chunks=chunks)  # fmt: skip
+
+        specs = jax.tree.map(lambda _: P(PIPE), params)
+        x = jax.device_put(jnp.ones((4, 4)), NamedSharding(mesh, P(DATA)))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA)),
+                                     out_specs=(P(), specs))).lower(params, x)  # fmt: skip
+
+    w = jax.device_put(jnp.ones((6, 4)), NamedSharding(mesh, P(PIPE)))  # 3 rows a stage
+    with refused(ValueError, argument="params['w'] has shape (3, 4)", got="(3, 4)",
+                 expected="must divide by 2", fix="Stack whole chunks"):  # fmt: skip
+        lower({"w": w}, {"w": True})
+    with refused(ValueError, argument="chunks must be a tree like params", got="got PyTreeDef",
+                 expected="a bool per leaf", fix="Mark each leaf True or False"):  # fmt: skip
+        lower({"w": w}, {"v": True})

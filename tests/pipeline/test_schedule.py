@@ -171,6 +171,10 @@ def test_circular_holds_a_bounded_number_of_stage_inputs():
             assert sched.buffer_slots == 2 * p
 
 
+def test_entry_reads_a_cell_as_microbatch_and_virtual_stage():
+    assert [one_f_one_b(2, 1).entry(e) for e in (None, 3, (3, 1))] == [None, (3, 0), (3, 1)]
+
+
 def test_circular_with_one_virtual_stage_is_1f1b():
     for p in (2, 4, 8):
         for m in (p, 3 * p):

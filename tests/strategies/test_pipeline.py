@@ -66,8 +66,9 @@ def _full():
         for v in (2, 4) if p == 2 else (2,):
             name = "circular" if v == 2 else f"circular{v}"
             out += [(f"ref+{name}", mesh, m, "sgd") for m in (p, 2 * p, 3 * p)]
-    for base, mesh in (("2d", "p2d2m2"), ("fsdp_tp", "p2d2m2"), ("hsdp", "p2r2d2"),
-                       ("zero1", "p2d4"), ("tp+ring", "p2c2m2"), ("tp", "p4m2")):  # fmt: skip
+    for base, mesh in (("2d", "p2d2m2"), ("fsdp_tp", "p2d2m2"), ("dp_sp", "p2d2m2"),
+                       ("hsdp", "p2r2d2"), ("zero1", "p2d4"), ("fsdp", "p2d4"),
+                       ("tp+ring", "p2c2m2"), ("tp+ulysses", "p2c2m2"), ("tp", "p4m2")):  # fmt: skip
         out += [(_pipe(base, "circular"), mesh, 4, opt) for opt in ("sgd", "adam")]
     for schedule in ("gpipe", "1f1b"):
         for mesh, p in (("pipe2", 2), ("pipe4", 4), ("pipe8", 8)):
@@ -250,6 +251,28 @@ def test_circular_refusals():
     assert models.with_pipeline("2d", "circular", virtual=4).name == "2d+circular4"
     assert models.strategy_named("2d+circular4").kinds[0].virtual == 4
     assert models.strategy_named("2d+circular").kinds[0].virtual == 2
+    assert models.strategy_named("2d+circular") == models.with_pipeline("2d", "circular", virtual=2)
+    for bad in (0, "2", True):
+        with refused(ValueError, argument="pp_virtual", got=f"got {bad!r}",
+                     expected="a positive int", fix="Pass an int >= 1"):  # fmt: skip
+            models.Strategy("x", pp="pipe", pp_schedule="circular", pp_virtual=bad)
+    with refused(ValueError, argument="with_pipeline: virtual=3", got="'gpipe' schedule",
+                 expected="stages are contiguous", fix="schedule='circular'"):  # fmt: skip
+        models.with_pipeline("2d", "gpipe", virtual=3)
+
+
+def test_stored_order_converts_one_leaf_on_any_path():
+    """``Padding.unpad_leaf`` (the HF saver's, one leaf at a time) un-permutes and slices the
+    leaf at a path of dict keys or list indices alike."""
+    from shardops_models.training._placement import Padding
+
+    logical = {"blocks": [(4, 2), (3,)]}
+    padding = Padding(logical, {"blocks": [(4, 3), (3,)]}, {"['blocks'][0]": (2, 0, 3, 1)})
+    model = np.arange(8.0).reshape(4, 2)
+    stored = padding.pad({"blocks": [model, np.zeros(3)]})["blocks"][0]
+    assert stored.shape == (4, 3) and list(stored[:, 0]) == [4.0, 0.0, 6.0, 2.0]
+    path = jax.tree_util.tree_flatten_with_path({"blocks": [0, 1]})[0][0][0]
+    np.testing.assert_array_equal(padding.unpad_leaf(path, stored), model)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp+1f1b", "2d+gpipe"])
