@@ -73,6 +73,7 @@ PP_MESHES = {
     "p2d2m2": {"pipe": 2, "data": 2, "model": 2},
     "p2r2d2": {"pipe": 2, "replica": 2, "data": 2},
     "p2c2m2": {"pipe": 2, "context": 2, "model": 2},
+    "p2c2": {"pipe": 2, "context": 2},  # Ulysses: the Llama's 2 KV heads over context 2
     "p4m2": {"pipe": 4, "model": 2},
     "p2d2m2e": {"pipe": 2, "data": 1, "expert": 2, "model": 2},
 }
