@@ -194,20 +194,6 @@ class PipeKind(Kind):
             if not spec or self.axis not in entry_axes(spec[0]):
                 continue
             found = True
-            if self.virtual > 1 and entry_axes(spec[0]) != (self.axis,):
-                raise ValueError(
-                    f"params{jax.tree_util.keystr(path)}: dim 0 (the layers) is split over "
-                    f"{entry_axes(spec[0])} in strategy {strategy.name!r}; the circular "
-                    f"schedule needs it split over {self.axis!r} alone (each stage's block its "
-                    f"V chunks in turn). Split the layers over {self.axis!r} only"
-                )
-            if entry_axes(spec[0])[0] != self.axis:
-                raise ValueError(
-                    f"params{jax.tree_util.keystr(path)}: dim 0 (the layers) is split over "
-                    f"{entry_axes(spec[0])} in strategy {strategy.name!r}; pp needs its axis "
-                    f"{self.axis!r} first (major), so that each stage holds a contiguous block. "
-                    f"Split the layers over {self.axis!r} before any other axis"
-                )
             if shape[0] % n:
                 stages = (f"{n} pipeline stages" if self.virtual == 1 else f"{n} chunks "
                           f"({mesh.shape[self.axis]} stages × {self.virtual} virtual stages)")  # fmt: skip
@@ -235,8 +221,16 @@ class PipeKind(Kind):
             jax.tree_util.tree_leaves_with_path(context.shapes, is_leaf=is_shape),
             jax.tree.leaves(specs, is_leaf=is_spec), strict=True,
         ):  # fmt: skip
-            if spec and self.axis in entry_axes(spec[0]):
-                orders[jax.tree_util.keystr(path)] = stage_order(shape[0], p, self.virtual)
+            if not spec or self.axis not in entry_axes(spec[0]):
+                continue
+            if entry_axes(spec[0]) != (self.axis,):  # the kinds' layouts split dim 0 further
+                raise ValueError(
+                    f"params{jax.tree_util.keystr(path)}: dim 0 (the layers) is split over "
+                    f"{entry_axes(spec[0])}; the circular schedule needs it split over "
+                    f"{self.axis!r} alone (each stage's block its V chunks in turn). Keep the "
+                    f"other kinds off the layers' dim, or use the 1f1b schedule"
+                )
+            orders[jax.tree_util.keystr(path)] = stage_order(shape[0], p, self.virtual)
         return orders
 
 

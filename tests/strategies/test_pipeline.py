@@ -261,6 +261,37 @@ def test_circular_refusals():
         models.with_pipeline("2d", "gpipe", virtual=3)
 
 
+@dataclasses.dataclass(frozen=True)
+class _SplitsLayers(models.strategies.kind.Kind):
+    """A kind of one's own whose layout splits the stacked layers' dim 0 over its axis too."""
+
+    name = "layers_too"
+
+    def layout(self, specs, stored, context):
+        def more(spec):
+            if spec and "pipe" in shardops.entry_axes(spec[0]):
+                return P(("pipe", *self.axes), *spec[1:])
+            return spec
+
+        return jax.tree.map(more, specs, is_leaf=lambda s: isinstance(s, P)), stored
+
+
+def test_circular_refuses_the_layers_split_over_another_axis_too():
+    """Circular's stored order gives each stage its chunks only where dim 0 is split over pipe
+    alone; a kind that splits it further (a contiguous split of the stage's block) is refused
+    when the setup builds (1F1B takes it: each stage still holds a contiguous block)."""
+    for schedule in ("circular", "1f1b"):
+        strategy = models.Strategy(f"x+{schedule}", pp="pipe", pp_schedule=schedule,
+                                   extra=(_SplitsLayers("data"),))  # fmt: skip
+        build = lambda: _setup(strategy, "p2d4", 2)  # noqa: B023, E731
+        if schedule == "1f1b":
+            assert build().param_specs["blocks"]["attn"]["wq"][0] == ("pipe", "data")
+            continue
+        with refused(ValueError, argument="params['blocks']", got="('pipe', 'data')",
+                     expected="split over 'pipe' alone", fix="use the 1f1b schedule"):  # fmt: skip
+            build()
+
+
 def test_stored_order_converts_one_leaf_on_any_path():
     """``Padding.unpad_leaf`` (the HF saver's, one leaf at a time) un-permutes and slices the
     leaf at a path of dict keys or list indices alike."""
