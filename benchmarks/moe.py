@@ -103,13 +103,13 @@ def routing_of(model, params, ids) -> dict:
     e, layers = model.experts, []
     original = llama._reference_experts
 
-    def recording(experts, p, h):  # h[B, S, D]: this layer's MoE input
+    def recording(experts, p, h, groups):  # h[B, S, D]: this layer's MoE input, one group a row
         routing = moe_route(h, p["router"], k=e.k, capacity_factor=e.capacity_factor,
                             score=e.score)  # fmt: skip
         chosen = np.asarray(routing.chosen).sum((0, 1))  # [E]: choices per expert
         kept = np.asarray(routing.dispatch).sum((0, 1, 3))  # [E]: choices that found a slot
         layers.append((chosen, kept))
-        return original(experts, p, h)
+        return original(experts, p, h, groups)
 
     with mock.patch.object(llama, "_reference_experts", recording):
         model.reference_logits(params, ids)
