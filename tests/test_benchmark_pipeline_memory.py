@@ -83,31 +83,32 @@ def test_accumulation_fused_across_phases_breaks_the_claim(tmp_path, monkeypatch
     """Mutant: the gradients accumulated by ``g + where(runs, d, 0)`` (no fusion boundary):
     XLA:CPU fuses the adds of every backward phase into one fusion that keeps each phase's
     gradients alive to the end, and 1F1B's temp grows with M like GPipe's."""
-    import shardops.pipeline
     from shardops.pipeline import _executor
 
     fused = mutant(_executor, "fused_accumulation", ACCUMULATION,
                    "        self.grads = jax.tree.map(lambda g, d: g + jnp.where(runs, "
                    "d.astype(accum), 0), self.grads, widen(d_chunk)[0])")  # fmt: skip
-    monkeypatch.setattr(shardops.pipeline, "pipeline_value_and_grad",
-                        fused.pipeline_value_and_grad)  # fmt: skip
-    monkeypatch.setattr(bench, "SCHEDULES", ("gpipe", "1f1b"))
-    results = bench.main(["--quick", "--out", str(tmp_path)])
-    with pytest.raises(AssertionError):
-        check_claim(results, bounded=("1f1b",))
+    _check_claim_breaks(fused, "1f1b", tmp_path, monkeypatch)
 
 
 def test_a_chunk_cut_at_an_index_known_in_advance_breaks_the_claim(tmp_path, monkeypatch):
     """Mutant: the executor cuts each virtual stage's chunk at ``v · n`` alone (``v`` read
     from the table): XLA:CPU computes every phase's cut at the program's start and keeps them
     all, a chunk's weights per phase, and circular's temp grows with M."""
-    import shardops.pipeline
     from shardops.pipeline import _executor
 
     untied = mutant(_executor, "untied_cut", CUT, CUT.replace(" + _tie(g)", ""))
+    _check_claim_breaks(untied, "circular", tmp_path, monkeypatch)
+
+
+def _check_claim_breaks(executor, schedule: str, tmp_path, monkeypatch) -> None:
+    """The quick benchmark run with ``executor``'s ``pipeline_value_and_grad`` (GPipe and
+    ``schedule`` only, the claim's two) fails ``check_claim`` for ``schedule``."""
+    import shardops.pipeline
+
     monkeypatch.setattr(shardops.pipeline, "pipeline_value_and_grad",
-                        untied.pipeline_value_and_grad)  # fmt: skip
-    monkeypatch.setattr(bench, "SCHEDULES", ("gpipe", "circular"))
+                        executor.pipeline_value_and_grad)  # fmt: skip
+    monkeypatch.setattr(bench, "SCHEDULES", ("gpipe", schedule))
     results = bench.main(["--quick", "--out", str(tmp_path)])
     with pytest.raises(AssertionError):
-        check_claim(results, bounded=("circular",))
+        check_claim(results, bounded=(schedule,))
