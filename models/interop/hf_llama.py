@@ -94,6 +94,7 @@ from safetensors.numpy import save_file
 
 from shardops_models.networks.llama import Llama
 from shardops_models.strategies.plan import is_shape
+from shardops_models.training import _layer_order
 from shardops_models.training._setup import Setup
 from shardops_models.training._state import TrainState
 
@@ -378,13 +379,14 @@ class HfLlama:
         finally:
             for handle in handles.values():
                 handle.__exit__(None, None, None)
+        _layer_order.mark(params, setup.layer_order)
         if not optimizer_state:
             return params
         opt_shardings = (None if setup.mesh is None else
                          jax.tree.map(lambda s: NamedSharding(setup.mesh, s), setup.opt_specs,
                                       is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)))  # fmt: skip
         opt_state = jax.jit(setup.optimizer.init, out_shardings=opt_shardings)(params)
-        return TrainState(params, opt_state)
+        return _layer_order.mark(TrainState(params, opt_state), setup.layer_order)
 
     def _check_tensors(self, model: Llama, logical) -> None:
         """Every tensor the model needs is in the files with the shape the config gives, and
@@ -562,6 +564,8 @@ def _save_hf(directory, setup: Setup, state, names: dict, config_of, caller: str
     ``caller``."""
     model = setup.model
     params = state.params if isinstance(state, TrainState) else state
+    _layer_order.check(params, setup.layer_order, f"{caller}: params",
+                       "Save them with the setup they came from")  # fmt: skip
     directory = os.path.abspath(os.fspath(directory))
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ValueError(f"{caller}: directory={directory!r} is a file; expected a folder "

@@ -34,8 +34,9 @@ matmuls), whose logits are transformers'. Expert parallelism cannot split drople
 capacity path at ``capacity_factor = E / k`` instead, so that ``C = min(S, ceil(capacity_factor
 · S · k / E)) = S``: still no choice dropped and transformers' logits, at the cost of buffers
 that hold a whole sequence per expert. To train cheaper, pass ``capacity_factor=`` (e.g. 1.25:
-the choices beyond ``C`` dropped) and build the setup from that model: ``load`` takes the
-setup's capacity and loss weights as its own.
+the choices beyond ``C`` dropped), build the setup from that model and load with
+``load(setup, experts="setup")``: by default ``load`` refuses a setup whose capacity drops
+choices or whose loss weights are not the checkpoint's, naming each field.
 
 **Config.** The Llama fields map as ``llama_from_config`` maps them (its refusals too), with
 Mixtral's defaults for a field config.json leaves out (``DEFAULTS``: ``MixtralConfig()``'s
@@ -95,6 +96,8 @@ DEFAULTS = {
 }
 # ``Experts`` fields a caller may set over the config's (``mixtral_from_config``'s overrides).
 TRAINING = ("capacity_factor", "load_balance", "load_balance_weight", "z_loss_weight")
+LOAD_EXPERTS = ("checkpoint", "setup")
+"""``HfMixtral.load``'s ``experts``: whose ``TRAINING`` fields the setup's model must have."""
 
 
 def mixtral_from_config(config: dict | str | os.PathLike, *,
@@ -178,6 +181,41 @@ class HfMixtral(HfLlama):
         if model.experts is not None:
             fields.update({k: getattr(model.experts, k) for k in TRAINING})
         return fields
+
+    def load(self, setup: Setup, *, optimizer_state: bool = True, experts: str = "checkpoint"):
+        """``HfLlama.load``, the setup's experts checked first: with ``experts="checkpoint"``
+        (the default) its ``TRAINING`` fields must be those of ``model(strategy=...)`` (a
+        capacity that drops no choice, the checkpoint's load-balance form and loss weights),
+        else a ``ValueError`` naming each field, since a capacity that drops moves the logits
+        away from transformers' and other weights change what the model trains on;
+        ``experts="setup"`` takes the setup's (fine-tuning at ``capacity_factor=1.25``, say)."""
+        if experts not in LOAD_EXPERTS:
+            raise ValueError(f"HfMixtral.load: experts must be one of {LOAD_EXPERTS}; got "
+                             f"{experts!r}")  # fmt: skip
+        model = setup.model
+        if experts == "checkpoint" and isinstance(model, Llama) and model.experts is not None:
+            own = self.model(strategy=setup.strategy).experts
+            if own.num_experts == model.experts.num_experts and own.k == model.experts.k:
+                self._check_experts(own, model.experts)  # (other experts: HfLlama.load's error)
+        return super().load(setup, optimizer_state=optimizer_state)
+
+    def _check_experts(self, own: Experts, setup: Experts) -> None:
+        """A ``ValueError`` naming each ``TRAINING`` field of ``setup`` that is not the
+        checkpoint's ``own`` (a capacity is the checkpoint's if it drops no choice either)."""
+        drops = [cf is not None and cf < e.num_experts / e.k
+                 for e, cf in ((own, own.capacity_factor), (setup, setup.capacity_factor))]  # fmt: skip
+        differ = [f"capacity_factor={setup.capacity_factor!r} (C < S: choices beyond an "
+                  f"expert's C slots dropped)"] if drops[1] != drops[0] else []  # fmt: skip
+        differ += [f"{f}={getattr(setup, f)!r} (the checkpoint's: {getattr(own, f)!r})"
+                   for f in TRAINING[1:] if getattr(setup, f) != getattr(own, f)]  # fmt: skip
+        if differ:
+            raise ValueError(
+                f"HfMixtral.load: the setup's experts are not the checkpoint's ({self.directory}):"
+                f" {'; '.join(differ)}. The model would not compute transformers' logits or "
+                f"would train another objective. Build the setup with "
+                f"ckpt.model(strategy=...), or pass load(setup, experts='setup') to take the "
+                f"setup's deliberately"
+            )
 
 
 def save_hf_mixtral(directory: str | os.PathLike, setup: Setup, state, *,

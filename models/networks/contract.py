@@ -117,6 +117,20 @@ def aux_weights(declared: Declared, given: Mapping[str, float] | None, where: st
     return {k: float(v) for k, v in {**declared.aux_weights, **(given or {})}.items()}
 
 
+def check_aux_names(weights: Mapping[str, float], aux: Mapping[str, Any], model,
+                    where: str) -> None:  # fmt: skip
+    """A ``ValueError`` for each weight that names no auxiliary loss ``model.apply`` returned
+    (``aux``): a misspelt key would otherwise leave its loss at no weight, or train without it."""
+    unknown = sorted(set(weights) - set(aux))
+    if unknown:
+        returned = ", ".join(repr(n) for n in sorted(aux)) or "none"
+        raise ValueError(
+            f"{where}: aux_weights {unknown} name no auxiliary loss {type(model).__name__}.apply "
+            f"returns (it returns: {returned}); correct the names in models.build(aux_weights=...)"
+            f" or the model's aux_weights, or drop them"
+        )
+
+
 def _weights(weights) -> bool:
     return isinstance(weights, Mapping) and all(
         isinstance(k, str) and isinstance(v, numbers.Real) and not isinstance(v, bool)

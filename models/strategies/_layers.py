@@ -170,6 +170,7 @@ class Layers:
         counts are summed over the batch axes (and the context axis). Keys: ``router``,
         ``gate``, ``up``, ``down`` (``shardops.layers.init_moe``; the plan role ``EXPERTS``)."""
         _check_keys(p, "moe", LAYER_KEYS["moe"])
+        _check_load_balance(load_balance, self.microbatches)
         params = {key: self._value(q, "moe") for key, q in p.items()}
         options = {"k": k, "capacity_factor": capacity_factor, "score": score,
                    "load_balance": load_balance, "batch_axes": self.strategy.batch_axes}  # fmt: skip
@@ -348,4 +349,21 @@ def _check_logits_cover_labels(logits, labels, sequence_split: bool) -> None:
         raise ValueError(
             f"cross_entropy: logits{tuple(logits.shape)} do not cover labels"
             f"{tuple(labels.shape)} (the logits' leading dims must equal the labels' shape).{hint}"
+        )
+
+
+def _check_load_balance(load_balance: str, microbatches: int) -> None:
+    """``load_balance="global"`` only on the whole batch: the load-balancing loss
+    ``E · Σ_e f_e · P_e`` is a product of two batch means, and the mean of the microbatches'
+    products is not the product of their means (nor can 1F1B know every microbatch's counts
+    before the first backward), so the objective would depend on which rows share a microbatch
+    and equal no unsplit run's."""
+    if load_balance == "global" and microbatches > 1:
+        raise ValueError(
+            f"ctx.moe: load_balance='global' with microbatches={microbatches}: the global load "
+            f"balance E · Σ_e f_e · P_e multiplies two means over the whole batch, and a step "
+            f"split into microbatches (a pipeline's, or gradient accumulation) sees one part at a "
+            f"time, so its objective would depend on which rows share a microbatch and match no "
+            f"unsplit run. Use Experts(load_balance='group') (GShard's per-sequence form: the "
+            f"microbatches' losses average to the whole batch's exactly), or microbatches=1"
         )

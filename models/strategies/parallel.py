@@ -86,6 +86,9 @@ class Parallel(Layers, Axes):
     attention_implementation: str = "auto"
     """How each device computes attention (``shardops.layers.IMPLEMENTATIONS``: ``"auto"``,
     ``"blocked"``, ``"splash"``, ``"einsum"``)."""
+    microbatches: int = 1
+    """The parts the step splits each device's batch into (``build``'s ``microbatches``; 1 for
+    ``setup.logits`` and ``evaluate``): the forward sees one part at a time."""
 
     def __getattr__(self, name: str):
         """The names the layer context had before its kernels moved into the kinds, each

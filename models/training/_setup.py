@@ -21,6 +21,7 @@ from shardops_models.strategies.parallel import (
     Strategy,
 )
 from shardops_models.strategies.remat import Remat
+from shardops_models.training import _layer_order
 from shardops_models.training._placement import (
     Padding,
     _is_spec,
@@ -101,6 +102,12 @@ class Setup:
     traced once."""
 
     @property
+    def layer_order(self) -> tuple | None:
+        """The order the stacked layers are stored in (None: the model's; a circular
+        pipeline's permuted rows otherwise): arrays of another order are refused."""
+        return _layer_order.order_key(self.padding.order) if self.padding else None
+
+    @property
     def sizes(self) -> tuple[int, ...]:
         """The MLP's layer widths."""
         return self.model.sizes
@@ -130,20 +137,24 @@ class Setup:
             self.precision.check_param(f"params{jax.tree_util.keystr(path)}", leaf.dtype)
         _check_concrete(self.mesh, "shard")
         self.padding.check_logical(params)
+        _layer_order.check(params, None, "setup.shard: params", "shard takes the model's "
+                           "order: " + _layer_order.CONVERT)  # fmt: skip
         params = jax.device_get(params)  # host copies: never alias the caller's buffers
         params = self.padding.pad(params)  # the stored shapes (zeros in the padding)
         opt_state = self.optimizer.init(params)
         if self.mesh is None:
-            return TrainState(jax.device_put(params), jax.device_put(opt_state))
-        return TrainState(
-            shard_tree(params, self.mesh, self.param_specs),
-            shard_tree(opt_state, self.mesh, self.opt_specs),
-        )
+            state = TrainState(jax.device_put(params), jax.device_put(opt_state))
+        else:
+            state = TrainState(shard_tree(params, self.mesh, self.param_specs),
+                               shard_tree(opt_state, self.mesh, self.opt_specs))  # fmt: skip
+        return _layer_order.mark(state, self.layer_order)
 
     def gather(self, tree):
         """Full host (numpy) copies of a sharded tree: lossless inverse of ``shard``. A
         ``TrainState`` or a tree shaped like the params (gradients) comes back in the model's
         own shapes (the padding sliced off)."""
+        _layer_order.check(tree, self.layer_order, "setup.gather: tree", "Gather it with the "
+                           "setup it came from")  # fmt: skip
         return self.padding.unpad_tree(gather_tree(tree), self.optimizer)
 
     @property
@@ -357,8 +368,8 @@ class _DeviceChecked:
     """A jitted function that first checks its concrete arguments live on the setup's mesh
     (``shardops.check_devices``), so a misplaced batch is a shardops error, not XLA's."""
 
-    def __init__(self, jitted, mesh, name):
-        self.jitted, self.mesh, self.name = jitted, mesh, name
+    def __init__(self, jitted, mesh, name, layer_order=None):
+        self.jitted, self.mesh, self.name, self.layer_order = jitted, mesh, name, layer_order
 
     def __call__(self, state_or_params, x, *y):
         _check_concrete(self.mesh, self.name)
@@ -367,7 +378,12 @@ class _DeviceChecked:
         check_not_donated(self.name, STATE_DONATED, **{first: state_or_params, "x": x, "y": y})
         if self.mesh is not None:
             shardops.check_devices(self.mesh, self.name, state=state_or_params, x=x, y=y)
-        return self.jitted(state_or_params, x, *y)
+        _layer_order.check(state_or_params, self.layer_order, f"setup.{self.name}: {first}",
+                           _layer_order.CONVERT)  # fmt: skip
+        out = self.jitted(state_or_params, x, *y)
+        if self.name in ("train_step", "loss_and_grads"):  # the state; the gradients
+            _layer_order.mark(out[0] if self.name == "train_step" else out[1], self.layer_order)
+        return out
 
     def lower(self, *args, **kwargs):
         return self.jitted.lower(*args, **kwargs)

@@ -81,7 +81,7 @@ class _Body:
         self.reduce_axes = strategy.reduce_axes  # the batch's and the sequence's
         options = {"fsdp_dense": fsdp_dense, "collective_matmul": collective_matmul,
                    "attention_implementation": attention}  # fmt: skip
-        self.ctx = Parallel(strategy, precision, remat, **options)
+        self.ctx = Parallel(strategy, precision, remat, **options, microbatches=microbatches)
         self.eval_ctx = Parallel(strategy, precision, remat=False, **options)
 
     def _inputs(self, x):
@@ -96,6 +96,7 @@ class _Body:
         tree = wrap(params, self.roles, self.specs, self.logical)
         out = self.model.apply(ctx, tree, self._inputs(x))
         logits, aux = contract.split_output(out, self.model, where)
+        contract.check_aux_names(self.aux_weights, aux, self.model, where)
         return tree, logits, aux
 
     def _global_batch(self, local: int) -> int:

@@ -35,6 +35,7 @@ from shardops_models.strategies.plan import (
     leaf_roles,
 )
 from shardops_models.strategies.remat import Remat, check_names
+from shardops_models.training import _layer_order
 from shardops_models.training._placement import (
     Padding,
     _params_checked,
@@ -185,7 +186,7 @@ def _jitted_programs(body: _Body, mesh, remat: Remat, padding: Padding, specs, o
         parts = microbatches if name in ("train_step", "loss_and_grads") else 1  # split batches
         checked = _batch_checked(fn, model, strategy, mesh, parts)
         jitted = jax.jit(checked, compiler_options=compiler_options, **kwargs)
-        return _DeviceChecked(jitted, mesh, name)
+        return _DeviceChecked(jitted, mesh, name, _layer_order.order_key(padding.order))
 
     # Each checks the params (or state) it is given when it traces, before shard_map does.
     step_of_state = _state_checked(step, padding, "setup.train_step")

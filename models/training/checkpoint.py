@@ -88,6 +88,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from shardops_models.strategies.plan import is_shape, leaf_roles
+from shardops_models.training import _layer_order
 from shardops_models.training._placement import logical_spec
 from shardops_models.training._setup import Setup
 from shardops_models.training._state import TrainState
@@ -199,6 +200,8 @@ class Checkpoints:
         exists replaces it.
         """
         self.wait()  # one save in flight at a time; the replace below sees the committed steps
+        _layer_order.check(state, setup.layer_order, "Checkpoints.save: state",
+                           "Save it with the setup it came from")  # fmt: skip
         state = _logical_state(setup, state)  # the model's own shapes, padding cut off
         record = {
             "format": FORMAT,
@@ -392,7 +395,7 @@ class Checkpoints:
                     f"{here.get(changed[0])} read, {saved[changed[0]]} saved): a data file "
                     f"under {os.path.join(self._folder(step), 'state')} changed after the save",
                 )  # fmt: skip
-        return _stored_state(setup, state), record["extra"]
+        return _layer_order.mark(_stored_state(setup, state), setup.layer_order), record["extra"]
 
     def _read_state(self, setup: Setup, step: int) -> TrainState:
         """The state of ``step`` in the model's own shapes, laid out for ``setup``; tensorstore's
@@ -475,8 +478,13 @@ def differences(saved: dict, here: dict) -> list[str]:
         a, b = saved["config"].get(field), here["config"].get(field)
         if field not in saved["config"] and field in defaults and b == defaults[field]:
             continue  # a field added since the save, at its default: the model it saved
-        if a != b:
-            out.append(f"model config {field}: {a} in the checkpoint, {b} here")
+        if field not in saved["config"]:
+            out.append(
+                f"model config {field}: not recorded in the checkpoint, {_show_config(b)} here"
+            )
+            continue
+        out += [f"model config {name}: {_show_config(x)} in the checkpoint, {_show_config(y)} here"
+                for name, x, y in _config_differences(field, a, b)]  # fmt: skip
     for what, name in (("params", "params"), ("plan", "plan role of params"),
                        ("optimizer_state", "optimizer state")):  # fmt: skip
         a, b = saved[what], here[what]
@@ -500,6 +508,15 @@ def differences(saved: dict, here: dict) -> list[str]:
     ):
         out.append("the model matches: was the checkpoint trained with another optimizer?")
     return out
+
+
+def _config_differences(name: str, a, b) -> list[tuple[str, Any, Any]]:
+    """``(name, saved, here)`` of each config value that differs, a nested config (a model's
+    ``Experts``) field by field as ``experts.k``."""
+    if isinstance(a, dict) and isinstance(b, dict) and a.get(_TYPE) == b.get(_TYPE):
+        return [d for key in sorted(set(a) | set(b)) if key != _TYPE
+                for d in _config_differences(f"{name}.{key}", a.get(key), b.get(key))]  # fmt: skip
+    return [] if a == b else [(name, a, b)]
 
 
 def _param_shapes(setup: Setup):
@@ -608,18 +625,38 @@ def _defaults(model) -> dict:
     return out
 
 
+_TYPE = "__type__"
+"""A nested config's key for its type's name (``_jsonable``)."""
+
+
 def _plain(value) -> bool:
     if isinstance(value, list):
         return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
     return value is None or isinstance(value, bool | int | float | str)
 
 
 def _jsonable(value: Any):
+    """``value`` in JSON's types: a nested config (a dataclass instance such as a model's
+    ``Experts``) as a dict of its fields and its type's name, so that a checkpoint records
+    (and a restore compares) its every field."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {_TYPE: type(value).__qualname__, **fields}
     if isinstance(value, tuple | list):
         return [_jsonable(v) for v in value]
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+def _show_config(value) -> str:
+    """A config value as the model's own constructor would print it."""
+    if isinstance(value, dict) and _TYPE in value:
+        fields = ", ".join(f"{k}={_show_config(v)}" for k, v in value.items() if k != _TYPE)
+        return f"{value[_TYPE]}({fields})"
+    return repr(value)
 
 
 def _show(value) -> str:

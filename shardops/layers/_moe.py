@@ -204,7 +204,14 @@ def init_moe(key: jax.Array, d_model: int, d_ff: int, num_experts: int, dtype=jn
 
 def moe_capacity(group_size: int, k: int, num_experts: int, capacity_factor: float | None) -> int:
     """Slots per expert per group: ``C = min(S, ceil(capacity_factor · S · k / E))``; ``S`` for
-    ``capacity_factor=None`` (dropless: every choice kept)."""
+    ``capacity_factor=None`` (dropless: every choice kept). Always ≥ 1: the arguments the layer
+    refuses (``k`` outside ``[1, E]``, a factor ≤ 0 or not finite, a group of no tokens) raise
+    the layer's ``ValueError``."""
+    for name, n, what in (("group_size", group_size, "the tokens of a capacity group"),
+                          ("num_experts", num_experts, "the router's experts")):  # fmt: skip
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"moe_capacity: {name}={n!r} must be a positive int ({what})")
+    _check_options("moe_capacity", k, capacity_factor, "softmax", "global", num_experts)
     if capacity_factor is None:
         return group_size
     return min(group_size, math.ceil(capacity_factor * group_size * k / num_experts))

@@ -95,7 +95,7 @@ def _build(model, strategy, mesh_name, optimizer=None):
 def _logits(module, path, strategy="2d+ep", mesh_name="d2e2m2", **overrides):
     ckpt = module.HfMixtral(path)
     setup = _build(ckpt.model(strategy=strategy, **overrides), strategy, mesh_name)
-    params = ckpt.load(setup, optimizer_state=False)
+    params = ckpt.load(setup, optimizer_state=False, experts="setup" if overrides else "checkpoint")
     ids, _ = tokens(FIELDS["vocab_size"])
     return ckpt, np.asarray(setup.logits(params, setup.place_batch(ids))), ids
 
@@ -259,9 +259,22 @@ def test_each_loader_and_saver_refuses_the_other_architecture(checkpoint, tmp_pa
 
 
 def test_a_setup_of_other_experts_is_refused(checkpoint):
-    """The capacity and loss weights are the setup's; the experts' number is the checkpoint's."""
+    """A capacity that drops choices, or other loss weights, only with ``experts="setup"``
+    (each field named otherwise); a capacity that drops nothing (``E / k``) is the
+    checkpoint's; the experts' number is the checkpoint's whatever ``experts``."""
     ckpt = HfMixtral(checkpoint)
-    ckpt.load(_build(ckpt.model(capacity_factor=1.25, z_loss_weight=1e-3), "ref", None))
+    trained = _build(ckpt.model(capacity_factor=1.25, z_loss_weight=1e-3), "ref", None)
+    with refused(ValueError, argument="HfMixtral.load: the setup's experts",
+                 got="capacity_factor=1.25 (C < S", expected="z_loss_weight=0.001 (the "
+                 "checkpoint's: 0.0)", fix="ckpt.model(strategy=...), or pass load(setup, "
+                 "experts='setup')"):  # fmt: skip
+        ckpt.load(trained)
+    ckpt.load(trained, experts="setup")
+    ckpt.load(_build(ckpt.model(capacity_factor=2.0), "ref", None))  # E / k: nothing dropped
+    with pytest.raises(ValueError, match="load_balance='group' .the checkpoint's: 'global'"):
+        ckpt.load(_build(ckpt.model(load_balance="group"), "ref", None))
+    with pytest.raises(ValueError, match=r"experts must be one of \('checkpoint', 'setup'\)"):
+        ckpt.load(trained, experts="mine")
     other = dataclasses.replace(ckpt.model(), experts=models.Experts(num_experts=4, k=1))
     with pytest.raises(ValueError, match="experts: Experts.*k=2.*in the checkpoint"):
         ckpt.load(_build(other, "ref", None))

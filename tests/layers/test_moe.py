@@ -140,6 +140,27 @@ def test_bad_options_are_refused_with_the_fix():
         _layer(batch_axes=())()
 
 
+def test_the_capacity_is_worked_out_by_hand_and_never_below_one_slot():
+    """``C = min(S, ceil(cf · S · k / E))``, by hand; what the layer refuses (a factor ≤ 0,
+    NaN or infinite, k outside [1, E], an empty group) is refused here too, never 0 or fewer
+    slots."""
+    assert _moe.moe_capacity(16, 2, 4, 1.25) == 10  # ceil(1.25 · 16 · 2 / 4) = ceil(10.0)
+    assert _moe.moe_capacity(16, 2, 8, 1.0) == 4
+    assert _moe.moe_capacity(10, 1, 8, 1.0) == 2  # ceil(1.25)
+    assert _moe.moe_capacity(16, 2, 4, 4.0) == 16  # capped at S
+    assert _moe.moe_capacity(16, 2, 4, None) == 16  # dropless
+    assert _moe.moe_capacity(16, 1, 8, 1e-6) == 1
+    for cf in (0.0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match=r"moe_capacity: capacity_factor=.* must be a finite"):
+            _moe.moe_capacity(16, 2, 4, cf)
+    with pytest.raises(ValueError, match=r"moe_capacity: k=5 .*\[1, E = 4\]"):
+        _moe.moe_capacity(16, 5, 4, 1.0)
+    with pytest.raises(ValueError, match=r"moe_capacity: group_size=0 must be a positive int"):
+        _moe.moe_capacity(0, 2, 4, 1.0)
+    with pytest.raises(ValueError, match=r"moe_capacity: num_experts=0 must be a positive int"):
+        _moe.moe_capacity(16, 1, 0, 1.0)
+
+
 def test_experts_that_do_not_divide_over_the_expert_axis_are_refused():
     params = _moe.init_moe(jax.random.key(0), 16, 32, 6)
     with refused(ValueError, argument="params['router'] dim 1 (experts)", got="= 6",

@@ -10,6 +10,7 @@ the capacity path's logits at ``E / k``, and is refused by ep when it builds."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -153,13 +154,15 @@ def test_expert_gradients_summed_over_the_expert_axis_are_refused(monkeypatch, n
 
 def test_checkpoints_move_between_expert_parallel_and_other_layouts_bit_for_bit(tmp_path):
     """A drawn Adam state of the MoE Llama saved under 2d+ep (experts split over ``expert``)
-    restores into the dropless model under 2d (every expert on every device; the plan role's
-    name is the same), then the capacity model under ep_tp (experts over ``data``), then the
-    dropless one under ref: every leaf bit for bit, laid out by the restoring setup's specs."""
-    from shardops_models.training.checkpoint import Checkpoints
+    restores under 2d (every expert on every device), then ep_tp (experts over ``data``), then
+    ref: every leaf bit for bit, laid out by the restoring setup's specs. The checkpoint
+    records the experts' configuration: the same weights restored into another router (the
+    dropless model, k = 1, a sigmoid score, the per-group load balance) are refused, naming
+    the field."""
+    from shardops_models.training.checkpoint import CheckpointMismatch, Checkpoints
 
-    chain = [("2d+ep", "d2e2m2", MOE), ("2d", "4x2", DROPLESS), (EP, "e4m2", MOE),
-             ("ref", None, DROPLESS)]  # fmt: skip
+    chain = [("2d+ep", "d2e2m2", MOE), ("2d", "4x2", MOE), (EP, "e4m2", MOE),
+             ("ref", None, MOE)]  # fmt: skip
     rng = np.random.default_rng(3)
     full = None
     for i, (strategy, mesh, model) in enumerate(chain):
@@ -183,6 +186,37 @@ def test_checkpoints_move_between_expert_parallel_and_other_layouts_bit_for_bit(
                                           err_msg=f"{strategy}: {jax.tree_util.keystr(path)}")  # fmt: skip
         with Checkpoints(tmp_path / str(i)) as ckpt:
             ckpt.save(1, setup, restored)
+    others = {"capacity_factor": (None, "1.0 in the checkpoint, None here"),
+              "k": (1, "2 in the checkpoint, 1 here"),
+              "score": ("sigmoid", "'softmax' in the checkpoint, 'sigmoid' here"),
+              "load_balance": ("group", "'global' in the checkpoint, 'group' here")}  # fmt: skip
+    with Checkpoints(tmp_path / "0") as ckpt:
+        for field, (value, shown) in others.items():
+            other = dataclasses.replace(MOE, experts=dataclasses.replace(MOE.experts,
+                                                                         **{field: value}))  # fmt: skip
+            with pytest.raises(CheckpointMismatch, match=re.escape(f"experts.{field}: {shown}")):
+                ckpt.restore(models.build("ref", model=other, optimizer=optax.adam(1e-3)))
+
+
+def test_the_global_load_balance_under_microbatches_is_refused():
+    """Megatron's global load balance multiplies two whole-batch means: split into microbatches
+    (accumulated, or pipelined) it would be no unsplit run's objective; the per-group form
+    averages exactly and trains (tests/strategies/test_pipeline.py)."""
+    group = dataclasses.replace(MOE, experts=dataclasses.replace(MOE.experts,
+                                                                 load_balance="group"))  # fmt: skip
+    ids = np.zeros((4, 16), np.int32)
+    for strategy, mesh in (("ref", None), ("ref+1f1b", mesh_for({"pipe": 2}))):
+        setup = models.build(strategy, mesh, model=MOE, optimizer=optax.sgd(0.1),
+                             microbatches=2)  # fmt: skip
+        state = setup.init(jax.random.key(0))
+        with refused(ValueError, argument="load_balance='global' with microbatches=2",
+                     got="match no unsplit run", expected="sees one part at a time",
+                     fix="Experts(load_balance='group')"):  # fmt: skip
+            setup.train_step(state, *setup.place_batch(ids, ids))
+    setup = models.build("ref", model=MOE, optimizer=optax.sgd(0.1))  # one part: the batch's
+    setup.train_step(setup.init(jax.random.key(0)), ids, ids)
+    setup = models.build("ref", model=group, optimizer=optax.sgd(0.1), microbatches=2)
+    setup.train_step(setup.init(jax.random.key(0)), ids, ids)
 
 
 # Dropless: the strategies without an expert axis (each expert whole on every device, its

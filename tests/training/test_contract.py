@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import ClassVar
 
 import jax
@@ -180,6 +182,27 @@ def test_an_aux_loss_needs_a_weight():
     with refused(ValueError, argument="auxiliary loss 'activation_l2'", got="has no weight",
                  expected="weights given", fix="aux_weights={'activation_l2': w}"):  # fmt: skip
         setup.train_step(state, *setup.place_batch(*batch()))
+
+
+def test_an_aux_weight_that_names_no_aux_loss_is_refused():
+    """A misspelt weight would leave its loss unweighted (refused above) or, beside the right
+    one, train as if it were not given: every weight must name a loss ``apply`` returns."""
+    setup = models.build("ref", model=AuxLM(), optimizer=optax.sgd(0.1),
+                         aux_weights={"activation_l1": 2.0})  # fmt: skip
+    state = setup.init(jax.random.key(0))
+    with refused(ValueError, argument="aux_weights ['activation_l1']", got="name no auxiliary "
+                 "loss AuxLM.apply returns", expected="(it returns: 'activation_l2')",
+                 fix="correct the names in models.build(aux_weights=...)"):  # fmt: skip
+        setup.train_step(state, *setup.place_batch(*batch()))
+    moe = models.Llama(vocab_size=V, d_model=D, num_layers=1, num_heads=2, num_kv_heads=1,
+                       d_ff=F, context=S, experts=models.Experts(num_experts=4, k=2))  # fmt: skip
+    for model, weights, returned in (
+        (moe, {"load_balence": 100.0}, "'load_balance', 'z_loss'"),
+        (dataclasses.replace(moe, experts=None), {"load_balance": 1.0}, "none"),
+    ):
+        setup = models.build("ref", model=model, optimizer=optax.sgd(0.1), aux_weights=weights)
+        with pytest.raises(ValueError, match=re.escape(f"(it returns: {returned})")):
+            setup.logits(setup.init(jax.random.key(0)).params, batch()[0])
 
 
 def test_microbatches_must_split_the_batch():
