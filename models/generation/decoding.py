@@ -79,9 +79,12 @@ from shardops_models.networks.gpt import Gpt
 from shardops_models.networks.llama import Llama
 from shardops_models.strategies.parallel import is_param, wrap
 from shardops_models.strategies.plan import leaf_roles
+from shardops_models.training import _layer_order
 from shardops_models.training._train import STATE_DONATED, build, check_not_donated
 
 STRATEGY = "2d"  # the decoding layout: tp over model, the batch over data
+_PLACE = ("Place the model's params for decoding: decoder.place(setup_it_came_from.gather("
+          "state).params)")  # fmt: skip
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("k", "v"),
@@ -292,6 +295,7 @@ class Decoder:
                 f"pass start={cache.length} (or less, to rewind)"
             )
         self.setup.padding.check_stored(params, "Decoder.logits", "decoder.place(params)")
+        _layer_order.check(params, self.setup.layer_order, "Decoder.logits: params", _PLACE)
         ids = jax.device_put(ids, NamedSharding(self.mesh, self.batch_spec))
         logits, (k, v) = self._logits(params, (cache.k, cache.v), ids, jnp.int32(start))
         return logits, KVCache(k, v, start + ids.shape[1])
@@ -315,6 +319,7 @@ class Decoder:
             raise ValueError(f"steps must be a positive int (tokens to generate); got {steps!r}")
         self._check(prompt, 0, steps, what="prompt")  # S_p + steps ≤ max_len
         self.setup.padding.check_stored(params, "Decoder.generate", "decoder.place(params)")
+        _layer_order.check(params, self.setup.layer_order, "Decoder.generate: params", _PLACE)
         check_not_donated("Decoder.generate", STATE_DONATED, params=params, prompt=prompt)
         if temperature < 0:
             raise ValueError(f"temperature must be ≥ 0 (0: greedy); got {temperature}")

@@ -204,8 +204,9 @@ class HfMixtral(HfLlama):
         checkpoint's ``own`` (a capacity is the checkpoint's if it drops no choice either)."""
         drops = [cf is not None and cf < e.num_experts / e.k
                  for e, cf in ((own, own.capacity_factor), (setup, setup.capacity_factor))]  # fmt: skip
-        differ = [f"capacity_factor={setup.capacity_factor!r} (C < S: choices beyond an "
-                  f"expert's C slots dropped)"] if drops[1] != drops[0] else []  # fmt: skip
+        differ = [f"capacity_factor={setup.capacity_factor!r} (below E / k = "
+                  f"{setup.num_experts / setup.k:g}: the choices beyond an expert's slots are "
+                  f"dropped)"] if drops[1] != drops[0] else []  # fmt: skip
         differ += [f"{f}={getattr(setup, f)!r} (the checkpoint's: {getattr(own, f)!r})"
                    for f in TRAINING[1:] if getattr(setup, f) != getattr(own, f)]  # fmt: skip
         if differ:

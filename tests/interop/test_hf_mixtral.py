@@ -265,7 +265,7 @@ def test_a_setup_of_other_experts_is_refused(checkpoint):
     ckpt = HfMixtral(checkpoint)
     trained = _build(ckpt.model(capacity_factor=1.25, z_loss_weight=1e-3), "ref", None)
     with refused(ValueError, argument="HfMixtral.load: the setup's experts",
-                 got="capacity_factor=1.25 (C < S", expected="z_loss_weight=0.001 (the "
+                 got="capacity_factor=1.25 (below E / k = 2: the choices", expected="z_loss_weight=0.001 (the "
                  "checkpoint's: 0.0)", fix="ckpt.model(strategy=...), or pass load(setup, "
                  "experts='setup')"):  # fmt: skip
         ckpt.load(trained)

@@ -14,6 +14,7 @@ from _messages import refused
 from _model_checks import mesh_for
 
 import shardops_models as models
+from shardops_models.generation import Decoder
 from shardops_models.interop import save_hf_llama
 from shardops_models.training.checkpoint import Checkpoints
 
@@ -75,6 +76,9 @@ def test_shard_gather_and_saves_refuse_another_order(trained, tmp_path):
         ckpt.save(1, ref, state)
     with pytest.raises(ValueError, match=r"save_hf_llama: params.*Save them with the setup"):
         save_hf_llama(tmp_path / "hf", ref, state)
+    decoder = Decoder(LLAMA, mesh_for({"data": 1, "model": 2}), batch=1, max_len=8)
+    with pytest.raises(ValueError, match=r"Decoder.generate: params.*decoder.place\(setup_it"):
+        decoder.generate(state.params, np.zeros((1, 2), np.int32), steps=1)
 
 
 def test_params_converted_through_the_model_order_give_the_circular_logits(trained, tmp_path):
