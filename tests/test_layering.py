@@ -51,3 +51,20 @@ def test_no_import_is_an_empty_set():
         "shardops",
         "jax",
     }
+
+
+def test_every_package_folder_is_installed():
+    """A wheel holds only the packages ``pyproject.toml`` lists (an editable install finds the
+    others on disk, so only a real install would miss one): every folder of ``shardops`` and
+    ``models`` with an ``__init__.py`` is listed, and nothing else."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(project["tool"]["setuptools"]["packages"])
+    names = {"shardops": "shardops", "models": "shardops_models"}
+    on_disk = {
+        ".".join([names[init.parent.relative_to(ROOT).parts[0]],
+                  *init.parent.relative_to(ROOT).parts[1:]])
+        for top in names for init in (ROOT / top).rglob("__init__.py")
+    }  # fmt: skip
+    assert on_disk == listed, (sorted(on_disk - listed), sorted(listed - on_disk))
