@@ -61,7 +61,15 @@ Text (``shardops_models.data.text``): tiny_shakespeare through tfds when it is p
 Python standard library's source, which every machine has (one line says which).
 ``--compare-reference`` trains the unsharded model (strategy ``ref``) in lockstep, from the
 same init on the same batches, and fails (exit status 1) if the final losses differ by more
-than 1e-3 relative.
+than 1e-3 relative. With ``--moe`` the reference routes every token by the sharded run's
+expert choices (``RoutingFollower``, ``shardops.layers.moe_routing_hook``): the two runs' router
+scores differ by float rounding (tp and fsdp sum in another order than one matmul), and a
+near-tie broken apart sends a token to another expert in each run, which training amplifies
+(fsdp_tp's first: step 12, a tie in the reference's float32 scores; 3.2e-3 apart by step 30
+unfollowed). The run reports the tokens whose choices the reference would have made otherwise
+and fails if one is not a tie (scores further apart than 1e-5 relative):
+
+    python examples/transformer_lm.py --model llama --moe --compare-reference --steps 30
 
 Devices: on a machine without an accelerator the script simulates 8 CPU devices itself, by
 setting XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts. With one
@@ -126,6 +134,11 @@ from shardops_models.training import checkpoint, loop
 from shardops_models.training.meshes import mesh_for, mesh_text
 
 MAX_RELATIVE_DIFF = 1e-3  # --compare-reference: |loss − ref_loss| / ref_loss at the last step
+# --moe --compare-reference: a token whose expert choice the reference would have made otherwise
+# than the sharded run (RoutingFollower) must be a tie: the reference's scores of its own k
+# experts and of those it followed agree to this, relative. Two runs that differ by float
+# reordering hold router scores a few float32 ulps apart (2⁻²³ ≈ 1.2e-7 each): 1e-5 is ~100.
+MAX_FLIP_GAP = 1e-5
 PRECISIONS = {"float32": shardops.FLOAT32, "mixed_bfloat16": shardops.MIXED_BFLOAT16,
               "bfloat16": shardops.BFLOAT16}  # fmt: skip
 
@@ -161,6 +174,10 @@ def parse_args(argv=None):
     p.add_argument("--capacity-factor", type=capacity_factor, default=1.25,
                    help="--moe: slots per expert = capacity_factor · tokens · k / experts, or "
                         "'none': dropless (every choice computed; not with --expert-parallel)")  # fmt: skip
+    p.add_argument("--load-balance", choices=shardops.layers.MOE_LOAD_BALANCE, default="global",
+                   help="--moe: the load-balancing loss over the whole batch (Megatron's "
+                        "'global') or per sequence (GShard's 'group': needed with "
+                        "--microbatches > 1)")  # fmt: skip
     p.add_argument("--expert-parallel", action="store_true",
                    help="--moe: split the experts over the mesh's 'expert' axis (the batch "
                         "too; the strategy becomes STRATEGY+ep)")  # fmt: skip
@@ -173,8 +190,8 @@ def parse_args(argv=None):
                         "split into pipe × VIRTUAL chunks)")  # fmt: skip
     p.add_argument("--microbatches", type=int, default=1,
                    help="split each device's batch into this many microbatches (the pipeline's "
-                        "M; without --schedule, gradient accumulation; with --moe the global "
-                        "load balance is each microbatch's)")  # fmt: skip
+                        "M; without --schedule, gradient accumulation; with --moe, "
+                        "--load-balance group)")  # fmt: skip
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=8, help="windows of --context bytes")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
@@ -264,6 +281,11 @@ def parse_args(argv=None):
                            capacity_factor=args.capacity_factor)  # fmt: skip
         except ValueError as e:
             p.error(f"--experts/--top-k/--capacity-factor: {e}")
+        if args.microbatches > 1 and args.load_balance == "global":
+            p.error(f"--moe with --microbatches {args.microbatches}: the global load balance "
+                    f"multiplies two whole-batch means, which a step in microbatches never "
+                    f"sees; add --load-balance group (per sequence: the microbatches average "
+                    f"to the batch's exactly)")  # fmt: skip
     if args.expert_parallel:
         if not args.moe:
             p.error("--expert-parallel splits the experts of --moe")
@@ -316,7 +338,8 @@ def make_model(args):
                           stacked=bool(args.schedule))  # fmt: skip
     kv_heads = args.kv_heads if args.kv_heads is not None else max(1, args.heads // 2)
     experts = (models.Experts(num_experts=args.experts, k=args.top_k,
-                              capacity_factor=args.capacity_factor) if args.moe else None)  # fmt: skip
+                              capacity_factor=args.capacity_factor,
+                              load_balance=args.load_balance) if args.moe else None)  # fmt: skip
     return models.Llama(vocab_size=text.VOCAB_SIZE, d_model=args.width, num_heads=args.heads,
                         num_kv_heads=kv_heads, num_layers=args.layers, context=args.context,
                         tie_embeddings=args.tie_embeddings, experts=experts)  # fmt: skip
@@ -385,6 +408,101 @@ def grouped_reference(ref, shards: int):
                               jnp.sum(hits, dtype=jnp.int32), jnp.sum(real, dtype=jnp.int32))  # fmt: skip
 
     return dataclasses.replace(ref, train_step=train_step, evaluate=evaluate)
+
+
+class RoutingFollower:
+    """``--moe --compare-reference`` without routing flips: the reference routes each token by
+    the sharded run's expert choices (``shardops.layers.moe_routing_hook``), so the two runs
+    differ by float reordering only, and a near-tie the two break apart (router scores a few
+    ulps apart, which tp's and fsdp's sums in another order than the unsharded matmul's make)
+    cannot send one token to another expert in each run and amplify that rounding into a
+    different model (``docs/moe.md``).
+
+    ``record`` is the sharded step's hook: each device's ``top_i[G, S, k]`` of each layer, put
+    together (``choices``) into ``[L][B, S, k]`` by the strategy's batch axes. ``follow`` is the
+    reference's: it routes layer after layer by those choices (``jax.pure_callback``) and keeps
+    its own top-k, to count the tokens whose choices it would have made otherwise (``flips``,
+    per step). Each such flip must be a tie: the reference's scores of its own k experts sum
+    to those of the experts it followed to ``MAX_FLIP_GAP`` (relative); a larger gap is a
+    different routing, not rounding, and fails the run."""
+
+    def __init__(self, layers: int, setup):
+        self.layers, self.mesh = layers, setup.mesh
+        self.batch_axes = setup.strategy.batch_axes
+        self.recorded, self.own, self.forced = [], [], []  # device arrays, read after a step
+        self.flips: dict[int, int] = {}  # step → tokens whose own choices differed
+        self.worst = (0.0, None)  # (the largest relative score gap of a flip, where)
+
+    def record(self, probs, top_i):
+        mesh = jax.sharding.get_abstract_mesh()
+        axes = [a for a in mesh.axis_names if a in getattr(mesh, "manual_axes", ())]
+        coords = [jax.lax.axis_index(a) for a in axes]  # this device's place on the mesh
+        jax.debug.callback(  # the arrays kept as they are: reading them here would deadlock
+            lambda *c, t: self.recorded.append((dict(zip(axes, c, strict=True)), t)),
+            *coords, t=top_i,
+        )  # fmt: skip
+        return top_i
+
+    def choices(self) -> None:
+        """The sharded step's choices (after it ran), ``[L][B, S, k]``, for ``follow``."""
+        jax.effects_barrier()
+        per_device: dict = {}
+        for coords, top_i in self.recorded:  # in each device's order: layer after layer
+            where = tuple(sorted((a, int(c)) for a, c in coords.items()))
+            per_device.setdefault(where, []).append(np.asarray(top_i))
+        self.recorded = []
+        forced = None
+        for coords, layers in per_device.items():
+            assert len(layers) % self.layers == 0, (coords, len(layers))  # (remat: recomputed)
+            where, row = dict(coords), 0
+            for a in self.batch_axes:  # the rows' block: the batch axes, the first the major
+                row = row * self.mesh.shape[a] + int(where[a])
+            g = layers[0].shape[0]  # this device's groups (sequences)
+            if forced is None:  # forced[L, B, S, k], B: g rows on each block of the batch
+                rows = g * math.prod(self.mesh.shape[a] for a in self.batch_axes)
+                forced = np.full((self.layers, rows, *layers[0].shape[1:]), -1)
+            for i in range(self.layers):
+                block = forced[i, row * g : (row + 1) * g]
+                assert (block < 0).all() or (block == layers[i]).all()  # replicas agree
+                block[...] = layers[i]
+        assert forced is not None and (forced >= 0).all()
+        self.forced, self.calls = list(forced.astype(np.int32)), 0
+
+    def follow(self, probs, top_i):
+        jax.debug.callback(lambda p, t: self.own.append((p, t)), probs, top_i)
+        return jax.pure_callback(self._next, jax.ShapeDtypeStruct(top_i.shape, top_i.dtype),
+                                 jax.lax.stop_gradient(probs))  # fmt: skip
+
+    def _next(self, probs):  # the next layer's choices (the layers run in order)
+        self.calls += 1
+        return self.forced[self.calls - 1]
+
+    def count(self, step: int) -> str | None:
+        """The flips of ``step`` (after the reference's step ran); a message for a flip that is
+        not a tie, else None."""
+        jax.effects_barrier()
+        own, self.own = self.own, []
+        assert len(own) == self.layers == self.calls, (len(own), self.calls)
+        flips = 0
+        for layer, ((probs, top_i), forced) in enumerate(zip(own, self.forced, strict=True)):
+            probs, top_i = np.asarray(probs), np.asarray(top_i)  # [B, S, E], [B, S, k]
+            differ = np.any(np.sort(top_i, -1) != np.sort(forced, -1), -1)  # [B, S]
+            flips += int(np.sum(differ))
+            for b, t in np.argwhere(differ):
+                mine = float(np.sum(probs[b, t, top_i[b, t]], dtype=np.float64))
+                followed = float(np.sum(probs[b, t, forced[b, t]], dtype=np.float64))
+                gap = (mine - followed) / mine
+                if gap > self.worst[0]:
+                    self.worst = (gap, f"step {step}, layer {layer}, row {b}, position {t}: "
+                                       f"experts {sorted(top_i[b, t].tolist())} (own) vs "
+                                       f"{sorted(forced[b, t].tolist())} (followed)")  # fmt: skip
+        if flips:
+            self.flips[step] = flips
+        if self.worst[0] > MAX_FLIP_GAP:
+            return (f"the reference's own expert choice and the sharded run's differ by a "
+                    f"relative score gap of {self.worst[0]:.2e} > {MAX_FLIP_GAP:.0e} at "
+                    f"{self.worst[1]}: a different routing, not a tie broken apart")  # fmt: skip
+        return None
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
@@ -560,6 +678,12 @@ def train(parser, args) -> int:
         )
         if ref is not None and args.moe and args.context_parallel:  # cp's capacity groups
             ref = grouped_reference(ref, context_shards(setup))
+        # The reference routed by the sharded run's choices: each layer's kernel once a step
+        # (not over a pipeline's stages, microbatches, or cp's plain-jnp reference).
+        follower = None
+        if (ref is not None and args.moe and mesh is not None and not args.context_parallel
+                and not args.schedule and args.microbatches == 1):  # fmt: skip
+            follower = RoutingFollower(args.layers, setup)
     except ValueError as e:  # a mesh the model cannot split over, or more devices than exist
         parser.error(str(e))
     if args.batch_size % (setup.batch_multiple * args.microbatches):
@@ -693,16 +817,24 @@ def train(parser, args) -> int:
                 preempted = True
                 break
             watchdog.step(step - 1)
-            if guard is None:
-                state, loss = setup.train_step(state, *placed)
-                inflight.add(loss)
-            else:  # NonFiniteError at the first bad step
-                state, loss = guard.train_step(step, state, *placed)
+            # (a hook of None: none; the hooks are read when the steps are traced, at step 1)
+            with shardops.layers.moe_routing_hook(follower and follower.record):
+                if guard is None:
+                    state, loss = setup.train_step(state, *placed)
+                    inflight.add(loss)
+                else:  # NonFiniteError at the first bad step
+                    state, loss = guard.train_step(step, state, *placed)
             losses.append(loss)
+            if follower is not None:
+                follower.choices()  # the step's expert choices, for the reference to follow
             if ref is not None:  # the same host batch, from the same init
-                ref_state, ref_loss = ref.train_step(ref_state, *ref_placed)
+                with shardops.layers.moe_routing_hook(follower and follower.follow):
+                    ref_state, ref_loss = ref.train_step(ref_state, *ref_placed)
                 inflight.add(ref_loss)
                 ref_losses.append(ref_loss)
+            if follower is not None and (not_a_tie := follower.count(step)):
+                print(f"FAILED: {not_a_tie}", file=sys.stderr)
+                return 1
             if step == done + 1:  # compilation
                 drain()
                 first_step_seconds = time.perf_counter() - train_start
@@ -710,6 +842,8 @@ def train(parser, args) -> int:
                 line = f"step {step:>5}/{args.steps}: loss {float(loss):.4f}"
                 if ref is not None:
                     line += f" (reference {float(ref_loss):.4f})"
+                if follower is not None and follower.flips:
+                    line += f"; routing flips followed: {sum(follower.flips.values())}"
                 progress.print(line)
                 if args.moe and jax.process_count() == 1:  # (the whole batch: one process)
                     progress.print(expert_line(model, setup.gather(state.params), placed[0],
@@ -766,6 +900,13 @@ def train(parser, args) -> int:
         relative_diff = abs(losses[-1] - ref_losses[-1]) / abs(ref_losses[-1])
         log(f"Final loss: {losses[-1]:.6f} ({args.strategy}) vs {ref_losses[-1]:.6f} (ref), "
               f"relative difference {relative_diff:.2e} (limit {MAX_RELATIVE_DIFF:.0e})")  # fmt: skip
+        if follower is not None:
+            flips = follower.flips
+            log(f"Routing: the reference followed {args.strategy}'s expert choices; its own "
+                f"differed at {sum(flips.values())} token-layers, each a tie "
+                f"(largest score gap {follower.worst[0]:.1e}, limit {MAX_FLIP_GAP:.0e})"
+                + (f", first at {min(flips)}: per step "
+                   + ", ".join(f"{k}: {v}" for k, v in sorted(flips.items())) if flips else ""))  # fmt: skip
     else:
         log(f"Final loss: {losses[-1]:.6f}")
     valid = history["valid"][-1]
@@ -825,6 +966,8 @@ def train(parser, args) -> int:
             "reference_losses": ref_losses or None, "valid": history["valid"],
             "final_loss": losses[-1], "final_reference_loss": ref_losses[-1] if ref_losses else None,
             "final_relative_diff": relative_diff, "final_valid_loss": valid["loss"],
+            "routing_flips": None if follower is None else {str(k): v for k, v in
+                                                            follower.flips.items()},
             "timing": {"train_seconds": train_seconds, "first_step_seconds": first_step_seconds,
                        "total_seconds": total_seconds, "tokens_per_second": tokens_per_second,
                        "resumed_at": done, "steps_trained": trained,

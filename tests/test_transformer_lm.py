@@ -552,7 +552,9 @@ def test_moe_with_context_parallelism_trains_like_the_reference_and_logs_its_gro
     (("--model", "llama", "--moe", "--experts", "2", "--top-k", "3"),
      r"--experts/--top-k/--capacity-factor: Experts: k=3 > num_experts=2: .*"),
     (("--moe",), r"--moe replaces the Llama's MLPs: add --model llama"),
-], ids=["k>E", "gpt"])  # fmt: skip
+    (("--model", "llama", "--moe", "--microbatches", "2"),
+     r"--moe with --microbatches 2: the global load balance .* add --load-balance group .*"),
+], ids=["k>E", "gpt", "global-microbatches"])  # fmt: skip
 def test_moe_options_the_run_cannot_honour_are_usage_errors(args, message, capsys):
     check_usage_error(load_example("transformer_lm"), args, message, capsys)
 
@@ -600,3 +602,67 @@ def test_pipeline_trains_like_the_reference(tmp_path, schedule, name):
 ], ids=["locate", "batch", "layers", "zero", "virtual", "chunks", "groups"])  # fmt: skip
 def test_pipeline_options_the_run_cannot_honour_are_usage_errors(args, message, capsys):
     check_usage_error(load_example("transformer_lm"), args, message, capsys)
+
+
+def check_the_reference_follows_the_sharded_choices(lm) -> None:
+    """One fsdp_tp step on data=4 × model=2 of a 1-layer Llama with 4 experts, and the
+    unsharded reference's, each under its ``RoutingFollower`` hook: at the shared init the
+    choices put together from the 8 devices are the reference's own (no flip) and the losses
+    agree; made to follow other choices (each token's experts shifted by one), the reference's
+    loss moves and the follower calls it a different routing, not a tie."""
+    import jax
+    import numpy as np
+    import optax
+
+    import shardops
+
+    _, args = lm.parse_args(["--model", "llama", "--moe", "--experts", "4", "--layers", "1",
+                             "--width", "32", "--heads", "2", "--context", "16"])  # fmt: skip
+    model, mesh = lm.make_model(args), lm.mesh_for("fsdp_tp", "4x2")
+    setup = lm.models.build("fsdp_tp", mesh, model=model, optimizer=optax.sgd(0.1))
+    ref = lm.models.build("ref", model=model, optimizer=optax.sgd(0.1))
+    params = model.init(jax.random.key(0))
+    x = np.asarray(jax.random.randint(jax.random.key(1), (8, 16), 0, 256), np.int32)
+    follower = lm.RoutingFollower(args.layers, setup)
+    with shardops.layers.moe_routing_hook(follower.record):
+        _, loss = setup.train_step(setup.shard(params), *setup.place_batch(x, x))
+    follower.choices()
+    with shardops.layers.moe_routing_hook(follower.follow):
+        _, ref_loss = ref.train_step(ref.shard(params), *ref.place_batch(x, x))
+    assert follower.count(1) is None and follower.flips == {}, follower.flips
+    np.testing.assert_allclose(float(ref_loss), float(loss), rtol=1e-6)
+    follower.forced, follower.calls = [(f + 1) % 4 for f in follower.forced], 0
+    _, other = ref.train_step(ref.shard(params), *ref.place_batch(x, x))  # (traced: the hook)
+    assert abs(float(other) - float(loss)) > 1e-5 * float(loss), (float(other), float(loss))
+    assert "a different routing, not a tie" in follower.count(2)
+    assert follower.flips == {2: 8 * 16}, follower.flips
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (None, None),  # the example as it is
+        pytest.param(  # the rows put together in the wrong order: flips at the init
+            "                row = row * self.mesh.shape[a] + int(where[a])",
+            "                row = row * self.mesh.shape[a] + self.mesh.shape[a] - 1 - int(where[a])",
+            marks=pytest.mark.skipif(not FULL, reason="mutant: SHARDOPS_FULL=1"),
+        ),
+        pytest.param(  # the reference routed by its own choices: the shifted ones change nothing
+            "        return jax.pure_callback(self._next, jax.ShapeDtypeStruct(top_i.shape, "
+            "top_i.dtype),",
+            "        return top_i if True else jax.pure_callback(self._next, jax.ShapeDtypeStruct("
+            "top_i.shape, top_i.dtype),",
+            marks=pytest.mark.skipif(not FULL, reason="mutant: SHARDOPS_FULL=1"),
+        ),
+    ],
+    ids=["example", "rows-reversed", "own-choices"],
+)
+def test_the_moe_reference_follows_the_sharded_runs_expert_choices(old, new):
+    """``--moe --compare-reference``'s reference routes by the sharded run's choices
+    (``check_the_reference_follows_the_sharded_choices``); under ``SHARDOPS_FULL=1`` each
+    mutant of the follower fails that check."""
+    if old is None:
+        check_the_reference_follows_the_sharded_choices(load_example("transformer_lm"))
+        return
+    with pytest.raises(AssertionError):
+        check_the_reference_follows_the_sharded_choices(load_example("transformer_lm", old, new))

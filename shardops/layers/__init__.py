@@ -10,7 +10,7 @@
 | context-parallel attention | ``context_parallel_attention`` (all-gather K/V, ring, Ulysses; a sequence split over ``context``) | ``context_parallel_attention_kernel``, or ``head_parallel_attention_kernel(context=ContextParallel(...))`` | ``context_parallel_attention_specs`` |
 | decoding attention | | ``cached_attention_kernel`` (a KV cache of ``kv_cache_heads`` per device) | as attention's |
 | gated MLP | ``tensor_parallel_gated_mlp`` (SwiGLU) | ``tensor_parallel_gated_mlp_kernel`` | ``tensor_parallel_gated_mlp_specs`` |
-| mixture of experts | ``expert_parallel_moe`` (top-k, capacity per group or dropless; ``moe_route``, ``MoeStats``) | ``moe_kernel`` | ``moe_specs`` → ``MoeSpecs`` |
+| mixture of experts | ``expert_parallel_moe`` (top-k, capacity per group or dropless; ``moe_route``, ``moe_routing_hook``, ``MoeStats``) | ``moe_kernel`` | ``moe_specs`` → ``MoeSpecs`` |
 | norms | ``layer_norm``, ``rms_norm`` (any sharding of the leading dims) | | |
 | FSDP dense | | ``dense_moving_activations`` (moves ``x`` and ``y``, leaves ``w`` split over ``data``) | |
 
@@ -93,6 +93,7 @@ from shardops.layers._moe import (
     moe_specs,
 )
 from shardops.layers._moe import route as moe_route
+from shardops.layers._moe import routing_hook as moe_routing_hook
 from shardops.layers._norms import layer_norm, rms_norm
 from shardops.layers._params import dense, init_dense, pad_params, padded_size, shard_params, unpad
 from shardops.layers._rope import segment_positions
@@ -146,6 +147,7 @@ __all__ = [
     "moe_capacity",
     "moe_kernel",
     "moe_route",
+    "moe_routing_hook",
     "moe_specs",
     "pad_params",
     "padded_size",

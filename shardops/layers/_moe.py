@@ -48,8 +48,10 @@ library is tested; that combination is refused (``docs/moe.md``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -224,8 +226,39 @@ def _top_k(groups, router, k: int, score: str):
                         precision=lax.Precision.HIGHEST)  # logits[G, S, E] in float32  # fmt: skip
     probs = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
     top_p, top_i = lax.top_k(probs, k)  # [G, S, k]: best first
+    hook = getattr(_ROUTING_HOOK, "fn", None)
+    if hook is not None:  # routing_hook: the choices seen, or replaced
+        chosen = hook(probs, top_i)  # [G, S, k] int32
+        if jax.typeof(chosen) != jax.typeof(top_i):
+            raise ValueError(f"routing_hook: the hook must return the choices as it got them, "
+                             f"{jax.typeof(top_i)}; got {jax.typeof(chosen)}")  # fmt: skip
+        top_i, top_p = chosen, jnp.take_along_axis(probs, chosen, axis=-1)  # [G, S, k]
     weights = top_p / jnp.sum(top_p, axis=-1, keepdims=True)  # [G, S, k], renormalised over k
     return logits, probs, top_i, weights
+
+
+_ROUTING_HOOK = threading.local()
+
+
+@contextlib.contextmanager
+def routing_hook(fn: Callable):
+    """While active, every MoE layer traced (``route``, ``moe_kernel`` and the layers over
+    them) hands its choices to ``fn(probs, top_i) → top_i`` and routes by what ``fn`` returns:
+    ``probs[G, S, E]`` float32 and ``top_i[G, S, k]`` int32 (best first), inside ``shard_map``
+    this device's groups. The weights are then ``probs`` at the returned experts, renormalised;
+    slots and drops follow from the returned choices as from the router's own.
+
+    For instruments, not for training: ``fn`` may record the choices (``jax.debug.callback``)
+    or replace them, e.g. route an unsharded reference by a sharded run's choices so that a
+    float near-tie that one run breaks the other way cannot flip an expert
+    (``examples/transformer_lm.py --moe --compare-reference``). Read when a function is
+    traced: a jitted function traced before (or after) the ``with`` keeps its own routing."""
+    previous = getattr(_ROUTING_HOOK, "fn", None)
+    _ROUTING_HOOK.fn = fn
+    try:
+        yield
+    finally:
+        _ROUTING_HOOK.fn = previous
 
 
 def route(
@@ -794,4 +827,5 @@ __all__ = [
     "moe_kernel",
     "moe_specs",
     "route",
+    "routing_hook",
 ]

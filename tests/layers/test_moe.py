@@ -161,6 +161,52 @@ def test_the_capacity_is_worked_out_by_hand_and_never_below_one_slot():
         _moe.moe_capacity(16, 1, 0, 1.0)
 
 
+@pytest.mark.parametrize("capacity_factor", [1.0, None], ids=["capacity", "dropless"])
+def test_the_routing_hook_sees_the_choices_and_routes_by_what_it_returns(capacity_factor):
+    """``moe_routing_hook``: the identity changes nothing; choices it replaces are routed with
+    the probabilities at the returned experts, renormalised (dropless: against a sum over the
+    chosen experts by hand); a hook that returns another type is refused; outside the
+    ``with`` the layer is its own again."""
+    x = jax.random.normal(jax.random.key(1), (2, 8, 16))
+    params = _moe.init_moe(jax.random.key(0), 16, 32, 8)
+    run = functools.partial(_moe.moe, k=2, capacity_factor=capacity_factor)
+    seen = []
+
+    def identity(probs, top_i):
+        seen.append((probs.shape, top_i.shape, top_i.dtype))
+        return top_i
+
+    want, stats = run(x, params)
+    with shardops.layers.moe_routing_hook(identity):
+        got, got_stats = run(x, params)
+    assert seen == [((2, 8, 8), (2, 8, 2), jnp.int32)], seen
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_stats.load_balance, stats.load_balance)
+
+    def second_and_third(probs, top_i):  # each token's 2nd and 3rd best experts
+        return jax.lax.top_k(probs, 3)[1][..., 1:]
+
+    with shardops.layers.moe_routing_hook(second_and_third):
+        shifted, _ = run(x, params)
+    assert np.max(np.abs(np.asarray(shifted) - np.asarray(want))) > 1e-3
+    if capacity_factor is None:  # every choice computed: Σ_j w_j · expert_{i_j}(x), by hand
+        hp = jax.lax.Precision.HIGHEST
+        probs = jax.nn.softmax(jnp.einsum("gsd,de->gse", x, params["router"], precision=hp))
+        chosen = jax.lax.top_k(probs, 3)[1][..., 1:]  # [G, S, 2]
+        w = jnp.take_along_axis(probs, chosen, -1)
+        w = w / jnp.sum(w, -1, keepdims=True)  # [G, S, 2]
+        gate, up, down = (params[n][chosen] for n in ("gate", "up", "down"))  # [G, S, 2, …]
+        h = jax.nn.silu(jnp.einsum("gsd,gskdf->gskf", x, gate, precision=hp)) * jnp.einsum(
+            "gsd,gskdf->gskf", x, up, precision=hp)  # fmt: skip
+        by_hand = jnp.einsum("gskf,gskfd,gsk->gsd", h, down, w, precision=hp)
+        np.testing.assert_allclose(shifted, by_hand, rtol=1e-5, atol=1e-6)
+    as_floats = shardops.layers.moe_routing_hook(lambda probs, top_i: top_i.astype(jnp.float32))
+    with as_floats, pytest.raises(ValueError, match=r"routing_hook: the hook must return the "
+                                  r"choices as it got them, int32\[2,8,2\]; got float32"):  # fmt: skip
+        run(x, params)
+    np.testing.assert_array_equal(run(x, params)[0], want)
+
+
 def test_experts_that_do_not_divide_over_the_expert_axis_are_refused():
     params = _moe.init_moe(jax.random.key(0), 16, 32, 6)
     with refused(ValueError, argument="params['router'] dim 1 (experts)", got="= 6",
