@@ -23,9 +23,10 @@ arguments (the parameters and ``x``, which holds all M microbatches) and the out
 gradients). Memory analysis is deterministic: the figures are the same on every run.
 
 What XLA:CPU makes of it (jax 0.10.2). With the stage unrolled, 1F1B's temp is flat in M
-from M = 2P − 1 on, and GPipe's grows by more than a stage input per microbatch: XLA recomputes
-the forwards of the backward phases early (a recompute needs only its kept input), so GPipe
-also holds their residuals. The gradients are accumulated under ``lax.cond(runs, …)``: added
+from M = 2P − 1 on, and GPipe's grows by its stage inputs alone (the quick rows: 16 KiB a
+microbatch). Before each phase's reads were tied to the phase before it (issue 55), GPipe's
+grew by more: XLA recomputed the forwards of the backward phases early (a recompute needs only
+its kept input) and held their residuals; ``results/`` still shows that. The gradients are accumulated under ``lax.cond(runs, …)``: added
 by ``g + where(runs, d, 0)``, XLA fused the adds of every backward phase into one fusion that
 kept each phase's weight gradients alive to the end (a stage's weights' worth per microbatch),
 and 1F1B grew like GPipe (tests/test_benchmark_pipeline_memory.py keeps that as a mutant).

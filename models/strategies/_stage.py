@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from shardops.pipeline import zero_after
 from shardops_models.strategies.parallel import Parallel, is_param
 
 
@@ -71,6 +72,37 @@ class StageContext(Parallel):
             raise StageExit
         h = jnp.where(self.last, h, jnp.zeros_like(h))
         return (h, outs) if outputs else h
+
+
+@jax.custom_vjp
+def lookup(table, ids):
+    """``table[ids]`` as ``jnp.take`` (``table[V, D]``, ``ids[b, S]`` → ``x[b, S, D]``), whose
+    gradient ``dtable[V, D]`` is scattered into zeros XLA cannot compute before ``dx``.
+
+    ``jnp.take``'s own gradient scatters into a constant ``zeros[V, D]``: XLA makes one constant
+    for every backward phase of the pipeline, copies it once per phase (the scatter-add writes
+    in place) and schedules every copy at the program's start, so each phase's ``V·D`` buffer
+    lived from the start to its phase (temp growing by ``V·D`` a backward phase: 1F1B by one a
+    microbatch, circular by V). Tied to ``dx`` (a zero whose range XLA does not know, as
+    ``shardops.pipeline``'s cuts are tied), each phase's zeros are made in that phase. The table
+    must vary over every axis ``ids`` vary over (``PipeKind.embed`` checks): ``dtable`` varies
+    as ``dx``."""
+    return jnp.take(table, ids, axis=0)  # x[b, S, D]
+
+
+def _lookup_fwd(table, ids):
+    # table[:, :0] carries the table's rows, dtype and varying axes into the backward
+    return lookup(table, ids), (ids, table[:, :0])
+
+
+def _lookup_bwd(residuals, dx):
+    ids, kind = residuals  # ids[b, S], kind[V, 0]
+    after = zero_after(dx)  # 0, after dx
+    zeros = jnp.zeros((kind.shape[0], dx.shape[-1]), dx.dtype) + after.astype(dx.dtype)
+    return zeros.at[ids].add(dx, mode="drop"), None  # dtable[V, D], varying as dx
+
+
+lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 class StageExit(Exception):

@@ -103,6 +103,17 @@ class PipeKind(Kind):
 
     # --- the step and the forward
 
+    def embed(self, ctx, p, ids):
+        """The local lookup (asked last: where no other kind runs it) by ``_stage.lookup``,
+        whose gradient each backward phase makes in that phase; None where ``ids`` vary over
+        an axis the table does not (the lookup then is ``Parallel``'s own)."""
+        from shardops_models.strategies._stage import lookup  # (a cycle)
+
+        table = ctx._arrays(p, "table", "embed")  # table[V, D]
+        if not shardops.varying_axes(ids) <= shardops.varying_axes(table):
+            return None
+        return lookup(table, ids).astype(ctx.precision.compute_dtype)  # x[b, S, D]
+
     def value_and_grad(self, body, params, x, y):
         """The step's local loss and gradients by the schedule (``shardops.pipeline``): the
         batch ``x, y[b, …]`` in ``body.microbatches`` parts, each a stage of ``body.local_loss`` (``StageContext``)."""

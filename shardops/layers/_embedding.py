@@ -27,6 +27,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from shardops._after import zero_after
 from shardops._axes import MODEL_AXIS, SEQUENCE_DIM
 from shardops._mesh import axis_size, check_divisible, spec_entry
 from shardops._precision import FLOAT32, Precision, _reduce_to
@@ -176,7 +177,10 @@ def _lookup_rows_fwd(accum_dtype, table, rows, found):
 def _lookup_rows_bwd(accum_dtype, residuals, g):
     rows, found, table_kind = residuals  # rows[...], found[...], table_kind[V/p, 0]
     g = jnp.where(found[..., None], g, 0).reshape(-1, g.shape[-1])  # dx[N, D] in accum
-    dtable = jnp.zeros((table_kind.shape[0], g.shape[-1]), accum_dtype)  # dtable[V/p, D]
+    # zeros made once g arrives (``zero_after``): a constant's in-place copies would each be
+    # made at the program's start, one V/p × D buffer per backward phase of a pipeline
+    dtable = jnp.zeros((table_kind.shape[0], g.shape[-1]), accum_dtype) + zero_after(g).astype(
+        accum_dtype)  # dtable[V/p, D]  # fmt: skip
     dtable = dtable.at[rows.reshape(-1)].add(g, mode="promise_in_bounds")  # scatter-add in accum
     # ids split over a batch axis the table is replicated over: all-reduce dtable over it.
     dtable = _reduce_to(dtable, table_kind)  # dtable[V/p, D] in accum

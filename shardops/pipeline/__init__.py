@@ -9,8 +9,11 @@ that follows one with explicit per-stage ``jax.vjp`` calls.
   chunks as one contiguous block.
 - ``pipeline_value_and_grad``: one step's loss and gradients by a schedule, per device inside
   ``jax.shard_map`` over the pipe axis (``shardops.PIPE_AXIS``).
+- ``zero_after``: an int32 zero that XLA cannot compute before a value, to keep a phase's work
+  (a gradient's zeros, a cut) in its phase instead of at the program's start.
 """
 
+from shardops._after import zero_after
 from shardops.pipeline._executor import BACKWARD_SCOPE, FORWARD_SCOPE, pipeline_value_and_grad
 from shardops.pipeline._schedule import (
     SCHEDULES,
@@ -33,4 +36,5 @@ __all__ = [
     "pipeline_value_and_grad",
     "schedule",
     "stage_order",
+    "zero_after",
 ]

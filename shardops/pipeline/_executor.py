@@ -28,7 +28,10 @@ Memory: each stage keeps the stage inputs of the microbatches in flight (``K`` s
 GPipe, at most 2P − 1 under 1F1B; circular ``V·K`` slots, K = min(M, 2P) a chunk, of which at
 most V·P + P − 1 hold inputs at once on stage 0), not the layers' activations: a backward
 recomputes its stage's (chunk's) forward (the cost of one more forward per microbatch, as full
-rematerialisation).
+rematerialisation). Each phase reads its slot and its microbatch at an index tied to the phase
+before it (``_tied``: plus a zero XLA cannot compute before that phase's output), so XLA runs
+the phases in the table's order: free, it recomputed every GPipe backward's forward at once
+(M microbatches' logits alive) and read each microbatch's labels at the program's start.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from shardops._after import zero_after
 from shardops._mesh import varying_axes
 from shardops.comm._collectives import all_reduce, send
 from shardops.comm._mappings import copy_to_region
@@ -145,6 +149,7 @@ class _Run:
                                                  schedule.virtual)  # fmt: skip
         self.stage = stage
         self.zero, self.received, self.returned = zero, zero, zero  # h of the activation's type
+        self.after = 0  # a zero XLA cannot compute before the last phase's output (``_tie``)
         slots = self.virtual * self.slots
         self.buffer = jnp.zeros((slots, *zero.shape), zero.dtype) + zero[None]  # h[V·K, ...]
         self.grads = jax.tree.map(lambda q: jnp.zeros(q.shape, accum_dtype) + _vary(q, accum_dtype),
@@ -156,7 +161,7 @@ class _Run:
         """``(params, h, microbatch i)`` behind an optimization barrier: XLA may not merge a
         phase's work (a weight's gather, say) with another phase's, so the compiled program
         runs each phase the table lists, and its collectives are the traced ones."""
-        microbatch = jax.tree.map(lambda a: a[i], self.inputs)
+        microbatch = jax.tree.map(lambda a: a[self._tied(i, a)], self.inputs)
         self.phases += 1
         return _barrier((self.params, h, microbatch), self.phases)
 
@@ -181,7 +186,17 @@ class _Run:
                 (self.stage == self.stages - 1) & (v == self.virtual - 1))  # fmt: skip
 
     def _slot(self, i, v):
-        return v * self.slots + i % self.slots
+        """The buffer's slot (v, i mod K), its index tied to the phase before (``_tied``)."""
+        return self._tied(v * self.slots + i % self.slots, self.buffer)
+
+    def _tied(self, index, a):
+        """``index`` plus ``after`` (a zero XLA cannot compute before the last phase's output,
+        ``_tie``), for reading ``a`` at it: the phase's reads, and so all its work, come after
+        the phase before it. Not where ``after`` varies over an axis that neither does (under
+        sp the ids, replicated over the axis the activations split): that read stays free."""
+        if varying_axes(self.after) <= varying_axes(a) | varying_axes(index):
+            return index + self.after
+        return index
 
     def _apply(self, params, h, microbatch, v, with_loss: bool = True):
         first, last = self._ends(v)
@@ -197,10 +212,11 @@ class _Run:
         i, v, runs = _entry(self.schedule, phase, self.stage)
         slot = self._slot(i, v)
         old = lax.dynamic_index_in_dim(self.buffer, slot, 0, keepdims=False)
-        kept = jnp.where(runs, self.received, old)
+        kept = jnp.where(runs, self.received, old)  # h: what the layers run on (``after``)
         self.buffer = lax.dynamic_update_index_in_dim(self.buffer, kept, slot, 0)
-        params, h, microbatch = self._operands(self.received, i)
+        params, h, microbatch = self._operands(kept, i)
         h_out, _ = self._apply(self._chunk(params, v), h, microbatch, v, with_loss=False)
+        self.after = _tie(h_out)
         pairs = self._pairs(phase, +1)
         self.received = (send(h_out, self.axis_name, pairs, reason=_FORWARD) if pairs
                          else self.zero)  # fmt: skip
@@ -221,6 +237,7 @@ class _Run:
             counted = jnp.where(runs, own.astype(self.accum_dtype), 0)
             self.own = counted if self.own is None else self.own + counted
         d_chunk, d_h = vjp(tuple(seeds))
+        self.after = _tie(d_h)
         accum = self.accum_dtype
         # Added under a cond on ``runs`` (no collective inside): a fusion boundary, so XLA
         # does not fuse the accumulation across phases and keep each phase's gradients alive;
@@ -254,11 +271,9 @@ class _Run:
 
 
 def _tie(g):
-    """A zero that XLA cannot compute before ``g`` (an int32 scalar, varying as ``g``):
-    ``min(isnan(g[0]), 0)``, whose range XLA does not know. Should XLA learn to fold it, the
-    cuts would run at the program's start again: tests/test_benchmark_pipeline_memory.py's
-    untied mutant shows what that costs, and its claim would fail."""
-    return jnp.minimum(jnp.isnan(g.reshape(-1)[0]).astype(jnp.int32), 0)
+    """A zero that XLA cannot compute before ``g`` (``shardops._after.zero_after``): the cuts
+    and the phases' reads tied to it wait for it."""
+    return zero_after(g)
 
 
 def _barrier(tree, phase: int):
