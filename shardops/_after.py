@@ -17,8 +17,16 @@ import jax.numpy as jnp
 
 def zero_after(x) -> jax.Array:
     """An int32 zero that XLA cannot compute before ``x`` (varying over ``x``'s mesh axes):
-    ``min(isnan(x[0]), 0)``, whose range XLA does not know. Should XLA learn to fold it, the
-    work it orders would move to the program's start again: tests/strategies/
+    ``min(isnan(max(x[:2])), 0)``, whose range XLA does not know. Should XLA learn to fold it,
+    the work it orders would move to the program's start again: tests/strategies/
     test_pipeline_memory.py's and tests/test_benchmark_pipeline_memory.py's mutants show what
-    that costs."""
-    return jnp.minimum(jnp.isnan(x.reshape(-1)[0]).astype(jnp.int32), 0)
+    that costs.
+
+    Taken of a reduction, which XLA computes once into a scalar: ``isnan(x[0])`` alone is an
+    elementwise chain from ``x`` that XLA duplicates into each consumer of what it ties, and a
+    consumer it schedules late then keeps ``x`` alive to it (under tp + pp, a backward phase's
+    labels read fused into its loss, behind the vocab-parallel cross entropy's psums that XLA
+    combines into one all-reduce at the program's end: every forward phase's output lived to
+    the end, one stage input a microbatch)."""
+    first = x.reshape(-1)[:2]  # (one element if x has one)
+    return jnp.minimum(jnp.isnan(jnp.max(first)).astype(jnp.int32), 0)
