@@ -914,8 +914,9 @@ def train(parser, args) -> int:
             log(f"Routing: the reference followed {args.strategy}'s expert choices; its own "
                 f"differed at {sum(flips.values())} token-layers, each a tie broken apart by "
                 f"the two runs' scores (the largest gap {follower.worst[0]:.2f} of its bound)"
-                + (f", first at {min(flips)}: per step "
-                   + ", ".join(f"{k}: {v}" for k, v in sorted(flips.items())) if flips else ""))  # fmt: skip
+                + (f", at {len(flips)} steps from step {min(flips)} (the first: "
+                   + ", ".join(f"{k}: {v}" for k, v in sorted(flips.items())[:5])
+                   + (", …" if len(flips) > 5 else "") + ")" if flips else ""))  # fmt: skip
     else:
         log(f"Final loss: {losses[-1]:.6f}")
     valid = history["valid"][-1]
