@@ -167,8 +167,9 @@ class HfMixtral(HfLlama):
     """A transformers Mixtral checkpoint folder, read lazily: ``HfLlama``'s interface
     (``model()``, ``load(setup)``, ``elements_read``, ``tie_embeddings``) for
     ``MixtralForCausalLM`` (module docstring). ``model(strategy=..., **overrides)`` is
-    ``mixtral_from_config``'s: dropless, or ``E / k`` under ep. ``load`` takes the setup's
-    experts' ``TRAINING`` fields (capacity, loss weights) as the checkpoint's."""
+    ``mixtral_from_config``'s: dropless, or ``E / k`` under ep. ``load`` refuses a setup
+    whose experts' ``TRAINING`` fields (capacity, loss weights) are not the checkpoint's, or,
+    with ``experts="setup"``, takes them as the checkpoint's."""
 
     TABLE = NAMES
 

@@ -8,8 +8,10 @@ circular one), such params have the right tree, shapes and shardings, and would 
 in another order without an error. So every array a setup hands out (``init``, ``shard``, the
 steps, a checkpoint's or a Hugging Face checkpoint's restore) is marked with its setup's order
 (weakly: the mark goes with the array), and every setup entry point refuses arrays marked with
-another order. Arrays made elsewhere (a user's own ``jax.tree.map``, ``setup.gather``'s host
-copies) carry no mark and are taken as they are.
+another order. Host (numpy) arrays carry no order at all: a setup that stores a permuted order
+refuses them (they are most likely ``gather``'s copies, in the model's order), and takes them
+only through ``shard``. Device arrays made elsewhere (a user's own ``jax.tree.map``) carry no
+mark and are taken as they are.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import weakref
 
 import jax
+import numpy as np
 
 _MARKS: dict[int, tuple[weakref.ref, tuple | None]] = {}
 """``id(array)`` → (a weak reference to it, the layer order its setup stores; None: the
@@ -40,18 +43,31 @@ def mark(tree, order: tuple | None):
 
 def check(tree, order: tuple | None, what: str, fix: str) -> None:
     """A ``ValueError`` if an array of ``tree`` is marked with a layer order other than
-    ``order`` (a circular setup's stored order given to another setup, or the reverse)."""
+    ``order`` (a circular setup's stored order given to another setup, or the reverse), or,
+    where ``order`` permutes the layers, if a permuted leaf is a host array (no order known)."""
+    if order is not None:
+        permuted = [path for path, _ in order]  # keystr of the params' paths
+        host = [k for k, leaf in jax.tree_util.tree_leaves_with_path(tree)
+                if isinstance(leaf, np.ndarray)  # (a TrainState's paths end in the params')
+                and any(jax.tree_util.keystr(k).endswith(p) for p in permuted)]  # fmt: skip
+        if host:
+            raise ValueError(
+                f"{what}: {jax.tree_util.keystr(host[0])} is a host array, whose layer order "
+                f"is unknown, but this setup stores it in {_describe(order)}; host params are "
+                f"in the model's order (setup.gather's copies): place them with "
+                f"setup.shard(params)"
+            )
     if not _MARKS:
         return
     for i, leaf in enumerate(jax.tree.leaves(tree)):
         found = _MARKS.get(id(leaf))
         if found is None or found[0]() is not leaf or found[1] == order:
             continue
-        path = jax.tree_util.tree_leaves_with_path(tree)[i][0]
+        path = jax.tree_util.keystr(jax.tree_util.tree_leaves_with_path(tree)[i][0])
         raise ValueError(
-            f"{what}: {jax.tree_util.keystr(path)} is stored in {_describe(found[1])}, but this "
-            f"setup stores it in {_describe(order)}: its layers would run in another order. "
-            f"{fix}"
+            f"{what}: these arrays ({path} among them) come from a setup that stores the "
+            f"stacked layers in {_describe(found[1])}, but this setup stores them in "
+            f"{_describe(order)}: its layers would run in another order. {fix}"
         )
 
 

@@ -74,6 +74,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from typing import Any
 
 import jax
@@ -478,6 +479,13 @@ def differences(saved: dict, here: dict) -> list[str]:
         a, b = saved["config"].get(field), here["config"].get(field)
         if field not in saved["config"] and field in defaults and b == defaults[field]:
             continue  # a field added since the save, at its default: the model it saved
+        if field not in saved["config"] and isinstance(b, dict) and _TYPE in b:
+            # saved before nested configs were recorded: its parameters still compare below
+            warnings.warn(f"the checkpoint does not record the model's {field} (saved before "
+                          f"nested configs were recorded): {_show_config(b)} cannot be compared "
+                          f"with the one that trained it; save it again to record it",
+                          UserWarning, stacklevel=2)  # fmt: skip
+            continue
         if field not in saved["config"]:
             out.append(
                 f"model config {field}: not recorded in the checkpoint, {_show_config(b)} here"

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
 import threading
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -211,8 +212,10 @@ def moe_capacity(group_size: int, k: int, num_experts: int, capacity_factor: flo
     the layer's ``ValueError``."""
     for name, n, what in (("group_size", group_size, "the tokens of a capacity group"),
                           ("num_experts", num_experts, "the router's experts")):  # fmt: skip
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"moe_capacity: {name}={n!r} must be a positive int ({what})")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise ValueError(
+                f"moe_capacity: {name}={n!r} must be a positive int ({what}); pass at least 1"
+            )
     _check_options("moe_capacity", k, capacity_factor, "softmax", "global", num_experts)
     if capacity_factor is None:
         return group_size
@@ -231,7 +234,8 @@ def _top_k(groups, router, k: int, score: str):
         chosen = hook(probs, top_i)  # [G, S, k] int32
         if jax.typeof(chosen) != jax.typeof(top_i):
             raise ValueError(f"routing_hook: the hook must return the choices as it got them, "
-                             f"{jax.typeof(top_i)}; got {jax.typeof(chosen)}")  # fmt: skip
+                             f"{jax.typeof(top_i)}; got {jax.typeof(chosen)}: return int32 "
+                             f"expert indices of top_i's shape, e.g. lax.top_k(probs, k)[1]")  # fmt: skip
         top_i, top_p = chosen, jnp.take_along_axis(probs, chosen, axis=-1)  # [G, S, k]
     weights = top_p / jnp.sum(top_p, axis=-1, keepdims=True)  # [G, S, k], renormalised over k
     return logits, probs, top_i, weights

@@ -330,8 +330,8 @@ def test_weights_gathered_and_gradients_reduced_once_per_step(strategy):
 MOE = models.Llama(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=32,
                    context=16, experts=models.Experts(num_experts=4, k=2, capacity_factor=1.0))  # fmt: skip
 # GShard's per-group load balance: the mean of each sequence's, so M microbatches' losses
-# average to the batch's (Megatron's global form is each microbatch's own under microbatches,
-# pipelined or not: not the reference's whole-batch value but for M = 1).
+# average to the batch's (Megatron's global form is refused under microbatches, pipelined or
+# not: tests/networks/test_moe_llama.py).
 MOE_GROUP = dataclasses.replace(MOE, experts=dataclasses.replace(MOE.experts, load_balance="group"))
 
 

@@ -57,3 +57,6 @@ def test_the_experts_configuration_is_recorded_field_by_field():
         "score='softmax', load_balance='global', load_balance_weight=0.01, "
         "z_loss_weight=0.001) in the checkpoint, None here"
     ), found
+    old = {**saved, "config": {k: v for k, v in saved["config"].items() if k != "experts"}}
+    with pytest.warns(UserWarning, match=r"does not record the model's experts .*save it again"):
+        assert differences(old, saved) == []  # a checkpoint saved before: its params compare

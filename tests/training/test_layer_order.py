@@ -51,7 +51,7 @@ def test_circular_params_given_to_another_setup_are_refused(trained, entry):
         arg = state if entry == "train_step" else state.params
         batch = other.place_batch(IDS) if entry == "logits" else other.place_batch(IDS, IDS)
         with refused(ValueError, argument=f"setup.{entry}:", got="a circular pipeline's stored "
-                     "order", expected="this setup stores it in the model's layer order",
+                     "order", expected="this setup stores them in the model's layer order",
                      fix="gather(state).params, then setup.shard(params)"):  # fmt: skip
             getattr(other, entry)(arg, *batch)
 
@@ -60,9 +60,28 @@ def test_the_model_order_given_to_a_circular_setup_is_refused(trained):
     circular, ref, _, _ = trained
     params = ref.init(jax.random.key(0)).params
     with refused(ValueError, argument="setup.logits: params", got="in the model's layer order",
-                 expected="this setup stores it in a circular pipeline's stored order",
+                 expected="this setup stores them in a circular pipeline's stored order",
                  fix="then setup.shard(params)"):  # fmt: skip
         circular.logits(params, circular.place_batch(IDS))
+
+
+def test_host_params_given_to_a_circular_setup_are_refused(trained, tmp_path):
+    """Host arrays carry no order; in a circular setup's steps or saves they are most likely
+    ``gather``'s copies, in the model's order: refused, naming ``shard``."""
+    circular, _, _, state = trained
+    gathered = circular.gather(state)
+    with refused(ValueError, argument="setup.logits: params", got="is a host array",
+                 expected="this setup stores it in a circular pipeline's stored order",
+                 fix="place them with setup.shard(params)"):  # fmt: skip
+        circular.logits(gathered.params, circular.place_batch(IDS))
+    with pytest.raises(ValueError, match=r"setup.train_step: state: \.params\['blocks'\].* host"):
+        circular.train_step(gathered, *circular.place_batch(IDS, IDS))
+    with Checkpoints(tmp_path / "ckpt") as ckpt, pytest.raises(ValueError, match="host array"):
+        ckpt.save(1, circular, gathered)
+    np.testing.assert_allclose(  # through shard: the circular setup's own logits
+        np.asarray(circular.logits(circular.shard(gathered.params).params,
+                                   circular.place_batch(IDS))),
+        np.asarray(circular.logits(state.params, circular.place_batch(IDS))), rtol=1e-6)  # fmt: skip
 
 
 def test_shard_gather_and_saves_refuse_another_order(trained, tmp_path):
