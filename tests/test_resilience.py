@@ -17,6 +17,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from _cover import FULL
 from _mutants import mutant
 from _processes import Run, launcher, python, run, wait_for
 
@@ -81,7 +82,9 @@ def check_resumed_like_straight(straight_dir, resumed_dir) -> None:
     assert len(straight_extra["history"]) == len(resumed_extra["history"])
 
 
-@pytest.mark.parametrize("processes", [1, 2])
+# CI time: 2 processes by default (one process's preemption save is also the transformer_lm
+# example's test); both under SHARDOPS_FULL=1
+@pytest.mark.parametrize("processes", [1, 2] if FULL else [2])
 def test_sigterm_saves_at_the_next_step_exits_in_the_grace_and_resumes_bit_identically(
     tmp_path, straight, processes
 ):
