@@ -26,7 +26,7 @@ from shardops_models.networks._mlp import (
 )
 from shardops_models.networks.contract import Model, check_model
 from shardops_models.networks.gpt import Gpt
-from shardops_models.networks.llama import Experts, Llama
+from shardops_models.networks.llama import Experts, Llama, SpecialTokens
 from shardops_models.networks.mlp import Mlp, tp_plan
 from shardops_models.strategies.fsdp import fsdp_spec
 from shardops_models.strategies.layout import (
@@ -86,6 +86,7 @@ __all__ = [
     "Remat",
     "Role",
     "Setup",
+    "SpecialTokens",
     "Strategy",
     "TrainState",
     "accuracy",

@@ -384,3 +384,51 @@ def check_sharded_save(module, tmp: Path) -> None:
     hf = LlamaForCausalLM.from_pretrained(out)
     want = np.asarray(params["blocks"]["mlp"]["down"]["w"][1]).T
     np.testing.assert_array_equal(hf.model.layers[1].mlp.down_proj.weight.detach().numpy(), want)
+
+
+def check_generate_stops_at_eos_after_a_save(hf_class, path: str, loader, save, tmp_path,
+                                             **hf_options) -> None:  # fmt: skip
+    """A transformers checkpoint (``hf_class`` at ``path``) given special tokens its greedy
+    ``generate`` meets (two eos ids, each the token some row generates at a different step; a
+    bos and a pad id), loaded by shardops (``loader``, e.g. ``HfLlama``) into the reference
+    setup and saved back (``save``): transformers' ``generate`` on the saved folder, reading
+    only its files, stops every row at its eos where the original does (the same tokens,
+    pad after the eos, the same length), and both files hold the ids as transformers writes
+    them (config.json and generation_config.json). ``hf_options``: ``from_pretrained``'s."""
+    from transformers import GenerationConfig
+
+    prompt = torch.as_tensor(np.random.default_rng(5).integers(0, 60, (4, 6)))
+    model = hf_class.from_pretrained(path, **hf_options).eval()
+
+    def greedy(m, steps=12):
+        with torch.no_grad():
+            return m.generate(prompt, attention_mask=torch.ones(prompt.shape), do_sample=False,
+                              max_new_tokens=steps).numpy()[:, prompt.shape[1] :]  # fmt: skip
+
+    model.generation_config.eos_token_id = None  # the continuation the eos ids are taken from
+    free = greedy(model)
+    eos = [int(free[0, 3]), int(free[1, 7])]
+    eos[1] = eos[1] if eos[1] != eos[0] else int(free[1, 8])
+    pad = next(t for t in range(2, 60) if t not in free)  # a pad no row generates
+    model.config.update({"bos_token_id": 1, "eos_token_id": eos, "pad_token_id": pad})
+    model.generation_config = GenerationConfig.from_model_config(model.config)
+    source = tmp_path / "with-special-tokens"
+    model.save_pretrained(source)
+    want = greedy(hf_class.from_pretrained(source, **hf_options).eval())
+    stopped = [(row == pad).any() for row in want]
+    assert stopped[0] and stopped[1], f"the eos ids {eos} stop no row: {want}"
+    ckpt = loader(source)
+    assert ckpt.model().special_tokens == models.SpecialTokens(bos=1, eos=tuple(eos), pad=pad)
+    setup = models.build("ref", None, model=ckpt.model(), optimizer=optax.sgd(0.1))
+    out = tmp_path / "saved-by-shardops"
+    save(out, setup, ckpt.load(setup, optimizer_state=False))
+    got = greedy(hf_class.from_pretrained(out, **hf_options).eval())
+    np.testing.assert_array_equal(got, want, err_msg="generate on the saved checkpoint")
+    config = json.loads((out / "config.json").read_text())
+    theirs = json.loads((source / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert config[key] == theirs[key], (key, config[key], theirs[key])
+    ours, original = (GenerationConfig.from_pretrained(d).to_diff_dict() for d in (out, source))
+    for diff in (ours, original):
+        diff.pop("transformers_version", None)
+    assert ours == original, (ours, original)

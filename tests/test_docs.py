@@ -559,6 +559,8 @@ def test_hugging_face_page_matches_transformers_and_decodes(tmp_path_factory):
     model = ns["ckpt"].model()
     assert (model.num_heads, model.num_kv_heads, model.vocab_size) == (8, 2, 97)
     assert np.asarray(ns["greedy"]).shape == np.asarray(ns["sampled"]).shape == (8, 16)
+    assert ns["ep_decoder"].setup.strategy.name == "2d+ep"
+    np.testing.assert_array_equal(ns["ep_tokens"], ns["moe_tokens"])
 
 
 def test_context_parallelism_page_matches_attention_and_the_reference(tmp_path_factory):

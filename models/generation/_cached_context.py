@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from shardops import entry_axes
 from shardops.layers import cached_attention_kernel
 from shardops_models.strategies.parallel import Parallel, is_param, one_layer
 from shardops_models.strategies.plan import StackedRole
@@ -217,15 +218,23 @@ class CachedParallel(Parallel):
 
     def moe(self, p, x, *, k: int, capacity_factor: float | None, score: str = "softmax",
             load_balance: str = "global", activation=jax.nn.silu):  # fmt: skip
-        """``Parallel.moe`` routed **dropless** (``capacity_factor=None``): every token of
-        ``x[b, s, D]`` goes to its ``k`` experts, whatever ``capacity_factor`` the model
-        trained with (the inference rule; module docstring), so a prefill of ``s`` tokens and
-        each one-token step route every token as the full forward of a dropless model does.
-        Every expert is on each device (the decoder's layout splits none). The statistics are
-        this device's (``load_balance="group"``: no AllReduce over the batch; the decoder
-        discards them). Communication: ``Parallel.moe``'s over the tp axis (the combine's
-        AllReduce of ``y[b, s, D]``)."""
-        return super().moe(p, x, k=k, capacity_factor=None,
+        """``Parallel.moe`` routed so that nothing is dropped, whatever ``capacity_factor``
+        the model trained with (the inference rule; module docstring): every token of ``x[b,
+        s, D]`` goes to its ``k`` experts, so a prefill of ``s`` tokens and each one-token step
+        route every token as the full forward of a dropless model does. Experts whole on each
+        device are run dropless (``capacity_factor=None``: sorted by expert, grouped matmuls).
+        Experts split over an expert axis (the decoder's ``+ep`` layouts) take the capacity
+        path at ``capacity_factor = E / k`` (``C = s`` slots per expert and row: a token
+        chooses an expert at most once, so none is dropped), each row's slots sent to their
+        experts' devices and back by ``Parallel.moe``'s AllToAlls over that axis, as in
+        training. The statistics are this device's (``load_balance="group"``: no AllReduce
+        over the batch; the decoder discards them). Communication: ``Parallel.moe``'s (the
+        combine's AllReduce of ``y[b, s, D]`` over the tp axis; under ep the two AllToAlls of
+        the slots ``[E, b·s, D]`` over the expert axis)."""
+        experts = p["router"].shape[-1]
+        split = self.strategy.ep is not None and any(
+            self.strategy.ep in entry_axes(e) for e in p["gate"].spec)  # fmt: skip
+        return super().moe(p, x, k=k, capacity_factor=experts / k if split else None,
                            score=score, load_balance="group", activation=activation)  # fmt: skip
 
     def dense(self, p, x):

@@ -21,29 +21,42 @@ cache goes in, ``ctx.written()`` hands the written one out. The GPT reads its le
 positions from ``start`` (``Gpt.apply(..., start=)``); the Llama's rotary positions are the
 attention's. A draw's forward runs the output layer on the last position alone.
 
-**Layout** (the ``2d`` strategy's: Megatron's tensor parallelism over ``model``, the batch over
-``data``): each device holds ``H/p`` query heads and the weights of ``2d``; the cache
-``k, v[L, B/d, n, S_max, hd]`` per device holds the KV heads its query heads read: split by
-KV head (``n = KV/p``) where ``model`` divides the KV heads, else the KV heads replicated like
-their weights (``n = kv_cache_heads(H, KV, p)``; devices whose query heads read the same KV
-head each cache it). A vocabulary or d_ff the model axis does not divide is padded and masked
-as in training. Other mesh axes (``context``, ``replica``) are accepted and replicate the
-decoding: the devices along them hold the same rows, weights and cache, and compute the same
-tokens (no faster; build the mesh from ``data`` and ``model`` alone to use them for rows).
+**Layout** (the ``2d`` strategy's by default: Megatron's tensor parallelism over ``model``,
+the batch over ``data``; ``strategy=`` picks another, ``decoding_strategy``): each device
+holds ``H/p`` query heads and the weights of ``2d``; the cache ``k, v[L, B/d, n, S_max, hd]``
+per device holds the KV heads its query heads read: split by KV head (``n = KV/p``) where
+``model`` divides the KV heads, else the KV heads replicated like their weights (``n =
+kv_cache_heads(H, KV, p)``; devices whose query heads read the same KV head each cache it).
+A vocabulary or d_ff the model axis does not divide is padded and masked as in training.
+Other mesh axes (``context``, ``replica``) are accepted and replicate the decoding: the
+devices along them hold the same rows, weights and cache, and compute the same tokens (no
+faster; build the mesh from ``data`` and ``model`` alone to use them for rows).
 
-**A mixture of experts** (``Llama(experts=Experts(...))``, Mixtral-style) decodes dropless:
-every token, of the prompt and of each step, goes to its ``k`` experts, whatever capacity
-factor the model trained with (``CachedParallel.moe`` routes with ``capacity_factor=None``:
-the choices sorted by expert, grouped matmuls). A one-token step could never drop; a prefill
-of a long prompt at the training capacity would, and its tokens would route otherwise than
-the same tokens fed one a step. So the tokens are those of the full forward of the dropless
-model (``capacity_factor=None``, or the capacity path at ``E / k``: Hugging Face's Mixtral,
-which has no capacity, routes so), whichever way they are fed. The experts are laid
-out as ``2d`` lays them out: each expert's hidden units split over ``model`` (its combine one
-AllReduce of ``[b, s, D]``, in place of the MLP's), every expert on every row shard. Expert
-parallelism is not a decoding layout: an ``expert`` axis of the mesh replicates the decoding
-as ``context`` does; parameters trained under ``ep`` decode from their full arrays
-(``Setup.gather``, then ``place``).
+**A mixture of experts** (``Llama(experts=Experts(...))``, Mixtral-style) decodes without
+drops: every token, of the prompt and of each step, goes to its ``k`` experts, whatever
+capacity factor the model trained with (``CachedParallel.moe``). A one-token step could never
+drop; a prefill of a long prompt at the training capacity would, and its tokens would route
+otherwise than the same tokens fed one a step. So the tokens are those of the full forward
+of the dropless model (``capacity_factor=None``, or the capacity path at ``E / k``: Hugging
+Face's Mixtral, which has no capacity, routes so), whichever way they are fed. Under
+``2d`` (and ``tp``) each expert's hidden units are split over ``model`` (its combine one
+AllReduce of ``[b, s, D]``, in place of the MLP's), every expert on every row shard, routed
+dropless (sorted by expert, grouped matmuls).
+
+**Expert parallelism** (``"2d+ep"``, ``"tp+ep"``; the default on a mesh with an ``expert``
+axis when the model has experts): the experts stay split over ``expert`` as training lays
+them out (``E/N`` a device, each's hidden units over ``model``), so a model whose experts fit
+only when split decodes, and the batch's rows are split over ``data × expert``. Each forward,
+the prefill and every one-token step, routes its rows' tokens on their own device and sends
+each expert's slots to the expert's device and back by two AllToAlls over ``expert``
+(``shardops.layers.moe_kernel``, as in training), at the capacity ``E / k`` (``C = s`` slots
+per expert and row: a token chooses an expert at most once, so nothing is dropped, and the
+tokens are the dropless model's). The slots cost ``E / k`` times the tokens' work in a
+prefill (``[E, b·s, D]`` a device; a dropless exchange needs ``lax.ragged_all_to_all``, not
+implemented on XLA:CPU); a step's are ``[E, b, D]``. A dropless model (``capacity_factor=
+None``, as ``HfMixtral.model()`` reads one) is built at ``E / k`` for the layout, so
+``HfMixtral.load(decoder.setup)`` and a ``Setup.gather`` of an ep-trained state both place
+into it.
 
 **Sampling.** Greedy is the vocab-parallel argmax (an AllReduce(max) and an AllReduce(min) of
 ``B/d`` numbers; the logits are never gathered). With ``temperature`` > 0 a token is drawn by
@@ -56,7 +69,8 @@ mesh.
 
 **Per step** (one token, batch ``b = B/d`` per device), over ``model``: the embedding's
 AllReduce of ``x[b, 1, D]``, two AllReduces of ``[b, 1, D]`` per layer (attention's output
-and the MLP's, or the experts' combine), and the argmax's two of ``[b, 1]``; all float32. Nothing over ``data``.
+and the MLP's, or the experts' combine), and the argmax's two of ``[b, 1]``; all float32; under ep, two AllToAlls of ``[E, b, D]``
+per layer over ``expert``. Nothing over ``data``.
 """
 
 from __future__ import annotations
@@ -77,12 +91,16 @@ from shardops.layers import kv_cache_heads, vocab_parallel_argmax_kernel
 from shardops_models.generation._cached_context import CachedParallel
 from shardops_models.networks.gpt import Gpt
 from shardops_models.networks.llama import Llama
+from shardops_models.strategies.layout import DATA_AXIS, EXPERT_AXIS, Strategy, strategy_named
 from shardops_models.strategies.parallel import is_param, wrap
 from shardops_models.strategies.plan import leaf_roles
 from shardops_models.training import _layer_order
 from shardops_models.training._train import STATE_DONATED, build, check_not_donated
 
-STRATEGY = "2d"  # the decoding layout: tp over model, the batch over data
+STRATEGY = "2d"  # the default decoding layout: tp over model, the batch over data
+DECODING_KINDS = ("dp", "tp", "ep")
+"""The kinds a decoding layout is made of (``decoding_strategy``): the batch's rows split (dp,
+and ep's), tp's heads and hidden units, ep's experts."""
 _PLACE = ("Place the model's params for decoding: decoder.place(setup_it_came_from.gather("
           "state).params)")  # fmt: skip
 
@@ -105,16 +123,19 @@ class KVCache:
 
 
 class Decoder:
-    """Prefill and one-token steps of ``model`` on ``mesh`` (axes ``data`` and ``model``),
-    for batches of ``batch`` rows and sequences of at most ``max_len`` tokens (the cache's
-    length; at most the model's context). ``precision``: the compute policy, the cache in
-    its compute dtype. ``attention``: ``"einsum"`` scores a step's queries against the whole
-    cache at once; any other implementation (``"auto"``, the default) reads the cache in
-    blocks (``shardops.layers.cached_attention_kernel``)."""
+    """Prefill and one-token steps of ``model`` on ``mesh`` (axes ``data``, ``model`` and, for
+    a model with experts, ``expert``), for batches of ``batch`` rows and sequences of at most
+    ``max_len`` tokens (the cache's length; at most the model's context). ``precision``: the
+    compute policy, the cache in its compute dtype. ``attention``: ``"einsum"`` scores a
+    step's queries against the whole cache at once; any other implementation (``"auto"``, the
+    default) reads the cache in blocks (``shardops.layers.cached_attention_kernel``).
+    ``strategy``: the decoding layout, ``"tp"``, ``"2d"``, ``"tp+ep"`` or ``"2d+ep"``; None
+    (the default) picks it from the mesh (``decoding_strategy``). ``setup`` is its
+    ``Setup`` (what ``HfLlama.load`` and ``Checkpoints`` place into)."""
 
     def __init__(self, model: Llama | Gpt, mesh, *, batch: int, max_len: int,
                  precision: shardops.Precision = shardops.FLOAT32,
-                 attention: str = "auto"):  # fmt: skip
+                 attention: str = "auto", strategy: Strategy | str | None = None):  # fmt: skip
         if not isinstance(model, Llama | Gpt):
             raise TypeError(f"Decoder decodes a models.Llama or models.Gpt; got "
                             f"{type(model).__name__}")  # fmt: skip
@@ -129,8 +150,10 @@ class Decoder:
                              f"context: the GPT's learned positions end there, the Llama was "
                              f"trained up to it; build the model with a longer one)")  # fmt: skip
         self.model, self.mesh, self.max_len, self.precision = model, mesh, max_len, precision
-        self.setup = build(STRATEGY, mesh, model=model, optimizer=optax.identity(),
-                           precision=precision, attention=attention)  # fmt: skip
+        strategy = decoding_strategy(strategy, model, mesh)
+        self.setup = build(strategy, mesh, model=_splittable(model, strategy),
+                           optimizer=optax.identity(), precision=precision,
+                           attention=attention)  # fmt: skip
         self.attention = attention
         self.setup.check_batch_size(batch)
         self.batch = batch
@@ -205,7 +228,7 @@ class Decoder:
         # The GPT reads its learned positions itself (from start); the Llama's rotary ones
         # are the attention's, which the context starts at start.
         positions = {"start": start} if isinstance(self.model, Gpt) else {}
-        logits, _ = self.model.apply(ctx, tree, ids, **positions)  # [b, s or 1, V_pad/p]
+        logits, _ = self.setup.model.apply(ctx, tree, ids, **positions)  # [b, s or 1, V_pad/p]
         return logits, ctx.written()
 
     def _local_next(self, logits, key, temperature):
@@ -417,3 +440,42 @@ def _gumbel(key, rows, cols):
                                  jnp.float32)  # fmt: skip
 
     return jax.vmap(jax.vmap(entry, (None, 0)), (0, None))(rows, cols)
+
+
+def decoding_strategy(strategy: Strategy | str | None, model, mesh) -> Strategy:
+    """The layout a ``Decoder`` of ``model`` on ``mesh`` decodes in. ``None`` (the default):
+    ``"2d"`` (tp over ``model``, the rows over ``data``; ``"tp"`` on a mesh without
+    ``data``), with ``"+ep"`` where the model has experts and the mesh an ``expert`` axis
+    (the experts split over it, the rows too). Given:
+    a preset name or ``Strategy`` made of ``DECODING_KINDS`` alone, with a tp axis (``"tp"``,
+    ``"2d"``, ``"tp+ep"``, ``"2d+ep"``); anything else is a ``ValueError`` naming why."""
+    if strategy is None:
+        experts = getattr(model, "experts", None) is not None
+        strategy = STRATEGY if DATA_AXIS in mesh.axis_names else "tp"
+        strategy += "+ep" if experts and EXPERT_AXIS in mesh.axis_names else ""
+    s = strategy_named(strategy)
+    other = [k.name for k in s.kinds if k.name not in DECODING_KINDS]
+    if other or s.sp or s.tp is None:
+        why = (f"its {', '.join(other)} {'does' if len(other) == 1 else 'do'} not decode"
+               if other else "sp splits the sequence, which a one-token step does not have"
+               if s.sp else "it has no tp axis (the cache's heads and the vocabulary's split)")  # fmt: skip
+        raise ValueError(
+            f"Decoder: strategy {s.name!r} is not a decoding layout: {why}. Decode under a "
+            f"layout of {DECODING_KINDS} with a tp axis: 'tp', '2d', 'tp+ep' or '2d+ep' (a "
+            f"model axis of size 1 where you want no tensor parallelism); parameters trained "
+            f"under another strategy decode from Setup.gather(state).params, through "
+            f"decoder.place"
+        )
+    return s
+
+
+def _splittable(model, strategy: Strategy):
+    """``model`` as ``strategy`` can lay it out: under ep, dropless experts
+    (``capacity_factor=None``, whole on every device) take the capacity ``E / k``, which
+    drops nothing either (``C = S``) and whose plan role splits them. Decoding routes without
+    drops whatever the capacity (``CachedParallel.moe``)."""
+    experts = getattr(model, "experts", None)
+    if strategy.ep is None or experts is None or experts.capacity_factor is not None:
+        return model
+    return dataclasses.replace(model, experts=dataclasses.replace(
+        experts, capacity_factor=experts.num_experts / experts.k))  # fmt: skip

@@ -12,11 +12,12 @@ from shardops_models.interop.hf_llama import (
     NAMES,
     HfLlama,
     UnsupportedConfig,
+    generation_config,
     hf_config,
     llama_from_config,
     save_hf_llama,
 )
 from shardops_models.interop.hf_mixtral import HfMixtral, mixtral_from_config, save_hf_mixtral
 
-__all__ = ["NAMES", "HfLlama", "HfMixtral", "UnsupportedConfig", "hf_config", "llama_from_config",
-           "mixtral_from_config", "save_hf_llama", "save_hf_mixtral"]  # fmt: skip
+__all__ = ["NAMES", "HfLlama", "HfMixtral", "UnsupportedConfig", "generation_config", "hf_config",
+           "llama_from_config", "mixtral_from_config", "save_hf_llama", "save_hf_mixtral"]  # fmt: skip

@@ -73,6 +73,17 @@ are case-sensitive), a non-zero ``attention_dropout``. The
 tensors' shapes must be the ones the config gives (a config that disagrees with its files is
 refused before anything is read). ``pretraining_tp`` only changes how
 transformers slices its matmuls (the same function) and is accepted.
+
+**Special tokens.** ``bos_token_id``, ``eos_token_id`` (an id or a list) and ``pad_token_id``
+are read into ``Llama.special_tokens`` (``LlamaConfig()``'s 1, 2 and None for a field
+config.json leaves out; a null stays None), which the forward never reads (``Llama.bos_id``,
+the packing id, stays None) and ``load`` takes from the setup's model. Saving writes them back
+to config.json and writes ``generation_config.json`` as transformers' ``save_pretrained``
+does for a model without a generation config of its own (``generation_config``), so
+transformers' ``generate`` on the saved folder stops at the same eos ids as on the original
+(tested). A model without ``special_tokens`` writes its ``bos_id`` as ``bos_token_id``, and
+no eos: ``generate`` then runs to ``max_new_tokens``. Sampling settings of the original's own
+generation_config.json (temperature, top_p) are not carried.
 """
 
 from __future__ import annotations
@@ -92,7 +103,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from shardops_models.networks.llama import Llama
+from shardops_models.networks.llama import Llama, SpecialTokens
 from shardops_models.strategies.plan import is_shape
 from shardops_models.training import _layer_order
 from shardops_models.training._setup import Setup
@@ -136,6 +147,10 @@ DEFAULTS = {
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
 }
+# The special token ids of ``LlamaConfig()`` and ``MixtralConfig()`` where config.json leaves
+# a field out (one it sets to null stays None, as transformers reads it): ``Llama.special_tokens``.
+TOKEN_DEFAULTS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
+GENERATION_CONFIG = "generation_config.json"
 # ``hidden_act`` names whose transformers function (``ACT2FN``) is SiLU, what the MLP computes.
 SILU = ("silu", "swish")
 # The files' dtypes ``save_hf_llama`` writes: the float dtypes transformers loads and runs.
@@ -190,6 +205,7 @@ def _llama_fields(config: dict, defaults: dict) -> dict:
             f"config rope_parameters.rope_type={rope_type!r} is not supported: only 'default' "
             f"RoPE (no scaling) is implemented"
         )
+    tokens = SpecialTokens(*(config.get(key, default) for key, default in TOKEN_DEFAULTS.items()))
     config = {**defaults, **{k: v for k, v in config.items() if v is not None}}
     heads, width = config["num_attention_heads"], config["hidden_size"]
     head_dim = config.get("head_dim")
@@ -209,6 +225,7 @@ def _llama_fields(config: dict, defaults: dict) -> dict:
         "norm_eps": float(config["rms_norm_eps"]),
         "tie_embeddings": bool(config["tie_word_embeddings"]),
         "context": config["max_position_embeddings"],
+        "special_tokens": tokens,
     }
     return fields
 
@@ -237,8 +254,27 @@ def hf_config(model: Llama, dtype="float32") -> dict:
         "tie_word_embeddings": model.tie_embeddings,
         "dtype": str(np.dtype(dtype)),
         "torch_dtype": str(np.dtype(dtype)),
-        "bos_token_id": model.bos_id,
+        **token_ids(model),
     }
+
+
+def token_ids(model: Llama) -> dict:
+    """``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` of ``model``'s
+    ``special_tokens`` (as its checkpoint's config.json gave them); a model without them
+    writes its packing id ``bos_id`` as ``bos_token_id`` and None for the others."""
+    tokens = model.special_tokens or SpecialTokens(bos=model.bos_id)
+    eos = list(tokens.eos) if isinstance(tokens.eos, tuple) else tokens.eos
+    return {"bos_token_id": tokens.bos, "eos_token_id": eos, "pad_token_id": tokens.pad}
+
+
+def generation_config(model: Llama) -> dict:
+    """The ``generation_config.json`` transformers' ``save_pretrained`` writes for a model
+    without a generation config of its own (``GenerationConfig.from_model_config``): the
+    token ids ``token_ids`` gives, those that are set, which ``generate`` stops (eos) and
+    pads at."""
+    return {"_from_model_config": True,
+            **{k: v for k, v in token_ids(model).items() if v is not None},
+            "output_attentions": False, "output_hidden_states": False, "use_cache": True}  # fmt: skip
 
 
 class HfLlama:
@@ -282,7 +318,8 @@ class HfLlama:
     def _training_fields(self, model: Llama) -> dict:
         """The fields of the setup's ``model`` that do not change the checkpoint's function
         (how it trains, how long its batches are): taken from the setup when comparing."""
-        return dict(context=model.context, bos_id=model.bos_id, init_scale=model.init_scale)
+        return dict(context=model.context, bos_id=model.bos_id, init_scale=model.init_scale,
+                    special_tokens=model.special_tokens)  # fmt: skip
 
     def _tie_embeddings(self) -> bool:
         """transformers' rule (``PreTrainedModel.tie_weights``): a config that ties, over files
@@ -586,6 +623,8 @@ def _save_hf(directory, setup: Setup, state, names: dict, config_of, caller: str
         _remove_weights(directory)  # a checkpoint saved here before, in either form
         with open(os.path.join(directory, CONFIG), "w") as f:
             json.dump(config_of(model, out_dtype), f, indent=2)
+        with open(os.path.join(directory, GENERATION_CONFIG), "w") as f:
+            json.dump(generation_config(model), f, indent=2)
     waiting = {
         file: sum(f == file for f in files.values()) for file in dict.fromkeys(files.values())
     }

@@ -115,12 +115,38 @@ class Experts:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpecialTokens:
+    """The tokenizer's special ids a model carries for the tools that run it (transformers'
+    ``bos_token_id``, ``eos_token_id``, ``pad_token_id``; ``generate`` stops at ``eos``, which
+    may be several ids). The forward never reads them: ``Llama.bos_id`` is what packs documents.
+    ``interop.HfLlama`` and ``HfMixtral`` read them from ``config.json``, and
+    ``save_hf_llama``/``save_hf_mixtral`` write them back with ``generation_config.json``."""
+
+    bos: int | None = None
+    eos: int | tuple[int, ...] | None = None
+    pad: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.eos, list | tuple):
+            object.__setattr__(self, "eos", tuple(self.eos))  # a config's list, hashable
+        for name in ("bos", "eos", "pad"):
+            value = getattr(self, name)
+            ids = value if isinstance(value, tuple) else (value,)
+            if value is not None and (not ids or any(
+                    isinstance(i, bool) or not isinstance(i, int | np.integer) for i in ids)):  # fmt: skip
+                raise ValueError(f"SpecialTokens: {name} must be a token id (an int) or None"
+                                 f"{', or a list of ids' if name == 'eos' else ''}; got "
+                                 f"{value!r}")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
 class Llama(LanguageModel):
     """A Llama decoder: ``num_layers`` blocks of width ``d_model``, ``num_heads`` query heads
     of ``d_model / num_heads`` sharing ``num_kv_heads`` key/value heads (grouped-query
     attention; 1: multi-query), a SwiGLU MLP of ``d_ff`` (default ``default_d_ff``), rotary
     positions of base ``rope_theta``, RMSNorm with ``norm_eps``, and an output head of its own
-    or tied to the embedding (``tie_embeddings``)."""
+    or tied to the embedding (``tie_embeddings``). ``special_tokens``: the tokenizer's ids
+    (``SpecialTokens``), carried for the tools that run the model, never read by it."""
 
     vocab_size: int = 256
     d_model: int = 128
@@ -135,6 +161,7 @@ class Llama(LanguageModel):
     bos_id: int | None = None  # packed documents: each begins at this token
     init_scale: float = 0.02  # Hugging Face's initializer_range
     experts: Experts | None = None  # a mixture of experts in place of each block's MLP
+    special_tokens: SpecialTokens | None = None  # bos, eos, pad ids, for transformers' tools
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -158,6 +185,10 @@ class Llama(LanguageModel):
                              f"[0, {self.vocab_size})")  # fmt: skip
         if self.d_ff is None:
             object.__setattr__(self, "d_ff", default_d_ff(self.d_model))
+        if self.special_tokens is not None and not isinstance(self.special_tokens, SpecialTokens):
+            raise TypeError(f"Llama: special_tokens must be a models.SpecialTokens or None; got "
+                            f"{type(self.special_tokens).__name__}: pass "
+                            f"SpecialTokens(bos=..., eos=..., pad=...)")  # fmt: skip
 
     @property
     def name(self) -> str:

@@ -1,11 +1,13 @@
-"""KV-cache decoding of a Llama with a mixture of experts (Mixtral-style), which routes
-dropless (``CachedParallel.moe``): greedy tokens of a prefill and every step are the argmax of
-the full forward of the same model with a dropless ``Experts`` (``capacity_factor=None``),
-on one device, under tp (1×8), 2d (2×4) and on a mesh with an expert axis (which replicates the
-decoding, as any axis besides data and model does); the model trains at a capacity factor that
-drops choices of the prompt, and that forward's first token differs, so a decoder that kept
-the training capacity in its prefill fails (its mutant is caught); the experts cost no
-collective over the batch; a second ``generate`` runs its program without tracing
+"""KV-cache decoding of a Llama with a mixture of experts (Mixtral-style), routed without drops
+(``CachedParallel.moe``): greedy tokens of a prefill and every step are the argmax of the full
+forward of the same model with a dropless ``Experts`` (``capacity_factor=None``), on one
+device, under tp (1×8), 2d (2×4), and with the experts split over an ``expert`` axis (2d+ep,
+tp+ep, and ep with no tensor parallelism: the decoder's default on such a mesh); the model
+trains at a capacity factor that drops choices of the prompt, and that forward's first token
+differs, so a decoder that kept the training capacity in its prefill fails (its mutant is
+caught); under 2d the experts cost no collective over the batch; under ep each forward's slots
+go to their experts' devices by AllToAll (bytes traced), and a kernel that sends them to the
+next device's experts is caught; a second ``generate`` runs its program without tracing
 again; a scanned layer that does not return ``(x, out)`` is refused by name."""
 
 import dataclasses
@@ -19,8 +21,10 @@ from _model_checks import mesh_for
 from _mutants import mutant
 from test_cached_context import _block_attending
 
+import shardops
 import shardops_models as models
 from shardops.inspect import collectives
+from shardops.layers import _moe
 from shardops_models.generation import Decoder, _cached_context, decoding
 
 E, K = 4, 2
@@ -37,7 +41,9 @@ MESHES = {
     "1x1": {"data": 1, "model": 1},  # the unsharded decoding
     "1x8": {"data": 1, "model": 8},  # tp: each expert's hidden units over 8, F = 32 → 4 each
     "2x4": {"data": 2, "model": 4},  # 2d
-    "d2e2m2": {"data": 2, "expert": 2, "model": 2},  # an expert axis: replicates
+    "d2e2m2": {"data": 2, "expert": 2, "model": 2},  # 2d+ep: the experts split over expert
+    "e4m2": {"expert": 4, "model": 2},  # tp+ep
+    "e4m1": {"expert": 4, "model": 1},  # ep (no tensor parallelism)
 }
 
 
@@ -81,7 +87,7 @@ def test_greedy_tokens_are_the_dropless_forwards_argmax_at_every_step(mesh_name)
 
 
 TRAINING_CAPACITY = (  # the mutant: the decoder routes at the model's training capacity
-    "        return super().moe(p, x, k=k, capacity_factor=None,",
+    "        return super().moe(p, x, k=k, capacity_factor=experts / k if split else None,",
     "        return super().moe(p, x, k=k, capacity_factor=capacity_factor,",
 )
 
@@ -115,6 +121,48 @@ def test_the_experts_cost_no_collective_over_data():
     compiled = {c.axes for c in collectives(decoder.mesh, decoder.generate_program(2),
                                             *_abstract(decoder))}  # fmt: skip
     assert compiled == {("model",)}, compiled
+
+
+def test_under_ep_each_token_goes_to_its_experts_device_by_all_to_all():
+    """On data 2 × expert 2 × model 2 (``2d+ep``) the experts stay split over ``expert``
+    (``E/2`` a device) and every forward, the prefill and each one-token step, sends its
+    rows' slots ``[E, b·s, D]`` to the experts' devices and back: 2 AllToAlls a layer over
+    ``expert``, ``L · 2 · E · b · (S_p + steps − 1) · D · 4`` bytes in all (float32, ``b = B/4``
+    rows a device, ``s`` = the tokens of the forward), and nothing over ``data``."""
+    decoder = Decoder(MODEL, mesh_for(MESHES["d2e2m2"]), batch=BATCH, max_len=PROMPT + STEPS)
+    assert decoder.setup.strategy.name == "2d+ep"
+    assert decoder.param_specs["blocks"]["moe"]["gate"][1] == "expert"
+    rows, d = BATCH // 4, MODEL.d_model
+    for steps in (1, 3):
+        totals = decoder.budget(PROMPT, steps).totals(requested=True)
+        assert set(totals) == {("all-reduce", ("model",)), ("all-to-all", ("expert",))}, totals
+        want = MODEL.num_layers * 2 * E * rows * (PROMPT + steps - 1) * d * 4
+        assert totals[("all-to-all", ("expert",))] == want, (steps, totals)
+
+
+WRONG_DEVICE = (  # the mutant: each row's slots go to the next device's experts
+    "        xe = all_to_all(xe, expert_axis, split_axis=0, concat_axis=1, reason=_DISPATCH)",
+    "        xe = all_to_all(jnp.roll(xe, xe.shape[0] // lax.axis_size(expert_axis), axis=0),"
+    " expert_axis, split_axis=0, concat_axis=1, reason=_DISPATCH)",
+)
+
+
+@pytest.mark.parametrize("mutated", [False, True], ids=["copy", "wrong_device"])
+def test_decoding_that_sends_tokens_to_the_wrong_devices_experts_is_caught(monkeypatch, mutated):
+    """The mutant kernel sends each row's slots to the experts of the next device on
+    ``expert`` (the same shapes, finite tokens): ``check_greedy`` under ep fails; its
+    unmutated copy passes."""
+    line, new = WRONG_DEVICE
+    module = mutant(_moe, "wrong_device", line, new if mutated else line)
+    monkeypatch.setattr(shardops.layers, "moe_kernel", module.moe_kernel)
+    try:
+        if mutated:
+            with pytest.raises(AssertionError, match="greedy tokens"):
+                check_greedy("e4m1")
+        else:
+            check_greedy("e4m1")
+    finally:
+        jax.clear_caches()
 
 
 def _abstract(decoder):

@@ -18,7 +18,14 @@ import pytest
 import torch
 from _cover import FULL
 from _gpt_checks import MESHES
-from _hf_checks import CONFIGS, check_close, checkpoint, hf_logits, tokens
+from _hf_checks import (
+    CONFIGS,
+    check_close,
+    check_generate_stops_at_eos_after_a_save,
+    checkpoint,
+    hf_logits,
+    tokens,
+)
 from _model_checks import mesh_for
 from _processes import launcher, run
 from transformers import LlamaForCausalLM
@@ -212,11 +219,11 @@ def test_saving_over_a_checkpoint_of_the_other_form_replaces_its_weights(tmp_pat
     save_hf_llama(out, setup, state)  # one file
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     files = save_hf_llama(out, setup, zeros, max_shard_bytes=20_000)  # sharded, all zeros
-    assert sorted(os.listdir(out)) == sorted(["config.json", *files])
+    assert sorted(os.listdir(out)) == sorted(["config.json", "generation_config.json", *files])
     hf = LlamaForCausalLM.from_pretrained(out)
     assert float(hf.model.embed_tokens.weight.detach().abs().max()) == 0.0
     save_hf_llama(out, setup, state)  # one file again
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
     (out / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(ValueError, match="holds both model.safetensors and"):
         HfLlama(out)
@@ -335,3 +342,8 @@ def test_config_or_index_that_is_not_json_is_refused_naming_the_file(tmp_path):
 
 def test_save_refuses_a_dtype_a_file_path_and_a_shard_size_by_name(tmp_path):
     _hf_checks.check_save_errors(hf_llama, tmp_path)
+
+
+def test_a_saved_checkpoint_stops_generate_at_eos_where_the_original_does(tmp_path):
+    check_generate_stops_at_eos_after_a_save(LlamaForCausalLM, checkpoint("gqa"), HfLlama,
+                                             save_hf_llama, tmp_path)  # fmt: skip

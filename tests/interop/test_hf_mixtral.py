@@ -20,8 +20,9 @@ import numpy as np
 import optax
 import pytest
 import torch
+from _cover import cover
 from _gpt_checks import EP_MESHES, MESHES
-from _hf_checks import check_close, tokens
+from _hf_checks import check_close, check_generate_stops_at_eos_after_a_save, tokens
 from _messages import refused
 from _model_checks import mesh_for
 from _mutants import mutant
@@ -51,17 +52,20 @@ LAYOUTS = [("2d+ep", "d2e2m2"), ("tp", "2x4"), ("ref", None)]
 
 
 @functools.cache
-def _checkpoint(root: str, layers: int = 2) -> str:
-    """A ``MixtralForCausalLM`` of ``FIELDS`` (``layers`` layers), its weights N(0, 0.1) and
-    its norms 1 + N(0, 0.2) (``_hf_checks``' draw: logits that spread, routing far from
-    uniform), saved in ``root``."""
-    model = MixtralForCausalLM(MixtralConfig(**{**FIELDS, "num_hidden_layers": layers}))
-    gen = torch.Generator().manual_seed(layers)
+def _checkpoint(root: str, layers: int = 2, k: int = 2, kv_heads: int = 2) -> str:
+    """A ``MixtralForCausalLM`` of ``FIELDS`` (``layers`` layers, each token to ``k`` experts,
+    ``kv_heads`` KV heads), its weights N(0, 0.1) and its norms 1 + N(0, 0.2)
+    (``_hf_checks``' draw: logits that spread, routing far from uniform), saved in
+    ``root``."""
+    fields = {**FIELDS, "num_hidden_layers": layers, "num_experts_per_tok": k,
+              "num_key_value_heads": kv_heads}  # fmt: skip
+    model = MixtralForCausalLM(MixtralConfig(**fields))
+    gen = torch.Generator().manual_seed(layers if (k, kv_heads) == (2, 2) else 10 * k + kv_heads)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
             p.copy_(1 + 0.2 * noise if "norm" in name else 0.1 * noise)
-    path = f"{root}/mixtral{layers}"
+    path = f"{root}/mixtral{layers}-k{k}-kv{kv_heads}"
     model.eval().save_pretrained(path)
     return path
 
@@ -155,31 +159,71 @@ def test_trained_checkpoint_saved_by_shardops_loads_in_transformers_bit_for_bit(
         np.testing.assert_array_equal(a, b)
 
 
-def test_greedy_decoding_is_transformers_generate(checkpoint):
-    """The KV-cache decoder (tp over model = 4, the batch over data = 2; dropless routing) of
-    the checkpoint generates, greedy, the tokens of transformers' ``generate(do_sample=False)``
-    (float64, its own KV cache), every one of 8 rows × 12 steps: each step's top-2 margin in
-    transformers' float64 forward exceeds twice the float32 bound of ``check_close``."""
+# The decoding layouts: a mesh and the strategy ``Decoder`` picks on it by default; and the
+# checkpoints they decode: top-1 and top-2 routing, GQA (2 KV heads) and MQA (1).
+DECODE_MESHES = {
+    "tp": ({"model": 4}, "tp"),  # every expert on every device, its hidden units split
+    "2d": ({"data": 2, "model": 4}, "2d"),
+    "ep": ({"expert": 4, "model": 1}, "tp+ep"),  # one expert a device, no tensor parallelism
+    "tp+ep": ({"expert": 2, "model": 4}, "tp+ep"),
+    "2d+ep": ({"data": 2, "expert": 2, "model": 2}, "2d+ep"),
+}
+ROUTINGS = {"top2-gqa": (2, 2), "top2-mqa": (2, 1), "top1-gqa": (1, 2), "top1-mqa": (1, 1)}
+DECODE_CASES = cover(list(DECODE_MESHES), list(ROUTINGS))
+
+
+def test_the_decoding_cases_cover_every_layout_and_checkpoint():
+    assert {m for m, _ in DECODE_CASES} == set(DECODE_MESHES)
+    assert {r for _, r in DECODE_CASES} == set(ROUTINGS)
+
+
+def _teacher_forced(decoder, params, ids, prompt_len: int) -> np.ndarray:
+    """``Decoder.logits`` of a prefill of ``prompt_len`` tokens of ``ids[B, T]``, then one
+    step a token fed the true next one: ``[B, T, V]``."""
+    cache = decoder.init_cache()
+    logits, cache = decoder.logits(params, cache, ids[:, :prompt_len], 0)
+    out = [np.asarray(logits)]
+    for t in range(prompt_len, ids.shape[1]):
+        logits, cache = decoder.logits(params, cache, ids[:, t : t + 1], t)
+        out.append(np.asarray(logits))
+    return np.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize(("layout", "routing"), DECODE_CASES, ids=lambda c: str(c))
+def test_decoding_is_transformers_generate_under_every_layout(tmp_path_factory, layout, routing):
+    """The KV-cache decoder of a transformers-written Mixtral (default strategy on each mesh:
+    tp, 2d, and with the experts split over ``expert``, ep, tp+ep and 2d+ep) generates, greedy,
+    the tokens of transformers' ``generate(do_sample=False)`` (float64, its own KV cache),
+    every one of 8 rows × 12 steps (each step's top-2 margin in transformers' float64 forward
+    exceeds twice the float32 bound of ``check_close``); teacher-forced, a prefill and one-token
+    steps give transformers' full forward's logits at every position."""
     prompt_len, steps = 8, 12
-    ckpt = HfMixtral(checkpoint)
-    decoder = Decoder(ckpt.model(), mesh_for(MESHES["2x4"]), batch=8,
-                      max_len=prompt_len + steps)  # fmt: skip
+    k, kv_heads = ROUTINGS[routing]
+    path = _checkpoint(str(tmp_path_factory.mktemp("hf-mixtral")), 2, k, kv_heads)
+    ckpt = HfMixtral(path)
+    shape, strategy = DECODE_MESHES[layout]
+    decoder = Decoder(ckpt.model(), mesh_for(shape), batch=8, max_len=prompt_len + steps)
+    assert decoder.setup.strategy == models.strategy_named(strategy)
+    split = decoder.param_specs["blocks"]["moe"]["gate"][1]
+    assert split == ("expert" if "ep" in layout else None), split
     params = ckpt.load(decoder.setup, optimizer_state=False)
     prompt, _ = tokens(FIELDS["vocab_size"], seed=4, seq=prompt_len)
     got = np.asarray(decoder.generate(params, prompt, steps))
-    hf = _hf(checkpoint, torch.float64)
+    hf = _hf(path, torch.float64)
     hf.generation_config.eos_token_id = None  # a random model's eos ends nothing
     with torch.no_grad():
         out = hf.generate(torch.as_tensor(prompt), attention_mask=torch.ones(prompt.shape),
                           max_new_tokens=steps, do_sample=False, pad_token_id=0).numpy()  # fmt: skip
     want = out[:, prompt_len:]
     fed = out[:, :-1]  # each generated token's inputs
-    exact = _hf_logits(checkpoint, fed, torch.float64)[:, prompt_len - 1 :]
-    bound = 2 * np.abs(_hf_logits(checkpoint, fed)[:, prompt_len - 1 :] - exact).max()
+    exact = _hf_logits(path, fed, torch.float64)[:, prompt_len - 1 :]
+    bound = 2 * np.abs(_hf_logits(path, fed)[:, prompt_len - 1 :] - exact).max()
     bound += 4 * np.finfo(np.float32).eps * np.abs(exact).max()
     top2 = np.sort(exact, axis=-1)[..., -2:]
     assert (top2[..., 1] - top2[..., 0]).min() > 2 * bound, "a near tie: change the seed"
-    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, want, err_msg=f"greedy tokens, {layout} {routing}")
+    _check_close(_teacher_forced(decoder, params, fed, prompt_len), path, fed,
+                 f"teacher-forced {layout} {routing}")  # fmt: skip
 
 
 def test_the_load_balance_weight_gives_transformers_aux_loss(tmp_path):
@@ -321,3 +365,9 @@ def test_a_dropless_model_under_expert_parallelism_is_refused(checkpoint):
     with refused(ValueError, argument="strategy '2d+ep'", got="is dropless",
                  expected="splits experts over 'expert'", fix="capacity_factor=E / k"):  # fmt: skip
         _build(HfMixtral(checkpoint).model(), "2d+ep", "d2e2m2")
+
+
+def test_a_saved_checkpoint_stops_generate_at_eos_where_the_original_does(checkpoint, tmp_path):
+    check_generate_stops_at_eos_after_a_save(MixtralForCausalLM, checkpoint, HfMixtral,
+                                             save_hf_mixtral, tmp_path,
+                                             experts_implementation="eager")  # fmt: skip
