@@ -454,7 +454,7 @@ def decoding_strategy(strategy: Strategy | str | None, model, mesh) -> Strategy:
         strategy = STRATEGY if DATA_AXIS in mesh.axis_names else "tp"
         strategy += "+ep" if experts and EXPERT_AXIS in mesh.axis_names else ""
     s = strategy_named(strategy)
-    other = [k.name for k in s.kinds if k.name not in DECODING_KINDS]
+    other = [k.name for k in s.kinds if k.name not in (*DECODING_KINDS, "sp")]
     if other or s.sp or s.tp is None:
         why = (f"its {', '.join(other)} {'does' if len(other) == 1 else 'do'} not decode"
                if other else "sp splits the sequence, which a one-token step does not have"

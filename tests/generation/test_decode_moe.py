@@ -208,3 +208,15 @@ def test_a_scanned_layer_without_its_outputs_is_refused(monkeypatch):
     with refused(ValueError, argument="CachedParallel.scan(outputs=True)", got="got float32[4,12,32]",
                  expected="must return (x, out)", fix="Return the pair"):  # fmt: skip
         decoder.logits(params, decoder.init_cache(), _prompt(), 0)
+
+
+@pytest.mark.parametrize(("strategy", "why"), [
+    ("fsdp_tp", "its fsdp does not decode"),
+    ("dp_sp", "sp splits the sequence"),
+    ("dp+ep", "it has no tp axis"),
+])  # fmt: skip
+def test_a_strategy_that_is_not_a_decoding_layout_is_refused(strategy, why):
+    with refused(ValueError, argument=f"strategy {strategy!r}", got=why,
+                 expected="'tp', '2d', 'tp+ep' or '2d+ep'", fix="decoder.place"):  # fmt: skip
+        Decoder(MODEL, mesh_for(MESHES["d2e2m2"]), batch=BATCH, max_len=PROMPT,
+                strategy=strategy)  # fmt: skip
