@@ -124,6 +124,19 @@ def test_the_no_run_marker_covers_exactly_the_listed_blocks():
     assert runnable >= 10 * len(marked), (runnable, len(marked))
 
 
+def test_the_index_table_and_the_readme_list_every_page():
+    """Each page of docs/ (but the index and the API pages) is a row of docs/index.md's page
+    table and a link of the README's "Read on" list."""
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"index.md"}
+    index = (ROOT / "docs" / "index.md").read_text()
+    table = set(re.findall(r"^\| \[[^]]+\]\(([a-z-]+\.md)\)", index, re.M))
+    assert pages - table == set(), f"docs/index.md's table lacks {sorted(pages - table)}"
+    readme = (ROOT / "README.md").read_text()
+    read_on = readme[readme.index("## Read on") :]
+    listed = set(re.findall(r"\(docs/([a-z-]+\.md)\)", read_on))
+    assert pages - listed == set(), f"the README's Read on lacks {sorted(pages - listed)}"
+
+
 def test_readme_is_short_and_starts_with_the_set_up_ci_runs():
     text = README.read_text()
     assert len(text.splitlines()) <= 200

@@ -173,6 +173,15 @@ class HfMixtral(HfLlama):
 
     TABLE = NAMES
 
+    def model(self, *, strategy: Strategy | str | None = None, **overrides) -> Llama:
+        """The checkpoint's ``models.Llama(experts=...)``: ``mixtral_from_config(config,
+        strategy=strategy, **overrides)``, tied as ``tie_embeddings`` says. Dropless
+        (``capacity_factor=None``, transformers' routing); where ``strategy`` (a name or a
+        ``Strategy``) has expert parallelism, the capacity ``E / k``, which drops nothing
+        either and which ep can split. ``overrides``: ``Llama`` fields (``context=``) or the
+        experts' ``TRAINING`` fields (``capacity_factor=1.25``)."""
+        return super().model(strategy=strategy, **overrides)
+
     @staticmethod
     def _from_config(config: dict, **overrides) -> Llama:
         return mixtral_from_config(config, **overrides)

@@ -320,8 +320,12 @@ def strategies_for(model, axes=None) -> list[str]:
 
 
 def strategy_named(name) -> Strategy:
-    """A preset by name (or a ``Strategy``, returned as it is); ``"<preset>+<method>"`` is the
-    preset with context parallelism on ``context`` by that attention (``with_context``)."""
+    """A preset by name (or a ``Strategy``, returned as it is), followed by any of, each after a
+    ``+``: ``ep`` (expert parallelism on ``expert``, ``with_experts``), a context-parallel
+    attention (``ring``, ``allgather``, ``ulysses``: on ``context``, ``with_context``) and a
+    pipeline schedule (``gpipe``, ``1f1b``, ``circular``, or ``circular<V>`` for V virtual
+    stages a device: on ``pipe``, ``with_pipeline``). E.g. ``"2d+ep"``, ``"fsdp_tp+ring"``,
+    ``"2d+1f1b"``, ``"2d+circular2"``."""
     if isinstance(name, Strategy):
         return name
     if isinstance(name, str) and "+" in name:
@@ -346,8 +350,10 @@ def strategy_named(name) -> Strategy:
         return strategy
     name = ALIASES.get(name, name)
     if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)} (add "
-                         f"'+ring', '+allgather' or '+ulysses' for context parallelism)")  # fmt: skip
+        raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}, and "
+                         f"add '+ep' for expert parallelism, '+ring', '+allgather' or '+ulysses' "
+                         f"for context parallelism, '+gpipe', '+1f1b', '+circular' or "
+                         f"'+circular<V>' for pipeline parallelism (e.g. '2d+ep', '2d+1f1b')")  # fmt: skip
     return STRATEGIES[name]
 
 

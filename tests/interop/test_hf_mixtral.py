@@ -371,3 +371,15 @@ def test_a_saved_checkpoint_stops_generate_at_eos_where_the_original_does(checkp
     check_generate_stops_at_eos_after_a_save(MixtralForCausalLM, checkpoint, HfMixtral,
                                              save_hf_mixtral, tmp_path,
                                              experts_implementation="eager")  # fmt: skip
+
+
+def test_help_of_the_mixtral_reader_names_its_strategy_argument():
+    """``HfMixtral.model`` and ``.load`` are Mixtral's own in ``help()``: ``strategy=`` and
+    ``experts=`` with what they do, not the Llama reader's text."""
+    import inspect
+
+    assert "strategy" in inspect.signature(HfMixtral.model).parameters
+    assert "E / k" in HfMixtral.model.__doc__ and "strategy" in HfMixtral.model.__doc__
+    assert HfMixtral.model.__doc__ != HfLlama.model.__doc__
+    assert "experts" in inspect.signature(HfMixtral.load).parameters
+    assert 'experts="setup"' in HfMixtral.load.__doc__

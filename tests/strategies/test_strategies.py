@@ -223,6 +223,12 @@ def test_bad_strategy_inputs():
     sgd = optax.sgd(1.0)
     with pytest.raises(ValueError, match=r"unknown strategy 'zero3'; choose one of \['2d', 'dp'"):
         models.build("zero3", mesh_for({"data": 8}), optimizer=sgd)
+    with pytest.raises(ValueError) as unknown:
+        models.strategy_named("zero3")
+    for suffix in ("'+ep'", "'+ring'", "'+ulysses'", "'+gpipe'", "'+1f1b'", "'+circular<V>'"):
+        assert suffix in str(unknown.value), (suffix, str(unknown.value))
+    for part in ("ep", "ring", "allgather", "ulysses", "gpipe", "1f1b", "circular<V>"):
+        assert part in models.strategy_named.__doc__, part
     with pytest.raises(
         ValueError,
         match=r"strategy '2d' needs mesh axes \('data', 'model'\), but the mesh has \('data',\) \(missing \('model',\)\)",
