@@ -291,8 +291,8 @@ def check_unplaced_tensors(module, tmp: Path) -> None:
         save_file({**tensors, **accepted, name: value}, file, metadata={"format": "pt"})
         ckpt, setup = _ref(module, path)
         refused(lambda c=ckpt, s=setup: c.load(s), ValueError,
-                rf"{re.escape(str(path))}: the files do not hold models.Llama's tensors: missing "
-                rf"\[\], not understood \[{re.escape(repr(name))}\]")  # fmt: skip
+                rf"{re.escape(str(path))}: the files do not hold the tensors HfLlama reads: "
+                rf"not understood \[{re.escape(repr(name))}\] \(no parameter")  # fmt: skip
 
 
 def check_elements_read(module) -> None:

@@ -440,11 +440,18 @@ class HfLlama:
         placed = want | ({HEAD} if self.tie_embeddings else set())
         extra = sorted(n for n in have - placed if not n.endswith(DERIVED))
         if missing or extra:
+            what = type(self).__name__
+            problems = ([f"missing {missing[:6]}{' …' if len(missing) > 6 else ''} (the config "
+                         f"needs them: a file of the checkpoint not there, or another "
+                         f"architecture than the config's)"] if missing else [])  # fmt: skip
+            problems += ([f"not understood {extra[:6]}{' …' if len(extra) > 6 else ''} (no "
+                          f"parameter of models.Llama holds them: a bias or another "
+                          f"architecture's tensor, which loading would silently drop)"]
+                         if extra else [])  # fmt: skip
             raise ValueError(
-                f"{self.directory}: the files do not hold models.Llama's tensors: missing "
-                f"{missing[:6]}{' …' if len(missing) > 6 else ''}, not understood "
-                f"{extra[:6]}{' …' if len(extra) > 6 else ''} (a bias or another architecture "
-                f"would be silently dropped)"
+                f"{self.directory}: the files do not hold the tensors {what} reads: "
+                f"{'; '.join(problems)}. Load a checkpoint of the config's architecture, "
+                f"whole"
             )
         handles: dict[str, Any] = {}
         wrong = []

@@ -58,7 +58,7 @@ class ExpertKind(Kind):
                 raise ValueError(
                     f"ctx.moe: capacity_factor=None (dropless) under strategy "
                     f"{ctx.strategy.name!r}, whose ep splits this layer's experts over "
-                    f"{self.axis!r}: {_DROPLESS_REASON}. {_DROPLESS_FIX}"
+                    f"{self.axis!r}: {_DROPLESS_REASON}. {_dropless_fix(ctx.strategy.name)}"
                 )
             return {**options, "expert_axis": self.axis}
         return options
@@ -72,7 +72,7 @@ class ExpertKind(Kind):
                 f"model's mixture of experts is dropless: params{whole[0]}'s plan role "
                 f"'experts' names no 'experts' dim (every expert whole on each device: "
                 f"Experts(capacity_factor=None)). {_DROPLESS_REASON[0].upper()}"
-                f"{_DROPLESS_REASON[1:]}. {_DROPLESS_FIX}"
+                f"{_DROPLESS_REASON[1:]}. {_dropless_fix(strategy.name)}"
             )
         n, found = mesh.shape[self.axis], False
         specs = role_layout(context)
@@ -104,10 +104,15 @@ _DROPLESS_REASON = (
     "dropless routing sends each expert a ragged number of tokens from each device, which "
     "needs a ragged AllToAll (lax.ragged_all_to_all, not implemented on XLA:CPU)"
 )
-_DROPLESS_FIX = (
-    "Use Experts(capacity_factor=E / k) under ep (C = S slots per expert: it drops nothing "
-    "either), or keep capacity_factor=None and use the strategy without ep (dp on that axis)"
-)
+
+
+def _dropless_fix(strategy: str) -> str:
+    """How to build a model ``strategy`` (with ep) can split."""
+    return (f"A Hugging Face Mixtral's model for this strategy is interop.HfMixtral(path).model("
+            f"strategy={strategy!r}), at the capacity E / k. A model of your own: use "
+            f"Experts(capacity_factor=E / k) under ep (C = S slots per expert: it drops nothing "
+            f"either), or keep capacity_factor=None and use the strategy without ep (dp on that "
+            f"axis)")  # fmt: skip
 
 
 def _whole_experts(context: LayoutContext) -> list[str]:

@@ -363,8 +363,30 @@ def test_a_dropless_model_under_expert_parallelism_is_refused(checkpoint):
     """The default model (dropless) built under ep: refused when the setup builds, naming
     the fix (``ckpt.model(strategy=...)`` gives ``E / k`` there)."""
     with refused(ValueError, argument="strategy '2d+ep'", got="is dropless",
-                 expected="splits experts over 'expert'", fix="capacity_factor=E / k"):  # fmt: skip
+                 expected="splits experts over 'expert'",
+                 fix="interop.HfMixtral(path).model(strategy='2d+ep')"):  # fmt: skip
         _build(HfMixtral(checkpoint).model(), "2d+ep", "d2e2m2")
+
+
+def test_a_missing_expert_tensor_is_refused_by_name_and_nothing_else(checkpoint, tmp_path):
+    """One expert's ``w2`` of one layer left out of the files: the message names it, says why
+    it matters and how to fix it, and says nothing of tensors not understood (there are
+    none)."""
+    from safetensors.numpy import load_file, save_file
+
+    path = tmp_path / "missing"
+    shutil.copytree(checkpoint, path)
+    tensors = load_file(path / "model.safetensors")
+    gone = "model.layers.0.block_sparse_moe.experts.1.w2.weight"
+    del tensors[gone]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    ckpt = HfMixtral(path)
+    setup = _build(ckpt.model(), "2d", "2x4")
+    with refused(ValueError, argument=f"{path}: the files", got=f"missing [{gone!r}]",
+                 expected="the tensors HfMixtral reads", fix="the config's architecture, whole"
+                 ) as info:  # fmt: skip
+        ckpt.load(setup)
+    assert "not understood" not in str(info.value) and "bias" not in str(info.value)
 
 
 def test_a_saved_checkpoint_stops_generate_at_eos_where_the_original_does(checkpoint, tmp_path):
