@@ -368,8 +368,9 @@ class _DeviceChecked:
     """A jitted function that first checks its concrete arguments live on the setup's mesh
     (``shardops.check_devices``), so a misplaced batch is a shardops error, not XLA's."""
 
-    def __init__(self, jitted, mesh, name, layer_order=None):
+    def __init__(self, jitted, mesh, name, layer_order=None, nested=None):
         self.jitted, self.mesh, self.name, self.layer_order = jitted, mesh, name, layer_order
+        self.nested = jitted if nested is None else nested  # called inside another trace
 
     def __call__(self, state_or_params, x, *y):
         _check_concrete(self.mesh, self.name)
@@ -380,7 +381,9 @@ class _DeviceChecked:
             shardops.check_devices(self.mesh, self.name, state=state_or_params, x=x, y=y)
         _layer_order.check(state_or_params, self.layer_order, f"setup.{self.name}: {first}",
                            _layer_order.CONVERT)  # fmt: skip
-        out = self.jitted(state_or_params, x, *y)
+        traced = any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(
+            (state_or_params, x, y)))  # fmt: skip
+        out = (self.nested if traced else self.jitted)(state_or_params, x, *y)
         if self.name in ("train_step", "loss_and_grads"):  # the state; the gradients
             _layer_order.mark(out[0] if self.name == "train_step" else out[1], self.layer_order)
         return out

@@ -186,7 +186,10 @@ def _jitted_programs(body: _Body, mesh, remat: Remat, padding: Padding, specs, o
         parts = microbatches if name in ("train_step", "loss_and_grads") else 1  # split batches
         checked = _batch_checked(fn, model, strategy, mesh, parts)
         jitted = jax.jit(checked, compiler_options=compiler_options, **kwargs)
-        return _DeviceChecked(jitted, mesh, name, _layer_order.order_key(padding.order))
+        # Called inside another jit (the locator's, a user's), the program is inlined: it may
+        # not carry compiler_options there (JAX refuses them on a nested jit).
+        nested = jax.jit(checked, **kwargs) if compiler_options else jitted
+        return _DeviceChecked(jitted, mesh, name, _layer_order.order_key(padding.order), nested)
 
     # Each checks the params (or state) it is given when it traces, before shard_map does.
     step_of_state = _state_checked(step, padding, "setup.train_step")

@@ -15,7 +15,10 @@ line of its own.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import numpy as np
 
 import shardops
 from shardops_models.training._setup import Setup
@@ -58,6 +61,15 @@ def locate_non_finite(setup: Setup, params, x, y) -> shardops.inspect.NonFiniteR
     ``y`` and name the first layer whose output, or the gradient arriving at it, holds a NaN
     or an inf (``shardops.inspect.first_non_finite``; padding cut off).
 
+    Under pipeline parallelism the layers run inside the pipeline's stages, where the
+    locator cannot tap them: the step is replayed on the same model, plan, precision, remat
+    and microbatches under the strategy without pp (``"2d+1f1b"`` → ``"2d"``), on the
+    devices at index 0 of the pipe axis (the mesh's other axes as they are), from ``params``
+    gathered (``setup.gather``, in the model's layer order) and placed there. It computes
+    what the pipeline computes (the same microbatches, summed in the same order), so a
+    non-finite value arises in the same layer. One process only: a multi-process run is
+    refused (the replay's devices are some processes' alone).
+
     Arguments:
         setup: from ``shardops_models.build``.
         params: the setup's parameters (``state.params``, laid out by the strategy), e.g. the
@@ -69,9 +81,36 @@ def locate_non_finite(setup: Setup, params, x, y) -> shardops.inspect.NonFiniteR
         (``"output"``, ``"loss"``, ``"gradient"``, ``"param"``; None: every value finite).
     """
     _check_setup("locate_non_finite", setup)
+    if setup.strategy.pp is not None:
+        setup, params = _without_pipeline(setup, params)
     return shardops.inspect.first_non_finite(
         _model_loss_and_grads(setup), params, *setup.place_batch(x, y)
     )
+
+
+def _without_pipeline(setup: Setup, params) -> tuple[Setup, object]:
+    """``setup``'s model under its strategy without pp, on the devices at pipe index 0, and
+    ``params`` placed there (``locate_non_finite``)."""
+    strategy, axis = setup.strategy, setup.strategy.pp
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"locate_non_finite: strategy {strategy.name!r} pipelines the layers over {axis!r} "
+            f"(pp), whose stages the locator cannot tap, and the replay without pp runs on one "
+            f"process's devices; this run has {jax.process_count()} processes. Save the "
+            f"state (Checkpoints) and call locate_non_finite in one process on a setup "
+            f"without pp"
+        )
+    flat = dataclasses.replace(
+        strategy, name=f"{strategy.name} without pp", pp=None, pp_schedule="1f1b", pp_virtual=None
+    )  # the defaults
+    names = tuple(a for a in setup.mesh.axis_names if a != axis)
+    devices = np.take(setup.mesh.devices, 0, axis=setup.mesh.axis_names.index(axis))
+    mesh = jax.sharding.Mesh(devices, names) if names else None
+    replay = build(flat if names else "ref", mesh, model=setup.model, optimizer=setup.optimizer,
+                   plan=setup.plan, remat=setup.remat, precision=setup.precision,
+                   attention=setup.attention, aux_weights=setup.aux_weights,
+                   microbatches=setup.microbatches)  # fmt: skip
+    return replay, replay.shard(setup.gather(params)).params
 
 
 def _model_loss_and_grads(setup: Setup):

@@ -50,9 +50,9 @@ def batch_for(model, rng):
     return x, np.eye(model.sizes[-1], dtype=np.float32)[rng.integers(0, model.sizes[-1], 32)]
 
 
-def locate(model, strategy, mesh, precision, *, locate=models.locate):
+def locate(model, strategy, mesh, precision, *, locate=models.locate, remat=False):
     setup = models.build(strategy, shardops.make_mesh(mesh), model=model,
-                         optimizer=optax.sgd(0.1), precision=precision)  # fmt: skip
+                         optimizer=optax.sgd(0.1), precision=precision, remat=remat)  # fmt: skip
     params = model.init(jax.random.key(0))
     noise = jax.random.key(1)  # non-zero biases and norms: a zero bias hides a bias bug
     params = jax.tree.map(
@@ -161,6 +161,20 @@ def test_an_extra_psum_in_block_0_is_named(monkeypatch):
     report = locate(gpt(), "tp", {"data": 2, "model": 4}, MIXED)
     assert report.first == "['blocks'][0]['down']", str(report)
     assert beyond(report) == {"['blocks'][0]['down']"}, str(report)
+
+
+@pytest.mark.parametrize("remat", [True, "matmuls", ("attention_output",), "offload"],
+                         ids=str)  # fmt: skip
+def test_under_every_remat_policy_the_locator_runs_and_names_the_bug(monkeypatch, remat):
+    """A setup built with remat compiles its programs with XLA options that a nested jit may
+    not carry (the locator's): ``locate`` runs under every policy and names the extra psum."""
+
+    def psum_twice(real, *args, **kwargs):
+        return lax.psum(real(*args, **kwargs), shardops.MODEL_AXIS)
+
+    _bug_on_call(monkeypatch, "row_parallel_dense_kernel", 0, 2, psum_twice)
+    report = locate(gpt(), "fsdp_tp", {"data": 2, "model": 4}, F32, remat=remat)
+    assert report.first == "['blocks'][0]['down']", str(report)
 
 
 def test_blocks_that_should_be_replicas_must_agree():

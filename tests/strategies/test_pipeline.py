@@ -377,3 +377,21 @@ def test_a_forward_with_two_stacks_is_refused():
         setup.loss_and_grads(
             setup.init(jax.random.key(0)).params, *setup.place_batch(ids[0], labels[0])
         )
+
+
+@pytest.mark.parametrize(
+    ("strategy", "mesh_name"), [("2d+circular", "p2d2m2"), ("ref+1f1b", "pipe2")]
+)
+def test_locate_non_finite_replays_a_pipeline_without_it_and_names_the_layer(strategy, mesh_name):
+    """A NaN in layer 5's MLP weights (of 8; in a circular pipeline's stored order another
+    index): ``locate_non_finite`` replays the step without pp on the devices at pipe index 0
+    (``"2d"`` on data 2 × model 2; ``"ref"`` where pipe is the only axis) from the params in
+    the model's order, and names layer 5's MLP output first."""
+    setup = _setup(strategy, mesh_name, 2)
+    params = LLAMA.init(jax.random.key(0))
+    down = np.array(params["blocks"]["mlp"]["down"]["w"])
+    down[5, 0, 0] = np.nan
+    params["blocks"]["mlp"]["down"]["w"] = down
+    ids, labels = lm_batches(LLAMA)
+    report = models.locate_non_finite(setup, setup.shard(params).params, ids[0], labels[0])
+    assert (report.layer, report.what) == ("['blocks'][5]['mlp']", "output"), str(report)
