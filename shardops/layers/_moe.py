@@ -181,8 +181,17 @@ def moe_specs(
 ) -> MoeSpecs:
     """Layout of ``expert_parallel_moe``: ``x[G_batch, S, D] → y[G_batch, S, D]``,
     ``router[D, E]`` replicated, gate and up ``w[E_expert, D, F_model]``, down
-    ``w[E_expert, F_model, D]``."""
-    x = P(spec_entry(*_axes_tuple(batch_axes)), None, None)
+    ``w[E_expert, F_model, D]``. The model axis must be none of the others (a ``ValueError``
+    naming them, not JAX's duplicate-spec error when the specs are used)."""
+    batch_axes = _axes_tuple(batch_axes)
+    if model_axis is not None and (model_axis == expert_axis or model_axis in batch_axes):
+        raise ValueError(
+            f"moe_specs: model_axis={model_axis!r} splits each expert's hidden units; it cannot "
+            f"also be expert_axis={expert_axis!r} or one of batch_axes={batch_axes} (one mesh "
+            f"axis splits one dim of a weight). Use another mesh axis for model_axis, or "
+            f"model_axis=None"
+        )
+    x = P(spec_entry(*batch_axes), None, None)
     return MoeSpecs(x=x, router=P(None, None), w_in=P(expert_axis, None, model_axis),
                     w_out=P(expert_axis, model_axis, None), y=x)  # fmt: skip
 

@@ -214,6 +214,24 @@ def test_experts_that_do_not_divide_over_the_expert_axis_are_refused():
         _layer()(params=params)
 
 
+def test_axes_the_mesh_lacks_or_that_coincide_are_refused_by_name():
+    """At the layer level: an expert or model axis the mesh lacks, the same axis for experts
+    and hidden units (in ``expert_parallel_moe`` and in ``moe_specs``, before JAX's
+    duplicate-spec error), each a message naming the argument and the fix."""
+    params = _moe.init_moe(jax.random.key(0), 16, 32, 8)
+    for name, axis in (("expert_axis", "expert"), ("model_axis", "tensor")):
+        with refused(ValueError, argument=f"{name}={axis!r}", got="is not an axis of the mesh",
+                     expected="the mesh has axes ('data',)", fix="Pass one of those names"):  # fmt: skip
+            _layer(**{name: axis}, **({"batch_axes": ("data", axis)} if name == "expert_axis"
+                                      else {}))(params=params)  # fmt: skip
+    with refused(ValueError, argument="model_axis='data'", got="expert_axis='data'",
+                 expected="must differ", fix="use another mesh axis"):  # fmt: skip
+        _layer(model_axis="data")(params=params)
+    with refused(ValueError, argument="moe_specs: model_axis='data'", got="expert_axis='data'",
+                 expected="cannot also be", fix="Use another mesh axis for model_axis"):  # fmt: skip
+        _moe.moe_specs(expert_axis="data", model_axis="data")
+
+
 def test_inconsistent_params_are_refused():
     mesh = shardops.make_mesh({"data": 4})
     params = _moe.init_moe(jax.random.key(0), 16, 32, 8)
