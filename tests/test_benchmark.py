@@ -10,6 +10,7 @@ import pathlib
 import subprocess
 import sys
 
+import _cover
 import jax
 import jax.numpy as jnp
 import optax
@@ -238,6 +239,8 @@ def test_context_parallel_quick_run_and_the_docs_tables(tmp_path):
         assert ratio["q25"] <= ratio["median"] <= ratio["q75"]
 
 
+@pytest.mark.skipif(not _cover.FULL, reason="CI time: SHARDOPS_FULL=1 (the asynchronous "
+                    "save itself is tests/training/test_checkpoint_async.py's)")  # fmt: skip
 def test_checkpoint_async_quick_run(tmp_path):
     """benchmarks/checkpoint_async.py end to end (a tiny MLP): the paired step times of no
     save, a synchronous and an asynchronous one, and a peak-memory process for each mode and
