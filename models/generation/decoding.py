@@ -131,7 +131,8 @@ class Decoder:
     default) reads the cache in blocks (``shardops.layers.cached_attention_kernel``).
     ``strategy``: the decoding layout, ``"tp"``, ``"2d"``, ``"tp+ep"`` or ``"2d+ep"``; None
     (the default) picks it from the mesh (``decoding_strategy``). ``setup`` is its
-    ``Setup`` (what ``HfLlama.load`` and ``Checkpoints`` place into)."""
+    ``Setup`` (what ``HfLlama.load`` places into; a training checkpoint decodes through
+    ``Checkpoints.restore`` into its own setup, ``setup.gather``, then ``place``)."""
 
     def __init__(self, model: Llama | Gpt, mesh, *, batch: int, max_len: int,
                  precision: shardops.Precision = shardops.FLOAT32,
@@ -150,12 +151,24 @@ class Decoder:
                              f"context: the GPT's learned positions end there, the Llama was "
                              f"trained up to it; build the model with a longer one)")  # fmt: skip
         self.model, self.mesh, self.max_len, self.precision = model, mesh, max_len, precision
+        picked = strategy is None
         strategy = decoding_strategy(strategy, model, mesh)
-        self.setup = build(strategy, mesh, model=_splittable(model, strategy),
-                           optimizer=optax.identity(), precision=precision,
-                           attention=attention)  # fmt: skip
+        try:
+            self.setup = build(strategy, mesh, model=_splittable(model, strategy),
+                               optimizer=optax.identity(), precision=precision,
+                               attention=attention)  # fmt: skip
+            self.setup.check_batch_size(batch)
+        except ValueError as e:
+            if not (picked and strategy.ep is not None):
+                raise
+            raise ValueError(
+                f"{e} (The Decoder picked strategy {strategy.name!r} because the mesh has an "
+                f"{strategy.ep!r} axis and the model has experts: its experts split over it, "
+                f"the rows over {strategy.batch_axes}. Pass strategy="
+                f"{strategy.name.removesuffix('+ep')!r} to decode with every expert on each "
+                f"device, the {strategy.ep!r} axis replicating the decoding)"
+            ) from None
         self.attention = attention
-        self.setup.check_batch_size(batch)
         self.batch = batch
         strategy = self.setup.strategy
         self.tp, self.data = strategy.tp, strategy.batch_axes
@@ -188,7 +201,8 @@ class Decoder:
         """An empty cache for ``logits``: a ``KVCache`` of length 0 whose ``k`` and ``v`` are
         each ``[L, B, p·n, S_max, hd]`` zeros in the compute dtype (``L`` layers, ``p`` the
         size of ``model``, ``n = kv_cache_heads(H, KV, p)``, ``hd`` the head dim), device
-        (i, j) holding the batch rows of data index i and its n KV heads."""
+        (i, j) holding the batch rows of its row index i (over the batch axes: ``data``, and
+        ``expert`` under ep) and its n KV heads."""
         return KVCache(self._zeros(), self._zeros(), 0)
 
     @property

@@ -271,7 +271,9 @@ def generation_config(model: Llama) -> dict:
     """The ``generation_config.json`` transformers' ``save_pretrained`` writes for a model
     without a generation config of its own (``GenerationConfig.from_model_config``): the
     token ids ``token_ids`` gives, those that are set, which ``generate`` stops (eos) and
-    pads at."""
+    pads at, and the three defaults transformers 5 writes beside them; not its
+    ``transformers_version`` (transformers is not a dependency; it reads the file without).
+    The test compares transformers' reading of both files, field by field."""
     return {"_from_model_config": True,
             **{k: v for k, v in token_ids(model).items() if v is not None},
             "output_attentions": False, "output_hidden_states": False, "use_cache": True}  # fmt: skip
@@ -625,13 +627,15 @@ def _save_hf(directory, setup: Setup, state, names: dict, config_of, caller: str
     plan = _plan(setup, leaves, out_dtype, names)  # (tensor name, bytes) in the order they are made
     files = _files(plan, None if max_shard_bytes is None else int(max_shard_bytes))  # name → file
     main = jax.process_index() == 0
+    # The JSON files' text first: nothing is removed from the folder if one cannot be written.
+    configs = {CONFIG: json.dumps(config_of(model, out_dtype), indent=2),
+               GENERATION_CONFIG: json.dumps(generation_config(model), indent=2)}  # fmt: skip
     if main:
         os.makedirs(directory, exist_ok=True)
         _remove_weights(directory)  # a checkpoint saved here before, in either form
-        with open(os.path.join(directory, CONFIG), "w") as f:
-            json.dump(config_of(model, out_dtype), f, indent=2)
-        with open(os.path.join(directory, GENERATION_CONFIG), "w") as f:
-            json.dump(generation_config(model), f, indent=2)
+        for name, text in configs.items():
+            with open(os.path.join(directory, name), "w") as f:
+                f.write(text)
     waiting = {
         file: sum(f == file for f in files.values()) for file in dict.fromkeys(files.values())
     }

@@ -137,6 +137,9 @@ class SpecialTokens:
                 raise ValueError(f"SpecialTokens: {name} must be a token id (an int) or None"
                                  f"{', or a list of ids' if name == 'eos' else ''}; got "
                                  f"{value!r}")  # fmt: skip
+            if value is not None:  # numpy ints as Python's (config.json is written from them)
+                object.__setattr__(self, name, tuple(map(int, ids)) if isinstance(value, tuple)
+                                   else int(value))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +164,9 @@ class Llama(LanguageModel):
     bos_id: int | None = None  # packed documents: each begins at this token
     init_scale: float = 0.02  # Hugging Face's initializer_range
     experts: Experts | None = None  # a mixture of experts in place of each block's MLP
-    special_tokens: SpecialTokens | None = None  # bos, eos, pad ids, for transformers' tools
+    # bos, eos, pad ids, for transformers' tools: not the model's function (not compared, not
+    # hashed; a checkpoint does not record them)
+    special_tokens: SpecialTokens | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
@@ -381,8 +382,9 @@ class _DeviceChecked:
             shardops.check_devices(self.mesh, self.name, state=state_or_params, x=x, y=y)
         _layer_order.check(state_or_params, self.layer_order, f"setup.{self.name}: {first}",
                            _layer_order.CONVERT)  # fmt: skip
-        traced = any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(
-            (state_or_params, x, y)))  # fmt: skip
+        traced = self.nested is not self.jitted and (any(
+            isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((state_or_params, x, y)))
+            or _inside_a_trace())  # fmt: skip
         out = (self.nested if traced else self.jitted)(state_or_params, x, *y)
         if self.name in ("train_step", "loss_and_grads"):  # the state; the gradients
             _layer_order.mark(out[0] if self.name == "train_step" else out[1], self.layer_order)
@@ -393,6 +395,12 @@ class _DeviceChecked:
 
     def trace(self, *args, **kwargs):
         return self.jitted.trace(*args, **kwargs)
+
+
+def _inside_a_trace() -> bool:
+    """Whether JAX is tracing (a jit of closed-over arrays passes no tracer in): inside a
+    trace every operation is staged, so a new array is a tracer."""
+    return isinstance(jnp.zeros((), jnp.int8), jax.core.Tracer)
 
 
 STATE_DONATED = (

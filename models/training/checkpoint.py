@@ -610,7 +610,9 @@ def _config(model) -> dict:
     """The model's config: a dataclass's fields, else its public attributes that are plain
     numbers, strings or sequences of them (never a repr, which may hold an address)."""
     if dataclasses.is_dataclass(model):
-        items = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+        # a field outside the model's equality (compare=False: Llama.special_tokens, which the
+        # forward never reads) is not what identifies it
+        items = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.compare}
     else:
         items = {k: v for k, v in vars(model).items() if not k.startswith("_")}
     out = {}

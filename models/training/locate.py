@@ -67,7 +67,9 @@ def locate_non_finite(setup: Setup, params, x, y) -> shardops.inspect.NonFiniteR
     devices at index 0 of the pipe axis (the mesh's other axes as they are), from ``params``
     gathered (``setup.gather``, in the model's layer order) and placed there. It computes
     what the pipeline computes (the same microbatches, summed in the same order), so a
-    non-finite value arises in the same layer. One process only: a multi-process run is
+    non-finite value arises in the same layer. The replay holds every layer on those devices
+    (1/P of the mesh) and a host copy of the params: memory the pipeline was spreading, which
+    a model that fits only pipelined does not have. One process only: a multi-process run is
     refused (the replay's devices are some processes' alone).
 
     Arguments:
@@ -103,11 +105,14 @@ def _without_pipeline(setup: Setup, params) -> tuple[Setup, object]:
     flat = dataclasses.replace(
         strategy, name=f"{strategy.name} without pp", pp=None, pp_schedule="1f1b", pp_virtual=None
     )  # the defaults
+    pipe = setup.mesh.axis_names.index(axis)
     names = tuple(a for a in setup.mesh.axis_names if a != axis)
-    devices = np.take(setup.mesh.devices, 0, axis=setup.mesh.axis_names.index(axis))
-    mesh = jax.sharding.Mesh(devices, names) if names else None
+    types = tuple(t for i, t in enumerate(setup.mesh.axis_types) if i != pipe)
+    devices = np.take(setup.mesh.devices, 0, axis=pipe)
+    mesh = jax.sharding.Mesh(devices, names, axis_types=types) if names else None
     replay = build(flat if names else "ref", mesh, model=setup.model, optimizer=setup.optimizer,
                    plan=setup.plan, remat=setup.remat, precision=setup.precision,
+                   fsdp_dense=setup.fsdp_dense, collective_matmul=setup.collective_matmul,
                    attention=setup.attention, aux_weights=setup.aux_weights,
                    microbatches=setup.microbatches)  # fmt: skip
     return replay, replay.shard(setup.gather(params)).params

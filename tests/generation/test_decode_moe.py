@@ -220,3 +220,28 @@ def test_a_strategy_that_is_not_a_decoding_layout_is_refused(strategy, why):
                  expected="'tp', '2d', 'tp+ep' or '2d+ep'", fix="decoder.place"):  # fmt: skip
         Decoder(MODEL, mesh_for(MESHES["d2e2m2"]), batch=BATCH, max_len=PROMPT,
                 strategy=strategy)  # fmt: skip
+
+
+def test_a_batch_the_picked_ep_layout_cannot_split_names_the_choice_and_the_way_back():
+    """On a mesh with an ``expert`` axis the decoder picks ``2d+ep`` (rows over data × expert):
+    a batch of 2 over 4 row shards is refused, saying why that layout was picked and how to
+    decode with every expert on each device instead."""
+    with refused(ValueError, argument="batch size 2", got="4 devices of mesh axes ('data', "
+                 "'expert')", expected="picked strategy '2d+ep'", fix="Pass strategy='2d'"):  # fmt: skip
+        Decoder(MODEL, mesh_for(MESHES["d2e2m2"]), batch=2, max_len=PROMPT)
+    decoder = Decoder(MODEL, mesh_for(MESHES["d2e2m2"]), batch=2, max_len=PROMPT, strategy="2d")
+    assert decoder.setup.strategy.name == "2d"
+
+
+def test_sampled_tokens_under_ep_are_the_unsharded_decoders():
+    """The Gumbel draw's row index under ep (rows over data × expert, data-major) is the
+    global row: sampling at temperature 1 with one key draws the tokens of one device."""
+    params, prompt = MODEL.init(jax.random.key(0)), _prompt()
+    key, drawn = jax.random.key(7), {}
+    for name in ("1x1", "d2e2m2", "e4m1"):
+        decoder = Decoder(MODEL, mesh_for(MESHES[name]), batch=BATCH, max_len=PROMPT + STEPS)
+        drawn[name] = np.asarray(decoder.generate(decoder.place(params), prompt, STEPS,
+                                                  temperature=1.0, key=key))  # fmt: skip
+    np.testing.assert_array_equal(drawn["d2e2m2"], drawn["1x1"])
+    np.testing.assert_array_equal(drawn["e4m1"], drawn["1x1"])
+    assert len(np.unique(drawn["1x1"])) > STEPS, "the draw is nearly constant"

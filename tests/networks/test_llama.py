@@ -4,6 +4,8 @@ steps of SGD and of Adam with global-norm clipping on equal the plain-jnp refere
 compiled collectives equal the budget traced from the step, and a vocabulary of 97 and a d_ff
 of 172 train padded on model = 2, 4 and 8."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -281,3 +283,19 @@ def test_misuse_of_padded_parameters_and_stacked_layers_is_a_clear_error():
 
 REPLICATED_BLOCK = {"attn_norm": models.REPLICATED, "attn": models.REPLICATED,
                     "mlp_norm": models.REPLICATED, "mlp": models.REPLICATED}  # fmt: skip
+
+
+def test_special_tokens_are_carried_not_compared_and_numpy_ids_are_ints():
+    """``special_tokens`` is metadata for transformers' tools: a model with them equals and
+    hashes as the one without (the same programs), a checkpoint does not record them, and
+    numpy ids become Python ints (config.json is written from them)."""
+    from shardops_models.training import checkpoint
+
+    tokens = models.SpecialTokens(bos=np.int64(1), eos=[np.int32(2), 3], pad=None)
+    assert tokens == models.SpecialTokens(bos=1, eos=(2, 3))
+    assert all(type(i) is int for i in (tokens.bos, *tokens.eos))
+    with_tokens = dataclasses.replace(GQA, special_tokens=tokens)
+    assert with_tokens == GQA and hash(with_tokens) == hash(GQA)
+    assert "special_tokens" not in checkpoint._config(with_tokens)
+    with pytest.raises(ValueError, match="eos must be a token id"):
+        models.SpecialTokens(eos=["2"])
