@@ -69,8 +69,8 @@ mesh.
 
 **Per step** (one token, batch ``b = B/d`` per device), over ``model``: the embedding's
 AllReduce of ``x[b, 1, D]``, two AllReduces of ``[b, 1, D]`` per layer (attention's output
-and the MLP's, or the experts' combine), and the argmax's two of ``[b, 1]``; all float32; under ep, two AllToAlls of ``[E, b, D]``
-per layer over ``expert``. Nothing over ``data``.
+and the MLP's, or the experts' combine), and the argmax's two of ``[b, 1]``; all float32;
+under ep, two AllToAlls of ``[E, b, D]`` per layer over ``expert``. Nothing over ``data``.
 """
 
 from __future__ import annotations
