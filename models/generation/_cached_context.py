@@ -57,8 +57,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from shardops import entry_axes
 from shardops.layers import cached_attention_kernel
+from shardops_models.strategies.expert import ExpertKind
 from shardops_models.strategies.parallel import Parallel, is_param, one_layer
 from shardops_models.strategies.plan import StackedRole
 
@@ -232,8 +232,7 @@ class CachedParallel(Parallel):
         combine's AllReduce of ``y[b, s, D]`` over the tp axis; under ep the two AllToAlls of
         the slots ``[E, b·s, D]`` over the expert axis)."""
         experts = p["router"].shape[-1]
-        split = self.strategy.ep is not None and any(
-            self.strategy.ep in entry_axes(e) for e in p["gate"].spec)  # fmt: skip
+        split = any(isinstance(kind, ExpertKind) and kind.splits(p) for kind in self.strategy.kinds)
         return super().moe(p, x, k=k, capacity_factor=experts / k if split else None,
                            score=score, load_balance="group", activation=activation)  # fmt: skip
 

@@ -484,12 +484,10 @@ def decoding_strategy(strategy: Strategy | str | None, model, mesh) -> Strategy:
 
 
 def _splittable(model, strategy: Strategy):
-    """``model`` as ``strategy`` can lay it out: under ep, dropless experts
-    (``capacity_factor=None``, whole on every device) take the capacity ``E / k``, which
-    drops nothing either (``C = S``) and whose plan role splits them. Decoding routes without
-    drops whatever the capacity (``CachedParallel.moe``)."""
+    """``model`` as ``strategy`` can lay it out: under ep, its experts ``Experts.splittable``
+    (dropless ones at ``E / k``, which drops nothing either). Decoding routes without drops
+    whatever the capacity (``CachedParallel.moe``)."""
     experts = getattr(model, "experts", None)
-    if strategy.ep is None or experts is None or experts.capacity_factor is not None:
+    if strategy.ep is None or experts is None:
         return model
-    return dataclasses.replace(model, experts=dataclasses.replace(
-        experts, capacity_factor=experts.num_experts / experts.k))  # fmt: skip
+    return dataclasses.replace(model, experts=experts.splittable())

@@ -136,11 +136,11 @@ def mixtral_from_config(config: dict | str | os.PathLike, *,
     e, k = config["num_local_experts"], config["num_experts_per_tok"]
     coef = float(config["router_aux_loss_coef"])
     ep = strategy is not None and strategy_named(strategy).ep is not None
-    experts = Experts(num_experts=e, k=k, capacity_factor=e / k if ep else None, score="softmax",
+    experts = Experts(num_experts=e, k=k, capacity_factor=None, score="softmax",
                       load_balance="global",
                       load_balance_weight=coef * k / fields["num_layers"],
                       z_loss_weight=0.0)  # fmt: skip
-    experts = dataclasses.replace(experts, **training)
+    experts = dataclasses.replace(experts.splittable() if ep else experts, **training)
     return Llama(**{**fields, "experts": experts, **overrides})
 
 

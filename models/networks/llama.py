@@ -113,6 +113,14 @@ class Experts:
                 raise ValueError(f"Experts: {name} must be one of {allowed}; got "
                                  f"{getattr(self, name)!r}. Pass one of them")  # fmt: skip
 
+    def splittable(self) -> Experts:
+        """These experts as expert parallelism can split them: dropless ones
+        (``capacity_factor=None``, whole on every device) at the capacity ``E / k``, which
+        drops nothing either (``C = S``) and routes every token alike; others as they are."""
+        if self.capacity_factor is not None:
+            return self
+        return dataclasses.replace(self, capacity_factor=self.num_experts / self.k)
+
 
 @dataclasses.dataclass(frozen=True)
 class SpecialTokens:

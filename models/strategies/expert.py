@@ -51,9 +51,14 @@ class ExpertKind(Kind):
     def logical_rules(self) -> dict[str, str]:
         return {"experts": self.axis}
 
+    def splits(self, p) -> bool:
+        """Whether the mixture-of-experts layer ``p`` (``ctx.moe``'s parameters) has its
+        experts split over this kind's axis."""
+        return any(self.axis in entry_axes(e) for e in p["gate"].spec)
+
     def moe_options(self, ctx, p, options: dict) -> dict:
         """The experts' axis, where the layer's experts are split over it (not dropless)."""
-        if any(self.axis in entry_axes(e) for e in p["gate"].spec):
+        if self.splits(p):
             if options.get("capacity_factor", 0) is None:
                 raise ValueError(
                     f"ctx.moe: capacity_factor=None (dropless) under strategy "

@@ -50,13 +50,13 @@ def test_cached_logits_of_every_step_equal_a_full_recompute(name, mesh_name, hea
     check_teacher_forced(name, mesh_name)
 
 
-def teacher_forced(decoder, params, ids, steps: int = STEPS):
-    """The logits of a prefill of PROMPT tokens, then ``steps`` one-token steps fed the true
-    next token: ``[B, PROMPT + steps, V]``."""
+def teacher_forced(decoder, params, ids, steps: int = STEPS, prompt: int = PROMPT):
+    """The logits of a prefill of ``prompt`` tokens, then ``steps`` one-token steps fed the
+    true next token: ``[B, prompt + steps, V]``."""
     cache = decoder.init_cache()
-    logits, cache = decoder.logits(params, cache, ids[:, :PROMPT], 0)  # the prefill
+    logits, cache = decoder.logits(params, cache, ids[:, :prompt], 0)  # the prefill
     out = [np.asarray(logits)]
-    for t in range(PROMPT, PROMPT + steps):
+    for t in range(prompt, prompt + steps):
         logits, cache = decoder.logits(params, cache, ids[:, t : t + 1], t)
         out.append(np.asarray(logits))
     return np.concatenate(out, axis=1)

@@ -26,6 +26,7 @@ from _hf_checks import check_close, check_generate_stops_at_eos_after_a_save, to
 from _messages import refused
 from _model_checks import mesh_for
 from _mutants import mutant
+from test_decoding import teacher_forced
 from transformers import MixtralConfig, MixtralForCausalLM
 
 import shardops_models as models
@@ -177,18 +178,6 @@ def test_the_decoding_cases_cover_every_layout_and_checkpoint():
     assert {r for _, r in DECODE_CASES} == set(ROUTINGS)
 
 
-def _teacher_forced(decoder, params, ids, prompt_len: int) -> np.ndarray:
-    """``Decoder.logits`` of a prefill of ``prompt_len`` tokens of ``ids[B, T]``, then one
-    step a token fed the true next one: ``[B, T, V]``."""
-    cache = decoder.init_cache()
-    logits, cache = decoder.logits(params, cache, ids[:, :prompt_len], 0)
-    out = [np.asarray(logits)]
-    for t in range(prompt_len, ids.shape[1]):
-        logits, cache = decoder.logits(params, cache, ids[:, t : t + 1], t)
-        out.append(np.asarray(logits))
-    return np.concatenate(out, axis=1)
-
-
 @pytest.mark.parametrize(("layout", "routing"), DECODE_CASES, ids=lambda c: str(c))
 def test_decoding_is_transformers_generate_under_every_layout(tmp_path_factory, layout, routing):
     """The KV-cache decoder of a transformers-written Mixtral (default strategy on each mesh:
@@ -222,7 +211,7 @@ def test_decoding_is_transformers_generate_under_every_layout(tmp_path_factory, 
     top2 = np.sort(exact, axis=-1)[..., -2:]
     assert (top2[..., 1] - top2[..., 0]).min() > 2 * bound, "a near tie: change the seed"
     np.testing.assert_array_equal(got, want, err_msg=f"greedy tokens, {layout} {routing}")
-    _check_close(_teacher_forced(decoder, params, fed, prompt_len), path, fed,
+    _check_close(teacher_forced(decoder, params, fed, fed.shape[1] - prompt_len, prompt_len), path, fed,
                  f"teacher-forced {layout} {routing}")  # fmt: skip
 
 
@@ -326,8 +315,8 @@ def test_a_setup_of_other_experts_is_refused(checkpoint):
 
 # name → (exact line of hf_mixtral.py, replacement); each changes the logits on 2d+ep, but
 # the dropless default's (read on tp: MUTANT_LAYOUTS).
-_CAPACITY = ("    experts = Experts(num_experts=e, k=k, capacity_factor=e / k if ep else None, "
-             "score=\"softmax\",")  # fmt: skip
+_CAPACITY = '    experts = Experts(num_experts=e, k=k, capacity_factor=None, score="softmax",'
+_SPLIT = "    experts = dataclasses.replace(experts.splittable() if ep else experts, **training)"
 MUTANTS = {
     "router_not_transposed": (
         '    ("blocks", "moe", "router"): (_MOE + "gate.weight", True),',
@@ -336,8 +325,9 @@ MUTANTS = {
         '    ("blocks", "moe", "up"): (_MOE + "experts.{e}.w3.weight", True),',
         '    ("blocks", "moe", "up"): (_MOE + "experts.{e}.w1.weight", True),\n'
         '    ("blocks", "moe", "gate"): (_MOE + "experts.{e}.w3.weight", True),'),
-    "capacity_of_training": (_CAPACITY, _CAPACITY.replace("e / k if ep else None", "1.25")),
-    "capacity_of_training_without_ep": (_CAPACITY, _CAPACITY.replace("else None", "else 1.25")),
+    "capacity_of_training": (_SPLIT, _SPLIT.replace("experts.splittable()",
+                                                    "dataclasses.replace(experts, capacity_factor=1.25)")),
+    "capacity_of_training_without_ep": (_CAPACITY, _CAPACITY.replace("=None", "=1.25")),
 }  # fmt: skip
 MUTANT_LAYOUTS = {"capacity_of_training_without_ep": ("tp", "2x4")}
 
