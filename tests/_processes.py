@@ -18,12 +18,12 @@ ROOT = pathlib.Path(__file__).parent.parent
 class Run:
     """A command started in the background, its output in files under ``workdir``."""
 
-    def __init__(self, args: list[str], workdir: pathlib.Path, name: str, env=None):
+    def __init__(self, args: list[str], workdir: pathlib.Path, name: str, env=None, cwd=ROOT):
         self.out = workdir / f"{name}.out"
         self.err = workdir / f"{name}.err"
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
-                args, stdout=out, stderr=err, cwd=ROOT, start_new_session=True,
+                args, stdout=out, stderr=err, cwd=cwd, start_new_session=True,
                 env={**os.environ, **(env or {})},
             )  # fmt: skip
 

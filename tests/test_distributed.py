@@ -24,7 +24,6 @@ from _model_checks import (
     sharded_trajectory,
 )
 from _processes import Run, launcher, python, run, wait_for
-from test_docs import NOT_RUN, ROOT, python_blocks
 
 import shardops
 import shardops_models as models
@@ -237,19 +236,11 @@ def test_in_one_process_a_local_batch_is_the_global_batch():
 # --- the multi-process pages' scripts and commands, which the docs' tests do not run
 
 
-def test_the_multi_process_page_s_train_py_runs_as_written_under_the_launcher(tmp_path):
-    """The page's ``train.py`` (a no-run block there) under ``python -m shardops.launch -n 2``:
-    ``import shardops`` reaches ``shardops.distributed``, process 0 alone prints its 100 finite
-    losses, and no step hangs (each process waits for its loss: without that, 2 runs of 3
-    hung here)."""
-    page = ROOT / "docs" / "multi-process.md"
-    (script,) = [body for _, body, runs in python_blocks(page) if not runs]
-    assert (
-        test_the_multi_process_page_s_train_py_runs_as_written_under_the_launcher.__name__
-        in (NOT_RUN["docs/multi-process.md", "SHARDOPS_COORDINATOR"])
-    ), "NOT_RUN should name the test that runs the block"
-    (tmp_path / "train.py").write_text(script)
-    out = run(launcher(2, str(tmp_path / "train.py")), tmp_path, "train", timeout=120)
+def check_train_py(out: str) -> None:
+    """The multi-process page's ``train.py`` (a no-run block there), run by test_doc_commands on
+    two "hosts" as the page shows it: ``import shardops`` reaches ``shardops.distributed``,
+    process 0 alone prints its 100 finite losses, and no step hangs (each process waits for its
+    loss: without that, 2 runs of 3 hung here)."""
     steps = re.findall(r"^\[p0\] (\d+) (\S+)$", out, re.M)
     assert [int(step) for step, _ in steps] == list(range(100)), out
     assert all(math.isfinite(float(loss)) for _, loss in steps), out

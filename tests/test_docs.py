@@ -25,8 +25,7 @@ NO_RUN = "# docs: no-run"
 # Every block marked not to run: (page, a phrase of the block) → why it cannot run here.
 NOT_RUN = {
     ("docs/multi-process.md", "SHARDOPS_COORDINATOR"): "a script for several hosts: "
-    "tests/test_distributed.py::"
-    "test_the_multi_process_page_s_train_py_runs_as_written_under_the_launcher runs it",
+    "tests/test_doc_commands.py runs it with the page's two launcher commands, as two hosts on loopback",
 }
 # A fenced block opens with ``` and an info string; its body ends at the same indentation.
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)  # fmt: skip
@@ -228,7 +227,7 @@ def test_every_command_the_pages_show_parses(monkeypatch):
     the blocks' tests cannot run: they train for minutes, or need several hosts) name a script
     or module that exists and flags its parser takes: an example's, the launcher's (its
     ``--devices`` and ``--coordinator`` too), the strategy search's; ``train.py`` is the
-    multi-process page's script (run under the launcher by tests/test_distributed.py)."""
+    multi-process page's script. tests/test_doc_commands.py runs them all."""
     commands = sum(len(page_commands(page)) for page in PAGES)
     assert commands >= 30, commands
     assert [p for page in PAGES for p in command_problems(page, monkeypatch)] == []

@@ -1,0 +1,185 @@
+"""Every ``python …`` command the README and the docs pages show, run to its end as a user runs it.
+
+A command runs in a scratch directory holding a copy of ``examples/`` (so a ``--plot
+examples/…png`` writes there, not into the checkout), with the user's environment: the
+examples simulate their 8 CPU devices themselves, so the suite's device-count flag is not passed
+on (its compiler flags are, as in every test). Paths under ``/tmp/`` become paths under the
+scratch directory. A command that takes over a minute on 2 cores runs with only its step, epoch
+or compile count lowered (``LOWERED``), and its page says so next to it. Commands of one page
+run in order (the resilience page's resume follows its run); a command two pages show runs once.
+"""
+
+import os
+import pathlib
+import re
+import shlex
+import shutil
+import socket
+import sys
+
+import pytest
+from _cover import FAST_COMPILE, FULL
+from _processes import Run
+from test_distributed import check_train_py
+from test_docs import PAGES, ROOT, page_commands, python_blocks, rel
+from test_examples import check_custom_gpt, check_mlp_2d_locate, check_pmap_gives_the_same_numbers
+from test_real_data import require_fashion_mnist
+
+SET_UP = (["python", "-m", "pytest"],)  # the README's test command: this suite
+FASHION = "/usr/share/datasets/fashion-mnist"
+# Command → the flags appended to it (argparse keeps the last value of a flag): each took over a
+# minute on 2 cores as written (measured 2026-12-06, 8 simulated devices).
+LOWERED = {
+    f"python examples/mlp_2d.py --data-dir {FASHION}": "--epochs 1",  # 146 s
+    "python examples/transformer_lm.py --compare-reference --steps 300 --mesh 4x2 "
+    "--plot examples/transformer_lm.png --metrics-json /tmp/lm.json": "--steps 12",  # 205 s
+    "python -m shardops.launch -n 2 -- examples/transformer_lm.py --strategy sp --mesh 2x4":
+        "--steps 12",  # 146 s
+    "python -m shardops.launch -n 2 -- examples/mlp_2d.py --checkpoint-dir /tmp/run "
+    "--checkpoint-every 5": "--epochs 1",  # 69 s
+    "python -m shardops.launch -n 2 -- examples/mlp_2d.py --checkpoint-dir /tmp/run "
+    "--checkpoint-every 5 --resume": "--epochs 2",  # resumes after the lowered run: 1 epoch
+    "python -m shardops_models.search --model gpt --batch 16 --devices 8 --hardware calibrate "
+    "--compile-top 99 --recount": "--compile-top 3",  # 81 s
+}  # fmt: skip
+# Commands a page shows failing: command → (exit code, what its error says).
+REFUSED = {
+    "python examples/mlp_2d.py --strategy hsdp_tp --mesh 4x2": (
+        1, "strategy 'hsdp_tp' needs mesh axes ('replica', 'data', 'model') (missing ('replica',))"
+    ),
+}  # fmt: skip
+# The last line each script prints when it ran to its end (a script that stopped early with
+# exit code 0 fails here), by the script's name.
+ENDS = {
+    "mlp_2d.py": r"Test set accuracy \d\.\d{4}|within bound|Checkpoints: steps",
+    "transformer_lm.py": r"within bound|Plot: |^(?:\[p0\] )?Sample",
+    "locate_divergence.py": r"first beyond its bound",
+    "mlp_data_parallel.py": r"jax\.pmap: test accuracy",
+    "custom_model.py": r"all-reduce|reduce-scatter",
+    "shardops_models.search": r"searched in|searching \d+ devices",
+    "train.py": r"",  # two commands, one per "host": CHECKS reads each
+}
+HOST0 = "host0:8476"  # the several-hosts commands' coordinator: here both "hosts" are loopback
+
+
+def commands() -> dict[str, list[tuple[str, int, str]]]:
+    """Page → its commands ``(page, line, command)`` in order, each command under its first page."""
+    seen, found = set(), {}
+    for page in PAGES:
+        for line, words in page_commands(page):
+            command = shlex.join(words)
+            if command in seen or words[:3] == ["python3", "-m", "venv"] or words in SET_UP:
+                continue
+            seen.add(command)
+            found.setdefault(rel(page), []).append((rel(page), line, command))
+    return found
+
+
+COMMANDS = commands()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _environment() -> dict[str, str]:
+    """A user's environment: no simulated-device flag (the examples set their own), the suite's
+    compiler flags and compilation cache."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(() if FULL else FAST_COMPILE)
+    return env
+
+
+def _argv(command: str, scratch: pathlib.Path, port: int) -> list[str]:
+    words = shlex.split(command) + shlex.split(LOWERED.get(command, ""))
+    words = [w.replace("/tmp/", f"{scratch}/").replace(HOST0, f"127.0.0.1:{port}") for w in words]
+    return [sys.executable if w == "python" else w for w in words]
+
+
+def _script(command: str) -> str:
+    words = shlex.split(command)
+    if "shardops_models.search" in words:
+        return "shardops_models.search"
+    return pathlib.Path(next(w for w in reversed(words) if w.endswith(".py"))).name
+
+
+def _problem(command: str, run: Run, code: int) -> str | None:
+    """Why ``command`` did not run to its end (or, a refusal a page shows, end as it shows)."""
+    stdout, out = run.out.read_text(), run.out.read_text() + run.err.read_text()
+    expected_code, says = REFUSED.get(command, (0, None))
+    end = ENDS[_script(command)] if says is None else re.escape(says)
+    if code != expected_code:
+        return f"exited with {code}, not {expected_code}:\n{run.output()}"
+    if "Traceback" in out or not re.search(end, stdout if says is None else out, re.M):
+        return f"did not run to its end (no line matching {end!r}, or a traceback):\n{run.output()}"
+    return None
+
+
+def run_commands(page: str, scratch: pathlib.Path, timeout: float = 300) -> dict[str, str]:
+    """Run ``page``'s commands in order; command → its stdout, after asserting each ran to its end.
+    Commands that share a coordinator (several hosts) run together."""
+    shutil.copytree(ROOT / "examples", scratch / "examples")
+    for _, body, runs in python_blocks(ROOT / page):
+        if not runs and "SHARDOPS_COORDINATOR" in body:
+            (scratch / "train.py").write_text(body)  # the several-hosts page's script
+    outputs, problems, port = {}, [], _free_port()
+    pending = [c for _, _, c in COMMANDS[page]]
+    while pending:
+        group = [c for c in pending if HOST0 in c] if HOST0 in pending[0] else pending[:1]
+        started = [
+            (c, Run(_argv(c, scratch, port), scratch, f"cmd{len(outputs) + i}", _environment(), scratch))
+            for i, c in enumerate(group)
+        ]
+        for command, run in started:
+            try:
+                code = run.wait(timeout)
+            except AssertionError as e:
+                problems.append(f"{command}: {e}")
+                continue
+            finally:
+                run.kill()
+            outputs[command] = run.out.read_text()
+            if (problem := _problem(command, run, code)) is not None:
+                problems.append(f"{command}: {problem}")
+        pending = [c for c in pending if c not in group]
+        port = _free_port()
+    assert problems == [], "\n\n".join(problems)
+    return outputs
+
+
+def test_every_command_belongs_to_a_page_and_each_lowered_one_is_named_on_its_page():
+    """Each ``LOWERED`` and ``REFUSED`` key is a command a page shows, and the page names the
+    lowered flags (`` `--steps 12` ``) so that a reader knows which figures the tests do not
+    reproduce."""
+    shown = {c: page for page, cs in COMMANDS.items() for _, _, c in cs}
+    assert set(LOWERED) <= set(shown), set(LOWERED) - set(shown)
+    assert set(REFUSED) <= set(shown), set(REFUSED) - set(shown)
+    for command, flags in LOWERED.items():
+        text = (ROOT / shown[command]).read_text()
+        assert f"`{flags}`" in text, (
+            f"{shown[command]} does not say the tests run {command!r} with {flags}"
+        )
+    assert sum(map(len, COMMANDS.values())) >= 25
+
+
+@pytest.mark.parametrize("page", sorted(COMMANDS))
+def test_each_command_of_the_page_runs_to_its_end(page, tmp_path):
+    if any(FASHION in c for _, _, c in COMMANDS[page]):
+        require_fashion_mnist()
+    outputs = run_commands(page, tmp_path)
+    for command, out in outputs.items():
+        if command in CHECKS:
+            CHECKS[command](out)
+
+
+# --- what the commands print that the pages quote ---------------------------------------------
+TWO_HOSTS = [c for _, _, c in COMMANDS["docs/multi-process.md"] if HOST0 in c]
+CHECKS = {
+    TWO_HOSTS[0]: check_train_py,  # process 0 prints the losses ...
+    TWO_HOSTS[1]: lambda out: not re.search(r"^\[p\d\] \d+ ", out, re.M) or pytest.fail(out),
+    "python examples/mlp_data_parallel.py --with-pmap": check_pmap_gives_the_same_numbers,
+    "python examples/custom_model.py": lambda out: check_custom_gpt(out, sequence_parallel=False),
+    "python examples/mlp_2d.py --locate --strategy fsdp_tp --mesh 2x4": check_mlp_2d_locate,
+}
