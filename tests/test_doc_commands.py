@@ -128,9 +128,10 @@ def run_commands(page: str, scratch: pathlib.Path, timeout: float = 300) -> dict
     pending = [c for _, _, c in COMMANDS[page]]
     while pending:
         group = [c for c in pending if HOST0 in c] if HOST0 in pending[0] else pending[:1]
+        env, names = _environment(), [f"cmd{len(outputs) + i}" for i in range(len(group))]
         started = [
-            (c, Run(_argv(c, scratch, port), scratch, f"cmd{len(outputs) + i}", _environment(), scratch))
-            for i, c in enumerate(group)
+            (c, Run(_argv(c, scratch, port), scratch, name, env, cwd=scratch))
+            for c, name in zip(group, names, strict=True)
         ]
         for command, run in started:
             try:
