@@ -49,8 +49,8 @@ Loss check: 10 steps from the same init on the same batches; every program's los
 fails (exit 1) when they disagree; a full run records and prints it.
 
 Time and memory on one chip: each program's train state is 12 bytes a parameter (3 GB for
-the 254M model, 5.6 GB for the 470M); when the programs' states do not fit the device together
-they wait on the host between steps (``bench_shape``), moved outside the timed calls, which
+the 254M model, 5.9 GB for the 470M, which has 491.8M parameters); when the programs' states do
+not fit the device together they wait on the host between steps (``bench_shape``), moved outside the timed calls, which
 makes a round slower but not a step. Every program is compiled once per shape (the search adds
 a few compiles a program); ``--model 254m``, ``--steps``, ``--attention`` and ``--no-search``
 shorten a run on a chip lent for minutes.

@@ -190,7 +190,7 @@ def command_problems(page: pathlib.Path, monkeypatch, text: str | None = None) -
     from _resume_checks import load_example
 
     from shardops import launch
-    from shardops_models.search import _search
+    from shardops_models.search import _cli
 
     problems = []
     for line, words in page_commands(page, text):
@@ -211,7 +211,7 @@ def command_problems(page: pathlib.Path, monkeypatch, text: str | None = None) -
             if command == ["train.py"] and rel(page) == "docs/multi-process.md":
                 continue  # the page's script, which names no flags
             if command[:2] == ["-m", "shardops_models.search"]:
-                main, flags = _search.main, command[2:]
+                main, flags = _cli.main, command[2:]
             else:
                 name = re.fullmatch(r"examples/(\w+)\.py", command[0])
                 assert name and (ROOT / command[0]).exists(), "not an example"

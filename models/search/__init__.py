@@ -8,11 +8,13 @@ an analytic cost model, with the compiled ledger of the best candidates.
     result[0]                          # the best Candidate: strategy, mesh, bytes, times
     search.compiled_ledger(result[0])  # compile (never run) and read its ledger
 
-Its parts: ``_search`` (candidates, ranking, the table and the command line), ``_program_cost``
+Its parts: ``_search`` (candidates and ranking), ``_table`` (the tables), ``_cli`` (the command
+line), ``_program_cost``
 (FLOPs, bytes and the peak of live memory counted from a jaxpr), ``_hardware`` (link bandwidth,
 compute rates, collective efficiencies; ``calibrate()`` measures them here).
 """
 
+from shardops_models.search._cli import main
 from shardops_models.search._hardware import (
     HARDWARE,
     Hardware,
@@ -28,7 +30,6 @@ from shardops_models.search._search import (
     RuledOut,
     Search,
     compiled_ledger,
-    main,
     model_named,
     predict,
     recounted,

@@ -1,8 +1,7 @@
 """Strategy search: every strategy × mesh ``data × model`` for a model, a batch and a device
 count, ranked by an analytic cost model, with the compiled ledger of the best ones.
 
-    python -m shardops_models.search --model gpt --batch 16 --devices 8 --compile-top 3
-    python -m shardops_models.search --model wide --batch 1024 --devices 64 --hardware h100-ib
+    python -m shardops_models.search --model gpt --batch 16 --devices 8 --compile-top 3   # _cli
 
     import shardops_models.search
     result = shardops_models.search.search(models.Gpt(), 16, 8, hardware="cpu-sim")
@@ -37,10 +36,7 @@ compiles for them, and runs nothing.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import io
-import json
 import math
 import os
 import pathlib
@@ -55,8 +51,9 @@ import shardops
 from shardops import BFLOAT16, DATA_AXIS, FLOAT32, MIXED_BFLOAT16, MODEL_AXIS, Precision
 from shardops.inspect import ring_bytes
 from shardops_models.networks.contract import declared
-from shardops_models.search._hardware import HARDWARE, Hardware, calibrate, hardware_named
+from shardops_models.search._hardware import Hardware, hardware_named
 from shardops_models.search._program_cost import program_cost
+from shardops_models.search._table import _axes, _keyed, _render, _table
 
 MODELS = {
     "seed": "MLP 784-512-10 (the seed's)",
@@ -547,6 +544,11 @@ def compiled_ledger(candidate: Candidate) -> CompiledLedger:
                           peak, seconds)  # fmt: skip
 
 
+def _check_positive(name: str, n) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name} must be a positive integer; got {n!r}")
+
+
 # --- more devices than this process has: a subprocess with simulated CPU devices
 
 
@@ -594,214 +596,3 @@ def _worker(request: str, result: str) -> None:
     out = dataclasses.replace(out, candidates=[dataclasses.replace(lay, model=None)
                                             for lay in out.candidates])  # fmt: skip
     pathlib.Path(result).write_bytes(pickle.dumps(out))
-
-
-# --- the table
-
-
-def _keyed(d: dict) -> dict:
-    return {f"{k} {_axes(a)}": v for (k, a), v in d.items()}
-
-
-def _axes(axes) -> str:
-    return "×".join(axes) or "-"
-
-
-def _mb(n) -> str:
-    return f"{n / 1e6:,.2f}"
-
-
-def _ms(t) -> str:
-    return f"{t * 1e3:,.3f}"
-
-
-def _per_axis(d: dict, fmt) -> str:
-    return ", ".join(f"{_axes(a)}: {fmt(v)}" for a, v in sorted(d.items())) or "-"
-
-
-def _table(p: Search):
-    from rich.table import Table
-
-    hw = p.hardware
-    title = (f"{p.model_name}, batch {p.batch}, {p.devices} devices, hardware {hw.name} "
-             f"(ranked by predicted step time)")  # fmt: skip
-    table = Table(title=title)
-    for name, justify in (("rank", "right"), ("strategy", "left"), ("mesh", "left"),
-                          ("replicas", "right"), ("ring MB/device", "left"),
-                          ("collectives", "left"), ("comm ms", "right"),
-                          ("compute ms", "right"), ("peak MB/device", "right"),
-                          ("fits", "left"), ("step ms", "right")):  # fmt: skip
-        table.add_column(name, justify=justify)
-    for lay in p.candidates:
-        table.add_row(
-            str(lay.rank), lay.strategy, lay.mesh_text, str(lay.replicas),
-            _per_axis(lay.ring_bytes, _mb), _per_axis(lay.collectives, str),
-            _ms(sum(lay.comm_time.values())), _ms(lay.compute_time), _mb(lay.peak_bytes),
-            "yes" if lay.fits else "no", _ms(lay.step_time),
-        )  # fmt: skip
-    for r in p.ruled_out:
-        table.add_row("-", r.strategy, r.mesh_text, "", f"ruled out: {r.reason}",
-                      "", "", "", "", "", "", style="dim")  # fmt: skip
-    return table
-
-
-def _compiled_table(p: Search):
-    from rich.table import Table
-
-    table = Table(title="compiled ledger of the top candidates (lowered and compiled, not run)")
-    for name in ("rank", "candidate", "kind axes", "predicted bytes", "requested", "compiled",
-                 "collectives (compiled)", "peak MB: predicted", "compiled", "compile s"):  # fmt: skip
-        table.add_column(name)
-    for lay in p.candidates:
-        c = lay.compiled
-        if c is None:
-            continue
-        keys = sorted(set(lay.budget) | set(c.totals) | set(c.requested))
-        for i, key in enumerate(keys or [("-", ())]):
-            first = i == 0
-            table.add_row(
-                str(lay.rank) if first else "", lay.name if first else "",
-                f"{key[0]} {_axes(key[1])}", f"{lay.budget.get(key, 0):,}",
-                f"{c.requested.get(key, 0):,}", f"{c.totals.get(key, 0):,}",
-                _per_axis(c.collectives, str) if first else "",
-                _mb(lay.peak_bytes) if first else "",
-                (_mb(c.peak_bytes) if c.peak_bytes is not None else "?") if first else "",
-                f"{c.seconds:.2f}" if first else "",
-                style=None if lay.budget.get(key, 0) == c.requested.get(key, 0) else "bold red",
-            )  # fmt: skip
-    return table
-
-
-def _render(table) -> str:
-    from rich.console import Console
-
-    console = Console(width=200, record=True, file=io.StringIO(), color_system=None)
-    console.print(table)
-    return console.export_text()
-
-
-# --- the command line
-
-
-def _check_positive(name: str, n) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{name} must be a positive integer; got {n!r}")
-
-
-def _parser() -> argparse.ArgumentParser:
-    """The command line's arguments: the model, batch and devices (or a mesh) to search, the
-    options ``search`` takes, and what to write."""
-    p = argparse.ArgumentParser(
-        prog="python -m shardops_models.search", description=__doc__.split("\n\n")[0],
-    )  # fmt: skip
-    p.add_argument("--model", choices=sorted(MODELS), default="seed",
-                   help="; ".join(f"{k}: {v}" for k, v in MODELS.items()))  # fmt: skip
-    p.add_argument("--batch", type=int, help="global batch (examples)")
-    p.add_argument("--devices", type=int, help="how many devices to search over")
-    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (GPT)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
-    p.add_argument("--precision", choices=sorted(PRECISIONS), default="float32")
-    p.add_argument("--hardware", default="h100-nvlink",
-                   help=f"a preset ({', '.join(sorted(HARDWARE))}) or 'calibrate' (measure this "
-                        f"machine's devices)")  # fmt: skip
-    p.add_argument(
-        "--memory-gb",
-        type=float,
-        default=None,
-        help="memory per device; candidates that need more are ruled out",
-    )
-    p.add_argument("--strategies", nargs="*", default=None)
-    p.add_argument("--mesh", default=None, metavar="SPEC",
-                   help="search this mesh only, e.g. replica=2,data=2,model=2 or 4x2 (default: "
-                        "every data×model of --devices)")  # fmt: skip
-    p.add_argument(
-        "--compile-top",
-        type=int,
-        default=0,
-        metavar="K",
-        help="compile (never run) the best K candidates and show their ledgers",
-    )
-    p.add_argument("--recount", action="store_true",
-                   help="rank the compiled candidates again, their latency counting the "
-                        "collectives the compiled program runs (XLA combines all-reduces)")  # fmt: skip
-    p.add_argument("--json", default=None, metavar="PATH", help="write the ranking as JSON")
-    p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
-    return p
-
-
-def _checked_meshes(p: argparse.ArgumentParser, args) -> list[dict[str, int]] | None:
-    """The meshes ``--mesh`` asks for (None: every ``data × model`` of ``--devices``), with
-    ``args.devices`` set from it; an inconsistent or missing size exits through ``p.error``."""
-    meshes = None
-    if args.mesh is not None:
-        try:
-            shape = shardops.parse_mesh(args.mesh)
-        except ValueError as e:
-            p.error(f"--{e}")
-        n = math.prod(shape.values())
-        if args.devices is not None and args.devices != n:
-            p.error(f"--mesh {args.mesh} has {n} devices but --devices is {args.devices}")
-        args.devices, meshes = n, [shape]
-    if args.batch is None or args.devices is None:
-        p.error("--batch and --devices (or --mesh) are required")
-    if args.devices < 1:
-        p.error(f"--devices must be a positive integer; got {args.devices}")
-    if args.batch < 1:
-        p.error(f"--batch must be a positive integer; got {args.batch}")
-    if args.compile_top < 0:
-        p.error(f"--compile-top must be ≥ 0; got {args.compile_top}")
-    if args.hardware != "calibrate" and args.hardware not in HARDWARE:
-        p.error(f"unknown --hardware {args.hardware!r}; choose one of "
-                f"{sorted(HARDWARE)} or 'calibrate'")  # fmt: skip
-    return meshes
-
-
-def _print_result(result: Search, args) -> None:
-    """The ranking (and the compiled ledgers of ``--compile-top``) as tables on stdout, and the
-    JSON file of ``--json``."""
-    from rich.console import Console
-
-    console = Console(width=200)
-    console.print(result.table())
-    if args.compile_top:
-        console.print(_compiled_table(result))
-    console.print(f"searched in {result.seconds:.1f} s; bytes are what the program asks for "
-                  f"(Ledger.totals(requested=True)); times use {result.hardware.source or result.hardware.name}")  # fmt: skip
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(result.as_dict(), indent=1))
-        console.print(f"wrote {args.json}")
-
-
-def main(argv=None) -> Search | None:
-    """``python -m shardops_models.search``: search, print the ranking and return it (None in a
-    ``--worker`` subprocess). More devices than this process has: the same command re-runs in a
-    subprocess on simulated CPU devices, and this process exits with its status."""
-    p = _parser()
-    args = p.parse_args(argv)
-    if args.worker:
-        _worker(*args.worker)
-        return None
-    meshes = _checked_meshes(p, args)
-
-    import jax
-
-    if args.devices > jax.device_count():
-        # Re-run this command where JAX simulates enough CPU devices; it compiles, never runs.
-        print(f"searching {args.devices} devices on simulated CPU devices (this process has "
-              f"{jax.device_count()})", file=sys.stderr, flush=True)  # fmt: skip
-        argv = sys.argv[1:] if argv is None else list(argv)
-        proc = subprocess.run([sys.executable, "-m", "shardops_models.search", *argv],
-                              env=_simulated_env(args.devices))  # fmt: skip
-        sys.exit(proc.returncode)
-    hardware = calibrate() if args.hardware == "calibrate" else args.hardware
-    memory = None if args.memory_gb is None else args.memory_gb * 1e9
-    try:
-        result = search(args.model, args.batch, args.devices, seq=args.seq,
-                      optimizer=args.optimizer, precision=PRECISIONS[args.precision],
-                      hardware=hardware, memory_limit=memory, strategies=args.strategies,
-                      compile_top=args.compile_top, recount=args.recount,
-                      meshes=meshes)  # fmt: skip
-    except ValueError as e:
-        p.error(str(e))
-    _print_result(result, args)
-    return result
