@@ -1,6 +1,7 @@
 """Blocked online-softmax attention (``shardops.layers.blocked_attention``): values and every
 gradient against a float64 reference (causal, segments, GQA/MQA, a ragged last block, three
-policies), the memory claim read from the jaxpr, the dtype flow, and clear errors."""
+policies), the memory claim and the key block clipped to a short sequence read from the jaxpr,
+the dtype flow, and clear errors."""
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +11,8 @@ from _messages import refused
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 import shardops
-from shardops.layers import blocked_attention
-from shardops.testing import dtype_flow_violations
+from shardops.layers import BLOCK_K, _flash, blocked_attention
+from shardops.testing import _subjaxprs, dtype_flow_violations
 
 F32, MIXED, BF16 = shardops.FLOAT32, shardops.MIXED_BFLOAT16, shardops.BFLOAT16
 # float32 results: every sum is over at most S + hd = 56 terms of float32 products, so the
@@ -257,6 +258,70 @@ def test_forward_and_backward_never_hold_an_s_by_s_array():
     assert "scan" in str(jaxpr)
     einsum_shapes = shapes_with_two_dims_of(loss_and_grads_jaxpr(einsum_attention).jaxpr, 48)
     assert (2, 4, 48, 48) in [shape for _, shape in einsum_shapes]
+
+
+# S = 64 under the layer's key block (BLOCK_K = 512): every other dim (B=2, H=4, n=2, g=2,
+# hd=8) is smaller than S, so the largest dim of a product is its key block.
+SHORT = Case("short", kv=2, seq=64, block_k=BLOCK_K, causal=True, segments=True)
+
+
+def largest_product_dims(module=_flash) -> dict[str, int]:
+    """The largest dim of any ``dot_general``'s operands or result (scan bodies and custom-VJP
+    rules included) in the traced forward and backward of each entry point of the blocked
+    core on ``SHORT``: ``blocked_attention`` with its default ``block_k`` (``attend``, which
+    the layer calls with ``BLOCK_K``), and the ring steps' ``attention_with_lse`` and
+    ``attention_backward`` with ``BLOCK_K``. Traced only: nothing runs."""
+    q, k, v, ct, segments = inputs(SHORT)
+    pos = jnp.arange(SHORT.seq, dtype=jnp.int32)
+    tokens = dict(q_positions=pos, k_positions=pos, q_segments=segments, k_segments=segments,
+                  causal=True, block_k=BLOCK_K, precision=F32)  # fmt: skip
+    lse, delta = np.zeros(q.shape[:3], np.float32), np.zeros(q.shape[:3], np.float32)
+
+    def attend(q, k, v):  # its gradient: the custom VJP's forward and backward
+        return (module.blocked_attention(q, k, v, causal=True, segment_ids=segments) * ct).sum()
+
+    def ring_forward(q, k, v):
+        return module.attention_with_lse(q, k, v, **tokens)
+
+    def ring_backward(q, k, v):
+        return module.attention_backward(q, k, v, ct, lse, delta, **tokens)
+
+    programs = {"blocked_attention": jax.grad(attend, argnums=(0, 1, 2)),
+                "attention_with_lse": ring_forward, "attention_backward": ring_backward}  # fmt: skip
+    out = {}
+    for name, fn in programs.items():
+        shapes = product_shapes(jax.make_jaxpr(fn)(q, k, v).jaxpr)
+        out[name] = max(max(shape) for _, shape in shapes)
+    return out
+
+
+def product_shapes(jaxpr) -> list[tuple[str, tuple]]:
+    """``("operand" or "result", shape)`` of every ``dot_general`` of ``jaxpr``, nested jaxprs
+    included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found += [("operand", v.aval.shape) for v in eqn.invars]
+            found += [("result", v.aval.shape) for v in eqn.outvars]
+        for sub in _subjaxprs(eqn.params):
+            found += product_shapes(sub)
+    return found
+
+
+def check_key_blocks_clipped(module=_flash) -> None:
+    """The key block is clipped to the sequence: on S = 64 no product of the forward or the
+    backward is wider than S. An unclipped block pads the keys to 512 and scores them all:
+    the same values (the padding is masked), 8× the work and the score memory; so this is
+    read from the program, not from the values."""
+    for name, widest in largest_product_dims(module).items():
+        assert widest == SHORT.seq, (
+            f"{name}: a product has a dim of {widest} on S={SHORT.seq} with block_k={BLOCK_K}; "
+            f"the key block is not clipped to the sequence"
+        )
+
+
+def test_the_key_block_is_clipped_to_a_short_sequence():
+    check_key_blocks_clipped()
 
 
 @pytest.mark.parametrize("policy", [F32, MIXED], ids=lambda p: p.name)

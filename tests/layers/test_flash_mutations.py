@@ -1,5 +1,7 @@
 """Mutation check: known flash-attention bugs, injected into copies of shardops/layers/_flash.py,
-are caught by ``test_flash``'s own check (values and every gradient against float64).
+are caught by ``test_flash``'s own check (values and every gradient against float64); a key
+block not clipped to the sequence (the same values, 8× the work) by the block shapes read from
+the program (``check_key_blocks_clipped``).
 
 Each mutant replaces one exact line of the real source (``tests/_mutants.py``: the line must
 be there exactly once, so a mutant cannot drift from the code) and is run on the case that
@@ -8,7 +10,7 @@ exposes it; an unmutated copy passes the same cases.
 
 import pytest
 from _mutants import mutant
-from test_flash import CASES, check_against_reference
+from test_flash import CASES, check_against_reference, check_key_blocks_clipped
 
 from shardops.layers import _flash
 
@@ -76,6 +78,31 @@ MUTANTS = {
 }
 
 
+# The key block clipped to the keys (S) in each entry point: the line, then the next one,
+# which tells the three apart.
+CLIP = "    block = min(int(block_k), k.shape[2])\n"
+UNCLIPPED = "    block = int(block_k)\n"
+ENTRIES = {
+    "attend": "    with jax.named_scope(",  # blocked_attention and the layer's blocked path
+    "attention_with_lse": "    return _forward(",  # a ring step's forward
+    "attention_backward": "    return _backward(",  # a ring step's backward
+}
+# name → (line, replacement): each caught by check_key_blocks_clipped; the padded keys are
+# masked, so the values stay right (the value check above passes on them).
+BLOCK_MUTANTS = {
+    f"{entry}_key_block_not_clipped": (CLIP + after, UNCLIPPED + after)
+    for entry, after in ENTRIES.items()
+}
+
+
+@pytest.mark.parametrize("name", BLOCK_MUTANTS)
+def test_an_unclipped_key_block_is_caught(name):
+    line, replacement = BLOCK_MUTANTS[name]
+    module = mutant(_flash, name, line, replacement)
+    with pytest.raises(AssertionError, match="the key block is not clipped"):
+        check_key_blocks_clipped(module)
+
+
 @pytest.mark.parametrize("name", MUTANTS)
 def test_mutant_is_caught(name):
     line, replacement, case = MUTANTS[name]
@@ -87,5 +114,6 @@ def test_mutant_is_caught(name):
 def test_an_unmutated_copy_passes():
     """The harness itself (loading a copy) does not make the checks fail."""
     module = mutant(_flash, "unmutated", RESCALE, RESCALE)
+    check_key_blocks_clipped(module)
     for case in {case for _, _, case in MUTANTS.values()}:
         check_against_reference(module.blocked_attention, CASES[case])

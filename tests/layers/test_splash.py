@@ -1,7 +1,10 @@
 """Splash attention (``shardops.layers._splash``, the Pallas TPU kernel, run here in Pallas's
 interpreter): values and every gradient against a float64 reference (causal, segments, GQA,
 MQA, two key blocks, a bf16 policy), inside ``jax.shard_map(check_vma=True)`` with replicated
-projection weights against the unsharded run, mutants of the wrapper, and clear errors."""
+projection weights against the unsharded run, the dtype of the backward's reductions under the
+bf16 policies (traced), mutants of the wrapper, and clear errors."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -222,6 +225,37 @@ def test_the_unchecked_region_compiles_to_nothing():
     assert ops <= {"sine", "fusion"}, ops
 
 
+def wrapper_reductions(module, policy) -> list[tuple[str, tuple, tuple]]:
+    """``(kind, mesh axes, dtypes)`` of each collective the wrapper asks for (its reason,
+    ``splash_replicated_operand``, is in the op name) in the gradient of ``projected_attention``
+    under ``policy``: MQA, its one KV head replicated over ``model`` while the query heads are
+    split, so ``dk`` and ``dv`` are summed over ``model``. Traced only: the kernel neither runs
+    nor is interpreted."""
+    attend = functools.partial(module.splash_attention, precision=policy)
+    grads = projected_attention(attend, 1, sharded=True)
+    mesh = shardops.make_mesh({"data": 2, "model": 2})
+    found = shardops.inspect.traced_collectives(mesh, grads, *projected_inputs(1))
+    return [(c.kind, c.axes, c.dtypes) for c in found
+            if "splash_replicated_operand" in c.op_name]  # fmt: skip
+
+
+def check_wrapper_reductions(module) -> None:
+    """Under both bf16 policies the kernel's ``dk`` and ``dv`` (bf16) are summed over
+    ``model`` in float32, as the module docstring says: one AllReduce each. XLA:CPU sums a
+    bf16 AllReduce in float32 anyway, so a bf16 one gives the same values here and rounds
+    at every step of the ring on a TPU: only the program shows it."""
+    for policy in (MIXED, shardops.BFLOAT16):
+        got = wrapper_reductions(module, policy)
+        assert got == [("all-reduce", ("model",), ("f32",))] * 2, (
+            f"{policy.name}: the wrapper's reductions are {got}, not two AllReduces over "
+            f"model in float32"
+        )
+
+
+def test_the_backward_sums_replicated_operands_in_float32():
+    check_wrapper_reductions(_splash)
+
+
 def test_under_remat_in_shard_map():
     """``jax.checkpoint`` around the attention (the forward re-run in the backward, the
     pullback rebuilt) gives the same gradients inside ``shard_map(check_vma=True)``."""
@@ -242,11 +276,14 @@ SCALE = "    scale = 1.0 / math.sqrt(hd)  # splash does not scale the scores: q�
 RETYPE = "    return _vary(o, varies), (pullback, kinds)  # o[B, n, g, S, hd] in compute"
 EXTRA = "extra = tuple(sorted(varies - varying_axes(kind)))"
 RETYPE_GRAD = "        grad = _vary(grad, varies)  # its value varies as o does"
+REDUCE = "grad = all_reduce(grad.astype(jnp.float32), extra, reason=_REPLICATED_OPERAND)"
 OFF = (AssertionError, "off by")  # a value beyond its bound
 TYPED = (ValueError, "manual axis types do not match")  # check_vma refuses the program
 
-# name → (line, replacement, the check that catches it: "values" or the kv_heads of the
-# replicated-weights check, and how it fails)
+REDUCED = (AssertionError, "not two AllReduces over model in float32")  # the program's dtypes
+
+# name → (line, replacement, the check that catches it: "values", the kv_heads of the
+# replicated-weights check or "reductions" (check_wrapper_reductions), and how it fails)
 MUTANTS = {
     # The 1/√hd scale forgotten (splash does not apply it).
     "scale_dropped": (SCALE, "    scale = 1.0", "values", OFF),
@@ -258,6 +295,13 @@ MUTANTS = {
     # The cotangents psummed over every axis o varies over, not only where the primal is
     # replicated (dq summed over the devices' different heads): check_vma refuses it.
     "cotangents_psummed_over_every_axis": (EXTRA, "extra = tuple(sorted(varies))", 1, TYPED),
+    # dk, dv summed in the kernel's bf16: right on CPU (which sums in float32 anyway).
+    "replicated_gradients_summed_in_bfloat16": (
+        REDUCE,
+        REDUCE.replace("grad.astype(jnp.float32)", "grad"),
+        "reductions",
+        REDUCED,
+    ),
 }
 
 
@@ -268,6 +312,8 @@ def test_mutant_is_caught(name):
     with pytest.raises(error, match=message):
         if check == "values":
             check_against_reference(module.splash_attention, CASES["plain"])
+        elif check == "reductions":
+            check_wrapper_reductions(module)
         else:
             check_replicated_weights(module.splash_attention, check)
 
@@ -276,6 +322,7 @@ def test_an_unmutated_copy_passes():
     module = mutant(_splash, "unmutated", SCALE, SCALE)
     check_against_reference(module.splash_attention, CASES["plain"])
     check_replicated_weights(module.splash_attention, 1)
+    check_wrapper_reductions(module)
 
 
 # --- what splash cannot run, and the dispatcher's fallback reason -------------------------------

@@ -2,8 +2,10 @@
 trains the GPT and the Llama as the reference does under ``ref``, ``fsdp_tp``, ``2d`` and a
 context-parallel layout; each holds less memory than ``"none"`` in the compiled step
 (``Setup.temp_bytes``, XLA:CPU's ``memory_analysis``), ``"full"`` ≤ ``"matmuls"`` ≤ ``"none"``;
-under fsdp every policy but ``"none"`` gathers the weights again in the backward pass; bad
-policies and names no layer makes are refused."""
+under fsdp every policy but ``"none"`` gathers the weights again in the backward pass; what each
+layer keeps for its backward, and in which memory, read from the traced step (a named policy its
+names only, an offload policy on the host), with mutants of both; bad policies and names no
+layer makes are refused."""
 
 import functools
 
@@ -19,8 +21,9 @@ from test_llama import GQA
 from test_strategies import SIZES
 
 import shardops_models as models
+from shardops.testing import _subjaxprs
 from shardops_models.strategies import remat as remat_module
-from shardops_models.strategies.remat import NAMES, Remat, names_made
+from shardops_models.strategies.remat import MLP_OUTPUT, NAMES, Remat, names_made
 
 SAVED = ("attention_output", "mlp_hidden")
 POLICIES = ["full", "matmuls", SAVED, "offload"]
@@ -100,6 +103,165 @@ def test_a_policy_saving_everything_is_caught():
 def test_an_unmutated_copy_passes():
     same = mutant(remat_module, "unmutated", MATMULS_LINE, MATMULS_LINE)
     check_memory(same.Remat("matmuls").jax_policy())
+
+
+# --- what each layer keeps, and where: read from the traced step ---------------------------------
+
+# Residuals pass through these on their way out of the forward loop (remat's marker, the move to
+# the host); what made them is behind.
+PASSED_THROUGH = ("reduce_precision", "device_put")
+
+
+def residuals(remat) -> list[tuple[str, str, tuple]]:
+    """What each layer of ``DEEP``'s forward keeps for the backward under ``remat`` (a value
+    ``build`` takes): the per-layer outputs of the forward loop (the step's first ``scan``,
+    whose stacked outputs the backward loop reads), each ``(memory, made by, shape)``:
+    ``memory`` ``"host"`` or ``"device"``; ``made by`` the ``checkpoint_name`` of a named
+    activation, ``"dot_general"`` for a matmul's output, ``"input"`` for the layer's input,
+    else the primitive. Traced: nothing is compiled. (XLA:CPU lowers the move to the host to
+    nothing, so its HLO could not show it; the jaxpr does.)"""
+    setup = models.build("ref", optimizer=optax.sgd(0.1), model=DEEP, remat=remat)
+    loop = next(eqn for eqn in _eqns(setup.step_jaxpr(2, 16).jaxpr) if eqn.primitive.name == "scan")
+    body = loop.params["jaxpr"].jaxpr
+    made = {var: eqn for eqn in body.eqns for var in eqn.outvars}
+    out = []
+    for var in body.outvars[loop.params["num_carry"] :]:
+        memory = "host" if var.aval.memory_space == jax.memory.Space.Host else "device"
+        source = var
+        while source in made and made[source].primitive.name in PASSED_THROUGH:
+            source = made[source].invars[0]
+        eqn = made.get(source)
+        if eqn is None:
+            by = "input"  # a value the loop body was given
+        elif eqn.primitive.name == "name":
+            by = eqn.params["name"]
+        else:
+            by = eqn.primitive.name
+        out.append((memory, by, tuple(var.aval.shape)))
+    return out
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` in program order, nested jaxprs' where they occur."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for inner in _subjaxprs(eqn.params):
+            yield from _eqns(inner)
+
+
+def check_saves_names(policy, names) -> None:
+    """A policy saving ``names`` (those the backward reads) keeps those activations on the
+    device and nothing else but the layer's input: the complement of the names, or the matmuls
+    besides, is caught."""
+    kept = residuals(policy)
+    assert {by for _, by, _ in kept} - {"input"} == set(names), (
+        f"{policy}: the layer keeps {kept}, expected the activations {names} only"
+    )
+    assert all(memory == "device" for memory, _, _ in kept), kept
+
+
+def check_offloads(policy, names=()) -> None:
+    """An offload policy moves what it keeps to the host: every residual but the layer's input
+    is on the host; they are the ``names`` given, else the matmul outputs that ``"matmuls"``
+    keeps on the device (the same shapes). A policy that saves them on the device holds as
+    much on XLA:CPU (its pinned host is the device's memory), so only the program shows it."""
+    kept = [(memory, by, shape) for memory, by, shape in residuals(policy) if by != "input"]
+    assert kept and all(memory == "host" for memory, _, _ in kept), (
+        f"{policy}: the layer keeps {kept}; an offload policy keeps them on the host"
+    )
+    if names:
+        assert sorted(by for _, by, _ in kept) == sorted(names), kept
+    else:
+        matmuls = [shape for _, by, shape in residuals("matmuls") if by != "input"]
+        assert sorted(shape for *_, shape in kept) == sorted(matmuls), (kept, matmuls)
+        assert {by for _, by, _ in kept} == {"dot_general"}, kept
+
+
+@pytest.mark.parametrize(("names", "kept"), [
+    (SAVED, SAVED),
+    (("mlp_input",), ("mlp_input",)),
+    # The MLP's output feeds only the residual add, whose backward reads nothing: saveable, but
+    # no residual.
+    (NAMES, tuple(n for n in NAMES if n != MLP_OUTPUT)),
+], ids=["two", "one", "all"])  # fmt: skip
+def test_a_named_policy_keeps_exactly_its_names(names, kept):
+    check_saves_names(names, kept)
+
+
+def test_offload_moves_the_matmul_outputs_to_the_host():
+    check_offloads("offload")
+    check_offloads(Remat("offload", ("attention_output",)), ("attention_output",))
+
+
+SAVE_LINE = "            return policies.save_only_these_names(*self.names)\n"
+OFFLOAD_LINE = (
+    "            return policies.offload_dot_with_no_batch_dims(OFFLOAD_SRC, OFFLOAD_DST)\n"
+)
+OFFLOAD_NAMES = "names_which_can_be_saved=(), names_which_can_be_offloaded=self.names,"
+DESTINATION = 'OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"'
+
+# name → (line, replacement, and the Remat(kind, names) of the mutant's module to check)
+PLACEMENT_MUTANTS = {
+    # The named policy saves the complement of its names.
+    "saves_all_but_the_names": (
+        SAVE_LINE,
+        SAVE_LINE.replace("save_only_these_names", "save_anything_except_these_names"),
+        "save",
+        SAVED,
+    ),
+    # The named policy saves the matmul outputs as well.
+    "saves_the_names_and_the_matmuls": (
+        SAVE_LINE,
+        "            return policies.save_from_both_policies(policies.save_only_these_names("
+        "*self.names), policies.dots_with_no_batch_dims_saveable)\n",
+        "save",
+        SAVED,
+    ),
+    # "offload" keeps the matmul outputs on the device: what "matmuls" does.
+    "offload_saves_on_the_device": (
+        OFFLOAD_LINE,
+        "            return policies.dots_with_no_batch_dims_saveable\n",
+        "offload",
+        (),
+    ),
+    # The offload policies' destination is the device's own memory.
+    "offload_destination_is_the_device": (
+        DESTINATION,
+        'OFFLOAD_SRC, OFFLOAD_DST = "device", "device"',
+        "offload",
+        (),
+    ),
+    # Remat("offload", names) saves its names on the device instead of offloading them.
+    "named_offload_saves_on_the_device": (
+        OFFLOAD_NAMES,
+        "names_which_can_be_saved=self.names, names_which_can_be_offloaded=(),",
+        "offload",
+        ("attention_output",),
+    ),
+}
+
+
+def check_placement(module, kind: str, names: tuple) -> None:
+    """``check_saves_names`` or ``check_offloads`` of ``module.Remat(kind, names)``'s policy,
+    passed to ``build`` as a custom policy (a mutant's ``Remat`` is not the real one)."""
+    policy = module.Remat(kind, names).jax_policy()
+    if kind == "save":
+        check_saves_names(policy, names)
+    else:
+        check_offloads(policy, names)
+
+
+@pytest.mark.parametrize("name", PLACEMENT_MUTANTS)
+def test_a_policy_keeping_the_wrong_residuals_or_the_wrong_memory_is_caught(name):
+    line, replacement, kind, names = PLACEMENT_MUTANTS[name]
+    with pytest.raises(AssertionError):
+        check_placement(mutant(remat_module, name, line, replacement), kind, names)
+
+
+def test_an_unmutated_copy_places_every_residual_right():
+    same = mutant(remat_module, "unmutated_placement", SAVE_LINE, SAVE_LINE)
+    for _, _, kind, names in PLACEMENT_MUTANTS.values():
+        check_placement(same, kind, names)
 
 
 @pytest.mark.parametrize("remat", ["none", "full", "matmuls", SAVED, "offload"], ids=str)
