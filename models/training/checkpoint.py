@@ -69,42 +69,50 @@ fingerprints (record format 1) restore without the check.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
 import json
 import os
-import re
-import warnings
-from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from etils import epath
-from jax import lax
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from shardops_models.strategies.plan import is_shape, leaf_roles
+from shardops_models.strategies.plan import is_shape
 from shardops_models.training import _layer_order
+from shardops_models.training._checkpoint_integrity import (
+    _digest,
+    _failed_processes,
+    _listed,
+    _read_error,
+    _read_every_chunk,
+    fingerprints,
+)
+from shardops_models.training._checkpoint_record import (
+    _param_shapes,
+    describe,
+    differences,
+)
 from shardops_models.training._placement import logical_spec
 from shardops_models.training._setup import Setup
 from shardops_models.training._state import TrainState
 
+__all__ = [
+    "CheckpointDamaged",
+    "CheckpointMismatch",
+    "Checkpoints",
+    "describe",
+    "differences",
+    "fingerprints",
+    "waited_on_error",
+]
+
 FORMAT = 2  # 2: fingerprints of the leaves and a digest of the record
 KEEP = 3
-SHOWN = 6  # differences listed per kind (params, plan, optimizer state)
 # What orbax writes into every step folder: its commit metadata and one folder per item (the
 # state's tree metadata inside ``state``, the JSON inside ``record``).
 STEP_ITEMS = ("_CHECKPOINT_METADATA", "record/metadata", "state/_METADATA")
-SEEDS = (0x9E3779B9, 0x85EBCA6B)  # two fingerprints of 32 bits each
-# tensorstore's error code and the files it names ("... local file "/ckpt/8/state/d/ab12"")
-_STATUS = re.compile(r"^([A-Z_]+): ")
-_FILE = re.compile(r'local file "([^"]+)"')
-_ARRAY = re.compile(r'Error reading "([^"/]+)/')
 
 
 class CheckpointMismatch(ValueError):
@@ -443,96 +451,6 @@ def waited_on_error(ckpt: Checkpoints | None):
         raise
 
 
-def describe(setup: Setup) -> dict:
-    """What identifies the model of ``setup`` (JSON): type, config, params, plan, optimizer;
-    and the config's defaults (what a field added since a save is taken to have been)."""
-    model = setup.model
-    shapes = _param_shapes(setup)
-    roles = leaf_roles(setup.plan, jax.tree.map(lambda a: tuple(a.shape), shapes))
-    opt_state = jax.eval_shape(setup.optimizer.init, shapes)
-    config = _config(model)
-    return {
-        "type": f"{type(model).__module__}.{type(model).__qualname__}",
-        "config": config,
-        "defaults": _defaults(model),
-        "params": {_key(p): [list(a.shape), str(a.dtype)] for p, a in _leaves(shapes)},
-        "plan": {_key(p): r for p, r in _leaves(roles)},
-        "optimizer_state": {_key(p): [list(a.shape), str(a.dtype)] for p, a in _leaves(opt_state)},
-    }
-
-
-# Model types as checkpoints written before the models moved into subpackages name them.
-MOVED_TYPES = {
-    "shardops_models.mlp.Mlp": "shardops_models.networks.mlp.Mlp",
-    "shardops_models.gpt.Gpt": "shardops_models.networks.gpt.Gpt",
-}
-
-
-def differences(saved: dict, here: dict) -> list[str]:
-    """Readable differences between two ``describe`` records (the checkpoint's, this setup's)."""
-    out = []
-    if MOVED_TYPES.get(saved["type"], saved["type"]) != here["type"]:
-        out.append(f"model type {saved['type']} in the checkpoint, {here['type']} here")
-        return out
-    defaults = here.get("defaults", {})
-    for field in sorted(set(saved["config"]) | set(here["config"])):
-        a, b = saved["config"].get(field), here["config"].get(field)
-        if field not in saved["config"] and field in defaults and b == defaults[field]:
-            continue  # a field added since the save, at its default: the model it saved
-        if field not in saved["config"] and isinstance(b, dict) and _TYPE in b:
-            # saved before nested configs were recorded: its parameters still compare below
-            warnings.warn(f"the checkpoint does not record the model's {field} (saved before "
-                          f"nested configs were recorded): {_show_config(b)} cannot be compared "
-                          f"with the one that trained it; save it again to record it",
-                          UserWarning, stacklevel=2)  # fmt: skip
-            continue
-        if field not in saved["config"]:
-            out.append(
-                f"model config {field}: not recorded in the checkpoint, {_show_config(b)} here"
-            )
-            continue
-        out += [f"model config {name}: {_show_config(x)} in the checkpoint, {_show_config(y)} here"
-                for name, x, y in _config_differences(field, a, b)]  # fmt: skip
-    for what, name in (("params", "params"), ("plan", "plan role of params"),
-                       ("optimizer_state", "optimizer state")):  # fmt: skip
-        a, b = saved[what], here[what]
-        found = []
-        for path in sorted(set(a) | set(b)):
-            if path not in b:
-                found.append(f"{name}{path}: in the checkpoint, not here")
-            elif path not in a:
-                found.append(f"{name}{path}: here, not in the checkpoint")
-            elif a[path] != b[path]:
-                found.append(
-                    f"{name}{path}: {_show(a[path])} in the checkpoint, {_show(b[path])} here"
-                )
-        if what == "optimizer_state" and found and any(p.startswith("params") for p in out):
-            found = [f"optimizer state: {len(found)} leaves differ, following the params"]
-        if len(found) > SHOWN:
-            found[SHOWN:] = [f"… and {len(found) - SHOWN} more differences in the {name}"]
-        out += found
-    if any(p.startswith("optimizer state") for p in out) and len(out) == sum(
-        p.startswith("optimizer state") or p.startswith("…") for p in out
-    ):
-        out.append("the model matches: was the checkpoint trained with another optimizer?")
-    return out
-
-
-def _config_differences(name: str, a, b) -> list[tuple[str, Any, Any]]:
-    """``(name, saved, here)`` of each config value that differs, a nested config (a model's
-    ``Experts``) field by field as ``experts.k``."""
-    if isinstance(a, dict) and isinstance(b, dict) and a.get(_TYPE) == b.get(_TYPE):
-        return [d for key in sorted(set(a) | set(b)) if key != _TYPE
-                for d in _config_differences(f"{name}.{key}", a.get(key), b.get(key))]  # fmt: skip
-    return [] if a == b else [(name, a, b)]
-
-
-def _param_shapes(setup: Setup):
-    """The params' ``ShapeDtypeStruct``s, in the precision policy's param dtype."""
-    dtype = setup.precision.param_dtype
-    return jax.eval_shape(lambda key: setup.model.init(key, dtype=dtype), jax.random.key(0))
-
-
 def _abstract_state(setup: Setup) -> dict:
     """The restore target: params and optimizer state in the model's own shapes, as
     ``ShapeDtypeStruct``s carrying the setup's sharding of every leaf (the logical layout,
@@ -596,227 +514,3 @@ def _with_shardings(shapes, setup: Setup, specs):
         shapes,
         is_leaf=lambda s: isinstance(s, P),
     )
-
-
-def _leaves(tree):
-    return jax.tree_util.tree_leaves_with_path(tree)
-
-
-def _key(path) -> str:
-    return jax.tree_util.keystr(path)
-
-
-def _config(model) -> dict:
-    """The model's config: a dataclass's fields, else its public attributes that are plain
-    numbers, strings or sequences of them (never a repr, which may hold an address)."""
-    if dataclasses.is_dataclass(model):
-        # a field outside the model's equality (compare=False: Llama.special_tokens, which the
-        # forward never reads) is not what identifies it
-        items = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.compare}
-    else:
-        items = {k: v for k, v in vars(model).items() if not k.startswith("_")}
-    out = {}
-    for name, value in items.items():
-        value = _jsonable(value)
-        if _plain(value):
-            out[name] = value
-    return out
-
-
-def _defaults(model) -> dict:
-    """The plain defaults of a dataclass model's config fields: a checkpoint saved before a
-    field existed restores where the field is at its default (``differences``)."""
-    if not dataclasses.is_dataclass(model):
-        return {}
-    out = {}
-    for f in dataclasses.fields(model):
-        if f.default is not dataclasses.MISSING and _plain(_jsonable(f.default)):
-            out[f.name] = _jsonable(f.default)
-    return out
-
-
-_TYPE = "__type__"
-"""A nested config's key for its type's name (``_jsonable``)."""
-
-
-def _plain(value) -> bool:
-    if isinstance(value, list):
-        return all(_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
-    return value is None or isinstance(value, bool | int | float | str)
-
-
-def _jsonable(value: Any):
-    """``value`` in JSON's types: a nested config (a dataclass instance such as a model's
-    ``Experts``) as a dict of its fields and its type's name, so that a checkpoint records
-    (and a restore compares) its every field."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        return {_TYPE: type(value).__qualname__, **fields}
-    if isinstance(value, tuple | list):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
-def _show_config(value) -> str:
-    """A config value as the model's own constructor would print it."""
-    if isinstance(value, dict) and _TYPE in value:
-        fields = ", ".join(f"{k}={_show_config(v)}" for k, v in value.items() if k != _TYPE)
-        return f"{value[_TYPE]}({fields})"
-    return repr(value)
-
-
-def _show(value) -> str:
-    if isinstance(value, list) and len(value) == 2 and isinstance(value[1], str):
-        return f"shape {tuple(value[0])} {value[1]}"
-    return repr(value)
-
-
-# --- integrity: fingerprints of the leaves, a digest of the record, readable read errors
-
-
-def fingerprints(state: TrainState) -> dict[str, str]:
-    """A 64-bit fingerprint (16 hex digits) of every leaf of ``state``, keyed by its path
-    (``params[0]['w']``, ``opt_state[0].mu[0]['w']``), computed on device.
-
-    Each element's bits (widened to uint32; two words for a 64-bit type) are mixed with its
-    flat index through an integer hash and the results summed mod 2^32, under each of two
-    seeds: integer arithmetic, so the sums are exact, and a changed, moved or swapped element
-    changes them (but for a chance of 2^-64). Each block of a leaf (one shard per replica
-    group) is summed on its device by one jitted program per block shape, which any layout
-    reuses; the block sums are added on the host and, in a multi-process run, over the
-    processes (every process must call it), so every process and every layout of a leaf get
-    the same fingerprint.
-    """
-    tree = {"params": state.params, "opt_state": state.opt_state}
-    leaves = _leaves(tree)
-    blocks = []  # (leaf, uint32[2] on a device), dispatched before any is read
-    for n, (_, leaf) in enumerate(leaves):
-        leaf = jnp.asarray(leaf)
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        strides = np.array([int(np.prod(leaf.shape[d + 1 :], dtype=np.uint64) % 2**32)
-                            for d in range(leaf.ndim)], np.uint32)  # fmt: skip
-        for shard in leaf.addressable_shards:
-            if shard.replica_id == 0:  # each block once over every process
-                offsets = np.array([s.start or 0 for s in shard.index], np.uint32)
-                blocks.append((n, _block_sums(shard.data, offsets, strides)))
-    sums = np.zeros((len(leaves), len(SEEDS)), np.uint32)
-    for n, block in blocks:
-        sums[n] += np.asarray(block)  # mod 2^32
-    if jax.process_count() > 1:  # the blocks other processes hold
-        sums = np.sum(multihost_utils.process_allgather(sums), axis=0, dtype=np.uint32)
-    return {f"{path[0].key}{_key(path[1:])}": f"{a:08x}{b:08x}"
-            for (path, _), (a, b) in zip(leaves, sums.tolist(), strict=True)}  # fmt: skip
-
-
-@jax.jit
-def _block_sums(block: jax.Array, offsets: jax.Array, strides: jax.Array) -> jax.Array:
-    """uint32[2]: Σ mix(word ^ mix(i·φ + seed)) mod 2^32 over the words of ``block`` for each
-    seed, i the word's flat index in the whole leaf (``offsets``: the block's start in the
-    leaf, ``strides``: the leaf's row-major strides in elements)."""
-    words = _as_words(block)  # uint32[*block.shape, w]: w words an element
-    w = words.shape[-1]
-    index = lax.broadcasted_iota(jnp.uint32, words.shape, block.ndim)  # the word in its element
-    for d in range(block.ndim):  # + the element's flat index in the leaf, · w (mod 2^32)
-        element = lax.broadcasted_iota(jnp.uint32, words.shape, d) + offsets[d]
-        index = index + element * strides[d] * jnp.uint32(w)
-    return jnp.stack([
-        jnp.sum(_mix(words ^ _mix(index * jnp.uint32(0x9E3779B9) + jnp.uint32(seed))),
-                dtype=jnp.uint32)
-        for seed in SEEDS
-    ])  # fmt: skip
-
-
-def _as_words(a: jax.Array) -> jax.Array:
-    """The bits of every element as uint32 words, ``[*a.shape, w]``: 8- and 16-bit types
-    widened to one word, 64-bit types as two, complex numbers as their parts' words."""
-    if a.dtype == jnp.bool_:
-        return a.astype(jnp.uint32)[..., None]
-    if jnp.issubdtype(a.dtype, jnp.complexfloating):
-        parts = _as_words(jnp.stack([jnp.real(a), jnp.imag(a)], axis=-1))  # [*shape, 2, w]
-        return parts.reshape(*a.shape, -1)
-    if a.dtype.itemsize == 8:
-        return lax.bitcast_convert_type(a, jnp.uint32)  # [*shape, 2]
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize]
-    return lax.bitcast_convert_type(a, unsigned).astype(jnp.uint32)[..., None]
-
-
-def _mix(x: jax.Array) -> jax.Array:
-    """A bijective integer hash of uint32 (Wellons' lowbias32): every input bit moves about
-    half the output bits."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def _digest(record: dict) -> str:
-    """A digest of the record's JSON (its own ``digest`` left out)."""
-    text = json.dumps({k: v for k, v in record.items() if k != "digest"}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _failed_processes(ok: bool) -> list[int]:
-    """The processes whose attempt failed, the same list on every process: a collective in a
-    multi-process run (each process passes whether its own attempt succeeded)."""
-    if jax.process_count() == 1:
-        return [] if ok else [0]
-    flags = multihost_utils.process_allgather(np.array([0 if ok else 1], np.int32))
-    return [int(i) for i in np.flatnonzero(np.asarray(flags).reshape(-1))]
-
-
-def _read_every_chunk(folder: str, batch: int = 64) -> None:
-    """Read every stored chunk of the arrays in ``folder`` (orbax's OCDBT database) with
-    tensorstore, which checks each file's presence, length and checksums; raise the first
-    failure (it names the file).
-
-    orbax reads the arrays in tasks of a fresh event loop and closes it at the first failure:
-    the reads still running then call back into the closed loop ("Event loop is closed",
-    printed and, under pytest, an error). Reading every chunk first, each read awaited here,
-    turns a damaged file into one error before orbax reads it (the second read comes from the
-    page cache). Its cost is measured in benchmarks/checkpoint_async.py.
-    """
-    import tensorstore as ts
-
-    base = folder if "://" in folder else f"file://{folder}"
-    store = ts.KvStore.open({"driver": "ocdbt", "base": f"{base}/"}).result()
-    keys = store.list().result()
-    for first in range(0, len(keys), batch):
-        reads = [store.read(key) for key in keys[first : first + batch]]
-        failures = []
-        for read in reads:  # every read ends before any error is raised
-            try:
-                read.result()
-            except ValueError as e:
-                failures.append(e)
-        if failures:
-            raise failures[0]
-
-
-def _read_error(e: Exception) -> str:
-    """What a read error of orbax or tensorstore says, in one line: the file it names, what is
-    wrong with it, and tensorstore's status (its spec, a long JSON, left out)."""
-    text = str(e).split(" [tensorstore_spec")[0].strip()
-    files = [f for f in _FILE.findall(text) if not f.endswith("/")]
-    if not files:
-        first = text.splitlines()[0] if text else ""
-        return f"cannot read its arrays ({type(e).__name__}: {first})"
-    status = _STATUS.match(text)
-    code = status.group(1) if status else type(e).__name__
-    array = _ARRAY.search(text)
-    where = f" (while reading {array.group(1)})" if array else ""
-    hint = {"DATA_LOSS": "its bytes fail their checksum", "OUT_OF_RANGE": "it is cut short"}
-    detail = f"{code}: {text.rsplit(': ', 1)[-1]}"
-    what = ("it is missing" if not os.path.exists(files[-1])
-            else f"{hint[code]} ({detail})" if code in hint else detail)  # fmt: skip
-    return f"cannot read the file {files[-1]}{where}: {what}"
-
-
-def _listed(paths: list[str]) -> str:
-    shown = ", ".join(paths[:SHOWN])
-    return shown + (f" and {len(paths) - SHOWN} more leaves" if len(paths) > SHOWN else "")

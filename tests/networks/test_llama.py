@@ -289,13 +289,13 @@ def test_special_tokens_are_carried_not_compared_and_numpy_ids_are_ints():
     """``special_tokens`` is metadata for transformers' tools: a model with them equals and
     hashes as the one without (the same programs), a checkpoint does not record them, and
     numpy ids become Python ints (config.json is written from them)."""
-    from shardops_models.training import checkpoint
+    from shardops_models.training import _checkpoint_record
 
     tokens = models.SpecialTokens(bos=np.int64(1), eos=[np.int32(2), 3], pad=None)
     assert tokens == models.SpecialTokens(bos=1, eos=(2, 3))
     assert all(type(i) is int for i in (tokens.bos, *tokens.eos))
     with_tokens = dataclasses.replace(GQA, special_tokens=tokens)
     assert with_tokens == GQA and hash(with_tokens) == hash(GQA)
-    assert "special_tokens" not in checkpoint._config(with_tokens)
+    assert "special_tokens" not in _checkpoint_record._config(with_tokens)
     with pytest.raises(ValueError, match="eos must be a token id"):
         models.SpecialTokens(eos=["2"])

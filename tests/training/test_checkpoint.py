@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 import test_checkpoint_damage as damaged
-from _mutants import mutant
+from _mutants import copies
 from _processes import killed_script
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -461,6 +461,7 @@ CREATE = (
 )
 
 
+CHECKPOINT = ("_checkpoint_record", "_checkpoint_integrity", "checkpoint")  # in import order
 MUTANTS = {
     # A step saved again keeps its first state (or fails): the old step is not deleted first.
     "save_again_keeps_the_first": (REPLACE, "", bookkeeping),
@@ -565,7 +566,9 @@ MUTANTS = {
 def test_checkpoint_mutant_is_caught(tmp_path, name):
     line, replacement, check = MUTANTS[name]
     check(tmp_path / "real", checkpoint)  # the real module passes the check
-    bad = mutant(checkpoint, name, line, replacement)  # outside raises: a missing line fails
+    # outside raises: a line missing from checkpoint.py, _checkpoint_record.py and
+    # _checkpoint_integrity.py, or found in more than one, fails
+    bad = copies("shardops_models.training", CHECKPOINT, name, line, replacement)["checkpoint"]
     with pytest.raises((AssertionError, pytest.fail.Exception, ValueError)) as caught:
         check(tmp_path / "mutant", bad)
     if caught.type is ValueError:  # orbax refusing a step that exists: the replace was skipped

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardops
 import shardops_models as models
-from shardops_models.training import checkpoint
+from shardops_models.training import _checkpoint_integrity, checkpoint
 from shardops_models.training.checkpoint import CheckpointDamaged, CheckpointMismatch, Checkpoints
 
 STEPS = (2, 4, 6)
@@ -409,7 +409,7 @@ def numpy_fingerprint(x: np.ndarray) -> str:
     index = np.arange(words.size, dtype=np.uint32)
     with np.errstate(over="ignore"):
         sums = [np.sum(mix(words ^ mix(index * np.uint32(0x9E3779B9) + np.uint32(seed))),
-                       dtype=np.uint32) for seed in checkpoint.SEEDS]  # fmt: skip
+                       dtype=np.uint32) for seed in _checkpoint_integrity.SEEDS]  # fmt: skip
     return "".join(f"{int(s):08x}" for s in sums)
 
 
