@@ -1,5 +1,5 @@
 """Mutation check: known context-parallel attention bugs, injected into copies of
-shardops/layers/_context_attention.py, are caught by the suite's own checks.
+shardops/layers/_context_attention.py and _ring_attention.py, are caught by the suite's own checks.
 
 Each mutant replaces one exact line of the real source (``_mutants.mutant``: the test fails if the
 line is not there exactly once), is swapped in where ``_context_checks`` looks the layer up, and
@@ -11,10 +11,18 @@ import _context_checks
 import jax
 import pytest
 from _context_checks import CONTEXT, check_context_attention, context_ledger
-from _mutants import mutant
+from _mutants import copies
 from test_context_attention import HEADS, B, _expected, _weights
 
-from shardops.layers import _context_attention, init_attention
+from shardops.layers import init_attention
+
+
+def mutant(name: str, line: str, replacement: str):
+    """A copy of ``_context_attention`` (and of ``_ring_attention``, which it runs) with ``line``
+    replaced in the one of them that holds it."""
+    modules = ("_ring_attention", "_context_attention")  # in import order
+    return copies("shardops.layers", modules, name, line, replacement)["_context_attention"]
+
 
 RING4 = ((CONTEXT, 4),)
 THREE = (("data", 2), (CONTEXT, 2), ("model", 2))
@@ -98,7 +106,7 @@ MUTANTS = {
 def swap(monkeypatch):
     def use(name):
         line, replacement, _ = MUTANTS[name]
-        module = mutant(_context_attention, name, line, replacement)
+        module = mutant(name, line, replacement)
         monkeypatch.setattr(_context_checks, "context", module)
         jax.clear_caches()  # drop programs traced with the real module
 
@@ -210,13 +218,13 @@ def test_error_checks_pass_on_an_unmutated_copy(name):
     """Each mutant's check passes on a copy of the module made the same way, so a mutant is
     caught by what it changed, not by the copy."""
     line = ERROR_MUTANTS[name][0]
-    run_error_check(name, mutant(_context_attention, f"unmutated_{name}", line, line))
+    run_error_check(name, mutant(f"unmutated_{name}", line, line))
 
 
 @pytest.mark.parametrize("name", ERROR_MUTANTS)
 def test_error_mutant_is_caught(name):
     line, replacement, check = ERROR_MUTANTS[name]
-    module = mutant(_context_attention, name, line, replacement)
+    module = mutant(name, line, replacement)
     try:
         run_error_check(name, module)
     except Exception:  # the check failed (pytest's own failures and the trace's errors alike)
