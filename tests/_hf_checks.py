@@ -386,6 +386,44 @@ def check_sharded_save(module, tmp: Path) -> None:
     np.testing.assert_array_equal(hf.model.layers[1].mlp.down_proj.weight.detach().numpy(), want)
 
 
+def check_circular_load(module, tmp: Path) -> None:
+    """8 layers in 2 stages × 4 virtual stages (``2d+circular4``): stored row r holds layer
+    ``stage_order(8, 2, 4)[r]``, [0, 2, 4, 6, 1, 3, 5, 7][r], a permutation that is not its own
+    inverse (2 × 2's [0, 2, 1, 3] is: a loader reading row r from layer order⁻¹[r] loads the
+    same params there). The load, gathered, is the ``ref`` setup's load of the same files (the
+    model's order) bit for bit, and ``shard`` of that stores the load's arrays; the logits are
+    transformers'; saved back (in the model's order), transformers' logits are shardops'."""
+    from _model_checks import mesh_for
+
+    from shardops.pipeline import stage_order
+
+    path = tmp / "deep"
+    fields = {**CONFIGS["gqa"][0], "num_hidden_layers": 8}
+    perturb(LlamaForCausalLM(LlamaConfig(**fields)), seed=4).save_pretrained(path)
+    ckpt, ref = _ref(module, path)
+    setup = models.build("2d+circular4", mesh_for({"pipe": 2, "data": 2, "model": 2}),
+                         model=ckpt.model(), optimizer=optax.sgd(0.1), microbatches=2)  # fmt: skip
+    order = stage_order(8, 2, 4)
+    assert set(setup.padding.order.values()) == {order}, setup.padding.order
+    assert [order[r] for r in order] != list(range(8)), f"{order} is its own inverse"
+    want = jax.device_get(ckpt.load(ref, optimizer_state=False))  # the model's order
+    params = ckpt.load(setup, optimizer_state=False)
+    placed = setup.shard(want).params
+    gathered = setup.gather(params)
+    for (key, leaf), got, stored, own in zip(jax.tree_util.tree_leaves_with_path(want),
+                                             jax.tree.leaves(gathered), jax.tree.leaves(placed),
+                                             jax.tree.leaves(params), strict=True):  # fmt: skip
+        where = jax.tree_util.keystr(key)
+        np.testing.assert_array_equal(got, leaf, err_msg=f"{where}: gathered load")
+        np.testing.assert_array_equal(np.asarray(stored), np.asarray(own),
+                                      err_msg=f"{where}: shard of the model's order")  # fmt: skip
+    ids, _ = tokens(setup.model.vocab_size)
+    logits = np.asarray(setup.logits(params, setup.place_batch(ids)))
+    check_close(logits, str(path), ids, "2d+circular4 load")
+    module.save_hf_llama(tmp / "saved", setup, params)
+    check_close(logits, str(tmp / "saved"), ids, "2d+circular4 saved")
+
+
 def check_generate_stops_at_eos_after_a_save(hf_class, path: str, loader, save, tmp_path,
                                              **hf_options) -> None:  # fmt: skip
     """A transformers checkpoint (``hf_class`` at ``path``) given special tokens its greedy

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardops
 from shardops.layers import _moe
+from shardops.testing import _subjaxprs
 
 HI = jax.lax.Precision.HIGHEST
 TOLERANCE = 2.0**-16
@@ -257,3 +258,65 @@ def check_kernel_load_balance(load_balance, module=_moe):
         want = per_group.reshape(4, 2).mean(1)
     np.testing.assert_allclose(lb, want, rtol=1e-5)
     np.testing.assert_array_equal(counts, chosen.reshape(4, 2, 8, e).sum((1, 2)))
+
+
+# --- the precision of every product, read from the program -------------------------------------
+
+DISPATCH = "gsec,gsd->egcd"
+"""The capacity path's ``xe = dispatch · x`` (and its transpose): its 0/1 operand makes it exact
+at any precision, so it runs at the policy's matmul precision (a TPU's one bf16 pass)."""
+COMBINES = ("gsec,egcd->gsd", "gsk,gskd->gsd")
+"""The combine einsums, capacity and dropless: ``y = Σ weights · ye``, float32 on every backend."""
+
+
+def precision_violations(precision, capacity_factor, module=_moe) -> list[str]:
+    """Every product (``dot_general``, ``ragged_dot_general``) of the layer's loss and
+    gradients, traced on data = 2 × model = 2 (experts over data when ``capacity_factor`` is
+    not None), whose ``precision`` is not ``_moe``'s contract under ``precision``:
+
+    - a product of two compute-dtype operands (the experts'): ``precision.matmul_precision``;
+    - a product reading a float32 operand (the router's logits, the slots, the combine and their
+      transposes): ``Precision.HIGHEST`` under every policy ("in float32 on every backend");
+    - the dispatch (``DISPATCH``): the policy's.
+
+    Each accumulates in float32. XLA:CPU multiplies float32 in full whatever it is asked, so
+    a product at DEFAULT is right here and ~2⁻⁸ off on a TPU (one bf16 pass): only the program
+    shows it. Also fails if no combine is found, so the check cannot pass vacuously."""
+    expert_axis = None if capacity_factor is None else "data"
+    mesh = shardops.make_mesh({"data": 2, "model": 2})
+    x, params, ct, _ = inputs(0, 4, 8, 16, 16, 8, 2)
+    x = jnp.asarray(x, precision.compute_dtype)
+    params = {n: jnp.asarray(w, precision.param_dtype) for n, w in params.items()}
+    options = (("k", 2), ("capacity_factor", capacity_factor), ("expert_axis", expert_axis),
+               ("model_axis", "model"), ("precision", precision))  # fmt: skip
+    run = functools.partial(sharded_loss_and_grads, module=module, mesh=mesh, options=options)
+    problems, combines = [], 0
+    for eqn, where in _products(jax.make_jaxpr(run)(x, params, ct).jaxpr):
+        operands = tuple(np.dtype(v.aval.dtype) for v in eqn.invars[:2])
+        asked = eqn.params["precision"]
+        asked = asked if isinstance(asked, tuple) else (asked, asked)
+        if DISPATCH in where or operands == (precision.compute_dtype,) * 2:
+            want = precision.matmul_precision
+        else:
+            want = HI
+        combines += any(spec in where for spec in COMBINES)
+        if asked != (want, want):
+            problems.append(f"{eqn.primitive.name} of ({', '.join(d.name for d in operands)}) "
+                            f"at {where}: precision={asked}, expected {want} under "
+                            f"{precision.name}")  # fmt: skip
+        if eqn.params["preferred_element_type"] != np.float32:
+            problems.append(f"{eqn.primitive.name} at {where} accumulates in "
+                            f"{eqn.params['preferred_element_type']}, expected float32")  # fmt: skip
+    if not combines:
+        problems.append("no combine einsum in the program: nothing was checked")
+    return problems
+
+
+def _products(jaxpr):
+    """``(eqn, name stack)`` of every ``dot_general`` and ``ragged_dot_general`` of ``jaxpr``,
+    nested jaxprs (jit, shard_map, custom rules, remat) included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
+            yield eqn, str(eqn.source_info.name_stack)
+        for sub in _subjaxprs(eqn.params):
+            yield from _products(sub)

@@ -20,6 +20,7 @@ from _cover import FULL
 from _gpt_checks import MESHES
 from _hf_checks import (
     CONFIGS,
+    check_circular_load,
     check_close,
     check_generate_stops_at_eos_after_a_save,
     checkpoint,
@@ -86,27 +87,11 @@ def test_a_checkpoint_loads_into_every_strategy_with_transformers_logits_and_los
 
 
 def test_a_checkpoint_loads_into_circular_stages_and_saves_back(tmp_path):
-    """4 layers in 2 stages × 2 virtual stages (``2d+circular``: stored in ``stage_order``,
-    stage 0 holding layers 0 and 2): the loader reads each stored row's own layer, so the
-    logits are transformers'; saved back (in the model's order), transformers' logits are
-    shardops'."""
-    from _gpt_checks import PP_MESHES
-    from _hf_checks import perturb
-    from transformers import LlamaConfig
-
-    path = str(tmp_path / "deep")
-    fields = {**CONFIGS["gqa"][0], "num_hidden_layers": 4}
-    perturb(LlamaForCausalLM(LlamaConfig(**fields)), seed=4).save_pretrained(path)
-    ckpt = HfLlama(path)
-    setup = models.build("2d+circular", mesh_for(PP_MESHES["p2d2m2"]), model=ckpt.model(),
-                         optimizer=optax.sgd(0.1), microbatches=2)  # fmt: skip
-    assert setup.padding.order  # the stacked leaves are stored permuted
-    state = ckpt.load(setup)
-    ids, _ = tokens(setup.model.vocab_size)
-    logits = np.asarray(setup.logits(state.params, setup.place_batch(ids)))
-    check_close(logits, path, ids, "2d+circular load")
-    save_hf_llama(tmp_path / "saved", setup, state)
-    check_close(logits, str(tmp_path / "saved"), ids, "2d+circular saved")
+    """8 layers in 2 stages × 4 virtual stages (``2d+circular4``), stored in ``stage_order``,
+    a permutation that is not its own inverse: the loader reads each stored row's own layer
+    (gathered: the model's order; the logits transformers'), and saved back in the model's
+    order, transformers' logits are shardops' (``_hf_checks.check_circular_load``)."""
+    check_circular_load(hf_llama, tmp_path)
 
 
 def test_the_cases_cover_every_strategy_both_checkpoints_and_model_4_and_8():

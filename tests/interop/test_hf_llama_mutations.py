@@ -12,7 +12,9 @@ exactly ``max_shard_bytes``), a tied config over a distinct ``lm_head.weight`` l
 issue's 3.46 off) or untied without a word, a tied head's ``lm_head.weight`` alone not read as
 the embedding, an unplaced tensor let through, ``elements_read`` summed over loads, and each
 raw error back (invalid JSON, an index without its weight map or naming a missing file, an
-integer dtype, a path that is a file, a zero shard size)."""
+integer dtype, a path that is a file, a zero shard size), and a circular pipeline's stored rows
+read from the inverse of their order (``check_circular_load``: 2 stages × 4 virtual stages,
+whose order is not its own inverse)."""
 
 import numpy as np
 import optax
@@ -20,6 +22,7 @@ import pytest
 from _gpt_checks import MESHES
 from _hf_checks import (
     check_activation_aliases,
+    check_circular_load,
     check_close,
     check_defaults,
     check_elements_read,
@@ -65,6 +68,7 @@ CHECKS = {
     "elements_read": _without_tmp(check_elements_read),
     "json_errors": check_json_errors,
     "save_errors": check_save_errors,
+    "circular_load": check_circular_load,
 }
 
 # name → (exact line, replacement, the check that catches it).
@@ -122,6 +126,12 @@ MUTANTS = {
     "saved_to_a_file_raw": (
         "    if os.path.exists(directory) and not os.path.isdir(directory):", "    if False:",
         "save_errors"),
+    # a circular pipeline's stored row r read from layer order⁻¹[r], not order[r] (the same
+    # rows where the order is its own inverse, as 2 stages × 2 virtual stages' is)
+    "circular_rows_read_from_the_inverse_order": (
+        "                else [self.order[r] for r in range(inside[0].start, inside[0].stop)])  # fmt: skip",
+        "                else [int(np.argsort(self.order)[r]) for r in range(inside[0].start, inside[0].stop)])  # fmt: skip",
+        "circular_load"),
     "zero_shard_size_accepted": (
         "            max_shard_bytes, int | np.integer) or max_shard_bytes < 1):  # fmt: skip",
         "            max_shard_bytes, int | np.integer) or max_shard_bytes < 0):  # fmt: skip",

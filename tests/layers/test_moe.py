@@ -2,7 +2,8 @@
 slots and drops, outputs, auxiliary losses and every gradient, on expert axes of 1, 2, 4 and 8
 devices, with a model axis inside the experts, with drops and without; hypothesis over E, k,
 capacity factors, group sizes and meshes; the load balance's two normalisations; the kernel in
-a user's shard_map; and bad input refused with the fix."""
+a user's shard_map; the precision every product asks for, read from the traced program; and bad
+input refused with the fix."""
 
 import functools
 
@@ -17,6 +18,7 @@ from _moe_checks import (
     check_kernel_load_balance,
     check_moe,
     inputs,
+    precision_violations,
     reference_routing,
     sharded_loss_and_grads,
 )
@@ -99,6 +101,18 @@ def test_global_and_per_group_load_balance_differ_and_each_matches_its_formula()
     global_ = check_moe("expert4", load_balance="global", **common)["load_balance"]
     group = check_moe("expert4", load_balance="group", **common)["load_balance"]
     assert abs(global_ - group) > 100 * 2.0**-16 * max(global_, group), (global_, group)
+
+
+def test_per_group_losses_are_averaged_over_every_batch_axis():
+    """The tokens split over two batch axes (data = 2 × expert = 2, the experts over expert,
+    their hidden units over model = 2): under ``"group"`` the layer's load balance and z-loss
+    are the mean over all 4 devices' (each the mean of its own groups'), and so are their
+    gradients, within ``TOLERANCE`` of the reference over all 8 groups. A mean over one batch
+    axis's devices (the sum divided by 2) doubles both losses: off by the loss itself, 2¹⁶ times
+    the bound (tests/layers/test_moe_mutations.py)."""
+    sizes, _, _, batch_axes = MESHES["data2_expert2_model2"]
+    assert len(batch_axes) == 2 and all(sizes[a] > 1 for a in batch_axes), batch_axes
+    check_moe("data2_expert2_model2", load_balance="group")
 
 
 @pytest.mark.parametrize("load_balance", _moe.LOAD_BALANCE)
@@ -327,3 +341,12 @@ def test_bfloat16_flows_and_stays_near_float32():
     }
     scale = float(jnp.max(jnp.abs(y32)))
     assert float(jnp.max(jnp.abs(y.astype(jnp.float32) - y32))) <= 2.0**-6 * scale
+
+
+@pytest.mark.parametrize("capacity_factor", [1.0, None], ids=["capacity", "dropless"])
+@pytest.mark.parametrize("policy", ["FLOAT32", "MIXED_BFLOAT16", "BFLOAT16"])
+def test_every_product_asks_for_the_policy_s_precision(policy, capacity_factor):
+    """Forward and backward, traced: the experts' products at the policy's matmul precision,
+    the router's, the slots' and the combine's at HIGHEST under every policy (a DEFAULT one is
+    right on CPU and ~2⁻⁸ off on a TPU), every product accumulating in float32."""
+    assert precision_violations(getattr(shardops, policy), capacity_factor) == []

@@ -1,15 +1,18 @@
 """Mutation check: known MoE bugs, each one exact line of a copy of shardops/layers/_moe.py
 (``tests/_mutants.py``), are caught by ``check_moe`` (route, drops, losses, output and
-gradients against the independent reference); the unmutated copy passes."""
+gradients against the independent reference); products at a precision the contract does not
+ask for (right on CPU, which multiplies float32 in full whatever it is asked) are caught by
+``precision_violations``, read from the traced program; the unmutated copy passes both."""
 
 import functools
 
 import jax
 import pytest
-from _moe_checks import check_kernel_load_balance, check_moe
+from _moe_checks import check_kernel_load_balance, check_moe, precision_violations
 from _mutants import mutant
 from jax import lax
 
+import shardops
 from shardops.layers import _moe
 
 
@@ -55,6 +58,13 @@ MUTANTS = {
         "            sums = (counts, prob_sums, z_sum)",
         None,
     ),
+    # load_balance="group": the devices' per-group losses summed over every batch axis but
+    # divided by one axis's size (data = 2), not by all their devices (data × expert = 4)
+    "group_losses_divided_by_one_batch_axis": (
+        "        devices = math.prod(lax.axis_size(a) for a in batch_axes)",
+        "        devices = lax.axis_size(batch_axes[0])",
+        {"mesh_name": "data2_expert2_model2", "load_balance": "group"},
+    ),
     # the return AllToAll with its split and concat dims swapped (shapes still fit: E/N = 4
     # experts on N = 2 devices)
     "return_all_to_all_dims_swapped": (
@@ -72,6 +82,60 @@ MUTANTS = {
 }
 
 
+HIGHEST, DEFAULT = "precision=lax.Precision.HIGHEST", "precision=lax.Precision.DEFAULT"
+CAPACITY_COMBINE = (
+    '    return jnp.einsum("gsec,egcd->gsd", combine, ye, precision=lax.Precision.HIGHEST)'
+)
+DROPLESS_COMBINE = (
+    '    return jnp.einsum("gsk,gskd->gsd", weights, ye, precision=lax.Precision.HIGHEST)'
+)
+ROUTER = "precision=lax.Precision.HIGHEST)  # logits[G, S, E] in float32"
+EXPERTS = "                           precision.matmul_precision)  # fmt: skip"
+DISPATCH = 'xe = jnp.einsum("gsec,gsd->egcd", dispatch, x_region, precision=mm)'
+
+# name → (line, replacement, the policy and capacity_factor whose program shows it)
+PRECISION_MUTANTS = {
+    # The combine at DEFAULT: on a TPU the weights and ye rounded to bf16 (one pass).
+    "capacity_combine_at_default": (
+        CAPACITY_COMBINE,
+        CAPACITY_COMBINE.replace(HIGHEST, DEFAULT),
+        "MIXED_BFLOAT16",
+        1.0,
+    ),
+    # The dropless combine with no precision: the backend's default.
+    "dropless_combine_at_the_backend_default": (
+        DROPLESS_COMBINE,
+        DROPLESS_COMBINE.replace(", " + HIGHEST, ""),
+        "BFLOAT16",
+        None,
+    ),
+    # The router's logits at DEFAULT: near-ties decided by bf16-rounded logits on a TPU.
+    "router_logits_at_default": (ROUTER, ROUTER.replace(HIGHEST, DEFAULT), "MIXED_BFLOAT16", 1.0),
+    # FLOAT32's grouped matmuls at DEFAULT (TF32 or bf16 passes on accelerators).
+    "float32_experts_at_default": (
+        EXPERTS,
+        EXPERTS.replace("precision.matmul_precision", "lax.Precision.DEFAULT"),
+        "FLOAT32",
+        None,
+    ),
+    # The exact 0/1 dispatch at HIGHEST under bf16: six bf16 passes on a TPU for nothing.
+    "dispatch_at_highest_under_bfloat16": (
+        DISPATCH,
+        DISPATCH.replace("precision=mm", HIGHEST),
+        "BFLOAT16",
+        1.0,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", PRECISION_MUTANTS)
+def test_a_product_at_the_wrong_precision_is_caught(name):
+    line, replacement, policy, capacity_factor = PRECISION_MUTANTS[name]
+    module = mutant(_moe, name, line, replacement)
+    problems = precision_violations(getattr(shardops, policy), capacity_factor, module=module)
+    assert problems and all("precision=" in p for p in problems), problems
+
+
 @pytest.mark.parametrize("name", MUTANTS)
 def test_mutant_is_caught(name):
     line, replacement, arguments = MUTANTS[name]
@@ -87,6 +151,8 @@ def test_mutant_is_caught(name):
 def test_unmutated_copy_passes():
     module = mutant(_moe, "unmutated", EXPERTS_LINE, EXPERTS_LINE)
     check_kernel_load_balance("global", module)
+    for _, _, policy, capacity_factor in PRECISION_MUTANTS.values():
+        assert precision_violations(getattr(shardops, policy), capacity_factor, module) == []
     for _, _, arguments in MUTANTS.values():
         if arguments is not None:
             check_moe(module=module, **arguments)
