@@ -1,7 +1,9 @@
 """KV-cache decoding (``shardops_models.generation.Decoder``) against transformers' float64
 forward of the same checkpoint (``_hf_checks``): the cached logits of a prefill and 32 one-token
 steps equal a full recompute within the float32 bound, under tp (1×8) and 2d (2×4, 4×2: KV
-heads replicated and split); greedy tokens equal the unsharded model's wherever the top-2
+heads replicated and split), and so do they at the edges of the cache's key blocks (read in
+blocks of 4: a one-token prompt, prompts of block − 1, block and block + 1 tokens, a clamped
+last block); greedy tokens equal the unsharded model's wherever the top-2
 margin exceeds that bound; sampling draws the same tokens on every mesh for one key, from
 softmax(logits / T), and each step's token is the one the documented key schedule and noise
 give on the float64 forward; ``Decoder.logits`` refuses a start past the cache's length and
@@ -26,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardops_models as models
 from shardops.inspect import collectives
-from shardops.layers import kv_cache_heads
+from shardops.layers import _attention, kv_cache_heads
 from shardops_models.generation import Decoder
 from shardops_models.interop import HfLlama
 
@@ -269,6 +271,73 @@ def check_gpt(mesh_name, decoder_type=Decoder, steps: int = STEPS):
     clear = top2[:, 1] - top2[:, 0] > 2 * bound
     assert clear.sum() >= BATCH - 1, top2
     np.testing.assert_array_equal(greedy[clear, 0], last.argmax(-1)[clear])
+
+
+# --- The edges of the cache's blocked read (``_flash.cache_attention``). The tests above read
+# one block (BLOCK_K = 512 keys, clipped to max_len) and prompts of several tokens, where a
+# block count one short, or a clamped last block read wrong, changes nothing. Here the blocks
+# are of 4 keys: a one-token prompt reads a cache of one key, and a short decoding crosses
+# several blocks' ends, the last block clamped where max_len is not a multiple of 4.
+EDGE_BLOCK = 4
+
+
+@contextlib.contextmanager
+def key_blocks(block: int):
+    """Decoders traced inside read their cache in blocks of ``block`` keys: the cached
+    attention reads ``shardops.layers._attention.BLOCK_K`` when it is traced, and a decoder's
+    programs keep the size they were traced with (build and run the decoder inside)."""
+    before = _attention.BLOCK_K
+    _attention.BLOCK_K = block
+    try:
+        yield
+    finally:
+        _attention.BLOCK_K = before
+
+
+def test_a_one_token_prompt_decodes_across_key_blocks():
+    check_one_token_prompt()
+
+
+def check_one_token_prompt(decoder_type=Decoder, mesh_name="1x8"):
+    """A prefill of one token (the cache's length 1: one key in the first block), then 11
+    steps to max_len 12, a multiple of the block of 4: steps write each block's first position
+    (4 and 8: lengths 5 and 9) and fill the last block to its end. The gqa Llama (rotary
+    positions from 0; tp on 1×8, its 2 KV heads replicated) against transformers' float64
+    forward, within ``check_close``'s bound."""
+    max_len = 3 * EDGE_BLOCK
+    ckpt = HfLlama(checkpoint("gqa"))
+    ids, _ = tokens(ckpt.model().vocab_size, seed=8, seq=max_len)
+    with key_blocks(EDGE_BLOCK):
+        decoder = decoder_type(ckpt.model(), mesh_for(MESHES[mesh_name]), batch=BATCH,
+                               max_len=max_len)  # fmt: skip
+        params = ckpt.load(decoder.setup, optimizer_state=False)
+        got = teacher_forced(decoder, params, ids, steps=max_len - 1, prompt=1)
+    check_close(got, checkpoint("gqa"), ids, f"gqa {mesh_name}: a one-token prompt, blocks of 4")
+
+
+def test_prompts_and_steps_at_a_key_blocks_end_decode():
+    check_block_edges()
+
+
+def check_block_edges(decoder_type=Decoder, mesh_name="2x4"):
+    """Prompts of block − 1, block and block + 1 tokens (3, 4, 5), each followed by steps to
+    the end of a cache of max_len 10, not a multiple of the block of 4: a prefill ending on
+    either side of a block's end, a step writing position 4 (the second block's first), and
+    steps at 8 and 9 reading the last block clamped to the cache's end (keys 6 … 9, of which 6
+    and 7 already folded in). The GPT (learned positions read from ``start``; 2d on 2×4, its 4
+    heads split) against its float64 forward, within ``check_gpt``'s bound."""
+    max_len = 2 * EDGE_BLOCK + 2
+    full = GPT.init(jax.random.key(3))
+    ids, _ = tokens(GPT.vocab_size, seed=9, seq=max_len)
+    exact = _gpt_float64(full, ids)  # [B, 10, V]
+    bound = _gpt_bound(full, ids, exact)
+    with key_blocks(EDGE_BLOCK):
+        decoder = decoder_type(GPT, mesh_for(MESHES[mesh_name]), batch=BATCH, max_len=max_len)
+        params = decoder.place(full)
+        for prompt in (EDGE_BLOCK - 1, EDGE_BLOCK, EDGE_BLOCK + 1):
+            got = teacher_forced(decoder, params, ids, steps=max_len - prompt, prompt=prompt)
+            err = np.abs(got - exact).max(axis=(0, 2))  # [10]: the worst error at each position
+            assert err.max() <= bound, (f"prompt {prompt}", err, bound)
 
 
 def documented_draws(logits, key, temperature):

@@ -1,6 +1,9 @@
 """Mutants of KV-cache decoding, each caught by a check of tests/generation/test_decoding.py
 (its unmutated copy passing the same check): positions restarting at 0 in each step, the cache
-written one position late, the causal mask read from the last query's position, and, in the
+written one position late, the causal mask read from the last query's position, the cache's
+blocked read told one key fewer than written or counting one block fewer (a one-token prompt,
+a length one past a block's end), its clamped last block given the positions past it or
+folded in twice (``check_one_token_prompt``, ``check_block_edges``: blocks of 4), and, in the
 models' own ``apply`` (which the decoder runs: it has no forward of its own), the GPT's
 learned positions read from 0 in each step, its first layer norm skipped, the Llama's MLP
 residual dropped and its final norm skipped (teacher-forced logits against a float64 forward);
@@ -18,16 +21,18 @@ import jax
 import pytest
 from _mutants import mutant, training
 from test_decoding import (
+    check_block_edges,
     check_cache_positions,
     check_gpt,
     check_key_schedule,
     check_misuse,
+    check_one_token_prompt,
     check_same_draws,
     check_sampling_distribution,
     check_teacher_forced,
 )
 
-from shardops.layers import _cached_attention
+from shardops.layers import _cached_attention, _flash
 from shardops_models.generation import _cached_context, decoding
 from shardops_models.networks import gpt, llama
 
@@ -47,6 +52,31 @@ ATTENTION = {  # mutant → (line of shardops/layers/_cached_attention.py, its r
     "einsum_mask_of_the_last_query": (
         "        visible = _masks.visible(positions, key_positions, None, None, True)  # [1, 1, s, S_max]",
         "        visible = _masks.visible(positions[-1:].repeat(seq), key_positions, None, None, True)",
+    ),
+    # The blocked read told the cache holds one key fewer than written: the last key is lost
+    # where it is its block's first (a one-token prompt; a length of 4k + 1 in blocks of 4).
+    "cache_length_one_short": (
+        "        o = _flash.cache_attention(q, keys, values, q_positions=positions, length=start + seq,",
+        "        o = _flash.cache_attention(q, keys, values, q_positions=positions, "
+        "length=start + seq - 1,",
+    ),
+}
+# The blocked read of the cache itself (``_flash.cache_attention``), at its blocks' edges: the
+# decoding tests' other checks read one block (BLOCK_K = 512, clipped to max_len), where each
+# of these changes nothing; ``check_one_token_prompt`` and ``check_block_edges`` read blocks
+# of 4.
+FLASH = {  # mutant → (line of shardops/layers/_flash.py, its replacement)
+    "block_count_one_short": (  # ⌈(length − 1) / block⌉ blocks: a block's first key skipped
+        "    carry = lax.fori_loop(0, (length + block - 1) // block, body, carry)",
+        "    carry = lax.fori_loop(0, (length + block - 2) // block, body, carry)",
+    ),
+    "clamped_block_positions_unclamped": (  # the clamped block's keys given the positions past it
+        "        first = jnp.minimum(i * block, size - block)  # the block's first key (clamped at the end)",
+        "        first = i * block",
+    ),
+    "clamped_block_folded_twice": (  # the clamped block's overlap with the previous one counted again
+        "        real = key_positions >= i * block  # a clamped block's keys already folded in: masked",
+        "        real = key_positions >= first",
     ),
 }
 # The model's own forward: a decoder with a second forward of its own would not see these.
@@ -117,6 +147,8 @@ TRAIN = {  # mutant → (line of a models/training module, its replacement): the
 }
 CHECKS = {  # mutant → the check that catches it (a mutant not listed: the draws on 1x1 and 1x8)
     **dict.fromkeys(ATTENTION, lambda d: check_teacher_forced("gqa", "2x4", d, steps=8)),
+    "cache_length_one_short": check_one_token_prompt,
+    **dict.fromkeys(FLASH, check_block_edges),
     "gpt_positions_restart": lambda d: check_gpt("2x4", d, steps=8),
     "gpt_first_norm_skipped": lambda d: check_gpt("1x1", d, steps=8),
     **dict.fromkeys(
@@ -160,6 +192,11 @@ def decoder_type(monkeypatch):
             if name.startswith("einsum_"):
                 return functools.partial(decoding.Decoder, attention="einsum")
             return decoding.Decoder
+        if name in FLASH:  # the cached attention reading the cache through the mutated module
+            line, new = FLASH[name]
+            module = mutant(_flash, name, line, new if mutated else line)
+            monkeypatch.setattr(_cached_attention, "_flash", module)
+            return decoding.Decoder
         if name in MODEL:  # the model's class running the mutated module's forward
             network, line, new = MODEL[name]
             module = mutant(network, name, line, new if mutated else line)
@@ -181,18 +218,18 @@ def decoder_type(monkeypatch):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("name", ["positions_restart", "gpt_positions_restart",
-                                  "llama_final_norm_skipped", "key_reused_every_step",
-                                  "start_past_next_not_refused",
+@pytest.mark.parametrize("name", ["positions_restart", "block_count_one_short",
+                                  "gpt_positions_restart", "llama_final_norm_skipped",
+                                  "key_reused_every_step", "start_past_next_not_refused",
                                   "train_state_not_recognised"])  # fmt: skip
 def test_unmutated_copy_passes(decoder_type, name):
-    """A copy of each module (attention, the GPT, the Llama, decoding, training) passes the
-    checks its mutants fail (one check a module where the others' copies would compile again
-    for nothing)."""
+    """A copy of each module (attention, its blocked read of the cache, the GPT, the Llama,
+    decoding, training) passes the checks its mutants fail (one check a module where the
+    others' copies would compile again for nothing)."""
     _check(name, decoder_type(name, mutated=False))
 
 
-@pytest.mark.parametrize("name", [*ATTENTION, *MODEL, *DECODING, *TRAIN])
+@pytest.mark.parametrize("name", [*ATTENTION, *FLASH, *MODEL, *DECODING, *TRAIN])
 def test_mutant_is_caught(decoder_type, name):
     mutated = decoder_type(name, mutated=True)  # outside raises: a line not found is no catch
     with pytest.raises(AssertionError):
