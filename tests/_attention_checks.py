@@ -66,7 +66,7 @@ from _dense_checks import mesh_for
 from jax.sharding import NamedSharding
 
 import shardops
-from shardops.layers import _attention, _norms
+from shardops.layers import _attention, _attention_core, _norms
 from shardops.testing import dtype_flow, dtype_flow_violations
 
 # Looked up at trace time, so the mutation tests can swap in a mutant module.
@@ -393,7 +393,7 @@ def softmax_blocks(implementation: str, keys: int) -> int:
     folds in (``"auto"`` is the blocked path off TPU), evaluated as ``RING_DOCS`` says."""
     if implementation == "auto":
         implementation = "splash" if jax.default_backend() == "tpu" else "blocked"
-    return 0 if implementation == "einsum" else -(-keys // attention.BLOCK_K)
+    return 0 if implementation == "einsum" else -(-keys // _attention_core.BLOCK_K)
 
 
 # --- running the sharded layer ----------------------------------------------------------------

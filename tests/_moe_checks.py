@@ -20,11 +20,27 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _mutants import copies
 from jax.sharding import PartitionSpec as P
 
 import shardops
 from shardops.layers import _moe
 from shardops.testing import _subjaxprs
+
+MOE_MODULES = ("_moe_arguments", "_moe_routing", "_moe_dropless", "_moe_dispatch", "_moe")
+"""The modules of ``shardops/layers`` the MoE layer runs, in import order (``_moe`` last)."""
+
+
+def moe_mutant(name: str, line: str, replacement: str, **extra):
+    """A copy of ``_moe`` that runs copies of every module of ``MOE_MODULES``: the one holding
+    ``line`` (exactly once, among them all) has it replaced by ``replacement``, so the mutated
+    function is the one the copy's layer calls. ``extra`` (name → object) is added to every
+    copy: a name the replacement uses that no module defines."""
+    made = copies("shardops.layers", MOE_MODULES, name, line, replacement)
+    for module in made.values():
+        vars(module).update(extra)
+    return made["_moe"]
+
 
 HI = jax.lax.Precision.HIGHEST
 TOLERANCE = 2.0**-16

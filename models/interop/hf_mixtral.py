@@ -60,14 +60,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from shardops_models.interop import hf_llama
-from shardops_models.interop.hf_llama import (
-    HfLlama,
-    UnsupportedConfig,
-    _config_dict,
-    _llama_fields,
-    _save_hf,
-)
+from shardops_models.interop import hf_llama  # Llama's NAMES, DEFAULTS and hf_config
+from shardops_models.interop._hf_config import UnsupportedConfig, _config_dict, _llama_fields
+from shardops_models.interop._hf_reader import HfLlama
+from shardops_models.interop._hf_writer import _save_hf
 from shardops_models.networks.llama import Experts, Llama
 from shardops_models.strategies.layout import Strategy, strategy_named
 from shardops_models.training._setup import Setup

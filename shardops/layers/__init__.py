@@ -20,18 +20,16 @@ Unsharded references: ``dense``, ``attention``, ``gated_mlp``, ``moe``. Paramete
 """
 
 from shardops.layers._attention import (
-    BLOCK_K,
-    IMPLEMENTATIONS,
     AttentionSpecs,
     attention,
-    check_head_counts,
-    check_implementation,
     head_parallel_attention,
     head_parallel_attention_kernel,
     head_parallel_attention_specs,
     init_attention,
     splits_kv_heads,
 )
+from shardops.layers._attention_arguments import check_head_counts
+from shardops.layers._attention_core import BLOCK_K, IMPLEMENTATIONS, check_implementation
 from shardops.layers._cached_attention import cached_attention_kernel
 from shardops.layers._collective_dense import COLLECTIVE_MATMULS
 from shardops.layers._context_attention import METHODS as CONTEXT_METHODS

@@ -43,6 +43,10 @@ after the rotation, the probabilities, ``o``, and each cotangent a backward prod
 once more at the output; every sum (a KV head's gradient over its query heads included), and
 every collective that reduces, runs in float32.
 
+How each device computes its heads' softmax attention (``IMPLEMENTATIONS``: einsum, blocked,
+splash) is ``shardops.layers._attention_core``; the argument checks are
+``shardops.layers._attention_arguments``.
+
 Notation (the JAX scaling book): ``w[D, F_model]`` is split over ``model`` along F;
 ``y[B, S, D]{U_model}`` holds partial sums not yet reduced over ``model``; ``p`` is the size of
 ``model``; ``H`` the number of query heads, ``KV`` of key/value heads, ``hd`` the head dim.
@@ -55,13 +59,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from shardops._axes import MODEL_AXIS, SEQUENCE_DIM
-from shardops._mesh import axis_size, check_divisible, spec_entry, varying_axes
+from shardops._mesh import axis_size, check_divisible, spec_entry
 from shardops._precision import FLOAT32, Precision
 from shardops.comm._mappings import (
     copy_to_region,
@@ -70,41 +73,17 @@ from shardops.comm._mappings import (
     reduce_scatter_from_region,
 )
 from shardops.comm._reasons import Reason, because
-from shardops.layers import _attention_reference, _flash, _kv_heads, _masks, _rope
-from shardops.layers._common import (
-    bound_axis_size,
-    check_axes,
-    check_precision,
-    check_replicated_over,
-    check_sharded_over,
-    run_layer,
-    scoped,
+from shardops.layers import _attention_core, _kv_heads, _rope
+from shardops.layers._attention_arguments import (
+    KV_KEYS,
+    check_args,
+    check_head_counts,
+    check_kv_groups,
+    check_local,
+    check_tokens,
 )
+from shardops.layers._common import bound_axis_size, check_axes, run_layer, scoped
 from shardops.layers._params import init_dense
-
-PROJECTIONS = ("wq", "wk", "wv", "wo")
-BIASES = ("bq", "bk", "bv", "bo")
-KV_KEYS = ("wk", "wv", "bk", "bv")
-
-IMPLEMENTATIONS = ("auto", "einsum", "blocked", "splash")
-"""How each device computes its heads' softmax attention (``implementation=``):
-
-- ``"einsum"``: the ``[B, H, S, S]`` scores and probabilities in float32, kept for the backward
-  (the reference: memory O(S²) per head);
-- ``"blocked"``: ``shardops.layers.blocked_attention``'s online softmax over key blocks of
-  ``BLOCK_K``, in plain JAX on any backend (memory O(S·BLOCK_K); the backward recomputes the
-  blocks from the log-sum-exp);
-- ``"splash"``: JAX's Pallas splash-attention kernel (``shardops.layers._splash``), for
-  head-parallel attention over the whole sequence; S and hd multiples of 128. Asked for
-  explicitly on CPU it runs in Pallas's interpreter (slow: for tests); on a GPU it is refused.
-  Context-parallel attention (its keys are in the load-balanced order, its ring steps merge
-  partial results) and decoding (one query against a cache) run the blocked path instead;
-- ``"auto"`` (the default): ``"splash"`` on TPU under a bf16 compute dtype where its shapes
-  fit, else ``"blocked"``.
-"""
-
-BLOCK_K = 512
-"""Keys per block of the blocked path (``shardops.layers.blocked_attention``'s ``block_k``)."""
 
 # Why each collective of the kernel runs (``shardops.comm.because``; ``explain`` reads them).
 _INPUT = Reason("attention_replicated_input", backward={
@@ -215,7 +194,7 @@ def init_attention(
                     ("num_kv_heads", kv)):  # fmt: skip
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"init_attention: {name} must be a positive int; got {n!r}")
-    _check_groups("init_attention", num_heads, kv)
+    check_kv_groups("init_attention", num_heads, kv)
     inner, kv_inner = num_heads * head_dim, kv * head_dim
     shapes = {"q": (d_model, inner), "k": (d_model, kv_inner), "v": (d_model, kv_inner),
               "o": (inner, d_model)}  # fmt: skip
@@ -295,7 +274,7 @@ def head_parallel_attention_kernel(
         batch axis, the weight gradients are all-reduced over that axis (in ``accum_dtype``).
     """
     op = "head_parallel_attention_kernel"
-    check_implementation(op, implementation)
+    _attention_core.check_implementation(op, implementation)
     p = bound_axis_size(axis_name, op)
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     heads, head_dim, shared = check_local(op, x, params, num_heads, kv_heads, p, axis_name,
@@ -321,7 +300,8 @@ def head_parallel_attention_kernel(
     else:
         kv = _kv_heads.KvHeads(kv_heads // p, None)
     positions, segment_ids = tokens
-    core = core_for(kv, heads, causal, segment_ids, precision, implementation, context)
+    core = _attention_core.core_for(kv, heads, causal, segment_ids, precision, implementation,
+                                    context)  # fmt: skip
     positions = global_positions(positions, x.shape[SEQUENCE_DIM], rope_theta, context)
     y_partial = heads_attention(x, params, heads, kv, head_dim, rope_theta, positions, precision,
                                 core)  # fmt: skip
@@ -363,73 +343,6 @@ def shared_kv_heads(params, num_heads, kv_heads, p, head_dim, axis_name, accum):
                 w = lax.dynamic_slice_in_dim(w, first * head_dim, count * head_dim, axis=dim)
             sliced[name] = w  # w[D, count·hd] in accum
     return sliced, _kv_heads.KvHeads(count, None if count == 1 else index)
-
-
-def check_implementation(op: str, implementation, argument: str = "implementation") -> str:
-    """``implementation`` if it is one of ``IMPLEMENTATIONS``, else a ValueError naming them
-    (and ``argument``, the caller's name for it)."""
-    if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"{op}: {argument}={implementation!r} is not an attention implementation; "
-            f"expected one of {IMPLEMENTATIONS} ('auto' picks 'splash' on TPU, else 'blocked'; "
-            f"'einsum' is the S×S reference)."
-        )
-    return implementation
-
-
-def _splash_block(seq: int) -> int | None:
-    """The largest block splash can take for ``seq`` tokens: a multiple of 128 up to
-    ``BLOCK_K`` that divides ``seq`` (None: none does)."""
-    return next((b for b in range(BLOCK_K, 0, -128) if seq % b == 0), None)
-
-
-def _local_implementation(implementation: str, q, k, precision: Precision) -> str:
-    """The implementation one device runs for ``q[B, H, S, hd]`` over ``k[B, n, S, hd]``:
-    ``"auto"`` is splash on TPU for a bf16 compute dtype where the kernel takes the shapes
-    (its products are not float32 × float32 at ``Precision.HIGHEST``: under ``FLOAT32`` the
-    blocked path keeps the policy), else blocked."""
-    if implementation != "auto":
-        return implementation
-    if jax.default_backend() != "tpu" or precision.compute_dtype != np.dtype(jnp.bfloat16):
-        return "blocked"
-    from shardops.layers import _splash  # Pallas TPU: imported only where it can run
-
-    block = _splash_block(q.shape[2])
-    if block is None or _splash.splash_unsupported_reason(q.shape, k.shape, block=block):
-        return "blocked"
-    return "splash"
-
-
-def _core(q, k, v, kv: _kv_heads.KvHeads, heads: int, causal: bool, segment_ids,
-          precision: Precision, implementation: str):  # fmt: skip
-    """``o[B, H/p, S, hd]`` in accum: softmax attention of ``q[B, H/p, S, hd]`` over ``k, v[B,
-    n, S, hd]`` (the whole sequence on this device) by ``implementation``: the blocked core
-    (``_flash.attend``), splash, or the einsum reference."""
-    if implementation == "einsum":  # the S×S reference
-        k, v = _kv_heads.for_query_heads(k, kv, heads), _kv_heads.for_query_heads(v, kv, heads)
-        positions = jnp.arange(q.shape[2], dtype=jnp.int32)  # [S]
-        visible = _masks.visible(positions, positions, segment_ids, segment_ids, causal)
-        return _attention_reference.einsum_attention(q, k, v, visible, precision)
-    if kv.index is not None:  # replicated K/V read by index: each query head's own KV head
-        k, v = _kv_heads.for_query_heads(k, kv, heads), _kv_heads.for_query_heads(v, kv, heads)
-    if _local_implementation(implementation, q, k, precision) == "splash":
-        from shardops.layers import _splash
-
-        backend = jax.default_backend()
-        if backend not in ("tpu", "cpu"):
-            raise ValueError(
-                f"implementation='splash' runs JAX's Pallas TPU kernel: on a TPU, or on CPU in "
-                f"Pallas's interpreter (for tests); this backend is {backend!r}. Use "
-                f"implementation='blocked' (or 'auto', which picks it here)."
-            )
-        block = _splash_block(q.shape[2]) or BLOCK_K  # none fits: splash names the problem
-        return _splash.splash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
-                                        precision=precision, block=block,
-                                        interpret=backend == "cpu")  # fmt: skip
-    positions = jnp.arange(q.shape[2], dtype=jnp.int32)  # [S]
-    return _flash.attend(q, k, v, q_positions=positions, k_positions=positions,
-                         q_segments=segment_ids, k_segments=segment_ids, causal=causal,
-                         block_k=BLOCK_K, precision=precision)  # fmt: skip
 
 
 def heads_attention(x, params, heads: int, kv: _kv_heads.KvHeads, head_dim: int, rope_theta,
@@ -474,7 +387,7 @@ def attention(
     """
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     op = "attention"
-    check_implementation(op, implementation)
+    _attention_core.check_implementation(op, implementation)
     check_args(op, x, params, num_heads, kv_heads, causal, precision, dtypes=False)
     head_dim = params["wq"].shape[1] // num_heads
     _rope.check_rope(op, rope_theta, head_dim)
@@ -482,23 +395,9 @@ def attention(
     x = x.astype(precision.accum_dtype)  # x[B, S, D] in accum, as the kernel's region entry
     kv = _kv_heads.KvHeads(kv_heads, None)
     positions, segment_ids = tokens
-    core = core_for(kv, num_heads, causal, segment_ids, precision, implementation)
+    core = _attention_core.core_for(kv, num_heads, causal, segment_ids, precision, implementation)
     y = heads_attention(x, params, num_heads, kv, head_dim, rope_theta, positions, precision, core)
     return precision.finish(y, params.get("bo"))  # y in compute dtype
-
-
-def core_for(kv: _kv_heads.KvHeads, heads: int, causal: bool, segment_ids, precision: Precision,
-             implementation: str, context=None):  # fmt: skip
-    """``core(q, k, v) → o`` for ``heads_attention``: this device's heads over its own sequence
-    (``_core``), or with ``context`` (a ``ContextParallel``) its block's queries over the
-    whole sequence by the context method (``ContextParallel.attend``)."""
-    if context is None:
-        return functools.partial(_core, kv=kv, heads=heads, causal=causal,
-                                 segment_ids=segment_ids, precision=precision,
-                                 implementation=implementation)  # fmt: skip
-    return functools.partial(context.attend, kv=kv, heads=heads, causal=causal,
-                             segment_ids=segment_ids, precision=precision,
-                             implementation=implementation)  # fmt: skip
 
 
 def global_positions(positions, seq: int, rope_theta, context):
@@ -586,7 +485,7 @@ def head_parallel_attention(
     ``dbo[D]``) backward.
     """
     op = "head_parallel_attention"
-    check_implementation(op, implementation)
+    _attention_core.check_implementation(op, implementation)
     check_axes(mesh, axis_name, batch_axis)
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     check_args(op, x, params, num_heads, kv_heads, causal, precision)
@@ -627,193 +526,3 @@ def head_parallel_attention(
         return kernel(given.pop("x"), given.pop("params"), **given)
 
     return run_layer(op, run, mesh, args, in_specs, specs.y)
-
-
-# --- checks -----------------------------------------------------------------------------------
-
-
-def check_head_counts(op: str, num_heads: int, num_kv_heads: int, axis_name: str, p: int):
-    """Heads that can be split over ``axis_name`` (size ``p``), else a ValueError naming the
-    heads, the KV heads and the axis."""
-    _check_groups(op, num_heads, num_kv_heads)
-    if num_heads % p:
-        raise ValueError(
-            f"{op}: num_heads={num_heads} is not divisible by mesh axis {axis_name!r} (size "
-            f"{p}); each device must hold whole query heads (num_kv_heads={num_kv_heads}). "
-            f"Choose num_heads a multiple of {p} (e.g. {-(-num_heads // p) * p}), or a mesh "
-            f"whose {axis_name!r} axis divides {num_heads}."
-        )
-
-
-def _check_groups(op: str, num_heads, num_kv_heads) -> None:
-    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
-        raise ValueError(f"{op}: num_kv_heads must be a positive int; got {num_kv_heads!r}")
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"{op}: num_kv_heads={num_kv_heads} does not divide num_heads={num_heads}; each "
-            f"key/value head serves a group of num_heads/num_kv_heads query heads. Choose "
-            f"num_kv_heads among {[d for d in range(1, num_heads + 1) if num_heads % d == 0]}."
-        )
-
-
-def check_tokens(op: str, positions, segment_ids, shape, axis_name, rope_theta, context=None):
-    """``positions`` and ``segment_ids``: ``[B, S]`` integers (replicated over ``axis_name``
-    inside the kernel); returns them with the default positions filled in (None without RoPE,
-    or under ``context``, where the kernel fills in the tokens' global positions)."""
-    if positions is not None and rope_theta is None:
-        raise ValueError(
-            f"{op}: positions are given but rope_theta is None; positions only place the rotary "
-            f"embeddings. Pass rope_theta (e.g. 10000.0), or drop positions."
-        )
-    for name, tokens in (("positions", positions), ("segment_ids", segment_ids)):
-        if tokens is None:
-            continue
-        if not hasattr(tokens, "shape") or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            got = getattr(tokens, "dtype", type(tokens).__name__)
-            raise TypeError(f"{op}: {name} must be an integer array [B, S]; got {got}")
-        if tuple(tokens.shape) != tuple(shape):
-            raise ValueError(
-                f"{op}: {name} must have shape (B, S) = {tuple(shape)}, one per token of the "
-                f"whole sequence (also under sequence parallelism); got {tuple(tokens.shape)}"
-            )
-        if axis_name is not None:
-            check_replicated_over(tokens, axis_name, name, op)
-    if rope_theta is not None and positions is None and segment_ids is not None:
-        if context is not None:
-            raise ValueError(
-                f"{op}: with rotary embeddings, segment_ids and a sequence split over "
-                f"{context.axis_name!r}, pass positions: a document may begin on another "
-                f"device. Compute segment_positions(segment_ids) on the whole sequence and "
-                f"give each device its tokens' (context_parallel_attention does)."
-            )
-        positions = _rope.segment_positions(segment_ids)  # restart at each document
-    return positions, segment_ids
-
-
-def check_args(op: str, x, params, num_heads, num_kv_heads, causal, precision, *,
-                dtypes=True) -> None:  # fmt: skip
-    """Global shapes, dtypes (unless ``dtypes=False``: params may arrive in ``accum_dtype``,
-    as a strategy's gathers give them) and names, before anything is traced."""
-    check_precision(op, precision)
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"{op}: num_heads must be a positive int; got {num_heads!r}")
-    _check_groups(op, num_heads, num_kv_heads)
-    if not isinstance(causal, bool):
-        raise TypeError(f"{op}: causal must be a bool; got {causal!r}")
-    if not hasattr(x, "shape") or len(x.shape) != 3:
-        got = f"shape {tuple(x.shape)}" if hasattr(x, "shape") else type(x).__name__
-        raise ValueError(
-            f"{op}: x must have rank 3 (x[B, S, D]: batch, sequence, features); got {got}. "
-            f"A single sequence is x[None]; a batch of vectors is x[:, None, :]."
-        )
-    _check_param_names(op, params)
-    for name, arg in params.items():
-        if not hasattr(arg, "shape") or not hasattr(arg, "dtype"):
-            raise TypeError(f"{op}: params[{name!r}] must be an array; got {type(arg).__name__}")
-    shapes = {name: tuple(a.shape) for name, a in params.items()}
-    d_model = x.shape[-1]
-    wq = shapes["wq"]
-    if len(wq) != 2 or wq[0] != d_model:
-        raise ValueError(
-            f"{op}: wq must have shape (D, H·hd) with D = x's features = {d_model}; got wq{wq}"
-        )
-    inner = wq[1]
-    if inner % num_heads:
-        raise ValueError(
-            f"{op}: wq dim 1 (heads × head_dim) = {inner} is not divisible by "
-            f"num_heads={num_heads}; wq must be w[D, num_heads · head_dim]"
-        )
-    head_dim = inner // num_heads
-    kv_inner = num_kv_heads * head_dim
-    expected = {"wk": (d_model, kv_inner), "wv": (d_model, kv_inner), "wo": (inner, d_model),
-                "bq": (inner,), "bk": (kv_inner,), "bv": (kv_inner,), "bo": (d_model,)}  # fmt: skip
-    for name, want in expected.items():
-        if name in shapes and shapes[name] != want:
-            hint = ""
-            cols = shapes[name][-1]
-            if (
-                name in ("wk", "wv")
-                and cols % head_dim == 0
-                and num_heads % (cols // head_dim) == 0
-            ):
-                hint = (f" For grouped-query attention with {cols // head_dim} KV heads pass "
-                        f"num_kv_heads={cols // head_dim}.")  # fmt: skip
-            raise ValueError(
-                f"{op}: {name} has shape {shapes[name]} but wq{wq} with num_heads={num_heads} "
-                f"means head_dim={head_dim} and D={d_model}, so {name} must be {want}"
-                f"{f' (num_kv_heads={num_kv_heads})' if name in KV_KEYS else ''}. Q uses "
-                f"heads × head_dim, K and V "
-                f"KV heads × head_dim; wo maps the heads back to D.{hint}"
-            )
-    if dtypes:
-        precision.check_activation("x", x.dtype)
-        for name, arg in params.items():
-            precision.check_param(f"params[{name!r}]", arg.dtype)
-
-
-def _check_param_names(op: str, params) -> None:
-    if not isinstance(params, dict):
-        raise TypeError(
-            f"{op}: params must be a dict like init_attention's; got {type(params).__name__}"
-        )
-    missing = [n for n in PROJECTIONS if n not in params]
-    unknown = sorted(set(params) - set(PROJECTIONS) - set(BIASES))
-    if missing or unknown:
-        raise ValueError(
-            f"{op}: params needs {list(PROJECTIONS)} and may hold {list(BIASES)}; "
-            f"missing {missing}, unknown {unknown}"
-        )
-
-
-def check_local(op, x, params, num_heads, num_kv_heads, p, axis_name, sequence_parallel):
-    """Local blocks inside ``shard_map``: heads per device, head dim, and whether K/V are
-    replicated over ``axis_name`` (shared KV heads)."""
-    _check_param_names(op, params)
-    check_head_counts(op, num_heads, num_kv_heads, axis_name, p)
-    for name in ("wq", "wo"):
-        check_sharded_over(params[name], axis_name, name, op)
-    kv_split = {name: axis_name in varying_axes(params[name]) for name in KV_KEYS if name in params}
-    if len(set(kv_split.values())) > 1:
-        raise ValueError(
-            f"{op}: wk, wv (and bk, bv) must all be split over mesh axis {axis_name!r} or all "
-            f"replicated over it; split: {sorted(k for k, s in kv_split.items() if s)}, "
-            f"replicated: {sorted(k for k, s in kv_split.items() if not s)}"
-        )
-    shared = not kv_split["wk"]
-    if not shared and num_kv_heads % p:
-        raise ValueError(
-            f"{op}: num_kv_heads={num_kv_heads} is not divisible by mesh axis {axis_name!r} "
-            f"(size {p}), so wk and wv cannot split by KV head (num_heads={num_heads}). Give "
-            f"them (and bk, bv) replicated in_specs, head_parallel_attention_specs("
-            f"replicate_kv=True): each device then projects the KV heads its query heads read."
-        )
-    if x.ndim != 3:
-        raise ValueError(f"{op}: x must be the local block x[B, S, D]; got shape {x.shape}")
-    if sequence_parallel:
-        if axis_name not in varying_axes(x):
-            raise ValueError(
-                f"{op}: with sequence_parallel, x must be the sequence shard x[B, S/p, D], "
-                f"split over mesh axis {axis_name!r}; it is replicated over it. Split S in "
-                f"shard_map's in_specs, or pass sequence_parallel=False."
-            )
-    else:
-        check_replicated_over(x, axis_name, "x", op)
-    heads = num_heads // p
-    wq = params["wq"]
-    if wq.ndim != 2 or wq.shape[0] != x.shape[-1] or wq.shape[1] % heads:
-        raise ValueError(
-            f"{op}: local wq{tuple(wq.shape)} must be w[D, (H/p)·hd] with D = {x.shape[-1]} "
-            f"and H/p = {num_heads}/{p} = {heads} heads on this device"
-        )
-    head_dim = wq.shape[1] // heads
-    kv_local = num_kv_heads if shared else num_kv_heads // p
-    for name in ("wk", "wv"):
-        w = params[name]
-        if tuple(w.shape) != (x.shape[-1], kv_local * head_dim):
-            how = "replicated" if shared else "split by KV head"
-            raise ValueError(
-                f"{op}: local {name}{tuple(w.shape)} must be w[D, {kv_local}·hd] = "
-                f"{(x.shape[-1], kv_local * head_dim)}: num_kv_heads={num_kv_heads} {how} over "
-                f"{axis_name!r} (size {p}), hd={head_dim}"
-            )
-    return heads, head_dim, shared

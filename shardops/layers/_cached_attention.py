@@ -16,7 +16,16 @@ from jax import lax
 from shardops._axes import MODEL_AXIS
 from shardops._precision import FLOAT32, Precision
 from shardops.comm._collectives import all_reduce
-from shardops.layers import _attention, _attention_reference, _flash, _kv_heads, _masks, _rope
+from shardops.layers import (
+    _attention,
+    _attention_arguments,
+    _attention_core,
+    _attention_reference,
+    _flash,
+    _kv_heads,
+    _masks,
+    _rope,
+)
 from shardops.layers._common import bound_axis_size, scoped
 
 
@@ -67,11 +76,12 @@ def cached_attention_kernel(
     ``accum_dtype``, as the training kernel's forward; nothing else (the cache never moves).
     """
     op = "cached_attention_kernel"
-    _attention.check_implementation(op, implementation)
+    _attention_core.check_implementation(op, implementation)
     p = bound_axis_size(axis_name, op)
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    heads, head_dim, shared = _attention.check_local(op, x, params, num_heads, kv_heads, p,
-                                                     axis_name, False)  # fmt: skip
+    heads, head_dim, shared = _attention_arguments.check_local(op, x, params, num_heads,
+                                                               kv_heads, p, axis_name,
+                                                               False)  # fmt: skip
     _rope.check_rope(op, rope_theta, head_dim)
     k_cache, v_cache = cache
     batch, seq, _ = x.shape
@@ -155,7 +165,8 @@ def _attention_over_cache(
                 _kv_heads.for_query_heads(values, kv, heads),
             )
         o = _flash.cache_attention(q, keys, values, q_positions=positions, length=start + seq,
-                                   block_k=_attention.BLOCK_K, precision=precision)  # fmt: skip
+                                   block_k=_attention_core.BLOCK_K,
+                                   precision=precision)  # fmt: skip
     else:  # the reference: scores [B, H/p, s, S_max] at once
         keys = _kv_heads.for_query_heads(k_cache, kv, heads)  # [B, H/p, S_max, hd]
         values = _kv_heads.for_query_heads(v_cache, kv, heads)

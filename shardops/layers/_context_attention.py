@@ -65,7 +65,16 @@ from shardops._mesh import axis_size, check_divisible, spec_entry
 from shardops._precision import FLOAT32, Precision
 from shardops.comm._collectives import all_gather, all_to_all, reduce_scatter
 from shardops.comm._reasons import Reason
-from shardops.layers import _attention, _attention_reference, _flash, _kv_heads, _masks, _rope
+from shardops.layers import (
+    _attention,
+    _attention_arguments,
+    _attention_core,
+    _attention_reference,
+    _flash,
+    _kv_heads,
+    _masks,
+    _rope,
+)
 from shardops.layers._common import bound_axis_size, check_axes, run_layer, scoped
 from shardops.layers._ring_attention import _local_positions, _ring_attention
 
@@ -264,7 +273,7 @@ def _local(q, k, v, group: int, q_pos, k_pos, q_seg, k_seg, causal: bool, precis
     None): the blocked online softmax, or with ``blocked=False`` the S×S einsum."""
     if blocked:
         return _flash.attend(q, k, v, q_positions=q_pos, k_positions=k_pos, q_segments=q_seg,
-                             k_segments=k_seg, causal=causal, block_k=_attention.BLOCK_K,
+                             k_segments=k_seg, causal=causal, block_k=_attention_core.BLOCK_K,
                              precision=precision)  # fmt: skip
     if group > 1:  # the reference reads one KV head per query head
         k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)  # [B, H, sk, hd]
@@ -313,7 +322,7 @@ def _ring(q, k, v, segment_ids, group, causal, axis, precision, index=None, bloc
     seg_all = None
     if segment_ids is not None:  # every device's ids, once: each step slices its owner's
         seg_all = all_gather(segment_ids, axis, axis=1, reason=_SEGMENTS)  # [B, S]
-    block_k = _attention.BLOCK_K if blocked else q.shape[2]  # "einsum": one block per step
+    block_k = _attention_core.BLOCK_K if blocked else q.shape[2]  # "einsum": one block per step
     return _ring_attention(axis, causal, precision, block_k, q, k, v, seg_all, index)
 
 
@@ -404,7 +413,7 @@ def context_parallel_attention_kernel(
         ``context_axis`` in accum_dtype (they are replicated over it).
     """
     op = "context_parallel_attention_kernel"
-    _attention.check_implementation(op, implementation)
+    _attention_core.check_implementation(op, implementation)
     context = ContextParallel(context_axis, method)
     bound_axis_size(context_axis, op)
     if model_axis is not None:  # it checks the heads it sends (its own are split by model)
@@ -418,17 +427,19 @@ def context_parallel_attention_kernel(
         raise ValueError(f"{op}: sequence_parallel splits the sequence over the model axis; "
                          f"give model_axis")  # fmt: skip
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    _attention.check_args(op, x, params, num_heads, kv_heads, causal, precision, dtypes=False)
+    _attention_arguments.check_args(
+        op, x, params, num_heads, kv_heads, causal, precision, dtypes=False
+    )
     context.check_local(op, x.shape[1], num_heads, kv_heads)  # before any all-to-all
     head_dim = params["wq"].shape[1] // num_heads
     _rope.check_rope(op, rope_theta, head_dim)
-    tokens = _attention.check_tokens(op, positions, segment_ids, x.shape[:2], None, rope_theta,
-                                     context)  # fmt: skip
+    tokens = _attention_arguments.check_tokens(op, positions, segment_ids, x.shape[:2], None,
+                                               rope_theta, context)  # fmt: skip
     x = x.astype(precision.accum_dtype)  # x[B, s, D] in accum; no region over the context axis
     kv = _kv_heads.KvHeads(kv_heads, None)
     positions, segment_ids = tokens
-    core = _attention.core_for(kv, num_heads, causal, segment_ids, precision, implementation,
-                               context)  # fmt: skip
+    core = _attention_core.core_for(kv, num_heads, causal, segment_ids, precision,
+                                    implementation, context)  # fmt: skip
     positions = _attention.global_positions(positions, x.shape[1], rope_theta, context)
     y = _attention.heads_attention(x, params, num_heads, kv, head_dim, rope_theta, positions,
                                    precision, core)  # fmt: skip
@@ -476,13 +487,13 @@ def context_parallel_attention(
     ``context_parallel_attention_kernel``.
     """
     op = "context_parallel_attention"
-    _attention.check_implementation(op, implementation)
+    _attention_core.check_implementation(op, implementation)
     ContextParallel(context_axis, method)
     check_axes(mesh, context_axis, batch_axis)
     if model_axis is not None:
         check_axes(mesh, model_axis, None)
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    _attention.check_args(op, x, params, num_heads, kv_heads, causal, precision)
+    _attention_arguments.check_args(op, x, params, num_heads, kv_heads, causal, precision)
     _rope.check_rope(op, rope_theta, params["wq"].shape[1] // num_heads)
     n = axis_size(mesh, context_axis)
     p = 1 if model_axis is None else axis_size(mesh, model_axis)
@@ -492,8 +503,9 @@ def context_parallel_attention(
         # the documents' positions, counted in token order (the ids are in the layout's)
         natural = jnp.asarray(segment_ids)[:, inverse_order(x.shape[1], n)]
         positions = _rope.segment_positions(natural)[:, balanced_order(x.shape[1], n)]
-    positions, segment_ids = _attention.check_tokens(op, positions, segment_ids, x.shape[:2],
-                                                     None, rope_theta)  # fmt: skip
+    positions, segment_ids = _attention_arguments.check_tokens(
+        op, positions, segment_ids, x.shape[:2], None, rope_theta
+    )
     replicate_kv = _replicate_kv_checked(op, num_heads, kv_heads, method, context_axis, n,
                                          model_axis, p)  # fmt: skip
     check_divisible(argument="x", dim=0, dim_name="batch", size=x.shape[0], mesh=mesh,
@@ -528,7 +540,7 @@ def _replicate_kv_checked(
     devices), once the head counts are checked: they fit ``model_axis``, and with Ulysses the
     heads each device sends split over the ``n`` devices of ``context_axis``."""
     if model_axis is not None:
-        _attention.check_head_counts(op, num_heads, kv_heads, model_axis, p)
+        _attention_arguments.check_head_counts(op, num_heads, kv_heads, model_axis, p)
     replicate_kv = model_axis is not None and not _attention.splits_kv_heads(kv_heads, p)
     if method == "ulysses":
         heads, kv_sent = ulysses_heads_sent(num_heads, kv_heads, p, replicate_kv)

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from _messages import refused
 from _model_checks import mesh_for
+from _moe_checks import moe_mutant
 from _mutants import mutant
 from test_cached_context import _block_attending
 
 import shardops
 import shardops_models as models
 from shardops.inspect import collectives
-from shardops.layers import _moe
 from shardops_models.generation import Decoder, _cached_context, decoding
 
 E, K = 4, 2
@@ -153,7 +153,7 @@ def test_decoding_that_sends_tokens_to_the_wrong_devices_experts_is_caught(monke
     ``expert`` (the same shapes, finite tokens): ``check_greedy`` under ep fails; its
     unmutated copy passes."""
     line, new = WRONG_DEVICE
-    module = mutant(_moe, "wrong_device", line, new if mutated else line)
+    module = moe_mutant("wrong_device", line, new if mutated else line)
     monkeypatch.setattr(shardops.layers, "moe_kernel", module.moe_kernel)
     try:
         if mutated:

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardops_models as models
 from shardops.inspect import collectives
-from shardops.layers import _attention, kv_cache_heads
+from shardops.layers import _attention_core, kv_cache_heads
 from shardops_models.generation import Decoder
 from shardops_models.interop import HfLlama
 
@@ -284,14 +284,14 @@ EDGE_BLOCK = 4
 @contextlib.contextmanager
 def key_blocks(block: int):
     """Decoders traced inside read their cache in blocks of ``block`` keys: the cached
-    attention reads ``shardops.layers._attention.BLOCK_K`` when it is traced, and a decoder's
-    programs keep the size they were traced with (build and run the decoder inside)."""
-    before = _attention.BLOCK_K
-    _attention.BLOCK_K = block
+    attention reads ``shardops.layers._attention_core.BLOCK_K`` when it is traced, and a
+    decoder's programs keep the size they were traced with (build and run the decoder inside)."""
+    before = _attention_core.BLOCK_K
+    _attention_core.BLOCK_K = block
     try:
         yield
     finally:
-        _attention.BLOCK_K = before
+        _attention_core.BLOCK_K = before
 
 
 def test_a_one_token_prompt_decodes_across_key_blocks():

@@ -36,11 +36,20 @@ from _hf_checks import (
     tokens,
 )
 from _model_checks import mesh_for
-from _mutants import mutant
+from _mutants import copies
 from safetensors import SafetensorError
 
 import shardops_models as models
-from shardops_models.interop import hf_llama
+
+# hf_llama's code, in import order: its config, reader and writer, and hf_llama, whose names the
+# checks call (``module.HfLlama``, ``module.save_hf_llama``, ``module._files`` …).
+MODULES = ("_hf_config", "_hf_reader", "_hf_writer", "hf_llama")
+
+
+def mutant(name: str, line: str, replacement: str):
+    """A copy of ``hf_llama`` whose names are those of copies of ``MODULES``, ``line`` replaced
+    by ``replacement`` in the one of them that holds it."""
+    return copies("shardops_models.interop", MODULES, name, line, replacement)["hf_llama"]
 
 
 def _logits(module, tmp_path):
@@ -142,7 +151,7 @@ MUTANTS = {
 @pytest.mark.parametrize("check", CHECKS)
 def test_unmutated_copy_passes(check, tmp_path):
     line, _, _ = MUTANTS["o_proj_not_transposed"]
-    CHECKS[check](mutant(hf_llama, f"unmutated_{check}", line, line), tmp_path)
+    CHECKS[check](mutant(f"unmutated_{check}", line, line), tmp_path)
 
 
 def test_every_check_has_a_mutant():
@@ -155,6 +164,6 @@ def test_mutant_is_caught(name, tmp_path):
     # A wrong layout fails the logits check, or (a non-square tensor) the read of its slice;
     # every other check turns any failure into an AssertionError.
     caught = (AssertionError, ValueError, SafetensorError) if check == "logits" else AssertionError
-    module = mutant(hf_llama, name, line, new)  # outside raises: a line not found is no catch
+    module = mutant(name, line, new)  # outside raises: a line not found is no catch
     with pytest.raises(caught):
         CHECKS[check](module, tmp_path)

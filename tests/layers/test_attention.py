@@ -383,17 +383,17 @@ def test_auto_picks_splash_on_tpu_for_bf16_only(monkeypatch):
     """``"auto"``: blocked off TPU; on TPU splash for a bf16 compute dtype where a block of a
     multiple of 128 divides S (the largest up to BLOCK_K), else blocked; an explicit
     ``"splash"`` on a GPU is refused (the interpreter is for CPU tests)."""
-    from shardops.layers import _attention, _kv_heads
+    from shardops.layers import _attention_core, _kv_heads
 
     q, k = jnp.zeros((1, 4, 768, 128)), jnp.zeros((1, 2, 768, 128))
-    pick = functools.partial(_attention._local_implementation, "auto", q, k)
+    pick = functools.partial(_attention_core._local_implementation, "auto", q, k)
     assert pick(shardops.MIXED_BFLOAT16) == "blocked"  # this backend is not a TPU
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert pick(shardops.MIXED_BFLOAT16) == pick(BF16) == "splash"
     assert pick(F32) == "blocked"  # splash's products are not f32 × f32 at HIGHEST
-    assert _attention._splash_block(768) == 384 and _attention._splash_block(1000) is None
+    assert _attention_core._splash_block(768) == 384 and _attention_core._splash_block(1000) is None
     odd = jnp.zeros((1, 4, 1000, 128))
-    assert _attention._local_implementation("auto", odd, odd, BF16) == "blocked"
+    assert _attention_core._local_implementation("auto", odd, odd, BF16) == "blocked"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     kv = _kv_heads.KvHeads(2, None)
     with refused(
@@ -403,7 +403,7 @@ def test_auto_picks_splash_on_tpu_for_bf16_only(monkeypatch):
         expected="on a TPU, or on CPU",
         fix="implementation='blocked'",
     ):
-        _attention._core(q, k, k, kv, 4, True, None, BF16, "splash")
+        _attention_core._core(q, k, k, kv, 4, True, None, BF16, "splash")
 
 
 def test_the_implementation_is_checked(mesh, params):

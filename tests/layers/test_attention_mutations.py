@@ -1,5 +1,6 @@
 """Mutation check: known attention and norm bugs, injected into copies of shardops/layers/_attention.py
-and shardops/layers/_norms.py, are caught by the suite's own checks.
+(and the modules it runs: _attention_core.py, _rope.py, …) and shardops/layers/_norms.py, are
+caught by the suite's own checks.
 
 Each mutant replaces one exact line of the real source (the test fails if that line is not
 there exactly once, so mutants cannot drift from the code), is loaded as a module and swapped in
@@ -23,12 +24,21 @@ from _attention_checks import (
 from test_attention import BUDGETS
 
 import shardops
-from shardops.layers import _attention, _attention_reference, _kv_heads, _masks, _norms, _rope
+from shardops.layers import (
+    _attention,
+    _attention_core,
+    _attention_reference,
+    _kv_heads,
+    _masks,
+    _norms,
+    _rope,
+)
 
 # The attention family: the kernel's module and the modules it calls by attribute
-# (``_rope.rotate``), where a mutant of theirs is swapped in.
-FAMILY = {"attention": _attention, "attention_reference": _attention_reference,
-          "kv_heads": _kv_heads, "masks": _masks, "rope": _rope}  # fmt: skip
+# (``_rope.rotate``, ``_attention_core.core_for``), where a mutant of theirs is swapped in.
+FAMILY = {"attention": _attention, "attention_core": _attention_core,
+          "attention_reference": _attention_reference, "kv_heads": _kv_heads, "masks": _masks,
+          "rope": _rope}  # fmt: skip
 SOURCES = {**{k: inspect.getsource(m) for k, m in FAMILY.items()},
            "norms": inspect.getsource(_norms)}  # fmt: skip
 F32, BF16 = shardops.FLOAT32, shardops.BFLOAT16

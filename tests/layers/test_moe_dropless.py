@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _messages import refused
-from _moe_checks import TOLERANCE, check_moe, close, inputs, sharded_loss_and_grads
-from _mutants import mutant
+from _moe_checks import TOLERANCE, check_moe, close, inputs, moe_mutant, sharded_loss_and_grads
 from jax.sharding import PartitionSpec as P
 
 import shardops
@@ -200,11 +199,11 @@ MUTANT_CASE = {"mesh_name": "data2_model2_no_expert_axis", "capacity_factor": No
 @pytest.mark.parametrize("name", MUTANTS)
 def test_mutant_is_caught(name):
     line, replacement = MUTANTS[name]
-    module = mutant(_moe, name, line, replacement)
+    module = moe_mutant(name, line, replacement)
     with pytest.raises(AssertionError):
         check_moe(module=module, **MUTANT_CASE)
 
 
 def test_unmutated_copy_passes():
     line = MUTANTS["unsort_omitted"][0]
-    check_moe(module=mutant(_moe, "unmutated", line, line), **MUTANT_CASE)
+    check_moe(module=moe_mutant("unmutated", line, line), **MUTANT_CASE)

@@ -1,19 +1,18 @@
-"""Mutation check: known MoE bugs, each one exact line of a copy of shardops/layers/_moe.py
-(``tests/_mutants.py``), are caught by ``check_moe`` (route, drops, losses, output and
-gradients against the independent reference); products at a precision the contract does not
-ask for (right on CPU, which multiplies float32 in full whatever it is asked) are caught by
-``precision_violations``, read from the traced program; the unmutated copy passes both."""
+"""Mutation check: known MoE bugs, each one exact line of copies of shardops/layers/_moe.py
+and the modules it runs (``moe_mutant``: ``tests/_mutants.py``'s ``copies``), are caught by
+``check_moe`` (route, drops, losses, output and gradients against the independent reference);
+products at a precision the contract does not ask for (right on CPU, which multiplies float32
+in full whatever it is asked) are caught by ``precision_violations``, read from the traced
+program; the unmutated copy passes both."""
 
 import functools
 
 import jax
 import pytest
-from _moe_checks import check_kernel_load_balance, check_moe, precision_violations
-from _mutants import mutant
+from _moe_checks import check_kernel_load_balance, check_moe, moe_mutant, precision_violations
 from jax import lax
 
 import shardops
-from shardops.layers import _moe
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -131,7 +130,7 @@ PRECISION_MUTANTS = {
 @pytest.mark.parametrize("name", PRECISION_MUTANTS)
 def test_a_product_at_the_wrong_precision_is_caught(name):
     line, replacement, policy, capacity_factor = PRECISION_MUTANTS[name]
-    module = mutant(_moe, name, line, replacement)
+    module = moe_mutant(name, line, replacement)
     problems = precision_violations(getattr(shardops, policy), capacity_factor, module=module)
     assert problems and all("precision=" in p for p in problems), problems
 
@@ -139,8 +138,7 @@ def test_a_product_at_the_wrong_precision_is_caught(name):
 @pytest.mark.parametrize("name", MUTANTS)
 def test_mutant_is_caught(name):
     line, replacement, arguments = MUTANTS[name]
-    module = mutant(_moe, name, line, replacement)
-    module.summed_grads = summed_grads
+    module = moe_mutant(name, line, replacement, summed_grads=summed_grads)
     with pytest.raises(AssertionError):
         if arguments is None:  # in a user's shard_map, where each device's value is seen
             check_kernel_load_balance("global", module)
@@ -149,7 +147,7 @@ def test_mutant_is_caught(name):
 
 
 def test_unmutated_copy_passes():
-    module = mutant(_moe, "unmutated", EXPERTS_LINE, EXPERTS_LINE)
+    module = moe_mutant("unmutated", EXPERTS_LINE, EXPERTS_LINE)
     check_kernel_load_balance("global", module)
     for _, _, policy, capacity_factor in PRECISION_MUTANTS.values():
         assert precision_violations(getattr(shardops, policy), capacity_factor, module) == []
