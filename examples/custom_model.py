@@ -218,6 +218,12 @@ def main(argv=None):
     print(f"after {STEPS} SGD steps: loss {float(l_s):.6f} vs {float(l_r):.6f}, "
           f"max |Δparam| = {max_diff(shardops.unpad(final, p_r), p_r):.2e}")  # fmt: skip
 
+    print_collectives(mesh, grad_sharded, sharded, ids_s, labels_s)
+
+
+def print_collectives(mesh, grad_sharded, sharded, ids_s, labels_s) -> None:
+    """The collectives in the compiled forward and backward of ``grad_sharded`` (the sharded
+    loss and gradients), per layer: their count and bytes, by pass, kind and mesh axes."""
     print("collectives in the compiled forward + backward, per layer:")
     rows = collections.defaultdict(lambda: [0, 0])  # (pass, kind, axes, layer) → [count, bytes]
     for c in shardops.inspect.ledger(mesh, grad_sharded, sharded, ids_s, labels_s).collectives:

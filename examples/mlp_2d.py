@@ -42,6 +42,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -131,7 +132,79 @@ def main(argv=None):
         raise SystemExit(f"Stopped: {e}") from None
 
 
+@dataclasses.dataclass
+class Run:
+    """One run's pieces, shared by its phases: the arguments, the data, the layer sizes and
+    steps per epoch, the sharded run's Setup and the unsharded reference's
+    (``--compare-reference``; else None) with their train states, and what the steps so far
+    made: the history of epochs, the steps trained (``done``), the checkpoints and the
+    non-finite guard."""
+
+    args: argparse.Namespace
+    dataset: mnist.Dataset
+    sizes: tuple[int, ...]
+    steps_per_epoch: int
+    setup: models.Setup
+    ref: models.Setup | None
+    state: models.TrainState
+    ref_state: models.TrainState | None
+    rows: slice | None = None  # this process's rows of every batch
+    history: list = dataclasses.field(default_factory=list)
+    done: int = 0  # steps trained so far
+    ckpt: checkpoint.Checkpoints | None = None
+    position: dict = dataclasses.field(default_factory=dict)  # what a resume must continue
+    guard: loop.NonFiniteGuard | None = None
+
+    def place(self, x, y):
+        """One host batch, placed for the sharded run and, if any, the reference."""
+        placed = self.setup.place_local_batch(x, y, batch=self.args.batch_size)
+        return placed, (self.ref.place_batch(x, y) if self.ref is not None else None)
+
+    def save(self, step: int) -> None:
+        """A checkpoint of ``step``: the train state, with the data position and history."""
+        if self.guard is not None:
+            self.guard.drain()  # every step saved is checked first: no checkpoint holds a NaN
+        extra = {**self.position, "history": self.history}
+        self.ckpt.save(step, self.setup, self.state, extra=extra)
+
+
 def train(args):
+    """The run, phase after phase: set up (and resume), the epochs (each trained, evaluated
+    and reported), the comparison with the reference and the files. Returns ``(history,
+    summary)``, or ``--locate``'s exit status."""
+    run = set_up(args)
+    resume(run)
+    if args.locate:  # the first batch of the next epoch, at the current parameters
+        return locate(run)
+    # The first non-finite loss or gradient stops the run, naming the step and the layer (the
+    # replay runs the unsharded model: one process only).
+    run.guard = (loop.NonFiniteGuard(run.setup, locate=jax.process_count() == 1)
+                 if args.stop_on_non_finite else None)  # fmt: skip
+    run.rows = run.setup.process_rows(args.batch_size)  # this process's rows of every batch
+
+    # SIGTERM: save at the next step boundary, the same on every process; a stuck process
+    # stops the run (under the launcher).
+    with (
+        shardops.preemption.Preemption() as preemption,
+        shardops.watchdog.Watchdog(args.watchdog_timeout or None) as watchdog,
+        checkpoint.waited_on_error(run.ckpt),
+    ):
+        preempted = False
+        for epoch in range(run.done // run.steps_per_epoch, args.epochs):
+            first = run.done - epoch * run.steps_per_epoch  # > 0 when resuming mid-epoch
+            seconds = train_epoch(run, epoch, first, preemption, watchdog)
+            if seconds is None:  # a preemption notice, at a step boundary
+                preempted = True
+                break
+            report_epoch(run, epoch, first, seconds)
+    if preempted:
+        stop_preempted(run.ckpt, run.save, run.done, run.steps_per_epoch)
+    return finish(run)
+
+
+def set_up(args) -> Run:
+    """The run before its first step: the data, the mesh, the optimizer, the sharded run's
+    setup and the reference's, both from the same init; logs the images and the model."""
     if args.resume and not args.checkpoint_dir:
         raise SystemExit("--resume needs --checkpoint-dir")
     dataset = mnist.load(args.dataset, args.data_dir, log=log)
@@ -164,122 +237,126 @@ def train(args):
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     log(f"Model: MLP {'-'.join(map(str, sizes))}, strategy {args.strategy} on {mesh_text(mesh)}"
         f"{processes}, {steps_per_epoch} steps of {args.batch_size} per epoch")  # fmt: skip
+    return Run(args=args, dataset=dataset, sizes=sizes, steps_per_epoch=steps_per_epoch,
+               setup=setup, ref=ref, state=state, ref_state=ref_state)  # fmt: skip
 
-    history, done = [], 0  # done: steps trained so far
-    ckpt = None
+
+def resume(run: Run) -> None:
+    """Opens ``--checkpoint-dir`` and, with ``--resume``, continues from its newest intact
+    step: the state (the reference's too), the history and the steps done."""
+    args, steps_per_epoch = run.args, run.steps_per_epoch
     if args.checkpoint_dir:
-        ckpt = checkpoint.Checkpoints(args.checkpoint_dir, every=args.checkpoint_every)
-    position = {"seed": args.seed, "batch_size": args.batch_size, "train_images":
-                len(dataset.train_images), "steps_per_epoch": steps_per_epoch}  # fmt: skip
-    if args.resume:
-        if ckpt.latest_step() is None:
-            log(f"Resume: no checkpoint in {ckpt.directory} yet; starting at step 0")
-        else:
-            # The newest step that restores intact: a damaged one is named and passed over.
-            state, extra, done = ckpt.restore_latest_intact(setup, log=log)
-            saved = ckpt.record(done)  # who saved it: strategy and mesh
-            check_position(extra, position, ckpt.directory)
-            history = extra["history"]
-            if ref is not None:
-                ref_state, _ = ckpt.restore(ref, done)
-            log(f"Resume: step {done} (epoch {done // steps_per_epoch}, batch "
-                f"{done % steps_per_epoch}) from {ckpt.directory}, saved by "
-                f"{saved['strategy']} on {saved['mesh']}")  # fmt: skip
+        run.ckpt = checkpoint.Checkpoints(args.checkpoint_dir, every=args.checkpoint_every)
+    run.position = {"seed": args.seed, "batch_size": args.batch_size, "train_images":
+                    len(run.dataset.train_images), "steps_per_epoch": steps_per_epoch}  # fmt: skip
+    if not args.resume:
+        return
+    ckpt = run.ckpt
+    if ckpt.latest_step() is None:
+        log(f"Resume: no checkpoint in {ckpt.directory} yet; starting at step 0")
+        return
+    # The newest step that restores intact: a damaged one is named and passed over.
+    run.state, extra, done = ckpt.restore_latest_intact(run.setup, log=log)
+    saved = ckpt.record(done)  # who saved it: strategy and mesh
+    check_position(extra, run.position, ckpt.directory)
+    run.history, run.done = extra["history"], done
+    if run.ref is not None:
+        run.ref_state, _ = ckpt.restore(run.ref, done)
+    log(f"Resume: step {done} (epoch {done // steps_per_epoch}, batch "
+        f"{done % steps_per_epoch}) from {ckpt.directory}, saved by "
+        f"{saved['strategy']} on {saved['mesh']}")  # fmt: skip
 
-    if args.locate:  # the first batch of the next epoch, at the current parameters
-        if jax.process_count() > 1:
-            raise SystemExit("--locate runs the unsharded model in one process: no launcher")
-        x, y = next(loop.epoch_batches(dataset.train_images, dataset.train_labels,
-                                       args.batch_size, seed=args.seed, epoch=0))  # fmt: skip
-        report = models.locate(setup, state.params, x, y)
-        print(report)
-        return 0 if report.within_bound else 1
 
-    # The first non-finite loss or gradient stops the run, naming the step and the layer (the
-    # replay runs the unsharded model: one process only).
-    guard = (loop.NonFiniteGuard(setup, locate=jax.process_count() == 1)
-             if args.stop_on_non_finite else None)  # fmt: skip
+def locate(run: Run) -> int:
+    """``--locate``: one gradient step on the first batch, compared with the unsharded model's
+    layer by layer (``models.locate``); prints the report. 0 when every layer is within its
+    bound, else 1."""
+    args, dataset = run.args, run.dataset
+    if jax.process_count() > 1:
+        raise SystemExit("--locate runs the unsharded model in one process: no launcher")
+    x, y = next(loop.epoch_batches(dataset.train_images, dataset.train_labels,
+                                   args.batch_size, seed=args.seed, epoch=0))  # fmt: skip
+    report = models.locate(run.setup, run.state.params, x, y)
+    print(report)
+    return 0 if report.within_bound else 1
 
-    def save(step: int) -> None:
-        if guard is not None:
-            guard.drain()  # every step saved is checked first: no checkpoint holds a NaN
-        ckpt.save(step, setup, state, extra={**position, "history": history})
 
-    rows = setup.process_rows(args.batch_size)  # this process's rows of every batch
-
-    def place(x, y):
-        placed = setup.place_local_batch(x, y, batch=args.batch_size)
-        return placed, (ref.place_batch(x, y) if ref is not None else None)
-
-    # SIGTERM: save at the next step boundary, the same on every process; a stuck process
-    # stops the run (under the launcher).
-    with (
-        shardops.preemption.Preemption() as preemption,
-        shardops.watchdog.Watchdog(args.watchdog_timeout or None) as watchdog,
-        checkpoint.waited_on_error(ckpt),
-    ):
-        preempted = False
-        for epoch in range(done // steps_per_epoch, args.epochs):
-            first = done - epoch * steps_per_epoch  # > 0 when resuming mid-epoch
-            batches = loop.epoch_batches(dataset.train_images, dataset.train_labels, args.batch_size,
-                                         seed=args.seed, epoch=epoch, rows=rows, start=first)  # fmt: skip
-            start = time.perf_counter()
-            with Progress(epoch, steps_per_epoch) as progress:
-                inflight = loop.StepsInFlight()
-                for step, placed in enumerate(loop.staged(place, batches), start=first):
-                    if preemption.reached(done):  # `done` steps trained: a step boundary
-                        preempted = True
-                        break
-                    watchdog.step(done)
-                    if guard is None:
-                        state, loss = setup.train_step(state, *placed[0])
-                        inflight.add(loss)
-                    else:  # step `done + 1` checked; NonFiniteError at the first bad one
-                        state, loss = guard.train_step(done + 1, state, *placed[0])
-                    if ref is not None:  # the same host batch, placed for the unsharded run
-                        ref_state, ref_loss = ref.train_step(ref_state, *placed[1])
-                        inflight.add(ref_loss)
-                    progress.update(step + 1, loss)
-                    done += 1
-                    if ckpt is not None and ckpt.should_save(done) and step + 1 < steps_per_epoch:
-                        save(done)
-                inflight.drain()
-                if guard is not None:
-                    guard.drain()
-            if preempted:
+def train_epoch(run: Run, epoch: int, first: int, preemption, watchdog) -> float | None:
+    """Epoch ``epoch`` from its batch ``first`` (the sharded run's steps and the reference's,
+    in lockstep), saving every ``--checkpoint-every`` steps; returns its seconds, or None
+    when a preemption notice stopped it at a step boundary."""
+    args, steps_per_epoch, ckpt = run.args, run.steps_per_epoch, run.ckpt
+    batches = loop.epoch_batches(run.dataset.train_images, run.dataset.train_labels,
+                                 args.batch_size, seed=args.seed, epoch=epoch, rows=run.rows,
+                                 start=first)  # fmt: skip
+    start = time.perf_counter()
+    preempted = False
+    with Progress(epoch, steps_per_epoch) as progress:
+        inflight = loop.StepsInFlight()
+        for step, placed in enumerate(loop.staged(run.place, batches), start=first):
+            if preemption.reached(run.done):  # `done` steps trained: a step boundary
+                preempted = True
                 break
-            seconds = time.perf_counter() - start
-            row = {"epoch": epoch, "seconds": seconds, "steps": steps_per_epoch - first,  # this run's
-                   **evaluate(setup, state.params, dataset)}  # fmt: skip
-            if ref is not None:
-                row.update(
-                    {f"ref_{k}": v for k, v in evaluate(ref, ref_state.params, dataset).items()}
-                )
-            history.append(row)
-            resumed = (f" ({steps_per_epoch - first} of {steps_per_epoch} steps, resumed at batch "
-                       f"{first})" if first else "")  # fmt: skip
-            log(f"Epoch {epoch} in {seconds:.2f} sec{resumed}")
-            log(f"Training set loss {row['train_loss']:.6f}")
-            log(f"Training set accuracy {row['train_accuracy']:.4f}")
-            log(f"Test set accuracy {row['test_accuracy']:.4f}", flush=True)
-            if ckpt is not None:
-                save(done)
+            watchdog.step(run.done)
+            if run.guard is None:
+                run.state, loss = run.setup.train_step(run.state, *placed[0])
+                inflight.add(loss)
+            else:  # step `done + 1` checked; NonFiniteError at the first bad one
+                run.state, loss = run.guard.train_step(run.done + 1, run.state, *placed[0])
+            if run.ref is not None:  # the same host batch, placed for the unsharded run
+                run.ref_state, ref_loss = run.ref.train_step(run.ref_state, *placed[1])
+                inflight.add(ref_loss)
+            progress.update(step + 1, loss)
+            run.done += 1
+            if ckpt is not None and ckpt.should_save(run.done) and step + 1 < steps_per_epoch:
+                run.save(run.done)
+        inflight.drain()
+        if run.guard is not None:
+            run.guard.drain()
     if preempted:
-        stop_preempted(ckpt, save, done, steps_per_epoch)
+        return None
+    return time.perf_counter() - start
 
+
+def report_epoch(run: Run, epoch: int, first: int, seconds: float) -> None:
+    """Epoch ``epoch``'s row of the history (the steps this run trained of it, both splits'
+    metrics, the reference's too), its lines, and its checkpoint."""
+    steps_per_epoch = run.steps_per_epoch
+    row = {"epoch": epoch, "seconds": seconds, "steps": steps_per_epoch - first,  # this run's
+           **evaluate(run.setup, run.state.params, run.dataset)}  # fmt: skip
+    if run.ref is not None:
+        row.update({f"ref_{k}": v for k, v in evaluate(run.ref, run.ref_state.params,
+                                                      run.dataset).items()})  # fmt: skip
+    run.history.append(row)
+    resumed = (f" ({steps_per_epoch - first} of {steps_per_epoch} steps, resumed at batch "
+               f"{first})" if first else "")  # fmt: skip
+    log(f"Epoch {epoch} in {seconds:.2f} sec{resumed}")
+    log(f"Training set loss {row['train_loss']:.6f}")
+    log(f"Training set accuracy {row['train_accuracy']:.4f}")
+    log(f"Test set accuracy {row['test_accuracy']:.4f}", flush=True)
+    if run.ckpt is not None:
+        run.save(run.done)
+
+
+def finish(run: Run):
+    """After the last epoch: the sharded run against the reference (``compare``), the
+    checkpoints closed, the test predictions, the plot and the metrics (process 0 writes the
+    files). Returns ``(history, summary)``."""
+    args, history = run.args, run.history
     summary = {}
-    if ref is not None:
-        summary = compare(setup, state, ref, ref_state, history, dataset.test_images)
+    if run.ref is not None:
+        summary = compare(run.setup, run.state, run.ref, run.ref_state, history,
+                          run.dataset.test_images)  # fmt: skip
         log(f"Sharded vs reference: max |Δparam| = {summary['max_param_diff']:.2e}, "
             f"max |Δaccuracy| = {summary['max_accuracy_diff']:.4f}, test predictions differ "
             f"on {summary['prediction_disagreement']:.2%} of images")  # fmt: skip
-    if ckpt is not None:
-        log(f"Checkpoints: steps {ckpt.steps()} in {ckpt.directory}")
-        ckpt.close()
+    if run.ckpt is not None:
+        log(f"Checkpoints: steps {run.ckpt.steps()} in {run.ckpt.directory}")
+        run.ckpt.close()
     test_predictions = None
     if args.metrics_json:  # every process computes them (a collective), process 0 writes them
         test_predictions = np.argmax(
-            loop.dataset_logits(setup, state.params, dataset.test_images), -1
+            loop.dataset_logits(run.setup, run.state.params, run.dataset.test_images), -1
         )
     if not shardops.distributed.is_main():
         return history, summary
@@ -287,7 +364,7 @@ def train(args):
         plot(
             history,
             args.plot,
-            title=f"MLP {'-'.join(map(str, sizes))} · {args.strategy} · {dataset.name}",
+            title=f"MLP {'-'.join(map(str, run.sizes))} · {args.strategy} · {run.dataset.name}",
         )
         log(f"Plot: {args.plot}")
     if args.metrics_json:

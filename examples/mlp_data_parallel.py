@@ -83,19 +83,23 @@ def main(argv=None):
         )
         print(f"Epoch {epoch} in {seconds:.2f} sec: test accuracy {test_acc:.4f} (shard_map dp)")
         if args.with_pmap:
-            pmap_params = jax.tree.map(lambda a: np.asarray(a[0]), p_params)
-            pmap_acc = float(models.accuracy(pmap_params, dataset.test_images, dataset.test_labels))
-            diff = max(
-                float(np.max(np.abs(a - b)))
-                for a, b in zip(
-                    jax.tree.leaves(setup.gather(state.params)),
-                    jax.tree.leaves(pmap_params),
-                    strict=True,
-                )
-            )
-            print(
-                f"         jax.pmap: test accuracy {pmap_acc:.4f}; max |Δparam| vs shard_map {diff:.2e}"
-            )
+            print_pmap_comparison(setup, state, p_params, dataset)
+
+
+def print_pmap_comparison(setup, state, p_params, dataset) -> None:
+    """``--with-pmap``: the pmap run's test accuracy, and how far its parameters (device 0's
+    replica) are from the shard_map run's."""
+    pmap_params = jax.tree.map(lambda a: np.asarray(a[0]), p_params)
+    pmap_acc = float(models.accuracy(pmap_params, dataset.test_images, dataset.test_labels))
+    diff = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(
+            jax.tree.leaves(setup.gather(state.params)),
+            jax.tree.leaves(pmap_params),
+            strict=True,
+        )
+    )
+    print(f"         jax.pmap: test accuracy {pmap_acc:.4f}; max |Δparam| vs shard_map {diff:.2e}")
 
 
 if __name__ == "__main__":

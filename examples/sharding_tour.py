@@ -83,6 +83,12 @@ def main(argv=None):
         print(f"caught: {e}")
 
     section("5. A model's layout, in the terminal (and as a picture with --png PATH)")
+    show_model_layout(mesh, args.png)
+
+
+def show_model_layout(mesh, png: str | None) -> None:
+    """Section 5: fsdp_tp's parameters laid out in the terminal, and the weight tiles of 2d and
+    fsdp_tp (saved as a picture at ``png``, when given)."""
     setup = models.build("fsdp_tp", mesh, optimizer=optax.sgd(1.0))
     state = setup.init(jax.random.key(0))
     shardops.inspect.show_layout(
@@ -96,11 +102,11 @@ def main(argv=None):
     for name, (shape, spec) in weights.items():
         tiles = shardops.inspect.tiles_of(shape, NamedSharding(mesh, spec))  # {block: device ids}
         print(f"  {name}: {len(tiles)} tiles, each on {len(next(iter(tiles.values())))} device(s)")
-    if args.png:
+    if png:
         shardops.inspect.layout_png(
-            args.png, weights, mesh, title="2d vs fsdp_tp weight tiles on data=4 × model=2"
+            png, weights, mesh, title="2d vs fsdp_tp weight tiles on data=4 × model=2"
         )
-        print(f"saved {args.png}")
+        print(f"saved {png}")
     else:
         print("  (no picture written; `--png PATH` saves these tiles as a PNG)")
 

@@ -9,6 +9,7 @@ run the unsharded strategy (``ref``, the cheapest to compile): what is reported 
 does not depend on the layout.
 """
 
+import ast
 import contextlib
 import importlib.util
 import io
@@ -19,21 +20,64 @@ import shutil
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def example_modules(path: pathlib.Path) -> list[pathlib.Path]:
+    """The modules beside the script ``path`` that it imports, directly or through one another
+    (``from _lm_experts import …``: examples/_lm_experts.py)."""
+    found, todo = [], [path]
+    while todo:
+        for node in ast.walk(ast.parse(todo.pop().read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            for module in (EXAMPLES / f"{n}.py" for n in names):
+                if module.exists() and module != path and module not in found:
+                    found.append(module)
+                    todo.append(module)
+    return found
+
+
+def _module(name: str, path: pathlib.Path, source: str, mutant: bool):
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__file__ = str(path)
+    sys.modules[name] = module
+    exec(compile(source, f"<{path.name}{' (mutant)' if mutant else ''}>", "exec"), module.__dict__)
+    return module
 
 
 def load_example(name: str, old: str | None = None, new: str | None = None):
-    """``examples/{name}.py`` as a module, with the line ``old`` replaced by ``new``."""
-    path = ROOT / "examples" / f"{name}.py"
-    source = path.read_text()
+    """``examples/{name}.py`` as a module, with the line ``old`` replaced by ``new``: in the
+    script or in a module beside it that it imports (``example_modules``), found exactly once
+    among them all. The script runs with examples/ on ``sys.path``, as Python puts a script's
+    folder; a mutated module is the one it imports (those modules' other importers keep the
+    real one)."""
+    path = EXAMPLES / f"{name}.py"
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    sources = {p: p.read_text() for p in [path, *example_modules(path)]}
+    mutated = None
     if old is not None:
-        assert source.count(old) == 1, f"mutant: line not found once in {path.name}: {old!r}"
-        source = source.replace(old, new)
-    spec = importlib.util.spec_from_loader(f"{name}_under_test", loader=None)
-    module = importlib.util.module_from_spec(spec)
-    module.__file__ = str(path)
-    sys.modules[module.__name__] = module
-    exec(compile(source, f"<{path.name}{' (mutant)' if old else ''}>", "exec"), module.__dict__)
-    return module
+        found = [p for p, source in sources.items() for _ in range(source.count(old))]
+        assert len(found) == 1, (
+            f"mutant: line not found once in {path.name} or the modules it imports "
+            f"({', '.join(p.name for p in sources if p != path)}): {old!r}"
+        )
+        (mutated,) = found
+        sources[mutated] = sources[mutated].replace(old, new)
+    if mutated is None or mutated == path:
+        return _module(f"{name}_under_test", path, sources[path], mutant=mutated is not None)
+    real = sys.modules.get(mutated.stem)
+    try:  # the script's `import` takes the mutated module from sys.modules
+        _module(mutated.stem, mutated, sources[mutated], mutant=True)
+        return _module(f"{name}_under_test", path, sources[path], mutant=True)
+    finally:
+        if real is None:
+            sys.modules.pop(mutated.stem, None)
+        else:
+            sys.modules[mutated.stem] = real
 
 
 def run_main(module, argv: list[str]) -> str:

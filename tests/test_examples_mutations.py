@@ -3,17 +3,19 @@ examples/transformer_lm.py and examples/mlp_2d.py (a resumed run reporting the w
 steps, tokens or throughput, or a resumed epoch's whole length) are caught by the checks that
 tests/test_transformer_lm.py and tests/test_examples.py run (``_resume_checks``).
 
-Each mutant replaces one exact line of the example (asserted to occur exactly once, so a mutant
-cannot drift from the code) and runs in this process, resuming from the same checkpoints
-(conftest's ``straight_checkpoints``).
+Each mutant replaces one exact line of the example or of a module beside it that it imports
+(asserted to occur exactly once among them, so a mutant cannot drift from the code) and runs in
+this process, resuming from the same checkpoints (conftest's ``straight_checkpoints``).
 """
 
 import pytest
 from _resume_checks import check_lm_resume_report, check_mlp_resume_report, load_example
 
 TOKENS_PER_SECOND = "    tokens_per_second = tokens_trained / train_seconds\n"
-HISTORY_ROW = '            row = {"epoch": epoch, "seconds": seconds, "steps": steps_per_epoch - first,  # this run\'s\n'
-EPOCH_LINE = '            resumed = (f" ({steps_per_epoch - first} of {steps_per_epoch} steps, resumed at batch "\n'
+HISTORY_ROW = '    row = {"epoch": epoch, "seconds": seconds, "steps": steps_per_epoch - first,  # this run\'s\n'
+EPOCH_LINE = (
+    '    resumed = (f" ({steps_per_epoch - first} of {steps_per_epoch} steps, resumed at batch "\n'
+)
 
 # name → (example, old line, new line)
 MUTANTS = {

@@ -155,6 +155,7 @@ def test_simulated_cpu_devices_only_without_an_accelerator(platforms, simulated)
     """The example sets XLA_FLAGS' simulated devices (before JAX starts) only where JAX will
     not find a TPU or GPU: ``JAX_PLATFORMS`` naming one first keeps the real devices alone."""
     code = ("import importlib.util, os, sys; "
+            "sys.path.insert(0, os.path.dirname(sys.argv[1])); "  # as Python does for a script
             "spec = importlib.util.spec_from_file_location('lm', sys.argv[1]); "
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
             "print(m.ACCELERATOR, repr(os.environ.get('XLA_FLAGS', '')))")  # fmt: skip
