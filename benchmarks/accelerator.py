@@ -50,10 +50,14 @@ fails (exit 1) when they disagree; a full run records and prints it.
 
 Time and memory on one chip: each program's train state is 12 bytes a parameter (3 GB for
 the 254M model, 5.9 GB for the 470M, which has 491.8M parameters); when the programs' states do
-not fit the device together they wait on the host between steps (``bench_shape``), moved outside the timed calls, which
-makes a round slower but not a step. Every program is compiled once per shape (the search adds
+not fit the device together they wait on the host between steps (``bench_shape``), moved
+outside the timed calls, which makes a round slower but not a step. Every program is compiled once per shape (the search adds
 a few compiles a program); ``--model 254m``, ``--steps``, ``--attention`` and ``--no-search``
 shorten a run on a chip lent for minutes.
+
+Its parts, beside it: benchmarks/_plain_llama.py (the plain-JAX Llama),
+benchmarks/_accelerator_programs.py (the programs, ``build_options``) and
+benchmarks/_accelerator_report.py (the markdown).
 
 It writes ``benchmarks/results/accelerator.json`` and ``accelerator.md`` (both models:
 ``accelerator_254m.*`` and ``accelerator_470m.*``; ``--quick``: a temporary folder unless
@@ -62,25 +66,34 @@ no accelerator's (the JSON names the platform and device kind).
 """
 
 import argparse
-import inspect
 import json
-import math
 import pathlib
 import platform as host_platform
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from jax import lax
 
-import shardops
 import shardops_models as models
+
+# The parts beside this script (Python puts a script's folder on sys.path; the tests load it by
+# its path, so it is put there too). Names that tests and benchmarks/residuals.py read through
+# this module are re-exported ("X as X").
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from _accelerator_programs import Program as Program
+from _accelerator_programs import Runner as Runner
+from _accelerator_programs import Unsupported, attention_choices, programs_for
+from _accelerator_programs import plain_program as plain_program
+from _accelerator_report import COLUMNS as COLUMNS
+from _accelerator_report import markdown
+from _plain_llama import PLAIN_REMAT
+from _plain_llama import einsum_attention as einsum_attention
+from _plain_llama import flash_attention as flash_attention
+from _plain_llama import plain_logits as plain_logits
+from _plain_llama import splash_attention as splash_attention
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -113,7 +126,6 @@ SPEC_PEAK_FLOPS = {
     "NVIDIA H200": 989e12,
 }
 
-LEARNING_RATE = 3e-4
 LOSS_STEPS = 10
 # bfloat16 keeps 8 significant bits: one rounding of a value v moves it by up to 2⁻⁸·|v|.
 # The two programs round their activations at different points (plain JAX where its ops
@@ -125,246 +137,10 @@ LOSS_STEPS = 10
 # model computes, so this checks the programs train alike; tests/test_benchmark.py checks the
 # plain program's logits against ``Llama.reference_logits``.
 LOSS_RTOL = 2.0**-8
-SPLASH_BLOCK = 512
 
 
 def model_of(sizes: dict):
     return models.Llama(**sizes, context=CONTEXT)
-
-
-# --- the plain-JAX programs
-
-
-def _dot(x, w, spec="...d,df->...f"):
-    """``einsum(spec, x, w)`` of bfloat16 operands accumulated in float32."""
-    return jnp.einsum(spec, x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
-                      preferred_element_type=jnp.float32)  # fmt: skip
-
-
-def _rms(x, scale, eps):
-    """RMSNorm in float32, rounded once to bfloat16."""
-    x = x.astype(jnp.float32)
-    y = x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * scale
-    return y.astype(jnp.bfloat16)
-
-
-def _rope(t, theta):
-    """Hugging Face's rotate-half RoPE on ``t[B, S, n, hd]`` (float32)."""
-    s, hd = t.shape[1], t.shape[-1]
-    inv_freq = 1.0 / (theta ** (np.arange(0, hd, 2) / hd))  # (hd/2,) float64 at trace time
-    angles = np.arange(s)[:, None] * inv_freq[None]  # (S, hd/2)
-    cos = jnp.asarray(np.concatenate([np.cos(angles)] * 2, -1), jnp.float32)[:, None]  # (S, 1, hd)
-    sin = jnp.asarray(np.concatenate([np.sin(angles)] * 2, -1), jnp.float32)[:, None]
-    rotated = jnp.concatenate([-t[..., hd // 2 :], t[..., : hd // 2]], -1)
-    return t * cos + rotated * sin
-
-
-def einsum_attention(q, k, v):
-    """Causal GQA ``q[B, S, H, hd]``, ``k, v[B, S, n, hd]`` (bf16) → ``o[B, S, H, hd]`` (bf16):
-    scores and softmax in float32, the query heads grouped over their KV head."""
-    b, s, h, hd = q.shape
-    n = k.shape[2]
-    q = q.reshape(b, s, n, h // n, hd)  # (B, S, n, G, hd)
-    scores = jnp.einsum("bqngd,bknd->bngqk", q, k,
-                        preferred_element_type=jnp.float32) / math.sqrt(hd)  # fmt: skip
-    mask = np.tril(np.ones((s, s), bool))
-    weights = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)  # (B, n, G, S, S)
-    o = jnp.einsum("bngqk,bknd->bqngd", weights.astype(jnp.bfloat16), v,
-                   preferred_element_type=jnp.float32)  # fmt: skip
-    return o.reshape(b, s, h, hd).astype(jnp.bfloat16)
-
-
-def flash_attention(q, k, v):
-    """JAX's Pallas TPU ``flash_attention`` (K and V repeated to every query head)."""
-    from jax.experimental.pallas.ops.tpu import flash_attention as fa
-
-    s, h, hd = q.shape[1:]
-    group = h // k.shape[2]
-    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)  # (B, S, H, hd)
-    blk = min(SPLASH_BLOCK, s)
-    sizes = fa.BlockSizes(block_q=blk, block_k_major=blk, block_k=blk, block_b=1,
-                          block_q_major_dkv=blk, block_k_major_dkv=blk, block_k_dkv=blk,
-                          block_q_dkv=blk, block_k_major_dq=blk, block_k_dq=blk, block_q_dq=blk)  # fmt: skip
-    heads_first = [a.transpose(0, 2, 1, 3) for a in (q, k, v)]  # (B, H, S, hd)
-    o = fa.flash_attention(*heads_first, causal=True, sm_scale=1 / math.sqrt(hd),
-                           block_sizes=sizes)  # fmt: skip
-    return o.transpose(0, 2, 1, 3)  # (B, S, H, hd)
-
-
-def splash_attention(q, k, v, *, interpret: bool = False):
-    """JAX's Pallas TPU splash attention: the MQA kernel on each KV head and its group of
-    query heads (vmapped over batch and KV heads), causal, blocks of ``SPLASH_BLOCK``."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as sa
-
-    b, s, h, hd = q.shape
-    n = k.shape[2]
-    group = h // n
-    blk = min(SPLASH_BLOCK, s)
-    sizes = sa.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk,
-                          block_kv_dkv=blk, block_kv_dkv_compute=blk, block_q_dq=blk,
-                          block_kv_dq=blk)  # fmt: skip
-    mask = sa.MultiHeadMask([sa.CausalMask((s, s))] * group)
-    kernel = sa.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
-    q = (q / math.sqrt(hd)).astype(q.dtype)  # the kernel does not scale
-    q = q.reshape(b, s, n, group, hd).transpose(0, 2, 3, 1, 4)  # (B, n, G, S, hd)
-    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, n, S, hd)
-    o = jax.vmap(jax.vmap(kernel))(q, k, v)  # (B, n, G, S, hd)
-    return o.transpose(0, 3, 1, 2, 4).reshape(b, s, h, hd)
-
-
-ATTENTIONS = {"einsum": einsum_attention, "flash": flash_attention, "splash": splash_attention}
-
-
-def plain_logits(model, params, ids, attend=einsum_attention, remat: str | None = None):
-    """The Llama of ``models.networks.llama`` in plain JAX under mixed bfloat16: float32
-    ``logits[B, S, V]`` of ``ids[B, S]``; ``remat`` (a key of ``PLAIN_REMAT``) checkpoints
-    each block."""
-    b, s = ids.shape
-    h, n, hd, eps = model.num_heads, model.num_kv_heads, model.head_dim, model.norm_eps
-    x = params["embed"]["table"][ids].astype(jnp.bfloat16)  # (B, S, D)
-
-    def block(x, p):
-        y = _rms(x, p["attn_norm"]["scale"], eps)
-        a = p["attn"]
-        q = _rope(_dot(y, a["wq"]).reshape(b, s, h, hd), model.rope_theta)  # (B, S, H, hd) f32
-        k = _rope(_dot(y, a["wk"]).reshape(b, s, n, hd), model.rope_theta)  # (B, S, n, hd)
-        v = _dot(y, a["wv"]).reshape(b, s, n, hd)
-        o = attend(*(t.astype(jnp.bfloat16) for t in (q, k, v)))  # (B, S, H, hd)
-        x = x + _dot(o.reshape(b, s, h * hd), a["wo"]).astype(jnp.bfloat16)
-        y = _rms(x, p["mlp_norm"]["scale"], eps)
-        m = p["mlp"]
-        gated = jax.nn.silu(_dot(y, m["gate"]["w"])) * _dot(y, m["up"]["w"])  # (B, S, F) f32
-        return x + _dot(gated.astype(jnp.bfloat16), m["down"]["w"]).astype(jnp.bfloat16), None
-
-    if remat is not None:
-        block = jax.checkpoint(block, policy=PLAIN_REMAT[remat])
-    x, _ = lax.scan(block, x, params["blocks"])
-    x = _rms(x, params["norm"]["scale"], eps)
-    w = params["embed"]["table"].T if model.tie_embeddings else params["head"]["w"]
-    return _dot(x, w)  # (B, S, V) float32
-
-
-# build's remat policies and the jax.checkpoint policy each means for the plain programs
-PLAIN_REMAT = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-def plain_step(model, optimizer, attend, remat):
-    """``(state, ids, labels) → (state, loss)``: mean token cross-entropy, Adam."""
-
-    def loss_fn(params, ids, labels):
-        logits = plain_logits(model, params, ids, attend, remat)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
-
-    def step(state, ids, labels):
-        params, opt_state = state
-        loss, grads = jax.value_and_grad(loss_fn)(params, ids, labels)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
-
-    return step
-
-
-# --- the programs
-
-
-class Unsupported(Exception):
-    """The installed build cannot make this program (the reason is the message)."""
-
-
-class Runner(NamedTuple):
-    """One program at one shape: its jitted step (donating the state), the abstract
-    arguments to compile it for, and how to place concrete ones."""
-
-    step: Callable
-    abstract_args: tuple
-    state_of: Callable  # params → state
-    place: Callable  # (ids, labels) → placed batch
-
-
-def build_options(remat: str | None, attention: str | None, strategy: str) -> dict:
-    """``models.build`` keyword arguments for ``remat`` (a policy name, None: none) and
-    ``attention``, as the installed build accepts them: ``remat`` a policy where
-    ``models.Remat`` exists, else the older bool (``"full"`` only, fsdp strategies only);
-    ``attention`` only where build has the option."""
-    options = {}
-    if attention is not None:
-        if "attention" not in inspect.signature(models.build).parameters:
-            raise Unsupported(f"this build has no attention= option (asked {attention!r})")
-        options["attention"] = attention
-    if remat is not None:
-        if hasattr(models, "Remat"):
-            options["remat"] = remat
-        elif remat != "full":
-            raise Unsupported(f"this build's remat is a bool: no policy {remat!r}")
-        elif not models.strategy_named(strategy).fsdp:
-            raise Unsupported("this build's remat=True applies to fsdp strategies only")
-        else:
-            options["remat"] = True
-    return options
-
-
-def attention_choices() -> tuple[str, ...] | None:
-    """The ``attention=`` values the installed build takes, or None without the option."""
-    if "attention" not in inspect.signature(models.build).parameters:
-        return None
-    return getattr(shardops.layers, "IMPLEMENTATIONS", ("auto", "einsum", "blocked", "splash"))
-
-
-class Program(NamedTuple):
-    label: str
-    runner: Callable  # (model, batch, seq, remat) → Runner
-
-
-def plain_program(attention: str) -> Program:
-    def runner(model, batch, seq, remat):
-        attend = ATTENTIONS[attention]
-        optimizer = optax.adam(LEARNING_RATE)
-        step = jax.jit(plain_step(model, optimizer, attend, remat), donate_argnums=0)
-        params = jax.eval_shape(model.init, jax.random.key(0))
-        state = (params, jax.eval_shape(optimizer.init, params))
-        ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-
-        def state_of(p):
-            p = jax.device_put(jax.device_get(p))  # buffers of its own: the step donates them
-            return (p, optimizer.init(p))
-
-        return Runner(step, (state, ids, ids), state_of, lambda x, y: jax.device_put((x, y)))
-
-    return Program(f"plain {attention}", runner)
-
-
-def shardops_program(strategy: str, attention: str | None) -> Program:
-    def runner(model, batch, seq, remat):
-        options = build_options(remat, attention, strategy)
-        optimizer = optax.adam(LEARNING_RATE)
-        kwargs = dict(model=model, optimizer=optimizer, precision=shardops.MIXED_BFLOAT16)
-        if strategy == "ref":
-            setup = models.build("ref", **kwargs, **options)
-            params = jax.eval_shape(model.init, jax.random.key(0))
-            ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-            state = models.TrainState(params, jax.eval_shape(optimizer.init, params))
-            args = (state, ids, ids)
-        else:
-            mesh = shardops.make_mesh({"data": 1, "model": 1}, devices=jax.devices()[:1])
-            setup = models.build(strategy, mesh, **kwargs, **options)
-            args = setup.abstract_step_args(batch, seq)
-        return Runner(setup.train_step, args, setup.shard, lambda x, y: setup.place_batch(x, y))
-
-    suffix = "" if attention is None else f" {attention}"
-    return Program(f"shardops {strategy}{suffix}", runner)
-
-
-def programs_for(platform: str, attentions) -> list[Program]:
-    """The programs (module docstring): the Pallas TPU kernels' on a TPU only."""
-    plain = ["einsum"] + (["flash", "splash"] if platform == "tpu" else [])
-    out = [plain_program(a) for a in plain]
-    for attention in attentions:
-        out += [shardops_program("ref", attention), shardops_program("fsdp_tp", attention)]
-    return out
 
 
 # --- measuring
@@ -490,6 +266,25 @@ def bench_shape(
         if host:  # the state waits on the host, its device buffers freed
             shardings[label] = jax.tree.map(lambda a: a.sharding, run[1])
             run[1] = jax.device_get(run[1])
+    times = time_in_rotation(runs, host, shardings, warmup=warmup, steps=steps)
+    for label, run in runs.items():
+        if run is None:
+            continue
+        row = run[3]
+        ms = float(np.median(times[label]) * 1e3)
+        row.update(step_ms=ms, tokens_per_s=batch * seq / ms * 1e3, steps=len(times[label]))
+        for name, peak in peaks.items():
+            row[f"mfu_{name}"] = None if peak is None else flops / (ms / 1e3) / peak
+    del runs
+    return rows
+
+
+def time_in_rotation(runs, host, shardings, *, warmup, steps) -> dict:
+    """Each program's step times in seconds, the ``warmup`` rounds left out: one step of each
+    per round, every other round in reverse order, ``block_until_ready`` each step. ``runs``:
+    label → ``[compiled, state, placed batch, row]``; with ``host`` each state waits on the host
+    and is put back with its ``shardings`` before its step, outside the timed call. A program
+    out of memory at run time gets the status "OOM" and its run None."""
     times = {label: [] for label in runs}
     for i in range(warmup + steps):
         order = list(runs) if i % 2 == 0 else list(reversed(runs))
@@ -514,16 +309,7 @@ def bench_shape(
             del state
             if i >= warmup:
                 times[label].append(elapsed)
-    for label, run in runs.items():
-        if run is None:
-            continue
-        row = run[3]
-        ms = float(np.median(times[label]) * 1e3)
-        row.update(step_ms=ms, tokens_per_s=batch * seq / ms * 1e3, steps=len(times[label]))
-        for name, peak in peaks.items():
-            row[f"mfu_{name}"] = None if peak is None else flops / (ms / 1e3) / peak
-    del runs
-    return rows
+    return times
 
 
 def largest_fitting(programs, model, limit, *, seq, max_batch, max_seq, policy="full", starts=None):
@@ -605,69 +391,8 @@ def loss_check(programs, model, batch, seq, rng, limit=None) -> dict:
             "agree": all(r <= LOSS_RTOL for r in rtol.values())}  # fmt: skip
 
 
-# --- the report
-
-COLUMNS = ("program", "batch × seq", "step ms (median)", "tokens/s", "MFU (measured peak)",
-           "MFU (spec peak)", "temp MiB", "fits")  # fmt: skip
-
-
-def markdown(results: dict) -> str:
-    peaks = results["peaks"]
-    spec = peaks["spec"]
-    lines = [f"{results['model']} on {results['device_kind']} ({results['platform']}), JAX "
-             f"{results['jax']}: bf16 matmul peak measured {peaks['measured'] / 1e12:.3g} TFLOP/s"
-             f", specification {'n/a' if spec is None else f'{spec / 1e12:.3g} TFLOP/s'}; "
-             f"device memory {_gib(results['memory_limit'])}.", "",
-             "| " + " | ".join(COLUMNS) + " |", "|---|---|" + "---:|" * (len(COLUMNS) - 3) + "---|"]  # fmt: skip
-    for r in results["rows"]:
-        shape = f"{r['batch']} × {r['seq']}" + (f" remat {r['remat']}" if r["remat"] else "")
-        timed = "step_ms" in r
-
-        def pct(key, r=r, timed=timed):
-            return "n/a" if not timed or r.get(key) is None else f"{r[key]:.1%}"
-
-        cells = [r["program"], shape, f"{r['step_ms']:.1f}" if timed else "—",
-                 f"{r['tokens_per_s']:,.0f}" if timed else "—", pct("mfu_measured"),
-                 pct("mfu_spec"), "—" if not r["memory"] else f"{r['memory']['temp'] / 2**20:.1f}",
-                 r["status"]]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    flops = {r["seq"]: r["flops_per_step"] / (r["batch"] * r["seq"]) for r in results["rows"]}
-    lines += ["", "FLOPs per token (PaLM's count, `Llama.train_flops_per_token`): "
-              + ", ".join(f"S = {s}: {f / 1e9:.3f} GFLOP" for s, f in sorted(flops.items()))
-              + "; the same count for every program (remat's recomputation not counted)."]  # fmt: skip
-    if results.get("largest"):
-        lines += ["", f"Largest fitting (compiled, not run; peak ≤ {_gib(results['memory_limit'])}"
-                  "): power-of-two batch at S = "
-                  f"{results['largest'][0]['seq']}, and sequence at batch 1:", "",
-                  "| program | remat | batch | seq at batch 1 |", "|---|---|---:|---:|"]  # fmt: skip
-        for r in results["largest"]:
-            lines.append(f"| {r['program']} | {r['remat'] or 'none'} | "
-                         f"{_found(r, 'batch')} | {_found(r, 'seq_at_batch_1')} |")  # fmt: skip
-    check = results["loss_check"]
-    lines += ["", f"Loss check: {check['steps']} Adam steps at {check['batch']} × {check['seq']} "
-              f"from the same init on the same batches, against `{check['anchor']}` (bound "
-              f"{check['bound']:.2g} relative): " + ("agree" if check["agree"] else "DISAGREE"), "",
-              "| program | first loss | last loss | max relative difference |",
-              "|---|---:|---:|---:|"]  # fmt: skip
-    for label, losses in check["losses"].items():
-        diff = check["max_relative_diff"].get(label)
-        lines.append(f"| {label} | {losses[0]:.5f} | {losses[-1]:.5f} | "
-                     f"{'—' if diff is None else f'{diff:.2e}'} |")  # fmt: skip
-    return "\n".join(lines) + "\n"
-
-
-def _gib(n) -> str:
-    return "not reported" if n is None else f"{n / 2**30:.1f} GiB"
-
-
-def _found(r, key) -> str:
-    if r.get(key) is None:
-        return r.get(f"{key}_stopped", "—")
-    return f"{r[key]:,}" + (" (the search's end)" if r[f"{key}_stopped"] == "searched to the end"
-                            else "")  # fmt: skip
-
-
-def main(argv=None):
+def argument_parser() -> argparse.ArgumentParser:
+    """The command line (the commands of the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a tiny Llama and shapes: checks it runs")
     p.add_argument("--model", choices=sorted(MODELS), nargs="+", default=sorted(MODELS))
@@ -687,18 +412,15 @@ def main(argv=None):
                         "auto (when they do not fit the device together; the default), "
                         "always (quick's, so CI runs the round trip), never")  # fmt: skip
     p.add_argument("--out", default=None, help=f"results folder (default {RESULTS})")
-    args = p.parse_args(argv)
-    quick = args.quick
-    steps = args.steps or (3 if quick else 20)
-    warmup = args.warmup if args.warmup is not None else (1 if quick else 3)
-    out = pathlib.Path(args.out or (tempfile.mkdtemp() if quick else RESULTS))
-    device = jax.devices()[0]
-    platform = device.platform
-    limit = args.memory_limit or device_memory_limit()
-    if quick and limit is None:
-        limit = 64 * 2**20  # CPU reports none: a small budget exercises the search
+    return p
+
+
+def chosen_programs(p, attention, platform: str) -> tuple[list[Program], bool]:
+    """The programs to run (``programs_for``) with ``--attention``'s values, each one the
+    installed build accepts (else ``p.error``), and whether build has the ``attention=``
+    option."""
     choices = attention_choices()
-    attentions = [None] if choices is None else (args.attention or ["auto"])
+    attentions = [None] if choices is None else (attention or ["auto"])
     for a in attentions:
         if choices is not None and a not in choices:
             p.error(f"--attention {a!r}: the installed build accepts {', '.join(choices)}")
@@ -706,55 +428,97 @@ def main(argv=None):
     if choices is None:
         print("models.build has no attention= option here: the shardops rows run its only "
               "attention", flush=True)  # fmt: skip
-    began = time.perf_counter()
+    return programs, choices is not None
+
+
+def peaks_of(device, quick: bool) -> dict:
+    """The bf16 matmul peaks of ``device`` in FLOP/s: the measured one (``measured_peak``) and
+    the specification's (None for a device not in ``SPEC_PEAK_FLOPS``)."""
     peaks = {
         "measured": measured_peak(256 if quick else 8192),
         "spec": SPEC_PEAK_FLOPS.get(device.device_kind),
     }
     print(f"{device.device_kind}: bf16 matmul peak {peaks['measured'] / 1e12:.3g} TFLOP/s measured",
           flush=True)  # fmt: skip
+    return peaks
+
+
+def timed_rows(programs, model, args, *, steps, warmup, limit, peaks, rng) -> list[dict]:
+    """``bench_shape``'s rows at every shape (``SHAPES``; ``--quick``: ``QUICK_SHAPES``), each
+    printed as it comes."""
+    quick = args.quick
+    rows = []
+    for batch, seq, with_remat in QUICK_SHAPES if quick else SHAPES:
+        remat = args.remat if with_remat else None
+        rows += bench_shape(programs, model, batch, seq, remat, steps=steps, warmup=warmup,
+                            limit=limit, peaks=peaks, rng=rng,
+                            offload=args.offload_states or ("always" if quick else "auto"))  # fmt: skip
+        for r in rows[-len(programs) :]:
+            timing = f"{r['step_ms']:.1f} ms" if "step_ms" in r else r["status"]
+            print(f"{r['program']:>24} {batch} × {seq}{f' remat {remat}' if remat else ''}: "
+                  f"{timing}",
+                  flush=True)  # fmt: skip
+    return rows
+
+
+def largest_of(programs, model, args, limit) -> list[dict] | None:
+    """``largest_fitting``'s shapes, or None (``--no-search``, or a device that reports no
+    memory)."""
+    if args.no_search or limit is None:
+        return None
+    quick = args.quick
+    # quick: the timed shape's programs only (compiled already), so it costs nothing
+    # from shapes the timed rows compiled (quick: only those, so it costs nothing)
+    starts = {None: (1, 64), args.remat: (1, 64)} if quick else {
+        None: (8, 8192), args.remat: (16, 8192)}  # fmt: skip
+    return largest_fitting(programs, model, limit, seq=64 if quick else SEARCH_SEQ,
+                           max_batch=1 if quick else SEARCH_MAX_BATCH,
+                           max_seq=64 if quick else CONTEXT, policy=args.remat,
+                           starts=starts)  # fmt: skip
+
+
+def write_results(out: pathlib.Path, stem: str, results: dict) -> None:
+    """``STEM.json`` and ``STEM.md`` (``markdown``) in ``out``; the markdown printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    table = markdown(results)
+    (out / f"{stem}.md").write_text(table)
+    print(table, flush=True)
+
+
+def main(argv=None):
+    p = argument_parser()
+    args = p.parse_args(argv)
+    quick = args.quick
+    steps = args.steps or (3 if quick else 20)
+    warmup = args.warmup if args.warmup is not None else (1 if quick else 3)
+    out = pathlib.Path(args.out or (tempfile.mkdtemp() if quick else RESULTS))
+    device = jax.devices()[0]
+    limit = args.memory_limit or device_memory_limit()
+    if quick and limit is None:
+        limit = 64 * 2**20  # CPU reports none: a small budget exercises the search
+    programs, attention_option = chosen_programs(p, args.attention, device.platform)
+    began = time.perf_counter()
+    peaks = peaks_of(device, quick)
     rng = np.random.default_rng(0)
     named = {"quick": QUICK_MODEL} if quick else {k: MODELS[k] for k in args.model}
     exit_code = 0
     for name, sizes in named.items():
         model = model_of(sizes)
-        rows = []
-        for batch, seq, with_remat in QUICK_SHAPES if quick else SHAPES:
-            remat = args.remat if with_remat else None
-            rows += bench_shape(programs, model, batch, seq, remat, steps=steps, warmup=warmup,
-                                limit=limit, peaks=peaks, rng=rng,
-                                offload=args.offload_states or ("always" if quick else "auto"))  # fmt: skip
-            for r in rows[-len(programs) :]:
-                timing = f"{r['step_ms']:.1f} ms" if "step_ms" in r else r["status"]
-                print(f"{r['program']:>24} {batch} × {seq}{f' remat {remat}' if remat else ''}: "
-                      f"{timing}",
-                      flush=True)  # fmt: skip
-        largest = None
-        if not args.no_search and limit is not None:
-            # quick: the timed shape's programs only (compiled already), so it costs nothing
-            # from shapes the timed rows compiled (quick: only those, so it costs nothing)
-            starts = {None: (1, 64), args.remat: (1, 64)} if quick else {
-                None: (8, 8192), args.remat: (16, 8192)}  # fmt: skip
-            largest = largest_fitting(programs, model, limit, seq=64 if quick else SEARCH_SEQ,
-                                      max_batch=1 if quick else SEARCH_MAX_BATCH,
-                                      max_seq=64 if quick else CONTEXT, policy=args.remat,
-                                      starts=starts)  # fmt: skip
+        rows = timed_rows(programs, model, args, steps=steps, warmup=warmup, limit=limit,
+                          peaks=peaks, rng=rng)  # fmt: skip
+        largest = largest_of(programs, model, args, limit)
         check = loss_check(programs, model, *(QUICK_SHAPES if quick else SHAPES)[0][:2], rng, limit)
         for label, losses in check["losses"].items():
             print(f"loss {label:>24}: " + " ".join(f"{v:.5f}" for v in losses), flush=True)
         results = {
-            "model": model.name, "model_key": name, "platform": platform,
+            "model": model.name, "model_key": name, "platform": device.platform,
             "device_kind": device.device_kind, "jax": jax.__version__,
             "host": host_platform.platform(), "memory_limit": limit, "peaks": peaks,
-            "attention_option": choices is not None, "rows": rows, "largest": largest,
+            "attention_option": attention_option, "rows": rows, "largest": largest,
             "loss_check": check, "seconds": time.perf_counter() - began,
         }  # fmt: skip
-        out.mkdir(parents=True, exist_ok=True)
-        stem = "accelerator" if len(named) == 1 else f"accelerator_{name}"
-        (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
-        table = markdown(results)
-        (out / f"{stem}.md").write_text(table)
-        print(table, flush=True)
+        write_results(out, "accelerator" if len(named) == 1 else f"accelerator_{name}", results)
         if not check["agree"]:
             print(f"the losses disagree beyond {LOSS_RTOL:.2g} relative: "
                   f"{check['max_relative_diff']}", file=sys.stderr, flush=True)  # fmt: skip

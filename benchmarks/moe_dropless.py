@@ -100,7 +100,7 @@ def run(quick: bool, steps: int, warmup: int) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from strategies import paired, time_in_rotation
+    from strategies import time_in_rotation
 
     from shardops.layers import init_moe, moe_capacity
 
@@ -143,6 +143,24 @@ def run(quick: bool, steps: int, warmup: int) -> dict:
         print(f"compiled {label}", flush=True)
     t = time_in_rotation(runs, warmup, steps)
     flops = 3 * 2 * g * s * k * d * f * 3  # the tokens' own expert products, forward + backward
+    add_timings(rows, t, flops, forward)
+    return {
+        "shape": shape,
+        "tokens": g * s,
+        "steps": steps,
+        "warmup": warmup,
+        "device": f"{device.platform}: {device.device_kind}",
+        "rows": list(rows.values()),
+    }
+
+
+def add_timings(rows: dict, t: dict, flops: float, forward: dict) -> None:
+    """Each timed row's median step (ms), the experts' useful TFLOP/s (``flops`` a step), its
+    paired ratios to ``BASELINES`` from the rotation's times ``t``, and a dropless row's ``y``
+    against ``capacity E/k``'s (``forward``: label → y)."""
+    import numpy as np
+    from strategies import paired
+
     want = forward.get("capacity E/k")
     for label, row in rows.items():
         if label not in t:
@@ -152,14 +170,6 @@ def run(quick: bool, steps: int, warmup: int) -> dict:
         row["vs"] = {b: paired(t, label, b) for b in BASELINES if b in t and b != label}
         if want is not None and label.startswith("dropless"):
             row["y_vs_capacity_ek"] = float(np.max(np.abs(forward[label] - want)) / np.max(np.abs(want)))  # fmt: skip
-    return {
-        "shape": shape,
-        "tokens": g * s,
-        "steps": steps,
-        "warmup": warmup,
-        "device": f"{device.platform}: {device.device_kind}",
-        "rows": list(rows.values()),
-    }
 
 
 def markdown(results) -> str:

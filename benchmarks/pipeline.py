@@ -146,24 +146,10 @@ def run(quick: bool, steps: int, warmup: int, devices) -> dict:
         row = {"label": label, "strategy": strategy, "mesh": where, "gspmd": twin,
                "microbatches": microbatches}  # fmt: skip
         if microbatches is not None:
-            table = shardops.pipeline.schedule(setup.strategy.pp_schedule,
-                                               shape[setup.strategy.pp], microbatches,
-                                               setup.strategy.kinds[0].virtual)  # fmt: skip
-            row.update({"schedule": table.name, "stages": table.stages,
-                        "bubble": table.bubble(), "idle_fraction": table.idle_fraction(),
-                        "buffer_slots": table.buffer_slots,
-                        "loss_model_vs_2d": loss_model(table.bubble())})  # fmt: skip
+            row.update(schedule_of(setup, shape, microbatches))
         for program, name, step in programs:
             runs[name] = [step, setup.shard(params), (xs, ys)]
-            colls, memory = compiled_costs(mesh, step, runs[name][1], xs, ys)
-            kinds: dict[str, float] = {}  # ring bytes per collective kind and group
-            for c in colls:
-                if c.bytes:
-                    key = f"{c.kind} {group_key(c)}"
-                    kinds[key] = kinds.get(key, 0.0) + shardops.inspect.ring_bytes(
-                        c.kind, c.bytes, c.group_size
-                    )
-            costs = {"ring_bytes": ring_bytes_per_group(colls), "kinds": kinds, "memory": memory}
+            costs = costs_of(mesh, step, runs[name][1], xs, ys)
             if program == "shardops":
                 row.update({f"{k}_shardops": v for k, v in costs.items()})
             else:
@@ -174,13 +160,7 @@ def run(quick: bool, steps: int, warmup: int, devices) -> dict:
         row.update({f"{k}_gspmd": v for k, v in twins[row["mesh"]]["costs"].items()})
 
     t = time_in_rotation(runs, warmup, steps)  # one rotation for every program
-    base = rows[BASELINE]
-    for label, row in rows.items():
-        row["step_ms"] = {"shardops": float(np.median(t[label]) * 1e3),
-                          "gspmd": float(np.median(t[row["gspmd"]]) * 1e3)}  # fmt: skip
-        row["vs_gspmd"] = paired(t, label, row["gspmd"])
-        row["vs_2d"] = None if label == BASELINE else paired(t, label, BASELINE)
-        row["gspmd_vs_gspmd_2d"] = paired(t, row["gspmd"], base["gspmd"])
+    add_step_times(rows, t)
     return {
         "model": model.name,
         "layers": model.num_layers,
@@ -192,6 +172,51 @@ def run(quick: bool, steps: int, warmup: int, devices) -> dict:
         "rows": list(rows.values()),
         "pairs": {f"{a} ÷ {b}": paired(t, a, b) for a, b in PAIRS if a in rows and b in rows},
     }
+
+
+def schedule_of(setup, shape: dict, microbatches: int) -> dict:
+    """A pipeline row's schedule (``shardops.pipeline.schedule`` of ``setup``'s strategy on
+    ``shape`` at ``microbatches``): its name, stages, bubble, idle fraction, buffer slots and
+    the ratio to ``2d`` that ``loss_model`` predicts."""
+    import shardops
+
+    table = shardops.pipeline.schedule(setup.strategy.pp_schedule,
+                                       shape[setup.strategy.pp], microbatches,
+                                       setup.strategy.kinds[0].virtual)  # fmt: skip
+    return {"schedule": table.name, "stages": table.stages,
+            "bubble": table.bubble(), "idle_fraction": table.idle_fraction(),
+            "buffer_slots": table.buffer_slots,
+            "loss_model_vs_2d": loss_model(table.bubble())}  # fmt: skip
+
+
+def costs_of(mesh, step, state, xs, ys) -> dict:
+    """A compiled program's ring bytes per mesh-axis group, its ring bytes per collective kind
+    and group, and its memory (``compiled_costs``)."""
+    import shardops
+
+    colls, memory = compiled_costs(mesh, step, state, xs, ys)
+    kinds: dict[str, float] = {}  # ring bytes per collective kind and group
+    for c in colls:
+        if c.bytes:
+            key = f"{c.kind} {group_key(c)}"
+            kinds[key] = kinds.get(key, 0.0) + shardops.inspect.ring_bytes(
+                c.kind, c.bytes, c.group_size
+            )
+    return {"ring_bytes": ring_bytes_per_group(colls), "kinds": kinds, "memory": memory}
+
+
+def add_step_times(rows: dict, t: dict) -> None:
+    """Each row's median step times (ms) and its paired ratios, from the rotation's times ``t``:
+    to its mesh's GSPMD program, to ``2d`` (None for ``2d``), and its GSPMD's to ``2d``'s."""
+    import numpy as np
+
+    base = rows[BASELINE]
+    for label, row in rows.items():
+        row["step_ms"] = {"shardops": float(np.median(t[label]) * 1e3),
+                          "gspmd": float(np.median(t[row["gspmd"]]) * 1e3)}  # fmt: skip
+        row["vs_gspmd"] = paired(t, label, row["gspmd"])
+        row["vs_2d"] = None if label == BASELINE else paired(t, label, BASELINE)
+        row["gspmd_vs_gspmd_2d"] = paired(t, row["gspmd"], base["gspmd"])
 
 
 def fmt_kinds(kinds) -> str:

@@ -148,6 +148,66 @@ def markdown(results) -> str:
     return "\n".join(lines)
 
 
+def hardware_text(hardware) -> str:
+    """The calibrated hardware in a line (the table's heading)."""
+    return (
+        f"matmul {hardware.flops['float32'] / 1e9:.1f} GFLOP/s per device, elementwise "
+        f"{hardware.memory_bandwidth / 1e9:.2f} GB/s (counted bytes), all-reduce "
+        f"{hardware.bandwidth['data'] / 1e9:.2f} GB/s ring bytes, latency "
+        f"{hardware.latency * 1e6:.0f} µs, efficiency "
+        + ", ".join(f"{k} {v:.2f}" for k, v in hardware.efficiency.items())
+    )
+
+
+def layout_rows(planned, measured, matches, recounted) -> list[dict]:
+    """One row per searched layout: its predicted and measured ranks and times, whether the
+    compiled ledger asks for the bytes predicted, and its collectives."""
+    order = sorted(planned.candidates, key=lambda lay: measured[lay.name])
+    measured_rank = {lay.name: i + 1 for i, lay in enumerate(order)}
+    return [{
+        "layout": lay.name, "strategy": lay.strategy, "mesh": list(lay.mesh),
+        "replicas": lay.replicas, "predicted_rank": lay.rank,
+        "measured_rank": measured_rank[lay.name], "predicted_ms": lay.step_time * 1e3,
+        "compute_ms": lay.compute_time * 1e3, "comm_ms": sum(lay.comm_time.values()) * 1e3,
+        "measured_ms": measured[lay.name] * 1e3, "bytes_equal_ledger": matches[lay.name],
+        "recounted_ms": recounted[lay.name].step_time * 1e3,
+        "collectives": {"×".join(a): n for a, n in lay.collectives.items()},
+    } for lay in planned.candidates]  # fmt: skip
+
+
+def rank_correlations(rows, pooled) -> dict:
+    """Spearman's ρ of predicted and of recounted against measured times, over all the rows and
+    over those without replicas (NaN for two rows or fewer), with the counts; each subset's
+    times are added to ``pooled`` (subset → predicted, measured, recounted)."""
+    stats = {}
+    for subset, keep in (
+        ("all", lambda r: True),
+        ("no_replicas", lambda r: r["replicas"] == 1),
+    ):
+        chosen = [r for r in rows if keep(r)]
+        pred = [r["predicted_ms"] for r in chosen]
+        meas = [r["measured_ms"] for r in chosen]
+        recount = [r["recounted_ms"] for r in chosen]
+        stats[subset] = spearman(pred, meas) if len(chosen) > 2 else float("nan")
+        stats[f"recounted_{subset}"] = spearman(recount, meas) if len(chosen) > 2 else float("nan")
+        stats[f"n_{subset}"] = len(chosen)
+        pooled[subset][0].extend(pred)
+        pooled[subset][1].extend(meas)
+        pooled[subset][2].extend(recount)
+    return stats
+
+
+def pooled_correlations(pooled) -> dict:
+    """``rank_correlations``' figures over every model's rows together."""
+    return {
+        "all": spearman(*pooled["all"][:2]), "n_all": len(pooled["all"][0]),
+        "no_replicas": spearman(*pooled["no_replicas"][:2]),
+        "n_no_replicas": len(pooled["no_replicas"][0]),
+        "recounted_all": spearman(pooled["all"][2], pooled["all"][1]),
+        "recounted_no_replicas": spearman(pooled["no_replicas"][2], pooled["no_replicas"][1]),
+    }  # fmt: skip
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
@@ -164,13 +224,7 @@ def main(argv=None):
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, cpu ×{DEVICES}",
         "jax": jax.__version__, "quick": args.quick, "load_average_at_start": load,
         "hardware": {k: v for k, v in vars(hardware).items()},
-        "hardware_text": (
-            f"matmul {hardware.flops['float32'] / 1e9:.1f} GFLOP/s per device, elementwise "
-            f"{hardware.memory_bandwidth / 1e9:.2f} GB/s (counted bytes), all-reduce "
-            f"{hardware.bandwidth['data'] / 1e9:.2f} GB/s ring bytes, latency "
-            f"{hardware.latency * 1e6:.0f} µs, efficiency "
-            + ", ".join(f"{k} {v:.2f}" for k, v in hardware.efficiency.items())
-        ),
+        "hardware_text": hardware_text(hardware),
         "models": {}, "spearman": {},
     }  # fmt: skip
     pooled = {"all": ([], [], []), "no_replicas": ([], [], [])}
@@ -181,34 +235,8 @@ def main(argv=None):
         recounted = {lay.name: shardops_models.search.recounted(lay, hardware) for lay in planned}
         measured, matches = measure(model, batch, planned.candidates, rounds=rounds, warmup=warmup,
                                     rng=rng)  # fmt: skip
-        order = sorted(planned.candidates, key=lambda lay: measured[lay.name])
-        measured_rank = {lay.name: i + 1 for i, lay in enumerate(order)}
-        rows = [{
-            "layout": lay.name, "strategy": lay.strategy, "mesh": list(lay.mesh),
-            "replicas": lay.replicas, "predicted_rank": lay.rank,
-            "measured_rank": measured_rank[lay.name], "predicted_ms": lay.step_time * 1e3,
-            "compute_ms": lay.compute_time * 1e3, "comm_ms": sum(lay.comm_time.values()) * 1e3,
-            "measured_ms": measured[lay.name] * 1e3, "bytes_equal_ledger": matches[lay.name],
-            "recounted_ms": recounted[lay.name].step_time * 1e3,
-            "collectives": {"×".join(a): n for a, n in lay.collectives.items()},
-        } for lay in planned.candidates]  # fmt: skip
-        stats = {}
-        for subset, keep in (
-            ("all", lambda r: True),
-            ("no_replicas", lambda r: r["replicas"] == 1),
-        ):
-            chosen = [r for r in rows if keep(r)]
-            pred = [r["predicted_ms"] for r in chosen]
-            meas = [r["measured_ms"] for r in chosen]
-            recount = [r["recounted_ms"] for r in chosen]
-            stats[subset] = spearman(pred, meas) if len(chosen) > 2 else float("nan")
-            stats[f"recounted_{subset}"] = (
-                spearman(recount, meas) if len(chosen) > 2 else float("nan")
-            )
-            stats[f"n_{subset}"] = len(chosen)
-            pooled[subset][0].extend(pred)
-            pooled[subset][1].extend(meas)
-            pooled[subset][2].extend(recount)
+        rows = layout_rows(planned, measured, matches, recounted)
+        stats = rank_correlations(rows, pooled)
         results["spearman"][name] = stats
         results["models"][name] = {
             "title": getattr(model, "name", name), "batch": batch, "rounds": rounds,
@@ -217,13 +245,7 @@ def main(argv=None):
         print(f"{name}: ρ = {stats['all']:.3f} over {stats['n_all']} layouts, "
               f"{stats['no_replicas']:.3f} without replicas "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
-    results["spearman"]["all three models"] = {
-        "all": spearman(*pooled["all"][:2]), "n_all": len(pooled["all"][0]),
-        "no_replicas": spearman(*pooled["no_replicas"][:2]),
-        "n_no_replicas": len(pooled["no_replicas"][0]),
-        "recounted_all": spearman(pooled["all"][2], pooled["all"][1]),
-        "recounted_no_replicas": spearman(pooled["no_replicas"][2], pooled["no_replicas"][1]),
-    }  # fmt: skip
+    results["spearman"]["all three models"] = pooled_correlations(pooled)
     results["seconds"] = time.perf_counter() - start
     results["load_average_at_end"] = os.getloadavg()[0]
     out = pathlib.Path(args.out)

@@ -48,6 +48,7 @@ a crash loses one table at most. ``--quick``, ``--only`` and ``--strategy`` writ
 folder unless ``--out`` is given. On CPU it
 simulates 8 devices (XLA_FLAGS, set before JAX starts its backend); ``--platform gpu`` does not,
 maps each case's mesh onto the GPUs present (``mesh_for``) and writes ``strategies_gpu.*``.
+The markdown and the block of docs/benchmarks.md are benchmarks/_strategies_report.py's.
 """
 
 import argparse
@@ -57,6 +58,7 @@ import math
 import os
 import pathlib
 import platform
+import sys
 import tempfile
 import time
 from typing import NamedTuple
@@ -71,10 +73,20 @@ import shardops
 import shardops_models as models
 from shardops_models.strategies import pmap
 
+# The report beside this script (Python puts a script's folder on sys.path; the tests load it by
+# its path, so it is put there too). The names that the tests and the other benchmarks (moe.py,
+# moe_dropless.py, pipeline.py) read through this module are re-exported ("X as X").
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from _strategies_report import TABLES_END as TABLES_END
+from _strategies_report import TABLES_START as TABLES_START
+from _strategies_report import fmt_bytes as fmt_bytes
+from _strategies_report import fmt_mb as fmt_mb
+from _strategies_report import fmt_ratio as fmt_ratio
+from _strategies_report import markdown, write_tables
+from _strategies_report import tables_block as tables_block
+from _strategies_report import write_between_markers as write_between_markers
+
 RESULTS = pathlib.Path(__file__).parent / "results"
-TABLES_PAGE = pathlib.Path(__file__).parent.parent / "docs" / "benchmarks.md"
-TABLES_START = "<!-- benchmark-tables:start -->"
-TABLES_END = "<!-- benchmark-tables:end -->"
 SIMULATED_DEVICES = 8
 
 
@@ -394,11 +406,7 @@ def bench_group(case, model, batch, *, steps, warmup, rng, devices):
 
     xs, ys = setup.place_batch(x, y)
     gspmd = gspmd_step(setup, ref)
-    single_device = devices[0]
-    x1, y1 = jax.device_put((x, y), single_device)
-    runs = {label: [s.train_step, s.shard(params), (xs, ys)] for label, s in setups.items()}
-    runs["gspmd"] = [gspmd, setup.shard(params), (xs, ys)]
-    runs["single"] = [ref.train_step, jax.device_put(ref.shard(params), single_device), (x1, y1)]
+    runs = group_runs(setups, gspmd, ref, params, (x, y), (xs, ys), devices[0])
     if strategy == "dp" and isinstance(model, models.Mlp):  # pmap's step is the MLP's
         pstep = pmap.pmap_train_step(opt, devices[:n])
         runs["pmap"] = [
@@ -409,48 +417,86 @@ def bench_group(case, model, batch, *, steps, warmup, rng, devices):
 
     # Communication and memory, from the compiled programs.
     gspmd_colls, gspmd_memory = compiled_costs(mesh, gspmd, runs["gspmd"][1], xs, ys)
-    gspmd_kinds: dict[str, int] = {}
-    for c in gspmd_colls:
-        if c.bytes:
-            key = f"{c.kind} {group_key(c)}"
-            gspmd_kinds[key] = gspmd_kinds.get(key, 0) + c.bytes
+    gspmd_costs = (gspmd_colls, bytes_by_kind(gspmd_colls), gspmd_memory)
     single_state = state_bytes_per_device(runs["single"][1])
     rows = {}
     for label, s in setups.items():
-        state = runs[label][1]
-        colls, memory = compiled_costs(mesh, s.train_step, state, xs, ys)
-        stray = [c for c in colls if c.axes is None]
-        if (
-            stray
-        ):  # shardops' collectives always run over mesh axes (shardops.inspect.ledger checks it)
-            raise AssertionError(f"{label} {shape}: collectives over no mesh axes: {stray}")
-        # The same shardops.inspect.ring_bytes turns both the compiled HLO's V and the model's V (the
-        # strategy's collective_budget) into ring bytes: agreement checks V, not the formulas.
-        model_bytes = s.cost_model(batch, seq)
-        state_bytes = state_bytes_per_device(state)
-        rows[label] = {
-            "label": label,
-            "strategy": strategy,
-            "mesh": mesh_text(shape),
-            "options": dict(variants)[label],
-            "ring_bytes_model": {axes_key(a): v for a, v in model_bytes.items()},
-            "ring_bytes_shardops": ring_bytes_per_group(colls),
-            "ring_bytes_gspmd": ring_bytes_per_group(gspmd_colls),
-            "gspmd_kinds": gspmd_kinds,
-            "state_bytes_per_device": state_bytes,
-            "single_device_state_bytes": single_state,
-            "state_vs_dp": state_bytes / single_state,  # dp holds the whole state
-            "memory_shardops": memory,
-            "memory_gspmd": gspmd_memory,
-            "temp_bytes_shardops": None if memory is None else memory["temp"],
-            "temp_bytes_gspmd": None if gspmd_memory is None else gspmd_memory["temp"],
-        }
+        rows[label] = costs_row(label, s, runs[label][1], case, dict(variants)[label], mesh=mesh,
+                                batch_seq=(batch, seq), batch_args=(xs, ys), gspmd=gspmd_costs,
+                                single_state=single_state)  # fmt: skip
     plain_temp = rows[strategy]["temp_bytes_shardops"]
     for label, row in rows.items():
         if label != strategy and plain_temp is not None and row["temp_bytes_shardops"] is not None:
             row["temp_saved_vs_plain_bytes"] = plain_temp - row["temp_bytes_shardops"]
 
     t = time_in_rotation(runs, warmup, steps)
+    add_step_times(rows, t, strategy)
+    return list(rows.values())
+
+
+def group_runs(setups, gspmd, ref, params, batch, placed, single_device) -> dict:
+    """A group's programs for ``time_in_rotation`` (name → ``[step, state, batch_args]``): each
+    setup's step on its mesh, ``gspmd`` with the plain setup's (the first's) shardings, and the
+    unsharded ``ref`` step on ``single_device``. ``batch``: the global ``(x, y)``; ``placed``:
+    it placed as the setups take it."""
+    setup = next(iter(setups.values()))
+    x1, y1 = jax.device_put(batch, single_device)
+    runs = {label: [s.train_step, s.shard(params), placed] for label, s in setups.items()}
+    runs["gspmd"] = [gspmd, setup.shard(params), placed]
+    runs["single"] = [ref.train_step, jax.device_put(ref.shard(params), single_device), (x1, y1)]
+    return runs
+
+
+def bytes_by_kind(collectives) -> dict[str, int]:
+    """The bytes V of the collectives per kind and ``group_key`` (``"all-gather data"``)."""
+    kinds: dict[str, int] = {}
+    for c in collectives:
+        if c.bytes:
+            key = f"{c.kind} {group_key(c)}"
+            kinds[key] = kinds.get(key, 0) + c.bytes
+    return kinds
+
+
+def costs_row(
+    label, setup, state, case, options, *, mesh, batch_seq, batch_args, gspmd, single_state
+):
+    """The row of one shardops program of ``case`` (``setup``'s step, with ``options``):
+    communication and memory, its compiled collectives as ring bytes beside the analytic
+    model's, its state and compiled memory per device, and GSPMD's (``gspmd``: its collectives,
+    their bytes by kind, its memory). ``batch_seq``: ``(batch, seq)``."""
+    strategy, shape = case.strategy, case.shape
+    gspmd_colls, gspmd_kinds, gspmd_memory = gspmd
+    colls, memory = compiled_costs(mesh, setup.train_step, state, *batch_args)
+    stray = [c for c in colls if c.axes is None]
+    if stray:  # shardops' collectives always run over mesh axes (shardops.inspect.ledger checks it)
+        raise AssertionError(f"{label} {shape}: collectives over no mesh axes: {stray}")
+    # The same shardops.inspect.ring_bytes turns both the compiled HLO's V and the model's V (the
+    # strategy's collective_budget) into ring bytes: agreement checks V, not the formulas.
+    model_bytes = setup.cost_model(*batch_seq)
+    state_bytes = state_bytes_per_device(state)
+    return {
+        "label": label,
+        "strategy": strategy,
+        "mesh": mesh_text(shape),
+        "options": options,
+        "ring_bytes_model": {axes_key(a): v for a, v in model_bytes.items()},
+        "ring_bytes_shardops": ring_bytes_per_group(colls),
+        "ring_bytes_gspmd": ring_bytes_per_group(gspmd_colls),
+        "gspmd_kinds": gspmd_kinds,
+        "state_bytes_per_device": state_bytes,
+        "single_device_state_bytes": single_state,
+        "state_vs_dp": state_bytes / single_state,  # dp holds the whole state
+        "memory_shardops": memory,
+        "memory_gspmd": gspmd_memory,
+        "temp_bytes_shardops": None if memory is None else memory["temp"],
+        "temp_bytes_gspmd": None if gspmd_memory is None else gspmd_memory["temp"],
+    }
+
+
+def add_step_times(rows: dict, t: dict, strategy: str) -> None:
+    """Each row's median step times (ms) and its paired ratios, from ``time_in_rotation``'s
+    times ``t``: to GSPMD, to the single device, GSPMD's to the single device, and a variant's
+    to its plain row (the plain ``dp`` row's to pmap)."""
     for label, row in rows.items():
         row["step_ms"] = {"shardops": float(np.median(t[label]) * 1e3)}
         row["step_ms"].update(
@@ -463,155 +509,6 @@ def bench_group(case, model, batch, *, steps, warmup, rng, devices):
             row["vs_plain"] = paired(t, label, strategy)
         elif "pmap" in t:
             row["vs_pmap"] = paired(t, label, "pmap")
-    return list(rows.values())
-
-
-def fmt_bytes(d: dict) -> str:
-    return ", ".join(f"{k}: {v / 1e6:.3f}" for k, v in sorted(d.items())) or "0"
-
-
-def fmt_mb(n) -> str:
-    return "" if n is None else f"{n / 1e6:.2f}".replace("-0.00", "0.00")
-
-
-def fmt_ratio(v) -> str:
-    return "" if v is None else f"{v['median']:.2f} ({v['q25']:.2f}–{v['q75']:.2f})"
-
-
-def peak_bytes(row, program) -> int | None:
-    memory = row.get(f"memory_{program}")
-    return None if memory is None else memory["peak"]
-
-
-def summary_lines(rows) -> list[str]:
-    """What each kind of variant changed against its plain row, one line per kind present."""
-    plain = {(r["strategy"], r["mesh"]): r for r in rows if not r.get("options")}
-    by_kind: dict[str, list[str]] = {"fsdp_dense": [], "remat": [], "collective_matmul": []}
-    for r in rows:
-        base = plain.get((r["strategy"], r["mesh"]))
-        if not r.get("options") or base is None:
-            continue
-        ring_mb = sum(r["ring_bytes_shardops"].values()) / 1e6
-        base_ring_mb = sum(base["ring_bytes_shardops"].values()) / 1e6
-        name = f"`{r['label']}` {r['mesh']}"
-        if "fsdp_dense" in r["options"]:
-            by_kind["fsdp_dense"].append(
-                f"{name} takes {fmt_ratio(r['vs_plain'])}× the step time of `auto`, moves "
-                f"{ring_mb:.2f} MB per device where `auto` moves {base_ring_mb:.2f}, peak "
-                f"{fmt_mb(peak_bytes(r, 'shardops'))} MB against "
-                f"{fmt_mb(peak_bytes(base, 'shardops'))}"
-            )
-        elif r["options"].get("remat"):
-            by_kind["remat"].append(
-                f"{name} holds {fmt_mb(r['temp_bytes_shardops'])} MB of temp where the plain "
-                f"step holds {fmt_mb(base['temp_bytes_shardops'])}, at "
-                f"{fmt_ratio(r['vs_plain'])}× its step time"
-            )
-        elif "collective_matmul" in r["options"]:
-            by_kind["collective_matmul"].append(f"{name} {fmt_ratio(r['vs_plain'])}")
-    heads = {
-        "fsdp_dense": "**Per-layer FSDP choice** (`fsdp_dense=\"auto\"`, the default, against "
-                      "`\"gather_weights\"`, the behaviour before it)",
-        "remat": "**remat** (re-gather each unit's weights in the backward pass)",
-        "collective_matmul": "**Collective matmul** (step time ÷ the plain row's, where XLA "
-                             "runs the collectives)",
-    }  # fmt: skip
-    return [verdict_line(rows)] + [f"{heads[k]}: {'; '.join(v)}." for k, v in by_kind.items() if v]
-
-
-def verdict_line(rows) -> str:
-    """The issue's target for the default rows (no variant options): median paired ratio to
-    GSPMD ≤ 1.0 and upper quartile ≤ 1.10; names every row that misses either."""
-    plain = [r for r in rows if not r.get("options")]
-    worst = max(plain, key=lambda r: r["vs_gspmd"]["median"])
-    over = [
-        f"`{r['strategy']}` {r['mesh']} {fmt_ratio(r['vs_gspmd'])}"
-        for r in plain
-        if round(r["vs_gspmd"]["median"], 2) > 1.0 or round(r["vs_gspmd"]["q75"], 2) > 1.10
-    ]  # as printed: 2 decimals
-    verdict = ("every one meets it" if not over
-               else f"{len(over)} of {len(plain)} miss it: {'; '.join(over)}")  # fmt: skip
-    return (f"**Against GSPMD** (default options; target: median ≤ 1.00, upper quartile ≤ "
-            f"1.10): the slowest is `{worst['strategy']}` {worst['mesh']} at "
-            f"{fmt_ratio(worst['vs_gspmd'])}; {verdict}.")  # fmt: skip
-
-
-def markdown(results) -> str:
-    """The benchmark tables, one per model, and a summary of the variants under each."""
-    lines = []
-    if "machine" in results:
-        load = (f"; load average {results['load_average_at_start']:.1f} at the start, "
-                f"{results['load_average_at_end']:.1f} at the end"
-                if "load_average_at_end" in results else "")  # fmt: skip
-        minutes = f"; the run took {results['seconds']:.0f} s" if "seconds" in results else ""
-        lines += [f"Measured on {results['machine']}, JAX {results['jax']}{load}{minutes}.", ""]
-    for block in results["models"].values():
-        lines += [
-            f"### {block['title']}",
-            "",
-            "| strategy | mesh | step ms | tokens/s | ÷ GSPMD (IQR) | ÷ single device (IQR) | GSPMD ÷ single | ÷ pmap | ÷ plain (IQR) | ring MB/device: model | shardops | GSPMD | state MB/device | state ÷ dp | peak MB/device: shardops | GSPMD | temp MB: shardops | GSPMD | temp saved MB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]  # fmt: skip
-        lm = block.get("gpt") or block.get("lm")
-        for r in block["rows"]:
-            state_vs_dp = r["state_bytes_per_device"] / r["single_device_state_bytes"]
-            tokens = ("" if lm is None else
-                      f"{block['batch'] * lm['context'] / r['step_ms']['shardops'] * 1e3:,.0f}")  # fmt: skip
-            lines.append(
-                f"| {r.get('label', r['strategy'])} | {r['mesh']} | {r['step_ms']['shardops']:.2f} | {tokens} | "
-                f"{fmt_ratio(r['vs_gspmd'])} | {fmt_ratio(r['vs_single'])} | "
-                f"{r['gspmd_vs_single']['median']:.2f} | {fmt_ratio(r.get('vs_pmap'))} | "
-                f"{fmt_ratio(r.get('vs_plain'))} | "
-                f"{fmt_bytes(r['ring_bytes_model'])} | {fmt_bytes(r['ring_bytes_shardops'])} | "
-                f"{fmt_bytes(r['ring_bytes_gspmd'])} | {fmt_mb(r['state_bytes_per_device'])} | "
-                f"{state_vs_dp:.3f} | {fmt_mb(peak_bytes(r, 'shardops'))} | "
-                f"{fmt_mb(peak_bytes(r, 'gspmd'))} | {fmt_mb(r['temp_bytes_shardops'])} | "
-                f"{fmt_mb(r['temp_bytes_gspmd'])} | {fmt_mb(r.get('temp_saved_vs_plain_bytes'))} |"
-            )  # fmt: skip
-        single = block["rows"][0]
-        lines.append(
-            f"\nSingle-device step: {single['step_ms']['single']:.2f} ms; state "
-            f"{fmt_mb(single['single_device_state_bytes'])} MB. {block['steps']} timed steps "
-            f"per program after {block['warmup']} warm-up.\n"
-        )
-        for line in summary_lines(block["rows"]):
-            lines.append(line + "\n")
-    return "\n".join(lines)
-
-
-def tables_block(text: str) -> str:
-    """What docs/benchmarks.md holds between the benchmark-tables markers (without the newlines that
-    separate it from them)."""
-    start, end = text.find(TABLES_START), text.find(TABLES_END)
-    if start < 0 or end < start:
-        raise ValueError(
-            f"docs/benchmarks.md needs the markers {TABLES_START} and {TABLES_END}, in that order, "
-            f"around the benchmark tables"
-        )
-    return text[start + len(TABLES_START) : end].strip("\n")
-
-
-def write_between_markers(path, start_marker: str, end_marker: str, body: str) -> None:
-    """Replace what ``path`` holds between ``start_marker`` and ``end_marker`` by ``body`` (a
-    benchmark's table in its docs page); a ValueError naming the markers if either is missing
-    or they are out of order."""
-    text = path.read_text()
-    start, end = text.find(start_marker), text.find(end_marker)
-    if start < 0 or end < start:
-        raise ValueError(f"{path} needs the markers {start_marker} and {end_marker}, in that "
-                         f"order, around the benchmark table; add them to the page")  # fmt: skip
-    path.write_text(text[: start + len(start_marker)] + "\n" + body + "\n" + text[end:])
-
-
-def write_tables(results, path=TABLES_PAGE) -> None:
-    """Replace docs/benchmarks.md's benchmark tables with ``markdown(results)``."""
-    text = path.read_text()
-    old = tables_block(text)  # checks the markers
-    start = text.find(TABLES_START) + len(TABLES_START)
-    end = text.find(TABLES_END)
-    new = markdown(results).strip("\n")
-    path.write_text(text[:start] + "\n" + new + "\n" + text[end:])
-    print(f"{'rewrote' if old != new else 'unchanged:'} the tables in {path}")
 
 
 def run_table(name: str, bench: Bench, devices, rng, *, cpu: bool) -> dict:
@@ -688,7 +585,8 @@ def start_platform(name: str) -> list:
         ) from e
 
 
-def main(argv=None):
+def argument_parser() -> argparse.ArgumentParser:
+    """The command line (the commands of the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes and few steps: checks it runs")
     p.add_argument(
@@ -717,31 +615,13 @@ def main(argv=None):
         "--tables-only", action="store_true",
         help="rewrite docs/benchmarks.md's tables (and strategies.md) from the stored JSON; run nothing",
     )  # fmt: skip
-    args = p.parse_args(argv)
-    if args.mesh is not None and args.strategy is None:
-        p.error("--mesh needs --strategy")
-    if args.mesh is not None:
-        try:
-            shardops.parse_mesh(args.mesh)
-            models.STRATEGIES[args.strategy].check_mesh(shardops.parse_mesh(args.mesh))
-        except (ValueError, KeyError) as e:
-            p.error(f"--mesh {args.mesh}: {e}")
-    picked = args.strategy is not None or args.only is not None  # part of the tables
-    stem = "strategies" if args.platform == "cpu" else f"strategies_{args.platform}"
-    if args.out is None:  # a run of picked tables or cases never overwrites the committed ones
-        args.out = (tempfile.mkdtemp(prefix="shardops_bench_") if args.quick or picked
-                    else str(RESULTS))  # fmt: skip
-    out = pathlib.Path(args.out)
-    committed = out.resolve() == RESULTS.resolve() and args.platform == "cpu"
-    if args.tables_only:
-        if args.platform != "cpu":
-            p.error("--tables-only writes the CPU tables into docs/benchmarks.md; drop --platform")
-        results = json.loads((out / f"{stem}.json").read_text())
-        (out / f"{stem}.md").write_text(markdown(results) + "\n")
-        write_tables(results)
-        return results
+    return p
 
-    devices = start_platform(args.platform)
+
+def run_tables(args, devices, out: pathlib.Path, stem: str) -> dict:
+    """Every table the arguments pick (``--only``, ``--strategy`` and ``--mesh``), each saved
+    (``save_results``) as it finishes; the results, with the run's seconds and its load average
+    at the end."""
     rng = np.random.default_rng(0)
     kind = devices[0].device_kind
     results = {
@@ -769,6 +649,37 @@ def main(argv=None):
         save_results(out, stem, results)
     results["seconds"] = time.perf_counter() - start
     results["load_average_at_end"] = os.getloadavg()[0]
+    return results
+
+
+def main(argv=None):
+    p = argument_parser()
+    args = p.parse_args(argv)
+    if args.mesh is not None and args.strategy is None:
+        p.error("--mesh needs --strategy")
+    if args.mesh is not None:
+        try:
+            shardops.parse_mesh(args.mesh)
+            models.STRATEGIES[args.strategy].check_mesh(shardops.parse_mesh(args.mesh))
+        except (ValueError, KeyError) as e:
+            p.error(f"--mesh {args.mesh}: {e}")
+    picked = args.strategy is not None or args.only is not None  # part of the tables
+    stem = "strategies" if args.platform == "cpu" else f"strategies_{args.platform}"
+    if args.out is None:  # a run of picked tables or cases never overwrites the committed ones
+        args.out = (tempfile.mkdtemp(prefix="shardops_bench_") if args.quick or picked
+                    else str(RESULTS))  # fmt: skip
+    out = pathlib.Path(args.out)
+    committed = out.resolve() == RESULTS.resolve() and args.platform == "cpu"
+    if args.tables_only:
+        if args.platform != "cpu":
+            p.error("--tables-only writes the CPU tables into docs/benchmarks.md; drop --platform")
+        results = json.loads((out / f"{stem}.json").read_text())
+        (out / f"{stem}.md").write_text(markdown(results) + "\n")
+        write_tables(results)
+        return results
+
+    devices = start_platform(args.platform)
+    results = run_tables(args, devices, out, stem)
     table = save_results(out, stem, results, finished=True)
     print(table)
     print(f"{results['seconds']:.0f} s; wrote {out / stem}.json and {out / stem}.md")

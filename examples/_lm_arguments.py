@@ -40,15 +40,15 @@ def parse_mesh(spec: str) -> str:
     return spec
 
 
-def capacity_factor(text: str) -> float | None:
+def capacity_factor(value: str) -> float | None:
     """``--capacity-factor``: a number, or ``none`` (dropless: ``Experts(capacity_factor=None)``)."""
-    if text.strip().lower() == "none":
+    if value.strip().lower() == "none":
         return None
     try:
-        return float(text)
+        return float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is neither a number (e.g. 1.25) nor 'none' (dropless)"
+            f"{value!r} is neither a number (e.g. 1.25) nor 'none' (dropless)"
         ) from None
 
 

@@ -374,6 +374,9 @@ def llama_logits():
     return model, params, ids, reference, shardops_error
 
 
+# The plain-JAX Llama is benchmarks/_plain_llama.py, the module beside the benchmark that acc
+# imports: its mutants replace lines there.
+plain_llama = sys.modules[acc.plain_logits.__module__]
 _PLAIN_MUTANTS = {
     "strided_groups": ("    q = q.reshape(b, s, n, h // n, hd)  # (B, S, n, G, hd)",
                        "    q = q.reshape(b, s, h // n, n, hd).swapaxes(2, 3)"),
@@ -396,7 +399,7 @@ def test_plain_llama_is_the_reference_model(llama_logits, name):
     MIXED_BFLOAT16 logits are (at most twice as far), and a grouping, RoPE or mask bug is
     far outside that."""
     model, params, ids, reference, shardops_error = llama_logits
-    module = acc if name is None else mutant(acc, name, *_PLAIN_MUTANTS[name])
+    module = acc if name is None else mutant(plain_llama, name, *_PLAIN_MUTANTS[name])
     error = _logits_error(module, model, params, ids, reference)
     if name is None:
         assert error <= 2 * shardops_error, (error, shardops_error)

@@ -53,7 +53,7 @@ class UnsupportedConfig(ValueError):
 def llama_from_config(config: dict | str | os.PathLike, **overrides) -> Llama:
     """The ``models.Llama`` of a transformers Llama config (a dict, ``config.json`` or its
     folder); ``overrides`` replace fields (``context=``, ``bos_id=``). Unsupported fields are
-    an ``UnsupportedConfig`` naming the field (module docstring)."""
+    an ``UnsupportedConfig`` naming the field (``hf_llama``'s module docstring)."""
     config = _config_dict(config)
     if config.get("model_type") != "llama":
         other = " (a Mixtral: interop.HfMixtral)" if config.get("model_type") == "mixtral" else ""

@@ -70,7 +70,7 @@ def _expand(name: str, sizes: tuple[int, ...]) -> list[str]:
 
 
 class HfLlama:
-    """A transformers Llama checkpoint folder, read lazily (module docstring).
+    """A transformers Llama checkpoint folder, read lazily (``hf_llama``'s module docstring).
 
     ``model()`` is its ``models.Llama``; ``load(setup)`` reads its parameters into ``setup``'s
     layout; ``elements_read`` is the number of elements the latest ``load`` read from the files

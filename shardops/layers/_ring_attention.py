@@ -72,7 +72,7 @@ def _blocks(step_fn, carry, t: int, causal: bool, earlier):
     """Run ``step_fn(carry, rows, cols)`` on the part of step ``t``'s block that any query
     sees: all of it at t = 0 or without ``causal``; else, on the held block's owner being
     ``earlier`` than this device, every query against its first chunk, otherwise the second
-    chunk of the queries against all of it (module docstring)."""
+    chunk of the queries against all of it (``_context_attention``'s module docstring)."""
     if t == 0 or not causal:
         return step_fn(carry, _ALL, _ALL)
     return lax.cond(earlier, lambda c: step_fn(c, _ALL, _FIRST),

@@ -218,7 +218,8 @@ def decoder_type(monkeypatch):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("name", ["positions_restart", "block_count_one_short",
+@pytest.mark.parametrize("name", ["positions_restart", "cache_length_one_short",
+                                  "block_count_one_short",
                                   "gpt_positions_restart", "llama_final_norm_skipped",
                                   "key_reused_every_step", "start_past_next_not_refused",
                                   "train_state_not_recognised"])  # fmt: skip

@@ -254,13 +254,15 @@ def check_placement(module, kind: str, names: tuple) -> None:
 @pytest.mark.parametrize("name", PLACEMENT_MUTANTS)
 def test_a_policy_keeping_the_wrong_residuals_or_the_wrong_memory_is_caught(name):
     line, replacement, kind, names = PLACEMENT_MUTANTS[name]
-    with pytest.raises(AssertionError):
-        check_placement(mutant(remat_module, name, line, replacement), kind, names)
+    module = mutant(remat_module, name, line, replacement)  # outside raises: a line not found
+    with pytest.raises(AssertionError):  # is no catch
+        check_placement(module, kind, names)
 
 
 def test_an_unmutated_copy_places_every_residual_right():
     same = mutant(remat_module, "unmutated_placement", SAVE_LINE, SAVE_LINE)
-    for _, _, kind, names in PLACEMENT_MUTANTS.values():
+    for line, _, kind, names in PLACEMENT_MUTANTS.values():
+        mutant(remat_module, "unmutated_placement", line, line)  # each line there, once
         check_placement(same, kind, names)
 
 

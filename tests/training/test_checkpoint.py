@@ -565,9 +565,11 @@ MUTANTS = {
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_checkpoint_mutant_is_caught(tmp_path, name):
     line, replacement, check = MUTANTS[name]
-    check(tmp_path / "real", checkpoint)  # the real module passes the check
-    # outside raises: a line missing from checkpoint.py, _checkpoint_record.py and
-    # _checkpoint_integrity.py, or found in more than one, fails
+    # An unmutated copy made the same way passes the check, so the mutant is caught by what it
+    # changed, not by the copy. Outside raises: a line missing from checkpoint.py,
+    # _checkpoint_record.py and _checkpoint_integrity.py, or found in more than one, fails.
+    same = copies("shardops_models.training", CHECKPOINT, f"unmutated_{name}", line, line)
+    check(tmp_path / "real", same["checkpoint"])
     bad = copies("shardops_models.training", CHECKPOINT, name, line, replacement)["checkpoint"]
     with pytest.raises((AssertionError, pytest.fail.Exception, ValueError)) as caught:
         check(tmp_path / "mutant", bad)
