@@ -14,7 +14,6 @@ import pathlib
 import re
 import shlex
 import shutil
-import socket
 import sys
 
 import pytest
@@ -24,6 +23,8 @@ from test_distributed import check_train_py
 from test_docs import PAGES, ROOT, page_commands, python_blocks, rel
 from test_examples import check_custom_gpt, check_mlp_2d_locate, check_pmap_gives_the_same_numbers
 from test_real_data import require_fashion_mnist
+
+from shardops.launch import free_port
 
 SET_UP = (["python", "-m", "pytest"],)  # the README's test command: this suite
 FASHION = "/usr/share/datasets/fashion-mnist"
@@ -80,12 +81,6 @@ def commands() -> dict[str, list[tuple[str, int, str]]]:
 COMMANDS = commands()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _environment() -> dict[str, str]:
     """A user's environment: no simulated-device flag (the examples set their own), the suite's
     compiler flags and compilation cache."""
@@ -140,7 +135,7 @@ def run_commands(page: str, scratch: pathlib.Path, timeout: float = 300) -> dict
     for _, body, runs in python_blocks(ROOT / page):
         if not runs and "SHARDOPS_COORDINATOR" in body:
             (scratch / "train.py").write_text(body)  # the several-hosts page's script
-    outputs, problems, port = {}, [], _free_port()
+    outputs, problems, port = {}, [], free_port()
     pending = [c for _, _, c in COMMANDS[page] if FASHION not in c or _has_fashion_mnist()]
     while pending:
         group = [c for c in pending if HOST0 in c] if HOST0 in pending[0] else pending[:1]
@@ -161,7 +156,7 @@ def run_commands(page: str, scratch: pathlib.Path, timeout: float = 300) -> dict
             if (problem := _problem(command, run, code)) is not None:
                 problems.append(f"{command}: {problem}")
         pending = [c for c in pending if c not in group]
-        port = _free_port()
+        port = free_port()
     assert problems == [], "\n\n".join(problems)
     return outputs
 
