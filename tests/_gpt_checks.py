@@ -90,6 +90,17 @@ def cases():
     return out
 
 
+OPTIMIZERS = ("sgd", "adam")
+
+
+def gpt_optimizer(strategy: str) -> str:
+    """The optimizer a strategy trains the GPT with by default (tests/networks/test_gpt.py); the
+    Llama takes the other (tests/networks/test_llama.py), so between them every strategy trains
+    an LM with each optimizer, and each model with each (SHARDOPS_FULL=1: every one with both)."""
+    names = sorted(s for s in models.STRATEGIES if s != "ref")
+    return OPTIMIZERS[names.index(strategy) % 2]
+
+
 def optimizer(name: str, clip: float | None = None, *, sharded: bool = True, sgd_lr: float = 4.0):
     """SGD (at ``sgd_lr``) or Adam, after global-norm clipping at ``clip``
     (``shardops.clip_by_global_norm`` for the strategies, optax's own for the reference:

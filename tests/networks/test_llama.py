@@ -11,8 +11,17 @@ import numpy as np
 import optax
 import pytest
 from _cover import FULL
-from _gpt_checks import BATCH, MESHES, SEQ, check_lm_trajectory, lm_batches
+from _gpt_checks import (
+    BATCH,
+    MESHES,
+    OPTIMIZERS,
+    SEQ,
+    check_lm_trajectory,
+    gpt_optimizer,
+    lm_batches,
+)
 from _messages import refused
+from test_gpt import TRAJECTORIES as GPT_TRAJECTORIES
 
 import shardops
 import shardops_models as models
@@ -37,21 +46,23 @@ SGD_LR = 0.5
 
 
 def _cases():
-    """Every strategy once per optimizer by default (the models and meshes taken in turn, the
-    model-8 mesh first where a strategy has it: vocabulary 97 padded to 104); every strategy ×
-    mesh with its axes × optimizer × model under SHARDOPS_FULL=1."""
+    """Every strategy once by default, with the optimizer the GPT's tests do not give it
+    (``gpt_optimizer``: between the two every strategy trains an LM with each), the models in
+    turn (each with each optimizer) and the meshes in turn, the model-8 mesh first where a
+    strategy has it (vocabulary 97 padded to 104); every strategy × mesh with its axes ×
+    optimizer × model under SHARDOPS_FULL=1."""
     names = sorted(s for s in models.STRATEGIES if s != "ref")
     out = []
     for i, name in enumerate(names):
         axes = set(models.STRATEGIES[name].axes)
         meshes = [m for m, shape in MESHES.items() if axes <= set(shape)]
         if FULL:
-            out += [(m, name, mesh, o) for mesh in meshes for o in ("sgd", "adam") for m in MODELS]
+            out += [(m, name, mesh, o) for mesh in meshes for o in OPTIMIZERS for m in MODELS]
             continue
-        for j, opt in enumerate(("sgd", "adam")):
-            model = ("gqa", "tied_mqa")[(i + j) % 2]
-            mesh = "model8" if "model8" in meshes and j == 0 else meshes[(i + j) % len(meshes)]
-            out.append((model, name, mesh, opt))
+        opt = next(o for o in OPTIMIZERS if o != gpt_optimizer(name))
+        model = ("gqa", "tied_mqa")[(i // 2) % 2]
+        mesh = "model8" if "model8" in meshes and opt == "sgd" else meshes[i % len(meshes)]
+        out.append((model, name, mesh, opt))
     return out
 
 
@@ -65,10 +76,12 @@ def test_trajectory_and_budget(case):
 
 
 def test_the_cases_cover_every_strategy_model_and_optimizer():
+    """With the GPT's, every strategy trains an LM with each optimizer; each model trains with
+    each; a 3-axis mesh and vocabulary 97 on model = 8 appear."""
     strategies = set(models.STRATEGIES) - {"ref"}
-    assert {(s, o) for _, s, _, o in CASES} == {(s, o) for s in strategies for o in ("sgd", "adam")}
-    assert {m for m, *_ in CASES} == set(MODELS)
-    assert {(m, o) for m, _, _, o in CASES} == {(m, o) for m in MODELS for o in ("sgd", "adam")}
+    pairs = {(s, o) for _, s, _, o in CASES} | {(s, o) for s, _, o in GPT_TRAJECTORIES}
+    assert pairs == {(s, o) for s in strategies for o in OPTIMIZERS}
+    assert {(m, o) for m, _, _, o in CASES} == {(m, o) for m in MODELS for o in OPTIMIZERS}
     three_axes = {mesh for *_, mesh, _ in CASES if len(MESHES[mesh]) == 3}
     assert three_axes, "a 3-axis layout"
     assert any(mesh == "model8" for _, _, mesh, _ in CASES)  # vocabulary 97 on model = 8
