@@ -93,14 +93,6 @@ def cases():
 OPTIMIZERS = ("sgd", "adam")
 
 
-def gpt_optimizer(strategy: str) -> str:
-    """The optimizer a strategy trains the GPT with by default (tests/networks/test_gpt.py); the
-    Llama takes the other (tests/networks/test_llama.py), so between them every strategy trains
-    an LM with each optimizer, and each model with each (SHARDOPS_FULL=1: every one with both)."""
-    names = sorted(s for s in models.STRATEGIES if s != "ref")
-    return OPTIMIZERS[names.index(strategy) % 2]
-
-
 def optimizer(name: str, clip: float | None = None, *, sharded: bool = True, sgd_lr: float = 4.0):
     """SGD (at ``sgd_lr``) or Adam, after global-norm clipping at ``clip``
     (``shardops.clip_by_global_norm`` for the strategies, optax's own for the reference:
@@ -168,14 +160,15 @@ def check_gpt_trajectory(strategy, mesh_name, opt_name, **options) -> dict:
 def check_lm_trajectory(model, strategy, mesh_name, opt_name, *, build=models.build, plan=None,
                         remat=False, budget=False, clip=None, sgd_lr=4.0, tol=None,
                         attention="auto", microbatches=1, batch=BATCH,
-                        context_shards=1) -> dict:  # fmt: skip
+                        context_shards=1, raw_grads=False) -> dict:  # fmt: skip
     """Assert 5 steps' losses, gradients and params of ``model`` equal its plain reference;
     with ``budget``, also that the compiled train step's collectives equal
     ``collective_budget``; with ``clip``, the gradients are clipped to that global norm (and
     the reference's norm must exceed it, so the clipping is exercised); ``microbatches``: the
     build's (each device's batch of ``batch`` split so); ``context_shards``: the reference's
     (``Llama.reference_loss``: a mixture of experts' capacity groups under cp over that many
-    devices)."""
+    devices); ``raw_grads``: with SGD, also each step's unclipped gradients from
+    ``setup.loss_and_grads`` (a second program to compile)."""
     tol = tol or TOL[opt_name]
     params, ids, labels, (ref_losses, ref_grads, ref_params, norms) = _reference(
         model, opt_name, clip, sgd_lr, batch, context_shards
@@ -189,20 +182,25 @@ def check_lm_trajectory(model, strategy, mesh_name, opt_name, *, build=models.bu
     setup = build(strategy, mesh, optimizer=optimizer(opt_name, clip, sgd_lr=sgd_lr),
                   model=model, plan=plan, remat=remat, **options)  # fmt: skip
     state = setup.shard(params)
-    # One compiled step serves the budget check and the 5 steps. Gradients are the optimizer's
-    # input, checked on the SGD runs only (Adam's check is its losses and parameters).
+    # One compiled step serves the budget check and the 5 steps. Gradients are checked on the
+    # SGD runs only (Adam's check is its losses and parameters).
     step = setup.train_step.lower(state, *setup.place_batch(ids[0], labels[0])).compile()
     if budget:
         check_budget(setup, step, ids.shape[1:], (model.name, strategy, mesh_name, opt_name, clip,
                                                   remat))  # fmt: skip
-    # With SGD each step's gradient (clipped) is read back from the step itself, (p_t −
-    # p_t+1) / lr, against the reference's, clipped alike: no second program to compile (a
-    # separate loss_and_grads program was a third of a case's time). Its rounding, ulp(p) / lr
-    # ≤ 2.4e-7 at |p| ≤ 1 and lr = 0.5, stays under the tolerance.
-    losses, grads = [], []
+    # With SGD each step's gradient as the step applies it (clipped) is read back from the step
+    # itself, (p_t − p_t+1) / lr, against the reference's clipped alike: no second program to
+    # compile (a separate loss_and_grads program was a third of a case's time). Its rounding,
+    # ulp(p) / lr ≤ 2.4e-7 at |p| ≤ 1 and lr = 0.5, stays under the tolerance. A clipping that
+    # binds hides a gradient scaled as a whole (a reduction summed twice): the unclipped GPT
+    # runs see one; ``raw_grads`` also holds ``setup.loss_and_grads``'s to the reference's.
+    losses, grads, raw = [], [], []
     before = setup.gather(state.params)
     for x, y in zip(ids, labels, strict=True):
-        state, loss = step(state, *setup.place_batch(x, y))
+        xb, yb = setup.place_batch(x, y)
+        if raw_grads and opt_name == "sgd":
+            raw.append(setup.gather(setup.loss_and_grads(state.params, xb, yb)[1]))
+        state, loss = step(state, xb, yb)
         losses.append(float(loss))  # a host sync every step: at most one step in flight
         after = setup.gather(state.params)
         if opt_name == "sgd":
@@ -212,9 +210,10 @@ def check_lm_trajectory(model, strategy, mesh_name, opt_name, *, build=models.bu
         before = after
     final = before
     applied = [_clipped(g, norm, clip) for g, norm in zip(ref_grads, norms, strict=True)]
+    pairs = [*zip(grads, applied, strict=False), *zip(raw, ref_grads, strict=False)]
     errors = {
         "loss": float(np.max(np.abs(np.array(losses) - ref_losses))),
-        "grads": max((max_diff(g, r) for g, r in zip(grads, applied, strict=False)), default=0.0),
+        "grads": max((max_diff(g, r) for g, r in pairs), default=0.0),
         "params": max_diff(final, ref_params),
     }
     where = (f"{model.name} {strategy} on {mesh_name} with {opt_name}" + (" (remat)" if remat

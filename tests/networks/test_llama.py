@@ -17,11 +17,12 @@ from _gpt_checks import (
     OPTIMIZERS,
     SEQ,
     check_lm_trajectory,
-    gpt_optimizer,
     lm_batches,
 )
+from _lm_budgets import EXPECTED
 from _messages import refused
 from test_gpt import TRAJECTORIES as GPT_TRAJECTORIES
+from test_gpt import degenerate, next_mesh
 
 import shardops
 import shardops_models as models
@@ -46,23 +47,30 @@ SGD_LR = 0.5
 
 
 def _cases():
-    """Every strategy once by default, with the optimizer the GPT's tests do not give it
-    (``gpt_optimizer``: between the two every strategy trains an LM with each), the models in
-    turn (each with each optimizer) and the meshes in turn, the model-8 mesh first where a
-    strategy has it (vocabulary 97 padded to 104); every strategy × mesh with its axes ×
-    optimizer × model under SHARDOPS_FULL=1."""
+    """By default Adam for every strategy the GPT trains with SGD alone
+    (tests/networks/test_gpt.py: between the two every strategy trains an LM with each
+    optimizer), the models in turn; the hand-written budget's case (the GQA under tp on
+    model = 8: vocabulary 97 padded to 104) and the tied MQA under fsdp with SGD, so that each
+    model trains with each optimizer; meshes on which each of the strategy's axes has more than
+    one device, in turn. Every strategy × mesh with its axes × optimizer × model under
+    SHARDOPS_FULL=1."""
     names = sorted(s for s in models.STRATEGIES if s != "ref")
-    out = []
-    for i, name in enumerate(names):
-        axes = set(models.STRATEGIES[name].axes)
-        meshes = [m for m, shape in MESHES.items() if axes <= set(shape)]
-        if FULL:
+    if FULL:
+        out = []
+        for name in names:
+            axes = set(models.STRATEGIES[name].axes)
+            meshes = [m for m, shape in MESHES.items() if axes <= set(shape)]
             out += [(m, name, mesh, o) for mesh in meshes for o in OPTIMIZERS for m in MODELS]
-            continue
-        opt = next(o for o in OPTIMIZERS if o != gpt_optimizer(name))
-        model = ("gqa", "tied_mqa")[(i // 2) % 2]
-        mesh = "model8" if "model8" in meshes and opt == "sgd" else meshes[i % len(meshes)]
-        out.append((model, name, mesh, opt))
+        return out
+    hand = [(k, s, m, o) for k, lm in MODELS.items() for name, s, m, o, *_ in EXPECTED
+            if name == lm.name]  # fmt: skip
+    gpt_adam = {s for s, _, o in GPT_TRAJECTORIES if o == "adam"}
+    used = [m for _, m, _ in GPT_TRAJECTORIES] + [m for _, _, m, _ in hand]
+    out = list(hand)
+    for i, name in enumerate(n for n in names if n not in gpt_adam):
+        out.append((("gqa", "tied_mqa")[i % 2], name, next_mesh(name, used), "adam"))
+        used.append(out[-1][2])
+    out.append(("tied_mqa", "fsdp", next_mesh("fsdp", used), "sgd"))
     return out
 
 
@@ -76,15 +84,19 @@ def test_trajectory_and_budget(case):
 
 
 def test_the_cases_cover_every_strategy_model_and_optimizer():
-    """With the GPT's, every strategy trains an LM with each optimizer; each model trains with
-    each; a 3-axis mesh and vocabulary 97 on model = 8 appear."""
+    """With the GPT's, every strategy trains an LM with each optimizer and every mesh appears;
+    each model trains with each optimizer; the hand budget's case, a 3-axis mesh and
+    vocabulary 97 on model = 8 appear; no axis of a strategy has a single device."""
     strategies = set(models.STRATEGIES) - {"ref"}
     pairs = {(s, o) for _, s, _, o in CASES} | {(s, o) for s, _, o in GPT_TRAJECTORIES}
     assert pairs == {(s, o) for s in strategies for o in OPTIMIZERS}
     assert {(m, o) for m, _, _, o in CASES} == {(m, o) for m in MODELS for o in OPTIMIZERS}
+    assert {m for *_, m, _ in CASES} | {m for _, m, _ in GPT_TRAJECTORIES} == set(MESHES)
     three_axes = {mesh for *_, mesh, _ in CASES if len(MESHES[mesh]) == 3}
     assert three_axes, "a 3-axis layout"
     assert any(mesh == "model8" for _, _, mesh, _ in CASES)  # vocabulary 97 on model = 8
+    if not FULL:
+        assert not any(degenerate(s, m) for _, s, m, _ in CASES)
 
 
 @pytest.mark.parametrize(("model", "strategy", "mesh"),
