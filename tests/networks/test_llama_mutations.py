@@ -7,9 +7,16 @@ the hand-written one (tests/_lm_budgets.py)."""
 
 import jax
 import pytest
-from _gpt_checks import BATCH, SEQ, check_budget, check_lm_trajectory, optimizer
+from _gpt_checks import (
+    BATCH,
+    SEQ,
+    check_budget,
+    check_gpt_trajectory,
+    check_lm_trajectory,
+    optimizer,
+)
 from _lm_budgets import check_hand_budget
-from _mutants import mutant
+from _mutants import mutant, training
 from test_llama import CLIP, GQA, SGD_LR, TIED_MQA
 
 import shardops
@@ -98,3 +105,24 @@ def test_gated_mlp_reduced_in_bf16_is_caught_by_the_hand_budget(monkeypatch, mut
     else:
         check_budget(setup, compiled, (BATCH, SEQ), BUDGET_CASE)
     jax.clear_caches()
+
+
+SCALE_LINE = "        loss, grads = self._value_and_grad(params, x, y)"
+
+
+def test_a_gradient_scaled_as_a_whole_is_caught_unclipped_or_by_the_raw_gradients():
+    """Mutant: every gradient doubled (a reduction summed twice over an axis of 2). A clipping
+    that binds rescales it away, so the clipped Llama's parameters and the gradients read back
+    from its steps equal the reference's; ``raw_grads`` (setup.loss_and_grads against the
+    unclipped reference) sees it, as the unclipped GPT's read-back does (why every strategy
+    trains the GPT with unclipped SGD, tests/networks/test_gpt.py)."""
+    doubled = SCALE_LINE + "; grads = jax.tree.map(lambda g: 2 * g, grads)"
+    build = training("gradients_doubled", SCALE_LINE, doubled).build
+    with pytest.raises(AssertionError, match="grads"):
+        check_lm_trajectory(GQA, "2d", "4x2", "sgd", clip=CLIP, sgd_lr=SGD_LR, build=build,
+                            raw_grads=True)  # fmt: skip
+    with pytest.raises(AssertionError):  # by the second step's loss, and the read-back
+        check_gpt_trajectory("2d", "4x2", "sgd", build=build)
+    unmutated = training("gradients_doubled", SCALE_LINE, SCALE_LINE).build
+    check_lm_trajectory(GQA, "2d", "4x2", "sgd", clip=CLIP, sgd_lr=SGD_LR, build=unmutated,
+                        raw_grads=True)  # fmt: skip
