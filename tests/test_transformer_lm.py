@@ -209,12 +209,24 @@ def test_llama_flops_per_token_by_hand():
         ("1x8", "num_heads=4 is not divisible by mesh axis 'model' (size 8)"),
     ],
 )
-def test_a_bad_mesh_is_a_one_line_error(mesh, message):
-    proc = run("--mesh", mesh, timeout=60)
+def test_a_bad_mesh_is_a_one_line_error(mesh, message, capsys):
+    """argparse's usage error (exit status 2), one line, no traceback: in this process (the
+    script as a user runs it, below)."""
+    with pytest.raises(SystemExit) as stop:
+        load_example("transformer_lm").main(["--mesh", mesh])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert re.match(r"\S+: error: ", last) and message in last, err
+
+
+def test_a_bad_mesh_run_as_a_script_is_a_one_line_error():
+    proc = run("--mesh", "4x4", timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr  # argparse's usage error
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("transformer_lm.py: error: ") and message in last, proc.stderr
+    assert last.startswith("transformer_lm.py: error: --mesh 4x4 needs 16 devices; this "
+                           "process has 8 (on CPU, simulate more with XLA_FLAGS="), last  # fmt: skip
 
 
 def test_locate_finds_every_layer_within_bound_on_the_full_model():
