@@ -28,8 +28,12 @@ def run(*args, timeout=150):
     )  # fmt: skip
 
 
+# CI time: sp on 2 × 4 with the default text source runs under SHARDOPS_FULL=1; by default the
+# multi-process page's command runs it to its end (tests/test_doc_commands.py) and the GPT's
+# tests hold sp to the reference (tests/networks/test_gpt.py).
 @pytest.mark.parametrize(
-    ("strategy", "mesh", "source"), [("fsdp_tp", "4x2", "stdlib"), ("sp", "2x4", "auto")]
+    ("strategy", "mesh", "source"),
+    [("fsdp_tp", "4x2", "stdlib"), *[("sp", "2x4", "auto")] * FULL],
 )
 def test_trains_like_the_reference_and_samples(tmp_path, strategy, mesh, source):
     metrics_path, plot_path = tmp_path / "lm.json", tmp_path / "lm.png"
