@@ -194,21 +194,22 @@ def check_lm_trajectory(model, strategy, mesh_name, opt_name, *, build=models.bu
     # ulp(p) / lr ≤ 2.4e-7 at |p| ≤ 1 and lr = 0.5, stays under the tolerance. A clipping that
     # binds hides a gradient scaled as a whole (a reduction summed twice): the unclipped GPT
     # runs see one; ``raw_grads`` also holds ``setup.loss_and_grads``'s to the reference's.
+    sgd = opt_name == "sgd"
     losses, grads, raw = [], [], []
-    before = setup.gather(state.params)
+    before = setup.gather(state.params) if sgd else None
     for x, y in zip(ids, labels, strict=True):
         xb, yb = setup.place_batch(x, y)
-        if raw_grads and opt_name == "sgd":
+        if raw_grads and sgd:
             raw.append(setup.gather(setup.loss_and_grads(state.params, xb, yb)[1]))
         state, loss = step(state, xb, yb)
         losses.append(float(loss))  # a host sync every step: at most one step in flight
-        after = setup.gather(state.params)
-        if opt_name == "sgd":
+        if sgd:  # Adam's parameters are gathered once, at the end
+            after = setup.gather(state.params)
             grads.append(
                 jax.tree.map(lambda p, q: (np.asarray(p, np.float64) - q) / sgd_lr, before, after)
             )
-        before = after
-    final = before
+            before = after
+    final = before if sgd else setup.gather(state.params)
     applied = [_clipped(g, norm, clip) for g, norm in zip(ref_grads, norms, strict=True)]
     pairs = [*zip(grads, applied, strict=False), *zip(raw, ref_grads, strict=False)]
     errors = {
