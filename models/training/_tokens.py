@@ -127,7 +127,10 @@ def _shapes(model):
 
 def model_batch(model, batch: int, seq: int | None):
     """Abstract ``(x, y)`` of one batch: the MLP's ``x[b, D], y[b, C]``; a sequence model's
-    ``ids[b, S], labels[b, S]`` (S: ``seq`` or the model's context)."""
+    ``ids[b, S], labels[b, S]`` (S: ``seq`` or the model's context); a model's own
+    ``abstract_batch(batch, seq)`` where it has one."""
+    if callable(getattr(model, "abstract_batch", None)):
+        return model.abstract_batch(batch, seq)
     if contract.declared(model).sequence:
         s = model.context if seq is None else seq
         ids = jax.ShapeDtypeStruct((batch, s), jnp.int32)

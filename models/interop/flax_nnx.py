@@ -1,0 +1,390 @@
+"""Flax NNX modules as shardops models: a module trained under any strategy as its author wrote it.
+
+    from shardops_models.interop.flax_nnx import FlaxModel
+    model = FlaxModel(lambda rngs: MyLlama(config, rngs=rngs), rules=RULES)  # the one call
+    setup = models.build("fsdp_tp", mesh, model=model, optimizer=optax.adam(3e-4))
+
+``make(rngs)`` builds the module (``nnx.Module``) with its parameters annotated by logical axis
+names (``nnx.with_partitioning(init, ("embed", "mlp"))``, Flax's ``out_sharding`` metadata);
+``rules``, MaxText's ``logical_axis_rules`` table, maps each name to the tensor-parallel axis
+``"model"`` or to ``None``. The module is built with Flax's eager sharding off
+(``nnx.use_eager_sharding(False)``): shardops lays the parameters out itself, by strategy.
+
+**How each layer runs.** At every forward the module is rebuilt from its graph and each layer
+it calls is swapped (``nnx`` attribute assignment) for one that calls the strategy's kernel on
+the layer's own parameters, so every collective is explicit, in the ledger and in ``explain``:
+
+=================================  ===========================================================
+Flax layer                         shardops kernel (role from the annotations and ``rules``)
+=================================  ===========================================================
+``nnx.Linear``                     ``ctx.dense``: ``kernel[in, out]`` with ``out`` → model is
+                                   column-parallel, ``in`` → model row-parallel, neither
+                                   replicated (FSDP, ZeRO-1 and the data axes by the strategy)
+``nnx.Embed`` (and ``.attend``)    ``ctx.embed`` / ``ctx.tied_head``: ``embedding[vocab,
+                                   features]``, ``vocab`` → model vocab-parallel
+``nnx.RMSNorm``, ``nnx.LayerNorm``  ``ctx.rms_norm``, ``ctx.layer_norm`` (features unsplit)
+=================================  ===========================================================
+
+A module swap, not the ``dot_general`` hook that ``nnx.Linear`` takes: the hook sees the kernel
+as an array already sliced by the caller, so it cannot gather an FSDP shard or choose column
+against row, and ``nnx.Embed`` and the norms have no hook. Code of the user's own between the
+layers (activations, residuals, attention written with ``jnp.einsum`` over the heads the
+projections produced) runs per device as written: under tp each device holds its heads, which
+the attention needs no collective for. A parameter that no swapped layer owns (a module calling
+``jnp.dot`` on its own ``nnx.Param``, ``nnx.Conv``, a layer with another ``dot_general``) is an
+error naming its path and class before anything is traced: shardops never replicates or gathers
+a weight it cannot see used.
+
+**The task.** ``task="lm"``: ``ids[B, S]`` → ``logits[B, S, V]``, next-token labels, the loss,
+metrics and batch checks of ``models.Gpt`` (``PAD_LABEL`` skipped); the head is the ``nnx.Linear``
+whose ``out_features`` is the vocabulary (or the embedding's ``attend``), its logits left split
+over the vocabulary under tp. ``task="classify"``: ``x[B, ...]`` → ``logits[B, C]`` and integer
+labels ``y[B]``, the mean softmax cross-entropy.
+
+**Precision.** shardops' policy (``build(precision=...)``) sets every dtype; a layer built with
+``dtype`` or ``param_dtype`` other than the policy's is refused, so that the sharded run
+computes what the module's own does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from shardops import MODEL_AXIS
+from shardops_models.networks._lm import LanguageModel
+from shardops_models.strategies.plan import COLUMN, REPLICATED, ROW, VOCAB
+
+LINEAR, EMBED, NORM = "linear", "embed", "norm"
+SWAPPED = {nnx.Linear: LINEAR, nnx.Embed: EMBED, nnx.RMSNorm: NORM, nnx.LayerNorm: NORM}
+"""The Flax layers shardops runs with its kernels, by what each becomes."""
+TASKS = ("lm", "classify")
+NOT_YET = {
+    "sp": "splits the activations between layers along the sequence (the attention's "
+          "reshapes read x.shape)",
+    "cp": "splits the sequence, whose positions the module computes itself",
+    "ep": "needs the experts as one ctx.moe layer",
+    "pp": "needs the blocks stacked and run by ctx.scan",
+}  # fmt: skip
+"""The kinds a Flax module cannot run under yet, and why."""
+
+
+def _axis_of(rules: Mapping[str, Any], name, where: str):
+    """The mesh axis ``rules`` maps the logical dim ``name`` to: the tp axis or None."""
+    axis = rules.get(name) if name is not None else None
+    if axis not in (None, MODEL_AXIS):
+        raise ValueError(
+            f"{where}: rules map {name!r} to {axis!r}; shardops splits parameters over the data "
+            f"axes by the strategy (fsdp, hsdp, zero1), so a parameter's logical dim maps to "
+            f"{MODEL_AXIS!r} (tensor parallelism) or None. Give ({name!r}, None) or "
+            f"({name!r}, {MODEL_AXIS!r})"
+        )
+    return axis
+
+
+def _names(variable, ndim: int):
+    """A parameter's logical dim names (Flax's ``out_sharding`` metadata), or all None."""
+    names = variable.get_metadata().get("out_sharding")
+    return tuple(names) if names is not None else (None,) * ndim
+
+
+def _role(kind: str, layer, state, rules, where: str):
+    """The plan role of one swapped layer (module docstring's table), from its annotations."""
+    if kind == LINEAR:
+        kernel = layer.kernel
+        split = [_axis_of(rules, n, f"{where}.kernel") is not None
+                 for n in _names(kernel, 2)]  # fmt: skip
+        if all(split):
+            raise ValueError(f"{where}.kernel: both dims map to {MODEL_AXIS!r}; a dense layer is "
+                             f"column- or row-parallel, not both")  # fmt: skip
+        return COLUMN if split[1] else ROW if split[0] else REPLICATED
+    if kind == EMBED:
+        vocab, features = (_axis_of(rules, n, f"{where}.embedding") is not None
+                           for n in _names(layer.embedding, 2))  # fmt: skip
+        if features:
+            raise ValueError(f"{where}.embedding: its features dim maps to {MODEL_AXIS!r}; "
+                             f"shardops splits an embedding over the vocabulary only")  # fmt: skip
+        return VOCAB if vocab else REPLICATED
+    for name, variable in state.items():  # a norm: its scale and bias whole
+        if any(_axis_of(rules, n, f"{where}.{name}") for n in _names(variable, 1)):
+            raise ValueError(f"{where}.{name}: a norm's features are not split; map its dim to "
+                             f"None")  # fmt: skip
+    return REPLICATED
+
+
+def _check_layer(kind: str, layer, where: str, compute_dtype=None) -> None:
+    """Refuse a layer option the swapped layer would not honour (module docstring)."""
+    custom = kind == LINEAR and (layer.dot_general is not jax.lax.dot_general
+                                 or layer.precision is not None
+                                 or layer.preferred_element_type is not None)  # fmt: skip
+    if custom:
+        raise ValueError(
+            f"{where}: nnx.Linear with its own dot_general, precision or "
+            f"preferred_element_type; shardops runs dense layers with its kernels and its "
+            f"precision policy (build(precision=...)). Build the layer with the defaults"
+        )
+    if kind == NORM:
+        axes = (getattr(layer, "reduction_axes", -1), getattr(layer, "feature_axes", -1))
+        if any(a not in (-1, (-1,)) for a in axes) or getattr(layer, "axis_name", None):
+            raise ValueError(f"{where}: {type(layer).__name__} over the last axis only (no "
+                             f"reduction_axes, feature_axes or axis_name of its own)")  # fmt: skip
+    if compute_dtype is not None and layer.dtype not in (None, compute_dtype):
+        raise ValueError(
+            f"{where}: {type(layer).__name__}(dtype={jnp.dtype(layer.dtype).name}) but the "
+            f"precision policy computes in {jnp.dtype(compute_dtype).name}; build the layer "
+            f"with dtype=None (shardops' policy sets it) or give build the matching precision"
+        )
+
+
+def _path(keys) -> str:
+    return ".".join(map(str, keys)) or "the module"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FlaxModel(LanguageModel):
+    """A Flax NNX module as a shardops model (``models.Model``; the module docstring).
+
+    Arguments:
+        make: ``make(rngs) -> nnx.Module``, the module's constructor as its author calls it.
+        rules: ``(logical name, "model" or None)`` pairs (or a dict): MaxText's
+            ``logical_axis_rules`` for the parameters; a name no rule names is not split.
+        task: ``"lm"`` (``ids[B, S]`` → ``logits[B, S, V]``) or ``"classify"``.
+        name: for messages.
+        num_heads, num_kv_heads: the attention's head counts, if it has any (tp checks that
+            its axis divides them: each device's projections then hold whole heads).
+        context: the longest sequence (``task="lm"``; default: unbounded).
+        example_shape: one example's shape (``task="classify"``), for the abstract batch the
+            budget and the cost model trace (``setup.collective_budget``).
+    """
+
+    make: Callable[[nnx.Rngs], nnx.Module]
+    rules: Sequence[tuple[str, Any]] | Mapping[str, Any] = ()
+    task: str = "lm"
+    name: str = "flax"
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    context: int = sys.maxsize
+    example_shape: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"FlaxModel: task must be one of {TASKS}; got {self.task!r}")
+        try:
+            rules = dict(self.rules)
+        except (TypeError, ValueError):
+            raise TypeError(f"FlaxModel: rules must be (logical name, mesh axis or None) pairs, "
+                            f"or a dict of them; got {self.rules!r}") from None  # fmt: skip
+        object.__setattr__(self, "rules", rules)  # a parameter's names are checked by plan()
+        graphdef, abstract = self._abstract()
+        object.__setattr__(self, "_graphdef", graphdef)
+        object.__setattr__(self, "_state", abstract)
+        object.__setattr__(self, "_layers", self._swappable(nnx.merge(graphdef, abstract)))
+        object.__setattr__(self, "sequence", self.task == "lm")
+
+    # --- building the module
+
+    def _module(self, key) -> nnx.Module:
+        with nnx.use_eager_sharding(False):
+            module = self.make(nnx.Rngs(key))
+        if not isinstance(module, nnx.Module):
+            raise TypeError(f"FlaxModel: make(rngs) must return an nnx.Module; got "
+                            f"{type(module).__name__}")  # fmt: skip
+        return module
+
+    def _abstract(self):
+        """The module's graph and its parameters' shapes (nothing allocated)."""
+        with nnx.use_eager_sharding(False):
+            module = nnx.eval_shape(lambda: self._module(jax.random.key(0)))
+        others = nnx.state(module, nnx.Not(nnx.Param))
+        if jax.tree.leaves(others):
+            where = _path(next(iter(nnx.to_flat_state(others)))[0])
+            raise ValueError(
+                f"FlaxModel: {where} holds a variable that is not an nnx.Param (e.g. stored "
+                f"rngs, batch statistics or a cache); shardops trains parameters only. Build the "
+                f"module without it (e.g. without rngs kept for dropout)"
+            )
+        return nnx.split(module)
+
+    def _swappable(self, module) -> dict[tuple, str]:
+        """Module path → the kind of each layer shardops swaps; every parameter is owned by
+        one, else a ValueError naming the first one that is not and its module's class."""
+        layers = {path: SWAPPED[type(m)] for path, m in nnx.iter_modules(module)
+                  if type(m) in SWAPPED}  # fmt: skip
+        for path, _ in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+            owner = path[:-1]
+            if owner not in layers:
+                cls = type(_at(module, owner)).__name__
+                raise ValueError(
+                    f"FlaxModel: parameter {_path(path)} belongs to {cls} at {_path(owner)}, "
+                    f"which shardops cannot run with an explicit kernel (it runs "
+                    f"{', '.join('nnx.' + c.__name__ for c in SWAPPED)}). Write that "
+                    f"computation with those layers, or as a models.Model of your own "
+                    f"(ctx.dense, ctx.array: docs/strategies.md#any-model)"
+                )
+        return layers
+
+    # --- models.Model
+
+    def init(self, key, dtype=None):
+        """The parameters ``make`` initialises from ``key`` (``nnx.Rngs(key)``), as a plain
+        nested dict (``nnx.State.to_pure_dict``); ``dtype``: cast to it."""
+        params = nnx.to_pure_dict(nnx.state(self._module(key), nnx.Param))
+        return params if dtype is None else jax.tree.map(lambda a: a.astype(dtype), params)
+
+    def plan(self):
+        """Each swapped layer's role (module docstring), as a tree over ``init``'s dict."""
+        state = nnx.state(nnx.merge(self._graphdef, self._state), nnx.Param)
+        module = nnx.merge(self._graphdef, self._state)
+        plan = jax.tree.map(lambda _: REPLICATED, nnx.to_pure_dict(state))
+        for path, kind in self._layers.items():
+            layer = _at(module, path)
+            _check_layer(kind, layer, _path(path))
+            sub = _at_dict(plan, path)
+            role = _role(kind, layer, dict(nnx.state(layer, nnx.Param).items()), self.rules,
+                         _path(path))  # fmt: skip
+            for k in sub:
+                sub[k] = role
+        return plan
+
+    def apply(self, ctx, params, x):
+        """The module's own ``__call__`` on ``x``, each swapped layer running the strategy's
+        kernel on its ``Param``s (``ctx.unit``: one FSDP and remat unit per layer)."""
+        refused = [k.name for k in ctx.strategy.kinds if k.name in NOT_YET]
+        if refused:
+            raise ValueError(
+                f"FlaxModel {self.name!r} under {ctx.strategy.name!r}: {refused[0]} "
+                f"{NOT_YET[refused[0]]}, so the module's own code between its layers would "
+                f"compute on blocks it does not know of. Train it under dp, fsdp, hsdp, zero1, tp "
+                f"or their compositions (2d, fsdp_tp, hsdp_tp)"
+            )
+        module = nnx.merge(self._graphdef, self._state)
+        for path, kind in self._layers.items():
+            layer = _at(module, path)
+            _check_layer(kind, layer, _path(path), ctx.precision.compute_dtype)
+            _set_at(module, path, _Swapped(ctx, kind, _at_dict(params, path), layer))
+        return module(x), {}
+
+    # --- the task's loss, metrics and batch checks
+
+    @property
+    def vocab_size(self) -> int | None:
+        head = self._head()
+        return None if head is None else head[1]
+
+    def _head(self):
+        """``(path, vocabulary)`` of the layer whose output is the logits (``task="lm"``)."""
+        if self.task != "lm":
+            return None
+        module = nnx.merge(self._graphdef, self._state)
+        embeds = [(p, _at(module, p).num_embeddings) for p, k in self._layers.items() if k == EMBED]
+        if len(embeds) != 1:
+            raise ValueError(f"FlaxModel(task='lm'): the module needs one nnx.Embed (the "
+                             f"tokens'); it has {len(embeds)}")  # fmt: skip
+        vocab = embeds[0][1]
+        heads = [p for p, k in self._layers.items()
+                 if k == LINEAR and _at(module, p).out_features == vocab]  # fmt: skip
+        if len(heads) > 1:
+            raise ValueError(f"FlaxModel(task='lm'): several nnx.Linear make {vocab} features "
+                             f"(the vocabulary): {[_path(p) for p in heads]}")  # fmt: skip
+        return (heads[0] if heads else embeds[0][0]), vocab
+
+    def output_layer(self, params):
+        """The head's parameters: its logits are split over the vocabulary under tp."""
+        if self.task != "lm":
+            return None
+        path = self._head()[0]
+        return _as_shardops(self._layers[path], _at_dict(params, path))
+
+    def loss_sum(self, ctx, params, logits, labels):
+        if self.task == "lm":
+            return super().loss_sum(ctx, params, logits, labels)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+        return jnp.sum(losses)
+
+    def metrics(self, ctx, params, logits, labels):
+        if self.task == "lm":
+            return super().metrics(ctx, params, logits, labels)
+        hits = jnp.argmax(logits, -1) == labels
+        return (self.loss_sum(ctx, params, logits, labels), jnp.sum(hits, dtype=jnp.int32),
+                jnp.asarray(labels.size, jnp.int32))  # fmt: skip
+
+    def abstract_batch(self, batch: int, seq: int | None):
+        """Abstract ``(x, y)`` of one batch: ``ids, labels[batch, seq]``, or ``x[batch,
+        *example_shape]`` and ``y[batch]`` integer classes."""
+        if self.task == "lm":
+            s = seq if seq is not None else self.context
+            ids = jax.ShapeDtypeStruct((batch, s), jnp.int32)
+            return ids, ids
+        if self.example_shape is None:
+            raise ValueError(f"FlaxModel {self.name!r}: give example_shape (one example's shape, "
+                             f"e.g. (784,)) to trace a batch of it")  # fmt: skip
+        return (jax.ShapeDtypeStruct((batch, *self.example_shape), jnp.float32),
+                jax.ShapeDtypeStruct((batch,), jnp.int32))  # fmt: skip
+
+    def check_batch(self, x, y=None) -> None:
+        if self.task == "lm":
+            return super().check_batch(x, y)
+        if y is not None and (tuple(y.shape) != x.shape[:1] or
+                              not jnp.issubdtype(y.dtype, jnp.integer)):  # fmt: skip
+            raise ValueError(f"labels must be integer classes of shape ({x.shape[0]},); got "
+                             f"{y.dtype}{tuple(y.shape)}")  # fmt: skip
+        return None
+
+
+class _Swapped:
+    """A Flax layer's place in the module, run by the layer context ``ctx`` on the layer's
+    ``Param``s (``p``: its dict, Flax's keys). A plain object: the module it sits in is only
+    called, never split or transformed by Flax."""
+
+    def __init__(self, ctx, kind: str, p, layer):
+        self.ctx, self.kind, self.p = ctx, kind, p
+        self.eps = getattr(layer, "epsilon", None)
+        self.layer_norm = isinstance(layer, nnx.LayerNorm)
+
+    def __call__(self, x):
+        ctx, p = self.ctx, _as_shardops(self.kind, self.p)
+        if self.kind == LINEAR:
+            return ctx.unit(lambda q, x: ctx.dense(q, x), p, x)
+        if self.kind == EMBED:
+            return ctx.unit(lambda q, ids: ctx.embed(q, ids), p, x)
+        norm = ctx.layer_norm if self.layer_norm else ctx.rms_norm
+        return ctx.unit(lambda q, x: norm(q, x, eps=self.eps), p, x)
+
+    def attend(self, query):
+        """``nnx.Embed.attend``: the logits of a tied head, ``query · embeddingᵀ``."""
+        ctx = self.ctx
+        return ctx.unit(lambda q, x: ctx.tied_head(q, x), _as_shardops(EMBED, self.p), query)
+
+
+def _as_shardops(kind: str, p: dict) -> dict:
+    """A layer's parameters under the keys of its ``ctx`` layer (Flax's ``kernel`` is ``w``,
+    ``bias`` ``b``, ``embedding`` ``table``; a norm's ``scale`` and ``bias`` are the same)."""
+    renames = {LINEAR: {"kernel": "w", "bias": "b"}, EMBED: {"embedding": "table"}}.get(kind, {})
+    return {renames.get(k, k): v for k, v in p.items()}
+
+
+def _at(module, path):
+    for key in path:
+        module = module[key] if isinstance(key, int) else getattr(module, key)
+    return module
+
+
+def _set_at(module, path, value) -> None:
+    parent, key = _at(module, path[:-1]), path[-1]
+    if isinstance(key, int):
+        parent[key] = value
+    else:
+        setattr(parent, key, value)
+
+
+def _at_dict(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree

@@ -1,0 +1,270 @@
+"""Flax NNX modules as their authors wrote them (``examples/flax_llama.py``, an MLP here), trained
+by ``FlaxModel`` under the strategies, each against the same module trained by Flax itself
+(``nnx.jit``, ``nnx.Optimizer``) unsharded; the plan read from the annotations; the refusals.
+
+The reference shares nothing with shardops but the initial key: Flax builds the module, computes
+the loss of its own ``__call__`` and applies optax's update. Five steps: the losses at every step
+and the parameters after the last are held to ``_gpt_checks.TOL`` (sharding only reorders float32
+sums), and every parameter must move ≥ 100× that bound, so a zeroed, doubled or dropped gradient
+(or a layer left out of the swap) cannot hide under it.
+"""
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _cover import cover
+from _gpt_checks import TOL, check_budget, optimizer
+from _model_checks import mesh_for
+from _mutants import copies
+from flax import nnx
+
+import shardops_models as models
+from shardops_models.interop import flax_nnx
+from shardops_models.interop.flax_nnx import FlaxModel
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
+import flax_llama
+
+STEPS, BATCH, SEQ, SGD_LR, MIN_MOVE = 5, 16, 16, 0.5, 100
+
+
+def annotated(init, names):
+    return nnx.with_partitioning(init, names)
+
+
+class Mlp(nnx.Module):
+    """An MLP as Flax's guide to scaling writes one: LayerNorm, then Linear → ReLU → Linear."""
+
+    def __init__(self, d_in: int, d_hidden: int, classes: int, *, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(d_in, rngs=rngs)
+        self.up = nnx.Linear(
+            d_in, d_hidden, rngs=rngs,
+            kernel_init=annotated(nnx.initializers.lecun_normal(), ("embed", "mlp")),
+            bias_init=annotated(nnx.initializers.normal(0.1), ("mlp",)),
+        )  # fmt: skip
+        self.down = nnx.Linear(
+            d_hidden, classes, rngs=rngs,
+            kernel_init=annotated(nnx.initializers.lecun_normal(), ("mlp", "embed")),
+            bias_init=annotated(nnx.initializers.normal(0.1), ("embed",)),
+        )  # fmt: skip
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(self.norm(x))))  # (B, classes)
+
+
+MLP_RULES = (("batch", "data"), ("embed", None), ("mlp", "model"))
+CONFIG = flax_llama.Config()
+MAKE = {
+    "mlp": lambda rngs: Mlp(24, 64, 8, rngs=rngs),
+    "llama": lambda rngs: flax_llama.Llama(CONFIG, rngs=rngs),
+}
+
+
+def flax_model(name: str, module=flax_nnx) -> FlaxModel:
+    if name == "mlp":
+        return module.FlaxModel(
+            MAKE["mlp"], rules=MLP_RULES, task="classify", name="flax mlp", example_shape=(24,)
+        )
+    return module.FlaxModel(MAKE["llama"], rules=flax_llama.RULES, name="flax llama",
+                            num_heads=CONFIG.num_heads, num_kv_heads=CONFIG.num_kv_heads)  # fmt: skip
+
+
+def batches(name: str):
+    rng = np.random.default_rng(1)
+    if name == "mlp":
+        xs = rng.normal(size=(STEPS, BATCH, 24)).astype(np.float32)
+        return xs, rng.integers(0, 8, (STEPS, BATCH)).astype(np.int32)
+    tokens = rng.integers(0, CONFIG.vocab_size, (STEPS, BATCH, SEQ + 1)).astype(np.int32)
+    return tokens[..., :-1], tokens[..., 1:]
+
+
+def flax_trajectory(name: str, opt_name: str):
+    """Losses and final parameters of the module trained by Flax alone, unsharded."""
+    with nnx.use_eager_sharding(False):
+        module = MAKE[name](nnx.Rngs(jax.random.key(0)))
+    opt = nnx.Optimizer(module, optimizer(opt_name, sharded=False, sgd_lr=SGD_LR), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(module, opt, x, y):
+        def loss(module):
+            return optax.softmax_cross_entropy_with_integer_labels(module(x), y).mean()
+
+        value, grads = nnx.value_and_grad(loss)(module)
+        opt.update(module, grads)
+        return value
+
+    losses = [float(step(module, opt, x, y)) for x, y in zip(*batches(name), strict=True)]
+    return np.array(losses), nnx.to_pure_dict(nnx.state(module, nnx.Param))
+
+
+STRATEGIES = {"ref": None, "dp": {"data": 8}, "fsdp": {"data": 8}, "zero1": {"data": 8},
+              "tp": {"data": 1, "model": 2}, "2d": {"data": 4, "model": 2},
+              "fsdp_tp": {"data": 4, "model": 2},
+              "hsdp_tp": {"replica": 2, "data": 2, "model": 2}}  # fmt: skip
+CASES = cover(["mlp", "llama"], list(STRATEGIES), ["sgd", "adam"])
+
+
+def train(model, strategy: str, opt_name: str, name: str, budget: bool = False):
+    setup = models.build(strategy, mesh_for(STRATEGIES[strategy]), model=model,
+                         optimizer=optimizer(opt_name, sgd_lr=SGD_LR))  # fmt: skip
+    state = setup.shard(model.init(jax.random.key(0)))
+    xs, ys = batches(name)
+    step = setup.train_step.lower(state, *setup.place_batch(xs[0], ys[0])).compile()
+    if budget:
+        check_budget(setup, step, xs.shape[1:])
+    losses = []
+    for x, y in zip(xs, ys, strict=True):
+        state, loss = step(state, *setup.place_batch(x, y))
+        losses.append(float(loss))  # one step in flight
+    return np.array(losses), setup.gather(state.params)
+
+
+def check_trains_like_flax(model, name: str, strategy: str, opt_name: str, budget=False):
+    losses, params = train(model, strategy, opt_name, name, budget)
+    ref_losses, ref_params = flax_trajectory(name, opt_name)
+    tol = TOL[opt_name]
+    where = f"{model.name} under {strategy} with {opt_name}"
+    assert np.max(np.abs(losses - ref_losses)) <= tol["loss"], (where, losses, ref_losses)
+    start = model.init(jax.random.key(0))
+    for (path, p), q, p0 in zip(jax.tree_util.tree_leaves_with_path(params),
+                                jax.tree.leaves(ref_params), jax.tree.leaves(start),
+                                strict=True):  # fmt: skip
+        err = float(np.max(np.abs(np.asarray(p) - np.asarray(q))))
+        assert err <= tol["params"], f"{where}: {jax.tree_util.keystr(path)} off by {err:.2e}"
+        moved = float(np.max(np.abs(np.asarray(q) - np.asarray(p0))))
+        assert moved >= MIN_MOVE * tol["params"], f"{jax.tree_util.keystr(path)} moved {moved}"
+
+
+@pytest.mark.parametrize(("name", "strategy", "opt_name"), CASES, ids=["-".join(c) for c in CASES])
+def test_a_flax_module_trains_like_flax_trains_it(name, strategy, opt_name):
+    # The traced budget equals the compiled step's collectives wherever a tp axis splits layers.
+    check_trains_like_flax(flax_model(name), name, strategy, opt_name,
+                           budget=STRATEGIES[strategy] is not None and "model" in STRATEGIES[strategy])  # fmt: skip
+
+
+def test_the_plan_is_read_from_the_annotations_and_the_rules():
+    plan = flax_model("llama").plan()
+    block = plan["blocks"][0]
+    assert plan["embed"] == {"embedding": "vocab"} and plan["head"] == {"kernel": "column"}
+    assert block["attn"]["wq"]["kernel"] == block["mlp"]["up"]["kernel"] == "column"
+    assert block["attn"]["wo"]["kernel"] == block["mlp"]["down"]["kernel"] == "row"
+    assert block["attn_norm"] == {"scale": "replicated"}
+    # The same module with a rules table that splits nothing: every layer replicated.
+    whole = FlaxModel(MAKE["llama"], rules=[(n, None) for n, _ in flax_llama.RULES])
+    assert set(jax.tree.leaves(whole.plan())) == {"replicated"}
+
+
+class Conv(nnx.Module):
+    def __init__(self, *, rngs):
+        self.conv = nnx.Conv(3, 4, kernel_size=(3,), rngs=rngs)
+        self.out = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.conv(x).mean(1))
+
+
+class OwnMatmul(nnx.Module):
+    def __init__(self, *, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (4, 2)))
+
+    def __call__(self, x):
+        return jnp.dot(x, self.w[...])
+
+
+class Bf16(nnx.Module):
+    def __init__(self, *, rngs):
+        self.out = nnx.Linear(4, 2, dtype=jnp.bfloat16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(x)
+
+
+class KeepsRngs(nnx.Module):
+    def __init__(self, *, rngs):
+        self.out, self.dropout = nnx.Linear(4, 2, rngs=rngs), nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(self.out(x))
+
+
+def _split_both(rngs):
+    init = annotated(nnx.initializers.lecun_normal(), ("mlp", "mlp"))
+    return nnx.Linear(4, 4, kernel_init=init, rngs=rngs)
+
+
+@pytest.mark.parametrize(
+    ("make", "rules", "strategy", "error", "match"),
+    [
+        (Conv, (), "dp", ValueError, r"parameter conv\.\w+ belongs to Conv at conv, which "
+                                     r"shardops cannot run"),
+        (OwnMatmul, (), "dp", ValueError, r"parameter w belongs to OwnMatmul at the module"),
+        (Bf16, (), "dp", ValueError, r"out: Linear\(dtype=bfloat16\) but the precision policy "
+                                     r"computes in float32"),
+        (KeepsRngs, (), "dp", ValueError, r"dropout\.rngs.* not an nnx\.Param"),
+        (_split_both, [("mlp", "model")], "2d", ValueError, r"kernel: both dims map to 'model'"),
+        (lambda rngs: Mlp(24, 64, 8, rngs=rngs), [("mlp", "data")], "2d", ValueError,
+         r"\w+\.kernel: rules map 'mlp' to 'data'; shardops splits parameters over the data"),
+        ("llama", flax_llama.RULES, "sp", ValueError,
+         r"FlaxModel 'flax' under 'sp': sp splits the activations between layers"),
+    ],
+    ids=["conv", "own-matmul", "dtype", "rngs", "both-dims", "data-rule", "sp"],
+)  # fmt: skip
+def test_what_shardops_cannot_run_explicitly_is_refused_by_name(make, rules, strategy, error,
+                                                                 match):  # fmt: skip
+    make = MAKE[make] if make == "llama" else make
+    mesh = {"dp": {"data": 8}, "2d": {"data": 4, "model": 2}, "sp": {"data": 4, "model": 2}}
+    with pytest.raises(error, match=match):
+        model = FlaxModel(lambda rngs: make(rngs=rngs), rules=rules, task="classify"
+                          if make is not MAKE["llama"] else "lm", example_shape=(4,),
+                          num_heads=4, num_kv_heads=2)  # fmt: skip
+        setup = models.build(strategy, mesh_for(mesh[strategy]), model=model,
+                             optimizer=optax.sgd(0.1))  # fmt: skip
+        setup.collective_budget(8, 16)  # traces the step: the layers meet the strategy here
+
+
+def _mutant(line: str, replacement: str):
+    return copies("shardops_models.interop", ("flax_nnx",), "flax", line, replacement)["flax_nnx"]
+
+
+@pytest.mark.parametrize(
+    ("line", "replacement", "check"),
+    [
+        # Every Linear silently replicated: the values stay right; the plan (and the ledger,
+        # with no tp collective) is what sees it.
+        ("        return COLUMN if split[1] else ROW if split[0] else REPLICATED",
+         "        return REPLICATED", "plan"),
+        # A Linear's bias dropped on the way to ctx.dense: the trajectory sees it.
+        ('''    renames = {LINEAR: {"kernel": "w", "bias": "b"}, EMBED: {"embedding": "table"}}.get(kind, {})''',
+         '''    renames = {LINEAR: {"kernel": "w"}, EMBED: {"embedding": "table"}}.get(kind, {})
+    p = {k: v for k, v in p.items() if k != "bias"}''', "train"),
+        # A norm run as RMSNorm whatever it is: the MLP's LayerNorm.
+        ("        self.layer_norm = isinstance(layer, nnx.LayerNorm)",
+         "        self.layer_norm = False", "train"),
+    ],
+    ids=["linear-replicated", "bias-dropped", "layernorm-as-rms"],
+)  # fmt: skip
+def test_a_mutant_of_the_adapter_is_caught(line, replacement, check):
+    module = _mutant(line, replacement)
+    name = "llama" if check == "plan" else "mlp"
+    with pytest.raises((AssertionError, ValueError)):
+        if check == "plan":
+            _check_plan(flax_model(name, module))
+        else:
+            check_trains_like_flax(flax_model(name, module), name, "2d", "sgd")
+
+
+def _check_plan(model) -> None:
+    plan = model.plan()
+    assert plan["blocks"][0]["attn"]["wq"]["kernel"] == "column", plan
+
+
+def test_the_unmutated_adapter_copy_passes():
+    module = _mutant("        self.layer_norm = isinstance(layer, nnx.LayerNorm)",
+                     "        self.layer_norm = isinstance(layer, nnx.LayerNorm)")
+    _check_plan(flax_model("llama", module))
+    check_trains_like_flax(flax_model("mlp", module), "mlp", "2d", "sgd")
