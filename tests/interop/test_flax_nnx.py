@@ -264,7 +264,9 @@ def _check_plan(model) -> None:
 
 
 def test_the_unmutated_adapter_copy_passes():
-    module = _mutant("        self.layer_norm = isinstance(layer, nnx.LayerNorm)",
-                     "        self.layer_norm = isinstance(layer, nnx.LayerNorm)")
+    module = _mutant(
+        "        self.layer_norm = isinstance(layer, nnx.LayerNorm)",
+        "        self.layer_norm = isinstance(layer, nnx.LayerNorm)",
+    )
     _check_plan(flax_model("llama", module))
     check_trains_like_flax(flax_model("mlp", module), "mlp", "2d", "sgd")
