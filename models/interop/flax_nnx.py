@@ -172,6 +172,9 @@ class FlaxModel(LanguageModel):
     num_kv_heads: int | None = None
     context: int = sys.maxsize
     example_shape: tuple[int, ...] | None = None
+    module_type: str = dataclasses.field(init=False, default="")
+    """The module's class (``package.Class``): with the parameters' paths and shapes, what a
+    checkpoint records of the model."""
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -183,6 +186,8 @@ class FlaxModel(LanguageModel):
                             f"or a dict of them; got {self.rules!r}") from None  # fmt: skip
         object.__setattr__(self, "rules", rules)  # a parameter's names are checked by plan()
         graphdef, abstract = self._abstract()
+        kind = type(nnx.merge(graphdef, abstract))
+        object.__setattr__(self, "module_type", f"{kind.__module__}.{kind.__qualname__}")
         object.__setattr__(self, "_graphdef", graphdef)
         object.__setattr__(self, "_state", abstract)
         object.__setattr__(self, "_layers", self._swappable(nnx.merge(graphdef, abstract)))
@@ -237,6 +242,13 @@ class FlaxModel(LanguageModel):
         nested dict (``nnx.State.to_pure_dict``); ``dtype``: cast to it."""
         params = nnx.to_pure_dict(nnx.state(self._module(key), nnx.Param))
         return params if dtype is None else jax.tree.map(lambda a: a.astype(dtype), params)
+
+    def module(self, params) -> nnx.Module:
+        """The Flax module holding ``params`` (``init``'s dict: ``setup.gather(state.params)``,
+        or a checkpoint's restored onto ``ref``), to run or save with Flax itself."""
+        state = nnx.clone(self._state)
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self._graphdef, state)
 
     def plan(self):
         """Each swapped layer's role (module docstring), as a tree over ``init``'s dict."""
