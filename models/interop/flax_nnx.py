@@ -62,6 +62,8 @@ from shardops import MODEL_AXIS
 from shardops_models.networks._lm import LanguageModel
 from shardops_models.strategies.plan import COLUMN, REPLICATED, ROW, VOCAB
 
+__all__ = ["NOT_YET", "SWAPPED", "FlaxModel"]
+
 LINEAR, EMBED, NORM = "linear", "embed", "norm"
 SWAPPED = {nnx.Linear: LINEAR, nnx.Embed: EMBED, nnx.RMSNorm: NORM, nnx.LayerNorm: NORM}
 """The Flax layers shardops runs with its kernels, by what each becomes."""
