@@ -55,9 +55,11 @@ def capacity_factor(value: str) -> float | None:
 def _strategy_arguments(p: argparse.ArgumentParser) -> None:
     """Which model, and how it is split: ``--model``, ``--strategy``, ``--mesh``,
     ``--context-parallel``."""
-    p.add_argument("--model", default="gpt", choices=("gpt", "llama"),
-                   help="models.Gpt (learned positions, GELU MLP) or models.Llama (RoPE, "
-                        "grouped-query attention, SwiGLU, RMSNorm)")  # fmt: skip
+    p.add_argument("--model", default="gpt", choices=("gpt", "llama", "flax-llama"),
+                   help="models.Gpt (learned positions, GELU MLP), models.Llama (RoPE, "
+                        "grouped-query attention, SwiGLU, RMSNorm), or flax-llama: the same "
+                        "Llama written in Flax NNX (examples/flax_llama.py), trained as written "
+                        "by FlaxModel (needs the flax extra)")  # fmt: skip
     p.add_argument("--strategy", default="fsdp_tp", choices=sorted(models.STRATEGIES))
     p.add_argument("--mesh", default="4x2", type=parse_mesh,
                    help="axis sizes: 4x2 (data×model, the default), 8x1, 2x4, or named, e.g. "
@@ -187,7 +189,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     _check_ranges(p, args)
     _check_combinations(p, args)
     args.strategy = strategy_name(args)
-    if args.clip is None and args.model == "llama":
+    if args.clip is None and args.model in ("llama", "flax-llama"):
         args.clip = 1.0
     if args.clip is not None and not args.clip > 0:
         p.error(f"--clip must be a positive norm; got {args.clip}")
@@ -222,6 +224,8 @@ def _check_combinations(p: argparse.ArgumentParser, args: argparse.Namespace) ->
         p.error("--compare-reference compares whole runs from the init: not with --resume")
     if args.model == "gpt" and (args.kv_heads is not None or args.tie_embeddings):
         p.error("--kv-heads and --tie-embeddings are options of --model llama")
+    if args.model == "flax-llama":
+        _check_flax(p, args)
     if args.moe and args.model != "llama":
         p.error("--moe replaces the Llama's MLPs: add --model llama")
     if args.moe:
@@ -253,6 +257,25 @@ def _check_combinations(p: argparse.ArgumentParser, args: argparse.Namespace) ->
     if args.context_parallel and args.locate:
         p.error("--locate compares activations in token order; run it without "
                 "--context-parallel (the other axes' layers are the same)")  # fmt: skip
+
+
+FLAX_REFUSED = {"tie_embeddings": "--tie-embeddings", "moe": "--moe", "schedule": "--schedule",
+                "context_parallel": "--context-parallel", "locate": "--locate",
+                "compare_decoding": "--compare-decoding"}  # fmt: skip
+"""The flags ``--model flax-llama`` does not take (its module has no tied head, experts, stacked
+blocks, positions or KV cache of shardops')."""
+
+
+def _check_flax(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--model flax-llama``: the flags a Flax module cannot honour (``docs/flax.md``)."""
+    given = [flag for name, flag in FLAX_REFUSED.items() if getattr(args, name)]
+    if given:
+        p.error(f"--model flax-llama trains examples/flax_llama.py as written: without "
+                f"{', '.join(given)} (use --model llama for them)")  # fmt: skip
+    if args.strategy.split("+")[0] in ("sp", "fsdp_sp"):
+        p.error(f"--model flax-llama under --strategy {args.strategy}: sequence parallelism "
+                f"splits the activations along the sequence, which the module's own attention "
+                f"does not know of; use tp, fsdp_tp, 2d or hsdp_tp (docs/flax.md)")  # fmt: skip
 
 
 def strategy_name(args: argparse.Namespace) -> str:

@@ -33,6 +33,11 @@ def report_throughput(run, first_step_seconds: float, train_seconds: float) -> d
     # Model FLOPs utilisation: the model's training FLOPs per second (PaLM's count) over the
     # machine's matmul peak in the compute dtype, measured now on the devices this run used
     # (on an accelerator with matrices large enough to keep it busy).
+    timing = {"tokens_per_second": tokens_per_second, "resumed_at": done, "steps_trained": trained,
+              "tokens_trained": tokens_trained}  # fmt: skip
+    if not hasattr(model, "train_flops_per_token"):  # a Flax module: its FLOPs are its own code's
+        return {**timing, "model_flops_per_second": None, "peak_flops_per_second": None,
+                "mfu": None}  # fmt: skip
     model_flops = model.train_flops_per_token(args.context) * tokens_per_second
     devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
     here = [d for d in devices if d.process_index == jax.process_index()]
@@ -44,9 +49,8 @@ def report_throughput(run, first_step_seconds: float, train_seconds: float) -> d
         f"training ({model.train_flops_per_token(args.context) / 1e6:.2f} MFLOP per token) over "
         f"a measured peak of {peak / 1e9:.1f} GFLOP/s ({dtype} matmuls on all {len(devices)} "
         f"devices at once)")  # fmt: skip
-    return {"tokens_per_second": tokens_per_second, "resumed_at": done, "steps_trained": trained,
-            "tokens_trained": tokens_trained, "model_flops_per_second": model_flops,
-            "peak_flops_per_second": peak, "mfu": mfu}  # fmt: skip
+    return {**timing, "model_flops_per_second": model_flops, "peak_flops_per_second": peak,
+            "mfu": mfu}  # fmt: skip
 
 
 def write_metrics(run, path: str, losses, ref_losses, relative_diff, timing: dict, sample) -> None:

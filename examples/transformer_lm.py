@@ -15,6 +15,12 @@ strategy). Both models report tokens/s and the model FLOPs utilisation: the trai
 (PaLM's count) per second over the machine's measured matmul peak (float32, or bfloat16 under
 a bfloat16 ``--precision``).
 
+``--model flax-llama`` trains the same Llama written in Flax NNX (``examples/flax_llama.py``,
+annotated with logical axis names, not written for shardops) through ``FlaxModel``, which runs
+each of its layers with shardops' kernels (``docs/flax.md``): dp, fsdp, zero1, tp and their
+compositions; it samples by recomputing the prefix (its attention has no KV cache here) and
+reports no FLOP utilisation (its attention's FLOPs are its own code's).
+
 ``--precision`` picks the policy (``float32``, the default; ``mixed_bfloat16``: float32
 parameters and optimizer, bfloat16 matmuls accumulated in float32; ``bfloat16``), ``--remat``
 the activation checkpointing of each block and ``--attention`` how each device computes
@@ -150,7 +156,10 @@ def parse_args(argv=None):
 
 
 def make_model(args):
-    """``models.Gpt`` or ``models.Llama`` of the arguments' sizes, over the 256 byte values."""
+    """``models.Gpt``, ``models.Llama`` or the Flax NNX Llama (``flax_model``) of the
+    arguments' sizes, over the 256 byte values."""
+    if args.model == "flax-llama":
+        return flax_model(args)
     if args.model == "gpt":
         return models.Gpt(vocab_size=text.VOCAB_SIZE, d_model=args.width, num_heads=args.heads,
                           num_layers=args.layers, context=args.context,
@@ -162,6 +171,23 @@ def make_model(args):
     return models.Llama(vocab_size=text.VOCAB_SIZE, d_model=args.width, num_heads=args.heads,
                         num_kv_heads=kv_heads, num_layers=args.layers, context=args.context,
                         tie_embeddings=args.tie_embeddings, experts=experts)  # fmt: skip
+
+
+def flax_model(args):
+    """examples/flax_llama.py's Llama (Flax NNX) of ``--model llama``'s sizes, as
+    ``FlaxModel`` trains it (``docs/flax.md``): its own rules table, its heads declared."""
+    import flax_llama
+
+    from shardops_models.interop.flax_nnx import FlaxModel
+    from shardops_models.networks.llama import default_d_ff
+
+    kv_heads = args.kv_heads if args.kv_heads is not None else max(1, args.heads // 2)
+    config = flax_llama.Config(vocab_size=text.VOCAB_SIZE, d_model=args.width,
+                               num_heads=args.heads, num_kv_heads=kv_heads,
+                               d_ff=default_d_ff(args.width), num_layers=args.layers)  # fmt: skip
+    return FlaxModel(lambda rngs: flax_llama.Llama(config, rngs=rngs), rules=flax_llama.RULES,
+                     name=f"flax llama L={args.layers} D={args.width} H={args.heads}/{kv_heads}",
+                     num_heads=args.heads, num_kv_heads=kv_heads, context=args.context)  # fmt: skip
 
 
 def make_optimizer(args) -> optax.GradientTransformation:
@@ -579,11 +605,18 @@ def sample_text(run: Run) -> tuple[dict | None, dict]:
         log(f"Decoding {n} bytes, not {args.sample_tokens}: the prompt's {len(prompt)} "
             f"and the sample must fit the model's context of {model.context} positions "
             f"(--context)")  # fmt: skip
-    generated, seconds, compiled, rows = decode(
-        run.setup, params, prompt, n, temperature=args.temperature, key=key)  # fmt: skip
-    log(f"KV-cache decoding: {rows} × {n} bytes in {seconds:.3f} s, "
-        f"{rows * n / seconds:,.0f} tokens/s ({n / seconds:,.0f} per sequence; the "
-        f"program compiled and ran first in {compiled:.1f} s)")  # fmt: skip
+    if isinstance(model, models.Gpt | models.Llama):
+        generated, seconds, compiled, rows = decode(
+            run.setup, params, prompt, n, temperature=args.temperature, key=key)  # fmt: skip
+        log(f"KV-cache decoding: {rows} × {n} bytes in {seconds:.3f} s, "
+            f"{rows * n / seconds:,.0f} tokens/s ({n / seconds:,.0f} per sequence; the "
+            f"program compiled and ran first in {compiled:.1f} s)")  # fmt: skip
+    else:  # a Flax module's attention is its own: no KV cache, the prefix recomputed
+        start, rows = time.perf_counter(), 1
+        generated = generate(run.setup, params, prompt, n, temperature=args.temperature, key=key)
+        seconds = time.perf_counter() - start
+        log(f"Decoding by recomputing the prefix ({model.name}'s attention is its own, with no "
+            f"KV cache): {n} bytes in {seconds:.1f} s")  # fmt: skip
     timing_decode = {"decode_seconds": seconds, "decode_rows": rows,
                      "decode_tokens_per_second": rows * n / seconds}  # fmt: skip
     if args.compare_decoding:

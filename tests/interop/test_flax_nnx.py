@@ -9,6 +9,7 @@ sums), and every parameter must move ≥ 100× that bound, so a zeroed, doubled 
 (or a layer left out of the swap) cannot hide under it.
 """
 
+import json
 import pathlib
 import sys
 
@@ -22,6 +23,7 @@ from _gpt_checks import TOL, check_budget, optimizer
 from _lm_budgets import by_dtype
 from _model_checks import mesh_for
 from _mutants import copies
+from _resume_checks import load_example, run_main
 from flax import nnx
 
 import shardops
@@ -321,3 +323,30 @@ def test_a_checkpoint_saved_under_2d_restores_under_fsdp_and_into_the_flax_modul
     assert nnx.to_pure_dict(nnx.state(module, nnx.Param)).keys() == params.keys()
     sharded = saved.logits(state.params, saved.place_batch(xs[2], ys[2])[0])
     np.testing.assert_allclose(module(xs[2]), sharded, atol=1e-5, rtol=0)
+
+
+def test_the_example_trains_the_flax_llama_like_its_unsharded_run(tmp_path):
+    """``transformer_lm.py --model flax-llama`` on fsdp_tp 4×2 with ``--compare-reference``:
+    the final losses agree to the example's own limit, a sample is recomputed, no MFU."""
+    metrics = tmp_path / "lm.json"
+    out = run_main(load_example("transformer_lm"), [
+        "--model", "flax-llama", "--strategy", "fsdp_tp", "--mesh", "4x2", "--compare-reference",
+        "--text-source", "stdlib", "--steps", "4", "--layers", "2", "--width", "32", "--heads",
+        "4", "--context", "16", "--batch-size", "8", "--eval-every", "0", "--eval-batches", "1",
+        "--prompt-bytes", "8", "--sample-tokens", "4", "--metrics-json", str(metrics),
+    ])  # fmt: skip
+    result = json.loads(metrics.read_text())
+    assert result["model"] == "flax llama L=2 D=32 H=4/2", result["model"]
+    assert abs(result["final_loss"] - result["final_reference_loss"]) <= 4e-6, result
+    assert "Decoding by recomputing the prefix" in out and "Model FLOPs utilisation" not in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [(["--moe"], "without --moe"), (["--strategy", "sp", "--mesh", "2x4"], "sequence parallelism")],
+    ids=["moe", "sp"],
+)
+def test_the_example_refuses_what_a_flax_module_cannot_honour(flags, says, capsys):
+    with pytest.raises(SystemExit) as stop:
+        load_example("transformer_lm").parse_args(["--model", "flax-llama", *flags])
+    assert stop.value.code == 2 and says in capsys.readouterr().err
