@@ -48,7 +48,9 @@ computes what the module's own does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -59,6 +61,8 @@ import optax
 from flax import nnx
 
 from shardops import MODEL_AXIS
+from shardops.layers._attention_core import core_for
+from shardops.layers._kv_heads import KvHeads
 from shardops_models.networks._lm import LanguageModel
 from shardops_models.strategies.plan import COLUMN, REPLICATED, ROW, VOCAB
 
@@ -283,7 +287,8 @@ class FlaxModel(LanguageModel):
             layer = _at(module, path)
             _check_layer(kind, layer, _path(path), ctx.precision.compute_dtype)
             _set_at(module, path, _Swapped(ctx, kind, _at_dict(params, path), layer))
-        return module(x), {}
+        with _attention_by(ctx):
+            return module(x), {}
 
     # --- the task's loss, metrics and batch checks
 
@@ -382,6 +387,74 @@ def _as_shardops(kind: str, p: dict) -> dict:
     ``bias`` ``b``, ``embedding`` ``table``; a norm's ``scale`` and ``bias`` are the same)."""
     renames = {LINEAR: {"kernel": "w", "bias": "b"}, EMBED: {"embedding": "table"}}.get(kind, {})
     return {renames.get(k, k): v for k, v in p.items()}
+
+
+ATTENTION_FUNCTIONS = ((jax.nn, "dot_product_attention"), (nnx, "dot_product_attention"))
+"""The attention functions a module may call by attribute (``jax.nn.dot_product_attention(q, k,
+v, is_causal=True)``, ``nnx.dot_product_attention``): during the module's call they run the
+strategy's per-device attention (``build(attention=...)``: blocked, splash, einsum)."""
+
+
+@contextlib.contextmanager
+def _attention_by(ctx):
+    """``ATTENTION_FUNCTIONS`` replaced by ``ctx``'s per-device attention while the module runs
+    (restored after, whatever happens): the heads each device holds attend over its sequence."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name in ATTENTION_FUNCTIONS]
+    for owner, name, original in saved:
+        setattr(owner, name, _local_attention(ctx, f"{owner.__name__}.{name}", original))
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def _local_attention(ctx, where: str, original):
+    """``where(query, key, value, ...)`` on this device's heads by the layer context's attention
+    core: ``q[B, T, N, h]`` over ``k, v[B, T, K, h]`` (K divides N: query head j reads KV head
+    j // (N/K)), causal or not; ``o[B, T, N, h]`` in the query's dtype. Options the core does
+    not compute (a mask, a bias, dropout, a scale of its own, lengths, a window) are refused."""
+
+    def attention(query, key, value, bias=None, mask=None, *args, is_causal=False, **options):
+        given = [n for n, v in (("bias", bias), ("mask", mask), *options.items(),
+                                *enumerate(args)) if not _default(n, v, query)]  # fmt: skip
+        if given:
+            raise ValueError(
+                f"{where} with {given}: under FlaxModel the attention runs shardops' per-device "
+                f"core, which computes softmax(q·kᵀ/√d) causal (is_causal=True) or not; write "
+                f"a causal mask as is_causal=True, and leave out the other options"
+            )
+        t, n = query.shape[1], query.shape[2]  # q[B, T, N, h]
+        if key.shape[1] != t or n % key.shape[2]:
+            raise ValueError(f"{where}: self-attention with KV heads dividing the query heads; "
+                             f"got q{tuple(query.shape)}, k{tuple(key.shape)}")  # fmt: skip
+        core = core_for(KvHeads(key.shape[2], None), n, bool(is_causal), None, ctx.precision,
+                        ctx.attention_implementation)  # fmt: skip
+        dtype = ctx.precision.compute_dtype
+        q, k, v = (a.astype(dtype).transpose(0, 2, 1, 3) for a in (query, key, value))
+        o = core(q, k, v)  # o[B, N, T, h] in accum
+        return o.transpose(0, 2, 1, 3).astype(query.dtype)  # o[B, T, N, h]
+
+    attention.__wrapped__ = original
+    return attention
+
+
+_DEFAULTS = {"broadcast_dropout": True, "dropout_rate": 0.0, "deterministic": None}
+
+
+def _default(name, value, query) -> bool:
+    """Whether an attention option is at a value the core computes anyway."""
+    if value is None or value is False:
+        return True
+    if name == "scale":
+        return math.isclose(value, query.shape[-1] ** -0.5)
+    if name == "dropout_rate":
+        return value == 0.0
+    if name in ("broadcast_dropout", "deterministic", "promote_dtype"):
+        return True  # no dropout: they change nothing
+    if name == "dtype":
+        return True  # shardops' precision policy sets the dtype
+    return name in _DEFAULTS and value == _DEFAULTS[name]
 
 
 def _at(module, path):

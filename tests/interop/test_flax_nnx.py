@@ -62,11 +62,41 @@ class Mlp(nnx.Module):
         return self.down(jax.nn.relu(self.up(self.norm(x))))  # (B, classes)
 
 
+class SdpaAttention(flax_llama.Attention):
+    """The example's attention as many Flax models write it: ``jax.nn.dot_product_attention``
+    (grouped heads, causal), or Flax's own ``nnx.dot_product_attention`` over K/V repeated."""
+
+    def __call__(self, x):
+        b, s, hd, theta = x.shape[0], x.shape[1], self.c.head_dim, self.c.rope_theta
+        q = flax_llama.rope(self.wq(x).reshape(b, s, -1, hd), theta)  # (B, S, H, hd)
+        k = flax_llama.rope(self.wk(x).reshape(b, s, -1, hd), theta)  # (B, S, KV, hd)
+        v = self.wv(x).reshape(b, s, -1, hd)  # (B, S, KV, hd)
+        if self.flax:
+            group = q.shape[2] // k.shape[2]
+            k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+            o = nnx.dot_product_attention(q, k, v, is_causal=True)
+        else:
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, S, H, hd)
+        return self.wo(o.reshape(b, s, -1))
+
+
+def sdpa_llama(rngs, flax: bool = False):
+    """The example's Llama with ``SdpaAttention`` in each block."""
+    model = flax_llama.Llama(CONFIG, rngs=rngs)
+    for block in model.blocks:
+        attention = block.attn
+        attention.__class__ = SdpaAttention  # the same parameters, the other __call__
+        attention.flax = flax
+    return model
+
+
 MLP_RULES = (("batch", "data"), ("embed", None), ("mlp", "model"))
 CONFIG = flax_llama.Config()
 MAKE = {
     "mlp": lambda rngs: Mlp(24, 64, 8, rngs=rngs),
     "llama": lambda rngs: flax_llama.Llama(CONFIG, rngs=rngs),
+    "llama-sdpa": sdpa_llama,
+    "llama-nnx-sdpa": lambda rngs: sdpa_llama(rngs, flax=True),
 }
 
 
@@ -75,13 +105,13 @@ def flax_model(name: str, module=flax_nnx) -> FlaxModel:
         return module.FlaxModel(
             MAKE["mlp"], rules=MLP_RULES, task="classify", name="flax mlp", example_shape=(24,)
         )
-    return module.FlaxModel(MAKE["llama"], rules=flax_llama.RULES, name="flax llama",
+    return module.FlaxModel(MAKE[name], rules=flax_llama.RULES, name=f"flax {name}",
                             num_heads=CONFIG.num_heads, num_kv_heads=CONFIG.num_kv_heads)  # fmt: skip
 
 
 def batches(name: str):
     rng = np.random.default_rng(1)
-    if name == "mlp":
+    if name == "mlp":  # the Llamas' batches: tokens
         xs = rng.normal(size=(STEPS, BATCH, 24)).astype(np.float32)
         return xs, rng.integers(0, 8, (STEPS, BATCH)).astype(np.int32)
     tokens = rng.integers(0, CONFIG.vocab_size, (STEPS, BATCH, SEQ + 1)).astype(np.int32)
@@ -114,9 +144,9 @@ STRATEGIES = {"ref": None, "dp": {"data": 8}, "fsdp": {"data": 8}, "zero1": {"da
 CASES = cover(["mlp", "llama"], list(STRATEGIES), ["sgd", "adam"])
 
 
-def train(model, strategy: str, opt_name: str, name: str, budget: bool = False):
+def train(model, strategy: str, opt_name: str, name: str, budget: bool = False, **options):
     setup = models.build(strategy, mesh_for(STRATEGIES[strategy]), model=model,
-                         optimizer=optimizer(opt_name, sgd_lr=SGD_LR))  # fmt: skip
+                         optimizer=optimizer(opt_name, sgd_lr=SGD_LR), **options)  # fmt: skip
     state = setup.shard(model.init(jax.random.key(0)))
     xs, ys = batches(name)
     step = setup.train_step.lower(state, *setup.place_batch(xs[0], ys[0])).compile()
@@ -129,8 +159,9 @@ def train(model, strategy: str, opt_name: str, name: str, budget: bool = False):
     return np.array(losses), setup.gather(state.params)
 
 
-def check_trains_like_flax(model, name: str, strategy: str, opt_name: str, budget=False):
-    losses, params = train(model, strategy, opt_name, name, budget)
+def check_trains_like_flax(model, name: str, strategy: str, opt_name: str, budget=False,
+                           **options):  # fmt: skip
+    losses, params = train(model, strategy, opt_name, name, budget, **options)
     ref_losses, ref_params = flax_trajectory(name, opt_name)
     tol = TOL[opt_name]
     where = f"{model.name} under {strategy} with {opt_name}"
@@ -150,6 +181,38 @@ def test_a_flax_module_trains_like_flax_trains_it(name, strategy, opt_name):
     # The traced budget equals the compiled step's collectives wherever a tp axis splits layers.
     check_trains_like_flax(flax_model(name), name, strategy, opt_name,
                            budget=STRATEGIES[strategy] is not None and "model" in STRATEGIES[strategy])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "strategy", "attention", "remat"),
+    [("llama-sdpa", "tp", "einsum", False), ("llama-sdpa", "fsdp_tp", "blocked", "full"),
+     ("llama-nnx-sdpa", "2d", "auto", "matmuls"), ("llama", "hsdp_tp", "auto", "full")],
+    ids=["jax-sdpa-einsum", "jax-sdpa-blocked-remat", "nnx-sdpa-remat", "einsum-remat"],
+)  # fmt: skip
+def test_attention_choices_and_remat_policies_reach_the_module(name, strategy, attention, remat):
+    """A module calling ``jax.nn.dot_product_attention`` or ``nnx.dot_product_attention`` runs
+    the attention ``build`` chose on each device's heads; each swapped layer is a remat unit.
+    Both still train like Flax trains the module."""
+    check_trains_like_flax(flax_model(name), name, strategy, "adam", attention=attention,
+                           remat=remat)  # fmt: skip
+    assert jax.nn.dot_product_attention is ORIGINAL_ATTENTION  # restored after the trace
+
+
+ORIGINAL_ATTENTION = jax.nn.dot_product_attention
+
+
+def test_the_attention_runs_shardops_core_in_the_traced_step():
+    _check_attention_core(flax_nnx)
+
+
+def _check_attention_core(module) -> None:
+    """Under tp the traced step holds shardops' blocked core (its named scope), not JAX's."""
+    setup = models.build("tp", mesh_for(STRATEGIES["tp"]), model=flax_model("llama-sdpa", module),
+                         optimizer=optax.sgd(0.1), attention="blocked")  # fmt: skip
+    state = setup.shard(setup.model.init(jax.random.key(0)))
+    xs, ys = batches("llama")
+    lowered = setup.train_step.lower(state, *setup.place_batch(xs[0], ys[0]))
+    assert "shardops.blocked_attention" in lowered.as_text(debug_info=True)
 
 
 def test_the_plan_is_read_from_the_annotations_and_the_rules():
@@ -250,8 +313,11 @@ def _mutant(line: str, replacement: str):
         # A norm's epsilon not passed on (the ctx layer's default, 1e-5, for the MLP's 1e-3).
         ("        return ctx.unit(lambda q, x: norm(q, x, eps=self.eps), p, x)",
          "        return ctx.unit(lambda q, x: norm(q, x), p, x)", "train"),
+        # The attention functions left as they are: JAX's own runs (the same values).
+        ('ATTENTION_FUNCTIONS = ((jax.nn, "dot_product_attention"), (nnx, "dot_product_attention"))',
+         "ATTENTION_FUNCTIONS = ()", "attention"),
     ],
-    ids=["linear-replicated", "bias-dropped", "norm-eps-dropped"],
+    ids=["linear-replicated", "bias-dropped", "norm-eps-dropped", "attention-not-swapped"],
 )  # fmt: skip
 def test_a_mutant_of_the_adapter_is_caught(line, replacement, check):
     module = _mutant(line, replacement)
@@ -259,6 +325,8 @@ def test_a_mutant_of_the_adapter_is_caught(line, replacement, check):
     with pytest.raises(AssertionError):
         if check == "plan":
             _check_plan(flax_model(name, module))
+        elif check == "attention":
+            _check_attention_core(module)
         else:
             check_trains_like_flax(flax_model(name, module), name, "2d", "sgd")
 
