@@ -418,3 +418,24 @@ def test_the_example_refuses_what_a_flax_module_cannot_honour(flags, says, capsy
     with pytest.raises(SystemExit) as stop:
         load_example("transformer_lm").parse_args(["--model", "flax-llama", *flags])
     assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_explain_names_each_collective_and_the_locator_compares_every_layer():
+    """``explain`` reads the swapped layers' reasons from the step; ``locate`` compares every
+    swapped layer of the Flax module (outputs, gradients, parameter gradients) with the
+    unsharded run, each within its bound."""
+    from shardops_models.training.locate import locate
+
+    xs, ys = batches("llama")
+    model = flax_model("llama")
+    setup = models.build("2d", mesh_for(STRATEGIES["2d"]), model=model,
+                         optimizer=optax.sgd(SGD_LR))  # fmt: skip
+    state = setup.shard(model.init(jax.random.key(0)))
+    lines = shardops.inspect.explain(setup.mesh, setup.train_step, state,
+                                     *setup.place_batch(xs[0], ys[0]), traced=True)  # fmt: skip
+    assert any(line.startswith("row_parallel_dense: psum over 'model'") for line in lines)
+    assert any(line.startswith("vocab_parallel_embedding") for line in lines), lines
+    report = locate(setup, state.params, xs[0], ys[0])
+    assert report.first is None, report
+    swapped = {"".join(f"[{k!r}]" for k in path) for path in model._layers}
+    assert {row.layer for row in report.rows} == swapped | {"loss"}
