@@ -20,9 +20,17 @@ Flax layer                         shardops kernel (role from the annotations an
 ``nnx.Linear``                     ``ctx.dense``: ``kernel[in, out]`` with ``out`` → model is
                                    column-parallel, ``in`` → model row-parallel, neither
                                    replicated (FSDP, ZeRO-1 and the data axes by the strategy)
+``nnx.LinearGeneral``,             ``ctx.dense`` of the flattened kernel ``k[*in, *out]``:
+``nnx.Einsum``                     split on the first out dim (column: a projection to
+                                   ``[heads, head_dim]``) or the first in dim (row: back from
+                                   them); ``_flax_dense``
 ``nnx.Embed`` (and ``.attend``)    ``ctx.embed`` / ``ctx.tied_head``: ``embedding[vocab,
                                    features]``, ``vocab`` → model vocab-parallel
 ``nnx.RMSNorm``, ``nnx.LayerNorm``  ``ctx.rms_norm``, ``ctx.layer_norm`` (features unsplit)
+``jax.nn.dot_product_attention``,  the strategy's per-device attention core on each device's
+``nnx.dot_product_attention``      heads (``build(attention=...)``: blocked, splash, einsum);
+                                   with a mask or bias, JAX's or Flax's own on those heads
+                                   (``nnx.MultiHeadAttention``'s masked attention)
 =================================  ===========================================================
 
 A module swap, not the ``dot_general`` hook that ``nnx.Linear`` takes: the hook sees the kernel
@@ -63,13 +71,15 @@ from flax import nnx
 from shardops import MODEL_AXIS
 from shardops.layers._attention_core import core_for
 from shardops.layers._kv_heads import KvHeads
+from shardops_models.interop import _flax_dense
 from shardops_models.networks._lm import LanguageModel
 from shardops_models.strategies.plan import COLUMN, REPLICATED, ROW, VOCAB
 
 __all__ = ["NOT_YET", "SWAPPED", "FlaxModel"]
 
-LINEAR, EMBED, NORM = "linear", "embed", "norm"
-SWAPPED = {nnx.Linear: LINEAR, nnx.Embed: EMBED, nnx.RMSNorm: NORM, nnx.LayerNorm: NORM}
+LINEAR, GENERAL, EMBED, NORM = "linear", "general", "embed", "norm"
+SWAPPED = {nnx.Linear: LINEAR, nnx.LinearGeneral: GENERAL, nnx.Einsum: GENERAL, nnx.Embed: EMBED,
+           nnx.RMSNorm: NORM, nnx.LayerNorm: NORM}  # fmt: skip
 """The Flax layers shardops runs with its kernels, by what each becomes."""
 TASKS = ("lm", "classify")
 NOT_YET = {
@@ -111,6 +121,11 @@ def _role(kind: str, layer, state, rules, where: str):
             raise ValueError(f"{where}.kernel: both dims map to {MODEL_AXIS!r}; a dense layer is "
                              f"column- or row-parallel, not both")  # fmt: skip
         return COLUMN if split[1] else ROW if split[0] else REPLICATED
+    if kind == GENERAL:
+        names = _names(layer.kernel, layer.kernel.ndim)
+        split = [_axis_of(rules, n, f"{where}.kernel") is not None for n in names]
+        bias = getattr(layer, "bias", None)
+        return _geometry(layer, where).role(split, None if bias is None else bias.ndim)
     if kind == EMBED:
         vocab, features = (_axis_of(rules, n, f"{where}.embedding") is not None
                            for n in _names(layer.embedding, 2))  # fmt: skip
@@ -125,17 +140,33 @@ def _role(kind: str, layer, state, rules, where: str):
     return REPLICATED
 
 
+def _geometry(layer, where: str) -> _flax_dense.Geometry:
+    if isinstance(layer, nnx.Einsum):
+        geometry = _flax_dense.einsum(layer, where)
+        out = tuple(layer.kernel.shape[geometry.n_in :])
+        if layer.bias is not None and tuple(layer.bias.shape) != out:
+            raise ValueError(f"{where}: nnx.Einsum's bias {tuple(layer.bias.shape)} is not its "
+                             f"output features {out}; shardops adds a bias over those only")  # fmt: skip
+        return geometry
+    return _flax_dense.linear_general(layer, where)
+
+
 def _check_layer(kind: str, layer, where: str, compute_dtype=None) -> None:
     """Refuse a layer option the swapped layer would not honour (module docstring)."""
-    custom = kind == LINEAR and (layer.dot_general is not jax.lax.dot_general
-                                 or layer.precision is not None
-                                 or layer.preferred_element_type is not None)  # fmt: skip
+    dot = getattr(layer, "dot_general", None)
+    custom = kind in (LINEAR, GENERAL) and (
+        dot not in (None, jax.lax.dot_general) or getattr(layer, "dot_general_cls", None)
+        or getattr(layer, "einsum_op", jnp.einsum) is not jnp.einsum
+        or layer.precision is not None or layer.preferred_element_type is not None
+    )  # fmt: skip
     if custom:
         raise ValueError(
-            f"{where}: nnx.Linear with its own dot_general, precision or "
+            f"{where}: {type(layer).__name__} with its own dot_general, einsum_op, precision or "
             f"preferred_element_type; shardops runs dense layers with its kernels and its "
             f"precision policy (build(precision=...)). Build the layer with the defaults"
         )
+    if kind == GENERAL:
+        _geometry(layer, where)  # a layout shardops runs, else a ValueError naming it
     if kind == NORM:
         axes = (getattr(layer, "reduction_axes", -1), getattr(layer, "feature_axes", -1))
         if any(a not in (-1, (-1,)) for a in axes) or getattr(layer, "axis_name", None):
@@ -286,7 +317,8 @@ class FlaxModel(LanguageModel):
         for path, kind in self._layers.items():
             layer = _at(module, path)
             _check_layer(kind, layer, _path(path), ctx.precision.compute_dtype)
-            _set_at(module, path, _Swapped(ctx, kind, _at_dict(params, path), layer))
+            swapped = _Swapped(ctx, kind, _at_dict(params, path), layer, _path(path))
+            _set_at(module, path, swapped)
         with _attention_by(ctx):
             return module(x), {}
 
@@ -362,15 +394,21 @@ class _Swapped:
     ``Param``s (``p``: its dict, Flax's keys). A plain object: the module it sits in is only
     called, never split or transformed by Flax."""
 
-    def __init__(self, ctx, kind: str, p, layer):
+    def __init__(self, ctx, kind: str, p, layer, where: str = ""):
         self.ctx, self.kind, self.p = ctx, kind, p
+        self.geometry = _geometry(layer, where) if kind == GENERAL else None
         self.eps = getattr(layer, "epsilon", None)
         self.layer_norm = isinstance(layer, nnx.LayerNorm)
 
-    def __call__(self, x):
+    def __call__(self, x, out_sharding=None):
+        if out_sharding is not None:  # nnx's explicit-sharding mode: the layout is shardops'
+            raise ValueError(f"a layer called with out_sharding={out_sharding!r}: under "
+                             f"FlaxModel each layer's layout is the strategy's")  # fmt: skip
         ctx, p = self.ctx, _as_shardops(self.kind, self.p)
         if self.kind == LINEAR:
             return ctx.unit(lambda q, x: ctx.dense(q, x), p, x)
+        if self.kind == GENERAL:
+            return ctx.unit(lambda q, x: self.geometry.run(ctx, q, x), p, x)
         if self.kind == EMBED:
             return ctx.unit(lambda q, ids: ctx.embed(q, ids), p, x)
         norm = ctx.layer_norm if self.layer_norm else ctx.rms_norm
@@ -410,24 +448,24 @@ def _attention_by(ctx):
 
 
 def _local_attention(ctx, where: str, original):
-    """``where(query, key, value, ...)`` on this device's heads by the layer context's attention
-    core: ``q[B, T, N, h]`` over ``k, v[B, T, K, h]`` (K divides N: query head j reads KV head
-    j // (N/K)), causal or not; ``o[B, T, N, h]`` in the query's dtype. Options the core does
-    not compute (a mask, a bias, dropout, a scale of its own, lengths, a window) are refused."""
+    """``where(query, key, value, ...)`` on this device's heads: ``q[B, T, N, h]`` over ``k,
+    v[B, T, K, h]`` (K divides N: query head j reads KV head j // (N/K)), causal or not, by the
+    layer context's attention core (``build(attention=...)``); ``o[B, T, N, h]`` in the query's
+    dtype. Called with what the core does not compute (a mask, a bias, another scale, lengths,
+    a window: ``nnx.MultiHeadAttention`` passes its mask) it runs ``original``, JAX's or Flax's
+    own, on the device's heads: a mask or bias over the heads broadcasts (``[B, 1, T, S]``), one
+    per head of the whole model does not fit the device's heads and fails there. Dropout is
+    refused: each device would draw its own."""
 
     def attention(query, key, value, bias=None, mask=None, *args, is_causal=False, **options):
+        if options.get("dropout_rate", 0.0) and not options.get("deterministic", False):
+            raise ValueError(f"{where} with dropout: under FlaxModel each device would draw "
+                             f"its own; train without attention dropout (deterministic=True)")  # fmt: skip
         given = [n for n, v in (("bias", bias), ("mask", mask), *options.items(),
                                 *enumerate(args)) if not _default(n, v, query)]  # fmt: skip
-        if given:
-            raise ValueError(
-                f"{where} with {given}: under FlaxModel the attention runs shardops' per-device "
-                f"core, which computes softmax(q·kᵀ/√d) causal (is_causal=True) or not; write "
-                f"a causal mask as is_causal=True, and leave out the other options"
-            )
         t, n = query.shape[1], query.shape[2]  # q[B, T, N, h]
-        if key.shape[1] != t or n % key.shape[2]:
-            raise ValueError(f"{where}: self-attention with KV heads dividing the query heads; "
-                             f"got q{tuple(query.shape)}, k{tuple(key.shape)}")  # fmt: skip
+        if given or key.shape[1] != t or n % key.shape[2]:
+            return original(query, key, value, bias, mask, *args, is_causal=is_causal, **options)
         core = core_for(KvHeads(key.shape[2], None), n, bool(is_causal), None, ctx.precision,
                         ctx.attention_implementation)  # fmt: skip
         dtype = ctx.precision.compute_dtype
@@ -448,12 +486,8 @@ def _default(name, value, query) -> bool:
         return True
     if name == "scale":
         return math.isclose(value, query.shape[-1] ** -0.5)
-    if name == "dropout_rate":
-        return value == 0.0
-    if name in ("broadcast_dropout", "deterministic", "promote_dtype"):
-        return True  # no dropout: they change nothing
-    if name == "dtype":
-        return True  # shardops' precision policy sets the dtype
+    if name in ("broadcast_dropout", "deterministic", "promote_dtype", "dropout_rate", "dtype"):
+        return True  # no dropout (refused above): they change nothing; the policy sets dtype
     return name in _DEFAULTS and value == _DEFAULTS[name]
 
 

@@ -90,6 +90,79 @@ def sdpa_llama(rngs, flax: bool = False):
     return model
 
 
+class GeneralAttention(nnx.Module):
+    """Attention as MaxText writes it: ``nnx.LinearGeneral`` projections to ``[heads,
+    head_dim]`` and back from them (``axis=(-2, -1)``), JAX's dot-product attention."""
+
+    def __init__(self, c, *, rngs):
+        def proj(d_in, d_out, names, axis=-1):
+            init = annotated(nnx.initializers.lecun_normal(in_axis=0, out_axis=-1), names)
+            return nnx.LinearGeneral(d_in, d_out, axis=axis, use_bias=False, kernel_init=init,
+                                     rngs=rngs)  # fmt: skip
+
+        self.c, hd = c, c.head_dim
+        self.wq = proj(c.d_model, (c.num_heads, hd), ("embed", "heads", "head_dim"))
+        self.wk = proj(c.d_model, (c.num_kv_heads, hd), ("embed", "kv_heads", "head_dim"))
+        self.wv = proj(c.d_model, (c.num_kv_heads, hd), ("embed", "kv_heads", "head_dim"))
+        self.wo = proj((c.num_heads, hd), c.d_model, ("heads", "head_dim", "embed"), (-2, -1))
+
+    def __call__(self, x):
+        q = flax_llama.rope(self.wq(x), self.c.rope_theta)  # (B, S, H, hd)
+        k = flax_llama.rope(self.wk(x), self.c.rope_theta)  # (B, S, KV, hd)
+        o = jax.nn.dot_product_attention(q, k, self.wv(x), is_causal=True)  # (B, S, H, hd)
+        return self.wo(o)  # (B, S, D)
+
+
+class EinsumMlp(nnx.Module):
+    """SwiGLU written with ``nnx.Einsum`` (gemma's style), biased up projection."""
+
+    def __init__(self, c, *, rngs):
+        def einsum(equation, shape, names, bias=None):
+            init = annotated(nnx.initializers.lecun_normal(), names)
+            bias_init = annotated(nnx.initializers.normal(0.1), names[1:])
+            return nnx.Einsum(equation, shape, bias, kernel_init=init, bias_init=bias_init,
+                              rngs=rngs)  # fmt: skip
+
+        self.gate = einsum("BTD,DF->BTF", (c.d_model, c.d_ff), ("embed", "mlp"))
+        self.up = einsum("...D,DF->...F", (c.d_model, c.d_ff), ("embed", "mlp"), (c.d_ff,))
+        self.down = einsum("BTF,FD->BTD", (c.d_ff, c.d_model), ("mlp", "embed"))
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+def general_llama(rngs):
+    """The example's Llama with MaxText's projections and gemma's Einsum MLP in each block."""
+    model = flax_llama.Llama(CONFIG, rngs=rngs)
+    for block in model.blocks:
+        block.attn, block.mlp = GeneralAttention(CONFIG, rngs=rngs), EinsumMlp(CONFIG, rngs=rngs)
+    return model
+
+
+class MhaLm(nnx.Module):
+    """One block of Flax's own ``nnx.MultiHeadAttention`` (its causal mask from
+    ``nnx.make_causal_mask``) between an embedding and a head, as Flax's examples write it."""
+
+    def __init__(self, *, rngs):
+        c = CONFIG
+        init = annotated(nnx.initializers.normal(1.0), ("vocab", "embed"))
+        self.embed = nnx.Embed(c.vocab_size, c.d_model, embedding_init=init, rngs=rngs)
+        self.norm = nnx.LayerNorm(c.d_model, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(
+            c.num_heads, c.d_model, decode=False, keep_rngs=False, deterministic=True,
+            use_bias=False, rngs=rngs,
+            kernel_init=annotated(nnx.initializers.lecun_normal(), ("embed", "heads", "kv")),
+            out_kernel_init=annotated(nnx.initializers.lecun_normal(), ("heads", "kv", "embed")),
+        )  # fmt: skip
+        init = annotated(nnx.initializers.lecun_normal(), ("embed", "vocab"))
+        self.head = nnx.Linear(c.d_model, c.vocab_size, kernel_init=init, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.embed(ids)  # (B, S, D)
+        x = x + self.attn(self.norm(x), mask=nnx.make_causal_mask(ids))
+        return self.head(x)  # (B, S, V)
+
+
 MLP_RULES = (("batch", "data"), ("embed", None), ("mlp", "model"))
 CONFIG = flax_llama.Config()
 MAKE = {
@@ -97,6 +170,8 @@ MAKE = {
     "llama": lambda rngs: flax_llama.Llama(CONFIG, rngs=rngs),
     "llama-sdpa": sdpa_llama,
     "llama-nnx-sdpa": lambda rngs: sdpa_llama(rngs, flax=True),
+    "llama-general": general_llama,
+    "mha": lambda rngs: MhaLm(rngs=rngs),
 }
 
 
@@ -215,6 +290,27 @@ def _check_attention_core(module) -> None:
     assert "shardops.blocked_attention" in lowered.as_text(debug_info=True)
 
 
+@pytest.mark.parametrize(
+    ("strategy", "opt_name"),
+    [("tp", "sgd"), ("fsdp_tp", "adam"), ("hsdp_tp", "sgd"), ("zero1", "adam")],
+)
+def test_linear_general_and_einsum_layers_train_like_flax(strategy, opt_name):
+    """``nnx.LinearGeneral`` to and from ``[heads, head_dim]`` and ``nnx.Einsum`` as dense
+    layers: column-parallel by head, row-parallel over the heads, under tp and fsdp."""
+    plan = flax_model("llama-general").plan()["blocks"][0]
+    assert (plan["attn"]["wq"]["kernel"], plan["attn"]["wo"]["kernel"]) == ("column", "row")
+    assert (plan["mlp"]["up"]["bias"], plan["mlp"]["down"]["kernel"]) == ("column", "row")
+    check_trains_like_flax(flax_model("llama-general"), "llama-general", strategy, opt_name,
+                           budget=strategy != "zero1")  # fmt: skip
+
+
+@pytest.mark.parametrize(("strategy", "opt_name"), [("tp", "adam"), ("fsdp_tp", "sgd")])
+def test_flax_multi_head_attention_with_its_mask_trains_like_flax(strategy, opt_name):
+    """``nnx.MultiHeadAttention``: its ``LinearGeneral`` projections swapped (by head), its
+    masked attention Flax's own on each device's heads (a ``[B, 1, T, S]`` mask broadcasts)."""
+    check_trains_like_flax(flax_model("mha"), "mha", strategy, opt_name)
+
+
 def test_the_plan_is_read_from_the_annotations_and_the_rules():
     plan = flax_model("llama").plan()
     block = plan["blocks"][0]
@@ -260,6 +356,15 @@ class KeepsRngs(nnx.Module):
         return self.dropout(self.out(x))
 
 
+def _odd_einsum(rngs):
+    return nnx.Einsum("BD,NDH->BNH", (2, 4, 3), rngs=rngs)
+
+
+def _head_dim_split(rngs):
+    init = annotated(nnx.initializers.lecun_normal(), ("embed", "heads", "head_dim"))
+    return nnx.LinearGeneral(4, (2, 2), kernel_init=init, rngs=rngs)
+
+
 def _split_both(rngs):
     init = annotated(nnx.initializers.lecun_normal(), ("mlp", "mlp"))
     return nnx.Linear(4, 4, kernel_init=init, rngs=rngs)
@@ -277,10 +382,15 @@ def _split_both(rngs):
         (_split_both, [("mlp", "model")], "2d", ValueError, r"kernel: both dims map to 'model'"),
         (lambda rngs: Mlp(24, 64, 8, rngs=rngs), [("mlp", "data")], "2d", ValueError,
          r"\w+\.kernel: rules map 'mlp' to 'data'; shardops splits parameters over the data"),
+        (_odd_einsum, (), "dp", ValueError, r"nnx\.Einsum\('BD,NDH->BNH'\) is not a dense "
+                                            r"layer's contraction"),
+        (_head_dim_split, [("head_dim", "model")], "2d", ValueError,
+         r"the dims mapped to 'model' are \[2\] of a kernel \[\*in \(1 dims\), \*out\]"),
         ("llama", flax_llama.RULES, "sp", ValueError,
          r"FlaxModel 'flax' under 'sp': sp splits the activations between layers"),
     ],
-    ids=["conv", "own-matmul", "dtype", "rngs", "both-dims", "data-rule", "sp"],
+    ids=["conv", "own-matmul", "dtype", "rngs", "both-dims", "data-rule", "einsum", "head-dim",
+         "sp"],
 )  # fmt: skip
 def test_what_shardops_cannot_run_explicitly_is_refused_by_name(make, rules, strategy, error,
                                                                  match):  # fmt: skip
