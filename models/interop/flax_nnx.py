@@ -50,8 +50,8 @@ over the vocabulary under tp. ``task="classify"``: ``x[B, ...]`` → ``logits[B,
 labels ``y[B]``, the mean softmax cross-entropy.
 
 **Precision.** shardops' policy (``build(precision=...)``) sets every dtype; a layer built with
-``dtype`` or ``param_dtype`` other than the policy's is refused, so that the sharded run
-computes what the module's own does.
+a ``dtype`` (compute) or ``param_dtype`` other than the policy's is refused, so that the sharded
+run computes what the module's own does.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def _geometry(layer, where: str) -> _flax_dense.Geometry:
     return _flax_dense.linear_general(layer, where)
 
 
-def _check_layer(kind: str, layer, where: str, compute_dtype=None) -> None:
+def _check_layer(kind: str, layer, where: str, precision=None) -> None:
     """Refuse a layer option the swapped layer would not honour (module docstring)."""
     dot = getattr(layer, "dot_general", None)
     custom = kind in (LINEAR, GENERAL) and (
@@ -172,12 +172,18 @@ def _check_layer(kind: str, layer, where: str, compute_dtype=None) -> None:
         if any(a not in (-1, (-1,)) for a in axes) or getattr(layer, "axis_name", None):
             raise ValueError(f"{where}: {type(layer).__name__} over the last axis only (no "
                              f"reduction_axes, feature_axes or axis_name of its own)")  # fmt: skip
-    if compute_dtype is not None and layer.dtype not in (None, compute_dtype):
-        raise ValueError(
-            f"{where}: {type(layer).__name__}(dtype={jnp.dtype(layer.dtype).name}) but the "
-            f"precision policy computes in {jnp.dtype(compute_dtype).name}; build the layer "
-            f"with dtype=None (shardops' policy sets it) or give build the matching precision"
-        )
+    if precision is None:
+        return
+    for field, want, role in (("dtype", precision.compute_dtype, "computes in"),
+                              ("param_dtype", precision.param_dtype, "keeps parameters in")):  # fmt: skip
+        got = getattr(layer, field, None)
+        if got is not None and jnp.dtype(got) != jnp.dtype(want):
+            raise ValueError(
+                f"{where}: {type(layer).__name__}({field}={jnp.dtype(got).name}) but the "
+                f"precision policy {role} {jnp.dtype(want).name}; build the layer with the "
+                f"policy's dtypes (dtype=None: the policy sets it) or give build the matching "
+                f"precision"
+            )
 
 
 def _path(keys) -> str:
@@ -229,6 +235,7 @@ class FlaxModel(LanguageModel):
         object.__setattr__(self, "_state", abstract)
         object.__setattr__(self, "_layers", self._swappable(nnx.merge(graphdef, abstract)))
         object.__setattr__(self, "sequence", self.task == "lm")
+        object.__setattr__(self, "_head_layer", self._find_head())
 
     # --- building the module
 
@@ -289,9 +296,8 @@ class FlaxModel(LanguageModel):
 
     def plan(self):
         """Each swapped layer's role (module docstring), as a tree over ``init``'s dict."""
-        state = nnx.state(nnx.merge(self._graphdef, self._state), nnx.Param)
         module = nnx.merge(self._graphdef, self._state)
-        plan = jax.tree.map(lambda _: REPLICATED, nnx.to_pure_dict(state))
+        plan = jax.tree.map(lambda _: REPLICATED, nnx.to_pure_dict(nnx.state(module, nnx.Param)))
         for path, kind in self._layers.items():
             layer = _at(module, path)
             _check_layer(kind, layer, _path(path))
@@ -316,7 +322,7 @@ class FlaxModel(LanguageModel):
         module = nnx.merge(self._graphdef, self._state)
         for path, kind in self._layers.items():
             layer = _at(module, path)
-            _check_layer(kind, layer, _path(path), ctx.precision.compute_dtype)
+            _check_layer(kind, layer, _path(path), ctx.precision)
             swapped = _Swapped(ctx, kind, _at_dict(params, path), layer, _path(path))
             _set_at(module, path, swapped)
         with _attention_by(ctx):
@@ -326,10 +332,9 @@ class FlaxModel(LanguageModel):
 
     @property
     def vocab_size(self) -> int | None:
-        head = self._head()
-        return None if head is None else head[1]
+        return None if self._head_layer is None else self._head_layer[1]
 
-    def _head(self):
+    def _find_head(self):
         """``(path, vocabulary)`` of the layer whose output is the logits (``task="lm"``)."""
         if self.task != "lm":
             return None
@@ -350,7 +355,7 @@ class FlaxModel(LanguageModel):
         """The head's parameters: its logits are split over the vocabulary under tp."""
         if self.task != "lm":
             return None
-        path = self._head()[0]
+        path = self._head_layer[0]
         return _as_shardops(self._layers[path], _at_dict(params, path))
 
     def loss_sum(self, ctx, params, logits, labels):

@@ -348,6 +348,14 @@ class Bf16(nnx.Module):
         return self.out(x)
 
 
+class Bf16Params(nnx.Module):
+    def __init__(self, *, rngs):
+        self.out = nnx.Linear(4, 2, param_dtype=jnp.bfloat16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(x)
+
+
 class KeepsRngs(nnx.Module):
     def __init__(self, *, rngs):
         self.out, self.dropout = nnx.Linear(4, 2, rngs=rngs), nnx.Dropout(0.1, rngs=rngs)
@@ -378,6 +386,8 @@ def _split_both(rngs):
         (OwnMatmul, (), "dp", ValueError, r"parameter w belongs to OwnMatmul at the module"),
         (Bf16, (), "dp", ValueError, r"out: Linear\(dtype=bfloat16\) but the precision policy "
                                      r"computes in float32"),
+        (Bf16Params, (), "dp", ValueError, r"out: Linear\(param_dtype=bfloat16\) but the "
+                                           r"precision policy keeps parameters in float32"),
         (KeepsRngs, (), "dp", ValueError, r"dropout\.rngs.* not an nnx\.Param"),
         (_split_both, [("mlp", "model")], "2d", ValueError, r"kernel: both dims map to 'model'"),
         (lambda rngs: Mlp(24, 64, 8, rngs=rngs), [("mlp", "data")], "2d", ValueError,
@@ -389,7 +399,7 @@ def _split_both(rngs):
         ("llama", flax_llama.RULES, "sp", ValueError,
          r"FlaxModel 'flax' under 'sp': sp splits the activations between layers"),
     ],
-    ids=["conv", "own-matmul", "dtype", "rngs", "both-dims", "data-rule", "einsum", "head-dim",
+    ids=["conv", "own-matmul", "dtype", "param-dtype", "rngs", "both-dims", "data-rule", "einsum", "head-dim",
          "sp"],
 )  # fmt: skip
 def test_what_shardops_cannot_run_explicitly_is_refused_by_name(make, rules, strategy, error,
