@@ -465,24 +465,42 @@ def test_the_unmutated_adapter_copy_passes():
     check_trains_like_flax(flax_model("mlp", module), "mlp", "2d", "sgd")
 
 
-def test_the_ledger_of_the_flax_mlp_under_2d_is_the_count_by_hand():
-    """Mlp(24, 64, 8) on data=4 × model=2, SGD, global batch 16 (b = 4 a device), float32.
-    Its local parameters: LayerNorm scale+bias 2 × 24 × 4 = 192 bytes (replicated), up kernel
-    [24, 64/2] 3,072 and bias [32] 128 (column), down kernel [64/2, 8] 1,024 (row) and bias
-    [8] 32 (added after the row's AllReduce: replicated). Over data: one AllReduce per leaf
-    of its gradient, 6 leaves, 4,448 bytes, and the loss's one float32: 7, 4,452 bytes. Over
-    model: the row layer's output y[4, 8] forward (128) and the column layer's dx[4, 24]
-    backward (384): 2, 512 bytes. The compiled step moves the same bytes."""
-    hand = {("all-reduce", ("data",), "f32"): (7, 4452),
-            ("all-reduce", ("model",), "f32"): (2, 512)}  # fmt: skip
-    setup = models.build("2d", mesh_for(STRATEGIES["2d"]), model=flax_model("mlp"),
+# The collectives of one 2d step (data=4 × model=2, SGD, global batch 16: b = 4 a device),
+# float32, counted by hand from the modules' shapes: (count, bytes) per (kind, axes, dtype).
+HAND = {
+    # Mlp(24, 64, 8). Local parameters: LayerNorm scale+bias 2 × 24 × 4 = 192 bytes
+    # (replicated), up kernel [24, 64/2] 3,072 and bias [32] 128 (column), down kernel [64/2, 8]
+    # 1,024 (row) and bias [8] 32 (added after the row's AllReduce: replicated). Over data: one
+    # AllReduce per leaf of its gradient, 6 leaves, 4,448 bytes, and the loss's one float32.
+    # Over model: the row layer's output y[4, 8] forward (128) and the column layer's dx[4, 24]
+    # backward (384).
+    "mlp": {("all-reduce", ("data",), "f32"): (7, 4452),
+            ("all-reduce", ("model",), "f32"): (2, 512)},
+    # flax_llama.Config(): V = 256, D = 64, H = 4 and KV = 2 heads of 16, F = 128, L = 2, S = 16.
+    # Over model, x[4, 16, 64] = 16,384 bytes: forward the vocab-parallel embedding's sum and
+    # per block the two row layers' (wo, down); backward per block the five column layers' dx
+    # (wq, wk, wv, gate, up) and the head's: 1 + 2 × 7 + 1 = 16 × 16,384; the vocab-parallel
+    # loss's max, Σexp and target logit over [4, 16]: 3 × 256. Over data: the 21 leaves'
+    # gradients, local bytes: embedding [128, 64] 32,768; per block 2 norms 2 × 256, wq [64, 32]
+    # 8,192, wk, wv [64, 16] 2 × 4,096, wo [32, 64] 8,192, gate, up [64, 64], down [64, 64]
+    # 3 × 16,384 (74,240); the final norm 256; the head [64, 128] 32,768: 214,272; and the loss.
+    "llama": {("all-reduce", ("model",), "f32"): (19, 16 * 16384 + 3 * 256),
+              ("all-reduce", ("data",), "f32"): (22, 214272 + 4)},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(HAND))
+def test_the_ledger_under_2d_is_the_count_by_hand(name):
+    """The traced step asks for ``HAND[name]`` (count and bytes), and the compiled step moves
+    those bytes."""
+    setup = models.build("2d", mesh_for(STRATEGIES["2d"]), model=flax_model(name),
                          optimizer=optax.sgd(SGD_LR))  # fmt: skip
-    assert by_dtype(setup.budget(BATCH).requested) == hand
+    xs, ys = batches(name)
+    assert by_dtype(setup.budget(*xs.shape[1:]).requested) == HAND[name]
     state = setup.shard(setup.model.init(jax.random.key(0)))
-    xs, ys = batches("mlp")
     compiled = setup.train_step.lower(state, *setup.place_batch(xs[0], ys[0])).compile()
     moved = by_dtype(shardops.inspect.collectives(setup.mesh, compiled))
-    assert {k: b for k, (_, b) in moved.items()} == {k: b for k, (_, b) in hand.items()}
+    assert {k: b for k, (_, b) in moved.items()} == {k: b for k, (_, b) in HAND[name].items()}
 
 
 def test_a_checkpoint_saved_under_2d_restores_under_fsdp_and_into_the_flax_module(tmp_path):
