@@ -68,9 +68,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import shardops
 from shardops import MODEL_AXIS
-from shardops.layers._attention_core import core_for
-from shardops.layers._kv_heads import KvHeads
 from shardops_models.interop import _flax_dense
 from shardops_models.networks._lm import LanguageModel
 from shardops_models.strategies.plan import COLUMN, REPLICATED, ROW, VOCAB
@@ -471,11 +470,12 @@ def _local_attention(ctx, where: str, original):
         t, n = query.shape[1], query.shape[2]  # q[B, T, N, h]
         if given or key.shape[1] != t or n % key.shape[2]:
             return original(query, key, value, bias, mask, *args, is_causal=is_causal, **options)
-        core = core_for(KvHeads(key.shape[2], None), n, bool(is_causal), None, ctx.precision,
-                        ctx.attention_implementation)  # fmt: skip
         dtype = ctx.precision.compute_dtype
         q, k, v = (a.astype(dtype).transpose(0, 2, 1, 3) for a in (query, key, value))
-        o = core(q, k, v)  # o[B, N, T, h] in accum
+        o = shardops.layers.local_attention(q, k, v, causal=bool(is_causal),
+                                            precision=ctx.precision,
+                                            implementation=ctx.attention_implementation)  # fmt: skip
+        # o[B, N, T, h] in accum
         return o.transpose(0, 2, 1, 3).astype(query.dtype)  # o[B, T, N, h]
 
     attention.__wrapped__ = original

@@ -29,7 +29,12 @@ from shardops.layers._attention import (
     splits_kv_heads,
 )
 from shardops.layers._attention_arguments import check_head_counts
-from shardops.layers._attention_core import BLOCK_K, IMPLEMENTATIONS, check_implementation
+from shardops.layers._attention_core import (
+    BLOCK_K,
+    IMPLEMENTATIONS,
+    check_implementation,
+    local_attention,
+)
 from shardops.layers._cached_attention import cached_attention_kernel
 from shardops.layers._collective_dense import COLLECTIVE_MATMULS
 from shardops.layers._context_attention import METHODS as CONTEXT_METHODS
@@ -141,6 +146,7 @@ __all__ = [
     "inverse_order",
     "kv_cache_heads",
     "layer_norm",
+    "local_attention",
     "moe",
     "moe_capacity",
     "moe_kernel",

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardops._precision import Precision
+from shardops._precision import FLOAT32, Precision
 from shardops.layers import _attention_reference, _flash, _kv_heads, _masks
 
 IMPLEMENTATIONS = ("auto", "einsum", "blocked", "splash")
@@ -105,6 +105,41 @@ def _core(q, k, v, kv: _kv_heads.KvHeads, heads: int, causal: bool, segment_ids,
     return _flash.attend(q, k, v, q_positions=positions, k_positions=positions,
                          q_segments=segment_ids, k_segments=segment_ids, causal=causal,
                          block_k=BLOCK_K, precision=precision)  # fmt: skip
+
+
+def local_attention(q, k, v, *, causal: bool = False, segment_ids=None,
+                    precision: Precision = FLOAT32, implementation: str = "auto"):  # fmt: skip
+    """Softmax attention of one device's query heads over its keys, by ``implementation``:
+    what each device computes inside head-parallel attention, for attention code of one's own
+    (a foreign model's ``dot_product_attention``). No communication.
+
+    Arguments:
+        q: the queries, shape ``(B, H, S, hd)``.
+        k, v: the keys and values, shape ``(B, n, S, hd)`` with ``H % n == 0`` (query head
+            ``j`` reads KV head ``j // (H/n)``).
+        causal: mask the keys after each query.
+        segment_ids: optional ``(B, S)``: a query sees only keys of its own segment.
+        precision: the policy (products in its compute dtype, accumulated in its accum dtype).
+        implementation: one of ``IMPLEMENTATIONS`` (``"auto"``: splash on TPU under a bf16
+            compute dtype where it fits, else blocked).
+
+    Returns:
+        ``o[B, H, S, hd]`` in ``precision.accum_dtype``.
+    """
+    check_implementation("local_attention", implementation)
+    if (
+        q.ndim != 4
+        or k.shape != v.shape
+        or k.shape[0::2] != q.shape[0::2]
+        or q.shape[1] % k.shape[1]
+    ):
+        raise ValueError(
+            f"local_attention: q[B, H, S, hd] over k, v[B, n, S, hd] with n dividing H; got "
+            f"q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}"
+        )
+    return _core(q, k, v, kv=_kv_heads.KvHeads(k.shape[1], None), heads=q.shape[1],
+                 causal=causal, segment_ids=segment_ids, precision=precision,
+                 implementation=implementation)  # fmt: skip
 
 
 def core_for(kv: _kv_heads.KvHeads, heads: int, causal: bool, segment_ids, precision: Precision,
