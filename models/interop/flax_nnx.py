@@ -56,7 +56,6 @@ run computes what the module's own does.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import sys
@@ -67,10 +66,11 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax import lax
 
-import shardops
-from shardops import MODEL_AXIS
-from shardops_models.interop import _flax_dense
+from shardops import MODEL_AXIS, entry_axes
+from shardops_models.interop._flax_attention import attention_by
+from shardops_models.interop._flax_dense import Geometry, einsum, linear_general
 from shardops_models.networks._lm import LanguageModel
 from shardops_models.strategies.plan import COLUMN, REPLICATED, ROW, VOCAB
 
@@ -114,6 +114,10 @@ def _role(kind: str, layer, state, rules, where: str):
     """The plan role of one swapped layer (module docstring's table), from its annotations."""
     if kind == LINEAR:
         kernel = layer.kernel
+        if kernel.ndim != 2:  # e.g. layers stacked by nnx.vmap: [L, in, out]
+            raise ValueError(f"{where}.kernel has shape {tuple(kernel.shape)}; an nnx.Linear "
+                             f"shardops runs holds kernel[in, out] (layers stacked by nnx.vmap "
+                             f"or nnx.scan are not run yet: unroll them)")  # fmt: skip
         split = [_axis_of(rules, n, f"{where}.kernel") is not None
                  for n in _names(kernel, 2)]  # fmt: skip
         if all(split):
@@ -139,15 +143,15 @@ def _role(kind: str, layer, state, rules, where: str):
     return REPLICATED
 
 
-def _geometry(layer, where: str) -> _flax_dense.Geometry:
+def _geometry(layer, where: str) -> Geometry:
     if isinstance(layer, nnx.Einsum):
-        geometry = _flax_dense.einsum(layer, where)
+        geometry = einsum(layer, where)
         out = tuple(layer.kernel.shape[geometry.n_in :])
         if layer.bias is not None and tuple(layer.bias.shape) != out:
             raise ValueError(f"{where}: nnx.Einsum's bias {tuple(layer.bias.shape)} is not its "
                              f"output features {out}; shardops adds a bias over those only")  # fmt: skip
         return geometry
-    return _flax_dense.linear_general(layer, where)
+    return linear_general(layer, where)
 
 
 def _check_layer(kind: str, layer, where: str, precision=None) -> None:
@@ -182,6 +186,25 @@ def _check_layer(kind: str, layer, where: str, precision=None) -> None:
                 f"precision policy {role} {jnp.dtype(want).name}; build the layer with the "
                 f"policy's dtypes (dtype=None: the policy sets it) or give build the matching "
                 f"precision"
+            )
+
+
+def _check_unpadded(p: dict, where: str) -> None:
+    """Refuse a layer's parameter the strategy stores padded (a dim the tp axis does not
+    divide): the module's own code between its layers would see the padding (a head cut in
+    two, a zero column read as a feature)."""
+    for key, param in p.items():
+        if param.logical is None:
+            continue
+        entries = [*param.spec, *[None] * (param.value.ndim - len(param.spec))]
+        stored = tuple(n * math.prod(lax.axis_size(a) for a in entry_axes(e))
+                       for n, e in zip(param.value.shape, entries, strict=True))  # fmt: skip
+        if stored != tuple(param.logical):
+            raise ValueError(
+                f"FlaxModel: {where}.{key} of shape {tuple(param.logical)} is split over the tp "
+                f"axis {MODEL_AXIS!r}, which does not divide it (stored padded to {stored}): the "
+                f"module's own code would see the padding. Use sizes the axis divides, or a "
+                f"mesh whose {MODEL_AXIS!r} axis divides them"
             )
 
 
@@ -222,7 +245,10 @@ class FlaxModel(LanguageModel):
         if self.task not in TASKS:
             raise ValueError(f"FlaxModel: task must be one of {TASKS}; got {self.task!r}")
         try:
-            rules = dict(self.rules)
+            pairs = list(self.rules.items() if isinstance(self.rules, Mapping) else self.rules)
+            rules = {}
+            for name, axis in pairs:  # the first rule for a name holds (Flax's, MaxText's)
+                rules.setdefault(name, axis)
         except (TypeError, ValueError):
             raise TypeError(f"FlaxModel: rules must be (logical name, mesh axis or None) pairs, "
                             f"or a dict of them; got {self.rules!r}") from None  # fmt: skip
@@ -318,14 +344,38 @@ class FlaxModel(LanguageModel):
                 f"compute on blocks it does not know of. Train it under dp, fsdp, hsdp, zero1, tp "
                 f"or their compositions (2d, fsdp_tp, hsdp_tp)"
             )
+        self._check_heads(ctx)
         module = nnx.merge(self._graphdef, self._state)
+        swapped = {}
         for path, kind in self._layers.items():
-            layer = _at(module, path)
+            layer, p = _at(module, path), _at_dict(params, path)
             _check_layer(kind, layer, _path(path), ctx.precision)
-            swapped = _Swapped(ctx, kind, _at_dict(params, path), layer, _path(path))
-            _set_at(module, path, swapped)
-        with _attention_by(ctx):
-            return module(x), {}
+            _check_unpadded(p, _path(path))
+            swapped[path] = _Swapped(ctx, kind, p, layer, _path(path))
+            _set_at(module, path, swapped[path])
+        with attention_by(ctx, (self.num_heads, self.num_kv_heads)):
+            logits = module(x)
+        if self._head_layer is not None and logits is not swapped[self._head_layer[0]].output:
+            raise ValueError(
+                f"FlaxModel {self.name!r}: the module's output is not {_path(self._head_layer[0])}"
+                f"'s (the layer making {self._head_layer[1]} features, taken as the head); "
+                f"return the head's logits unchanged, from the one layer that makes them"
+            )
+        return logits, {}
+
+    def _check_heads(self, ctx) -> None:
+        """Under tp, the declared heads divide over the tp axis (each device's projections
+        then hold whole heads: the module's own attention reads them as heads)."""
+        if ctx.axis_name(MODEL_AXIS) is None or self.num_heads is None:
+            return
+        p = ctx.axis_size(MODEL_AXIS)
+        for name, count in (("num_heads", self.num_heads), ("num_kv_heads", self.num_kv_heads)):
+            if count is not None and count % p:
+                raise ValueError(
+                    f"FlaxModel {self.name!r}: {name}={count} is not divisible by the tp axis "
+                    f"{MODEL_AXIS!r} (size {p}): a device would hold part of a head. Use a "
+                    f"mesh whose {MODEL_AXIS!r} axis divides it"
+                )
 
     # --- the task's loss, metrics and batch checks
 
@@ -398,30 +448,47 @@ class _Swapped:
     ``Param``s (``p``: its dict, Flax's keys). A plain object: the module it sits in is only
     called, never split or transformed by Flax."""
 
-    def __init__(self, ctx, kind: str, p, layer, where: str = ""):
-        self.ctx, self.kind, self.p = ctx, kind, p
+    def __init__(self, ctx, kind: str, p, layer, where: str):
+        self.ctx, self.kind, self.p, self.where, self.output = ctx, kind, p, where, None
         self.geometry = _geometry(layer, where) if kind == GENERAL else None
         self.eps = getattr(layer, "epsilon", None)
         self.layer_norm = isinstance(layer, nnx.LayerNorm)
 
-    def __call__(self, x, out_sharding=None):
-        if out_sharding is not None:  # nnx's explicit-sharding mode: the layout is shardops'
-            raise ValueError(f"a layer called with out_sharding={out_sharding!r}: under "
-                             f"FlaxModel each layer's layout is the strategy's")  # fmt: skip
+    def __call__(self, x, *args, **kwargs):
+        given = [f"{k}={v!r}" for k, v in [*enumerate(args), *kwargs.items()] if v is not None]
+        if given:  # out_sharding, an Einsum's own equation, a norm's mask …
+            raise ValueError(f"{self.where}: called with {', '.join(given)}; under FlaxModel a "
+                             f"layer takes its input alone (its layout is the strategy's)")  # fmt: skip
         ctx, p = self.ctx, _as_shardops(self.kind, self.p)
         if self.kind == LINEAR:
-            return ctx.unit(lambda q, x: ctx.dense(q, x), p, x)
-        if self.kind == GENERAL:
-            return ctx.unit(lambda q, x: self.geometry.run(ctx, q, x), p, x)
-        if self.kind == EMBED:
-            return ctx.unit(lambda q, ids: ctx.embed(q, ids), p, x)
-        norm = ctx.layer_norm if self.layer_norm else ctx.rms_norm
-        return ctx.unit(lambda q, x: norm(q, x, eps=self.eps), p, x)
+            y = ctx.unit(lambda q, x: ctx.dense(q, x), p, x)
+        elif self.kind == GENERAL:
+            y = ctx.unit(lambda q, x: self.geometry.run(ctx, q, x), p, x)
+        elif self.kind == EMBED:
+            y = ctx.unit(lambda q, ids: ctx.embed(q, ids), p, x)
+        else:
+            norm = ctx.layer_norm if self.layer_norm else ctx.rms_norm
+            y = ctx.unit(lambda q, x: norm(q, x, eps=self.eps), p, x)
+        self.output = y
+        return y
+
+    def __getattr__(self, name: str):
+        """A swapped layer's parameters and options are the strategy's: reading them from the
+        module's code (``self.embed.embedding``) is refused, naming the layer."""
+        if name.startswith("__") or name in ("ctx", "kind", "p", "where"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"{self.where}.{name}: the module's code reads an attribute of a layer FlaxModel "
+            f"runs with shardops' kernel, whose parameters are laid out by the strategy; call "
+            f"the layer instead (a tied head: {self.where}.attend(x))"
+        )
 
     def attend(self, query):
         """``nnx.Embed.attend``: the logits of a tied head, ``query · embeddingᵀ``."""
         ctx = self.ctx
-        return ctx.unit(lambda q, x: ctx.tied_head(q, x), _as_shardops(EMBED, self.p), query)
+        self.output = ctx.unit(lambda q, x: ctx.tied_head(q, x), _as_shardops(EMBED, self.p),
+                               query)  # fmt: skip
+        return self.output
 
 
 def _as_shardops(kind: str, p: dict) -> dict:
@@ -429,71 +496,6 @@ def _as_shardops(kind: str, p: dict) -> dict:
     ``bias`` ``b``, ``embedding`` ``table``; a norm's ``scale`` and ``bias`` are the same)."""
     renames = {LINEAR: {"kernel": "w", "bias": "b"}, EMBED: {"embedding": "table"}}.get(kind, {})
     return {renames.get(k, k): v for k, v in p.items()}
-
-
-ATTENTION_FUNCTIONS = ((jax.nn, "dot_product_attention"), (nnx, "dot_product_attention"))
-"""The attention functions a module may call by attribute (``jax.nn.dot_product_attention(q, k,
-v, is_causal=True)``, ``nnx.dot_product_attention``): during the module's call they run the
-strategy's per-device attention (``build(attention=...)``: blocked, splash, einsum)."""
-
-
-@contextlib.contextmanager
-def _attention_by(ctx):
-    """``ATTENTION_FUNCTIONS`` replaced by ``ctx``'s per-device attention while the module runs
-    (restored after, whatever happens): the heads each device holds attend over its sequence."""
-    saved = [(owner, name, getattr(owner, name)) for owner, name in ATTENTION_FUNCTIONS]
-    for owner, name, original in saved:
-        setattr(owner, name, _local_attention(ctx, f"{owner.__name__}.{name}", original))
-    try:
-        yield
-    finally:
-        for owner, name, original in saved:
-            setattr(owner, name, original)
-
-
-def _local_attention(ctx, where: str, original):
-    """``where(query, key, value, ...)`` on this device's heads: ``q[B, T, N, h]`` over ``k,
-    v[B, T, K, h]`` (K divides N: query head j reads KV head j // (N/K)), causal or not, by the
-    layer context's attention core (``build(attention=...)``); ``o[B, T, N, h]`` in the query's
-    dtype. Called with what the core does not compute (a mask, a bias, another scale, lengths,
-    a window: ``nnx.MultiHeadAttention`` passes its mask) it runs ``original``, JAX's or Flax's
-    own, on the device's heads: a mask or bias over the heads broadcasts (``[B, 1, T, S]``), one
-    per head of the whole model does not fit the device's heads and fails there. Dropout is
-    refused: each device would draw its own."""
-
-    def attention(query, key, value, bias=None, mask=None, *args, is_causal=False, **options):
-        if options.get("dropout_rate", 0.0) and not options.get("deterministic", False):
-            raise ValueError(f"{where} with dropout: under FlaxModel each device would draw "
-                             f"its own; train without attention dropout (deterministic=True)")  # fmt: skip
-        given = [n for n, v in (("bias", bias), ("mask", mask), *options.items(),
-                                *enumerate(args)) if not _default(n, v, query)]  # fmt: skip
-        t, n = query.shape[1], query.shape[2]  # q[B, T, N, h]
-        if given or key.shape[1] != t or n % key.shape[2]:
-            return original(query, key, value, bias, mask, *args, is_causal=is_causal, **options)
-        dtype = ctx.precision.compute_dtype
-        q, k, v = (a.astype(dtype).transpose(0, 2, 1, 3) for a in (query, key, value))
-        o = shardops.layers.local_attention(q, k, v, causal=bool(is_causal),
-                                            precision=ctx.precision,
-                                            implementation=ctx.attention_implementation)  # fmt: skip
-        # o[B, N, T, h] in accum
-        return o.transpose(0, 2, 1, 3).astype(query.dtype)  # o[B, T, N, h]
-
-    attention.__wrapped__ = original
-    return attention
-
-
-_DEFAULTS = {"broadcast_dropout": True, "dropout_rate": 0.0, "deterministic": None}
-
-
-def _default(name, value, query) -> bool:
-    """Whether an attention option is at a value the core computes anyway."""
-    if value is None or value is False:
-        return True
-    if name == "scale":
-        return math.isclose(value, query.shape[-1] ** -0.5)
-    if name in ("broadcast_dropout", "deterministic", "promote_dtype", "dropout_rate", "dtype"):
-        return True  # no dropout (refused above): they change nothing; the policy sets dtype
-    return name in _DEFAULTS and value == _DEFAULTS[name]
 
 
 def _at(module, path):

@@ -187,8 +187,9 @@ def flax_model(name: str, module=flax_nnx) -> FlaxModel:
         return module.FlaxModel(
             MAKE["mlp"], rules=MLP_RULES, task="classify", name="flax mlp", example_shape=(24,)
         )
+    kv_heads = None if name == "mha" else CONFIG.num_kv_heads  # MHA: a KV head per query head
     return module.FlaxModel(MAKE[name], rules=flax_llama.RULES, name=f"flax {name}",
-                            num_heads=CONFIG.num_heads, num_kv_heads=CONFIG.num_kv_heads)  # fmt: skip
+                            num_heads=CONFIG.num_heads, num_kv_heads=kv_heads)  # fmt: skip
 
 
 def batches(name: str):
@@ -308,13 +309,14 @@ def test_attention_choices_and_remat_policies_reach_the_module(name, strategy, a
 ORIGINAL_ATTENTION = jax.nn.dot_product_attention
 
 
-def test_the_attention_runs_shardops_core_in_the_traced_step():
-    _check_attention_core(flax_nnx)
+@pytest.mark.parametrize("name", ["llama-sdpa", "llama-nnx-sdpa"])
+def test_the_attention_runs_shardops_core_in_the_traced_step(name):
+    _check_attention_core(flax_nnx, name)
 
 
-def _check_attention_core(module) -> None:
+def _check_attention_core(module, name: str = "llama-sdpa") -> None:
     """Under tp the traced step holds shardops' blocked core (its named scope), not JAX's."""
-    setup = models.build("tp", mesh_for(STRATEGIES["tp"]), model=flax_model("llama-sdpa", module),
+    setup = models.build("tp", mesh_for(STRATEGIES["tp"]), model=flax_model(name, module),
                          optimizer=optax.sgd(0.1), attention="blocked")  # fmt: skip
     state = setup.shard(setup.model.init(jax.random.key(0)))
     xs, ys = batches("llama")
@@ -448,7 +450,10 @@ def test_what_shardops_cannot_run_explicitly_is_refused_by_name(make, rules, str
 
 
 def _mutant(line: str, replacement: str):
-    return copies("shardops_models.interop", ("flax_nnx",), "flax", line, replacement)["flax_nnx"]
+    """A copy of ``flax_nnx`` (and the modules it imports), ``line`` replaced in the one
+    holding it."""
+    modules = ("_flax_dense", "_flax_attention", "flax_nnx")
+    return copies("shardops_models.interop", modules, "flax", line, replacement)["flax_nnx"]
 
 
 @pytest.mark.parametrize(
@@ -463,8 +468,8 @@ def _mutant(line: str, replacement: str):
          '''    renames = {LINEAR: {"kernel": "w"}, EMBED: {"embedding": "table"}}.get(kind, {})
     p = {k: v for k, v in p.items() if k != "bias"}''', "train"),
         # A norm's epsilon not passed on (the ctx layer's default, 1e-5, for the MLP's 1e-3).
-        ("        return ctx.unit(lambda q, x: norm(q, x, eps=self.eps), p, x)",
-         "        return ctx.unit(lambda q, x: norm(q, x), p, x)", "train"),
+        ("            y = ctx.unit(lambda q, x: norm(q, x, eps=self.eps), p, x)",
+         "            y = ctx.unit(lambda q, x: norm(q, x), p, x)", "train"),
         # The attention functions left as they are: JAX's own runs (the same values).
         ('ATTENTION_FUNCTIONS = ((jax.nn, "dot_product_attention"), (nnx, "dot_product_attention"))',
          "ATTENTION_FUNCTIONS = ()", "attention"),
@@ -609,3 +614,76 @@ def test_explain_names_each_collective_and_the_locator_compares_every_layer():
     assert report.first is None, report
     swapped = {"".join(f"[{k!r}]" for k in path) for path in model._layers}
     assert {row.layer for row in report.rows} == swapped | {"loss"}
+
+
+def _kv_unsplit(rules):
+    return [(n, None if n == "kv_heads" else a) for n, a in rules]
+
+
+@pytest.mark.parametrize(
+    ("name", "rules", "mesh", "match"),
+    [
+        # K/V replicated while the query heads are split: each device's query heads would
+        # read the wrong KV heads (JAX's own attention pairs them by local index).
+        ("llama-sdpa", _kv_unsplit(flax_llama.RULES), {"data": 4, "model": 2},
+         r"this device holds 2 query heads and 2 KV heads; the model's 4 and 2 split over "
+         r"'model' \(size 2\) give 2 and 1"),
+        # 2 KV heads over 4 devices: a device would hold half a head (stored padded).
+        ("llama-general", flax_llama.RULES, {"data": 2, "model": 4},
+         r"num_kv_heads=2 is not divisible by the tp axis 'model' \(size 4\)"),
+        # A hidden size the tp axis does not divide: the user's code would see the padding.
+        ("mlp-60", MLP_RULES, {"data": 1, "model": 8},
+         r"(up|down)\.kernel of shape \(\d+, \d+\) is split over the tp axis 'model', which "
+         r"does not divide it \(stored padded to \(\d+, \d+\)\)"),
+    ],
+    ids=["kv-replicated", "kv-heads-do-not-divide", "padded-hidden"],
+)  # fmt: skip
+def test_heads_and_widths_a_device_cannot_hold_whole_are_refused(name, rules, mesh, match):
+    if name == "mlp-60":
+        model = FlaxModel(lambda rngs: Mlp(24, 60, 8, rngs=rngs), rules=rules, task="classify",
+                          example_shape=(24,))  # fmt: skip
+    else:
+        model = FlaxModel(MAKE[name], rules=rules, num_heads=4, num_kv_heads=2)
+    setup = models.build("2d", mesh_for(mesh), model=model, optimizer=optax.sgd(0.1))
+    with pytest.raises(ValueError, match=match):
+        setup.collective_budget(8, 16)
+    assert jax.nn.dot_product_attention is ORIGINAL_ATTENTION  # restored after the error
+
+
+class ReadsItsEmbedding(nnx.Module):
+    def __init__(self, *, rngs):
+        self.embed = nnx.Embed(16, 8, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.embed(ids) @ self.embed.embedding[...].T  # a tied head by hand
+
+
+class PassesANormMask(nnx.Module):
+    def __init__(self, *, rngs):
+        self.norm, self.out = nnx.RMSNorm(4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.norm(x, mask=x > 0))
+
+
+@pytest.mark.parametrize(
+    ("make", "task", "match"),
+    [
+        (ReadsItsEmbedding, "lm", r"embed\.embedding: the module's code reads an attribute of a "
+                                  r"layer FlaxModel runs .*a tied head: embed\.attend\(x\)"),
+        (PassesANormMask, "classify", r"norm: called with mask=.*; under FlaxModel a layer takes "
+                                      r"its input alone"),
+    ],
+    ids=["reads-a-weight", "extra-argument"],
+)  # fmt: skip
+def test_a_module_that_reaches_into_a_swapped_layer_is_refused_by_name(make, task, match):
+    model = FlaxModel(lambda rngs: make(rngs=rngs), task=task, example_shape=(4,))
+    setup = models.build("dp", mesh_for(STRATEGIES["dp"]), model=model, optimizer=optax.sgd(0.1))
+    with pytest.raises(ValueError if task == "classify" else AttributeError, match=match):
+        setup.collective_budget(8, 4)
+
+
+def test_the_first_rule_for_a_name_holds_as_in_flax():
+    """MaxText's tables repeat a name (fallbacks); the first rule holds."""
+    model = FlaxModel(MAKE["mlp"], rules=[("mlp", "model"), ("mlp", None)], task="classify")
+    assert model.plan()["up"]["kernel"] == "column"
