@@ -350,6 +350,8 @@ def build_setups(parser, args):
         options = dict(precision=PRECISIONS[args.precision], attention=args.attention)
         setup = models.build(args.strategy, mesh, model=model, optimizer=optimizer,
                              remat=args.remat, microbatches=args.microbatches, **options)  # fmt: skip
+        if args.model == "flax-llama" and mesh is not None:  # a Flax module's layout checks
+            setup.collective_budget(setup.batch_multiple, args.context)  # run in its trace
         ref = (
             models.build("ref", model=model, optimizer=optimizer, **options)
             if args.compare_reference

@@ -24,7 +24,10 @@ A model may also declare (``declared`` reads them, once, with their defaults):
 - ``output_layer(params)`` (None): the layer that makes the logits, so that logits split over
   the vocabulary are gathered by ``setup.logits``;
 - ``bos_id`` (None): the token that begins a packed document;
-- ``aux_weights: Mapping[str, float]`` ({}): the weight of each auxiliary loss ``apply`` returns.
+- ``aux_weights: Mapping[str, float]`` ({}): the weight of each auxiliary loss ``apply`` returns;
+- ``abstract_batch(batch, seq) -> (x, y)`` (None): the abstract batch the budget and the cost
+  model trace (``ShapeDtypeStruct``s), where it is neither the MLP's ``x[B, sizes[0]]`` nor a
+  sequence model's ``ids[B, S]`` (``FlaxModel(task="classify")``).
 """
 
 from __future__ import annotations

@@ -127,19 +127,20 @@ def local_attention(q, k, v, *, causal: bool = False, segment_ids=None,
         ``o[B, H, S, hd]`` in ``precision.accum_dtype``.
     """
     check_implementation("local_attention", implementation)
-    if (
-        q.ndim != 4
-        or k.shape != v.shape
-        or k.shape[0::2] != q.shape[0::2]
-        or q.shape[1] % k.shape[1]
-    ):
+    fits = (q.ndim == k.ndim == v.ndim == 4 and k.shape == v.shape and k.shape[1] > 0
+            and (k.shape[0], k.shape[2], k.shape[3]) == (q.shape[0], q.shape[2], q.shape[3])
+            and q.shape[1] % k.shape[1] == 0)  # fmt: skip
+    if not fits:
         raise ValueError(
-            f"local_attention: q[B, H, S, hd] over k, v[B, n, S, hd] with n dividing H; got "
-            f"q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}"
+            f"local_attention: q[B, H, S, hd] over k, v[B, n, S, hd] (the same B, S and hd; "
+            f"n ≥ 1 dividing H: query head j reads KV head j // (H/n)); got q{tuple(q.shape)}, "
+            f"k{tuple(k.shape)}, v{tuple(v.shape)}. Transpose [B, S, heads, hd] inputs to "
+            f"[B, heads, S, hd], or repeat K/V to a head count dividing H"
         )
-    return _core(q, k, v, kv=_kv_heads.KvHeads(k.shape[1], None), heads=q.shape[1],
-                 causal=causal, segment_ids=segment_ids, precision=precision,
-                 implementation=implementation)  # fmt: skip
+    with jax.named_scope("shardops.local_attention"):
+        return _core(q, k, v, kv=_kv_heads.KvHeads(k.shape[1], None), heads=q.shape[1],
+                     causal=causal, segment_ids=segment_ids, precision=precision,
+                     implementation=implementation)  # fmt: skip
 
 
 def core_for(kv: _kv_heads.KvHeads, heads: int, causal: bool, segment_ids, precision: Precision,
