@@ -156,18 +156,20 @@ def _geometry(layer, where: str) -> Geometry:
 
 def _check_layer(kind: str, layer, where: str, precision=None) -> None:
     """Refuse a layer option the swapped layer would not honour (module docstring)."""
-    dot = getattr(layer, "dot_general", None)
-    custom = kind in (LINEAR, GENERAL) and (
-        dot not in (None, jax.lax.dot_general) or getattr(layer, "dot_general_cls", None)
-        or getattr(layer, "einsum_op", jnp.einsum) is not jnp.einsum
-        or layer.precision is not None or layer.preferred_element_type is not None
-    )  # fmt: skip
-    if custom:
-        raise ValueError(
-            f"{where}: {type(layer).__name__} with its own dot_general, einsum_op, precision or "
-            f"preferred_element_type; shardops runs dense layers with its kernels and its "
-            f"precision policy (build(precision=...)). Build the layer with the defaults"
-        )
+    if kind in (LINEAR, GENERAL):
+        options = {"dot_general": getattr(layer, "dot_general", None),
+                   "dot_general_cls": getattr(layer, "dot_general_cls", None),
+                   "einsum_op": getattr(layer, "einsum_op", None),
+                   "precision": layer.precision,
+                   "preferred_element_type": layer.preferred_element_type}  # fmt: skip
+        defaults = (None, jax.lax.dot_general, jnp.einsum)
+        own = [f"{k}={v!r}" for k, v in options.items() if not any(v is d for d in defaults)]
+        if own:
+            raise ValueError(
+                f"{where}: {type(layer).__name__} with {', '.join(own)}; shardops runs dense "
+                f"layers with its kernels and its precision policy (build(precision=...)). "
+                f"Build the layer without it"
+            )
     if kind == GENERAL:
         _geometry(layer, where)  # a layout shardops runs, else a ValueError naming it
     if kind == NORM:

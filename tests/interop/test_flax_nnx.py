@@ -691,3 +691,63 @@ def test_the_first_rule_for_a_name_holds_as_in_flax():
     """MaxText's tables repeat a name (fallbacks); the first rule holds."""
     model = FlaxModel(MAKE["mlp"], rules=[("mlp", "model"), ("mlp", None)], task="classify")
     assert model.plan()["up"]["kernel"] == "column"
+
+
+def _one(layer):
+    """A module holding one layer (``layer(rngs)``), called on its input."""
+
+    class One(nnx.Module):
+        def __init__(self, *, rngs):
+            self.layer = layer(rngs)
+
+        def __call__(self, x):
+            return self.layer(x)
+
+    return lambda rngs: One(rngs=rngs)
+
+
+def _features_split(rngs):
+    init = annotated(nnx.initializers.normal(1.0), ("vocab", "embed"))
+    return nnx.Embed(8, 4, embedding_init=init, rngs=rngs)
+
+
+@pytest.mark.parametrize(
+    ("make", "options", "rules", "match"),
+    [
+        (_one(lambda r: nnx.Linear(4, 2, precision="highest", rngs=r)), {}, (),
+         r"layer: Linear with precision='highest'; shardops runs dense layers with its kernels"),
+        (_one(lambda r: nnx.LayerNorm(4, reduction_axes=(-2, -1), rngs=r)), {}, (),
+         r"layer: LayerNorm over the last axis only"),
+        (_one(lambda r: nnx.LinearGeneral(4, 2, axis=0, rngs=r)), {}, (),
+         r"layer: nnx\.LinearGeneral\(axis=\(0,\), .*contracts the trailing dims of x"),
+        (_one(lambda r: nnx.Einsum("BD,DF->BF", (4, 2), (4,), rngs=r)), {}, (),
+         r"layer: nnx\.Einsum's bias \(4,\) is not its output features \(2,\)"),
+        (_one(_features_split), {"task": "lm"}, [("embed", "model")],
+         r"layer\.embedding: its features dim maps to 'model'"),
+        (_one(lambda r: nnx.RMSNorm(4, scale_init=annotated(nnx.initializers.ones_init(),
+                                                            ("embed",)), rngs=r)),
+         {}, [("embed", "model")], r"layer\.scale: a norm's features are not split"),
+        (_one(lambda r: nnx.Linear(4, 2, rngs=r)), {"task": "translate"}, (),
+         r"FlaxModel: task must be one of \('lm', 'classify'\); got 'translate'"),
+        (_one(lambda r: nnx.Linear(4, 2, rngs=r)), {}, 5, r"FlaxModel: rules must be"),
+        (lambda rngs: jnp.zeros(3), {}, (), r"make\(rngs\) must return an nnx\.Module; got"),
+        (_one(lambda r: nnx.Linear(4, 2, rngs=r)), {"task": "lm"}, (),
+         r"the module needs one nnx\.Embed \(the tokens'\); it has 0"),
+    ],
+    ids=["precision", "norm-axes", "general-axis", "einsum-bias", "embed-features",
+         "norm-split", "task", "rules", "not-a-module", "no-embed"],
+)  # fmt: skip
+def test_each_layer_option_shardops_cannot_honour_is_refused_at_once(make, options, rules,
+                                                                      match):  # fmt: skip
+    """Refused when the model is made or its plan read, before anything is traced."""
+    with pytest.raises((ValueError, TypeError), match=match):
+        FlaxModel(make, rules=rules, **{"task": "classify", **options}).plan()
+
+
+def test_a_classifier_needs_its_example_shape_and_integer_labels():
+    model = FlaxModel(_one(lambda r: nnx.Linear(4, 2, rngs=r)), task="classify")
+    with pytest.raises(ValueError, match=r"give example_shape \(one example's shape"):
+        model.abstract_batch(8, None)
+    with pytest.raises(ValueError, match=r"labels must be integer classes of shape \(8,\); got "
+                                         r"float32\(8, 2\)"):  # fmt: skip
+        model.check_batch(np.zeros((8, 4), np.float32), np.zeros((8, 2), np.float32))
