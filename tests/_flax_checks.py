@@ -1,0 +1,296 @@
+"""Shared checks of the Flax NNX tests (tests/interop/test_flax_nnx.py and
+test_flax_nnx_refusals.py): the modules, as their authors write them, their batches,
+the same module trained by Flax alone, and the trajectory check against it."""
+
+import functools
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from _cover import cover
+from _gpt_checks import TOL, check_budget, optimizer
+from _model_checks import TRAJECTORY_ERRORS, mesh_for
+from _mutants import copies
+from flax import nnx
+
+import shardops_models as models
+from shardops_models.interop import flax_nnx
+from shardops_models.interop.flax_nnx import FlaxModel
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+import flax_llama
+
+STEPS, BATCH, SEQ, SGD_LR, MIN_MOVE = 5, 16, 16, 0.5, 100
+# Flax's run and shardops' reduce in other orders (Flax's softmax cross-entropy over the whole
+# vocabulary, shardops' vocab-parallel one; the data axes' sums). The Llama's loss (≈ 5.6,
+# float32 ulp 4.8e-7) came within 3.8e-6 (8 ulps) of Flax's in every case under the default
+# run's compiler: held to 8e-6, twice that, still 100× under the 1e-3 that the mutants below
+# move it by (a bias dropped, a norm's epsilon lost). Parameters as the GPT's.
+TOL = {opt: {**bounds, "loss": 8e-6} for opt, bounds in TOL.items()}
+
+
+def annotated(init, names):
+    return nnx.with_partitioning(init, names)
+
+
+class Mlp(nnx.Module):
+    """An MLP as Flax's guide to scaling writes one: LayerNorm, then Linear → ReLU → Linear."""
+
+    def __init__(self, d_in: int, d_hidden: int, classes: int, *, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(d_in, epsilon=1e-3, rngs=rngs)
+        self.up = nnx.Linear(
+            d_in, d_hidden, rngs=rngs,
+            kernel_init=annotated(nnx.initializers.lecun_normal(), ("embed", "mlp")),
+            bias_init=annotated(nnx.initializers.normal(0.1), ("mlp",)),
+        )  # fmt: skip
+        self.down = nnx.Linear(
+            d_hidden, classes, rngs=rngs,
+            kernel_init=annotated(nnx.initializers.lecun_normal(), ("mlp", "embed")),
+            bias_init=annotated(nnx.initializers.normal(0.1), ("embed",)),
+        )  # fmt: skip
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(self.norm(x))))  # (B, classes)
+
+
+class SdpaAttention(flax_llama.Attention):
+    """The example's attention as many Flax models write it: ``jax.nn.dot_product_attention``
+    (grouped heads, causal), or Flax's own ``nnx.dot_product_attention`` over K/V repeated."""
+
+    def __call__(self, x):
+        b, s, hd, theta = x.shape[0], x.shape[1], self.c.head_dim, self.c.rope_theta
+        q = flax_llama.rope(self.wq(x).reshape(b, s, -1, hd), theta)  # (B, S, H, hd)
+        k = flax_llama.rope(self.wk(x).reshape(b, s, -1, hd), theta)  # (B, S, KV, hd)
+        v = self.wv(x).reshape(b, s, -1, hd)  # (B, S, KV, hd)
+        if self.flax:
+            group = q.shape[2] // k.shape[2]
+            k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+            o = nnx.dot_product_attention(q, k, v, is_causal=True)
+        else:
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, S, H, hd)
+        return self.wo(o.reshape(b, s, -1))
+
+
+def sdpa_llama(rngs, flax: bool = False):
+    """The example's Llama with ``SdpaAttention`` in each block."""
+    model = flax_llama.Llama(CONFIG, rngs=rngs)
+    for block in model.blocks:
+        attention = block.attn
+        attention.__class__ = SdpaAttention  # the same parameters, the other __call__
+        attention.flax = flax
+    return model
+
+
+class GeneralAttention(nnx.Module):
+    """Attention as MaxText writes it: ``nnx.LinearGeneral`` projections to ``[heads,
+    head_dim]`` and back from them (``axis=(-2, -1)``), JAX's dot-product attention."""
+
+    def __init__(self, c, *, rngs):
+        def proj(d_in, d_out, names, axis=-1):
+            init = annotated(nnx.initializers.lecun_normal(in_axis=0, out_axis=-1), names)
+            return nnx.LinearGeneral(d_in, d_out, axis=axis, use_bias=False, kernel_init=init,
+                                     rngs=rngs)  # fmt: skip
+
+        self.c, hd = c, c.head_dim
+        self.wq = proj(c.d_model, (c.num_heads, hd), ("embed", "heads", "head_dim"))
+        self.wk = proj(c.d_model, (c.num_kv_heads, hd), ("embed", "kv_heads", "head_dim"))
+        self.wv = proj(c.d_model, (c.num_kv_heads, hd), ("embed", "kv_heads", "head_dim"))
+        self.wo = proj((c.num_heads, hd), c.d_model, ("heads", "head_dim", "embed"), (-2, -1))
+
+    def __call__(self, x):
+        q = flax_llama.rope(self.wq(x), self.c.rope_theta)  # (B, S, H, hd)
+        k = flax_llama.rope(self.wk(x), self.c.rope_theta)  # (B, S, KV, hd)
+        o = jax.nn.dot_product_attention(q, k, self.wv(x), is_causal=True)  # (B, S, H, hd)
+        return self.wo(o)  # (B, S, D)
+
+
+class EinsumMlp(nnx.Module):
+    """SwiGLU written with ``nnx.Einsum`` (gemma's style), biased up projection."""
+
+    def __init__(self, c, *, rngs):
+        def einsum(equation, shape, names, bias=None):
+            init = annotated(nnx.initializers.lecun_normal(), names)
+            bias_init = annotated(nnx.initializers.normal(0.1), names[1:])
+            return nnx.Einsum(equation, shape, bias, kernel_init=init, bias_init=bias_init,
+                              rngs=rngs)  # fmt: skip
+
+        self.gate = einsum("BTD,DF->BTF", (c.d_model, c.d_ff), ("embed", "mlp"))
+        self.up = einsum("...D,DF->...F", (c.d_model, c.d_ff), ("embed", "mlp"), (c.d_ff,))
+        self.down = einsum("BTF,FD->BTD", (c.d_ff, c.d_model), ("mlp", "embed"))
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+def general_llama(rngs):
+    """The example's Llama with MaxText's projections and gemma's Einsum MLP in each block."""
+    model = flax_llama.Llama(CONFIG, rngs=rngs)
+    for block in model.blocks:
+        block.attn, block.mlp = GeneralAttention(CONFIG, rngs=rngs), EinsumMlp(CONFIG, rngs=rngs)
+    return model
+
+
+class MhaLm(nnx.Module):
+    """One block of Flax's own ``nnx.MultiHeadAttention`` (its causal mask from
+    ``nnx.make_causal_mask``) between an embedding and a head, as Flax's examples write it."""
+
+    def __init__(self, *, rngs):
+        c = CONFIG
+        init = annotated(nnx.initializers.normal(1.0), ("vocab", "embed"))
+        self.embed = nnx.Embed(c.vocab_size, c.d_model, embedding_init=init, rngs=rngs)
+        self.norm = nnx.LayerNorm(c.d_model, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(
+            c.num_heads, c.d_model, decode=False, keep_rngs=False, deterministic=True,
+            use_bias=False, rngs=rngs,
+            kernel_init=annotated(nnx.initializers.lecun_normal(), ("embed", "heads", "kv")),
+            out_kernel_init=annotated(nnx.initializers.lecun_normal(), ("heads", "kv", "embed")),
+        )  # fmt: skip
+        init = annotated(nnx.initializers.lecun_normal(), ("embed", "vocab"))
+        self.head = nnx.Linear(c.d_model, c.vocab_size, kernel_init=init, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.embed(ids)  # (B, S, D)
+        x = x + self.attn(self.norm(x), mask=nnx.make_causal_mask(ids))
+        return self.head(x)  # (B, S, V)
+
+
+MLP_RULES = (("batch", "data"), ("embed", None), ("mlp", "model"))
+CONFIG = flax_llama.Config()
+MAKE = {
+    "mlp": lambda rngs: Mlp(24, 64, 8, rngs=rngs),
+    "llama": lambda rngs: flax_llama.Llama(CONFIG, rngs=rngs),
+    "llama-sdpa": sdpa_llama,
+    "llama-nnx-sdpa": lambda rngs: sdpa_llama(rngs, flax=True),
+    "llama-general": general_llama,
+    "mha": lambda rngs: MhaLm(rngs=rngs),
+}
+
+
+def flax_model(name: str, module=flax_nnx) -> FlaxModel:
+    if name == "mlp":
+        return module.FlaxModel(
+            MAKE["mlp"], rules=MLP_RULES, task="classify", name="flax mlp", example_shape=(24,)
+        )
+    kv_heads = None if name == "mha" else CONFIG.num_kv_heads  # MHA: a KV head per query head
+    return module.FlaxModel(MAKE[name], rules=flax_llama.RULES, name=f"flax {name}",
+                            num_heads=CONFIG.num_heads, num_kv_heads=kv_heads)  # fmt: skip
+
+
+def batches(name: str):
+    rng = np.random.default_rng(1)
+    if name == "mlp":  # the Llamas' batches: tokens
+        xs = rng.normal(size=(STEPS, BATCH, 24)).astype(np.float32)
+        return xs, rng.integers(0, 8, (STEPS, BATCH)).astype(np.int32)
+    tokens = rng.integers(0, CONFIG.vocab_size, (STEPS, BATCH, SEQ + 1)).astype(np.int32)
+    return tokens[..., :-1], tokens[..., 1:]
+
+
+@functools.cache
+def flax_trajectory(name: str, opt_name: str):
+    """Losses, each step's gradients and the final parameters of the module trained by Flax
+    alone, unsharded (once per session for each module and optimizer)."""
+    with nnx.use_eager_sharding(False):
+        module = MAKE[name](nnx.Rngs(jax.random.key(0)))
+    opt = nnx.Optimizer(module, optimizer(opt_name, sharded=False, sgd_lr=SGD_LR), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(module, opt, x, y):
+        def loss(module):
+            return optax.softmax_cross_entropy_with_integer_labels(module(x), y).mean()
+
+        value, grads = nnx.value_and_grad(loss)(module)
+        opt.update(module, grads)
+        return value, grads
+
+    losses, grads = [], []
+    for x, y in zip(*batches(name), strict=True):
+        loss, g = step(module, opt, x, y)
+        losses.append(float(loss))
+        grads.append(nnx.to_pure_dict(g))
+    return np.array(losses), grads, nnx.to_pure_dict(nnx.state(module, nnx.Param))
+
+
+STRATEGIES = {"ref": None, "dp": {"data": 8}, "fsdp": {"data": 8}, "zero1": {"data": 8},
+              "tp": {"data": 1, "model": 2}, "2d": {"data": 4, "model": 2},
+              "fsdp_tp": {"data": 4, "model": 2},
+              "hsdp_tp": {"replica": 2, "data": 2, "model": 2}}  # fmt: skip
+CASES = cover(["mlp", "llama"], list(STRATEGIES), ["sgd", "adam"])
+
+
+def train(model, strategy: str, opt_name: str, name: str, budget: bool = False, **options):
+    """Losses, SGD's gradients as each step applied them ((p_t − p_t+1) / lr; none for Adam)
+    and the final parameters of ``model`` trained by shardops under ``strategy``."""
+    setup = models.build(strategy, mesh_for(STRATEGIES[strategy]), model=model,
+                         optimizer=optimizer(opt_name, sgd_lr=SGD_LR), **options)  # fmt: skip
+    state = setup.shard(model.init(jax.random.key(0)))
+    xs, ys = batches(name)
+    step = setup.train_step.lower(state, *setup.place_batch(xs[0], ys[0])).compile()
+    if budget:
+        check_budget(setup, step, xs.shape[1:])
+    losses, grads, before = [], [], setup.gather(state.params)
+    for x, y in zip(xs, ys, strict=True):
+        state, loss = step(state, *setup.place_batch(x, y))
+        losses.append(float(loss))  # one step in flight
+        if opt_name == "sgd":
+            after = setup.gather(state.params)
+            grads.append(jax.tree.map(lambda p, q: (np.float64(p) - q) / SGD_LR, before, after))
+            before = after
+    return np.array(losses), grads, setup.gather(state.params)
+
+
+def check_trains_like_flax(model, name: str, strategy: str, opt_name: str, budget=False,
+                           **options):  # fmt: skip
+    losses, grads, params = train(model, strategy, opt_name, name, budget, **options)
+    ref_losses, ref_grads, ref_params = flax_trajectory(name, opt_name)
+    tol = TOL[opt_name]
+    where = f"{model.name} under {strategy} with {opt_name}"
+    # SGD's gradients, read back from each step (rounding ulp(p) / lr ≤ 2.4e-7 at |p| ≤ 1),
+    # against Flax's own; Adam's are seen through its parameters.
+    grad_errors = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                   for g, r in zip(grads, ref_grads, strict=False)
+                   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r), strict=True)]  # fmt: skip
+    errors = {"loss": float(np.max(np.abs(losses - ref_losses))),
+              "grads": max(grad_errors, default=0.0), "params": 0.0}  # fmt: skip
+    assert errors["grads"] <= tol["grads"], (where, errors)
+    assert errors["loss"] <= tol["loss"], (where, losses, ref_losses)
+    start = model.init(jax.random.key(0))
+    for (path, p), q, p0 in zip(jax.tree_util.tree_leaves_with_path(params),
+                                jax.tree.leaves(ref_params), jax.tree.leaves(start),
+                                strict=True):  # fmt: skip
+        err = float(np.max(np.abs(np.asarray(p) - np.asarray(q))))
+        assert err <= tol["params"], f"{where}: {jax.tree_util.keystr(path)} off by {err:.2e}"
+        moved = float(np.max(np.abs(np.asarray(q) - np.asarray(p0))))
+        assert moved >= MIN_MOVE * tol["params"], f"{jax.tree_util.keystr(path)} moved {moved}"
+        errors["params"] = max(errors["params"], err)
+    mesh = STRATEGIES[strategy]
+    key = (f"{name} {strategy}", "x".join(map(str, mesh.values())) if mesh else "1", opt_name)
+    old = TRAJECTORY_ERRORS.get(key, {})  # the run's report: worst errors against Flax's run
+    TRAJECTORY_ERRORS[key] = {k: max(v, old.get(k, 0.0)) for k, v in errors.items()}
+
+
+ORIGINAL_ATTENTION = jax.nn.dot_product_attention
+
+
+def _check_attention_core(module, name: str = "llama-sdpa") -> None:
+    """Under tp the traced step holds shardops' blocked core (its named scope), not JAX's."""
+    setup = models.build("tp", mesh_for(STRATEGIES["tp"]), model=flax_model(name, module),
+                         optimizer=optax.sgd(0.1), attention="blocked")  # fmt: skip
+    state = setup.shard(setup.model.init(jax.random.key(0)))
+    xs, ys = batches("llama")
+    lowered = setup.train_step.lower(state, *setup.place_batch(xs[0], ys[0]))
+    assert "shardops.blocked_attention" in lowered.as_text(debug_info=True)
+
+
+def _mutant(line: str, replacement: str):
+    """A copy of ``flax_nnx`` (and the modules it imports), ``line`` replaced in the one
+    holding it."""
+    modules = ("_flax_dense", "_flax_attention", "flax_nnx")
+    return copies("shardops_models.interop", modules, "flax", line, replacement)["flax_nnx"]
+
+
+def _check_plan(model) -> None:
+    plan = model.plan()
+    assert plan["blocks"][0]["attn"]["wq"]["kernel"] == "column", plan
