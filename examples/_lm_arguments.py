@@ -272,10 +272,6 @@ def _check_flax(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if given:
         p.error(f"--model flax-llama trains examples/flax_llama.py as written: without "
                 f"{', '.join(given)} (use --model llama for them)")  # fmt: skip
-    if args.strategy.split("+")[0] in ("sp", "fsdp_sp"):
-        p.error(f"--model flax-llama under --strategy {args.strategy}: sequence parallelism "
-                f"splits the activations along the sequence, which the module's own attention "
-                f"does not know of; use tp, fsdp_tp, 2d or hsdp_tp (docs/flax.md)")  # fmt: skip
 
 
 def strategy_name(args: argparse.Namespace) -> str:

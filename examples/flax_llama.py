@@ -55,12 +55,15 @@ def norm(d, eps, rngs):
     return nnx.RMSNorm(d, epsilon=eps, scale_init=init, rngs=rngs)
 
 
-def rope(x, theta):
-    """Rotary positions (rotate-half) of ``x[B, S, heads, hd]`` at positions 0 … S−1."""
+def rope(x, theta, positions=None):
+    """Rotary positions (rotate-half) of ``x[B, S, heads, hd]`` at ``positions[B, S]`` (default
+    0 … S−1)."""
     half = x.shape[-1] // 2
+    if positions is None:
+        positions = jnp.arange(x.shape[1])[None]  # (1, S)
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # (hd/2,)
-    angle = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freq  # (S, hd/2)
-    cos, sin = jnp.cos(angle)[None, :, None], jnp.sin(angle)[None, :, None]  # (1, S, 1, hd/2)
+    angle = positions.astype(jnp.float32)[..., None] * freq  # (B, S, hd/2)
+    cos, sin = jnp.cos(angle)[:, :, None], jnp.sin(angle)[:, :, None]  # (B, S, 1, hd/2)
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
@@ -73,10 +76,10 @@ class Attention(nnx.Module):
         self.wv = dense(c.d_model, c.num_kv_heads * c.head_dim, ("embed", "kv_heads"), rngs)
         self.wo = dense(c.num_heads * c.head_dim, c.d_model, ("heads", "embed"), rngs)
 
-    def __call__(self, x):
-        b, s, hd = x.shape[0], x.shape[1], self.c.head_dim
-        q = rope(self.wq(x).reshape(b, s, -1, hd), self.c.rope_theta)  # (B, S, H, hd)
-        k = rope(self.wk(x).reshape(b, s, -1, hd), self.c.rope_theta)  # (B, S, KV, hd)
+    def __call__(self, x, positions=None):
+        b, s, hd, theta = x.shape[0], x.shape[1], self.c.head_dim, self.c.rope_theta
+        q = rope(self.wq(x).reshape(b, s, -1, hd), theta, positions)  # (B, S, H, hd)
+        k = rope(self.wk(x).reshape(b, s, -1, hd), theta, positions)  # (B, S, KV, hd)
         v = self.wv(x).reshape(b, s, -1, hd)  # (B, S, KV, hd)
         group = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)  # (B, S, H, hd)
@@ -105,8 +108,8 @@ class Block(nnx.Module):
         self.mlp_norm = norm(c.d_model, c.norm_eps, rngs)
         self.mlp = Mlp(c, rngs=rngs)
 
-    def __call__(self, x):
-        x = x + self.attn(self.attn_norm(x))
+    def __call__(self, x, positions=None):
+        x = x + self.attn(self.attn_norm(x), positions)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -118,8 +121,10 @@ class Llama(nnx.Module):
         self.norm = norm(c.d_model, c.norm_eps, rngs)
         self.head = dense(c.d_model, c.vocab_size, ("embed", "vocab"), rngs)
 
-    def __call__(self, ids):
+    def __call__(self, ids, positions=None):
+        """Logits ``[B, S, V]`` of ``ids[B, S]`` at ``positions[B, S]`` (MaxText's
+        ``decoder_positions``; default 0 … S−1)."""
         x = self.embed(ids)  # (B, S, D)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, positions)
         return self.head(self.norm(x))  # (B, S, V)

@@ -60,10 +60,10 @@ class SdpaAttention(flax_llama.Attention):
     """The example's attention as many Flax models write it: ``jax.nn.dot_product_attention``
     (grouped heads, causal), or Flax's own ``nnx.dot_product_attention`` over K/V repeated."""
 
-    def __call__(self, x):
+    def __call__(self, x, positions=None):
         b, s, hd, theta = x.shape[0], x.shape[1], self.c.head_dim, self.c.rope_theta
-        q = flax_llama.rope(self.wq(x).reshape(b, s, -1, hd), theta)  # (B, S, H, hd)
-        k = flax_llama.rope(self.wk(x).reshape(b, s, -1, hd), theta)  # (B, S, KV, hd)
+        q = flax_llama.rope(self.wq(x).reshape(b, s, -1, hd), theta, positions)  # (B, S, H, hd)
+        k = flax_llama.rope(self.wk(x).reshape(b, s, -1, hd), theta, positions)  # (B, S, KV, hd)
         v = self.wv(x).reshape(b, s, -1, hd)  # (B, S, KV, hd)
         if self.flax:
             group = q.shape[2] // k.shape[2]
@@ -100,9 +100,9 @@ class GeneralAttention(nnx.Module):
         self.wv = proj(c.d_model, (c.num_kv_heads, hd), ("embed", "kv_heads", "head_dim"))
         self.wo = proj((c.num_heads, hd), c.d_model, ("heads", "head_dim", "embed"), (-2, -1))
 
-    def __call__(self, x):
-        q = flax_llama.rope(self.wq(x), self.c.rope_theta)  # (B, S, H, hd)
-        k = flax_llama.rope(self.wk(x), self.c.rope_theta)  # (B, S, KV, hd)
+    def __call__(self, x, positions=None):
+        q = flax_llama.rope(self.wq(x), self.c.rope_theta, positions)  # (B, S, H, hd)
+        k = flax_llama.rope(self.wk(x), self.c.rope_theta, positions)  # (B, S, KV, hd)
         o = jax.nn.dot_product_attention(q, k, self.wv(x), is_causal=True)  # (B, S, H, hd)
         return self.wo(o)  # (B, S, D)
 
@@ -151,7 +151,7 @@ class MhaLm(nnx.Module):
         init = annotated(nnx.initializers.lecun_normal(), ("embed", "vocab"))
         self.head = nnx.Linear(c.d_model, c.vocab_size, kernel_init=init, rngs=rngs)
 
-    def __call__(self, ids):
+    def __call__(self, ids, positions=None):  # no positional encoding: positions unread
         x = self.embed(ids)  # (B, S, D)
         x = x + self.attn(self.norm(x), mask=nnx.make_causal_mask(ids))
         return self.head(x)  # (B, S, V)
@@ -169,14 +169,21 @@ MAKE = {
 }
 
 
+POSITIONS = ("llama-sdpa", "llama-nnx-sdpa", "llama-general")
+
+
 def flax_model(name: str, module=flax_nnx) -> FlaxModel:
     if name == "mlp":
         return module.FlaxModel(
             MAKE["mlp"], rules=MLP_RULES, task="classify", name="flax mlp", example_shape=(24,)
         )
     kv_heads = None if name == "mha" else CONFIG.num_kv_heads  # MHA: a KV head per query head
+    # The Llamas calling JAX's or Flax's attention take their positions (as MaxText's do): the
+    # ones context parallelism runs. The example's own (einsum attention) computes them.
+    positions = "positions" if name in POSITIONS else None
     return module.FlaxModel(MAKE[name], rules=flax_llama.RULES, name=f"flax {name}",
-                            num_heads=CONFIG.num_heads, num_kv_heads=kv_heads)  # fmt: skip
+                            num_heads=CONFIG.num_heads, num_kv_heads=kv_heads,
+                            positions=positions)  # fmt: skip
 
 
 def batches(name: str):
@@ -216,8 +223,16 @@ def flax_trajectory(name: str, opt_name: str):
 STRATEGIES = {"ref": None, "dp": {"data": 8}, "fsdp": {"data": 8}, "zero1": {"data": 8},
               "tp": {"data": 1, "model": 2}, "2d": {"data": 4, "model": 2},
               "fsdp_tp": {"data": 4, "model": 2},
-              "hsdp_tp": {"replica": 2, "data": 2, "model": 2}}  # fmt: skip
-CASES = cover(["mlp", "llama"], list(STRATEGIES), ["sgd", "adam"])
+              "hsdp_tp": {"replica": 2, "data": 2, "model": 2}, "dp_sp": {"data": 4, "model": 2},
+              "2d+ring": {"data": 2, "context": 2, "model": 2},
+              "fsdp+allgather": {"data": 2, "context": 4}, "dp+ulysses": {"data": 4, "context": 2},
+              "sp+ring": {"context": 4, "model": 2}}  # fmt: skip
+CONTEXT = ("2d+ring", "fsdp+allgather", "dp+ulysses", "sp+ring")
+"""The context-parallel strategies: for the Llamas that call JAX's or Flax's attention."""
+SEQUENCE_SPLIT = ("dp_sp",)
+"""The strategies that split the sequence: for the language models only."""
+CASES = cover(["mlp", "llama"], [s for s in STRATEGIES if s not in CONTEXT], ["sgd", "adam"],
+              valid=lambda name, strategy, _: name != "mlp" or strategy not in SEQUENCE_SPLIT)  # fmt: skip
 
 
 def train(model, strategy: str, opt_name: str, name: str, budget: bool = False, **options):

@@ -7,6 +7,13 @@ module's call (``attention_by``; restored after, whatever happens) by one that r
 ``attention=`` chose (blocked, splash on TPU, einsum). The replacement is process-wide while it
 lasts: another thread tracing a model at the same moment would see it too.
 
+Under context parallelism (a ``+ring``, ``+allgather`` or ``+ulysses`` strategy) each device's
+queries attend over the whole sequence by the strategy's method
+(``shardops.layers.local_attention(..., context=...)``); what the method does not compute (a
+mask, a bias) is refused there, since JAX's own would see the device's block alone. The calls
+are counted: a forward under cp that made none attends by code of its own, which is refused
+(``FlaxModel``).
+
 Each device holds whole heads under tp (the projections are split by head), so the attention
 needs no collective, provided the device's query heads and KV heads are the same groups as the
 model's: ``q[B, T, H/p, h]`` over ``k, v[B, T, KV/p, h]`` (or K/V repeated to ``H/p`` heads
@@ -40,16 +47,29 @@ strategy's per-device attention (``build(attention=...)``: blocked, splash, eins
 @contextlib.contextmanager
 def attention_by(ctx, heads: tuple[int | None, int | None]):
     """``ATTENTION_FUNCTIONS`` replaced by ``ctx``'s per-device attention while the module runs
-    (restored after, whatever happens); ``heads``: the model's declared ``(H, KV)``."""
+    (restored after, whatever happens); ``heads``: the model's declared ``(H, KV)``. Yields
+    the list of the calls' names, one per call."""
     saved = [(owner, name, getattr(owner, name)) for owner, name in ATTENTION_FUNCTIONS]
+    calls: list[str] = []
+    context = context_of(ctx)
     for owner, name, original in saved:
         where = f"{owner.__name__}.{name}"
-        setattr(owner, name, _local_attention(ctx, where, original, heads, repeated=owner is nnx))
+        setattr(owner, name, _local_attention(ctx, where, original, heads, owner is nnx, context,
+                                              calls))  # fmt: skip
     try:
-        yield
+        yield calls
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
+
+
+def context_of(ctx):
+    """The context-parallel attention of ``ctx``'s strategy (``shardops.layers.ContextParallel``,
+    as its kinds give it to an attention layer: ``Kind.attention_options``), or None."""
+    options = {"positions": None, "segment_ids": None, "rope_theta": None}
+    for kind in ctx.strategy.kinds:
+        options = kind.attention_options(ctx, options)
+    return options.get("context")
 
 
 def check_local_heads(ctx, where: str, query_heads: int, kv_heads: int, declared,
@@ -80,7 +100,7 @@ def check_local_heads(ctx, where: str, query_heads: int, kv_heads: int, declared
         )
 
 
-def _local_attention(ctx, where: str, original, declared, repeated: bool):
+def _local_attention(ctx, where: str, original, declared, repeated: bool, context, calls):
     """``where(query, key, value, ...)`` on this device's heads: ``q[B, T, N, h]`` over ``k,
     v[B, T, K, h]`` (K divides N: query head j reads KV head j // (N/K)), causal or not, by the
     layer context's attention core (``build(attention=...)``); ``o[B, T, N, h]`` in the query's
@@ -88,7 +108,9 @@ def _local_attention(ctx, where: str, original, declared, repeated: bool):
     a window: ``nnx.dot_product_attention`` passes its mask on) it runs ``original``, JAX's own,
     on the device's heads: a mask or bias over all heads broadcasts (``[B, 1, T, S]``), one per
     head of the whole model does not fit the device's heads and fails there. Dropout is
-    refused: each device would draw its own."""
+    refused: each device would draw its own. Under context parallelism (``context``) the
+    device's block of the sequence attends over the whole of it by the context method; JAX's
+    own would see the block alone, so what the method does not compute is refused."""
 
     def attention(query, key, value, bias=None, mask=None, *args, is_causal=False, **options):
         if options.get("dropout_rate", 0.0) and not options.get("deterministic", False):
@@ -98,13 +120,24 @@ def _local_attention(ctx, where: str, original, declared, repeated: bool):
         given = [n for n, v in (("bias", bias), ("mask", mask), *options.items(),
                                 *enumerate(args)) if not _default(n, v, query)]  # fmt: skip
         t, n = query.shape[1], query.shape[2]  # q[B, T, N, h]
-        if given or query.ndim != 4 or key.shape[1] != t or n % key.shape[2]:
+        fits = query.ndim == 4 and key.shape[1] == t and not n % key.shape[2]
+        if context is not None and (given or not fits):
+            raise ValueError(
+                f"{where} under context parallelism, called with "
+                f"{', '.join(given) or f'q{tuple(query.shape)}, k{tuple(key.shape)}'}: each "
+                f"device holds its block of the sequence, which shardops' context attention "
+                f"sees whole; it computes q[B, T, N, h] over k, v[B, T, K, h] (K dividing N), "
+                f"causal by is_causal=True, with no mask, bias or other scale"
+            )
+        calls.append(where)
+        if given or not fits:
             return original(query, key, value, bias, mask, *args, is_causal=is_causal, **options)
         dtype = ctx.precision.compute_dtype
         q, k, v = (a.astype(dtype).transpose(0, 2, 1, 3) for a in (query, key, value))
         o = shardops.layers.local_attention(q, k, v, causal=bool(is_causal),
                                             precision=ctx.precision,
-                                            implementation=ctx.attention_implementation)  # fmt: skip
+                                            implementation=ctx.attention_implementation,
+                                            context=context)  # fmt: skip
         # o[B, N, T, h] in accum
         return o.transpose(0, 2, 1, 3).astype(query.dtype)  # o[B, T, N, h]
 

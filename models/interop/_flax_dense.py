@@ -56,9 +56,10 @@ class Geometry:
             leaves["bias"] = tuple(bias)
         return Role(name, leaves)
 
-    def run(self, ctx, p: dict, x):
+    def run(self, ctx, p: dict, x, whole_sequence: bool = False):
         """``y[..., *out]`` of ``x[..., *in]`` by ``ctx.dense`` on the flattened kernel (``p``:
-        the layer's ``Param``s, ready: inside ``ctx.unit``)."""
+        the layer's ``Param``s, ready: inside ``ctx.unit``; ``whole_sequence`` as
+        ``ctx.dense``'s)."""
         kernel = ctx.array(p["kernel"])  # k[*in, *out]: this device's block, whole over data
         d_in, d_out = kernel.shape[: self.n_in], kernel.shape[self.n_in :]
         if tuple(x.shape[x.ndim - self.n_in :]) != tuple(d_in):
@@ -72,7 +73,8 @@ class Geometry:
             bias = ctx.array(p["bias"])
             flat["b"] = p["bias"].replace(value=bias.reshape(-1), pending=None, logical=None,
                                           spec=P(axis) if role == COLUMN else P())  # fmt: skip
-        y = ctx.dense(flat, x.reshape(*x.shape[: x.ndim - self.n_in], math.prod(d_in)))
+        y = ctx.dense(flat, x.reshape(*x.shape[: x.ndim - self.n_in], math.prod(d_in)),
+                      whole_sequence=whole_sequence)  # fmt: skip
         return y.reshape(*y.shape[:-1], *d_out)  # y[..., *out]
 
 

@@ -43,6 +43,13 @@ the attention needs no collective for. A parameter that no swapped layer owns (a
 error naming its path and class before anything is traced: shardops never replicates or gathers
 a weight it cannot see used.
 
+**A split sequence.** Under sp each norm's output is gathered along S once
+(``ctx.gather_sequence``), so a sublayer's own code sees the whole sequence and its column
+layers read that one gather; row layers and the embedding return the residual stream's block
+(``_SequenceSplit``). Under cp the module takes its positions from ``FlaxModel(positions=)``
+and its attention runs by the context method (``_flax_attention``); a module that cannot honour
+either is refused (``docs/flax.md``).
+
 **The task.** ``task="lm"``: ``ids[B, S]`` → ``logits[B, S, V]``, next-token labels, the loss,
 metrics and batch checks of ``models.Gpt`` (``PAD_LABEL`` skipped); the head is the ``nnx.Linear``
 whose ``out_features`` is the vocabulary (or the embedding's ``attend``), its logits left split
@@ -82,9 +89,6 @@ SWAPPED = {nnx.Linear: LINEAR, nnx.LinearGeneral: GENERAL, nnx.Einsum: GENERAL, 
 """The Flax layers shardops runs with its kernels, by what each becomes."""
 TASKS = ("lm", "classify")
 NOT_YET = {
-    "sp": "splits the activations between layers along the sequence (the attention's "
-          "reshapes read x.shape)",
-    "cp": "splits the sequence, whose positions the module computes itself",
     "ep": "needs the experts as one ctx.moe layer",
     "pp": "needs the blocks stacked and run by ctx.scan",
 }  # fmt: skip
@@ -227,6 +231,11 @@ class FlaxModel(LanguageModel):
         num_heads, num_kv_heads: the attention's head counts, if it has any (tp checks that
             its axis divides them: each device's projections then hold whole heads).
         context: the longest sequence (``task="lm"``; default: unbounded).
+        positions: the keyword by which the module's ``__call__`` takes each token's position,
+            ``positions[B, S]`` int32 (MaxText's ``decoder_positions``, gemma's ``positions``):
+            given, it is passed under every strategy, under context parallelism each device's
+            own (its chunks of the load-balanced layout, ``ctx.local_tokens``). Required under
+            cp, where the module cannot compute them from its block.
         example_shape: one example's shape (``task="classify"``), for the abstract batch the
             budget and the cost model trace (``setup.collective_budget``).
     """
@@ -238,6 +247,7 @@ class FlaxModel(LanguageModel):
     num_heads: int | None = None
     num_kv_heads: int | None = None
     context: int = sys.maxsize
+    positions: str | None = None
     example_shape: tuple[int, ...] | None = None
     module_type: str = dataclasses.field(init=False, default="")
     """The module's class (``package.Class``): with the parameters' paths and shapes, what a
@@ -343,20 +353,44 @@ class FlaxModel(LanguageModel):
             raise ValueError(
                 f"FlaxModel {self.name!r} under {ctx.strategy.name!r}: {refused[0]} "
                 f"{NOT_YET[refused[0]]}, so the module's own code between its layers would "
-                f"compute on blocks it does not know of. Train it under dp, fsdp, hsdp, zero1, tp "
-                f"or their compositions (2d, fsdp_tp, hsdp_tp)"
+                f"compute on blocks it does not know of. Train it under dp, fsdp, hsdp, zero1, tp, "
+                f"sp, cp or their compositions (2d, fsdp_tp, hsdp_tp, hsdp_sp, 2d+ring)"
             )
         self._check_heads(ctx)
+        context = [k.name for k in ctx.strategy.kinds if k.splits_sequence]
+        if context and self.positions is None:
+            raise ValueError(
+                f"FlaxModel {self.name!r} under {ctx.strategy.name!r}: context parallelism "
+                f"gives each device chunks i and 2N−1−i of the sequence, whose positions the "
+                f"module cannot compute from its block (an arange over x.shape would restart at "
+                f"0). Take them as an argument of the module's __call__ (MaxText's "
+                f"decoder_positions) and name it: FlaxModel(positions='positions')"
+            )
+        kwargs = {}
+        if self.positions is not None:
+            whole = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+            kwargs[self.positions] = ctx.local_tokens(whole)  # positions[B, S(_context)]
+        split = None
+        if self.task == "lm":
+            split = _SequenceSplit.of(ctx, ctx.local_tokens(x))
         module = nnx.merge(self._graphdef, self._state)
         swapped = {}
         for path, kind in self._layers.items():
             layer, p = _at(module, path), _at_dict(params, path)
             _check_layer(kind, layer, _path(path), ctx.precision)
             _check_unpadded(p, _path(path))
-            swapped[path] = _Swapped(ctx, kind, p, layer, _path(path))
+            swapped[path] = _Swapped(ctx, kind, p, layer, _path(path), split)
             _set_at(module, path, swapped[path])
-        with attention_by(ctx, (self.num_heads, self.num_kv_heads)):
-            logits = module(x)
+        with attention_by(ctx, (self.num_heads, self.num_kv_heads)) as calls:
+            logits = module(x, **kwargs)
+        if context and not calls:
+            raise ValueError(
+                f"FlaxModel {self.name!r} under {ctx.strategy.name!r}: the module called no "
+                f"attention shardops runs (jax.nn.dot_product_attention or "
+                f"nnx.dot_product_attention), so its own attention would see this device's "
+                f"block of the sequence alone. Under context parallelism call one of them with "
+                f"is_causal=True"
+            )
         if self._head_layer is not None and logits is not swapped[self._head_layer[0]].output:
             raise ValueError(
                 f"FlaxModel {self.name!r}: the module's output is not {_path(self._head_layer[0])}"
@@ -445,13 +479,50 @@ class FlaxModel(LanguageModel):
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class _SequenceSplit:
+    """Under sp, how a layer's input lies along S: the whole sequence (``seq`` tokens: inside a
+    sublayer, after a norm or a column layer) or this device's block of it (``seq / parts``:
+    between the layers, the residual stream)."""
+
+    seq: int
+    parts: int
+
+    @classmethod
+    def of(cls, ctx, ids):
+        """The split of a forward on ``ids[B, S]`` (whole), or None without sp."""
+        if not any(k.sequence_axes for k in ctx.strategy.kinds):
+            return None
+        return cls(ids.shape[1], ctx.axis_size(MODEL_AXIS))
+
+    def whole(self, x, where: str) -> bool | None:
+        """Whether ``x[B, S?, ...]`` holds the whole sequence (else this device's block); None
+        for an input without a sequence dim."""
+        if x.ndim < 3:
+            return None
+        if x.shape[1] in (self.seq, self.seq // self.parts):
+            return x.shape[1] == self.seq
+        raise ValueError(
+            f"{where}: x{tuple(x.shape)} under sequence parallelism: its dim 1 is neither the "
+            f"whole sequence ({self.seq} tokens, inside a sublayer) nor this device's block of "
+            f"it ({self.seq // self.parts}, between layers); the module's code between its "
+            f"layers keeps the sequence dim where it is"
+        )
+
+
 class _Swapped:
     """A Flax layer's place in the module, run by the layer context ``ctx`` on the layer's
     ``Param``s (``p``: its dict, Flax's keys). A plain object: the module it sits in is only
-    called, never split or transformed by Flax."""
+    called, never split or transformed by Flax.
 
-    def __init__(self, ctx, kind: str, p, layer, where: str):
+    Under sp (``split``) a norm's output is gathered along S once (``ctx.gather_sequence``),
+    so the sublayer's own code sees the whole sequence (its reshapes and masks read
+    ``x.shape``), and the column layers reading it do not gather it again; a row layer's
+    output is reduced back to this device's block of the sequence, as are the embedding's."""
+
+    def __init__(self, ctx, kind: str, p, layer, where: str, split: _SequenceSplit | None):
         self.ctx, self.kind, self.p, self.where, self.output = ctx, kind, p, where, None
+        self.split = split
         self.geometry = _geometry(layer, where) if kind == GENERAL else None
         self.eps = getattr(layer, "epsilon", None)
         self.layer_norm = isinstance(layer, nnx.LayerNorm)
@@ -462,17 +533,47 @@ class _Swapped:
             raise ValueError(f"{self.where}: called with {', '.join(given)}; under FlaxModel a "
                              f"layer takes its input alone (its layout is the strategy's)")  # fmt: skip
         ctx, p = self.ctx, _as_shardops(self.kind, self.p)
-        if self.kind == LINEAR:
-            y = ctx.unit(lambda q, x: ctx.dense(q, x), p, x)
-        elif self.kind == GENERAL:
-            y = ctx.unit(lambda q, x: self.geometry.run(ctx, q, x), p, x)
+        whole = None
+        if self.split is not None and self.kind != EMBED:
+            whole = self.split.whole(x, self.where)
+        if self.kind in (LINEAR, GENERAL):
+            whole = self._dense_input(whole)
+            if self.kind == LINEAR:
+                y = ctx.unit(lambda q, x: ctx.dense(q, x, whole_sequence=whole), p, x)
+            else:
+                y = ctx.unit(lambda q, x: self.geometry.run(ctx, q, x, whole), p, x)
         elif self.kind == EMBED:
             y = ctx.unit(lambda q, ids: ctx.embed(q, ids), p, x)
         else:
             norm = ctx.layer_norm if self.layer_norm else ctx.rms_norm
             y = ctx.unit(lambda q, x: norm(q, x, eps=self.eps), p, x)
+            if whole is False:  # sp: the sublayer's input, gathered once for its column layers
+                y = ctx.gather_sequence(y)
         self.output = y
         return y
+
+    def _dense_input(self, whole: bool | None) -> bool:
+        """Under sp, whether a dense layer's input is the whole sequence (``ctx.dense``'s
+        ``whole_sequence``), checked against its role: a row layer reads the whole sequence
+        (a column layer's output), a replicated one this device's block."""
+        if whole is None:
+            return False
+        role = self.p["kernel"].role
+        if role == ROW and not whole:
+            raise ValueError(
+                f"{self.where}: row-parallel under sequence parallelism, but its input is this "
+                f"device's block of the sequence; a row layer reads the output of column layers "
+                f"(the whole sequence, split by features)"
+            )
+        if role == REPLICATED and whole:
+            raise ValueError(
+                f"{self.where}: replicated (no logical dim of its kernel maps to {MODEL_AXIS!r}) "
+                f"but under sequence parallelism its input is the whole sequence (a norm's "
+                f"gathered output or a column layer's); its output would not match the residual "
+                f"stream's block. Split it (column: its out dim to {MODEL_AXIS!r}), or train "
+                f"under tp"
+            )
+        return whole and role == COLUMN
 
     def __getattr__(self, name: str):
         """A swapped layer's parameters and options are the strategy's: reading them from the
@@ -488,8 +589,9 @@ class _Swapped:
     def attend(self, query):
         """``nnx.Embed.attend``: the logits of a tied head, ``query · embeddingᵀ``."""
         ctx = self.ctx
-        self.output = ctx.unit(lambda q, x: ctx.tied_head(q, x), _as_shardops(EMBED, self.p),
-                               query)  # fmt: skip
+        whole = self.split is not None and self.split.whole(query, self.where) is True
+        self.output = ctx.unit(lambda q, x: ctx.tied_head(q, x, whole_sequence=whole),
+                               _as_shardops(EMBED, self.p), query)  # fmt: skip
         return self.output
 
 

@@ -33,16 +33,16 @@ class Layers:
     ``precision``, ``attention_implementation``, parameter values (``_arrays``, ``_value``)
     and axes (``axis_name``) they use."""
 
-    def _layer_kernel(self, hook: str, *args):
+    def _layer_kernel(self, hook: str, *args, **options):
         """The first answer of the kinds' layer hook ``hook`` (``Kind.dense``, …), asked from
         the innermost kind (tensor) out, or None where none runs the layer."""
         for kind in reversed(self.strategy.kinds):
-            y = getattr(kind, hook)(self, *args)
+            y = getattr(kind, hook)(self, *args, **options)
             if y is not None:
                 return y
         return None
 
-    def _dense(self, p, x):
+    def _dense(self, p, x, whole_sequence: bool = False):
         """``x[..., D] · w + b``: by the kind that runs ``p["w"]``'s role (tp's column and
         row kernels), else local. A weight a kind left split (``pending``: fsdp's route) is
         that kind's first."""
@@ -54,7 +54,8 @@ class Layers:
             y = self._splitter.pending_dense(self, p, x)
             if y is not None:
                 return y
-        y = self._layer_kernel("dense", p, x)
+        whole = {"whole_sequence": True} if whole_sequence else {}  # kinds without sp omit it
+        y = self._layer_kernel("dense", p, x, **whole)
         if y is not None:
             return y
         w, b = self._arrays(p, "w", "dense"), self._optional(p, "b")
@@ -99,14 +100,16 @@ class Layers:
     def _rms_norm(self, p, x, eps):
         return shardops.rms_norm(x, self._optional(p, "scale"), eps=eps)
 
-    def dense(self, p, x):
+    def dense(self, p, x, *, whole_sequence: bool = False):
         """``x[..., D] · w + b`` by the role of ``p["w"]``: column-parallel, row-parallel or
         local. Under sp, ``x[B, S_model, D]`` is gathered along S by a column layer and a row
-        layer's output is reduce-scattered back along S. Keys: ``w``, optionally ``b``."""
+        layer's output is reduce-scattered back along S; ``whole_sequence``: a column layer's
+        ``x[B, S, D]`` is the whole sequence already (``gather_sequence``), not gathered
+        again. Keys: ``w``, optionally ``b``."""
         _check_keys(p, "dense", LAYER_KEYS["dense"])
         k = x.shape[-1] * self._split_size(p["w"], 0)  # D: a row layer's x holds D/p of it
         return self._tap(
-            self._dense(p, x),
+            self._dense(p, x, whole_sequence),
             p,
             k=k,
             features_split=self.is_split(p),
@@ -222,20 +225,30 @@ class Layers:
         features: a column layer (a vocab table) under tp (``Kind.splits_output``)."""
         return any(kind.splits_output(p) for kind in self.strategy.kinds)
 
-    def tied_head(self, p, x):
+    def gather_sequence(self, x):
+        """Under sp, ``x[b, S_model, ...]`` (a norm's output, between layers) gathered along S
+        over the tp axis into the whole sequence, once for the several column layers that read
+        it (``dense(..., whole_sequence=True)``: q, k and v; gate and up). Megatron's "g" once
+        per sublayer; the backward ReduceScatters their summed ``dx``. Else ``x``."""
+        y = self._layer_kernel("gather_sequence", x)
+        return x if y is None else y
+
+    def tied_head(self, p, x, *, whole_sequence: bool = False):
         """Logits ``x[b, S, D] · table[V, D]ᵀ`` of the embedding's own table (tied input and
         output embeddings): under tp vocab-parallel, ``logits[b, S, V_model]`` never gathered,
         ``x`` entering the region as a column layer's input (sp: gathered along S), so
         ``dx`` is AllReduced (sp: ReduceScattered) over the tp axis; else a local product.
         The table's gradient is the sum of both uses (autodiff adds them; under FSDP each use
-        gathers it and ReduceScatters its part). Keys: ``table``."""
+        gathers it and ReduceScatters its part). ``whole_sequence`` as ``dense``'s. Keys:
+        ``table``."""
         _check_keys(p, "tied_head", LAYER_KEYS["embed"])
         table, role = self._arrays(p, "table", "tied_head"), p["table"].role
         if role not in (VOCAB, REPLICATED):
             raise ValueError(f"{p['table'].path}: a tied head takes role vocab or replicated; "
                              f"the plan says {role!r}")  # fmt: skip
         w = table.T  # w[D, V(_model)]: the table's rows as output columns
-        y = self._layer_kernel("tied_head", p, w, x)
+        whole = {"whole_sequence": True} if whole_sequence else {}
+        y = self._layer_kernel("tied_head", p, w, x, **whole)
         if y is None:
             y = shardops.dense(x, w, precision=self.precision)
         return self._tap(

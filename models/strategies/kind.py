@@ -161,9 +161,16 @@ class Kind:
     # where none answers, the local kernel (``shardops.dense``, …). The layer has checked the
     # plan role (one the layer takes) and made its parameters ready (``ctx.unit``) already.
 
-    def dense(self, ctx, p, x):
+    def dense(self, ctx, p, x, whole_sequence: bool = False):
         """``x[..., D] · w + b`` of the dense layer ``p`` (``Param`` leaves ``w``, optional
-        ``b``) where this kind runs it, else None."""
+        ``b``) where this kind runs it, else None. ``whole_sequence`` (passed only when true):
+        under a kind splitting the activations along S, ``x`` is the whole sequence already
+        (``ctx.gather_sequence``)."""
+        return None
+
+    def gather_sequence(self, ctx, x):
+        """``x`` split along S between layers by this kind (sp), gathered whole
+        (``ctx.gather_sequence``), else None."""
         return None
 
     def embed(self, ctx, p, ids):
@@ -193,9 +200,9 @@ class Kind:
         """``down(activation(gate(x)) ⊙ up(x))`` where this kind runs it, else None."""
         return None
 
-    def tied_head(self, ctx, p, w, x):
+    def tied_head(self, ctx, p, w, x, whole_sequence: bool = False):
         """``x · w`` with ``w = table.T`` (``p``: the embedding's parameters) where this kind
-        runs the tied head, else None."""
+        runs the tied head, else None; ``whole_sequence`` as ``dense``'s."""
         return None
 
     def splits_output(self, p) -> bool:

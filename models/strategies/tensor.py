@@ -12,7 +12,8 @@ attention heads.
 
 The kernel each role runs (the layer hooks, which ``ctx.dense`` and the other layers ask):
 
-    dense        column: ``column_parallel_dense_kernel`` (sp: x gathered along S)
+    dense        column: ``column_parallel_dense_kernel`` (sp: x gathered along S, unless
+                 ``ctx.gather_sequence`` gathered it once for several layers)
                  row: ``row_parallel_dense_kernel`` (AllReduce; sp: ReduceScatter along S)
     embed        vocab: ``vocab_parallel_embedding_kernel``; a replicated table under sp:
                  the local lookup, this device's block of S kept (dx AllReduced)
@@ -56,6 +57,15 @@ _WHOLE_LOGITS = shardops.comm.Reason("whole_logits", forward={
 _SEQUENCE_BLOCK = shardops.comm.Reason("embedding_sequence_block", backward={
     "psum": "every device looks up the whole sequence and keeps its block over {axis} "
             "(sequence parallelism): the zero-padded dx are summed",
+})  # fmt: skip
+
+
+_SUBLAYER_GATHER = shardops.comm.Reason("sublayer_sequence_gather", forward={
+    "all_gather": "a sublayer's input is split over {axis} along the sequence (sequence "
+                  "parallelism) and its column layers read all of it: gathered once for them",
+}, backward={
+    "psum_scatter": "it is the transpose of that gather: the column layers' dx partial sums "
+                    "are reduced and split back over {axis}",
 })  # fmt: skip
 
 
@@ -129,7 +139,7 @@ class TensorKind(Kind):
 
     # --- the kernel each plan role runs (the module docstring's table)
 
-    def dense(self, ctx, p, x):
+    def dense(self, ctx, p, x, whole_sequence: bool = False):
         role, sp = p["w"].role, self.sequence and x.ndim > 2
         if role not in (COLUMN, ROW):
             return None
@@ -137,7 +147,8 @@ class TensorKind(Kind):
         ring = ctx.collective_matmul
         if role == COLUMN:
             return shardops.layers.column_parallel_dense_kernel(
-                x, w, b, gather_input=sp, gather_dimension=SEQUENCE_DIM, axis_name=self.axis,
+                x, w, b, gather_input=sp and not whole_sequence, gather_dimension=SEQUENCE_DIM,
+                gathered_input=sp and whole_sequence, axis_name=self.axis,
                 out_features=_logical(p["w"], 1), precision=ctx.precision,
                 collective_matmul=ring,
             )  # fmt: skip
@@ -149,6 +160,14 @@ class TensorKind(Kind):
             in_features=_logical(p["w"], 0), precision=ctx.precision,
             collective_matmul=ring,
         )  # fmt: skip
+
+    def gather_sequence(self, ctx, x):
+        if not self.sequence or self.axis not in shardops.varying_axes(x):
+            return None
+        with shardops.comm.because(_SUBLAYER_GATHER, self.axis):
+            whole = shardops.comm.gather_to_region(x, self.axis, SEQUENCE_DIM,
+                                                   ctx.precision.accum_dtype)  # fmt: skip
+        return whole.astype(x.dtype)  # x[B, S, ...]
 
     def embed(self, ctx, p, ids):
         table, precision = ctx._arrays(p, "table", "embed"), ctx.precision
@@ -204,11 +223,12 @@ class TensorKind(Kind):
                              "(gate and up column, down row): it sees the whole sequence")  # fmt: skip
         return None
 
-    def tied_head(self, ctx, p, w, x):
+    def tied_head(self, ctx, p, w, x, whole_sequence: bool = False):
         if p["table"].role == VOCAB:
+            sp = self.sequence and x.ndim > 2
             return shardops.layers.column_parallel_dense_kernel(
-                x, w, gather_input=self.sequence and x.ndim > 2, gather_dimension=SEQUENCE_DIM,
-                axis_name=self.axis, out_features=_logical(p["table"], 0),
+                x, w, gather_input=sp and not whole_sequence, gather_dimension=SEQUENCE_DIM,
+                gathered_input=sp and whole_sequence, axis_name=self.axis, out_features=_logical(p["table"], 0),
                 precision=ctx.precision,
             )  # fmt: skip
         if self.sequence:

@@ -108,10 +108,11 @@ def _core(q, k, v, kv: _kv_heads.KvHeads, heads: int, causal: bool, segment_ids,
 
 
 def local_attention(q, k, v, *, causal: bool = False, segment_ids=None,
-                    precision: Precision = FLOAT32, implementation: str = "auto"):  # fmt: skip
+                    precision: Precision = FLOAT32, implementation: str = "auto",
+                    context=None):  # fmt: skip
     """Softmax attention of one device's query heads over its keys, by ``implementation``:
     what each device computes inside head-parallel attention, for attention code of one's own
-    (a foreign model's ``dot_product_attention``). No communication.
+    (a foreign model's ``dot_product_attention``). No communication, unless ``context``.
 
     Arguments:
         q: the queries, shape ``(B, H, S, hd)``.
@@ -122,6 +123,11 @@ def local_attention(q, k, v, *, causal: bool = False, segment_ids=None,
         precision: the policy (products in its compute dtype, accumulated in its accum dtype).
         implementation: one of ``IMPLEMENTATIONS`` (``"auto"``: splash on TPU under a bf16
             compute dtype where it fits, else blocked).
+        context: a ``ContextParallel`` (inside ``shard_map``, its axis bound): ``q``, ``k``,
+            ``v`` and ``segment_ids`` are this device's block ``S = S_global / N`` of the
+            load-balanced layout (``balanced_order``), and each query attends over the whole
+            sequence by the context method (K/V gathered, passed round a ring, or Ulysses'
+            all-to-all), causal by the tokens' global positions.
 
     Returns:
         ``o[B, H, S, hd]`` in ``precision.accum_dtype``.
@@ -137,10 +143,12 @@ def local_attention(q, k, v, *, causal: bool = False, segment_ids=None,
             f"k{tuple(k.shape)}, v{tuple(v.shape)}. Transpose [B, S, heads, hd] inputs to "
             f"[B, heads, S, hd], or repeat K/V to a head count dividing H"
         )
+    if context is not None:
+        context.check_local("local_attention", q.shape[2], q.shape[1], k.shape[1])
+    core = core_for(_kv_heads.KvHeads(k.shape[1], None), q.shape[1], causal, segment_ids,
+                    precision, implementation, context)  # fmt: skip
     with jax.named_scope("shardops.local_attention"):
-        return _core(q, k, v, kv=_kv_heads.KvHeads(k.shape[1], None), heads=q.shape[1],
-                     causal=causal, segment_ids=segment_ids, precision=precision,
-                     implementation=implementation)  # fmt: skip
+        return core(q, k, v)
 
 
 def core_for(kv: _kv_heads.KvHeads, heads: int, causal: bool, segment_ids, precision: Precision,

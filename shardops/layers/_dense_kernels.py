@@ -85,6 +85,7 @@ def column_parallel_dense_kernel(
     out_features: int | None = None,
     precision: Precision = FLOAT32,
     collective_matmul: str | None = None,
+    gathered_input: bool = False,
 ):
     """Column-parallel dense on local blocks: ``x[..., D] · w[D, F_model] + b[F_model] → y[..., F_model]``.
 
@@ -104,6 +105,11 @@ def column_parallel_dense_kernel(
             arrived (``_collective_dense.all_gather_dense``); ``"bidirectional"`` needs an even
             block along ``gather_dimension``. Without ``gather_input`` the forward pass has no
             collective to overlap, and the option changes nothing.
+        gathered_input: ``x[.., S, .., D]`` was gathered already along its split dim by
+            ``shardops.comm.gather_to_region`` (Megatron's sequence-parallel "g" once, read by
+            several column layers: q, k and v of one normed input), so it varies over
+            ``axis_name``: this layer communicates nothing, and the gather's backward
+            ReduceScatters the layers' summed ``dx``.
 
     Returns:
         ``y[..., F/p]`` in compute dtype, or ``y[..., F]`` with ``gather_output``.
@@ -117,6 +123,7 @@ def column_parallel_dense_kernel(
         (``_mappings``), then cast to ``x``'s dtype once. ``dw`` and ``db`` are local. The
         backward of ``gather_output`` is a local slice (the gathered ``y`` is invariant, so is
         its cotangent).
+        ``gathered_input``: none either way (the caller's gather and its ReduceScatter).
         ``collective_matmul`` with ``gather_input``: forward p − 1 collective-permutes of
         ``x``'s block per direction (in ``x``'s dtype), backward p − 1 of ``dx``'s partial sums
         (in ``accum_dtype``), the same bytes as the AllGather and ReduceScatter they replace.
@@ -127,6 +134,9 @@ def column_parallel_dense_kernel(
     check_sharded_over(w, axis_name, "w", op)
     _check_local_shapes(x, w, b, op)
     accum = precision.accum_dtype
+    if gather_input and gathered_input:
+        raise ValueError(f"{op}: gather_input and gathered_input both set; an input is split "
+                         f"(gather_input: this layer gathers it) or gathered already, not both")  # fmt: skip
     if gather_input:
         gather_dimension = _check_dim(gather_dimension, x.ndim - 1, "gather_dimension", op)
     if gather_input and collective_matmul is not None:
@@ -146,6 +156,8 @@ def column_parallel_dense_kernel(
             # x_block[.., S/p, .., D] → x[.., S, .., D]; backward: ReduceScatter of dx in accum.
             with because(_COLUMN_GATHER, axis_name):
                 x = gather_to_region(x, axis_name, gather_dimension, accum)  # x[..., D] in accum
+        elif gathered_input:  # gathered by the caller: its backward reduces dx
+            x = x.astype(accum)  # x[..., D] in accum
         else:
             check_replicated_over(x, axis_name, "x", op)
             # Megatron's "f": identity forward; backward: AllReduce of dx over model in accum.

@@ -50,10 +50,21 @@ def test_a_flax_module_trains_like_flax_trains_it(name, strategy, opt_name):
 
 
 @pytest.mark.parametrize(
+    ("name", "strategy", "opt_name"),
+    [("llama-sdpa", "2d+ring", "sgd"), ("llama-general", "fsdp+allgather", "adam"),
+     ("llama-nnx-sdpa", "dp+ulysses", "sgd"), ("llama-sdpa", "sp+ring", "adam")],
+)  # fmt: skip
+def test_context_parallelism_trains_like_flax(name, strategy, opt_name):
+    """Each device's chunks of the sequence at their positions (``FlaxModel(positions=)``),
+    its queries over the whole sequence by each context method, with tp, fsdp and sp."""
+    check_trains_like_flax(flax_model(name), name, strategy, opt_name)
+
+
+@pytest.mark.parametrize(
     ("name", "strategy", "attention", "remat"),
-    [("llama-sdpa", "tp", "einsum", False), ("llama-sdpa", "fsdp_tp", "blocked", "full"),
+    [("llama-sdpa", "dp_sp", "einsum", False), ("llama-sdpa", "fsdp_tp", "blocked", "full"),
      ("llama-nnx-sdpa", "2d", "auto", "matmuls"), ("llama", "hsdp_tp", "auto", "full")],
-    ids=["jax-sdpa-einsum", "jax-sdpa-blocked-remat", "nnx-sdpa-remat", "einsum-remat"],
+    ids=["jax-sdpa-einsum-sp", "jax-sdpa-blocked-remat", "nnx-sdpa-remat", "einsum-remat"],
 )  # fmt: skip
 def test_attention_choices_and_remat_policies_reach_the_module(name, strategy, attention, remat):
     """A module calling ``jax.nn.dot_product_attention`` or ``nnx.dot_product_attention`` runs
@@ -71,11 +82,11 @@ def test_the_attention_runs_shardops_core_in_the_traced_step(name):
 
 @pytest.mark.parametrize(
     ("strategy", "opt_name"),
-    [("tp", "sgd"), ("fsdp_tp", "adam"), ("hsdp_tp", "sgd"), ("zero1", "adam")],
+    [("tp", "sgd"), ("fsdp_tp", "adam"), ("hsdp_tp", "sgd"), ("zero1", "adam"), ("dp_sp", "sgd")],
 )
 def test_linear_general_and_einsum_layers_train_like_flax(strategy, opt_name):
     """``nnx.LinearGeneral`` to and from ``[heads, head_dim]`` and ``nnx.Einsum`` as dense
-    layers: column-parallel by head, row-parallel over the heads, under tp and fsdp."""
+    layers: column-parallel by head, row-parallel over the heads, under tp, fsdp and sp."""
     plan = flax_model("llama-general").plan()["blocks"][0]
     assert (plan["attn"]["wq"]["kernel"], plan["attn"]["wo"]["kernel"]) == ("column", "row")
     assert (plan["mlp"]["up"]["bias"], plan["mlp"]["down"]["kernel"]) == ("column", "row")
@@ -83,7 +94,7 @@ def test_linear_general_and_einsum_layers_train_like_flax(strategy, opt_name):
                            budget=strategy != "zero1")  # fmt: skip
 
 
-@pytest.mark.parametrize(("strategy", "opt_name"), [("tp", "adam"), ("fsdp_tp", "sgd")])
+@pytest.mark.parametrize(("strategy", "opt_name"), [("dp_sp", "adam"), ("fsdp_tp", "sgd")])
 def test_flax_multi_head_attention_with_its_mask_trains_like_flax(strategy, opt_name):
     """``nnx.MultiHeadAttention``: its ``LinearGeneral`` projections swapped (by head), its
     masked attention Flax's own on each device's heads (a ``[B, 1, T, S]`` mask broadcasts)."""
@@ -121,21 +132,33 @@ HAND = {
     # 3 × 16,384 (74,240); the final norm 256; the head [64, 128] 32,768: 214,272; and the loss.
     "llama": {("all-reduce", ("model",), "f32"): (19, 16 * 16384 + 3 * 256),
               ("all-reduce", ("data",), "f32"): (22, 214272 + 4)},
+    # The same Llama under dp_sp (data = 4 × model = 2): over model, the whole x[4, 16, 64] =
+    # 16,384 bytes AllGathered forward after each of the 5 norms (2 a block and the final one:
+    # the sublayer's input, once for its column layers) and ReduceScattered forward by the
+    # embedding and the 4 row layers, each transposed in the backward: 10 AllGathers and 10
+    # ReduceScatters; AllReduces of the loss's 3 [4, 16] values (768) and of the 5 norm scales'
+    # gradients (5 × 256: replicated, applied to sequence blocks). Over data as under 2d.
+    "llama-sp": {("all-gather", ("model",), "f32"): (10, 10 * 16384),
+                 ("reduce-scatter", ("model",), "f32"): (10, 10 * 16384),
+                 ("all-reduce", ("model",), "f32"): (8, 3 * 256 + 5 * 256),
+                 ("all-reduce", ("data",), "f32"): (22, 214272 + 4)},
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", sorted(HAND))
-def test_the_ledger_under_2d_is_the_count_by_hand(name):
-    """The traced step asks for ``HAND[name]`` (count and bytes), and the compiled step moves
-    those bytes."""
-    setup = models.build("2d", mesh_for(STRATEGIES["2d"]), model=flax_model(name),
+@pytest.mark.parametrize("case", sorted(HAND))
+def test_the_ledger_is_the_count_by_hand(case):
+    """The traced step asks for ``HAND[case]`` (count and bytes) under 2d (``-sp``: dp_sp),
+    and the compiled step moves those bytes."""
+    name, sp = case.removesuffix("-sp"), case.endswith("-sp")
+    strategy = "dp_sp" if sp else "2d"
+    setup = models.build(strategy, mesh_for(STRATEGIES[strategy]), model=flax_model(name),
                          optimizer=optax.sgd(SGD_LR))  # fmt: skip
     xs, ys = batches(name)
-    assert by_dtype(setup.budget(*xs.shape[1:]).requested) == HAND[name]
+    assert by_dtype(setup.budget(*xs.shape[1:]).requested) == HAND[case]
     state = setup.shard(setup.model.init(jax.random.key(0)))
     compiled = setup.train_step.lower(state, *setup.place_batch(xs[0], ys[0])).compile()
     moved = by_dtype(shardops.inspect.collectives(setup.mesh, compiled))
-    assert {k: b for k, (_, b) in moved.items()} == {k: b for k, (_, b) in HAND[name].items()}
+    assert {k: b for k, (_, b) in moved.items()} == {k: b for k, (_, b) in HAND[case].items()}
 
 
 def test_a_checkpoint_saved_under_2d_restores_under_fsdp_and_into_the_flax_module(tmp_path):
@@ -184,9 +207,9 @@ def test_the_example_trains_the_flax_llama_like_its_unsharded_run(tmp_path):
 
 @pytest.mark.parametrize(
     ("flags", "says"),
-    [(["--moe"], "without --moe"), (["--strategy", "sp", "--mesh", "2x4"], "sequence parallelism"),
+    [(["--moe"], "without --moe"),
      (["--mesh", "1x8"], "num_heads=4 is not divisible by the tp axis 'model' (size 8)")],
-    ids=["moe", "sp", "heads"],
+    ids=["moe", "heads"],
 )  # fmt: skip
 def test_the_example_refuses_what_a_flax_module_cannot_honour(flags, says, capsys):
     """A usage error (exit status 2), before any step: flags, and a mesh the heads do not

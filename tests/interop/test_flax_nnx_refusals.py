@@ -100,16 +100,18 @@ def _split_both(rngs):
                                             r"layer's contraction"),
         (_head_dim_split, [("head_dim", "model")], "2d", ValueError,
          r"the dims mapped to 'model' are \[2\] of a kernel \[\*in \(1 dims\), \*out\]"),
-        ("llama", flax_llama.RULES, "sp", ValueError,
-         r"FlaxModel 'flax' under 'sp': sp splits the activations between layers"),
+        ("llama", flax_llama.RULES, "2d+ep", ValueError,
+         r"strategy '2d\+ep' splits experts over 'expert' \(ep\), and the model's plan gives "
+         r"no parameter the role 'experts'"),
     ],
     ids=["conv", "own-matmul", "dtype", "param-dtype", "rngs", "both-dims", "data-rule", "einsum", "head-dim",
-         "sp"],
+         "ep"],
 )  # fmt: skip
 def test_what_shardops_cannot_run_explicitly_is_refused_by_name(make, rules, strategy, error,
                                                                  match):  # fmt: skip
     make = MAKE[make] if make == "llama" else make
-    mesh = {"dp": {"data": 8}, "2d": {"data": 4, "model": 2}, "sp": {"data": 4, "model": 2}}
+    mesh = {"dp": {"data": 8}, "2d": {"data": 4, "model": 2},
+            "2d+ep": {"data": 2, "expert": 2, "model": 2}}  # fmt: skip
     with pytest.raises(error, match=match):
         model = FlaxModel(lambda rngs: make(rngs=rngs), rules=rules, task="classify"
                           if make is not MAKE["llama"] else "lm", example_shape=(4,),
@@ -117,6 +119,37 @@ def test_what_shardops_cannot_run_explicitly_is_refused_by_name(make, rules, str
         setup = models.build(strategy, mesh_for(mesh[strategy]), model=model,
                              optimizer=optax.sgd(0.1))  # fmt: skip
         setup.collective_budget(8, 16)  # traces the step: the layers meet the strategy here
+
+
+@pytest.mark.parametrize(
+    ("name", "positions", "rules", "strategy", "match"),
+    [
+        # Context parallelism: positions the module would compute from its block.
+        ("llama-sdpa", None, flax_llama.RULES, "2d+ring",
+         r"under '2d\+ring': context parallelism gives each device chunks i and 2N−1−i .* "
+         r"FlaxModel\(positions='positions'\)"),
+        # Its own einsum attention would see the block alone.
+        ("llama", "positions", flax_llama.RULES, "2d+ring",
+         r"the module called no attention shardops runs"),
+        # nnx.MultiHeadAttention's causal mask over the whole sequence (Flax's attention
+        # passes it on to JAX's): the context method computes no mask.
+        ("mha", "positions", flax_llama.RULES, "2d+ring",
+         r"jax\.nn\.dot_product_attention under context parallelism, called with mask"),
+        # Sequence parallelism: a replicated MLP reading the gathered norm output.
+        ("llama", None, [(n, None if n == "mlp" else a) for n, a in flax_llama.RULES], "dp_sp",
+         r"blocks\.0\.mlp\.gate: replicated .* under sequence parallelism its input is the "
+         r"whole sequence"),
+    ],
+    ids=["cp-no-positions", "cp-own-attention", "cp-mha-mask", "sp-replicated-mlp"],
+)  # fmt: skip
+def test_a_split_sequence_the_module_cannot_see_is_refused(name, positions, rules, strategy,
+                                                           match):  # fmt: skip
+    model = FlaxModel(MAKE[name], rules=rules, positions=positions, num_heads=4,
+                      num_kv_heads=None if name == "mha" else 2)  # fmt: skip
+    setup = models.build(strategy, mesh_for(STRATEGIES[strategy]), model=model,
+                         optimizer=optax.sgd(0.1))  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        setup.collective_budget(8, 16)  # traces the step
 
 
 @pytest.mark.parametrize(
@@ -136,19 +169,24 @@ def test_what_shardops_cannot_run_explicitly_is_refused_by_name(make, rules, str
         # The attention functions left as they are: JAX's own runs (the same values).
         ('ATTENTION_FUNCTIONS = ((jax.nn, "dot_product_attention"), (nnx, "dot_product_attention"))',
          "ATTENTION_FUNCTIONS = ()", "attention"),
+        # Under cp, each device's queries over its own block only (no context method).
+        ("                                            context=context)  # fmt: skip",
+         "                                            context=None)  # fmt: skip", "context"),
     ],
-    ids=["linear-replicated", "bias-dropped", "norm-eps-dropped", "attention-not-swapped"],
+    ids=["linear-replicated", "bias-dropped", "norm-eps-dropped", "attention-not-swapped",
+         "block-attention-under-cp"],
 )  # fmt: skip
 def test_a_mutant_of_the_adapter_is_caught(line, replacement, check):
     module = _mutant(line, replacement)
-    name = "llama" if check == "plan" else "mlp"
+    name = {"plan": "llama", "context": "llama-sdpa"}.get(check, "mlp")
     with pytest.raises(AssertionError):
         if check == "plan":
             _check_plan(flax_model(name, module))
         elif check == "attention":
             _check_attention_core(module)
         else:
-            check_trains_like_flax(flax_model(name, module), name, "2d", "sgd")
+            strategy = "2d+ring" if check == "context" else "2d"
+            check_trains_like_flax(flax_model(name, module), name, strategy, "sgd")
 
 
 def test_the_unmutated_adapter_copy_passes():

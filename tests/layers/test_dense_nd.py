@@ -1,7 +1,10 @@
 """N-D inputs, sequence parallelism along S, and uneven widths: every layer option on every
 mesh equals the float64 reference, and padding is exactly zero wherever it could leak."""
 
+import functools
+
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -16,6 +19,7 @@ from _dense_checks import (
     ROW_SEQ_OPTIONS,
     check_dense,
 )
+from jax.sharding import PartitionSpec as P
 
 import shardops
 
@@ -235,3 +239,58 @@ ND_BUDGETS = {
 def test_rank_3_collectives_ask_for_their_bytes(case):
     layer, options, precision, out_features, expected = ND_BUDGETS[case]
     assert requested_bytes(layer, options, precision, out_features=out_features) == expected
+
+
+def _collective_counts(jaxpr) -> dict:
+    counts: dict = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("all_gather", "reduce_scatter", "psum", "psum_scatter"):
+            counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            for k, n in _collective_counts(sub).items():
+                counts[k] = counts.get(k, 0) + n
+    return counts
+
+
+def test_one_gathered_input_feeds_two_column_layers_like_their_own_gathers():
+    """``gathered_input``: q and k column layers reading one ``gather_to_region`` of x[B, S/p,
+    D] (Megatron's "g" once a sublayer, ``ctx.gather_sequence``) compute the outputs and the
+    gradients (dx: the gather's ReduceScatter of both layers' partial sums) of each layer
+    gathering x itself, with one AllGather and one ReduceScatter instead of two each; and the
+    two options together are refused."""
+    mesh = shardops.make_mesh({"model": 4})
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 8, 16)).astype(np.float32)  # x[B, S, D], split along S
+    wq, wk = (rng.normal(size=(16, 12)).astype(np.float32) for _ in range(2))
+    cq, ck = (rng.normal(size=(2, 8, 12)).astype(np.float32) for _ in range(2))
+    kernel = shardops.layers.column_parallel_dense_kernel
+
+    def loss(once, x, wq, wk, cq, ck):
+        if once:
+            whole = shardops.comm.gather_to_region(x, "model", 1, jnp.float32)
+            q, k = (kernel(whole, w, gathered_input=True) for w in (wq, wk))
+        else:
+            q, k = (kernel(x, w, gather_input=True, gather_dimension=1) for w in (wq, wk))
+        return jax.lax.psum(jnp.sum(q * cq) + jnp.sum(k * ck), "model")
+
+    def grads(once):
+        specs = (P(None, "model"), P(None, "model"), P(None, "model"), P(None, None, "model"),
+                 P(None, None, "model"))  # fmt: skip
+        fn = jax.shard_map(jax.value_and_grad(functools.partial(loss, once), argnums=(0, 1, 2)),
+                           mesh=mesh, in_specs=(P(None, "model"), *specs[1:]),
+                           out_specs=(P(), (P(None, "model"), *specs[1:3])))  # fmt: skip
+        return jax.jit(fn), fn
+
+    args = (x, wq, wk, cq, ck)
+    (value, dx), (v1, d1) = ((r[0], r[1]) for r in (grads(True)[0](*args), grads(False)[0](*args)))
+    np.testing.assert_allclose(value, v1, rtol=1e-6)
+    for a, b in zip(dx, d1, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-6)
+    once, twice = (_collective_counts(jax.make_jaxpr(grads(o)[1])(*args).jaxpr)
+                   for o in (True, False))  # fmt: skip
+    assert (once["all_gather"], twice["all_gather"]) == (1, 2), (once, twice)
+    assert (once["reduce_scatter"], twice["reduce_scatter"]) == (1, 2), (once, twice)
+    with pytest.raises(ValueError, match=r"gather_input and gathered_input both set"):
+        jax.shard_map(lambda x, w: kernel(x, w, gather_input=True, gathered_input=True),
+                      mesh=mesh, in_specs=(P(None, "model"), P(None, "model")),
+                      out_specs=P(None, None, "model"))(x, wq)  # fmt: skip

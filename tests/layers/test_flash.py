@@ -469,6 +469,34 @@ def test_local_attention_is_softmax_attention_in_float64(implementation, seq, ca
     np.testing.assert_allclose(np.asarray(o), expected, atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("method", ["ring", "allgather", "ulysses"])
+def test_local_attention_over_a_context_axis_is_the_whole_sequences(method):
+    """``local_attention(..., context=)``: each device's block of the load-balanced layout
+    attends over the whole sequence by the method, causal by global position, and equals the
+    unsplit attention in float64 (the bound of the test above), grouped heads included."""
+    from jax.sharding import PartitionSpec as P
+
+    n, seq = 2, 16
+    mesh = shardops.make_mesh({"context": n})
+    rng = np.random.default_rng(4)
+    q = rng.normal(size=(2, 4, seq, 8)).astype(np.float32)  # (B, H, S, hd)
+    k, v = (rng.normal(size=(2, 2, seq, 8)).astype(np.float32) for _ in range(2))
+    order = shardops.layers.balanced_order(seq, n)  # device-major: device i's chunks
+    context = shardops.layers.ContextParallel("context", method)
+    split = P(None, None, "context")
+    run = jax.shard_map(
+        lambda q, k, v: shardops.layers.local_attention(q, k, v, causal=True, context=context),
+        mesh=mesh, in_specs=(split,) * 3, out_specs=split,
+    )  # fmt: skip
+    o = np.asarray(run(*(t[:, :, order] for t in (q, k, v))))[:, :, np.argsort(order)]
+    kh, vh = (np.repeat(t.astype(np.float64), 2, axis=1) for t in (k, v))
+    scores = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), kh) / np.sqrt(8)
+    scores = np.where(np.tril(np.ones((seq, seq), bool)), scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = np.einsum("bhqk,bhkd->bhqd", weights / weights.sum(-1, keepdims=True), vh)
+    np.testing.assert_allclose(o, expected, atol=2e-6, rtol=0)
+
+
 def test_local_attention_refuses_heads_that_do_not_group():
     q, k = np.zeros((1, 3, 4, 2), np.float32), np.zeros((1, 2, 4, 2), np.float32)
     with pytest.raises(ValueError, match=r"q\[B, H, S, hd\] over k, v\[B, n, S, hd\] \(the same "
