@@ -175,7 +175,8 @@ def make_model(args):
 
 def flax_model(args):
     """examples/flax_llama.py's Llama (Flax NNX) of ``--model llama``'s sizes, as
-    ``FlaxModel`` trains it (``docs/flax.md``): its own rules table, its heads declared."""
+    ``FlaxModel`` trains it (``docs/flax.md``): its own rules table, its heads declared, its
+    positions passed (MaxText's ``decoder_positions``)."""
     import flax_llama
 
     from shardops_models.interop.flax_nnx import FlaxModel
@@ -187,7 +188,8 @@ def flax_model(args):
                                d_ff=default_d_ff(args.width), num_layers=args.layers)  # fmt: skip
     return FlaxModel(lambda rngs: flax_llama.Llama(config, rngs=rngs), rules=flax_llama.RULES,
                      name=f"flax llama L={args.layers} D={args.width} H={args.heads}/{kv_heads}",
-                     num_heads=args.heads, num_kv_heads=kv_heads, context=args.context)  # fmt: skip
+                     num_heads=args.heads, num_kv_heads=kv_heads, context=args.context,
+                     positions="positions")  # fmt: skip
 
 
 def make_optimizer(args) -> optax.GradientTransformation:

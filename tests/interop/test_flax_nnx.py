@@ -190,11 +190,12 @@ def test_a_checkpoint_saved_under_2d_restores_under_fsdp_and_into_the_flax_modul
 
 
 def test_the_example_trains_the_flax_llama_like_its_unsharded_run(tmp_path):
-    """``transformer_lm.py --model flax-llama`` on fsdp_tp 4×2 with ``--compare-reference``:
-    the final losses agree to the example's own limit, a sample is recomputed, no MFU."""
+    """``transformer_lm.py --model flax-llama`` on fsdp_sp 4×2 (fsdp, tp and sequence
+    parallelism at once) with ``--compare-reference``: the final losses agree to the example's
+    own limit, a sample is recomputed, no MFU."""
     metrics = tmp_path / "lm.json"
     out = run_main(load_example("transformer_lm"), [
-        "--model", "flax-llama", "--strategy", "fsdp_tp", "--mesh", "4x2", "--compare-reference",
+        "--model", "flax-llama", "--strategy", "fsdp_sp", "--mesh", "4x2", "--compare-reference",
         "--text-source", "stdlib", "--steps", "4", "--layers", "2", "--width", "32", "--heads",
         "4", "--context", "16", "--batch-size", "8", "--eval-every", "0", "--eval-batches", "1",
         "--prompt-bytes", "8", "--sample-tokens", "4", "--metrics-json", str(metrics),
