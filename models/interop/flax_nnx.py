@@ -64,21 +64,18 @@ run computes what the module's own does.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
-from jax import lax
 
-from shardops import MODEL_AXIS, entry_axes
+from shardops import MODEL_AXIS
 from shardops_models.interop._flax_attention import attention_by
 from shardops_models.interop._flax_dense import Geometry, einsum, linear_general
-from shardops_models.networks._lm import LanguageModel
+from shardops_models.interop._foreign import TASKS, ForeignModel, at_dict, check_unpadded
 from shardops_models.strategies.plan import COLUMN, REPLICATED, ROW, VOCAB
 
 __all__ = ["NOT_YET", "SWAPPED", "FlaxModel"]
@@ -87,7 +84,6 @@ LINEAR, GENERAL, EMBED, NORM = "linear", "general", "embed", "norm"
 SWAPPED = {nnx.Linear: LINEAR, nnx.LinearGeneral: GENERAL, nnx.Einsum: GENERAL, nnx.Embed: EMBED,
            nnx.RMSNorm: NORM, nnx.LayerNorm: NORM}  # fmt: skip
 """The Flax layers shardops runs with its kernels, by what each becomes."""
-TASKS = ("lm", "classify")
 NOT_YET = {
     "ep": "needs the experts as one ctx.moe layer",
     "pp": "needs the blocks stacked and run by ctx.scan",
@@ -195,31 +191,12 @@ def _check_layer(kind: str, layer, where: str, precision=None) -> None:
             )
 
 
-def _check_unpadded(p: dict, where: str) -> None:
-    """Refuse a layer's parameter the strategy stores padded (a dim the tp axis does not
-    divide): the module's own code between its layers would see the padding (a head cut in
-    two, a zero column read as a feature)."""
-    for key, param in p.items():
-        if param.logical is None:
-            continue
-        entries = [*param.spec, *[None] * (param.value.ndim - len(param.spec))]
-        stored = tuple(n * math.prod(lax.axis_size(a) for a in entry_axes(e))
-                       for n, e in zip(param.value.shape, entries, strict=True))  # fmt: skip
-        if stored != tuple(param.logical):
-            raise ValueError(
-                f"FlaxModel: {where}.{key} of shape {tuple(param.logical)} is split over the tp "
-                f"axis {MODEL_AXIS!r}, which does not divide it (stored padded to {stored}): the "
-                f"module's own code would see the padding. Use sizes the axis divides, or a "
-                f"mesh whose {MODEL_AXIS!r} axis divides them"
-            )
-
-
 def _path(keys) -> str:
     return ".".join(map(str, keys)) or "the module"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class FlaxModel(LanguageModel):
+class FlaxModel(ForeignModel):
     """A Flax NNX module as a shardops model (``models.Model``; the module docstring).
 
     Arguments:
@@ -338,7 +315,7 @@ class FlaxModel(LanguageModel):
         for path, kind in self._layers.items():
             layer = _at(module, path)
             _check_layer(kind, layer, _path(path))
-            sub = _at_dict(plan, path)
+            sub = at_dict(plan, path)
             role = _role(kind, layer, dict(nnx.state(layer, nnx.Param).items()), self.rules,
                          _path(path))  # fmt: skip
             for k in sub:
@@ -356,7 +333,7 @@ class FlaxModel(LanguageModel):
                 f"compute on blocks it does not know of. Train it under dp, fsdp, hsdp, zero1, tp, "
                 f"sp, cp or their compositions (2d, fsdp_tp, hsdp_tp, hsdp_sp, 2d+ring)"
             )
-        self._check_heads(ctx)
+        self.check_heads(ctx)
         context = [k.name for k in ctx.strategy.kinds if k.splits_sequence]
         if context and self.positions is None:
             raise ValueError(
@@ -376,9 +353,9 @@ class FlaxModel(LanguageModel):
         module = nnx.merge(self._graphdef, self._state)
         swapped = {}
         for path, kind in self._layers.items():
-            layer, p = _at(module, path), _at_dict(params, path)
+            layer, p = _at(module, path), at_dict(params, path)
             _check_layer(kind, layer, _path(path), ctx.precision)
-            _check_unpadded(p, _path(path))
+            check_unpadded(p, _path(path), "FlaxModel")
             swapped[path] = _Swapped(ctx, kind, p, layer, _path(path), split)
             _set_at(module, path, swapped[path])
         with attention_by(ctx, (self.num_heads, self.num_kv_heads)) as calls:
@@ -398,20 +375,6 @@ class FlaxModel(LanguageModel):
                 f"return the head's logits unchanged, from the one layer that makes them"
             )
         return logits, {}
-
-    def _check_heads(self, ctx) -> None:
-        """Under tp, the declared heads divide over the tp axis (each device's projections
-        then hold whole heads: the module's own attention reads them as heads)."""
-        if ctx.axis_name(MODEL_AXIS) is None or self.num_heads is None:
-            return
-        p = ctx.axis_size(MODEL_AXIS)
-        for name, count in (("num_heads", self.num_heads), ("num_kv_heads", self.num_kv_heads)):
-            if count is not None and count % p:
-                raise ValueError(
-                    f"FlaxModel {self.name!r}: {name}={count} is not divisible by the tp axis "
-                    f"{MODEL_AXIS!r} (size {p}): a device would hold part of a head. Use a "
-                    f"mesh whose {MODEL_AXIS!r} axis divides it"
-                )
 
     # --- the task's loss, metrics and batch checks
 
@@ -441,42 +404,7 @@ class FlaxModel(LanguageModel):
         if self.task != "lm":
             return None
         path = self._head_layer[0]
-        return _as_shardops(self._layers[path], _at_dict(params, path))
-
-    def loss_sum(self, ctx, params, logits, labels):
-        if self.task == "lm":
-            return super().loss_sum(ctx, params, logits, labels)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
-        return jnp.sum(losses)
-
-    def metrics(self, ctx, params, logits, labels):
-        if self.task == "lm":
-            return super().metrics(ctx, params, logits, labels)
-        hits = jnp.argmax(logits, -1) == labels
-        return (self.loss_sum(ctx, params, logits, labels), jnp.sum(hits, dtype=jnp.int32),
-                jnp.asarray(labels.size, jnp.int32))  # fmt: skip
-
-    def abstract_batch(self, batch: int, seq: int | None):
-        """Abstract ``(x, y)`` of one batch: ``ids, labels[batch, seq]``, or ``x[batch,
-        *example_shape]`` and ``y[batch]`` integer classes."""
-        if self.task == "lm":
-            s = seq if seq is not None else self.context
-            ids = jax.ShapeDtypeStruct((batch, s), jnp.int32)
-            return ids, ids
-        if self.example_shape is None:
-            raise ValueError(f"FlaxModel {self.name!r}: give example_shape (one example's shape, "
-                             f"e.g. (784,)) to trace a batch of it")  # fmt: skip
-        return (jax.ShapeDtypeStruct((batch, *self.example_shape), jnp.float32),
-                jax.ShapeDtypeStruct((batch,), jnp.int32))  # fmt: skip
-
-    def check_batch(self, x, y=None) -> None:
-        if self.task == "lm":
-            return super().check_batch(x, y)
-        if y is not None and (tuple(y.shape) != x.shape[:1] or
-                              not jnp.issubdtype(y.dtype, jnp.integer)):  # fmt: skip
-            raise ValueError(f"labels must be integer classes of shape ({x.shape[0]},); got "
-                             f"{y.dtype}{tuple(y.shape)}")  # fmt: skip
-        return None
+        return _as_shardops(self._layers[path], at_dict(params, path))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -614,9 +542,3 @@ def _set_at(module, path, value) -> None:
         parent[key] = value
     else:
         setattr(parent, key, value)
-
-
-def _at_dict(tree, path):
-    for key in path:
-        tree = tree[key]
-    return tree
