@@ -1,0 +1,209 @@
+"""Equinox modules as their authors write them, Equinox's own unsharded run of each, and the
+check that ``EquinoxModel`` trains them alike (tests/interop/test_equinox.py).
+
+The GPT is written as Equinox's BERT example writes its encoder: per example (``ids[S]``), each
+layer applied per token by ``jax.vmap``, ``eqx.nn.MultiheadAttention`` with a causal mask.
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from _gpt_checks import TOL, check_budget, optimizer
+from _model_checks import TRAJECTORY_ERRORS, mesh_for
+
+import shardops_models as models
+from shardops_models.interop.equinox import EquinoxModel
+
+STEPS, BATCH, SEQ, SGD_LR, MIN_MOVE = 5, 16, 16, 0.5, 100
+VOCAB, D, HEADS, F, LAYERS = 80, 32, 4, 64, 2
+# The loss bound: Equinox and shardops sum in other orders (float32), as for Flax's modules.
+TOL = {opt: {**bounds, "loss": 8e-6} for opt, bounds in TOL.items()}
+
+
+class Mlp(eqx.Module):
+    """LayerNorm, then Linear → ReLU → Linear, on one example ``x[24]``."""
+
+    norm: eqx.nn.LayerNorm
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.norm = eqx.nn.LayerNorm(24, eps=1e-3)
+        self.up = eqx.nn.Linear(24, 64, key=k1)
+        self.down = eqx.nn.Linear(64, 8, key=k2)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(self.norm(x))))
+
+
+class Block(eqx.Module):
+    attn_norm: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    mlp_norm: eqx.nn.RMSNorm
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.attn_norm = eqx.nn.LayerNorm(D)
+        # No key bias: softmax is blind to it (its gradient is 0, so it could not be seen move).
+        self.attn = eqx.nn.MultiheadAttention(HEADS, D, use_query_bias=True, use_value_bias=True,
+                                              use_output_bias=True, key=k1)  # fmt: skip
+        self.mlp_norm = eqx.nn.RMSNorm(D)
+        self.up = eqx.nn.Linear(D, F, key=k2)
+        self.down = eqx.nn.Linear(F, D, key=k3)
+
+    def __call__(self, x):  # x[S, D]
+        h = jax.vmap(self.attn_norm)(x)
+        causal = jnp.tril(jnp.ones((x.shape[0], x.shape[0]), bool))
+        x = x + self.attn(h, h, h, mask=causal)
+        h = jax.vmap(self.mlp_norm)(x)
+        return x + jax.vmap(lambda t: self.down(jax.nn.gelu(self.up(t))))(h)
+
+
+class Gpt(eqx.Module):
+    """Token and position embeddings, pre-norm blocks, a final norm and an untied head."""
+
+    embed: eqx.nn.Embedding
+    pos: eqx.nn.Embedding
+    blocks: list
+    norm: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        keys = jax.random.split(key, LAYERS + 3)
+        self.embed = eqx.nn.Embedding(VOCAB, D, key=keys[0])
+        self.pos = eqx.nn.Embedding(SEQ, D, key=keys[1])
+        self.blocks = [Block(k) for k in keys[3:]]
+        self.norm = eqx.nn.LayerNorm(D)
+        self.head = eqx.nn.Linear(D, VOCAB, use_bias=False, key=keys[2])
+
+    def __call__(self, ids):  # ids[S] → logits[S, V]
+        x = jax.vmap(self.embed)(ids) + jax.vmap(self.pos)(jnp.arange(ids.shape[0]))
+        for block in self.blocks:
+            x = block(x)
+        return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+
+ROLES = {"embed": "vocab", "blocks.*.attn.output_proj": "row", "blocks.*.attn.*_proj": "column",
+         "blocks.*.up": "column", "blocks.*.down": "row", "head": "column"}  # fmt: skip
+"""The GPT's roles by path, Megatron's plan; the first match holds, so ``output_proj``'s rule
+comes before the other projections' pattern. The position table is replicated."""
+MLP_ROLES = {"up": "column", "down": "row"}
+MAKE = {"mlp": Mlp, "gpt": Gpt}
+
+
+def equinox_model(name: str, module=None) -> EquinoxModel:
+    cls = EquinoxModel if module is None else module.EquinoxModel
+    if name == "mlp":
+        return cls(Mlp, roles=MLP_ROLES, task="classify", name="equinox mlp",
+                   example_shape=(24,))  # fmt: skip
+    return cls(Gpt, roles=ROLES, name="equinox gpt", num_heads=HEADS)
+
+
+def batches(name: str):
+    rng = np.random.default_rng(1)
+    if name == "mlp":
+        xs = rng.normal(size=(STEPS, BATCH, 24)).astype(np.float32)
+        return xs, rng.integers(0, 8, (STEPS, BATCH)).astype(np.int32)
+    tokens = rng.integers(0, VOCAB, (STEPS, BATCH, SEQ + 1)).astype(np.int32)
+    return tokens[..., :-1], tokens[..., 1:]
+
+
+def _params_of(module) -> dict:
+    """``EquinoxModel.init``'s dict of a module's parameters."""
+    params = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+        eqx.filter(module, eqx.is_inexact_array)
+    )[0]:
+        keys = [getattr(k, "name", getattr(k, "idx", None)) for k in path]
+        node = params
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = leaf
+    return params
+
+
+@functools.cache
+def equinox_trajectory(name: str, opt_name: str):
+    """Losses, each step's gradients and the final parameters of the module trained by
+    Equinox alone, unsharded (``eqx.filter_jit``, optax)."""
+    module = MAKE[name](jax.random.key(0))
+    opt = optimizer(opt_name, sharded=False, sgd_lr=SGD_LR)
+    state = opt.init(eqx.filter(module, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def step(module, state, x, y):
+        def loss(module):
+            logits = jax.vmap(module)(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        value, grads = eqx.filter_value_and_grad(loss)(module)
+        updates, state = opt.update(grads, state, eqx.filter(module, eqx.is_inexact_array))
+        return eqx.apply_updates(module, updates), state, value, grads
+
+    losses, grads = [], []
+    for x, y in zip(*batches(name), strict=True):
+        module, state, loss, g = step(module, state, x, y)
+        losses.append(float(loss))
+        grads.append(_params_of(g))
+    return np.array(losses), grads, _params_of(module)
+
+
+STRATEGIES = {"ref": None, "dp": {"data": 8}, "fsdp": {"data": 8}, "zero1": {"data": 8},
+              "tp": {"data": 1, "model": 2}, "2d": {"data": 4, "model": 2},
+              "fsdp_tp": {"data": 4, "model": 2},
+              "hsdp_tp": {"replica": 2, "data": 2, "model": 2}}  # fmt: skip
+
+
+def train(model, strategy: str, opt_name: str, name: str, budget: bool = False):
+    """Losses, SGD's gradients as each step applied them and the final parameters of
+    ``model`` trained by shardops under ``strategy``."""
+    setup = models.build(strategy, mesh_for(STRATEGIES[strategy]), model=model,
+                         optimizer=optimizer(opt_name, sgd_lr=SGD_LR))  # fmt: skip
+    state = setup.shard(model.init(jax.random.key(0)))
+    xs, ys = batches(name)
+    step = setup.train_step.lower(state, *setup.place_batch(xs[0], ys[0])).compile()
+    if budget:
+        check_budget(setup, step, xs.shape[1:])
+    losses, grads, before = [], [], setup.gather(state.params)
+    for x, y in zip(xs, ys, strict=True):
+        state, loss = step(state, *setup.place_batch(x, y))
+        losses.append(float(loss))  # one step in flight
+        if opt_name == "sgd":
+            after = setup.gather(state.params)
+            grads.append(jax.tree.map(lambda p, q: (np.float64(p) - q) / SGD_LR, before, after))
+            before = after
+    return np.array(losses), grads, setup.gather(state.params)
+
+
+def check_trains_like_equinox(model, name: str, strategy: str, opt_name: str, budget=False):
+    losses, grads, params = train(model, strategy, opt_name, name, budget)
+    ref_losses, ref_grads, ref_params = equinox_trajectory(name, opt_name)
+    tol = TOL[opt_name]
+    where = f"{model.name} under {strategy} with {opt_name}"
+    grad_errors = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                   for g, r in zip(grads, ref_grads, strict=False)
+                   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r), strict=True)]  # fmt: skip
+    errors = {"loss": float(np.max(np.abs(losses - ref_losses))),
+              "grads": max(grad_errors, default=0.0), "params": 0.0}  # fmt: skip
+    assert errors["grads"] <= tol["grads"], (where, errors)
+    assert errors["loss"] <= tol["loss"], (where, losses, ref_losses)
+    start = model.init(jax.random.key(0))
+    for (path, p), q, p0 in zip(jax.tree_util.tree_leaves_with_path(params),
+                                jax.tree.leaves(ref_params), jax.tree.leaves(start),
+                                strict=True):  # fmt: skip
+        err = float(np.max(np.abs(np.asarray(p) - np.asarray(q))))
+        assert err <= tol["params"], f"{where}: {jax.tree_util.keystr(path)} off by {err:.2e}"
+        moved = float(np.max(np.abs(np.asarray(q) - np.asarray(p0))))
+        assert moved >= MIN_MOVE * tol["params"], f"{jax.tree_util.keystr(path)} moved {moved}"
+        errors["params"] = max(errors["params"], err)
+    mesh = STRATEGIES[strategy]
+    key = (f"eqx {name} {strategy}", "x".join(map(str, mesh.values())) if mesh else "1", opt_name)
+    old = TRAJECTORY_ERRORS.get(key, {})
+    TRAJECTORY_ERRORS[key] = {k: max(v, old.get(k, 0.0)) for k, v in errors.items()}
