@@ -262,8 +262,9 @@ def _check_combinations(p: argparse.ArgumentParser, args: argparse.Namespace) ->
 FLAX_REFUSED = {"tie_embeddings": "--tie-embeddings", "moe": "--moe", "schedule": "--schedule",
                 "context_parallel": "--context-parallel", "locate": "--locate",
                 "compare_decoding": "--compare-decoding"}  # fmt: skip
-"""The flags ``--model flax-llama`` does not take (its module has no tied head, experts, stacked
-blocks, positions or KV cache of shardops')."""
+"""The flags ``--model flax-llama`` does not take: its module has no tied head, experts,
+stacked blocks or KV cache of shardops', and its own attention (einsums) cannot run under context
+parallelism."""
 
 
 def _check_flax(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -1,15 +1,13 @@
-"""Equinox modules as their authors write them, Equinox's own unsharded run of each, and the
-check that ``EquinoxModel`` trains them alike (tests/interop/test_equinox.py).
-
-The GPT is written as Equinox's BERT example writes its encoder: per example (``ids[S]``), each
-layer applied per token by ``jax.vmap``, ``eqx.nn.MultiheadAttention`` with a causal mask.
-"""
+"""Equinox modules as their authors write them (an MLP here; examples/equinox_gpt.py's GPT),
+Equinox's own unsharded run of each, and the check that ``EquinoxModel`` trains them alike
+(tests/interop/test_equinox.py)."""
 
 import functools
+import pathlib
+import sys
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from _gpt_checks import TOL, check_budget, optimizer
@@ -18,8 +16,12 @@ from _model_checks import TRAJECTORY_ERRORS, mesh_for
 import shardops_models as models
 from shardops_models.interop.equinox import EquinoxModel
 
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+import equinox_gpt
+
 STEPS, BATCH, SEQ, SGD_LR, MIN_MOVE = 5, 16, 16, 0.5, 100
-VOCAB, D, HEADS, F, LAYERS = 80, 32, 4, 64, 2
+CONFIG = equinox_gpt.Config()
+VOCAB, HEADS, ROLES = CONFIG.vocab_size, CONFIG.num_heads, equinox_gpt.ROLES
 # The loss bound: Equinox and shardops sum in other orders (float32), as for Flax's modules.
 TOL = {opt: {**bounds, "loss": 8e-6} for opt, bounds in TOL.items()}
 
@@ -41,60 +43,13 @@ class Mlp(eqx.Module):
         return self.down(jax.nn.relu(self.up(self.norm(x))))
 
 
-class Block(eqx.Module):
-    attn_norm: eqx.nn.LayerNorm
-    attn: eqx.nn.MultiheadAttention
-    mlp_norm: eqx.nn.RMSNorm
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
-
-    def __init__(self, key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.attn_norm = eqx.nn.LayerNorm(D)
-        # No key bias: softmax is blind to it (its gradient is 0, so it could not be seen move).
-        self.attn = eqx.nn.MultiheadAttention(HEADS, D, use_query_bias=True, use_value_bias=True,
-                                              use_output_bias=True, key=k1)  # fmt: skip
-        self.mlp_norm = eqx.nn.RMSNorm(D)
-        self.up = eqx.nn.Linear(D, F, key=k2)
-        self.down = eqx.nn.Linear(F, D, key=k3)
-
-    def __call__(self, x):  # x[S, D]
-        h = jax.vmap(self.attn_norm)(x)
-        causal = jnp.tril(jnp.ones((x.shape[0], x.shape[0]), bool))
-        x = x + self.attn(h, h, h, mask=causal)
-        h = jax.vmap(self.mlp_norm)(x)
-        return x + jax.vmap(lambda t: self.down(jax.nn.gelu(self.up(t))))(h)
-
-
-class Gpt(eqx.Module):
-    """Token and position embeddings, pre-norm blocks, a final norm and an untied head."""
-
-    embed: eqx.nn.Embedding
-    pos: eqx.nn.Embedding
-    blocks: list
-    norm: eqx.nn.LayerNorm
-    head: eqx.nn.Linear
-
-    def __init__(self, key):
-        keys = jax.random.split(key, LAYERS + 3)
-        self.embed = eqx.nn.Embedding(VOCAB, D, key=keys[0])
-        self.pos = eqx.nn.Embedding(SEQ, D, key=keys[1])
-        self.blocks = [Block(k) for k in keys[3:]]
-        self.norm = eqx.nn.LayerNorm(D)
-        self.head = eqx.nn.Linear(D, VOCAB, use_bias=False, key=keys[2])
-
-    def __call__(self, ids):  # ids[S] → logits[S, V]
-        x = jax.vmap(self.embed)(ids) + jax.vmap(self.pos)(jnp.arange(ids.shape[0]))
-        for block in self.blocks:
-            x = block(x)
-        return jax.vmap(self.head)(jax.vmap(self.norm)(x))
-
-
-ROLES = {"embed": "vocab", "blocks.*.attn.output_proj": "row", "blocks.*.attn.*_proj": "column",
-         "blocks.*.up": "column", "blocks.*.down": "row", "head": "column"}  # fmt: skip
-"""The GPT's roles by path, Megatron's plan; the first match holds, so ``output_proj``'s rule
-comes before the other projections' pattern. The position table is replicated."""
 MLP_ROLES = {"up": "column", "down": "row"}
+
+
+def Gpt(key):
+    return equinox_gpt.Gpt(CONFIG, key)
+
+
 MAKE = {"mlp": Mlp, "gpt": Gpt}
 
 

@@ -84,6 +84,36 @@ def sdpa_llama(rngs, flax: bool = False):
     return model
 
 
+class SandwichBlock(flax_llama.Block):
+    """The example's block with Gemma's norms after each sublayer too (before the residual
+    add): under sp a norm of a sublayer's output keeps it this device's block."""
+
+    def __call__(self, x, positions=None):
+        x = x + self.post_attn_norm(self.attn(self.attn_norm(x), positions))
+        return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
+
+
+class PostNormBlock(flax_llama.Block):
+    """The original Transformer's order, norm(x + f(x)): under sp the sublayer reads the
+    residual stream's block."""
+
+    def __call__(self, x, positions=None):
+        x = self.attn_norm(x + self.attn(x, positions))
+        return self.mlp_norm(x + self.mlp(x))
+
+
+def blocks_as(cls, rngs, extra_norms: bool = False):
+    """The example's Llama with each block's ``__call__`` ``cls``'s (the same parameters, and
+    with ``extra_norms`` two more norms a block)."""
+    model = flax_llama.Llama(CONFIG, rngs=rngs)
+    for block in model.blocks:
+        if extra_norms:
+            block.post_attn_norm = flax_llama.norm(CONFIG.d_model, CONFIG.norm_eps, rngs)
+            block.post_mlp_norm = flax_llama.norm(CONFIG.d_model, CONFIG.norm_eps, rngs)
+        block.__class__ = cls
+    return model
+
+
 class GeneralAttention(nnx.Module):
     """Attention as MaxText writes it: ``nnx.LinearGeneral`` projections to ``[heads,
     head_dim]`` and back from them (``axis=(-2, -1)``), JAX's dot-product attention."""
@@ -166,6 +196,8 @@ MAKE = {
     "llama-nnx-sdpa": lambda rngs: sdpa_llama(rngs, flax=True),
     "llama-general": general_llama,
     "mha": lambda rngs: MhaLm(rngs=rngs),
+    "llama-sandwich": lambda rngs: blocks_as(SandwichBlock, rngs, extra_norms=True),
+    "llama-post-norm": lambda rngs: blocks_as(PostNormBlock, rngs),
 }
 
 

@@ -239,6 +239,27 @@ def test_context_parallel_quick_run_and_the_docs_tables(tmp_path):
         assert ratio["q25"] <= ratio["median"] <= ratio["q75"]
 
 
+def test_foreign_models_quick_run_beside_gspmd(tmp_path):
+    """benchmarks/foreign_models.py end to end (tiny sizes): the Flax Llama and the Equinox GPT
+    under shardops and under GSPMD from the same rules and the same start train to the same
+    loss; shardops' traced ledger is the bytes its compiled step moves; the committed results
+    are the full run's and docs/benchmarks.md shows their table."""
+    results = quick_run("foreign_models", tmp_path)
+    assert [(r["framework"], r["strategy"]) for r in results["rows"]] == [("flax", "2d"),
+                                                                         ("equinox", "2d")]  # fmt: skip
+    for r in results["rows"]:
+        assert r["loss"]["shardops"] == pytest.approx(r["loss"]["gspmd"], abs=1e-5), r
+        assert r["ledger_bytes"] == sum(r["bytes"]["shardops"].values()), r
+        assert r["ratio"]["q25"] <= r["ratio"]["median"] <= r["ratio"]["q75"]
+    spec = importlib.util.spec_from_file_location("foreign_models",
+                                                  ROOT / "benchmarks" / "foreign_models.py")  # fmt: skip
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    committed = json.loads((module.RESULTS / "foreign_models.json").read_text())
+    assert committed["config"] == module.FULL
+    assert module.table(committed) in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
 @pytest.mark.skipif(not _cover.FULL, reason="CI time: SHARDOPS_FULL=1 (the asynchronous "
                     "save itself is tests/training/test_checkpoint_async.py's)")  # fmt: skip
 def test_checkpoint_async_quick_run(tmp_path):

@@ -56,6 +56,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import shardops
@@ -84,6 +85,7 @@ NOT_YET = {
     "pp": "needs the blocks stacked and run by ctx.scan",
 }  # fmt: skip
 """The kinds an Equinox module cannot run under yet, and why."""
+_HEAD_TAG = "shardops_equinox_head"
 
 
 def _is_param(x) -> bool:
@@ -136,6 +138,8 @@ class EquinoxModel(ForeignModel):
             its axis divides them).
         context: the longest sequence (``task="lm"``; default: unbounded).
         example_shape: one example's shape (``task="classify"``), for the abstract batch.
+        head: the dotted path of the ``Linear`` making the logits (``task="lm"``; default: the
+            one whose ``out_features`` is the largest embedding's size).
     """
 
     make: Callable[[jax.Array], eqx.Module]
@@ -146,6 +150,7 @@ class EquinoxModel(ForeignModel):
     num_kv_heads: int | None = None
     context: int = sys.maxsize
     example_shape: tuple[int, ...] | None = None
+    head: str | None = None
     module_type: str = dataclasses.field(init=False, default="")
     """The module's class (``package.Class``), recorded in a checkpoint."""
 
@@ -170,6 +175,8 @@ class EquinoxModel(ForeignModel):
         object.__setattr__(self, "_roles", self._layer_roles())
         object.__setattr__(self, "sequence", self.task == "lm")
         object.__setattr__(self, "_head", self._find_head())
+        if self._head is not None:
+            self._check_returns_head()
 
     # --- the module's layers
 
@@ -219,7 +226,8 @@ class EquinoxModel(ForeignModel):
         unused = [p for p, _ in self.roles if p not in used]
         if unused:
             raise ValueError(
-                f"EquinoxModel: the roles pattern {unused[0]!r} matches no layer; the layers are "
+                f"EquinoxModel: the roles pattern {unused[0]!r} matches no layer not matched by "
+                f"an earlier pattern (fnmatch: '*' crosses dots too); the layers are "
                 f"{', '.join(_dotted(p) for p in self._layers)}"
             )
         return roles
@@ -228,6 +236,16 @@ class EquinoxModel(ForeignModel):
         """``(path, vocabulary)`` of the layer whose output is the logits (``task="lm"``)."""
         if self.task != "lm":
             return None
+        if self.head is not None:
+            path = next((p for p, k in self._layers.items()
+                         if k == LINEAR and _dotted(p) == self.head), None)  # fmt: skip
+            if path is None:
+                raise ValueError(
+                    f"EquinoxModel: head={self.head!r} is not an eqx.nn.Linear of the module; "
+                    f"its Linear layers are "
+                    f"{', '.join(_dotted(p) for p, k in self._layers.items() if k == LINEAR)}"
+                )
+            return path, _get(self._abstract, path).out_features
         embeds = [p for p, k in self._layers.items() if k == EMBED]
         vocab = max((_get(self._abstract, p).num_embeddings for p in embeds), default=None)
         heads = [p for p, k in self._layers.items()
@@ -236,9 +254,44 @@ class EquinoxModel(ForeignModel):
             raise ValueError(
                 f"EquinoxModel(task='lm'): the head is the one eqx.nn.Linear making the "
                 f"vocabulary's {vocab} features (the largest embedding's); found "
-                f"{[_dotted(p) for p in heads]}"
+                f"{[_dotted(p) for p in heads]}. Name it: EquinoxModel(head='path.to.head')"
             )
         return heads[0], vocab
+
+    def _check_returns_head(self) -> None:
+        """The module returns the head's logits unchanged (traced once, unsharded): under tp
+        they are split over the vocabulary, so code of the module's own after the head (a
+        log-softmax) would see each device's shard alone."""
+        path = self._head[0]
+
+        def tagged(key, ids):
+            module = self.make(key)
+            head = _get(module, path)
+            module = eqx.tree_at(lambda m: _get(m, path), module,
+                                 lambda x, **kw: checkpoint_name(head(x, **kw), _HEAD_TAG))  # fmt: skip
+            return jax.vmap(module)(ids)
+
+        ids = jax.ShapeDtypeStruct((1, min(self.context, 2)), jax.numpy.int32)
+        jaxpr = jax.make_jaxpr(tagged)(jax.random.key(0), ids).jaxpr
+        made = {v: e for e in jaxpr.eqns for v in e.outvars}
+        out, perms = made.get(jaxpr.outvars[0]), []
+        while out is not None and out.primitive.name == "transpose":  # vmap's batching moves
+            perms.append(out.params["permutation"])  # the batch dims back to the front
+            out = made.get(out.invars[0])
+        tagged_out = (out is not None and out.primitive.name == "name"
+                      and out.params.get("name") == _HEAD_TAG)  # fmt: skip
+        if tagged_out:  # the vocabulary (the one dim of V: B = 1, S ≤ 2 < V) ends up last
+            shape = out.outvars[0].aval.shape
+            at = shape.index(self._head[1]) if shape.count(self._head[1]) == 1 else -1
+            for perm in reversed(perms):
+                at = list(perm).index(at) if at >= 0 else -1
+            tagged_out = at == len(shape) - 1
+        if not tagged_out:
+            raise ValueError(
+                f"EquinoxModel {self.name!r}: the module's output is not {_dotted(path)}'s (the "
+                f"layer making the logits); return the head's logits unchanged (under tp they are "
+                f"split over the vocabulary, which code after the head would not see)"
+            )
 
     # --- models.Model
 
@@ -349,6 +402,13 @@ def _check_layer(kind: str, layer, where: str) -> None:
     if kind in (LAYER_NORM, RMS_NORM) and len(layer.shape) != 1:
         raise ValueError(f"{where}: {type(layer).__name__}(shape={layer.shape}); shardops "
                          f"normalises over the last dim only: shape=(features,)")  # fmt: skip
+    weight = getattr(layer, "weight", None)
+    if weight is not None and weight.ndim != (1 if kind in (LAYER_NORM, RMS_NORM) else 2):
+        raise ValueError(
+            f"{where}: {type(layer).__name__} with weight of shape {tuple(weight.shape)}: "
+            f"layers stacked by eqx.filter_vmap (scanned over with lax.scan) are not run yet; "
+            f"keep the blocks in a list"
+        )
 
 
 def _check_dtypes(layer, where: str, precision) -> None:
@@ -395,6 +455,9 @@ class _Swapped:
             raise ValueError(f"{self.where}: called with more than its input; under "
                              f"EquinoxModel a layer takes its input alone")  # fmt: skip
         ctx, kind = self.ctx, self.kind
+        if x.ndim != (0 if kind == EMBED else 1):
+            raise ValueError(f"{self.where}: called on x{tuple(x.shape)}; an Equinox layer takes "
+                             f"one example (one token): vmap it, as Equinox does")  # fmt: skip
         if kind == LINEAR:
             return ctx.unit(lambda q, x: ctx.dense(_dense_params(q, ctx), x[None])[0], self.p, x)
         if kind == EMBED:

@@ -359,7 +359,17 @@ class FlaxModel(ForeignModel):
             swapped[path] = _Swapped(ctx, kind, p, layer, _path(path), split)
             _set_at(module, path, swapped[path])
         with attention_by(ctx, (self.num_heads, self.num_kv_heads)) as calls:
-            logits = module(x, **kwargs)
+            try:
+                logits = module(x, **kwargs)
+            except TypeError as e:
+                if split is None or "incompatible shapes" not in str(e):
+                    raise
+                raise ValueError(
+                    f"FlaxModel {self.name!r} under sequence parallelism: {e}. The residual "
+                    f"stream is this device's block of the sequence and a sublayer's input (a "
+                    f"norm's output) the whole of it, as in a pre-norm block (x + f(norm(x))); a "
+                    f"post-norm block (norm(x + f(x))) mixes the two. Train it under tp"
+                ) from e
         if context and not calls:
             raise ValueError(
                 f"FlaxModel {self.name!r} under {ctx.strategy.name!r}: the module called no "
@@ -415,13 +425,30 @@ class _SequenceSplit:
 
     seq: int
     parts: int
+    blocks: list = dataclasses.field(default_factory=list)
+    """The sublayers' outputs so far (a row layer's: this device's block), and norms of them:
+    a norm of one (Gemma's norm after a sublayer, before the residual add) keeps it a block."""
 
     @classmethod
     def of(cls, ctx, ids):
-        """The split of a forward on ``ids[B, S]`` (whole), or None without sp."""
+        """The split of a forward on ``ids[B, S]`` (whole), or None without sp (or with a tp
+        axis of 1, which splits nothing)."""
         if not any(k.sequence_axes for k in ctx.strategy.kinds):
             return None
-        return cls(ids.shape[1], ctx.axis_size(MODEL_AXIS))
+        parts = ctx.axis_size(MODEL_AXIS)
+        if parts == 1:
+            return None
+        if ids.shape[1] // parts < 2:
+            raise ValueError(
+                f"FlaxModel under sequence parallelism over {MODEL_AXIS!r} (size {parts}): each "
+                f"device's block of the {ids.shape[1]} tokens holds one, which the module's own "
+                f"code would broadcast against the whole sequence without an error; use at "
+                f"least 2 tokens a device"
+            )
+        return cls(ids.shape[1], parts)
+
+    def is_block(self, y) -> bool:
+        return any(y is b for b in self.blocks)
 
     def whole(self, x, where: str) -> bool | None:
         """Whether ``x[B, S?, ...]`` holds the whole sequence (else this device's block); None
@@ -461,21 +488,27 @@ class _Swapped:
             raise ValueError(f"{self.where}: called with {', '.join(given)}; under FlaxModel a "
                              f"layer takes its input alone (its layout is the strategy's)")  # fmt: skip
         ctx, p = self.ctx, _as_shardops(self.kind, self.p)
-        whole = None
+        whole = None  # under sp: whether x holds the whole sequence (else this device's block)
         if self.split is not None and self.kind != EMBED:
             whole = self.split.whole(x, self.where)
         if self.kind in (LINEAR, GENERAL):
-            whole = self._dense_input(whole)
+            gathered = self._dense_input(whole)
             if self.kind == LINEAR:
-                y = ctx.unit(lambda q, x: ctx.dense(q, x, whole_sequence=whole), p, x)
+                y = ctx.unit(lambda q, x: ctx.dense(q, x, whole_sequence=gathered), p, x)
             else:
-                y = ctx.unit(lambda q, x: self.geometry.run(ctx, q, x, whole), p, x)
+                y = ctx.unit(lambda q, x: self.geometry.run(ctx, q, x, gathered), p, x)
+            if whole and self.p["kernel"].role == ROW:  # a sublayer's output: a block again
+                self.split.blocks.append(y)
         elif self.kind == EMBED:
             y = ctx.unit(lambda q, ids: ctx.embed(q, ids), p, x)
         else:
             norm = ctx.layer_norm if self.layer_norm else ctx.rms_norm
             y = ctx.unit(lambda q, x: norm(q, x, eps=self.eps), p, x)
-            if whole is False:  # sp: the sublayer's input, gathered once for its column layers
+            # sp: a sublayer's input, gathered once for its column layers; a norm of a
+            # sublayer's output (Gemma's, before the residual add) stays a block
+            if whole is False and self.split.is_block(x):
+                self.split.blocks.append(y)
+            elif whole is False:
                 y = ctx.gather_sequence(y)
         self.output = y
         return y
@@ -491,7 +524,9 @@ class _Swapped:
             raise ValueError(
                 f"{self.where}: row-parallel under sequence parallelism, but its input is this "
                 f"device's block of the sequence; a row layer reads the output of column layers "
-                f"(the whole sequence, split by features)"
+                f"(the whole sequence, split by features), whose input is a norm's output, "
+                f"gathered: a pre-norm block, x + f(norm(x)) (a post-norm one, norm(x + f(x)), "
+                f"trains under tp)"
             )
         if role == REPLICATED and whole:
             raise ValueError(

@@ -229,7 +229,10 @@ class Layers:
         """Under sp, ``x[b, S_model, ...]`` (a norm's output, between layers) gathered along S
         over the tp axis into the whole sequence, once for the several column layers that read
         it (``dense(..., whole_sequence=True)``: q, k and v; gate and up). Megatron's "g" once
-        per sublayer; the backward ReduceScatters their summed ``dx``. Else ``x``."""
+        per sublayer; the backward ReduceScatters their summed ``dx``. Else ``x``. The gathered
+        value is in ``x``'s dtype, so the column layers' ``dx`` are summed in it before the
+        ReduceScatter (in ``accum_dtype``): under a bfloat16 policy, one rounding more than
+        each layer gathering its own ``x``."""
         y = self._layer_kernel("gather_sequence", x)
         return x if y is None else y
 

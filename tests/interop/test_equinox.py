@@ -89,7 +89,7 @@ def test_a_checkpoint_saved_under_2d_restores_under_fsdp_and_into_the_equinox_mo
                         optimizer=optax.adam(1e-3))  # fmt: skip
     with Checkpoints(tmp_path) as ckpt:
         restored, _ = ckpt.restore(fsdp)
-        assert ckpt.record()["model"]["config"]["module_type"] == "_equinox_checks.Gpt"
+        assert ckpt.record()["model"]["config"]["module_type"] == "equinox_gpt.Gpt"
     params = fsdp.gather(restored.params)
     for a, b in zip(jax.tree.leaves(saved.gather(state.params)), jax.tree.leaves(params),
                     strict=True):  # fmt: skip

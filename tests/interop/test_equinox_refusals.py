@@ -7,12 +7,14 @@ import jax.numpy as jnp
 import optax
 import pytest
 from _equinox_checks import (
+    CONFIG,
     MLP_ROLES,
     ROLES,
     STRATEGIES,
     Gpt,
     Mlp,
     check_trains_like_equinox,
+    equinox_gpt,
     equinox_model,
 )
 from _model_checks import mesh_for
@@ -59,6 +61,49 @@ class ReadsTheTable(Mlp):
         return self.down.weight @ jax.nn.relu(self.up(self.norm(x)))
 
 
+class LogSoftmaxGpt(equinox_gpt.Gpt):
+    def __call__(self, ids):  # under tp each device would normalise over its vocabulary shard
+        return jax.nn.log_softmax(super().__call__(ids))
+
+
+class Stacked(eqx.Module):
+    layers: eqx.nn.Linear
+
+    def __init__(self, key):
+        self.layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(4, 4, key=k))(
+            jax.random.split(key, 3)
+        )
+
+    def __call__(self, x):
+        return jax.lax.scan(lambda h, w: (w @ h, None), x, self.layers.weight)[0]
+
+
+class BatchedCall(eqx.Module):
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        self.out = eqx.nn.Linear(4, 2, key=key)
+
+    def __call__(self, x):
+        return self.out(x[None]).mean(0)  # a Linear on x[1, 4]: Equinox's own would fail
+
+
+def test_construction_refuses_what_the_adapter_cannot_honour():
+    """Each at ``EquinoxModel(...)``, before any strategy: code after the head (a
+    log-softmax over the vocabulary, split under tp), layers stacked by ``eqx.filter_vmap``, a
+    head named that is not a Linear."""
+    with pytest.raises(ValueError, match=r"the module's output is not head's \(the layer making "
+                                         r"the logits\); return the head's logits unchanged"):  # fmt: skip
+        EquinoxModel(lambda key: LogSoftmaxGpt(CONFIG, key), roles=ROLES, num_heads=4)
+    with pytest.raises(ValueError, match=r"layers: Linear with weight of shape \(3, 4, 4\): "
+                                         r"layers stacked by eqx\.filter_vmap"):  # fmt: skip
+        _classifier(Stacked)
+    with pytest.raises(ValueError, match=r"head='norm' is not an eqx\.nn\.Linear of the module"):
+        EquinoxModel(Gpt, roles=ROLES, num_heads=4, head="norm")
+    named = EquinoxModel(Gpt, roles=ROLES, num_heads=4, head="head")
+    assert named.vocab_size == CONFIG.vocab_size
+
+
 def _classifier(make, roles=(), shape=(4,)):
     return EquinoxModel(make, roles=roles, task="classify", example_shape=shape)
 
@@ -72,7 +117,8 @@ def _classifier(make, roles=(), shape=(4,)):
         (lambda: _classifier(Bf16), "dp",
          r"out\.weight is bfloat16, but the precision policy keeps parameters in float32"),
         (lambda: _classifier(Mlp, {"up": "column", "mlp.down": "row"}, (24,)), "dp",
-         r"the roles pattern 'mlp\.down' matches no layer; the layers are norm, up, down"),
+         r"the roles pattern 'mlp\.down' matches no layer not matched by an earlier pattern "
+         r".*; the layers are norm, up, down"),
         (lambda: _classifier(Mlp, {"norm": "column"}, (24,)), "dp",
          r"roles give norm \(LayerNorm\) the role 'column'.* takes one of \['replicated'\]"),
 
@@ -83,11 +129,13 @@ def _classifier(make, roles=(), shape=(4,)):
                               num_heads=4), "2d",
          r"blocks\.0\.attn: MultiheadAttention under tp over 'model' \(size 2\) with roles "
          r"\{'query': 'column', 'key': 'column', 'value': 'column', 'output': 'replicated'\}"),
+        (lambda: _classifier(BatchedCall), "dp",
+         r"out: called on x\(1, 4\); an Equinox layer takes one example \(one token\)"),
         (lambda: equinox_model("gpt"), "tp8",
          r"num_heads=4 is not divisible by the tp axis 'model' \(size 8\)"),
     ],
     ids=["conv", "own-matmul", "dtype", "roles-typo", "role-not-taken", "sp", "mha-roles",
-         "heads"],
+         "batched-call", "heads"],
 )  # fmt: skip
 def test_what_shardops_cannot_run_explicitly_is_refused_by_name(model, strategy, match):
     meshes = {**STRATEGIES, "dp_sp": {"data": 4, "model": 2}, "tp8": {"data": 1, "model": 8}}

@@ -94,6 +94,12 @@ def test_linear_general_and_einsum_layers_train_like_flax(strategy, opt_name):
                            budget=strategy != "zero1")  # fmt: skip
 
 
+def test_norms_after_each_sublayer_keep_the_block_under_sp():
+    """Gemma's norm of a sublayer's output (before the residual add) is not gathered: the
+    residual stream stays this device's block, and the model trains like Flax under dp_sp."""
+    check_trains_like_flax(flax_model("llama-sandwich"), "llama-sandwich", "dp_sp", "sgd")
+
+
 @pytest.mark.parametrize(("strategy", "opt_name"), [("dp_sp", "adam"), ("fsdp_tp", "sgd")])
 def test_flax_multi_head_attention_with_its_mask_trains_like_flax(strategy, opt_name):
     """``nnx.MultiHeadAttention``: its ``LinearGeneral`` projections swapped (by head), its

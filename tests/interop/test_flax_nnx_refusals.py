@@ -135,12 +135,17 @@ def test_what_shardops_cannot_run_explicitly_is_refused_by_name(make, rules, str
         # passes it on to JAX's): the context method computes no mask.
         ("mha", "positions", flax_llama.RULES, "2d+ring",
          r"jax\.nn\.dot_product_attention under context parallelism, called with mask"),
+        # Sequence parallelism: a post-norm block's sublayer reads the residual stream.
+        ("llama-post-norm", None, flax_llama.RULES, "dp_sp",
+         r"blocks\.0\.attn\.wo: row-parallel under sequence parallelism, but its input is this "
+         r"device's block .* pre-norm"),
         # Sequence parallelism: a replicated MLP reading the gathered norm output.
         ("llama", None, [(n, None if n == "mlp" else a) for n, a in flax_llama.RULES], "dp_sp",
          r"blocks\.0\.mlp\.gate: replicated .* under sequence parallelism its input is the "
          r"whole sequence"),
     ],
-    ids=["cp-no-positions", "cp-own-attention", "cp-mha-mask", "sp-replicated-mlp"],
+    ids=["cp-no-positions", "cp-own-attention", "cp-mha-mask", "sp-post-norm",
+         "sp-replicated-mlp"],
 )  # fmt: skip
 def test_a_split_sequence_the_module_cannot_see_is_refused(name, positions, rules, strategy,
                                                            match):  # fmt: skip
