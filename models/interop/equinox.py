@@ -31,8 +31,8 @@ Equinox layer                   shardops kernel
 ==============================  ==================================================================
 
 Equinox layers act on one example, most on one token: the module runs as its author's loss
-runs it, ``jax.vmap(module)(x)``, and each swapped layer runs its kernel inside those vmaps
-(JAX batches the collectives with them). A parameter no swapped layer owns is an error naming
+runs it, ``jax.vmap(module)(x)``, and each swapped layer, called inside those vmaps, runs its
+kernel once on the whole batch they hold (``_over_the_vmaps``). A parameter no swapped layer owns is an error naming
 its path and class. Under sp and cp the sequence a layer would gather along is vmapped away
 inside the module's own code, so they are refused, as are ep and pp (``NOT_YET``), and the
 divergence locator (it compares layer outputs over the batch). ``explain``, the ledger and
@@ -56,7 +56,9 @@ from typing import Any
 
 import equinox as eqx
 import jax
+from jax._src.interpreters import batching  # BatchTracer: whether an outer vmap is tracing
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_batching import custom_vmap
 from jax.sharding import PartitionSpec as P
 
 import shardops
@@ -411,6 +413,29 @@ def _check_layer(kind: str, layer, where: str) -> None:
         )
 
 
+def _over_the_vmaps(run):
+    """``run`` (a layer's kernel on ``x[..., features]``) called as the module calls a layer, on
+    one example or token inside its vmaps, but run once on every example and token they hold:
+    each vmap's batching rule (``jax.custom_batching.custom_vmap``) hands its batch on, with the
+    batch dim in front, to the next one out, and the outermost runs the kernel on the whole
+    ``x[B, S, ..., features]``. Run under the vmaps instead, a kernel's own backward
+    (``custom_vjp``) would compute each example's weight gradient and then sum them: a
+    ``[B, S, D, F]`` temporary for a ``[D, F]`` weight."""
+
+    @custom_vmap
+    def layer(x):
+        return run(x)
+
+    @layer.def_vmap
+    def rule(axis_size, in_batched, x):
+        # Still inside an outer vmap: its own rule takes the batch on (custom_vmap runs only
+        # under a vmap, so the outermost level calls the kernel itself).
+        inner = _over_the_vmaps(run) if isinstance(x, batching.BatchTracer) else run
+        return inner(x), in_batched[0]
+
+    return layer
+
+
 def _check_dtypes(layer, where: str, precision) -> None:
     """A layer's parameters (as ``make`` builds them) in the policy's parameter dtype: a layer
     built with another ``dtype=`` computes otherwise than the sharded run would."""
@@ -454,26 +479,34 @@ class _Swapped:
         if args or kwargs:  # a norm's state, …
             raise ValueError(f"{self.where}: called with more than its input; under "
                              f"EquinoxModel a layer takes its input alone")  # fmt: skip
-        ctx, kind = self.ctx, self.kind
-        if x.ndim != (0 if kind == EMBED else 1):
+        if x.ndim != (0 if self.kind == EMBED else 1):
             raise ValueError(f"{self.where}: called on x{tuple(x.shape)}; an Equinox layer takes "
                              f"one example (one token): vmap it, as Equinox does")  # fmt: skip
+        return _over_the_vmaps(self._run)(x)
+
+    def _run(self, x):
+        """The layer's kernel on ``x[..., features]`` (``ids[...]``): every example and token
+        the module's vmaps hold, at once (``_over_the_vmaps``), or one (``x[None]``)."""
+        ctx, kind = self.ctx, self.kind
+        one = x.ndim == (0 if kind == EMBED else 1)
+        x = x[None] if one else x
         if kind == LINEAR:
-            return ctx.unit(lambda q, x: ctx.dense(_dense_params(q, ctx), x[None])[0], self.p, x)
-        if kind == EMBED:
-            table = lambda q: {"table": q["weight"]}  # noqa: E731
-            return ctx.unit(lambda q, i: ctx.embed(table(q), i[None])[0], self.p, x)
-        if kind == LAYER_NORM:
+            y = ctx.unit(lambda q, x: ctx.dense(_dense_params(q, ctx), x), self.p, x)
+        elif kind == EMBED:
+            y = ctx.unit(lambda q, i: ctx.embed({"table": q["weight"]}, i), self.p, x)
+        elif kind == LAYER_NORM:
             keys = {"weight": "scale", "bias": "bias"}
-            return ctx.unit(lambda q, x: ctx.layer_norm({keys[k]: v for k, v in q.items()},
-                                                        x[None], eps=self.eps)[0], self.p, x)  # fmt: skip
+            y = ctx.unit(lambda q, x: ctx.layer_norm({keys[k]: v for k, v in q.items()}, x,
+                                                     eps=self.eps), self.p, x)  # fmt: skip
+        else:
 
-        def rms(q, x):
-            y = ctx.rms_norm({"scale": q["weight"]} if "weight" in q else {}, x[None],
-                             eps=self.eps)[0]  # fmt: skip
-            return y + ctx.array(q["bias"]) if "bias" in q else y
+            def rms(q, x):
+                y = ctx.rms_norm({"scale": q["weight"]} if "weight" in q else {}, x,
+                                 eps=self.eps)  # fmt: skip
+                return y + ctx.array(q["bias"]) if "bias" in q else y
 
-        return ctx.unit(rms, self.p, x)
+            y = ctx.unit(rms, self.p, x)
+        return y[0] if one else y
 
     def __getattr__(self, name: str):
         """A swapped layer's parameters are the strategy's: reading them (``self.embed.weight``
