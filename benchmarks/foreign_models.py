@@ -234,8 +234,11 @@ def main(argv=None) -> None:
     config = QUICK if args.quick else FULL
     devices = start_platform("cpu")
     rows = []
+    quick = (("flax", "2d"), ("equinox", "2d"), ("equinox", "fsdp_tp"))  # each path once
     for framework in FRAMEWORKS:
-        for strategy in STRATEGIES[:1] if args.quick else STRATEGIES:
+        for strategy in STRATEGIES:
+            if args.quick and (framework, strategy) not in quick:
+                continue
             made = pair(framework, strategy, config, devices)
             times, losses = timed({k: made[k] for k in ("shardops", "gspmd")}, config["warmup"],
                                   config["steps"])  # fmt: skip

@@ -8,6 +8,7 @@ import sys
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from _gpt_checks import TOL, check_budget, optimizer
@@ -46,24 +47,33 @@ class Mlp(eqx.Module):
 MLP_ROLES = {"up": "column", "down": "row"}
 
 
+class MapMlp(Mlp):
+    """The MLP calling its layers outside the loss's vmap too: in ``lax.map`` over two views of
+    the example, and on a constant."""
+
+    def __call__(self, x):
+        h = jax.lax.map(lambda t: jax.nn.relu(self.up(self.norm(t))), jnp.stack([x, 0.5 * x]))
+        return self.down(h.sum(0) - jax.nn.relu(self.up(jnp.zeros(24))))
+
+
 def Gpt(key):
     return equinox_gpt.Gpt(CONFIG, key)
 
 
-MAKE = {"mlp": Mlp, "gpt": Gpt}
+MAKE = {"mlp": Mlp, "mlp-map": MapMlp, "gpt": Gpt}
 
 
 def equinox_model(name: str, module=None) -> EquinoxModel:
     cls = EquinoxModel if module is None else module.EquinoxModel
-    if name == "mlp":
-        return cls(Mlp, roles=MLP_ROLES, task="classify", name="equinox mlp",
+    if name.startswith("mlp"):
+        return cls(MAKE[name], roles=MLP_ROLES, task="classify", name="equinox mlp",
                    example_shape=(24,))  # fmt: skip
     return cls(Gpt, roles=ROLES, name="equinox gpt", num_heads=HEADS)
 
 
 def batches(name: str):
     rng = np.random.default_rng(1)
-    if name == "mlp":
+    if name.startswith("mlp"):
         xs = rng.normal(size=(STEPS, BATCH, 24)).astype(np.float32)
         return xs, rng.integers(0, 8, (STEPS, BATCH)).astype(np.int32)
     tokens = rng.integers(0, VOCAB, (STEPS, BATCH, SEQ + 1)).astype(np.int32)

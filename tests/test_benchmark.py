@@ -245,8 +245,8 @@ def test_foreign_models_quick_run_beside_gspmd(tmp_path):
     loss; shardops' traced ledger is the bytes its compiled step moves; the committed results
     are the full run's and docs/benchmarks.md shows their table."""
     results = quick_run("foreign_models", tmp_path)
-    assert [(r["framework"], r["strategy"]) for r in results["rows"]] == [("flax", "2d"),
-                                                                         ("equinox", "2d")]  # fmt: skip
+    assert [(r["framework"], r["strategy"]) for r in results["rows"]] == [
+        ("flax", "2d"), ("equinox", "2d"), ("equinox", "fsdp_tp")]  # fmt: skip
     for r in results["rows"]:
         assert r["loss"]["shardops"] == pytest.approx(r["loss"]["gspmd"], abs=1e-5), r
         assert r["ledger_bytes"] == sum(r["bytes"]["shardops"].values()), r

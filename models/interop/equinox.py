@@ -56,7 +56,8 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax._src.interpreters import batching  # BatchTracer: whether an outer vmap is tracing
+from jax._src import core as jax_core  # trace_ctx: the trace now (_mapped_now)
+from jax._src.interpreters import batching  # BatchTracer: whether a vmap maps x
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 from jax.sharding import PartitionSpec as P
@@ -64,6 +65,7 @@ from jax.sharding import PartitionSpec as P
 import shardops
 from shardops import MODEL_AXIS
 from shardops_models.interop._foreign import TASKS, ForeignModel, at_dict, check_unpadded
+from shardops_models.strategies._param import is_param
 from shardops_models.strategies.plan import REPLICATED, Role
 
 __all__ = ["NOT_YET", "ROLES", "SWAPPED", "EquinoxModel"]
@@ -292,7 +294,8 @@ class EquinoxModel(ForeignModel):
             raise ValueError(
                 f"EquinoxModel {self.name!r}: the module's output is not {_dotted(path)}'s (the "
                 f"layer making the logits); return the head's logits unchanged (under tp they are "
-                f"split over the vocabulary, which code after the head would not see)"
+                f"split over the vocabulary, which code after the head would not see; a head "
+                f"called inside a jit or checkpoint of the module's own is not seen through)"
             )
 
     # --- models.Model
@@ -428,12 +431,18 @@ def _over_the_vmaps(run):
 
     @layer.def_vmap
     def rule(axis_size, in_batched, x):
-        # Still inside an outer vmap: its own rule takes the batch on (custom_vmap runs only
-        # under a vmap, so the outermost level calls the kernel itself).
-        inner = _over_the_vmaps(run) if isinstance(x, batching.BatchTracer) else run
+        # Still mapped by the vmap one level out: its own rule takes the batch on (custom_vmap
+        # has no reverse mode of its own, so the outermost level calls the kernel itself).
+        inner = _over_the_vmaps(run) if _mapped_now(x) else run
         return inner(x), in_batched[0]
 
     return layer
+
+
+def _mapped_now(x) -> bool:
+    """Whether ``x`` is mapped by the vmap tracing now (its batch tracer is the current
+    trace's; not one further out, behind a grad or a ``lax.map``/``scan``/``cond`` body)."""
+    return isinstance(x, batching.BatchTracer) and x._trace is jax_core.trace_ctx.trace
 
 
 def _check_dtypes(layer, where: str, precision) -> None:
@@ -482,11 +491,15 @@ class _Swapped:
         if x.ndim != (0 if self.kind == EMBED else 1):
             raise ValueError(f"{self.where}: called on x{tuple(x.shape)}; an Equinox layer takes "
                              f"one example (one token): vmap it, as Equinox does")  # fmt: skip
-        return _over_the_vmaps(self._run)(x)
+        leaves = [q for q in jax.tree.leaves(self.p, is_leaf=is_param) if is_param(q)]
+        self._uses = [(q, q.uses) for q in leaves]  # each trace of _run counts one use only
+        return _over_the_vmaps(self._run)(x) if _mapped_now(x) else self._run(x)
 
     def _run(self, x):
         """The layer's kernel on ``x[..., features]`` (``ids[...]``): every example and token
         the module's vmaps hold, at once (``_over_the_vmaps``), or one (``x[None]``)."""
+        for q, uses in self._uses:  # custom_vmap traces the body at every vmap level
+            q.uses = uses
         ctx, kind = self.ctx, self.kind
         one = x.ndim == (0 if kind == EMBED else 1)
         x = x[None] if one else x
@@ -511,7 +524,7 @@ class _Swapped:
     def __getattr__(self, name: str):
         """A swapped layer's parameters are the strategy's: reading them (``self.embed.weight``
         for a tied head) is refused, naming the layer."""
-        if name.startswith("__") or name in ("ctx", "kind", "p", "where", "eps"):
+        if name.startswith("__") or name in ("ctx", "kind", "p", "where", "eps", "_uses"):
             raise AttributeError(name)
         raise AttributeError(
             f"{self.where}.{name}: the module's code reads an attribute of a layer EquinoxModel "

@@ -368,7 +368,8 @@ class FlaxModel(ForeignModel):
                     f"FlaxModel {self.name!r} under sequence parallelism: {e}. The residual "
                     f"stream is this device's block of the sequence and a sublayer's input (a "
                     f"norm's output) the whole of it, as in a pre-norm block (x + f(norm(x))); a "
-                    f"post-norm block (norm(x + f(x))) mixes the two. Train it under tp"
+                    f"post-norm block (norm(x + f(x))), or a norm of the embedding kept as the "
+                    f"residual stream (BLOOM's), mixes the two. Train it under tp"
                 ) from e
         if context and not calls:
             raise ValueError(

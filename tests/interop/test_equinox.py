@@ -26,6 +26,13 @@ def test_an_equinox_module_trains_like_equinox_trains_it(name, strategy, opt_nam
                               budget=STRATEGIES[strategy] is not None and "model" in STRATEGIES[strategy])  # fmt: skip
 
 
+@pytest.mark.parametrize("strategy", ["2d", "fsdp"])
+def test_layers_called_in_lax_map_and_on_a_constant_train_like_equinox(strategy):
+    """Outside the loss's vmap (inside ``lax.map``, on a constant) a layer runs its kernel on
+    what it is given; inside it, once over the batch."""
+    check_trains_like_equinox(equinox_model("mlp-map"), "mlp-map", strategy, "sgd")
+
+
 HAND = {
     # Mlp (the Flax MLP's shapes, so the Flax MLP's count): over data the 6 leaves' gradients
     # (LayerNorm 2 × 24 × 4 = 192, up [64/2, 24] 3,072 + b [32] 128, down [8, 64/2] 1,024 + b
