@@ -6,13 +6,14 @@ import functools
 import pathlib
 import sys
 
+import _foreign_checks
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from _cover import cover
-from _gpt_checks import TOL, check_budget, optimizer
-from _model_checks import TRAJECTORY_ERRORS, mesh_for
+from _gpt_checks import TOL, optimizer
+from _model_checks import mesh_for
 from _mutants import copies
 from flax import nnx
 
@@ -268,54 +269,19 @@ CASES = cover(["mlp", "llama"], [s for s in STRATEGIES if s not in CONTEXT], ["s
 
 
 def train(model, strategy: str, opt_name: str, name: str, budget: bool = False, **options):
-    """Losses, SGD's gradients as each step applied them ((p_t − p_t+1) / lr; none for Adam)
-    and the final parameters of ``model`` trained by shardops under ``strategy``."""
-    setup = models.build(strategy, mesh_for(STRATEGIES[strategy]), model=model,
-                         optimizer=optimizer(opt_name, sgd_lr=SGD_LR), **options)  # fmt: skip
-    state = setup.shard(model.init(jax.random.key(0)))
-    xs, ys = batches(name)
-    step = setup.train_step.lower(state, *setup.place_batch(xs[0], ys[0])).compile()
-    if budget:
-        check_budget(setup, step, xs.shape[1:])
-    losses, grads, before = [], [], setup.gather(state.params)
-    for x, y in zip(xs, ys, strict=True):
-        state, loss = step(state, *setup.place_batch(x, y))
-        losses.append(float(loss))  # one step in flight
-        if opt_name == "sgd":
-            after = setup.gather(state.params)
-            grads.append(jax.tree.map(lambda p, q: (np.float64(p) - q) / SGD_LR, before, after))
-            before = after
-    return np.array(losses), grads, setup.gather(state.params)
+    """``_foreign_checks.train`` of ``model`` under ``strategy`` on ``name``'s batches."""
+    return _foreign_checks.train(model, STRATEGIES[strategy], opt_name, batches(name), SGD_LR,
+                                 budget, strategy=strategy, **options)  # fmt: skip
 
 
 def check_trains_like_flax(model, name: str, strategy: str, opt_name: str, budget=False,
                            **options):  # fmt: skip
-    losses, grads, params = train(model, strategy, opt_name, name, budget, **options)
-    ref_losses, ref_grads, ref_params = flax_trajectory(name, opt_name)
-    tol = TOL[opt_name]
-    where = f"{model.name} under {strategy} with {opt_name}"
-    # SGD's gradients, read back from each step (rounding ulp(p) / lr ≤ 2.4e-7 at |p| ≤ 1),
-    # against Flax's own; Adam's are seen through its parameters.
-    grad_errors = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                   for g, r in zip(grads, ref_grads, strict=False)
-                   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r), strict=True)]  # fmt: skip
-    errors = {"loss": float(np.max(np.abs(losses - ref_losses))),
-              "grads": max(grad_errors, default=0.0), "params": 0.0}  # fmt: skip
-    assert errors["grads"] <= tol["grads"], (where, errors)
-    assert errors["loss"] <= tol["loss"], (where, losses, ref_losses)
-    start = model.init(jax.random.key(0))
-    for (path, p), q, p0 in zip(jax.tree_util.tree_leaves_with_path(params),
-                                jax.tree.leaves(ref_params), jax.tree.leaves(start),
-                                strict=True):  # fmt: skip
-        err = float(np.max(np.abs(np.asarray(p) - np.asarray(q))))
-        assert err <= tol["params"], f"{where}: {jax.tree_util.keystr(path)} off by {err:.2e}"
-        moved = float(np.max(np.abs(np.asarray(q) - np.asarray(p0))))
-        assert moved >= MIN_MOVE * tol["params"], f"{jax.tree_util.keystr(path)} moved {moved}"
-        errors["params"] = max(errors["params"], err)
-    mesh = STRATEGIES[strategy]
-    key = (f"{name} {strategy}", "x".join(map(str, mesh.values())) if mesh else "1", opt_name)
-    old = TRAJECTORY_ERRORS.get(key, {})  # the run's report: worst errors against Flax's run
-    TRAJECTORY_ERRORS[key] = {k: max(v, old.get(k, 0.0)) for k, v in errors.items()}
+    """``model`` under ``strategy`` trains like Flax trains the module ``name``."""
+    _foreign_checks.check_trains_like(
+        model, train(model, strategy, opt_name, name, budget, **options),
+        flax_trajectory(name, opt_name), TOL[opt_name], MIN_MOVE,
+        _foreign_checks.report_key(name, strategy, STRATEGIES[strategy], opt_name),
+    )  # fmt: skip
 
 
 ORIGINAL_ATTENTION = jax.nn.dot_product_attention
