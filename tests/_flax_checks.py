@@ -188,6 +188,61 @@ class MhaLm(nnx.Module):
         return self.head(x)  # (B, S, V)
 
 
+class MoeMlp(nnx.Module):
+    """Mixtral's sparse MLP as a Flax user writes one: a router ``nnx.Linear``, each expert's
+    SwiGLU stacked in three ``nnx.Param``s ``[E, …]`` (MaxText's ``wi_0``, ``wi_1``, ``wo``),
+    the softmax's top k renormalised, every expert run on every token and the k chosen ones'
+    outputs added by their weights (dropless); Switch's load-balancing loss over the batch
+    sown (``nnx.Intermediate``), for the training loop to add."""
+
+    def __init__(self, c, experts: int, k: int, *, rngs):
+        d, f, self.k = c.d_model, c.d_ff, k
+        self.router = flax_llama.dense(d, experts, ("embed", None), rngs)
+        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        self.wi_0 = nnx.Param(
+            annotated(init, ("exp", "embed", "mlp"))(rngs.params(), (experts, d, f))
+        )
+        self.wi_1 = nnx.Param(
+            annotated(init, ("exp", "embed", "mlp"))(rngs.params(), (experts, d, f))
+        )
+        self.wo = nnx.Param(
+            annotated(init, ("exp", "mlp", "embed"))(rngs.params(), (experts, f, d))
+        )
+
+    def __call__(self, x):
+        probs = jax.nn.softmax(self.router(x), axis=-1)  # (B, S, E)
+        top, chosen = jax.lax.top_k(probs, self.k)  # (B, S, k)
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+        chose = jax.nn.one_hot(chosen, probs.shape[-1])  # (B, S, k, E)
+        share = jnp.mean(jnp.sum(chose, axis=-2), axis=(0, 1)) / self.k  # of the choices, (E,)
+        self.sow(nnx.Intermediate, "load_balance",
+                 probs.shape[-1] * jnp.sum(share * jnp.mean(probs, axis=(0, 1))))  # fmt: skip
+        combine = jnp.sum(chose * top[..., None], axis=-2)  # (B, S, E)
+        gate = jnp.einsum("bsd,edf->bsef", x, self.wi_0[...])
+        h = jax.nn.silu(gate) * jnp.einsum("bsd,edf->bsef", x, self.wi_1[...])
+        y = jnp.einsum("bsef,efd->bsed", h, self.wo[...])  # (B, S, E, D)
+        return jnp.einsum("bsed,bse->bsd", y, combine)  # (B, S, D)
+
+
+EXPERTS, EXPERTS_K = 4, 2
+
+
+def moe_experts(module=flax_nnx, **changes) -> dict:
+    """The declaration of ``MoeMlp`` (``module``'s ``FlaxExperts``): where it sits, its
+    parameters and its routing; ``changes``: other values of its fields."""
+    fields = {"router": "router.kernel", "gate": "wi_0", "up": "wi_1", "down": "wo",
+              "k": EXPERTS_K, **changes}  # fmt: skip
+    return {"blocks.*.mlp": module.FlaxExperts(**fields)}
+
+
+def moe_llama(rngs):
+    """The example's Llama with ``MoeMlp`` for each block's MLP."""
+    model = flax_llama.Llama(CONFIG, rngs=rngs)
+    for block in model.blocks:
+        block.mlp = MoeMlp(CONFIG, EXPERTS, EXPERTS_K, rngs=rngs)
+    return model
+
+
 MLP_RULES = (("batch", "data"), ("embed", None), ("mlp", "model"))
 CONFIG = flax_llama.Config()
 MAKE = {
@@ -199,13 +254,14 @@ MAKE = {
     "mha": lambda rngs: MhaLm(rngs=rngs),
     "llama-sandwich": lambda rngs: blocks_as(SandwichBlock, rngs, extra_norms=True),
     "llama-post-norm": lambda rngs: blocks_as(PostNormBlock, rngs),
+    "llama-moe": moe_llama,
 }
 
 
 POSITIONS = ("llama-sdpa", "llama-nnx-sdpa", "llama-general")
 
 
-def flax_model(name: str, module=flax_nnx) -> FlaxModel:
+def flax_model(name: str, module=flax_nnx, **options) -> FlaxModel:
     if name == "mlp":
         return module.FlaxModel(
             MAKE["mlp"], rules=MLP_RULES, task="classify", name="flax mlp", example_shape=(24,)
@@ -214,9 +270,10 @@ def flax_model(name: str, module=flax_nnx) -> FlaxModel:
     # The Llamas calling JAX's or Flax's attention take their positions (as MaxText's do): the
     # ones context parallelism runs. The example's own (einsum attention) computes them.
     positions = "positions" if name in POSITIONS else None
+    experts = moe_experts(module) if name == "llama-moe" else ()
     return module.FlaxModel(MAKE[name], rules=flax_llama.RULES, name=f"flax {name}",
                             num_heads=CONFIG.num_heads, num_kv_heads=kv_heads,
-                            positions=positions)  # fmt: skip
+                            positions=positions, moe=experts, **options)  # fmt: skip
 
 
 def batches(name: str):
@@ -229,9 +286,10 @@ def batches(name: str):
 
 
 @functools.cache
-def flax_trajectory(name: str, opt_name: str):
+def flax_trajectory(name: str, opt_name: str, load_balance: float = 0.0):
     """Losses, each step's gradients and the final parameters of the module trained by Flax
-    alone, unsharded (once per session for each module and optimizer)."""
+    alone, unsharded (once per session for each module and optimizer); the objective adds
+    ``load_balance`` × the load-balancing losses the module sows (``MoeMlp``'s)."""
     with nnx.use_eager_sharding(False):
         module = MAKE[name](nnx.Rngs(jax.random.key(0)))
     opt = nnx.Optimizer(module, optimizer(opt_name, sharded=False, sgd_lr=SGD_LR), wrt=nnx.Param)
@@ -239,7 +297,9 @@ def flax_trajectory(name: str, opt_name: str):
     @nnx.jit
     def step(module, opt, x, y):
         def loss(module):
-            return optax.softmax_cross_entropy_with_integer_labels(module(x), y).mean()
+            logits, sown = nnx.capture(module, nnx.Intermediate)(x)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+            return ce + load_balance * sum(jax.tree.leaves(sown), 0.0)
 
         value, grads = nnx.value_and_grad(loss)(module)
         opt.update(module, grads)
@@ -259,12 +319,17 @@ STRATEGIES = {"ref": None, "dp": {"data": 8}, "fsdp": {"data": 8}, "zero1": {"da
               "hsdp_tp": {"replica": 2, "data": 2, "model": 2}, "dp_sp": {"data": 4, "model": 2},
               "2d+ring": {"data": 2, "context": 2, "model": 2},
               "fsdp+allgather": {"data": 2, "context": 4}, "dp+ulysses": {"data": 4, "context": 2},
-              "sp+ring": {"context": 4, "model": 2}}  # fmt: skip
+              "sp+ring": {"context": 4, "model": 2},
+              "2d+ep": {"data": 2, "expert": 2, "model": 2}, "fsdp+ep": {"data": 2, "expert": 4},
+              "hsdp+ep": {"replica": 2, "data": 2, "expert": 2}}  # fmt: skip
 CONTEXT = ("2d+ring", "fsdp+allgather", "dp+ulysses", "sp+ring")
 """The context-parallel strategies: for the Llamas that call JAX's or Flax's attention."""
 SEQUENCE_SPLIT = ("dp_sp",)
 """The strategies that split the sequence: for the language models only."""
-CASES = cover(["mlp", "llama"], [s for s in STRATEGIES if s not in CONTEXT], ["sgd", "adam"],
+EXPERT_PARALLEL = ("2d+ep", "fsdp+ep", "hsdp+ep")
+"""The strategies that split experts: for the Llama with a mixture of experts only."""
+CASES = cover(["mlp", "llama"], [s for s in STRATEGIES if s not in (*CONTEXT, *EXPERT_PARALLEL)],
+              ["sgd", "adam"],
               valid=lambda name, strategy, _: name != "mlp" or strategy not in SEQUENCE_SPLIT)  # fmt: skip
 
 
@@ -276,10 +341,12 @@ def train(model, strategy: str, opt_name: str, name: str, budget: bool = False, 
 
 def check_trains_like_flax(model, name: str, strategy: str, opt_name: str, budget=False,
                            **options):  # fmt: skip
-    """``model`` under ``strategy`` trains like Flax trains the module ``name``."""
+    """``model`` under ``strategy`` trains like Flax trains the module ``name`` (with the
+    model's load-balancing weight)."""
+    load_balance = model.aux_weights.get("load_balance", 0.0)
     _foreign_checks.check_trains_like(
         model, train(model, strategy, opt_name, name, budget, **options),
-        flax_trajectory(name, opt_name), TOL[opt_name], MIN_MOVE,
+        flax_trajectory(name, opt_name, load_balance), TOL[opt_name], MIN_MOVE,
         _foreign_checks.report_key(name, strategy, STRATEGIES[strategy], opt_name),
     )  # fmt: skip
 
@@ -300,7 +367,7 @@ def _check_attention_core(module, name: str = "llama-sdpa") -> None:
 def _mutant(line: str, replacement: str):
     """A copy of ``flax_nnx`` (and the modules it imports), ``line`` replaced in the one
     holding it."""
-    modules = ("_flax_dense", "_flax_attention", "flax_nnx")
+    modules = ("_flax_dense", "_flax_attention", "_flax_experts", "flax_nnx")
     return copies("shardops_models.interop", modules, "flax", line, replacement)["flax_nnx"]
 
 

@@ -43,6 +43,11 @@ the attention needs no collective for. A parameter that no swapped layer owns (a
 error naming its path and class before anything is traced: shardops never replicates or gathers
 a weight it cannot see used.
 
+**A mixture of experts** the module writes itself (its experts stacked in ``nnx.Param``s, its
+own routing) is declared, ``FlaxModel(moe={"blocks.*.moe": FlaxExperts(...)})``, and its
+sub-module swapped whole for ``ctx.moe`` (``_flax_experts``): under ep its experts split over
+the expert axis, under tp each one's hidden units.
+
 **A split sequence.** Under sp each norm's output is gathered along S once
 (``ctx.gather_sequence``), so a sublayer's own code sees the whole sequence and its column
 layers read that one gather; row layers and the embedding return the residual stream's block
@@ -75,19 +80,23 @@ from flax import nnx
 from shardops import MODEL_AXIS
 from shardops_models.interop._flax_attention import attention_by
 from shardops_models.interop._flax_dense import Geometry, einsum, linear_general
+from shardops_models.interop._flax_experts import (
+    FlaxExperts,
+    SwappedExperts,
+    declared_at,
+    parameters,
+)
+from shardops_models.interop._flax_experts import role as experts_role
 from shardops_models.interop._foreign import TASKS, ForeignModel, at_dict, check_unpadded
 from shardops_models.strategies.plan import COLUMN, REPLICATED, ROW, VOCAB
 
-__all__ = ["NOT_YET", "SWAPPED", "FlaxModel"]
+__all__ = ["NOT_YET", "SWAPPED", "FlaxExperts", "FlaxModel"]
 
-LINEAR, GENERAL, EMBED, NORM = "linear", "general", "embed", "norm"
+LINEAR, GENERAL, EMBED, NORM, EXPERTS = "linear", "general", "embed", "norm", "experts"
 SWAPPED = {nnx.Linear: LINEAR, nnx.LinearGeneral: GENERAL, nnx.Einsum: GENERAL, nnx.Embed: EMBED,
            nnx.RMSNorm: NORM, nnx.LayerNorm: NORM}  # fmt: skip
 """The Flax layers shardops runs with its kernels, by what each becomes."""
-NOT_YET = {
-    "ep": "needs the experts as one ctx.moe layer",
-    "pp": "needs the blocks stacked and run by ctx.scan",
-}  # fmt: skip
+NOT_YET = {"pp": "needs the blocks stacked and run by ctx.scan"}
 """The kinds a Flax module cannot run under yet, and why."""
 
 
@@ -141,6 +150,33 @@ def _role(kind: str, layer, state, rules, where: str):
             raise ValueError(f"{where}.{name}: a norm's features are not split; map its dim to "
                              f"None")  # fmt: skip
     return REPLICATED
+
+
+def _experts_role(sub, paths: dict, rules, where: str):
+    """The role of a mixture of experts' parameters (``_flax_experts.role``): its hidden dim
+    ``F`` split over the tp axis where its logical name maps to it, in all three experts'
+    parameters alike; no other dim of them but the experts' (the strategy's) split."""
+    flat = dict(nnx.to_flat_state(nnx.state(sub, nnx.Param)))
+    hidden = {"gate": 2, "up": 2, "down": 1}
+    split = {}
+    for key, path in paths.items():
+        variable = flat[path]
+        for dim, name in enumerate(_names(variable, variable.ndim)):
+            if key != "router" and dim == 0:
+                continue  # the experts dim: ep's axis, by the strategy
+            axis = _axis_of(rules, name, f"{where}.{_path(path)}")
+            if dim == hidden.get(key):
+                split[key] = axis is not None
+            elif axis is not None:
+                raise ValueError(
+                    f"{where}.{_path(path)}: dim {dim} ({name!r}) maps to {MODEL_AXIS!r}; of a "
+                    f"mixture of experts shardops splits the experts' hidden dim F over it "
+                    f"(and the experts over ep's axis), nothing else"
+                )
+    if len(set(split.values())) != 1:
+        raise ValueError(f"{where}: the experts' hidden dim F maps to {MODEL_AXIS!r} in some of "
+                         f"gate, up and down but not all ({split}); map it alike in all three")  # fmt: skip
+    return experts_role(paths, split["gate"], where)
 
 
 def _geometry(layer, where: str) -> Geometry:
@@ -215,6 +251,12 @@ class FlaxModel(ForeignModel):
             cp, where the module cannot compute them from its block.
         example_shape: one example's shape (``task="classify"``), for the abstract batch the
             budget and the cost model trace (``setup.collective_budget``).
+        moe: ``(path pattern, FlaxExperts)`` pairs (or a dict): the sub-modules that are
+            mixtures of experts (``fnmatch`` patterns over dotted paths, ``"blocks.*.moe"``;
+            the first match wins), each run whole as ``ctx.moe`` (``_flax_experts``). Their
+            load-balancing and router z losses are ``apply``'s auxiliary losses.
+        aux_weights: the weight of each auxiliary loss (``"load_balance"``, ``"z_loss"``;
+            default 0: the module's own objective, the cross-entropy alone).
     """
 
     make: Callable[[nnx.Rngs], nnx.Module]
@@ -226,6 +268,8 @@ class FlaxModel(ForeignModel):
     context: int = sys.maxsize
     positions: str | None = None
     example_shape: tuple[int, ...] | None = None
+    moe: Sequence[tuple[str, FlaxExperts]] | Mapping[str, FlaxExperts] = ()
+    aux_weights: Mapping[str, float] | None = None
     module_type: str = dataclasses.field(init=False, default="")
     """The module's class (``package.Class``): with the parameters' paths and shapes, what a
     checkpoint records of the model."""
@@ -242,6 +286,17 @@ class FlaxModel(ForeignModel):
             raise TypeError(f"FlaxModel: rules must be (logical name, mesh axis or None) pairs, "
                             f"or a dict of them; got {self.rules!r}") from None  # fmt: skip
         object.__setattr__(self, "rules", rules)  # a parameter's names are checked by plan()
+        try:
+            experts = list(self.moe.items() if isinstance(self.moe, Mapping) else self.moe)
+        except TypeError:
+            experts = [None]
+        if not all(isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str)
+                   and isinstance(e[1], FlaxExperts) for e in experts):  # fmt: skip
+            raise TypeError(f"FlaxModel: moe must be (path pattern, FlaxExperts) pairs, or a "
+                            f"dict of them; got {self.moe!r}")  # fmt: skip
+        object.__setattr__(self, "moe", tuple(experts))
+        weights = {"load_balance": 0.0, "z_loss": 0.0} if experts else {}
+        object.__setattr__(self, "aux_weights", {**weights, **(self.aux_weights or {})})
         graphdef, abstract = self._abstract()
         kind = type(nnx.merge(graphdef, abstract))
         object.__setattr__(self, "module_type", f"{kind.__module__}.{kind.__qualname__}")
@@ -276,13 +331,23 @@ class FlaxModel(ForeignModel):
         return nnx.split(module)
 
     def _swappable(self, module) -> dict[tuple, str]:
-        """Module path → the kind of each layer shardops swaps; every parameter is owned by
-        one, else a ValueError naming the first one that is not and its module's class."""
+        """Module path → the kind of each layer shardops swaps (a declared mixture of experts
+        whole, ``_experts``: its declaration and parameters); every parameter is owned by one,
+        else a ValueError naming the first one that is not and its module's class."""
+        declared = declared_at(module, self.moe, _path)
+        experts = {path: (d, parameters(_at(module, path), d, _path(path)))
+                   for path, d in declared.items()}  # fmt: skip
+        object.__setattr__(self, "_experts", experts)
+
+        def inside(path) -> bool:
+            return any(path[: len(e)] == e for e in experts)
+
         layers = {path: SWAPPED[type(m)] for path, m in nnx.iter_modules(module)
-                  if type(m) in SWAPPED}  # fmt: skip
+                  if type(m) in SWAPPED and not inside(path)}  # fmt: skip
+        layers.update(dict.fromkeys(experts, EXPERTS))
         for path, _ in nnx.to_flat_state(nnx.state(module, nnx.Param)):
             owner = path[:-1]
-            if owner not in layers:
+            if owner not in layers and not inside(path):
                 cls = type(_at(module, owner)).__name__
                 raise ValueError(
                     f"FlaxModel: parameter {_path(path)} belongs to {cls} at {_path(owner)}, "
@@ -314,12 +379,17 @@ class FlaxModel(ForeignModel):
         plan = jax.tree.map(lambda _: REPLICATED, nnx.to_pure_dict(nnx.state(module, nnx.Param)))
         for path, kind in self._layers.items():
             layer = _at(module, path)
+            if kind == EXPERTS:
+                at = _experts_role(layer, self._experts[path][1], self.rules, _path(path))
+                for key_path in self._experts[path][1].values():
+                    at_dict(plan, path + key_path[:-1])[key_path[-1]] = at
+                continue
             _check_layer(kind, layer, _path(path))
             sub = at_dict(plan, path)
-            role = _role(kind, layer, dict(nnx.state(layer, nnx.Param).items()), self.rules,
-                         _path(path))  # fmt: skip
+            at = _role(kind, layer, dict(nnx.state(layer, nnx.Param).items()), self.rules,
+                       _path(path))  # fmt: skip
             for k in sub:
-                sub[k] = role
+                sub[k] = at
         return plan
 
     def apply(self, ctx, params, x):
@@ -350,10 +420,24 @@ class FlaxModel(ForeignModel):
         split = None
         if self.task == "lm":
             split = _SequenceSplit.of(ctx, ctx.local_tokens(x))
+        if self._experts and (split is not None or context):
+            raise ValueError(
+                f"FlaxModel {self.name!r} under {ctx.strategy.name!r}: its mixture of experts "
+                f"(ctx.moe) is not run on a split sequence yet; train it under dp, fsdp, hsdp, "
+                f"zero1, tp, ep or their compositions (2d+ep, fsdp+ep, fsdp_tp+ep)"
+            )
         module = nnx.merge(self._graphdef, self._state)
-        swapped = {}
+        swapped, stats = {}, []
         for path, kind in self._layers.items():
             layer, p = _at(module, path), at_dict(params, path)
+            if kind == EXPERTS:  # its router's options (a Linear's dtype) are refused too
+                for inner, m in nnx.iter_modules(layer):
+                    if type(m) in SWAPPED:
+                        _check_layer(SWAPPED[type(m)], m, _path(path + inner), ctx.precision)
+                declared, paths = self._experts[path]
+                swapped[path] = SwappedExperts(ctx, declared, paths, p, _path(path), stats)
+                _set_at(module, path, swapped[path])
+                continue
             _check_layer(kind, layer, _path(path), ctx.precision)
             check_unpadded(p, _path(path), "FlaxModel")
             swapped[path] = _Swapped(ctx, kind, p, layer, _path(path), split)
@@ -385,7 +469,10 @@ class FlaxModel(ForeignModel):
                 f"'s (the layer making {self._head_layer[1]} features, taken as the head); "
                 f"return the head's logits unchanged, from the one layer that makes them"
             )
-        return logits, {}
+        if not self._experts:
+            return logits, {}
+        return logits, {name: sum(getattr(s, name) for s in stats)
+                        for name in ("load_balance", "z_loss")}  # fmt: skip
 
     # --- the task's loss, metrics and batch checks
 
