@@ -65,3 +65,35 @@ def check_trains_like(model, trained, reference, tol: dict, min_move: float, rep
 
 def report_key(label: str, strategy: str, mesh: dict | None, opt_name: str) -> tuple:
     return (f"{label} {strategy}", "x".join(map(str, mesh.values())) if mesh else "1", opt_name)
+
+
+def check_checkpoint(model, strategies: dict, batches, module_type: str, run_module, tmp_path,
+                     steps: int = 1):  # fmt: skip
+    """A checkpoint of ``model`` trained ``steps`` steps under 2d restores under fsdp bit for bit
+    (recording the module's class, ``module_type``), and into the framework's own module
+    (``model.module``), whose logits, ``run_module(module, ids)``, are the sharded run's.
+    ``strategies``: the meshes by strategy; ``batches``: ``(xs, ys)``."""
+    from shardops_models.training.checkpoint import Checkpoints
+
+    xs, ys = batches
+    saved = models.build("2d", mesh_for(strategies["2d"]), model=model,
+                         optimizer=optimizer("adam"))  # fmt: skip
+    state = saved.shard(model.init(jax.random.key(0)))
+    for x, y in zip(xs[:steps], ys[:steps], strict=True):
+        state, loss = saved.train_step(state, *saved.place_batch(x, y))
+        float(loss)  # one step in flight
+    with Checkpoints(tmp_path) as ckpt:
+        ckpt.save(steps, saved, state)
+    fsdp = models.build("fsdp", mesh_for(strategies["fsdp"]), model=model,
+                        optimizer=optimizer("adam"))  # fmt: skip
+    with Checkpoints(tmp_path) as ckpt:
+        restored, _ = ckpt.restore(fsdp)
+        assert ckpt.record()["model"]["config"]["module_type"] == module_type
+    params = fsdp.gather(restored.params)
+    for a, b in zip(jax.tree.leaves(saved.gather(state.params)), jax.tree.leaves(params),
+                    strict=True):  # fmt: skip
+        np.testing.assert_array_equal(a, b)
+    module = model.module(params)
+    sharded = saved.logits(state.params, saved.place_batch(xs[steps], ys[steps])[0])
+    np.testing.assert_allclose(run_module(module, xs[steps]), sharded, atol=1e-5, rtol=0)
+    return module, params

@@ -28,6 +28,7 @@ import math
 
 from flax import nnx
 
+from shardops_models.interop._foreign import at_dict
 from shardops_models.strategies.expert import ExpertKind
 from shardops_models.strategies.plan import Role
 
@@ -181,7 +182,7 @@ class SwappedExperts:
 
     def __init__(self, ctx, declared: FlaxExperts, paths, p, where: str, stats: list):
         self.ctx, self.declared, self.where, self.stats = ctx, declared, where, stats
-        self.p = {key: _at(p, path) for key, path in paths.items()}
+        self.p = {key: at_dict(p, path) for key, path in paths.items()}
 
     def __call__(self, x, *args, **kwargs):
         given = [f"{k}={v!r}" for k, v in [*enumerate(args), *kwargs.items()] if v is not None]
@@ -215,9 +216,3 @@ class SwappedExperts:
             f"FlaxModel runs as ctx.moe, whose parameters are laid out by the strategy; call the "
             f"sub-module instead"
         )
-
-
-def _at(tree, path):
-    for key in path:
-        tree = tree[key]
-    return tree

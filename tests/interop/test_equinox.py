@@ -4,8 +4,8 @@ the style of Equinox's BERT example, ``eqx.nn.MultiheadAttention`` included), tr
 itself unsharded (``eqx.filter_jit``, optax): the losses at every step, SGD's gradients at every
 step and the parameters after the last, as for Flax's modules (tests/_flax_checks.py)."""
 
+import _foreign_checks
 import jax
-import numpy as np
 import optax
 import pytest
 from _cover import cover
@@ -15,7 +15,6 @@ from _model_checks import mesh_for
 
 import shardops
 import shardops_models as models
-from shardops_models.training.checkpoint import Checkpoints
 
 CASES = cover(["mlp", "gpt"], list(STRATEGIES), ["sgd", "adam"])
 
@@ -83,27 +82,10 @@ def test_the_plan_is_read_from_the_roles_by_path():
 
 
 def test_a_checkpoint_saved_under_2d_restores_under_fsdp_and_into_the_equinox_module(tmp_path):
-    model = equinox_model("gpt")
-    xs, ys = batches("gpt")
-    saved = models.build("2d", mesh_for(STRATEGIES["2d"]), model=model,
-                         optimizer=optax.adam(1e-3))  # fmt: skip
-    state = saved.shard(model.init(jax.random.key(0)))
-    state, loss = saved.train_step(state, *saved.place_batch(xs[0], ys[0]))
-    float(loss)
-    with Checkpoints(tmp_path) as ckpt:
-        ckpt.save(1, saved, state)
-    fsdp = models.build("fsdp", mesh_for(STRATEGIES["fsdp"]), model=model,
-                        optimizer=optax.adam(1e-3))  # fmt: skip
-    with Checkpoints(tmp_path) as ckpt:
-        restored, _ = ckpt.restore(fsdp)
-        assert ckpt.record()["model"]["config"]["module_type"] == "equinox_gpt.Gpt"
-    params = fsdp.gather(restored.params)
-    for a, b in zip(jax.tree.leaves(saved.gather(state.params)), jax.tree.leaves(params),
-                    strict=True):  # fmt: skip
-        np.testing.assert_array_equal(a, b)
-    module = model.module(params)  # into Equinox: its logits are the sharded run's
-    sharded = saved.logits(state.params, saved.place_batch(xs[1], ys[1])[0])
-    np.testing.assert_allclose(jax.vmap(module)(xs[1]), sharded, atol=1e-5, rtol=0)
+    # Into Equinox: the module holding the restored parameters computes the sharded run's logits.
+    _foreign_checks.check_checkpoint(equinox_model("gpt"), STRATEGIES, batches("gpt"),
+                                     "equinox_gpt.Gpt", lambda module, ids: jax.vmap(module)(ids),
+                                     tmp_path)  # fmt: skip
 
 
 def test_explain_names_each_collective_and_the_locator_is_refused_by_name():

@@ -13,8 +13,8 @@ sums), and every parameter must move ≥ 100× that bound, so a zeroed, doubled 
 
 import json
 
+import _foreign_checks
 import jax
-import numpy as np
 import optax
 import pytest
 from _flax_checks import (
@@ -30,7 +30,6 @@ from _flax_checks import (
     flax_llama,
     flax_model,
     mesh_for,
-    optimizer,
 )
 from _lm_budgets import by_dtype
 from _resume_checks import load_example, run_main
@@ -39,7 +38,6 @@ from flax import nnx
 import shardops
 import shardops_models as models
 from shardops_models.interop import flax_nnx
-from shardops_models.training.checkpoint import Checkpoints
 
 
 @pytest.mark.parametrize(("name", "strategy", "opt_name"), CASES, ids=["-".join(c) for c in CASES])
@@ -168,31 +166,13 @@ def test_the_ledger_is_the_count_by_hand(case):
 
 
 def test_a_checkpoint_saved_under_2d_restores_under_fsdp_and_into_the_flax_module(tmp_path):
-    model = flax_model("llama")
-    xs, ys = batches("llama")
-    saved = models.build("2d", mesh_for(STRATEGIES["2d"]), model=model,
-                         optimizer=optimizer("adam"))  # fmt: skip
-    state = saved.shard(model.init(jax.random.key(0)))
-    for x, y in zip(xs[:2], ys[:2], strict=True):
-        state, loss = saved.train_step(state, *saved.place_batch(x, y))
-        float(loss)  # one step in flight
-    with Checkpoints(tmp_path) as ckpt:
-        ckpt.save(2, saved, state)
-    fsdp = models.build("fsdp", mesh_for(STRATEGIES["fsdp"]), model=model,
-                        optimizer=optimizer("adam"))  # fmt: skip
-    with Checkpoints(tmp_path) as ckpt:
-        restored, _ = ckpt.restore(fsdp)
-        assert ckpt.record()["model"]["config"]["module_type"] == "flax_llama.Llama"
-    params = fsdp.gather(restored.params)
-    for a, b in zip(jax.tree.leaves(saved.gather(state.params)), jax.tree.leaves(params),
-                    strict=True):  # fmt: skip
-        np.testing.assert_array_equal(a, b)
     # Into Flax: the module holding the restored parameters computes the sharded run's logits.
-    module = model.module(params)
+    module, params = _foreign_checks.check_checkpoint(
+        flax_model("llama"), STRATEGIES, batches("llama"), "flax_llama.Llama",
+        lambda module, ids: module(ids), tmp_path, steps=2,
+    )  # fmt: skip
     assert isinstance(module, flax_llama.Llama)
     assert nnx.to_pure_dict(nnx.state(module, nnx.Param)).keys() == params.keys()
-    sharded = saved.logits(state.params, saved.place_batch(xs[2], ys[2])[0])
-    np.testing.assert_allclose(module(xs[2]), sharded, atol=1e-5, rtol=0)
 
 
 def test_the_example_trains_the_flax_llama_like_its_unsharded_run(tmp_path):
