@@ -343,7 +343,7 @@ def check_trains_like_flax(model, name: str, strategy: str, opt_name: str, budge
                            **options):  # fmt: skip
     """``model`` under ``strategy`` trains like Flax trains the module ``name`` (with the
     model's load-balancing weight)."""
-    load_balance = model.aux_weights.get("load_balance", 0.0)
+    load_balance = (model.aux_weights or {}).get("load_balance", 0.0)
     _foreign_checks.check_trains_like(
         model, train(model, strategy, opt_name, name, budget, **options),
         flax_trajectory(name, opt_name, load_balance), TOL[opt_name], MIN_MOVE,

@@ -9,15 +9,18 @@ declares which parameters are the router and the experts' SwiGLU, and how tokens
 
 What the declaration claims (and the module's own code must compute, which the tests check
 against Flax's own run): ``probs = softmax(x · router)`` (or ``sigmoid``), each token's ``k``
-best experts weighted by their ``probs`` renormalised over the ``k``, each expert
-``(silu(x · gate) · (x · up)) · down``, the weighted sum; every token kept (dropless) unless a
-``capacity_factor`` is declared, and then dropped exactly as ``shardops.layers.moe_kernel``
-drops (GShard's capacity per sequence, earlier tokens first).
+best experts weighted by their ``probs`` renormalised over the ``k`` (so with ``k = 1`` the
+weight is 1: Switch's ``p · expert(x)`` is not this), each expert
+``(silu(x · gate) · (x · up)) · down``, the weighted sum, returned alone (``y[B, S, D]``);
+every token kept (dropless) unless a ``capacity_factor`` is declared, and then dropped exactly
+as ``shardops.layers.moe_kernel`` drops (GShard's capacity per sequence, filled by choice rank
+first: every token's first choice before any second choice, then by position).
 
 Under expert parallelism a dropless declaration runs at ``capacity_factor = E / k``: ``S``
-slots per expert per sequence, so nothing can drop and the result is the dropless one (each
-expert then computes on ``E / k`` × the slots its tokens need; XLA:CPU has no ragged
-AllToAll to send a ragged number).
+slots per expert per sequence, so nothing can drop and the result is the dropless one. It costs
+what the capacity does: a dispatch ``[S, E, S]`` per sequence (``O(S² · E · D)`` to dispatch
+and combine) and each expert computing on ``S`` slots a sequence, ``E / k`` × what its tokens
+need (XLA:CPU has no ragged AllToAll to send each expert exactly its tokens).
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ class FlaxExperts:
         capacity_factor: ``None``: dropless (every choice kept); else the slots per expert
             per sequence, ``min(S, ceil(capacity_factor · S · k / E))``, as
             ``shardops.layers.moe_capacity``.
+        load_balance: how the load-balancing loss is averaged (``ctx.moe``'s): ``"global"``
+            over the whole batch (Switch's), or ``"group"`` per sequence (GShard's; the one a
+            step split into microbatches, a pipeline's or accumulation's, can take).
 
     The ``F`` dim of ``gate``, ``up`` and ``down`` is split over the tp axis where its
     logical name maps to ``"model"``; the experts dim is the strategy's (ep's axis).
@@ -64,6 +70,7 @@ class FlaxExperts:
     k: int
     score: str = "softmax"
     capacity_factor: float | None = None
+    load_balance: str = "global"
 
     def __post_init__(self):
         for key in KEYS:
@@ -76,6 +83,9 @@ class FlaxExperts:
                              f"is routed to); got {self.k!r}")  # fmt: skip
         if self.score not in SCORES:
             raise ValueError(f"FlaxExperts: score must be one of {SCORES}; got {self.score!r}")
+        if self.load_balance not in ("global", "group"):
+            raise ValueError(f"FlaxExperts: load_balance must be 'global' or 'group'; got "
+                             f"{self.load_balance!r}")  # fmt: skip
         factor = self.capacity_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int | float)
                                    or not math.isfinite(factor) or factor <= 0):  # fmt: skip
@@ -88,13 +98,15 @@ def declared_at(module, experts, dotted) -> dict[tuple, FlaxExperts]:
     FlaxExperts)`` pairs, the first match wins) names; ``dotted(path)`` is a path's name.
     A pattern that matches no sub-module is an error listing the ones there are."""
     found, used = {}, set()
-    for path, _ in nnx.iter_modules(module):
-        if not path or any(path[:i] in found for i in range(1, len(path))):
-            continue  # the root, or inside a mixture already found
+    # parents before their children (Flax lists children first): a sub-module of a mixture
+    # already found is the mixture's, whatever a pattern says of it
+    for path, _ in sorted(nnx.iter_modules(module), key=lambda item: len(item[0])):
         match = next(((p, d) for p, d in experts if fnmatch.fnmatchcase(dotted(path), p)), None)
-        if match is not None:
+        if not path or match is None:
+            continue
+        used.add(match[0])
+        if not any(path[:i] in found for i in range(1, len(path))):  # else inside a mixture
             found[path] = match[1]
-            used.add(match[0])
     unused = [p for p, _ in experts if p not in used]
     if unused:
         names = [dotted(p) for p, _ in nnx.iter_modules(module) if p]
@@ -135,6 +147,10 @@ def parameters(sub, declared: FlaxExperts, where: str) -> dict[str, tuple]:
         raise ValueError(f"{where}: FlaxExperts needs router[D, E] and gate[E, D, F]; got router"
                          f"{shape['router']} and gate{shape['gate']}")  # fmt: skip
     (d, e), gate = shape["router"], shape["gate"]
+    if gate[:2] == (d, e) != (e, d):
+        raise ValueError(f"{where}: {declared.router} has shape {(d, e)}, which reads as router"
+                         f"[E, D] beside gate{gate}; FlaxExperts reads router[D, E] (x · router: "
+                         f"the experts' logits). Store it [D, E] (an nnx.Linear(D, E)'s kernel)")  # fmt: skip
     if gate[:2] != (e, d):
         raise ValueError(f"{where}: {declared.gate} has shape {gate}; with router[D={d}, E={e}] "
                          f"FlaxExperts reads gate[E, D, F]: ({e}, {d}, F). Declare the "
@@ -164,15 +180,16 @@ def role(paths: dict[str, tuple], hidden_split: bool, where: str) -> Role:
     f = "mlp" if hidden_split else None
     dims = {"router": ("embed", None), "gate": ("experts", "embed", f),
             "up": ("experts", "embed", f), "down": ("experts", f, "embed")}  # fmt: skip
-    by_leaf = {}
+    by_leaf, owner = {}, {}
     for key, path in paths.items():
         leaf = str(path[-1])
         if by_leaf.setdefault(leaf, dims[key]) != dims[key]:
             raise ValueError(
-                f"{where}: the router's and an expert's parameters share the leaf name "
-                f"{leaf!r} ({'.'.join(map(str, path))}); shardops lays a leaf out by its name. "
-                f"Rename one"
+                f"{where}: {owner[leaf]} and {key} share the leaf name {leaf!r} "
+                f"({'.'.join(map(str, path))}) but not a layout; shardops lays a leaf out by its "
+                f"name. Rename one"
             )
+        owner.setdefault(leaf, key)
     return Role("experts", by_leaf)
 
 
@@ -183,6 +200,7 @@ class SwappedExperts:
     def __init__(self, ctx, declared: FlaxExperts, paths, p, where: str, stats: list):
         self.ctx, self.declared, self.where, self.stats = ctx, declared, where, stats
         self.p = {key: at_dict(p, path) for key, path in paths.items()}
+        self.calls = 0
 
     def __call__(self, x, *args, **kwargs):
         given = [f"{k}={v!r}" for k, v in [*enumerate(args), *kwargs.items()] if v is not None]
@@ -202,14 +220,16 @@ class SwappedExperts:
             factor = self.p["router"].value.shape[-1] / declared.k
 
         def run(q, x):
-            return ctx.moe(q, x, k=declared.k, capacity_factor=factor, score=declared.score)
+            return ctx.moe(q, x, k=declared.k, capacity_factor=factor, score=declared.score,
+                           load_balance=declared.load_balance)  # fmt: skip
 
         y, stats = ctx.unit(run, self.p, x)
         self.stats.append(stats)
+        self.calls += 1
         return y
 
     def __getattr__(self, name: str):
-        if name.startswith("__") or name in ("ctx", "declared", "where", "stats", "p"):
+        if name.startswith("__") or name in ("ctx", "declared", "where", "stats", "p", "calls"):
             raise AttributeError(name)
         raise AttributeError(
             f"{self.where}.{name}: the module's code reads an attribute of a mixture of experts "

@@ -269,7 +269,7 @@ class FlaxModel(ForeignModel):
     positions: str | None = None
     example_shape: tuple[int, ...] | None = None
     moe: Sequence[tuple[str, FlaxExperts]] | Mapping[str, FlaxExperts] = ()
-    aux_weights: Mapping[str, float] | None = None
+    aux_weights: Mapping[str, float] | None = dataclasses.field(default=None, compare=False)
     module_type: str = dataclasses.field(init=False, default="")
     """The module's class (``package.Class``): with the parameters' paths and shapes, what a
     checkpoint records of the model."""
@@ -295,8 +295,9 @@ class FlaxModel(ForeignModel):
             raise TypeError(f"FlaxModel: moe must be (path pattern, FlaxExperts) pairs, or a "
                             f"dict of them; got {self.moe!r}")  # fmt: skip
         object.__setattr__(self, "moe", tuple(experts))
-        weights = {"load_balance": 0.0, "z_loss": 0.0} if experts else {}
-        object.__setattr__(self, "aux_weights", {**weights, **(self.aux_weights or {})})
+        if experts or self.aux_weights:  # the loss's weights, not the model's identity
+            weights = {"load_balance": 0.0, "z_loss": 0.0} if experts else {}
+            object.__setattr__(self, "aux_weights", {**weights, **(self.aux_weights or {})})
         graphdef, abstract = self._abstract()
         kind = type(nnx.merge(graphdef, abstract))
         object.__setattr__(self, "module_type", f"{kind.__module__}.{kind.__qualname__}")
@@ -395,53 +396,15 @@ class FlaxModel(ForeignModel):
     def apply(self, ctx, params, x):
         """The module's own ``__call__`` on ``x``, each swapped layer running the strategy's
         kernel on its ``Param``s (``ctx.unit``: one FSDP and remat unit per layer)."""
-        refused = [k.name for k in ctx.strategy.kinds if k.name in NOT_YET]
-        if refused:
-            raise ValueError(
-                f"FlaxModel {self.name!r} under {ctx.strategy.name!r}: {refused[0]} "
-                f"{NOT_YET[refused[0]]}, so the module's own code between its layers would "
-                f"compute on blocks it does not know of. Train it under dp, fsdp, hsdp, zero1, tp, "
-                f"sp, cp or their compositions (2d, fsdp_tp, hsdp_tp, hsdp_sp, 2d+ring)"
-            )
-        self.check_heads(ctx)
         context = [k.name for k in ctx.strategy.kinds if k.splits_sequence]
-        if context and self.positions is None:
-            raise ValueError(
-                f"FlaxModel {self.name!r} under {ctx.strategy.name!r}: context parallelism "
-                f"gives each device chunks i and 2N−1−i of the sequence, whose positions the "
-                f"module cannot compute from its block (an arange over x.shape would restart at "
-                f"0). Take them as an argument of the module's __call__ (MaxText's "
-                f"decoder_positions) and name it: FlaxModel(positions='positions')"
-            )
+        split = _SequenceSplit.of(ctx, ctx.local_tokens(x)) if self.task == "lm" else None
+        self._check_strategy(ctx, context, split)
         kwargs = {}
         if self.positions is not None:
             whole = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
             kwargs[self.positions] = ctx.local_tokens(whole)  # positions[B, S(_context)]
-        split = None
-        if self.task == "lm":
-            split = _SequenceSplit.of(ctx, ctx.local_tokens(x))
-        if self._experts and (split is not None or context):
-            raise ValueError(
-                f"FlaxModel {self.name!r} under {ctx.strategy.name!r}: its mixture of experts "
-                f"(ctx.moe) is not run on a split sequence yet; train it under dp, fsdp, hsdp, "
-                f"zero1, tp, ep or their compositions (2d+ep, fsdp+ep, fsdp_tp+ep)"
-            )
-        module = nnx.merge(self._graphdef, self._state)
-        swapped, stats = {}, []
-        for path, kind in self._layers.items():
-            layer, p = _at(module, path), at_dict(params, path)
-            if kind == EXPERTS:  # its router's options (a Linear's dtype) are refused too
-                for inner, m in nnx.iter_modules(layer):
-                    if type(m) in SWAPPED:
-                        _check_layer(SWAPPED[type(m)], m, _path(path + inner), ctx.precision)
-                declared, paths = self._experts[path]
-                swapped[path] = SwappedExperts(ctx, declared, paths, p, _path(path), stats)
-                _set_at(module, path, swapped[path])
-                continue
-            _check_layer(kind, layer, _path(path), ctx.precision)
-            check_unpadded(p, _path(path), "FlaxModel")
-            swapped[path] = _Swapped(ctx, kind, p, layer, _path(path), split)
-            _set_at(module, path, swapped[path])
+        stats = []  # each mixture of experts' MoeStats
+        module, swapped = self._swapped(ctx, params, split, stats)
         with attention_by(ctx, (self.num_heads, self.num_kv_heads)) as calls:
             try:
                 logits = module(x, **kwargs)
@@ -471,8 +434,63 @@ class FlaxModel(ForeignModel):
             )
         if not self._experts:
             return logits, {}
+        uncalled = [
+            s.where for s in swapped.values() if isinstance(s, SwappedExperts) and not s.calls
+        ]
+        if uncalled:
+            raise ValueError(f"FlaxModel {self.name!r}: the mixture of experts {uncalled[0]} that "
+                             f"moe= declares was not called by the module's forward; declare "
+                             f"the sub-modules it calls")  # fmt: skip
         return logits, {name: sum(getattr(s, name) for s in stats)
                         for name in ("load_balance", "z_loss")}  # fmt: skip
+
+    def _check_strategy(self, ctx, context: list, split) -> None:
+        """Refuse a strategy the module cannot run under as written (``NOT_YET``; cp without
+        its positions; experts on a split sequence), naming the reason and the fix."""
+        refused = [k.name for k in ctx.strategy.kinds if k.name in NOT_YET]
+        if refused:
+            raise ValueError(
+                f"FlaxModel {self.name!r} under {ctx.strategy.name!r}: {refused[0]} "
+                f"{NOT_YET[refused[0]]}, so the module's own code between its layers would "
+                f"compute on blocks it does not know of. Train it under dp, fsdp, hsdp, zero1, tp, "
+                f"sp, cp, ep or their compositions (2d, fsdp_tp, hsdp_tp, hsdp_sp, 2d+ring, 2d+ep)"
+            )
+        self.check_heads(ctx)
+        if context and self.positions is None:
+            raise ValueError(
+                f"FlaxModel {self.name!r} under {ctx.strategy.name!r}: context parallelism "
+                f"gives each device chunks i and 2N−1−i of the sequence, whose positions the "
+                f"module cannot compute from its block (an arange over x.shape would restart at "
+                f"0). Take them as an argument of the module's __call__ (MaxText's "
+                f"decoder_positions) and name it: FlaxModel(positions='positions')"
+            )
+        if self._experts and (split is not None or context):
+            raise ValueError(
+                f"FlaxModel {self.name!r} under {ctx.strategy.name!r}: its mixture of experts "
+                f"(ctx.moe) is not run on a split sequence yet; train it under dp, fsdp, hsdp, "
+                f"zero1, tp, ep or their compositions (2d+ep, fsdp+ep, fsdp_tp+ep)"
+            )
+
+    def _swapped(self, ctx, params, split, stats: list):
+        """``(module, swapped)``: the module rebuilt from its graph with each layer (and each
+        mixture of experts, whose statistics go to ``stats``) swapped for one running the
+        strategy's kernel on its ``params``; ``swapped``: path → that object."""
+        module = nnx.merge(self._graphdef, self._state)
+        swapped = {}
+        for path, kind in self._layers.items():
+            layer, p = _at(module, path), at_dict(params, path)
+            if kind == EXPERTS:  # its router's options (a Linear's dtype) are refused too
+                for inner, m in nnx.iter_modules(layer):
+                    if type(m) in SWAPPED:
+                        _check_layer(SWAPPED[type(m)], m, _path(path + inner), ctx.precision)
+                declared, paths = self._experts[path]
+                swapped[path] = SwappedExperts(ctx, declared, paths, p, _path(path), stats)
+            else:
+                _check_layer(kind, layer, _path(path), ctx.precision)
+                check_unpadded(p, _path(path), "FlaxModel")
+                swapped[path] = _Swapped(ctx, kind, p, layer, _path(path), split)
+            _set_at(module, path, swapped[path])
+        return module, swapped
 
     # --- the task's loss, metrics and batch checks
 

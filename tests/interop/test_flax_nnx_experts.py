@@ -4,6 +4,7 @@ router ``nnx.Linear``, the experts stacked in three ``nnx.Param``s, its own rout
 same module unsharded; what the declaration gets wrong is refused by name; a mutant of the
 dropless capacity is caught."""
 
+import _foreign_checks
 import jax.numpy as jnp
 import optax
 import pytest
@@ -16,6 +17,7 @@ from _flax_checks import (
     MoeMlp,
     _mutant,
     annotated,
+    batches,
     check_trains_like_flax,
     flax_llama,
     flax_model,
@@ -66,16 +68,20 @@ def test_a_mutant_that_drops_tokens_under_ep_is_caught():
         check_trains_like_flax(flax_model("llama-moe", module), "llama-moe", "fsdp+ep", "sgd")
 
 
-def _moe_llama(wi_0_names=None, **router):
-    """The Llama with ``MoeMlp`` whose router is an ``nnx.Linear(**router)`` and whose
-    ``wi_0`` is annotated ``wi_0_names``, where given."""
+def _moe_llama(wi_0_names=None, transposed=False, spare=False, **router):
+    """The Llama with ``MoeMlp`` whose router is an ``nnx.Linear(**router)`` (``transposed``:
+    ``[E, D]``) and whose ``wi_0`` is annotated ``wi_0_names``, where given; ``spare``: one
+    more ``MoeMlp`` the forward never calls."""
 
     def make(rngs):
         model = flax_llama.Llama(CONFIG, rngs=rngs)
+        if spare:
+            model.spare = MoeMlp(CONFIG, EXPERTS, EXPERTS_K, rngs=rngs)
         for block in model.blocks:
             block.mlp = mlp = MoeMlp(CONFIG, EXPERTS, EXPERTS_K, rngs=rngs)
-            if router:
-                mlp.router = nnx.Linear(CONFIG.d_model, EXPERTS, rngs=rngs, **router)
+            if router or transposed:
+                shape = (EXPERTS, CONFIG.d_model) if transposed else (CONFIG.d_model, EXPERTS)
+                mlp.router = nnx.Linear(*shape, rngs=rngs, **router)
             if wi_0_names:
                 init = annotated(nnx.initializers.lecun_normal(), wi_0_names)
                 mlp.wi_0 = nnx.Param(init(rngs.params(), mlp.wi_0.shape))
@@ -110,6 +116,10 @@ def _model(make=None, rules=flax_llama.RULES, **experts):
          "score must be one of"),
         (lambda: FlaxExperts("router.kernel", "wi_0", "wi_1", "wo", k=2, capacity_factor=0.0),
          "capacity_factor must be None"),
+        (lambda: FlaxExperts("router.kernel", "wi_0", "wi_1", "wo", k=2, load_balance="seq"),
+         "load_balance must be 'global' or 'group'"),
+        (lambda: _model(_moe_llama(transposed=True, use_bias=False)),
+         r"router\.kernel has shape \(4, 64\), which reads as router\[E, D\] beside gate"),
         (lambda: _model(_moe_llama(("exp", "split", "mlp")),
                         rules=(*flax_llama.RULES, ("split", "model"))).plan(),
          r"blocks\.0\.mlp\.wi_0: dim 1 \('split'\) maps to 'model'; of a mixture of experts "
@@ -119,20 +129,43 @@ def _model(make=None, rules=flax_llama.RULES, **experts):
     ],
     ids=["no-match", "not-declarations", "no-param", "transposed", "twice", "up-transposed",
          "router-bias", "k", "k-0",
-         "score", "capacity", "embed-split", "hidden-unalike"],
+         "score", "capacity", "load-balance", "router-transposed", "embed-split",
+         "hidden-unalike"],
 )  # fmt: skip
 def test_a_declaration_the_module_does_not_fit_is_refused_by_name(build, match):
     with pytest.raises((ValueError, TypeError), match=match):
         build()
 
 
+def test_a_pattern_that_also_matches_inside_a_mixture_declares_the_mixture_alone():
+    """``blocks.*.mlp.*`` names each mixture's router (which Flax lists before its parent): the
+    router is the mixture's, as declared, not a mixture of its own."""
+    declared = moe_experts()["blocks.*.mlp"]
+    plan = _model(**{"blocks.*.mlp": declared, "blocks.*.mlp.*": declared}).plan()
+    assert plan["blocks"][0]["mlp"]["router"]["kernel"] == "experts", plan
+
+
+def test_a_checkpoint_of_the_experts_restores_under_another_strategy(tmp_path):
+    """Saved under 2d (each expert's hidden units over model), restored under fsdp bit for
+    bit, and into the Flax module, whose logits are the sharded run's."""
+
+    def logits(module, ids):  # what the module sows (its load-balancing loss) left aside
+        return nnx.capture(module, nnx.Intermediate)(ids)[0]
+
+    _foreign_checks.check_checkpoint(flax_model("llama-moe"), STRATEGIES, batches("llama"),
+                                     "flax_llama.Llama", logits, tmp_path)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("model", "strategy", "match"),
     [(flax_model("llama-moe"), "dp_sp", "mixture of experts .* not run on a split sequence"),
+     (_model(_moe_llama(spare=True), **moe_experts(), spare=moe_experts()["blocks.*.mlp"]),
+      "2d+ep",
+      "the mixture of experts spare that moe= declares was not called"),
      (_model(_moe_llama(use_bias=False, dtype=jnp.bfloat16)), "2d+ep",
       r"blocks\.0\.mlp\.router: Linear\(dtype=bfloat16\) but the precision policy computes in "
       r"float32")],
-    ids=["sp", "router-dtype"],
+    ids=["sp", "router-dtype", "uncalled"],
 )  # fmt: skip
 def test_experts_the_strategy_cannot_run_as_written_are_refused(model, strategy, match):
     setup = models.build(strategy, mesh_for(STRATEGIES[strategy]), model=model,
