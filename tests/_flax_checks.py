@@ -2,6 +2,7 @@
 test_flax_nnx_refusals.py): the modules, as their authors write them, their batches,
 the same module trained by Flax alone, and the trajectory check against it."""
 
+import dataclasses
 import functools
 import pathlib
 import sys
@@ -243,6 +244,29 @@ def moe_llama(rngs):
     return model
 
 
+class StackedLlama(flax_llama.Llama):
+    """The example's Llama with its blocks stacked by ``nnx.vmap`` (every parameter ``[L, …]``,
+    the layers' logical name in front) and run by ``nnx.scan``, as Flax's guide to scanning over
+    layers writes them."""
+
+    def __init__(self, c, *, rngs: nnx.Rngs):
+        super().__init__(dataclasses.replace(c, num_layers=0), rngs=rngs)
+
+        @nnx.split_rngs(splits=c.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def create_block(rngs):
+            return flax_llama.Block(c, rngs=rngs)
+
+        self.blocks = create_block(rngs)
+
+    def __call__(self, ids, positions=None):
+        @nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+        def forward(x, block, positions):
+            return block(x, positions)
+
+        return self.head(self.norm(forward(self.embed(ids), self.blocks, positions)))
+
+
 MLP_RULES = (("batch", "data"), ("embed", None), ("mlp", "model"))
 CONFIG = flax_llama.Config()
 MAKE = {
@@ -255,6 +279,9 @@ MAKE = {
     "llama-sandwich": lambda rngs: blocks_as(SandwichBlock, rngs, extra_norms=True),
     "llama-post-norm": lambda rngs: blocks_as(PostNormBlock, rngs),
     "llama-moe": moe_llama,
+    "llama-stacked": lambda rngs: StackedLlama(
+        dataclasses.replace(CONFIG, num_layers=4), rngs=rngs
+    ),
 }
 
 
@@ -271,6 +298,8 @@ def flax_model(name: str, module=flax_nnx, **options) -> FlaxModel:
     # ones context parallelism runs. The example's own (einsum attention) computes them.
     positions = "positions" if name in POSITIONS else None
     experts = moe_experts(module) if name == "llama-moe" else ()
+    if name == "llama-stacked":
+        options = {"stacked": "blocks", **options}
     return module.FlaxModel(MAKE[name], rules=flax_llama.RULES, name=f"flax {name}",
                             num_heads=CONFIG.num_heads, num_kv_heads=kv_heads,
                             positions=positions, moe=experts, **options)  # fmt: skip
@@ -328,7 +357,12 @@ SEQUENCE_SPLIT = ("dp_sp",)
 """The strategies that split the sequence: for the language models only."""
 EXPERT_PARALLEL = ("2d+ep", "fsdp+ep", "hsdp+ep")
 """The strategies that split experts: for the Llama with a mixture of experts only."""
-CASES = cover(["mlp", "llama"], [s for s in STRATEGIES if s not in (*CONTEXT, *EXPERT_PARALLEL)],
+PIPELINES = {"2d+1f1b": {"pipe": 2, "data": 2, "model": 2}, "fsdp+circular": {"pipe": 2, "data": 4},
+             "ref+gpipe": {"pipe": 4}}  # fmt: skip
+"""The pipelines (2 microbatches): for the Llama whose blocks are stacked only."""
+STRATEGIES.update(PIPELINES)
+CASES = cover(["mlp", "llama"], [s for s in STRATEGIES
+                                 if s not in (*CONTEXT, *EXPERT_PARALLEL, *PIPELINES)],
               ["sgd", "adam"],
               valid=lambda name, strategy, _: name != "mlp" or strategy not in SEQUENCE_SPLIT)  # fmt: skip
 
@@ -367,7 +401,14 @@ def _check_attention_core(module, name: str = "llama-sdpa") -> None:
 def _mutant(line: str, replacement: str):
     """A copy of ``flax_nnx`` (and the modules it imports), ``line`` replaced in the one
     holding it."""
-    modules = ("_flax_dense", "_flax_attention", "_flax_experts", "flax_nnx")
+    modules = (
+        "_flax_dense",
+        "_flax_layers",
+        "_flax_attention",
+        "_flax_experts",
+        "_flax_stacked",
+        "flax_nnx",
+    )
     return copies("shardops_models.interop", modules, "flax", line, replacement)["flax_nnx"]
 
 

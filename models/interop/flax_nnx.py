@@ -51,7 +51,7 @@ the expert axis, under tp each one's hidden units.
 **A split sequence.** Under sp each norm's output is gathered along S once
 (``ctx.gather_sequence``), so a sublayer's own code sees the whole sequence and its column
 layers read that one gather; row layers and the embedding return the residual stream's block
-(``_SequenceSplit``). Under cp the module takes its positions from ``FlaxModel(positions=)``
+(``SequenceSplit``). Under cp the module takes its positions from ``FlaxModel(positions=)``
 and its attention runs by the context method (``_flax_attention``); a module that cannot honour
 either is refused (``docs/flax.md``).
 
@@ -68,7 +68,9 @@ run computes what the module's own does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -79,7 +81,6 @@ from flax import nnx
 
 from shardops import MODEL_AXIS
 from shardops_models.interop._flax_attention import attention_by
-from shardops_models.interop._flax_dense import Geometry, einsum, linear_general
 from shardops_models.interop._flax_experts import (
     FlaxExperts,
     SwappedExperts,
@@ -87,17 +88,38 @@ from shardops_models.interop._flax_experts import (
     parameters,
 )
 from shardops_models.interop._flax_experts import role as experts_role
+from shardops_models.interop._flax_layers import (
+    EMBED,
+    EXPERTS,
+    GENERAL,
+    LINEAR,
+    NORM,
+    SWAPPED,
+    SequenceSplit,
+    Swapped,
+    as_shardops,
+    at,
+    geometry,
+    set_at,
+)
+from shardops_models.interop._flax_stacked import StackedBlocks, one_block, scanned_by
 from shardops_models.interop._foreign import TASKS, ForeignModel, at_dict, check_unpadded
 from shardops_models.strategies.plan import COLUMN, REPLICATED, ROW, VOCAB
+from shardops_models.strategies.plan import stacked as stacked_plan
 
-__all__ = ["NOT_YET", "SWAPPED", "FlaxExperts", "FlaxModel"]
+__all__ = ["SWAPPED", "FlaxExperts", "FlaxModel"]
 
-LINEAR, GENERAL, EMBED, NORM, EXPERTS = "linear", "general", "embed", "norm", "experts"
-SWAPPED = {nnx.Linear: LINEAR, nnx.LinearGeneral: GENERAL, nnx.Einsum: GENERAL, nnx.Embed: EMBED,
-           nnx.RMSNorm: NORM, nnx.LayerNorm: NORM}  # fmt: skip
-"""The Flax layers shardops runs with its kernels, by what each becomes."""
-NOT_YET = {"pp": "needs the blocks stacked and run by ctx.scan"}
-"""The kinds a Flax module cannot run under yet, and why."""
+
+@dataclasses.dataclass(frozen=True)
+class _Stack:
+    """The stacked blocks (``FlaxModel(stacked=...)``): where they sit, one block's graph and
+    abstract parameters (``one_block``), the layers swapped in it and the number of layers."""
+
+    path: tuple
+    graphdef: Any
+    state: Any
+    layers: dict
+    count: int
 
 
 def _axis_of(rules: Mapping[str, Any], name, where: str):
@@ -125,8 +147,8 @@ def _role(kind: str, layer, state, rules, where: str):
         kernel = layer.kernel
         if kernel.ndim != 2:  # e.g. layers stacked by nnx.vmap: [L, in, out]
             raise ValueError(f"{where}.kernel has shape {tuple(kernel.shape)}; an nnx.Linear "
-                             f"shardops runs holds kernel[in, out] (layers stacked by nnx.vmap "
-                             f"or nnx.scan are not run yet: unroll them)")  # fmt: skip
+                             f"shardops runs holds kernel[in, out] (layers stacked by nnx.vmap: "
+                             f"name their sub-module, FlaxModel(stacked=...))")  # fmt: skip
         split = [_axis_of(rules, n, f"{where}.kernel") is not None
                  for n in _names(kernel, 2)]  # fmt: skip
         if all(split):
@@ -137,7 +159,7 @@ def _role(kind: str, layer, state, rules, where: str):
         names = _names(layer.kernel, layer.kernel.ndim)
         split = [_axis_of(rules, n, f"{where}.kernel") is not None for n in names]
         bias = getattr(layer, "bias", None)
-        return _geometry(layer, where).role(split, None if bias is None else bias.ndim)
+        return geometry(layer, where).role(split, None if bias is None else bias.ndim)
     if kind == EMBED:
         vocab, features = (_axis_of(rules, n, f"{where}.embedding") is not None
                            for n in _names(layer.embedding, 2))  # fmt: skip
@@ -179,17 +201,6 @@ def _experts_role(sub, paths: dict, rules, where: str):
     return experts_role(paths, split["gate"], where)
 
 
-def _geometry(layer, where: str) -> Geometry:
-    if isinstance(layer, nnx.Einsum):
-        geometry = einsum(layer, where)
-        out = tuple(layer.kernel.shape[geometry.n_in :])
-        if layer.bias is not None and tuple(layer.bias.shape) != out:
-            raise ValueError(f"{where}: nnx.Einsum's bias {tuple(layer.bias.shape)} is not its "
-                             f"output features {out}; shardops adds a bias over those only")  # fmt: skip
-        return geometry
-    return linear_general(layer, where)
-
-
 def _check_layer(kind: str, layer, where: str, precision=None) -> None:
     """Refuse a layer option the swapped layer would not honour (module docstring)."""
     if kind in (LINEAR, GENERAL):
@@ -207,7 +218,7 @@ def _check_layer(kind: str, layer, where: str, precision=None) -> None:
                 f"Build the layer without it"
             )
     if kind == GENERAL:
-        _geometry(layer, where)  # a layout shardops runs, else a ValueError naming it
+        geometry(layer, where)  # a layout shardops runs, else a ValueError naming it
     if kind == NORM:
         axes = (getattr(layer, "reduction_axes", -1), getattr(layer, "feature_axes", -1))
         if any(a not in (-1, (-1,)) for a in axes) or getattr(layer, "axis_name", None):
@@ -229,6 +240,38 @@ def _check_layer(kind: str, layer, where: str, precision=None) -> None:
 
 def _path(keys) -> str:
     return ".".join(map(str, keys)) or "the module"
+
+
+def _swap(ctx, kind: str, p, layer, where: str, split, unit: bool) -> Swapped:
+    """The layer ``layer`` (of ``kind``) swapped for the strategy's kernel on ``p``, its
+    options checked first; ``unit``: each call a unit of its own (else inside one already)."""
+    _check_layer(kind, layer, where, ctx.precision)
+    check_unpadded(p, where, "FlaxModel")
+    return Swapped(ctx, kind, p, layer, where, split, unit=unit)
+
+
+def _layers_of(module, owned=(), prefix=()) -> dict[tuple, str]:
+    """Path → kind of each layer of ``module`` shardops swaps, but for those under ``owned``
+    (the experts', the stacked blocks'); a ValueError naming the first parameter none owns and
+    its module's class. ``prefix``: the module's own path, for messages."""
+
+    def inside(path) -> bool:
+        return any(path[: len(e)] == e for e in owned)
+
+    layers = {path: SWAPPED[type(m)] for path, m in nnx.iter_modules(module)
+              if type(m) in SWAPPED and not inside(path)}  # fmt: skip
+    for path, _ in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        owner = path[:-1]
+        if owner not in layers and not inside(path):
+            cls = type(at(module, owner)).__name__
+            raise ValueError(
+                f"FlaxModel: parameter {_path(prefix + path)} belongs to {cls} at "
+                f"{_path(prefix + owner)}, which shardops cannot run with an explicit kernel (it "
+                f"runs {', '.join('nnx.' + c.__name__ for c in SWAPPED)}). Write that "
+                f"computation with those layers, or as a models.Model of your own "
+                f"(ctx.dense, ctx.array: docs/strategies.md#any-model)"
+            )
+    return layers
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -257,6 +300,10 @@ class FlaxModel(ForeignModel):
             load-balancing and router z losses are ``apply``'s auxiliary losses.
         aux_weights: the weight of each auxiliary loss (``"load_balance"``, ``"z_loss"``;
             default 0: the module's own objective, the cross-entropy alone).
+        stacked: the dotted path of a sub-module whose blocks are stacked by ``nnx.vmap``
+            (every ``Param`` ``[L, …]``) and run by ``nnx.scan`` over them in the forward
+            (``_flax_stacked``): its layers run one unit a layer by ``ctx.scan``, and under pp
+            they split into stages.
     """
 
     make: Callable[[nnx.Rngs], nnx.Module]
@@ -270,6 +317,7 @@ class FlaxModel(ForeignModel):
     example_shape: tuple[int, ...] | None = None
     moe: Sequence[tuple[str, FlaxExperts]] | Mapping[str, FlaxExperts] = ()
     aux_weights: Mapping[str, float] | None = dataclasses.field(default=None, compare=False)
+    stacked: str | None = None
     module_type: str = dataclasses.field(init=False, default="")
     """The module's class (``package.Class``): with the parameters' paths and shapes, what a
     checkpoint records of the model."""
@@ -303,7 +351,9 @@ class FlaxModel(ForeignModel):
         object.__setattr__(self, "module_type", f"{kind.__module__}.{kind.__qualname__}")
         object.__setattr__(self, "_graphdef", graphdef)
         object.__setattr__(self, "_state", abstract)
-        object.__setattr__(self, "_layers", self._swappable(nnx.merge(graphdef, abstract)))
+        module = nnx.merge(graphdef, abstract)
+        object.__setattr__(self, "_stack", self._stacked_blocks(module))
+        object.__setattr__(self, "_layers", self._swappable(module))
         object.__setattr__(self, "sequence", self.task == "lm")
         object.__setattr__(self, "_head_layer", self._find_head())
 
@@ -333,31 +383,39 @@ class FlaxModel(ForeignModel):
 
     def _swappable(self, module) -> dict[tuple, str]:
         """Module path → the kind of each layer shardops swaps (a declared mixture of experts
-        whole, ``_experts``: its declaration and parameters); every parameter is owned by one,
-        else a ValueError naming the first one that is not and its module's class."""
+        whole, ``_experts``: its declaration and parameters; the stacked blocks' are
+        ``_stack``'s); every parameter is owned by one (``_layers_of``)."""
         declared = declared_at(module, self.moe, _path)
-        experts = {path: (d, parameters(_at(module, path), d, _path(path)))
+        stack = () if self._stack is None else (self._stack.path,)
+        inside = [p for p in declared if any(p[: len(q)] == q for q in stack)]
+        if inside:
+            raise ValueError(f"FlaxModel: the mixture of experts {_path(inside[0])} sits in the "
+                             f"stacked blocks {self.stacked!r}; a mixture of experts in "
+                             f"stacked blocks is not run yet (unstack them)")  # fmt: skip
+        experts = {path: (d, parameters(at(module, path), d, _path(path)))
                    for path, d in declared.items()}  # fmt: skip
         object.__setattr__(self, "_experts", experts)
-
-        def inside(path) -> bool:
-            return any(path[: len(e)] == e for e in experts)
-
-        layers = {path: SWAPPED[type(m)] for path, m in nnx.iter_modules(module)
-                  if type(m) in SWAPPED and not inside(path)}  # fmt: skip
+        layers = _layers_of(module, owned=(*experts, *stack))
         layers.update(dict.fromkeys(experts, EXPERTS))
-        for path, _ in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-            owner = path[:-1]
-            if owner not in layers and not inside(path):
-                cls = type(_at(module, owner)).__name__
-                raise ValueError(
-                    f"FlaxModel: parameter {_path(path)} belongs to {cls} at {_path(owner)}, "
-                    f"which shardops cannot run with an explicit kernel (it runs "
-                    f"{', '.join('nnx.' + c.__name__ for c in SWAPPED)}). Write that "
-                    f"computation with those layers, or as a models.Model of your own "
-                    f"(ctx.dense, ctx.array: docs/strategies.md#any-model)"
-                )
         return layers
+
+    def _stacked_blocks(self, module) -> _Stack | None:
+        """The stacked blocks ``stacked`` names, or None."""
+        if self.stacked is None:
+            return None
+        path = tuple(int(k) if k.isdigit() else k for k in self.stacked.split("."))
+        try:
+            blocks = at(module, path)
+        except (AttributeError, IndexError, KeyError, TypeError):
+            blocks = None
+        if not isinstance(blocks, nnx.Module) or type(blocks) in SWAPPED:
+            names = [_path(p) for p, m in nnx.iter_modules(module) if p and type(m) not in SWAPPED]
+            raise ValueError(f"FlaxModel(stacked={self.stacked!r}): no sub-module of blocks "
+                             f"there; the module's are {names[:12]}")  # fmt: skip
+        graphdef, state = one_block(blocks, self.stacked)
+        count = next(iter(nnx.to_flat_state(nnx.state(blocks, nnx.Param))))[1].shape[0]
+        layers = _layers_of(nnx.merge(graphdef, state), prefix=path)
+        return _Stack(path, graphdef, state, layers, count)
 
     # --- models.Model
 
@@ -375,29 +433,38 @@ class FlaxModel(ForeignModel):
         return nnx.merge(self._graphdef, state)
 
     def plan(self):
-        """Each swapped layer's role (module docstring), as a tree over ``init``'s dict."""
+        """Each swapped layer's role (module docstring), as a tree over ``init``'s dict; the
+        stacked blocks' one block's, ``stacked(...)``."""
         module = nnx.merge(self._graphdef, self._state)
+        plan = self._plan_of(module, self._layers)
+        if self._stack is not None:
+            s = self._stack
+            block = self._plan_of(nnx.merge(s.graphdef, s.state), s.layers, s.path)
+            at_dict(plan, s.path[:-1])[s.path[-1]] = stacked_plan(block)
+        return plan
+
+    def _plan_of(self, module, layers: dict, prefix=()):
+        """The roles of ``module``'s ``layers`` (``prefix``: its path, for messages)."""
         plan = jax.tree.map(lambda _: REPLICATED, nnx.to_pure_dict(nnx.state(module, nnx.Param)))
-        for path, kind in self._layers.items():
-            layer = _at(module, path)
+        for path, kind in layers.items():
+            layer, where = at(module, path), _path(prefix + path)
             if kind == EXPERTS:
-                at = _experts_role(layer, self._experts[path][1], self.rules, _path(path))
+                role = _experts_role(layer, self._experts[path][1], self.rules, where)
                 for key_path in self._experts[path][1].values():
-                    at_dict(plan, path + key_path[:-1])[key_path[-1]] = at
+                    at_dict(plan, path + key_path[:-1])[key_path[-1]] = role
                 continue
-            _check_layer(kind, layer, _path(path))
+            _check_layer(kind, layer, where)
             sub = at_dict(plan, path)
-            at = _role(kind, layer, dict(nnx.state(layer, nnx.Param).items()), self.rules,
-                       _path(path))  # fmt: skip
+            role = _role(kind, layer, dict(nnx.state(layer, nnx.Param).items()), self.rules, where)
             for k in sub:
-                sub[k] = at
+                sub[k] = role
         return plan
 
     def apply(self, ctx, params, x):
         """The module's own ``__call__`` on ``x``, each swapped layer running the strategy's
         kernel on its ``Param``s (``ctx.unit``: one FSDP and remat unit per layer)."""
         context = [k.name for k in ctx.strategy.kinds if k.splits_sequence]
-        split = _SequenceSplit.of(ctx, ctx.local_tokens(x)) if self.task == "lm" else None
+        split = SequenceSplit.of(ctx, ctx.local_tokens(x)) if self.task == "lm" else None
         self._check_strategy(ctx, context, split)
         kwargs = {}
         if self.positions is not None:
@@ -405,7 +472,8 @@ class FlaxModel(ForeignModel):
             kwargs[self.positions] = ctx.local_tokens(whole)  # positions[B, S(_context)]
         stats = []  # each mixture of experts' MoeStats
         module, swapped = self._swapped(ctx, params, split, stats)
-        with attention_by(ctx, (self.num_heads, self.num_kv_heads)) as calls:
+        scans = scanned_by() if self._stack is not None else contextlib.nullcontext()
+        with attention_by(ctx, (self.num_heads, self.num_kv_heads)) as calls, scans:
             try:
                 logits = module(x, **kwargs)
             except TypeError as e:
@@ -418,7 +486,16 @@ class FlaxModel(ForeignModel):
                     f"post-norm block (norm(x + f(x))), or a norm of the embedding kept as the "
                     f"residual stream (BLOOM's), mixes the two. Train it under tp"
                 ) from e
-        if context and not calls:
+        self._check_forward(ctx, bool(context and not calls), logits, swapped)
+        if not self._experts:
+            return logits, {}
+        return logits, {name: sum(getattr(s, name) for s in stats)
+                        for name in ("load_balance", "z_loss")}  # fmt: skip
+
+    def _check_forward(self, ctx, no_attention: bool, logits, swapped: dict) -> None:
+        """Refuse a forward shardops cannot vouch for: cp with no attention it runs, logits
+        not the head's, a declared mixture of experts or stacked blocks the forward never ran."""
+        if no_attention:
             raise ValueError(
                 f"FlaxModel {self.name!r} under {ctx.strategy.name!r}: the module called no "
                 f"attention shardops runs (jax.nn.dot_product_attention or "
@@ -432,29 +509,17 @@ class FlaxModel(ForeignModel):
                 f"'s (the layer making {self._head_layer[1]} features, taken as the head); "
                 f"return the head's logits unchanged, from the one layer that makes them"
             )
-        if not self._experts:
-            return logits, {}
-        uncalled = [
-            s.where for s in swapped.values() if isinstance(s, SwappedExperts) and not s.calls
-        ]
+        uncalled = [s.where for s in swapped.values()
+                    if isinstance(s, (SwappedExperts, StackedBlocks)) and not s.calls]  # fmt: skip
         if uncalled:
-            raise ValueError(f"FlaxModel {self.name!r}: the mixture of experts {uncalled[0]} that "
-                             f"moe= declares was not called by the module's forward; declare "
-                             f"the sub-modules it calls")  # fmt: skip
-        return logits, {name: sum(getattr(s, name) for s in stats)
-                        for name in ("load_balance", "z_loss")}  # fmt: skip
+            raise ValueError(f"FlaxModel {self.name!r}: {uncalled[0]}, which moe= or stacked= "
+                             f"declares, was not run by the module's forward; declare the "
+                             f"sub-modules it runs")  # fmt: skip
 
     def _check_strategy(self, ctx, context: list, split) -> None:
-        """Refuse a strategy the module cannot run under as written (``NOT_YET``; cp without
-        its positions; experts on a split sequence), naming the reason and the fix."""
-        refused = [k.name for k in ctx.strategy.kinds if k.name in NOT_YET]
-        if refused:
-            raise ValueError(
-                f"FlaxModel {self.name!r} under {ctx.strategy.name!r}: {refused[0]} "
-                f"{NOT_YET[refused[0]]}, so the module's own code between its layers would "
-                f"compute on blocks it does not know of. Train it under dp, fsdp, hsdp, zero1, tp, "
-                f"sp, cp, ep or their compositions (2d, fsdp_tp, hsdp_tp, hsdp_sp, 2d+ring, 2d+ep)"
-            )
+        """Refuse a strategy the module cannot run under as written (heads tp does not divide;
+        cp without its positions; experts on a split sequence), naming the reason and the fix.
+        (pp without stacked blocks is refused as the step is built: ``PipeKind.check_mesh``.)"""
         self.check_heads(ctx)
         if context and self.positions is None:
             raise ValueError(
@@ -478,7 +543,7 @@ class FlaxModel(ForeignModel):
         module = nnx.merge(self._graphdef, self._state)
         swapped = {}
         for path, kind in self._layers.items():
-            layer, p = _at(module, path), at_dict(params, path)
+            layer, p = at(module, path), at_dict(params, path)
             if kind == EXPERTS:  # its router's options (a Linear's dtype) are refused too
                 for inner, m in nnx.iter_modules(layer):
                     if type(m) in SWAPPED:
@@ -486,11 +551,25 @@ class FlaxModel(ForeignModel):
                 declared, paths = self._experts[path]
                 swapped[path] = SwappedExperts(ctx, declared, paths, p, _path(path), stats)
             else:
-                _check_layer(kind, layer, _path(path), ctx.precision)
-                check_unpadded(p, _path(path), "FlaxModel")
-                swapped[path] = _Swapped(ctx, kind, p, layer, _path(path), split)
-            _set_at(module, path, swapped[path])
+                swapped[path] = _swap(ctx, kind, p, layer, _path(path), split, unit=True)
+            set_at(module, path, swapped[path])
+        if self._stack is not None:
+            s = self._stack
+            block = functools.partial(self._block, ctx, split)
+            swapped[s.path] = StackedBlocks(ctx, at_dict(params, s.path), block, _path(s.path),
+                                            s.count)  # fmt: skip
+            set_at(module, s.path, swapped[s.path])
         return module, swapped
+
+    def _block(self, ctx, split, p):
+        """One of the stacked blocks, rebuilt from its graph, its layers swapped for the
+        strategy's kernels on ``p`` (that layer's parameters, ready: ``ctx.scan``'s unit)."""
+        s = self._stack
+        block = nnx.merge(s.graphdef, s.state)
+        for path, kind in s.layers.items():
+            layer, q = at(block, path), at_dict(p, path)
+            set_at(block, path, _swap(ctx, kind, q, layer, _path(s.path + path), split, False))
+        return block
 
     # --- the task's loss, metrics and batch checks
 
@@ -503,13 +582,13 @@ class FlaxModel(ForeignModel):
         if self.task != "lm":
             return None
         module = nnx.merge(self._graphdef, self._state)
-        embeds = [(p, _at(module, p).num_embeddings) for p, k in self._layers.items() if k == EMBED]
+        embeds = [(p, at(module, p).num_embeddings) for p, k in self._layers.items() if k == EMBED]
         if len(embeds) != 1:
             raise ValueError(f"FlaxModel(task='lm'): the module needs one nnx.Embed (the "
                              f"tokens'); it has {len(embeds)}")  # fmt: skip
         vocab = embeds[0][1]
         heads = [p for p, k in self._layers.items()
-                 if k == LINEAR and _at(module, p).out_features == vocab]  # fmt: skip
+                 if k == LINEAR and at(module, p).out_features == vocab]  # fmt: skip
         if len(heads) > 1:
             raise ValueError(f"FlaxModel(task='lm'): several nnx.Linear make {vocab} features "
                              f"(the vocabulary): {[_path(p) for p in heads]}")  # fmt: skip
@@ -520,166 +599,4 @@ class FlaxModel(ForeignModel):
         if self.task != "lm":
             return None
         path = self._head_layer[0]
-        return _as_shardops(self._layers[path], at_dict(params, path))
-
-
-@dataclasses.dataclass(frozen=True)
-class _SequenceSplit:
-    """Under sp, how a layer's input lies along S: the whole sequence (``seq`` tokens: inside a
-    sublayer, after a norm or a column layer) or this device's block of it (``seq / parts``:
-    between the layers, the residual stream)."""
-
-    seq: int
-    parts: int
-    blocks: list = dataclasses.field(default_factory=list)
-    """The sublayers' outputs so far (a row layer's: this device's block), and norms of them:
-    a norm of one (Gemma's norm after a sublayer, before the residual add) keeps it a block."""
-
-    @classmethod
-    def of(cls, ctx, ids):
-        """The split of a forward on ``ids[B, S]`` (whole), or None without sp (or with a tp
-        axis of 1, which splits nothing)."""
-        if not any(k.sequence_axes for k in ctx.strategy.kinds):
-            return None
-        parts = ctx.axis_size(MODEL_AXIS)
-        if parts == 1:
-            return None
-        if ids.shape[1] // parts < 2:
-            raise ValueError(
-                f"FlaxModel under sequence parallelism over {MODEL_AXIS!r} (size {parts}): each "
-                f"device's block of the {ids.shape[1]} tokens holds one, which the module's own "
-                f"code would broadcast against the whole sequence without an error; use at "
-                f"least 2 tokens a device"
-            )
-        return cls(ids.shape[1], parts)
-
-    def is_block(self, y) -> bool:
-        return any(y is b for b in self.blocks)
-
-    def whole(self, x, where: str) -> bool | None:
-        """Whether ``x[B, S?, ...]`` holds the whole sequence (else this device's block); None
-        for an input without a sequence dim."""
-        if x.ndim < 3:
-            return None
-        if x.shape[1] in (self.seq, self.seq // self.parts):
-            return x.shape[1] == self.seq
-        raise ValueError(
-            f"{where}: x{tuple(x.shape)} under sequence parallelism: its dim 1 is neither the "
-            f"whole sequence ({self.seq} tokens, inside a sublayer) nor this device's block of "
-            f"it ({self.seq // self.parts}, between layers); the module's code between its "
-            f"layers keeps the sequence dim where it is"
-        )
-
-
-class _Swapped:
-    """A Flax layer's place in the module, run by the layer context ``ctx`` on the layer's
-    ``Param``s (``p``: its dict, Flax's keys). A plain object: the module it sits in is only
-    called, never split or transformed by Flax.
-
-    Under sp (``split``) a norm's output is gathered along S once (``ctx.gather_sequence``),
-    so the sublayer's own code sees the whole sequence (its reshapes and masks read
-    ``x.shape``), and the column layers reading it do not gather it again; a row layer's
-    output is reduced back to this device's block of the sequence, as are the embedding's."""
-
-    def __init__(self, ctx, kind: str, p, layer, where: str, split: _SequenceSplit | None):
-        self.ctx, self.kind, self.p, self.where, self.output = ctx, kind, p, where, None
-        self.split = split
-        self.geometry = _geometry(layer, where) if kind == GENERAL else None
-        self.eps = getattr(layer, "epsilon", None)
-        self.layer_norm = isinstance(layer, nnx.LayerNorm)
-
-    def __call__(self, x, *args, **kwargs):
-        given = [f"{k}={v!r}" for k, v in [*enumerate(args), *kwargs.items()] if v is not None]
-        if given:  # out_sharding, an Einsum's own equation, a norm's mask …
-            raise ValueError(f"{self.where}: called with {', '.join(given)}; under FlaxModel a "
-                             f"layer takes its input alone (its layout is the strategy's)")  # fmt: skip
-        ctx, p = self.ctx, _as_shardops(self.kind, self.p)
-        whole = None  # under sp: whether x holds the whole sequence (else this device's block)
-        if self.split is not None and self.kind != EMBED:
-            whole = self.split.whole(x, self.where)
-        if self.kind in (LINEAR, GENERAL):
-            gathered = self._dense_input(whole)
-            if self.kind == LINEAR:
-                y = ctx.unit(lambda q, x: ctx.dense(q, x, whole_sequence=gathered), p, x)
-            else:
-                y = ctx.unit(lambda q, x: self.geometry.run(ctx, q, x, gathered), p, x)
-            if whole and self.p["kernel"].role == ROW:  # a sublayer's output: a block again
-                self.split.blocks.append(y)
-        elif self.kind == EMBED:
-            y = ctx.unit(lambda q, ids: ctx.embed(q, ids), p, x)
-        else:
-            norm = ctx.layer_norm if self.layer_norm else ctx.rms_norm
-            y = ctx.unit(lambda q, x: norm(q, x, eps=self.eps), p, x)
-            # sp: a sublayer's input, gathered once for its column layers; a norm of a
-            # sublayer's output (Gemma's, before the residual add) stays a block
-            if whole is False and self.split.is_block(x):
-                self.split.blocks.append(y)
-            elif whole is False:
-                y = ctx.gather_sequence(y)
-        self.output = y
-        return y
-
-    def _dense_input(self, whole: bool | None) -> bool:
-        """Under sp, whether a dense layer's input is the whole sequence (``ctx.dense``'s
-        ``whole_sequence``), checked against its role: a row layer reads the whole sequence
-        (a column layer's output), a replicated one this device's block."""
-        if whole is None:
-            return False
-        role = self.p["kernel"].role
-        if role == ROW and not whole:
-            raise ValueError(
-                f"{self.where}: row-parallel under sequence parallelism, but its input is this "
-                f"device's block of the sequence; a row layer reads the output of column layers "
-                f"(the whole sequence, split by features), whose input is a norm's output, "
-                f"gathered: a pre-norm block, x + f(norm(x)) (a post-norm one, norm(x + f(x)), "
-                f"trains under tp)"
-            )
-        if role == REPLICATED and whole:
-            raise ValueError(
-                f"{self.where}: replicated (no logical dim of its kernel maps to {MODEL_AXIS!r}) "
-                f"but under sequence parallelism its input is the whole sequence (a norm's "
-                f"gathered output or a column layer's); its output would not match the residual "
-                f"stream's block. Split it (column: its out dim to {MODEL_AXIS!r}), or train "
-                f"under tp"
-            )
-        return whole and role == COLUMN
-
-    def __getattr__(self, name: str):
-        """A swapped layer's parameters and options are the strategy's: reading them from the
-        module's code (``self.embed.embedding``) is refused, naming the layer."""
-        if name.startswith("__") or name in ("ctx", "kind", "p", "where"):
-            raise AttributeError(name)
-        raise AttributeError(
-            f"{self.where}.{name}: the module's code reads an attribute of a layer FlaxModel "
-            f"runs with shardops' kernel, whose parameters are laid out by the strategy; call "
-            f"the layer instead (a tied head: {self.where}.attend(x))"
-        )
-
-    def attend(self, query):
-        """``nnx.Embed.attend``: the logits of a tied head, ``query · embeddingᵀ``."""
-        ctx = self.ctx
-        whole = self.split is not None and self.split.whole(query, self.where) is True
-        self.output = ctx.unit(lambda q, x: ctx.tied_head(q, x, whole_sequence=whole),
-                               _as_shardops(EMBED, self.p), query)  # fmt: skip
-        return self.output
-
-
-def _as_shardops(kind: str, p: dict) -> dict:
-    """A layer's parameters under the keys of its ``ctx`` layer (Flax's ``kernel`` is ``w``,
-    ``bias`` ``b``, ``embedding`` ``table``; a norm's ``scale`` and ``bias`` are the same)."""
-    renames = {LINEAR: {"kernel": "w", "bias": "b"}, EMBED: {"embedding": "table"}}.get(kind, {})
-    return {renames.get(k, k): v for k, v in p.items()}
-
-
-def _at(module, path):
-    for key in path:
-        module = module[key] if isinstance(key, int) else getattr(module, key)
-    return module
-
-
-def _set_at(module, path, value) -> None:
-    parent, key = _at(module, path[:-1]), path[-1]
-    if isinstance(key, int):
-        parent[key] = value
-    else:
-        setattr(parent, key, value)
+        return as_shardops(self._layers[path], at_dict(params, path))

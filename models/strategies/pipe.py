@@ -219,7 +219,8 @@ class PipeKind(Kind):
                 f"strategy {strategy.name!r} pipelines the stacked layers over {self.axis!r} "
                 f"(pp), and the model's plan stacks none (models.strategies.plan.stacked, run "
                 f"by ctx.scan). Pipeline a model whose blocks are stacked (models.Llama, "
-                f"models.Gpt(stacked=True)), or use the strategy without pp"
+                f"models.Gpt(stacked=True), a Flax module's blocks stacked by nnx.vmap: "
+                f"FlaxModel(stacked=...)), or use the strategy without pp"
             )
 
     def stored_order(self, specs, context: LayoutContext) -> dict[str, tuple[int, ...]]:

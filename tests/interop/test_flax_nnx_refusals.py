@@ -169,8 +169,8 @@ def test_a_split_sequence_the_module_cannot_see_is_refused(name, positions, rule
          '''    renames = {LINEAR: {"kernel": "w"}, EMBED: {"embedding": "table"}}.get(kind, {})
     p = {k: v for k, v in p.items() if k != "bias"}''', "train"),
         # A norm's epsilon not passed on (the ctx layer's default, 1e-5, for the MLP's 1e-3).
-        ("            y = ctx.unit(lambda q, x: norm(q, x, eps=self.eps), p, x)",
-         "            y = ctx.unit(lambda q, x: norm(q, x), p, x)", "train"),
+        ("            y = self._run(lambda q, x: norm(q, x, eps=self.eps), p, x)",
+         "            y = self._run(lambda q, x: norm(q, x), p, x)", "train"),
         # The attention functions left as they are: JAX's own runs (the same values).
         ('ATTENTION_FUNCTIONS = ((jax.nn, "dot_product_attention"), (nnx, "dot_product_attention"))',
          "ATTENTION_FUNCTIONS = ()", "attention"),

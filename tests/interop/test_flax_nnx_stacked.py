@@ -1,0 +1,150 @@
+"""A Flax NNX Llama whose blocks are stacked by ``nnx.vmap`` and run by ``nnx.scan``, as Flax's
+guide to scanning over layers writes them (tests/_flax_checks.py's ``StackedLlama``), named by
+``FlaxModel(stacked="blocks")``: under pp (1F1B beside dp and tp, the circular schedule beside
+fsdp, GPipe alone) and the dense strategies it trains like Flax trains the same module
+unsharded; its layout is one block's, the layers in front; what the module's forward does with
+the stacked blocks that shardops cannot run is refused by name; a mutant of the layout is
+caught."""
+
+import dataclasses
+
+import optax
+import pytest
+from _cover import FULL
+from _flax_checks import (
+    CONFIG,
+    STRATEGIES,
+    StackedLlama,
+    _mutant,
+    check_trains_like_flax,
+    flax_llama,
+    flax_model,
+    mesh_for,
+)
+from flax import nnx
+
+import shardops_models as models
+from shardops_models.interop.flax_nnx import FlaxModel
+
+STACKED_CASES = [("2d+1f1b", "adam"), ("fsdp+circular", "sgd")]
+if FULL:
+    STACKED_CASES += [("ref", "sgd"), ("tp", "adam"), ("fsdp", "sgd"), ("ref+gpipe", "sgd"),
+                      ("hsdp_tp", "adam"), ("fsdp+circular", "adam")]  # fmt: skip
+MICROBATCHES = 2  # the circular schedule's groups of P = 2
+
+
+def _options(strategy: str) -> dict:
+    return {"microbatches": MICROBATCHES} if "+" in strategy else {}
+
+
+@pytest.mark.parametrize(("strategy", "opt_name"), STACKED_CASES,
+                         ids=["-".join(c) for c in STACKED_CASES])  # fmt: skip
+def test_stacked_flax_blocks_train_like_flax_scans_them(strategy, opt_name):
+    """4 stacked blocks: under 2d+1f1b (pipe 2 × data 2 × model 2) each stage holds 2 of
+    them, split over model, and the traced budget (its sends between stages) equals the
+    compiled step's collectives; under fsdp+circular each of the 2 stages holds 2 chunks of
+    one block, stored in the circular order, which the gathered parameters undo."""
+    check_trains_like_flax(flax_model("llama-stacked"), "llama-stacked", strategy, opt_name,
+                           budget=strategy == "2d+1f1b", **_options(strategy))  # fmt: skip
+
+
+def _specs(model, strategy="2d+1f1b"):
+    setup = models.build(strategy, mesh_for(STRATEGIES[strategy]), model=model,
+                         optimizer=optax.sgd(0.1), **_options(strategy))  # fmt: skip
+    return setup.param_specs["blocks"]
+
+
+def test_the_stacked_blocks_are_laid_out_as_one_block_with_the_layers_in_front():
+    """One block's roles from its logical names (nnx.vmap puts ``layers`` in front, which
+    the plan drops): wq column, wo row, the norm whole; under pp dim 0 over ``pipe``."""
+    specs = _specs(flax_model("llama-stacked"))
+    assert tuple(specs["attn"]["wq"]["kernel"]) == ("pipe", None, "model"), specs
+    assert tuple(specs["attn"]["wo"]["kernel"]) == ("pipe", "model", None), specs
+    assert tuple(specs["mlp"]["gate"]["kernel"]) == ("pipe", None, "model"), specs
+    assert tuple(specs["attn_norm"]["scale"])[:1] == ("pipe",), specs
+    assert "model" not in tuple(specs["attn_norm"]["scale"]), specs
+
+
+def test_a_mutant_that_keeps_the_layers_name_in_one_block_is_caught():
+    """Reading one block's names with the stacked ``layers`` name still in front shifts every
+    name by one: wq would read (layers, embed) as its dims and run replicated, its values
+    right (no trajectory sees it), its layout not."""
+    module = _mutant('            "out_sharding": tuple(names[1:])}',
+                     '            "out_sharding": tuple(names)}')  # fmt: skip
+    specs = _specs(flax_model("llama-stacked", module))
+    assert tuple(specs["attn"]["wq"]["kernel"]) != ("pipe", None, "model"), specs
+
+
+class _Forward(StackedLlama):
+    """``StackedLlama`` whose forward runs the stacked blocks by ``forward(self, x)``."""
+
+    forward = None
+
+    def __call__(self, ids, positions=None):
+        return self.head(self.norm(type(self).forward(self, self.embed(ids))))
+
+
+def _stacked(forward) -> FlaxModel:
+    kind = type("Forward", (_Forward,), {"forward": staticmethod(forward)})
+    config = dataclasses.replace(CONFIG, num_layers=4)
+    return FlaxModel(lambda rngs: kind(config, rngs=rngs), rules=flax_llama.RULES,
+                     num_heads=CONFIG.num_heads, num_kv_heads=CONFIG.num_kv_heads,
+                     stacked="blocks")  # fmt: skip
+
+
+def _scan(**options):
+    def forward(model, x):
+        return nnx.scan(lambda x, block: block(x), **options)(x, model.blocks)
+
+    return forward
+
+
+@pytest.mark.parametrize(
+    ("model", "match"),
+    [(_stacked(_scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))),
+      r"blocks: nnx.scan over the stacked blocks with out_axes=\(.*Carry.*, 0\); FlaxModel "
+      r"runs nnx.scan\(f, in_axes=\(nnx.Carry, 0\[, None …\]\), out_axes=nnx.Carry\)"),
+     (_stacked(_scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, reverse=True)),
+      "with reverse=True"),
+     (_stacked(lambda model, x: nnx.scan(lambda c, block: (block(c[0]), c[1]),
+                                         in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
+         (x, x), model.blocks)[0]),
+      "carries a tuple; FlaxModel carries one array from block to block"),
+     (_stacked(lambda model, x: model.blocks(x)),
+      "blocks: the stacked blocks were called directly"),
+     (_stacked(lambda model, x: x), "blocks, which moe= or stacked= declares, was not run")],
+    ids=["out-axes", "reverse", "tuple-carry", "called", "not-run"],
+)  # fmt: skip
+def test_what_shardops_cannot_run_of_stacked_blocks_is_refused_by_name(model, match):
+    setup = models.build("2d+1f1b", mesh_for(STRATEGIES["2d+1f1b"]), model=model,
+                         optimizer=optax.sgd(0.1), microbatches=MICROBATCHES)  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        setup.collective_budget(16, 16)  # traces the step: the forward meets the strategy
+    assert nnx.scan.__module__ == "flax.nnx.transforms.iteration", "nnx.scan left patched"
+
+
+def test_pp_of_a_flax_module_without_stacked_blocks_is_refused_when_built():
+    with pytest.raises(
+        ValueError,
+        match=r"the model's plan stacks none .* a Flax module's "
+        r"blocks stacked by nnx.vmap: FlaxModel\(stacked=\.\.\.\)",
+    ):
+        _specs(flax_model("llama"))
+
+
+def _stacked_llama(rngs):
+    return StackedLlama(dataclasses.replace(CONFIG, num_layers=4), rngs=rngs)
+
+
+@pytest.mark.parametrize(
+    ("make", "stacked", "match"),
+    [(_stacked_llama, "stack",
+      r"FlaxModel\(stacked='stack'\): no sub-module of blocks there; the module's are"),
+     (_stacked_llama, "head", r"FlaxModel\(stacked='head'\): no sub-module of blocks there"),
+     (lambda rngs: flax_llama.Llama(CONFIG, rngs=rngs), "blocks.0",
+      r"stacked='blocks\.0'\): every parameter of the stacked blocks holds \[L, …\]")],
+    ids=["missing", "a-layer", "unstacked"],
+)  # fmt: skip
+def test_a_stacked_path_that_names_no_stacked_blocks_is_refused(make, stacked, match):
+    with pytest.raises(ValueError, match=match):
+        FlaxModel(make, rules=flax_llama.RULES, stacked=stacked)
