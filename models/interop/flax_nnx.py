@@ -48,6 +48,10 @@ own routing) is declared, ``FlaxModel(moe={"blocks.*.moe": FlaxExperts(...)})``,
 sub-module swapped whole for ``ctx.moe`` (``_flax_experts``): under ep its experts split over
 the expert axis, under tp each one's hidden units.
 
+**Stacked blocks** (``FlaxModel(stacked="blocks")``): blocks stacked by ``nnx.vmap`` (each
+``Param`` ``[L, …]``) and scanned by ``nnx.scan`` in the forward run by ``ctx.scan``, a block
+at a time, and under pp by stage (``_flax_stacked``).
+
 **A split sequence.** Under sp each norm's output is gathered along S once
 (``ctx.gather_sequence``), so a sublayer's own code sees the whole sequence and its column
 layers read that one gather; row layers and the embedding return the residual stream's block
