@@ -24,13 +24,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 
 import jax
 from flax import nnx
 from flax.typing import Missing
 
-_ORIGINAL_SCAN = nnx.scan
+from shardops_models.interop._flax_layers import EMBED, LINEAR, NORM, at
+
 _SUPPORTED = "nnx.scan(f, in_axes=(nnx.Carry, 0[, None …]), out_axes=nnx.Carry)"
+_IGNORED = ("unroll", "transform_metadata", "graph", "graph_updates", "_split_transpose")
+"""``nnx.scan``'s options that do not change what the scan computes over the stacked blocks:
+``ctx.scan`` decides the unrolling (a pipeline stage unrolls its layers), and the rest is
+Flax's bookkeeping of the graph and its metadata."""
 
 
 def one_block(blocks, where: str):
@@ -58,8 +64,35 @@ def one_block(blocks, where: str):
         value = jax.ShapeDtypeStruct(shape[1:], variable.dtype)
         return variable.replace(value=value, **metadata)
 
+    leading = {v.get_metadata().get("out_sharding")[0] for _, v in flat
+               if len(v.get_metadata().get("out_sharding") or ()) == v.ndim}  # fmt: skip
+    if len(leading) > 1:
+        raise ValueError(
+            f"FlaxModel(stacked={where!r}): dim 0 of the stacked parameters is named "
+            f"{sorted(map(str, leading))}; the layers' dim is one (nnx.vmap's out_axes=0, "
+            f"transform_metadata={{nnx.PARTITION_NAME: 'layers'}})"
+        )
     state = jax.tree.map(one, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
     return graphdef, state
+
+
+def check_sizes(block, layers: dict, where: str) -> None:
+    """One block's layers hold the parameters their sizes say (a Linear ``kernel[in, out]``,
+    an Embed's table, a norm's scale): else dim 0 was not the layers'."""
+    for path, kind in layers.items():
+        m = at(block, path)
+        name, want = {
+            LINEAR: ("kernel", (getattr(m, "in_features", 0), getattr(m, "out_features", 0))),
+            EMBED: ("embedding", (getattr(m, "num_embeddings", 0), getattr(m, "features", 0))),
+            NORM: ("scale", (getattr(m, "num_features", 0),)),
+        }.get(kind, (None, None))
+        got = getattr(m, name, None) if name else None
+        if got is not None and tuple(got.shape) != want:
+            raise ValueError(
+                f"FlaxModel(stacked={where!r}): {'.'.join(map(str, path))}.{name} of one block "
+                f"has shape {tuple(got.shape)}, but the {type(m).__name__} holds {want}; the "
+                f"stacked blocks hold [L, …], the layers along dim 0 (nnx.vmap's out_axes=0)"
+            )
 
 
 class StackedBlocks:
@@ -88,21 +121,34 @@ class StackedBlocks:
             f"whose parameters are laid out by the strategy; scan over them with {_SUPPORTED}"
         )
 
+    def __repr__(self) -> str:  # what JAX names when a scan shardops cannot see receives it
+        return (f"<FlaxModel's stacked blocks {self.where}: scan them with {_SUPPORTED}, built "
+                f"inside the module's __call__ (as nnx.scan, the attribute FlaxModel patches)>")  # fmt: skip
+
 
 @contextlib.contextmanager
 def scanned_by():
     """``nnx.scan`` patched while the module runs: over a ``StackedBlocks`` it runs the
-    layers by ``ctx.scan`` (``_run``), over anything else as Flax runs it."""
+    layers by ``ctx.scan`` (``_run``), over anything else as Flax runs it; restored after
+    (to what it was), whatever happens."""
+    flax_scan = nnx.scan
 
     def scan(f=Missing, **options):
+        inspect.signature(flax_scan).bind(f, **options)  # Flax's TypeError for a wrong option
         if f is Missing:
             return functools.partial(scan, **options)
 
-        def wrapper(*args):
-            ours = [i for i, a in enumerate(args) if isinstance(a, StackedBlocks)]
-            if not ours:
-                return _ORIGINAL_SCAN(f, **options)(*args)
-            return _run(f, args, ours, options)
+        def wrapper(*args, **kwargs):
+            if not any(isinstance(a, StackedBlocks) for a in (*args, *kwargs.values())):
+                return flax_scan(f, **options)(*args, **kwargs)
+            if kwargs:  # as Flax binds them: by position, defaults filled in
+                bound = inspect.signature(f).bind(*args, **kwargs)
+                bound.apply_defaults()
+                args, kwargs = bound.args, bound.kwargs
+            if kwargs:
+                raise ValueError(f"nnx.scan over stacked blocks: the scanned function takes "
+                                 f"{sorted(kwargs)} by keyword only; take them by position")  # fmt: skip
+            return _run(f, tuple(args), options)
 
         return functools.update_wrapper(wrapper, f) if callable(f) else wrapper
 
@@ -110,26 +156,14 @@ def scanned_by():
     try:
         yield
     finally:
-        nnx.scan = _ORIGINAL_SCAN
+        nnx.scan = flax_scan
 
 
-def _run(f, args, ours: list[int], options: dict):
-    """``f`` scanned over the stacked blocks ``args[ours[0]]`` by ``ctx.scan``: the carry is
-    the residual stream, the other arguments are closed over (``in_axes`` None)."""
-    blocks = args[ours[0]]
-    in_axes = options.get("in_axes", (nnx.Carry, 0))
-    in_axes = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(args)
-    carries = [i for i, a in enumerate(in_axes) if a is nnx.Carry]
-    allowed = {"out_axes": lambda v: v is nnx.Carry, "reverse": lambda v: not v,
-               "length": lambda v: v in (None, blocks.layers)}  # fmt: skip
-    wrong = [
-        f"{k}={options[k]!r}" for k, ok in allowed.items() if k in options and not ok(options[k])
-    ]
-    if len(in_axes) != len(args) or len(ours) != 1 or in_axes[ours[0]] != 0 or len(carries) != 1:
-        wrong.insert(0, f"in_axes={options.get('in_axes', (nnx.Carry, 0))!r} over {len(args)} "
-                        f"arguments ({len(ours)} of them the stacked blocks)")  # fmt: skip
-    wrong += [f"in_axes[{i}]={a!r}" for i, a in enumerate(in_axes)
-              if i not in (*carries, *ours) and a is not None]  # fmt: skip
+def _run(f, args: tuple, options: dict):
+    """``f`` scanned over the stacked blocks in ``args`` by ``ctx.scan``: the carry is the
+    residual stream, the other arguments are closed over (``in_axes`` None)."""
+    ours = [i for i, a in enumerate(args) if isinstance(a, StackedBlocks)]
+    blocks, carries, wrong = args[ours[0]], *_check_options(args, ours, options)
     if wrong:
         raise ValueError(
             f"{blocks.where}: nnx.scan over the stacked blocks with {', '.join(wrong)}; "
@@ -144,12 +178,40 @@ def _run(f, args, ours: list[int], options: dict):
             f"residual stream x[B, S, D] (ctx.scan, which pipeline parallelism sends between "
             f"stages)"
         )
-
     blocks.calls += 1
 
     def layer(p, h):
         call = list(args)
         call[carries[0]], call[ours[0]] = h, blocks.block(p)
-        return f(*call)
+        try:
+            return f(*call)
+        except TypeError as e:  # a transform tracing the block: its layers are not arrays
+            if "Swapped" not in str(e):
+                raise
+            raise ValueError(
+                f"{blocks.where}: a transform inside the function nnx.scan runs over the "
+                f"stacked blocks (nnx.remat, nnx.jit, jax.checkpoint) traced a block, whose "
+                f"layers FlaxModel runs with the strategy's kernels: {e}. Scan the function "
+                f"itself; shardops' remat policy is build(remat=...)"
+            ) from e
 
     return blocks.ctx.scan(layer, blocks.params, carry)
+
+
+def _check_options(args: tuple, ours: list[int], options: dict):
+    """``(carries, wrong)``: the positions of ``in_axes``' carries, and each option (Flax's
+    defaults for those not given: ``in_axes=(Carry, 0)``, ``out_axes=(Carry, 0)``) that the
+    scan over the stacked blocks does not run as Flax would."""
+    in_axes = options.get("in_axes", (nnx.Carry, 0))
+    in_axes = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(args)
+    carries = [i for i, a in enumerate(in_axes) if a is nnx.Carry]
+    allowed = {"out_axes": lambda v: v is nnx.Carry, "reverse": lambda v: not v,
+               "length": lambda v: v in (None, args[ours[0]].layers)}  # fmt: skip
+    given = {"out_axes": (nnx.Carry, 0), **options}
+    wrong = [f"{k}={given[k]!r}" for k, ok in allowed.items() if k in given and not ok(given[k])]
+    if len(in_axes) != len(args) or len(ours) != 1 or in_axes[ours[0]] != 0 or len(carries) != 1:
+        wrong.insert(0, f"in_axes={options.get('in_axes', (nnx.Carry, 0))!r} over {len(args)} "
+                        f"arguments ({len(ours)} of them the stacked blocks)")  # fmt: skip
+    wrong += [f"in_axes[{i}]={a!r}" for i, a in enumerate(in_axes)
+              if i not in (*carries, *ours) and a is not None]  # fmt: skip
+    return carries, wrong

@@ -106,7 +106,12 @@ from shardops_models.interop._flax_layers import (
     geometry,
     set_at,
 )
-from shardops_models.interop._flax_stacked import StackedBlocks, one_block, scanned_by
+from shardops_models.interop._flax_stacked import (
+    StackedBlocks,
+    check_sizes,
+    one_block,
+    scanned_by,
+)
 from shardops_models.interop._foreign import TASKS, ForeignModel, at_dict, check_unpadded
 from shardops_models.strategies.plan import COLUMN, REPLICATED, ROW, VOCAB
 from shardops_models.strategies.plan import stacked as stacked_plan
@@ -418,7 +423,9 @@ class FlaxModel(ForeignModel):
                              f"there; the module's are {names[:12]}")  # fmt: skip
         graphdef, state = one_block(blocks, self.stacked)
         count = next(iter(nnx.to_flat_state(nnx.state(blocks, nnx.Param))))[1].shape[0]
-        layers = _layers_of(nnx.merge(graphdef, state), prefix=path)
+        block = nnx.merge(graphdef, state)
+        layers = _layers_of(block, prefix=path)
+        check_sizes(block, layers, self.stacked)
         return _Stack(path, graphdef, state, layers, count)
 
     # --- models.Model
@@ -513,12 +520,19 @@ class FlaxModel(ForeignModel):
                 f"'s (the layer making {self._head_layer[1]} features, taken as the head); "
                 f"return the head's logits unchanged, from the one layer that makes them"
             )
+        if self._stack is not None and not swapped[self._stack.path].calls:
+            raise ValueError(
+                f"FlaxModel {self.name!r}: the stacked blocks {_path(self._stack.path)} that "
+                f"stacked= names were not run by the module's forward; scan them with "
+                f"nnx.scan(f, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, blocks) inside "
+                f"its __call__"
+            )
         uncalled = [s.where for s in swapped.values()
-                    if isinstance(s, (SwappedExperts, StackedBlocks)) and not s.calls]  # fmt: skip
+                    if isinstance(s, SwappedExperts) and not s.calls]  # fmt: skip
         if uncalled:
-            raise ValueError(f"FlaxModel {self.name!r}: {uncalled[0]}, which moe= or stacked= "
-                             f"declares, was not run by the module's forward; declare the "
-                             f"sub-modules it runs")  # fmt: skip
+            raise ValueError(f"FlaxModel {self.name!r}: the mixture of experts {uncalled[0]} that "
+                             f"moe= declares was not called by the module's forward; declare "
+                             f"the sub-modules it calls")  # fmt: skip
 
     def _check_strategy(self, ctx, context: list, split) -> None:
         """Refuse a strategy the module cannot run under as written (heads tp does not divide;

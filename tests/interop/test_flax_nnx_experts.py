@@ -161,7 +161,7 @@ def test_a_checkpoint_of_the_experts_restores_under_another_strategy(tmp_path):
     [(flax_model("llama-moe"), "dp_sp", "mixture of experts .* not run on a split sequence"),
      (_model(_moe_llama(spare=True), **moe_experts(), spare=moe_experts()["blocks.*.mlp"]),
       "2d+ep",
-      "spare, which moe= or stacked= declares, was not run by the module's forward"),
+      "the mixture of experts spare that moe= declares was not called"),
      (_model(_moe_llama(use_bias=False, dtype=jnp.bfloat16)), "2d+ep",
       r"blocks\.0\.mlp\.router: Linear\(dtype=bfloat16\) but the precision policy computes in "
       r"float32")],

@@ -8,6 +8,8 @@ caught."""
 
 import dataclasses
 
+import jax
+import numpy as np
 import optax
 import pytest
 from _cover import FULL
@@ -16,6 +18,7 @@ from _flax_checks import (
     STRATEGIES,
     StackedLlama,
     _mutant,
+    batches,
     check_trains_like_flax,
     flax_llama,
     flax_model,
@@ -31,6 +34,7 @@ if FULL:
     STACKED_CASES += [("ref", "sgd"), ("tp", "adam"), ("fsdp", "sgd"), ("ref+gpipe", "sgd"),
                       ("hsdp_tp", "adam"), ("fsdp+circular", "adam")]  # fmt: skip
 MICROBATCHES = 2  # the circular schedule's groups of P = 2
+FLAX_SCAN = nnx.scan
 
 
 def _options(strategy: str) -> dict:
@@ -46,6 +50,7 @@ def test_stacked_flax_blocks_train_like_flax_scans_them(strategy, opt_name):
     one block, stored in the circular order, which the gathered parameters undo."""
     check_trains_like_flax(flax_model("llama-stacked"), "llama-stacked", strategy, opt_name,
                            budget=strategy == "2d+1f1b", **_options(strategy))  # fmt: skip
+    assert nnx.scan is FLAX_SCAN, "nnx.scan left patched (a stage's StageExit)"
 
 
 def _specs(model, strategy="2d+1f1b"):
@@ -106,21 +111,50 @@ def _scan(**options):
       r"runs nnx.scan\(f, in_axes=\(nnx.Carry, 0\[, None …\]\), out_axes=nnx.Carry\)"),
      (_stacked(_scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, reverse=True)),
       "with reverse=True"),
+     (_stacked(_scan(in_axes=(nnx.Carry, 0))), r"with out_axes=\(.*Carry.*, 0\)"),
      (_stacked(lambda model, x: nnx.scan(lambda c, block: (block(c[0]), c[1]),
                                          in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
          (x, x), model.blocks)[0]),
       "carries a tuple; FlaxModel carries one array from block to block"),
      (_stacked(lambda model, x: model.blocks(x)),
       "blocks: the stacked blocks were called directly"),
-     (_stacked(lambda model, x: x), "blocks, which moe= or stacked= declares, was not run")],
-    ids=["out-axes", "reverse", "tuple-carry", "called", "not-run"],
+     (_stacked(lambda model, x: nnx.scan(nnx.remat(lambda x, block: block(x)),
+                                         in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
+         x, model.blocks)), r"a transform inside the function nnx.scan runs .* \(nnx.remat"),
+     (_stacked(lambda model, x: x),
+      "the stacked blocks blocks that stacked= names were not run by the module's forward")],
+    ids=["out-axes", "reverse", "out-axes-default", "tuple-carry", "called", "remat", "not-run"],
 )  # fmt: skip
 def test_what_shardops_cannot_run_of_stacked_blocks_is_refused_by_name(model, match):
     setup = models.build("2d+1f1b", mesh_for(STRATEGIES["2d+1f1b"]), model=model,
                          optimizer=optax.sgd(0.1), microbatches=MICROBATCHES)  # fmt: skip
     with pytest.raises(ValueError, match=match):
         setup.collective_budget(16, 16)  # traces the step: the forward meets the strategy
-    assert nnx.scan.__module__ == "flax.nnx.transforms.iteration", "nnx.scan left patched"
+    assert nnx.scan is FLAX_SCAN, "nnx.scan left patched"
+
+
+def _blocks_second(model, x):  # the migration guide's order: the module scanned, x carried
+    return nnx.scan(lambda block, x: block(x), in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(
+        model.blocks, x
+    )
+
+
+def _by_keyword(model, x):  # arguments by keyword, a default left out
+    def step(x, block, positions=None):
+        return block(x, positions)
+
+    return nnx.scan(step, in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)(x=x, block=model.blocks)
+
+
+@pytest.mark.parametrize("forward", [_blocks_second, _by_keyword], ids=["blocks-first", "keywords"])
+def test_a_scan_s_argument_order_and_keywords_are_flax_s(forward):
+    """The logits under tp equal the module's own (Flax's nnx.scan, unsharded)."""
+    model = _stacked(forward)
+    setup = models.build("tp", mesh_for(STRATEGIES["tp"]), model=model, optimizer=optax.sgd(0.1))
+    params = model.init(jax.random.key(0))
+    ids = batches("llama")[0][0]
+    got = np.asarray(setup.logits(setup.shard(params).params, setup.place_batch(ids)))
+    np.testing.assert_allclose(got, np.asarray(model.module(params)(ids)), atol=2e-5, rtol=0)
 
 
 def test_pp_of_a_flax_module_without_stacked_blocks_is_refused_when_built():
