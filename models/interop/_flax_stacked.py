@@ -33,10 +33,6 @@ from flax.typing import Missing
 from shardops_models.interop._flax_layers import EMBED, LINEAR, NORM, at
 
 _SUPPORTED = "nnx.scan(f, in_axes=(nnx.Carry, 0[, None …]), out_axes=nnx.Carry)"
-_IGNORED = ("unroll", "transform_metadata", "graph", "graph_updates", "_split_transpose")
-"""``nnx.scan``'s options that do not change what the scan computes over the stacked blocks:
-``ctx.scan`` decides the unrolling (a pipeline stage unrolls its layers), and the rest is
-Flax's bookkeeping of the graph and its metadata."""
 
 
 def one_block(blocks, where: str):
@@ -121,9 +117,17 @@ class StackedBlocks:
             f"whose parameters are laid out by the strategy; scan over them with {_SUPPORTED}"
         )
 
-    def __repr__(self) -> str:  # what JAX names when a scan shardops cannot see receives it
-        return (f"<FlaxModel's stacked blocks {self.where}: scan them with {_SUPPORTED}, built "
-                f"inside the module's __call__ (as nnx.scan, the attribute FlaxModel patches)>")  # fmt: skip
+
+def unseen_scan(where: str, error: Exception) -> ValueError:
+    """The error for stacked blocks that reached a scan ``scanned_by`` could not patch (JAX
+    refusing them as an argument: ``error``)."""
+    return ValueError(
+        f"{where}: the stacked blocks reached a scan FlaxModel does not run "
+        f"({str(error).splitlines()[0]}); scan them with {_SUPPORTED} built inside the module's "
+        f"__call__, as nnx.scan (which FlaxModel patches while the module runs), not one built "
+        f"before (@nnx.scan at class definition, a scanned function made at import, "
+        f"from flax.nnx import scan)"
+    )
 
 
 @contextlib.contextmanager
@@ -201,7 +205,10 @@ def _run(f, args: tuple, options: dict):
 def _check_options(args: tuple, ours: list[int], options: dict):
     """``(carries, wrong)``: the positions of ``in_axes``' carries, and each option (Flax's
     defaults for those not given: ``in_axes=(Carry, 0)``, ``out_axes=(Carry, 0)``) that the
-    scan over the stacked blocks does not run as Flax would."""
+    scan over the stacked blocks does not run as Flax would. ``unroll``, ``transform_metadata``,
+    ``graph``, ``graph_updates`` and ``_split_transpose`` change nothing it computes: ``ctx.scan``
+    decides the unrolling (a pipeline stage unrolls its layers), the rest is Flax's bookkeeping
+    of the graph and its metadata."""
     in_axes = options.get("in_axes", (nnx.Carry, 0))
     in_axes = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(args)
     carries = [i for i, a in enumerate(in_axes) if a is nnx.Carry]

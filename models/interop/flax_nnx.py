@@ -111,6 +111,7 @@ from shardops_models.interop._flax_stacked import (
     check_sizes,
     one_block,
     scanned_by,
+    unseen_scan,
 )
 from shardops_models.interop._foreign import TASKS, ForeignModel, at_dict, check_unpadded
 from shardops_models.strategies.plan import COLUMN, REPLICATED, ROW, VOCAB
@@ -487,8 +488,10 @@ class FlaxModel(ForeignModel):
         with attention_by(ctx, (self.num_heads, self.num_kv_heads)) as calls, scans:
             try:
                 logits = module(x, **kwargs)
-            except TypeError as e:
-                if split is None or "incompatible shapes" not in str(e):
+            except (TypeError, ValueError) as e:
+                if self._stack is not None and "StackedBlocks" in str(e):  # JAX's, not ours
+                    raise unseen_scan(_path(self._stack.path), e) from e
+                if not isinstance(e, TypeError) or split is None or "incompatible" not in str(e):
                     raise
                 raise ValueError(
                     f"FlaxModel {self.name!r} under sequence parallelism: {e}. The residual "

@@ -32,7 +32,8 @@ from shardops_models.interop.flax_nnx import FlaxModel
 STACKED_CASES = [("2d+1f1b", "adam"), ("fsdp+circular", "sgd")]
 if FULL:
     STACKED_CASES += [("ref", "sgd"), ("tp", "adam"), ("fsdp", "sgd"), ("ref+gpipe", "sgd"),
-                      ("hsdp_tp", "adam"), ("fsdp+circular", "adam")]  # fmt: skip
+                      ("hsdp_tp", "adam"), ("fsdp+circular", "adam"), ("dp_sp", "sgd"),
+                      ("zero1", "adam")]  # fmt: skip
 MICROBATCHES = 2  # the circular schedule's groups of P = 2
 FLAX_SCAN = nnx.scan
 
@@ -182,3 +183,45 @@ def _stacked_llama(rngs):
 def test_a_stacked_path_that_names_no_stacked_blocks_is_refused(make, stacked, match):
     with pytest.raises(ValueError, match=match):
         FlaxModel(make, rules=flax_llama.RULES, stacked=stacked)
+
+
+class _Square(nnx.Module):
+    def __init__(self, d, *, rngs):
+        self.proj = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+
+
+def test_stacked_blocks_whose_dim_0_is_not_the_layers_are_refused():
+    """3 blocks of one Linear(8, 8) stacked along dim 1 (``nnx.vmap(out_axes=1)``): every
+    parameter's dim 0 agrees (8), and one block's kernel [3, 8] is not the Linear's [8, 8]."""
+
+    def make(rngs):
+        module = nnx.Module()
+        module.blocks = nnx.split_rngs(splits=3)(
+            nnx.vmap(lambda rngs: _Square(8, rngs=rngs), in_axes=0, out_axes=1)
+        )(rngs)
+        return module
+
+    with pytest.raises(
+        ValueError,
+        match=r"proj\.kernel of one block has shape \(3, 8\), but the "
+        r"Linear holds \(8, 8\); .*\(nnx\.vmap's out_axes=0\)",
+    ):
+        FlaxModel(make, task="classify", stacked="blocks", example_shape=(8,))
+
+
+SCAN_BUILT_BEFORE = nnx.scan(lambda x, block: block(x), in_axes=(nnx.Carry, 0),
+                             out_axes=nnx.Carry)  # fmt: skip
+
+
+def test_a_scan_built_before_the_forward_names_the_stacked_blocks():
+    """A scan FlaxModel cannot patch (built at import) receives the stacked blocks: the error
+    names them and the form to use."""
+    model = _stacked(lambda model, x: SCAN_BUILT_BEFORE(x, model.blocks))
+    setup = models.build("tp", mesh_for(STRATEGIES["tp"]), model=model, optimizer=optax.sgd(0.1))
+    with pytest.raises(
+        ValueError,
+        match=r"blocks: the stacked blocks reached a scan FlaxModel does not run \(Expected an "
+        r"array, got StackedBlocks.*\); scan them with nnx\.scan\(f, in_axes=.* built inside",
+    ):
+        setup.collective_budget(16, 16)
+    assert nnx.scan is FLAX_SCAN

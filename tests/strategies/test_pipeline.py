@@ -3,7 +3,8 @@ reference: every schedule (circular with 2 and 4 virtual stages), stage count an
 count, alone and composed with data, fsdp, HSDP, zero1, tensor, sequence and context
 parallelism; budgets, checkpoints between pipeline layouts, and the refusals.
 
-The model stacks 8 layers, so that 2, 4 and 8 stages each hold whole layers. Each case runs 5
+The model stacks 8 layers, so that 2, 4 and 8 stages each hold whole layers (4 on 2 stages of
+one chunk: 2 layers a stage, at half the compile). Each case runs 5
 steps of SGD (gradients checked every step) or Adam and checks the losses, the gradients and
 the parameters (every leaf moving ≥ 100× the tolerance) against ``Llama.reference_loss``.
 """
