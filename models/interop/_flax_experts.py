@@ -31,7 +31,7 @@ import math
 
 from flax import nnx
 
-from shardops_models.interop._foreign import at_dict
+from shardops_models.interop._foreign import Refusing, at_dict
 from shardops_models.strategies.expert import ExpertKind
 from shardops_models.strategies.plan import Role
 
@@ -193,7 +193,7 @@ def role(paths: dict[str, tuple], hidden_split: bool, where: str) -> Role:
     return Role("experts", by_leaf)
 
 
-class SwappedExperts:
+class SwappedExperts(Refusing):
     """The sub-module's place in the module, run as ``ctx.moe`` on its ``Param``s (``p``: its
     dict, Flax's keys); each call's statistics kept in ``stats`` (the auxiliary losses)."""
 
@@ -228,11 +228,10 @@ class SwappedExperts:
         self.calls += 1
         return y
 
-    def __getattr__(self, name: str):
-        if name.startswith("__") or name in ("ctx", "declared", "where", "stats", "p", "calls"):
-            raise AttributeError(name)
-        raise AttributeError(
-            f"{self.where}.{name}: the module's code reads an attribute of a mixture of experts "
-            f"FlaxModel runs as ctx.moe, whose parameters are laid out by the strategy; call the "
-            f"sub-module instead"
-        )
+    # Its parameters are the strategy's: reading them is refused (``Refusing``).
+    OWN = ("ctx", "declared", "stats", "p", "calls")
+    REFUSAL = (
+        "{where}.{name}: the module's code reads an attribute of a mixture of experts FlaxModel "
+        "runs as ctx.moe, whose parameters are laid out by the strategy; call the sub-module "
+        "instead"
+    )

@@ -10,6 +10,7 @@ from flax import nnx
 
 from shardops import MODEL_AXIS
 from shardops_models.interop._flax_dense import Geometry, einsum, linear_general
+from shardops_models.interop._foreign import Refusing
 from shardops_models.strategies.plan import COLUMN, REPLICATED, ROW
 
 LINEAR, GENERAL, EMBED, NORM, EXPERTS = "linear", "general", "embed", "norm", "experts"
@@ -77,7 +78,7 @@ class SequenceSplit:
         )
 
 
-class Swapped:
+class Swapped(Refusing):
     """A Flax layer's place in the module, run by the layer context ``ctx`` on the layer's
     ``Param``s (``p``: its dict, Flax's keys). A plain object: the module it sits in is only
     called, never split or transformed by Flax.
@@ -156,16 +157,14 @@ class Swapped:
             )
         return whole and role == COLUMN
 
-    def __getattr__(self, name: str):
-        """A swapped layer's parameters and options are the strategy's: reading them from the
-        module's code (``self.embed.embedding``) is refused, naming the layer."""
-        if name.startswith("__") or name in ("ctx", "kind", "p", "where", "unit"):
-            raise AttributeError(name)
-        raise AttributeError(
-            f"{self.where}.{name}: the module's code reads an attribute of a layer FlaxModel "
-            f"runs with shardops' kernel, whose parameters are laid out by the strategy; call "
-            f"the layer instead (a tied head: {self.where}.attend(x))"
-        )
+    # A swapped layer's parameters and options are the strategy's: reading them from the module's
+    # code (``self.embed.embedding``) is refused, naming the layer (``Refusing``).
+    OWN = ("ctx", "kind", "p", "unit")
+    REFUSAL = (
+        "{where}.{name}: the module's code reads an attribute of a layer FlaxModel runs with "
+        "shardops' kernel, whose parameters are laid out by the strategy; call the layer instead "
+        "(a tied head: {where}.attend(x))"
+    )
 
     def attend(self, query):
         """``nnx.Embed.attend``: the logits of a tied head, ``query · embeddingᵀ``."""

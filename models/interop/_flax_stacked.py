@@ -31,6 +31,7 @@ from flax import nnx
 from flax.typing import Missing
 
 from shardops_models.interop._flax_layers import EMBED, LINEAR, NORM, at
+from shardops_models.interop._foreign import Refusing
 
 _SUPPORTED = "nnx.scan(f, in_axes=(nnx.Carry, 0[, None …]), out_axes=nnx.Carry)"
 
@@ -91,7 +92,7 @@ def check_sizes(block, layers: dict, where: str) -> None:
             )
 
 
-class StackedBlocks:
+class StackedBlocks(Refusing):
     """The stacked sub-module's place in the module during a forward: ``nnx.scan`` over it
     (``scanned_by``) runs ``ctx.scan(fn, params, carry)`` with ``block(layer)`` the block of
     one layer's parameters. A plain object: anything else the module's code does with it is
@@ -109,13 +110,12 @@ class StackedBlocks:
             f"__call__ decorated with nnx.scan at class definition is not run yet)"
         )
 
-    def __getattr__(self, name: str):
-        if name.startswith("__") or name in ("ctx", "params", "block", "where", "layers"):
-            raise AttributeError(name)
-        raise AttributeError(
-            f"{self.where}.{name}: the module's code reads an attribute of the stacked blocks, "
-            f"whose parameters are laid out by the strategy; scan over them with {_SUPPORTED}"
-        )
+    # Anything else the module's code reads of the stacked blocks is refused (``Refusing``).
+    OWN = ("ctx", "params", "block", "layers")
+    REFUSAL = (
+        "{where}.{name}: the module's code reads an attribute of the stacked blocks, whose "
+        f"parameters are laid out by the strategy; scan over them with {_SUPPORTED}"
+    )
 
 
 def unseen_scan(where: str, error: Exception) -> ValueError:

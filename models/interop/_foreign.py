@@ -44,6 +44,21 @@ def at_dict(tree, path):
     return tree
 
 
+class Refusing:
+    """A plain object in the place of a module's layer (or sub-module) during a forward: the
+    attributes it holds (``OWN``) read as usual; any other attribute the module's own code
+    reads is refused by ``REFUSAL`` (formatted with ``where`` and the attribute's ``name``),
+    which says why and what to call instead."""
+
+    OWN: tuple[str, ...] = ()
+    REFUSAL = "{where}.{name}"
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("where", *self.OWN):
+            raise AttributeError(name)
+        raise AttributeError(self.REFUSAL.format(where=self.where, name=name))
+
+
 class ForeignModel(LanguageModel):
     """The task's loss, metrics and batches, and the heads check, of an adapter with fields
     ``task``, ``name``, ``num_heads``, ``num_kv_heads``, ``context`` and ``example_shape``."""

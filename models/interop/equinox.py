@@ -64,7 +64,13 @@ from jax.sharding import PartitionSpec as P
 
 import shardops
 from shardops import MODEL_AXIS
-from shardops_models.interop._foreign import TASKS, ForeignModel, at_dict, check_unpadded
+from shardops_models.interop._foreign import (
+    TASKS,
+    ForeignModel,
+    Refusing,
+    at_dict,
+    check_unpadded,
+)
 from shardops_models.strategies._param import is_param
 from shardops_models.strategies.plan import REPLICATED, Role
 
@@ -475,7 +481,7 @@ def _dense_params(p: dict, ctx) -> dict:
     return flat
 
 
-class _Swapped:
+class _Swapped(Refusing):
     """An Equinox layer's place in the module, run by ``ctx`` on the layer's ``Param``s (``p``:
     its dict, Equinox's keys), on one example or token: each kernel runs on ``x[None]``
     (its rank-2 form), inside the module's vmaps."""
@@ -521,13 +527,10 @@ class _Swapped:
             y = ctx.unit(rms, self.p, x)
         return y[0] if one else y
 
-    def __getattr__(self, name: str):
-        """A swapped layer's parameters are the strategy's: reading them (``self.embed.weight``
-        for a tied head) is refused, naming the layer."""
-        if name.startswith("__") or name in ("ctx", "kind", "p", "where", "eps", "_uses"):
-            raise AttributeError(name)
-        raise AttributeError(
-            f"{self.where}.{name}: the module's code reads an attribute of a layer EquinoxModel "
-            f"runs with shardops' kernel, whose parameters are laid out by the strategy; call "
-            f"the layer instead"
-        )
+    # A swapped layer's parameters are the strategy's: reading them (``self.embed.weight`` for
+    # a tied head) is refused, naming the layer (``Refusing``).
+    OWN = ("ctx", "kind", "p", "eps", "_uses")
+    REFUSAL = (
+        "{where}.{name}: the module's code reads an attribute of a layer EquinoxModel runs with "
+        "shardops' kernel, whose parameters are laid out by the strategy; call the layer instead"
+    )

@@ -225,3 +225,16 @@ def test_a_scan_built_before_the_forward_names_the_stacked_blocks():
     ):
         setup.collective_budget(16, 16)
     assert nnx.scan is FLAX_SCAN
+
+
+def test_the_module_reading_an_attribute_of_the_stacked_blocks_is_refused():
+    model = _stacked(lambda model, x: model.blocks.attn(x))
+    setup = models.build("tp", mesh_for(STRATEGIES["tp"]), model=model, optimizer=optax.sgd(0.1))
+    with pytest.raises(
+        AttributeError,
+        match=r"blocks\.attn: the module's code reads an attribute "
+        r"of the stacked blocks, whose parameters are laid out "
+        r"by the strategy; scan over them with nnx\.scan",
+    ):
+        setup.collective_budget(16, 16)
+    assert nnx.scan is FLAX_SCAN
