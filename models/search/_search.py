@@ -29,9 +29,11 @@ on ``8×1`` is the single-device step on every device), or its peak memory excee
 ``memory_limit``. A strategy that leaves an axis of size > 1 unused (``dp`` on ``4×2``)
 is listed, with ``replicas`` = that axis's size: those devices compute the same step again.
 
-More devices than this process has: the search re-runs in a subprocess started with
-``XLA_FLAGS=--xla_force_host_platform_device_count=N`` on simulated CPU devices; it traces and
-compiles for them, and runs nothing.
+Any number of devices: each candidate is traced on a ``jax.sharding.AbstractMesh`` of its axis
+sizes (``shardops.abstract_mesh``), so planning for thousands of devices simulates none. Only
+compiling (``compile_top``) needs devices: with more than this process has, the search re-runs
+in a subprocess started with ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` on
+simulated CPU devices; it compiles for them, and runs nothing.
 """
 
 from __future__ import annotations
@@ -264,9 +266,10 @@ def search(
         model: ``"seed"``, ``"wide"``, ``"gpt"`` (``MODELS``) or a model object as
             ``models.build`` takes it (``models.Mlp``, ``models.Gpt``, your own).
         batch: the global batch (examples; sequences for a sequence model).
-        devices: how many devices. More than this process has: searched in a subprocess on
-            simulated CPU devices (``model`` must then be a name or picklable, ``optimizer`` a
-            name).
+        devices: how many devices. Every candidate is traced on an ``AbstractMesh``, so
+            any count is searched in this process; with ``compile_top`` and more devices than
+            this process has, the search runs in a subprocess on simulated CPU devices
+            (``model`` must then be a name or picklable, ``optimizer`` a name).
         seq: a sequence model's tokens per example (default its context).
         optimizer: ``"sgd"``, ``"adam"``, ``"adamw"`` or an optax transformation.
         precision: ``shardops.FLOAT32``, ``MIXED_BFLOAT16`` or ``BFLOAT16``.
@@ -294,7 +297,7 @@ def search(
     hw = hardware_named(hardware)
     if not isinstance(precision, Precision):
         raise TypeError(f"precision must be a shardops.Precision; got {precision!r}")
-    if devices > jax.device_count():
+    if compile_top and devices > jax.device_count():  # compiling needs the devices
         return _search_in_subprocess(
             model, batch, devices, seq=seq, optimizer=optimizer, precision=precision,
             hardware=hw, memory_limit=memory_limit, strategies=strategies,
@@ -441,18 +444,19 @@ def _reason_ruled_out(model, strategy, shape: dict, batch, seq) -> str | None:
 
 def predict(model, strategy: str, mesh_shape, batch: int, *, seq=None, optimizer="adam",
             precision=FLOAT32, hardware="h100-nvlink", memory_limit=None) -> Candidate:  # fmt: skip
-    """The predicted costs of one candidate (it traces the step; compiles nothing).
+    """The predicted costs of one candidate (it traces the step on an ``AbstractMesh``;
+    compiles nothing, and needs no devices: any ``mesh_shape`` traces in this process).
     ``mesh_shape``: axis sizes (a dict), or ``(data, model)``.
 
     Raises ``ValueError`` (from ``models.build``) when the model does not split over the mesh."""
     import jax
 
     import shardops_models as models
-    from shardops import make_mesh
+    from shardops import abstract_mesh
 
     hw = hardware_named(hardware)
     shape = _shape(mesh_shape)
-    mesh = make_mesh(shape)
+    mesh = abstract_mesh(shape)  # traced only: any number of devices, none of them simulated
     setup = models.build(strategy, mesh, optimizer=_optimizer(optimizer), model=model,
                          precision=precision)  # fmt: skip
     budget = setup.collective_budget(batch, seq)

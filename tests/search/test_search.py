@@ -109,6 +109,34 @@ def test_simulated_devices_predictions_equal_a_compile_only_ledger(devices):
     check_predictions_equal_the_ledger([lay for lay in planned if lay.compiled is not None])
 
 
+# What a candidate predicts per device that depends only on its local shapes.
+LOCAL = ("budget", "collectives", "flops", "elementwise_bytes", "state_bytes", "peak_bytes")
+
+
+@pytest.mark.parametrize(("strategy", "model_axis"), [("2d", 4), ("dp", 1)])
+def test_thousands_of_devices_are_traced_here_as_64_are(strategy, model_axis, monkeypatch):
+    """A search of 4,096 devices traces on an AbstractMesh in this process (no subprocess, no
+    simulated devices), and each candidate's per-device program is the one 64 devices trace where
+    the local shapes agree (4 rows a device; the 64-device predictions equal the compiled ledger
+    above): the same bytes per collective, collectives, FLOPs, state and peak. Only what the
+    rings send grows with the data axis."""
+
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError(f"the search started a subprocess: {args}")
+
+    monkeypatch.setattr(shardops_models.search._search.subprocess, "run", no_subprocess)
+    data = 4096 // model_axis
+    (big,) = shardops_models.search.search(
+        "gpt", 4 * data, 4096, strategies=[strategy], meshes=[{"data": data, "model": model_axis}]
+    ).candidates
+    small = shardops_models.search.predict(models.Gpt(), strategy,
+                                           {"data": 16, "model": model_axis}, 64)  # fmt: skip
+    assert big.mesh == (data, model_axis) and big.budget, big
+    assert {f: getattr(big, f) for f in LOCAL} == {f: getattr(small, f) for f in LOCAL}
+    grow = {axes: big.ring_bytes[axes] / small.ring_bytes[axes] for axes in small.ring_bytes}
+    assert grow[("data",)] > 1 and all(g == 1 for axes, g in grow.items() if "data" not in axes)
+
+
 def test_ruled_out_candidates_say_why():
     gpt = models.Gpt(vocab_size=64, d_model=32, num_heads=4, num_layers=1, context=16)
     planned = shardops_models.search.search(gpt, 16, 8, hardware="cpu-sim")
