@@ -117,9 +117,9 @@ LOCAL = ("budget", "collectives", "flops", "elementwise_bytes", "state_bytes", "
 def test_thousands_of_devices_are_traced_here_as_64_are(strategy, model_axis, monkeypatch):
     """A search of 4,096 devices traces on an AbstractMesh in this process (no subprocess, no
     simulated devices), and each candidate's per-device program is the one 64 devices trace where
-    the local shapes agree (4 rows a device; the 64-device predictions equal the compiled ledger
-    above): the same bytes per collective, collectives, FLOPs, state and peak. Only what the
-    rings send grows with the data axis."""
+    the local shapes agree (4 rows a device; the tests above hold predictions at 8 and 64
+    devices to the compiled ledger): the same bytes per collective, collectives, FLOPs, state
+    and peak. Only what the rings send grows with the data axis."""
 
     def no_subprocess(*args, **kwargs):
         raise AssertionError(f"the search started a subprocess: {args}")
