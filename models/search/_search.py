@@ -25,7 +25,8 @@ Which candidates: for every strategy that applies to the model (``models.strateg
 every ``d × m = devices``. A candidate is *ruled out*, with the reason, when the model does not
 split over it (features, heads, vocabulary, sequence under sp), the batch does not split over
 ``data``, it is the same program as a simpler strategy (``2d`` on ``8×1`` is ``dp``; ``tp``
-on ``8×1`` is the single-device step on every device), or its peak memory exceeds
+on ``8×1`` is the single-device step on every device; fsdp whose axes no parameter dimension
+divides keeps every parameter replicated, which is dp), or its peak memory exceeds
 ``memory_limit``. A strategy that leaves an axis of size > 1 unused (``dp`` on ``4×2``)
 is listed, with ``replicas`` = that axis's size: those devices compute the same step again.
 
@@ -459,6 +460,7 @@ def predict(model, strategy: str, mesh_shape, batch: int, *, seq=None, optimizer
     mesh = abstract_mesh(shape)  # traced only: any number of devices, none of them simulated
     setup = models.build(strategy, mesh, optimizer=_optimizer(optimizer), model=model,
                          precision=precision)  # fmt: skip
+    _check_fsdp_splits(setup, models.STRATEGIES[strategy], shape)
     budget = setup.collective_budget(batch, seq)
     args = setup.abstract_step_args(batch, seq)
     # The train step donates the state (argument 0): its buffers may be freed once read.
@@ -488,6 +490,26 @@ def predict(model, strategy: str, mesh_shape, batch: int, *, seq=None, optimizer
         step_time=compute + sum(comm.values()), model=model,
         options={"batch": batch, "seq": seq, "optimizer": optimizer, "precision": precision},
     )  # fmt: skip
+
+
+def _check_fsdp_splits(setup, strategy, shape: dict) -> None:
+    """A ``ValueError`` (the candidate is ruled out) when ``strategy`` has fsdp axes of more
+    than one device but no parameter splits over them: ``fsdp_spec`` keeps a leaf that no
+    dimension lets it split replicated, so the program is the one with dp in fsdp's place."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    axes = tuple(a for a in strategy.fsdp or () if shape.get(a, 1) > 1)
+    if not axes:
+        return
+    specs = jax.tree.leaves(setup.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    used = {a for spec in specs for e in spec if e is not None
+            for a in (e if isinstance(e, tuple) else (e,))}  # fmt: skip
+    if not used & set(axes):
+        n = math.prod(shape[a] for a in axes)
+        raise ValueError(f"fsdp splits no parameter: no dimension of any divides "
+                         f"{' × '.join(axes)} = {n}, so every one stays replicated (the same "
+                         f"program as dp over {' × '.join(axes)})")  # fmt: skip
 
 
 def _shape(mesh_shape) -> dict[str, int]:

@@ -146,6 +146,15 @@ def test_ruled_out_candidates_say_why():
     assert reasons["dp", (1, 8)].startswith("no parallelism")
     assert ("tp", (1, 8)) not in {lay.mesh for lay in planned}
 
+    # fsdp on 1,024 devices of this GPT: no dimension divides 1,024, so no parameter splits
+    # and the program is dp's (listed, it ranked as a candidate of its own)
+    wide = shardops_models.search.search(models.Gpt(), 1024, 1024, strategies=["dp", "fsdp"],
+                                         meshes=[{"data": 1024, "model": 1}])  # fmt: skip
+    assert [lay.name for lay in wide] == ["dp 1024×1"]
+    assert {(r.strategy, r.reason) for r in wide.ruled_out} == {("fsdp", (
+        "fsdp splits no parameter: no dimension of any divides data = 1024, so every one stays "
+        "replicated (the same program as dp over data)"))}  # fmt: skip
+
     mlp = models.Mlp((64, 30, 10))
     planned = shardops_models.search.search(mlp, 12, 8, hardware="cpu-sim")
     reasons = {(r.strategy, r.mesh): r.reason for r in planned.ruled_out}
