@@ -449,7 +449,8 @@ def predict(model, strategy: str, mesh_shape, batch: int, *, seq=None, optimizer
     compiles nothing, and needs no devices: any ``mesh_shape`` traces in this process).
     ``mesh_shape``: axis sizes (a dict), or ``(data, model)``.
 
-    Raises ``ValueError`` (from ``models.build``) when the model does not split over the mesh."""
+    Raises ``ValueError`` when the model does not split over the mesh (from ``models.build``)
+    or its fsdp axes split no parameter (the program would be dp's)."""
     import jax
 
     import shardops_models as models
