@@ -115,9 +115,9 @@ def _print_result(result: Search, args) -> None:
 def main(argv=None) -> Search | None:
     """``python -m shardops_models.search``: search, print the ranking and return it (None in a
     ``--worker`` subprocess). Any device count is traced in this process (on an
-    ``AbstractMesh``); with ``--compile-top`` and more devices than this process has, the same
-    command re-runs in a subprocess on simulated CPU devices, and this process exits with its
-    status."""
+    ``AbstractMesh``); with ``--compile-top`` or ``--hardware calibrate`` and more devices than
+    this process has, the same command re-runs in a subprocess on simulated CPU devices, and
+    this process exits with its status."""
     p = _parser()
     args = p.parse_args(argv)
     if args.worker:
@@ -127,9 +127,10 @@ def main(argv=None) -> Search | None:
 
     import jax
 
-    if args.compile_top and args.devices > jax.device_count():
-        # Compiling needs the devices: re-run this command where JAX simulates enough CPU
-        # devices; it compiles, never runs. (A search alone traces on an AbstractMesh.)
+    if (args.compile_top or args.hardware == "calibrate") and args.devices > jax.device_count():
+        # Compiling and calibrating need the devices: re-run this command where JAX simulates
+        # enough CPU devices; it compiles, never runs. (A search alone traces on an
+        # AbstractMesh.)
         print(f"searching {args.devices} devices on simulated CPU devices (this process has "
               f"{jax.device_count()})", file=sys.stderr, flush=True)  # fmt: skip
         argv = sys.argv[1:] if argv is None else list(argv)

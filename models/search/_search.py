@@ -26,7 +26,7 @@ every ``d × m = devices``. A candidate is *ruled out*, with the reason, when th
 split over it (features, heads, vocabulary, sequence under sp), the batch does not split over
 ``data``, it is the same program as a simpler strategy (``2d`` on ``8×1`` is ``dp``; ``tp``
 on ``8×1`` is the single-device step on every device; fsdp whose axes no parameter dimension
-divides keeps every parameter replicated, which is dp), or its peak memory exceeds
+divides keeps every parameter replicated: ``fsdp`` is then ``dp``), or its peak memory exceeds
 ``memory_limit``. A strategy that leaves an axis of size > 1 unused (``dp`` on ``4×2``)
 is listed, with ``replicas`` = that axis's size: those devices compute the same step again.
 
@@ -450,7 +450,7 @@ def predict(model, strategy: str, mesh_shape, batch: int, *, seq=None, optimizer
     ``mesh_shape``: axis sizes (a dict), or ``(data, model)``.
 
     Raises ``ValueError`` when the model does not split over the mesh (from ``models.build``)
-    or its fsdp axes split no parameter (the program would be dp's)."""
+    or its fsdp axes split no parameter and a preset runs that program (``dp`` for ``fsdp``)."""
     import jax
 
     import shardops_models as models
@@ -494,11 +494,15 @@ def predict(model, strategy: str, mesh_shape, batch: int, *, seq=None, optimizer
 
 
 def _check_fsdp_splits(setup, strategy, shape: dict) -> None:
-    """A ``ValueError`` (the candidate is ruled out) when ``strategy`` has fsdp axes of more
-    than one device but no parameter splits over them: ``fsdp_spec`` keeps a leaf that no
-    dimension lets it split replicated, so the program is the one with dp in fsdp's place."""
+    """A ``ValueError`` (the candidate is ruled out) when ``strategy``'s fsdp axes (of more than
+    one device) split no parameter and a preset runs that program: ``fsdp_spec`` keeps a leaf
+    with no dimension it can split replicated, so the step is the one with those axes under dp
+    (``fsdp`` → ``dp``, ``fsdp_tp`` → ``2d``). Without such a preset (``hsdp``: dp over replica
+    × data) the candidate stays listed."""
     import jax
     from jax.sharding import PartitionSpec
+
+    import shardops_models as models
 
     axes = tuple(a for a in strategy.fsdp or () if shape.get(a, 1) > 1)
     if not axes:
@@ -506,11 +510,26 @@ def _check_fsdp_splits(setup, strategy, shape: dict) -> None:
     specs = jax.tree.leaves(setup.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     used = {a for spec in specs for e in spec if e is not None
             for a in (e if isinstance(e, tuple) else (e,))}  # fmt: skip
-    if not used & set(axes):
+    if used & set(axes):
+        return
+    as_dp = _effective(strategy, shape)
+    as_dp.pop("fsdp")
+    as_dp["dp"] = (*as_dp.get("dp", ()), *axes)
+    key = _ordered(as_dp, shape)
+    same = next((t.name for t in models.STRATEGIES.values()
+                 if set(t.axes) <= set(shape) and _ordered(_effective(t, shape), shape) == key),
+                None)  # fmt: skip
+    if same is not None:
         n = math.prod(shape[a] for a in axes)
-        raise ValueError(f"fsdp splits no parameter: no dimension of any divides "
-                         f"{' × '.join(axes)} = {n}, so every one stays replicated (the same "
-                         f"program as dp over {' × '.join(axes)})")  # fmt: skip
+        raise ValueError(f"same program as {same} {_mesh_text(tuple(shape), tuple(shape.values()))}: "
+                         f"no parameter has a dimension fsdp can split over {' × '.join(axes)} = "
+                         f"{n}, so every one stays replicated")  # fmt: skip
+
+
+def _ordered(kinds: dict, shape: dict) -> dict:
+    """``kinds`` (kind → axes) with each kind's axes in the mesh's order."""
+    order = list(shape)
+    return {kind: tuple(sorted(axes, key=order.index)) for kind, axes in kinds.items()}
 
 
 def _shape(mesh_shape) -> dict[str, int]:

@@ -137,6 +137,20 @@ def test_thousands_of_devices_are_traced_here_as_64_are(strategy, model_axis, mo
     assert grow[("data",)] > 1 and all(g == 1 for axes, g in grow.items() if "data" not in axes)
 
 
+def test_the_command_line_traces_64_devices_in_its_own_process(capsys, monkeypatch):
+    """Without --compile-top (or calibrating) the command line searches more devices than the
+    process has without a subprocess."""
+
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError(f"the command line started a subprocess: {args}")
+
+    monkeypatch.setattr(shardops_models.search._cli.subprocess, "run", no_subprocess)
+    result = shardops_models.search.main(["--model", "seed", "--batch", "256", "--devices", "64",
+                                          "--strategies", "dp", "2d"])  # fmt: skip
+    assert result.devices == 64 and {lay.strategy for lay in result} == {"dp", "2d"}
+    assert "searched in" in capsys.readouterr().out
+
+
 def test_ruled_out_candidates_say_why():
     gpt = models.Gpt(vocab_size=64, d_model=32, num_heads=4, num_layers=1, context=16)
     planned = shardops_models.search.search(gpt, 16, 8, hardware="cpu-sim")
@@ -152,8 +166,13 @@ def test_ruled_out_candidates_say_why():
                                          meshes=[{"data": 1024, "model": 1}])  # fmt: skip
     assert [lay.name for lay in wide] == ["dp 1024×1"]
     assert {(r.strategy, r.reason) for r in wide.ruled_out} == {("fsdp", (
-        "fsdp splits no parameter: no dimension of any divides data = 1024, so every one stays "
-        "replicated (the same program as dp over data)"))}  # fmt: skip
+        "same program as dp 1024×1: no parameter has a dimension fsdp can split over data = "
+        "1024, so every one stays replicated"))}  # fmt: skip
+    # ... but hsdp splitting nothing is dp over replica × data, which no preset is: it stays
+    small = models.Mlp((30, 10))  # neither 30 nor 10 divides data = 4
+    hsdp = shardops_models.search.search(small, 8, 8, strategies=["hsdp", "dp"],
+                                         meshes=["replica=2,data=4"])  # fmt: skip
+    assert {lay.name for lay in hsdp} == {"hsdp replica=2,data=4", "dp replica=2,data=4"}
 
     mlp = models.Mlp((64, 30, 10))
     planned = shardops_models.search.search(mlp, 12, 8, hardware="cpu-sim")
