@@ -3,6 +3,7 @@ record, every stored chunk read, and read errors made readable (``Checkpoints.re
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -13,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from shardops_models.training._checkpoint_record import SHOWN, _key, _leaves
 from shardops_models.training._state import TrainState
@@ -31,45 +34,86 @@ def fingerprints(state: TrainState) -> dict[str, str]:
     Each element's bits (widened to uint32; two words for a 64-bit type) are mixed with its
     flat index through an integer hash and the results summed mod 2^32, under each of two
     seeds: integer arithmetic, so the sums are exact, and a changed, moved or swapped element
-    changes them (but for a chance of 2^-64). Each block of a leaf (one shard per replica
-    group) is summed on its device by one jitted program per block shape, which any layout
-    reuses; the block sums are added on the host and, in a multi-process run, over the
-    processes (every process must call it), so every process and every layout of a leaf get
-    the same fingerprint.
+    changes them (but for a chance of 2^-64). A split leaf's blocks are summed on their
+    devices by one jitted program per shape, dtype and layout, with no collective (programs in
+    flight with collectives can deadlock XLA:CPU's simulated devices); a leaf that is whole on
+    each device holding it is summed on one of them. The block sums (one per replica group)
+    are added on the host and, in a multi-process run, over the processes (every process must
+    call it), so every process and every layout of a leaf get the same fingerprint.
     """
     tree = {"params": state.params, "opt_state": state.opt_state}
     leaves = _leaves(tree)
-    blocks = []  # (leaf, uint32[2] on a device), dispatched before any is read
+    blocks = []  # (leaf, uint32[blocks, 2]), dispatched before any is read
     for n, (_, leaf) in enumerate(leaves):
         leaf = jnp.asarray(leaf)
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             leaf = jax.random.key_data(leaf)
-        strides = np.array([int(np.prod(leaf.shape[d + 1 :], dtype=np.uint64) % 2**32)
-                            for d in range(leaf.ndim)], np.uint32)  # fmt: skip
-        for shard in leaf.addressable_shards:
-            if shard.replica_id == 0:  # each block once over every process
-                offsets = np.array([s.start or 0 for s in shard.index], np.uint32)
-                blocks.append((n, _block_sums(shard.data, offsets, strides)))
+        split = _split(leaf.sharding.spec) if isinstance(leaf.sharding, NamedSharding) else ()
+        if split:
+            program = _sharded_sums(leaf.sharding.mesh, leaf.sharding.spec, leaf.shape)
+            blocks.append((n, program(leaf)))
+        else:  # whole on every device that holds it: summed on the first replica's alone
+            for shard in leaf.addressable_shards:
+                if shard.replica_id == 0:
+                    blocks.append((n, _single(shard.data)))
     sums = np.zeros((len(leaves), len(SEEDS)), np.uint32)
     for n, block in blocks:
-        sums[n] += np.asarray(block)  # mod 2^32
+        for shard in block.addressable_shards:
+            if shard.replica_id == 0:  # each block once over every process
+                sums[n] += np.asarray(shard.data).sum(axis=0, dtype=np.uint32)  # mod 2^32
     if jax.process_count() > 1:  # the blocks other processes hold
         sums = np.sum(multihost_utils.process_allgather(sums), axis=0, dtype=np.uint32)
     return {f"{path[0].key}{_key(path[1:])}": f"{a:08x}{b:08x}"
             for (path, _), (a, b) in zip(leaves, sums.tolist(), strict=True)}  # fmt: skip
 
 
+@functools.cache
+def _sharded_sums(mesh, spec: P, shape: tuple[int, ...]):
+    """A jitted ``leaf → uint32[blocks, 2]``: the sums (``_sums``) of each block of a leaf of
+    ``shape`` laid out as ``spec`` on ``mesh``, on the devices that hold it (replicated over
+    the axes it is not split on)."""
+    entries = [_axes(e) for e in spec] + [()] * (len(shape) - len(spec))
+
+    def block(local):
+        offsets = []
+        for d, axes in enumerate(entries):
+            index = 0  # the block's index along d: its axes, the first major
+            for axis in axes:
+                index = index * mesh.shape[axis] + lax.axis_index(axis)
+            offsets.append(jnp.uint32(index) * jnp.uint32(local.shape[d]))
+        return _sums(local, offsets, shape)[None]
+
+    out = P(_split(spec))  # a row a block
+    return jax.jit(jax.shard_map(block, mesh=mesh, in_specs=spec, out_specs=out, check_vma=False))
+
+
+def _axes(entry) -> tuple[str, ...]:
+    """The mesh axes one entry of a ``PartitionSpec`` splits its dimension over."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _split(spec: P) -> tuple[str, ...]:
+    """Every mesh axis ``spec`` splits a dimension over, in its order."""
+    return tuple(axis for entry in spec for axis in _axes(entry))
+
+
 @jax.jit
-def _block_sums(block: jax.Array, offsets: jax.Array, strides: jax.Array) -> jax.Array:
+def _single(leaf: jax.Array) -> jax.Array:
+    """uint32[1, 2]: the sums (``_sums``) of a leaf on one device."""
+    return _sums(leaf, [0] * leaf.ndim, leaf.shape)[None]
+
+
+def _sums(block: jax.Array, offsets, shape: tuple[int, ...]) -> jax.Array:
     """uint32[2]: Σ mix(word ^ mix(i·φ + seed)) mod 2^32 over the words of ``block`` for each
     seed, i the word's flat index in the whole leaf (``offsets``: the block's start in the
-    leaf, ``strides``: the leaf's row-major strides in elements)."""
+    leaf along each dimension, ``shape``: the leaf's)."""
     words = _as_words(block)  # uint32[*block.shape, w]: w words an element
     w = words.shape[-1]
     index = lax.broadcasted_iota(jnp.uint32, words.shape, block.ndim)  # the word in its element
     for d in range(block.ndim):  # + the element's flat index in the leaf, · w (mod 2^32)
+        stride = int(np.prod(shape[d + 1 :], dtype=np.uint64) % 2**32)
         element = lax.broadcasted_iota(jnp.uint32, words.shape, d) + offsets[d]
-        index = index + element * strides[d] * jnp.uint32(w)
+        index = index + element * jnp.uint32(stride) * jnp.uint32(w)
     return jnp.stack([
         jnp.sum(_mix(words ^ _mix(index * jnp.uint32(0x9E3779B9) + jnp.uint32(seed))),
                 dtype=jnp.uint32)

@@ -453,8 +453,11 @@ AWAITED = "        self.wait()  # an in-flight save of this step commits first\n
 DIGEST = '        if record["format"] >= 2 and record.get("digest") != _digest(record):\n'
 AGREED = "        if failed:\n"
 READ_ERROR = "            raise self._damaged(step, _read_error(e)) from e\n"
-OFFSET = "        element = lax.broadcasted_iota(jnp.uint32, words.shape, d) + offsets[d]\n"
+STRIDE = "        index = index + element * jnp.uint32(stride) * jnp.uint32(w)\n"
+OFFSET = "            offsets.append(jnp.uint32(index) * jnp.uint32(local.shape[d]))\n"
+MAJOR = "            for axis in axes:\n"
 ONCE = "            if shard.replica_id == 0:  # each block once over every process\n"
+FIRST_REPLICA = "                if shard.replica_id == 0:\n"
 OWN_STEP = '        if record["step"] != step:\n'
 CREATE = (
     "                create=False,  # ``save`` creates the folder: reading one creates nothing\n"
@@ -547,16 +550,35 @@ MUTANTS = {
         "            raise\n",
         on_a_damaged_copy(damaged.check_a_truncated_array_file_is_damaged),
     ),
+    # An element's index without its row's stride: elements of one column in different rows
+    # share an index, and the fingerprint is not the definition's.
+    "fingerprint_ignores_the_stride": (
+        STRIDE,
+        STRIDE.replace(" * jnp.uint32(stride)", ""),
+        fingerprints_on_every_layout,
+    ),
     # A block's elements indexed from its own start: the fingerprint depends on the layout.
     "fingerprint_ignores_the_block_offset": (
         OFFSET,
-        OFFSET.replace(" + offsets[d]", ""),
+        "            offsets.append(jnp.uint32(0))\n",
         fingerprints_on_every_layout,
     ),
-    # Every replica of a block summed: a replicated leaf's fingerprint depends on the mesh.
+    # A dimension split over two axes indexed with the second axis major.
+    "fingerprint_takes_the_last_axis_as_major": (
+        MAJOR,
+        "            for axis in reversed(axes):\n",
+        fingerprints_on_every_layout,
+    ),
+    # Every replica of a block summed: a leaf's fingerprint depends on the mesh.
     "fingerprint_counts_every_replica": (
         ONCE,
         "            if True:\n",
+        fingerprints_on_every_layout,
+    ),
+    # A whole leaf summed on every device that holds it.
+    "fingerprint_of_a_whole_leaf_on_every_replica": (
+        FIRST_REPLICA,
+        "                if True:\n",
         fingerprints_on_every_layout,
     ),
 }

@@ -414,8 +414,8 @@ def numpy_fingerprint(x: np.ndarray) -> str:
 
 
 def check_fingerprints_on_every_layout(module=checkpoint) -> None:
-    """A leaf of each dtype on one device and in 4 layouts of a 4×2 mesh, replicated ones
-    included: the numpy definition's fingerprint each time; one element changed, or two
+    """A leaf of each dtype on one device and in 5 layouts of a 4×2 mesh (replicated ones, and
+    one dimension split over both axes, included): the numpy definition's fingerprint each time; one element changed, or two
     swapped, changes it."""
     mesh = shardops.make_mesh({"data": 4, "model": 2})
     rng = np.random.default_rng(0)
@@ -424,7 +424,13 @@ def check_fingerprints_on_every_layout(module=checkpoint) -> None:
         want = numpy_fingerprint(x)
         leaves = [jax.device_put(x)] + [
             jax.device_put(x, NamedSharding(mesh, spec))
-            for spec in (P(), P("data"), P("data", "model"), P("model", "data"))
+            for spec in (
+                P(),
+                P("data"),
+                P("data", "model"),
+                P("model", "data"),
+                P(("model", "data")),
+            )
         ]
         for leaf in leaves:
             got = module.fingerprints(models.TrainState({"x": leaf}, ()))
