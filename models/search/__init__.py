@@ -8,8 +8,9 @@ an analytic cost model, with the compiled ledger of the best candidates.
     result[0]                          # the best Candidate: strategy, mesh, bytes, times
     search.compiled_ledger(result[0])  # compile (never run) and read its ledger
 
-Its parts: ``_search`` (candidates and ranking), ``_table`` (the tables), ``_cli`` (the command
-line), ``_program_cost``
+Its parts: ``_search`` (prediction and ranking), ``_candidates`` (which strategies × meshes are
+traced, pipeline, expert and context compositions included, and which are ruled out before
+tracing), ``_table`` (the tables), ``_cli`` (the command line), ``_program_cost``
 (FLOPs, bytes and the peak of live memory counted from a jaxpr), ``_hardware`` (link bandwidth,
 compute rates, collective efficiencies; ``calibrate()`` measures them here).
 """

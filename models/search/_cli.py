@@ -50,7 +50,16 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="memory per device; candidates that need more are ruled out",
     )
-    p.add_argument("--strategies", nargs="*", default=None)
+    p.add_argument("--strategies", nargs="*", default=None,
+                   help="presets or composite names (2d+1f1b, fsdp+ring, 2d+ep) instead of "
+                        "every one that applies")  # fmt: skip
+    p.add_argument("--microbatches", nargs="*", type=int, default=None, metavar="M",
+                   help="the microbatch counts a pipeline candidate is traced at (default P, "
+                        "2P and 4P on a mesh of P pipe stages)")  # fmt: skip
+    p.add_argument("--remat", nargs="*", default=None, metavar="POLICY",
+                   help="trace each candidate under each of these remat policies (none, full, "
+                        "matmuls, offload); default: none, then matmuls and full where a "
+                        "candidate does not fit the memory")  # fmt: skip
     p.add_argument("--mesh", default=None, metavar="SPEC",
                    help="search this mesh only, e.g. replica=2,data=2,model=2 or 4x2 (default: "
                         "every data×model of --devices)")  # fmt: skip
@@ -88,6 +97,8 @@ def _checked_meshes(p: argparse.ArgumentParser, args) -> list[dict[str, int]] | 
         p.error(f"--devices must be a positive integer; got {args.devices}")
     if args.batch < 1:
         p.error(f"--batch must be a positive integer; got {args.batch}")
+    if any(m < 1 for m in args.microbatches or ()):
+        p.error(f"--microbatches must be positive integers; got {args.microbatches}")
     if args.compile_top < 0:
         p.error(f"--compile-top must be ≥ 0; got {args.compile_top}")
     if args.hardware != "calibrate" and args.hardware not in HARDWARE:
@@ -144,7 +155,8 @@ def main(argv=None) -> Search | None:
                       optimizer=args.optimizer, precision=PRECISIONS[args.precision],
                       hardware=hardware, memory_limit=memory, strategies=args.strategies,
                       compile_top=args.compile_top, recount=args.recount,
-                      meshes=meshes)  # fmt: skip
+                      meshes=meshes, microbatches=args.microbatches,
+                      remat=args.remat)  # fmt: skip
     except ValueError as e:
         p.error(str(e))
     _print_result(result, args)

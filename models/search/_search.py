@@ -21,8 +21,10 @@ Per candidate, without compiling anything:
   ``comm = Σ ring_bytes / (bandwidth[axis] · efficiency[kind]) + latency · collectives``;
   ``step = compute + comm`` (``shardops_models.search._hardware``). Candidates are ranked by ``step``.
 
-Which candidates: for every strategy that applies to the model (``models.strategies_for``) and
-every ``d × m = devices``. A candidate is *ruled out*, with the reason, when the model does not
+Which candidates (``_candidates``): for every strategy that applies to the model
+(``models.strategies_for``) and every ``d × m = devices``; on given meshes, their ``pipe``,
+``expert`` and ``context`` axes compose the presets with every pipeline schedule (at several
+microbatch counts), expert parallelism and every context-parallel attention. A candidate is *ruled out*, with the reason, when the model does not
 split over it (features, heads, vocabulary, sequence under sp), the batch does not split over
 ``data``, it is the same program as a simpler strategy (``2d`` on ``8×1`` is ``dp``; ``tp``
 on ``8×1`` is the single-device step on every device; fsdp whose axes no parameter dimension
@@ -50,25 +52,32 @@ import tempfile
 import time
 from typing import Any
 
-import shardops
 from shardops import BFLOAT16, DATA_AXIS, FLOAT32, MIXED_BFLOAT16, MODEL_AXIS, Precision
 from shardops.inspect import ring_bytes
-from shardops_models.networks.contract import declared
+from shardops_models.search._candidates import (
+    check_fsdp_splits,
+    reason_ruled_out,
+    strategy_meshes,
+)
 from shardops_models.search._hardware import Hardware, hardware_named
 from shardops_models.search._program_cost import program_cost
-from shardops_models.search._table import _axes, _keyed, _render, _table
+from shardops_models.search._table import _axes, _keyed, _mesh_text, _render, _table
 
 MODELS = {
     "seed": "MLP 784-512-10 (the seed's)",
     "wide": "MLP 784-2048-2048-10 (benchmarks/strategies.py's wide MLP)",
     "gpt": "GPT: 4 layers, width 128, 4 heads, vocabulary 256, context 128 (models.Gpt())",
+    "llama": "Llama: 4 stacked layers, width 128, 8 heads (2 K/V), vocabulary 256, context 128 "
+    "(models.Llama())",
+    "mixtral": "the Llama with 8 experts a block, 2 a token (models.Llama(experts=models.Experts()))",
 }
 OPTIMIZERS = ("sgd", "adam", "adamw")
 PRECISIONS = {"float32": FLOAT32, "mixed_bfloat16": MIXED_BFLOAT16, "bfloat16": BFLOAT16}
 
 
 def model_named(name):
-    """``"seed"``, ``"wide"`` or ``"gpt"`` (``MODELS``) → the model; a model object as is."""
+    """A name of ``MODELS`` (``"seed"``, ``"wide"``, ``"gpt"``, ``"llama"``, ``"mixtral"``) →
+    the model; a model object as is."""
     if not isinstance(name, str):
         return name
     import shardops_models as models
@@ -79,6 +88,10 @@ def model_named(name):
         return models.Mlp((784, 2048, 2048, 10))
     if name == "gpt":
         return models.Gpt()
+    if name == "llama":
+        return models.Llama()
+    if name == "mixtral":
+        return models.Llama(experts=models.Experts())
     raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)} or pass a model")
 
 
@@ -142,6 +155,10 @@ class Candidate:
     step_time: float
     rank: int = 0
     compiled: CompiledLedger | None = None
+    microbatches: int = 1
+    """A pipeline's microbatches (1 for every other strategy)."""
+    remat: Any = "none"
+    """The activation-checkpoint policy (``models.build``'s ``remat``)."""
     model: Any = dataclasses.field(default=None, repr=False, compare=False)
     options: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     """What ``compiled_ledger`` needs to rebuild the step: batch, seq, optimizer, precision."""
@@ -157,12 +174,20 @@ class Candidate:
         return _mesh_text(self.axes, self.mesh)
 
     @property
+    def label(self) -> str:
+        """The strategy, with a pipeline's microbatches and a remat policy: ``2d+1f1b M=4``,
+        ``fsdp remat=full``."""
+        return _label(self.strategy, self.microbatches, self.remat)
+
+    @property
     def name(self) -> str:
-        return f"{self.strategy} {self.mesh_text}"
+        return f"{self.label} {self.mesh_text}"
 
     def as_dict(self) -> dict:
         out = {
-            "rank": self.rank, "strategy": self.strategy, "mesh": list(self.mesh),
+            "rank": self.rank, "strategy": self.strategy, "microbatches": self.microbatches,
+            "remat": str(self.remat),
+            "mesh": list(self.mesh),
             "axes": list(self.axes),
             "replicas": self.replicas, "budget": _keyed(self.budget),
             "ring_bytes": {_axes(a): v for a, v in self.ring_bytes.items()},
@@ -189,17 +214,21 @@ class RuledOut:
     mesh: tuple[int, ...]
     reason: str
     axes: tuple[str, ...] = (DATA_AXIS, MODEL_AXIS)
+    microbatches: int = 1
+    remat: Any = "none"
+
+    @property
+    def label(self) -> str:
+        return _label(self.strategy, self.microbatches, self.remat)
 
     @property
     def mesh_text(self) -> str:
         return _mesh_text(self.axes, self.mesh)
 
 
-def _mesh_text(axes, sizes) -> str:
-    """``4×2`` on data × model; ``replica=2,data=2,model=2`` (``--mesh``'s spelling) on any
-    other axes."""
-    text = shardops.format_mesh(dict(zip(axes, sizes, strict=True)))
-    return text.replace("x", "×") if tuple(axes) == (DATA_AXIS, MODEL_AXIS) else text
+def _label(strategy: str, microbatches: int, remat="none") -> str:
+    parts = [strategy] + [f"M={microbatches}"] * (microbatches > 1)
+    return " ".join(parts + [f"remat={remat}"] * (remat not in ("none", False)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,8 +257,10 @@ class Search:
             "model": self.model_name, "batch": self.batch, "devices": self.devices,
             "hardware": dataclasses.asdict(self.hardware), "seconds": self.seconds,
             "candidates": [candidate.as_dict() for candidate in self.candidates],
-            "ruled_out": [{"strategy": r.strategy, "mesh": list(r.mesh), "axes": list(r.axes),
-                           "reason": r.reason} for r in self.ruled_out],
+            "ruled_out": [{"strategy": r.strategy, "microbatches": r.microbatches,
+                           "remat": str(r.remat),
+                           "mesh": list(r.mesh), "axes": list(r.axes), "reason": r.reason}
+                          for r in self.ruled_out],
         }  # fmt: skip
 
     def table(self):
@@ -260,6 +291,8 @@ def search(
     recount: bool = False,
     timeout: float = 1800,
     meshes=None,
+    microbatches=None,
+    remat=None,
 ) -> Search:
     """Every strategy × mesh factorisation of ``devices`` for ``model``, ranked by the cost model.
 
@@ -277,11 +310,21 @@ def search(
         hardware: a preset name (``HARDWARE``) or a ``Hardware`` (e.g. ``calibrate()``).
         memory_limit: bytes per device; a candidate whose peak exceeds it is ruled out. Default:
             ``hardware.memory``.
-        strategies: the strategy names to consider (default all that apply to the model).
+        strategies: the strategy names to consider, presets or composite (``"2d+1f1b"``,
+            ``"fsdp+ring"``, ``"2d+ep"``); default all that apply to the model and the mesh.
         meshes: the meshes to consider, as axis sizes (``{"replica": 2, "data": 2, "model":
             2}`` or a spec, ``shardops.parse_mesh``), each of ``devices`` devices; default every
             ``data × model`` factorisation of ``devices``. On a mesh of other axes every preset
-            whose axes it has is a candidate (``models.strategies_for(model, axes)``).
+            whose axes it has is a candidate (``models.strategies_for(model, axes)``); its
+            ``pipe``, ``expert`` and ``context`` axes compose each with every pipeline
+            schedule, expert parallelism and every context-parallel attention
+            (``shardops_models.search._candidates``).
+        microbatches: the microbatch counts each pipeline candidate is traced at (default P,
+            2P and 4P on P stages).
+        remat: the activation-checkpoint policies (``models.build``'s ``remat``: ``"none"``,
+            ``"full"``, ``"matmuls"``, ``"offload"``, names) each candidate is traced under,
+            each listed; default: without remat, and a candidate whose peak exceeds the memory
+            limit again under ``"matmuls"``, then ``"full"``, listed under the first that fits.
         compile_top: compile the best this many candidates (``compiled_ledger``), never run them.
         recount: re-time the compiled candidates with the number of collectives the compiled
             program runs instead of the number the jaxpr asks for (XLA combines independent
@@ -303,36 +346,56 @@ def search(
             model, batch, devices, seq=seq, optimizer=optimizer, precision=precision,
             hardware=hw, memory_limit=memory_limit, strategies=strategies,
             compile_top=compile_top, recount=recount, timeout=timeout, meshes=meshes,
+            microbatches=microbatches, remat=remat,
         )  # fmt: skip
     start = time.perf_counter()
     model = model_named(model)
     limit = hw.memory if memory_limit is None else memory_limit
     candidates, ruled_out = [], []
-    for strategy, mesh_shape in strategy_meshes(model, devices, strategies, meshes):
-        reason = _reason_ruled_out(model, strategy, mesh_shape, batch, seq)
-        if reason is None:
-            try:
-                candidate = predict(model, strategy, mesh_shape, batch, seq=seq,
-                                 optimizer=optimizer, precision=precision, hardware=hw,
-                                 memory_limit=limit)  # fmt: skip
-            except ValueError as e:  # the model does not split over this mesh
-                reason = str(e)
-        if reason is None and not candidate.fits:
-            reason = (f"needs {candidate.peak_bytes / 1e9:.3g} GB per device, more than the "
-                      f"{limit / 1e9:.3g} GB limit")  # fmt: skip
-        if reason is None:
-            candidates.append(candidate)
-        else:
-            ruled_out.append(RuledOut(strategy, tuple(mesh_shape.values()), reason,
-                                      tuple(mesh_shape)))  # fmt: skip
+    options = {"seq": seq, "optimizer": optimizer, "precision": precision, "hardware": hw,
+               "memory_limit": limit}  # fmt: skip
+    for strategy, mesh_shape, m in strategy_meshes(model, devices, strategies, meshes,
+                                                   microbatches):  # fmt: skip
+        for policy in (None,) if remat is None else remat:
+            got = _traced(model, strategy, mesh_shape, batch, m, policy, options)
+            if isinstance(got, Candidate):
+                candidates.append(got)
+            else:
+                ruled_out.append(RuledOut(strategy, tuple(mesh_shape.values()), got,
+                                          tuple(mesh_shape), m, policy or "none"))  # fmt: skip
     if not candidates:
-        why = "; ".join(f"{r.strategy} {r.mesh_text}: {r.reason}" for r in ruled_out)
+        why = "; ".join(f"{r.label} {r.mesh_text}: {r.reason}" for r in ruled_out)
         raise ValueError(
             f"no strategy and mesh of {devices} devices works for batch {batch}: {why}"
         )
     candidates = _ranked(candidates, hw, compile_top, recount)
     name = getattr(model, "name", type(model).__name__)
     return Search(candidates, ruled_out, name, batch, devices, hw, time.perf_counter() - start)
+
+
+AUTO_REMAT = ("none", "matmuls", "full")
+"""The policies ``search(remat=None)`` tries in turn until a candidate's peak fits."""
+
+
+def _traced(model, strategy, mesh_shape, batch, m, policy, options) -> Candidate | str:
+    """``strategy`` on ``mesh_shape`` at ``m`` microbatches predicted (``predict``) under the
+    remat ``policy``, or why it is ruled out. ``policy=None``: each of ``AUTO_REMAT`` in turn,
+    the first whose peak fits the memory limit."""
+    reason = reason_ruled_out(model, strategy, mesh_shape, batch, options["seq"], m)
+    if reason is not None:
+        return reason
+    for tried in (policy,) if policy is not None else AUTO_REMAT:
+        try:
+            candidate = predict(model, strategy, mesh_shape, batch, microbatches=m,
+                                remat=tried, **options)  # fmt: skip
+        except ValueError as e:  # the model does not split over this mesh
+            return str(e)
+        if candidate.fits:
+            return candidate
+    limit = options["memory_limit"]
+    return (f"needs {candidate.peak_bytes / 1e9:.3g} GB per device"
+            f"{' under remat ' + repr(tried) if tried != 'none' else ''}, more than the "
+            f"{limit / 1e9:.3g} GB limit")  # fmt: skip
 
 
 def _ranked(candidates: list[Candidate], hw: Hardware, compile_top: int, recount: bool):
@@ -367,87 +430,14 @@ def recounted(candidate: Candidate, hardware) -> Candidate:
                                step_time=candidate.compute_time + sum(comm.values()))  # fmt: skip
 
 
-def strategy_meshes(model, devices: int, strategies=None, meshes=None) -> list[tuple[str, dict]]:
-    """Every (strategy, mesh shape): by default each preset on ``data × model`` with
-    ``data · model = devices``; with ``meshes``, each preset whose axes a mesh has, on it."""
-    import shardops
-    import shardops_models as models
-
-    if meshes is None:
-        meshes = [{DATA_AXIS: devices // m, MODEL_AXIS: m}
-                  for m in range(1, devices + 1) if devices % m == 0]  # fmt: skip
-    else:
-        meshes = [shardops.parse_mesh(m) if isinstance(m, str) else dict(m) for m in meshes]
-        for shape in meshes:
-            if math.prod(shape.values()) != devices:
-                raise ValueError(f"mesh {_mesh_text(tuple(shape), tuple(shape.values()))} has "
-                                 f"{math.prod(shape.values())} devices, not {devices}")  # fmt: skip
-    if strategies is not None:
-        for name in strategies:
-            if name not in models.STRATEGIES:
-                raise ValueError(
-                    f"unknown strategy {name!r}; choose from {sorted(models.STRATEGIES)}"
-                )
-    out = []
-    for shape in meshes:
-        if strategies is None:
-            # ZeRO-1 is searched on request only: its compiled step holds a few hundred bytes
-            # more than the jaxpr's peak (program_cost), which the memory rule does not model.
-            names = [n for n in models.strategies_for(model, tuple(shape))
-                     if not models.STRATEGIES[n].zero1]  # fmt: skip
-        else:
-            names = list(strategies)
-        out += [(name, shape) for name in names if name != "ref"]
-    return out
-
-
-def _effective(strategy, shape: dict) -> dict:
-    """The kinds of ``strategy`` on the axes of ``shape`` that hold more than one device."""
-    out = {}
-    for kind, axes in strategy.rules.items():
-        kept = tuple(a for a in axes if shape.get(a, 1) > 1)
-        if kept:
-            out[kind] = kept
-    return out
-
-
-def _reason_ruled_out(model, strategy, shape: dict, batch, seq) -> str | None:
-    """Why ``strategy`` on the mesh ``shape`` is not worth listing, or None (checks that need
-    no build: the mesh's axes, duplicates, the batch and the sequence)."""
-    import shardops_models as models
-
-    s = models.STRATEGIES[strategy]
-    missing = [a for a in s.axes if a not in shape]
-    if missing:
-        return f"the mesh has no axis {', '.join(map(repr, missing))}"
-    mine = _effective(s, shape)
-    same = next((t.name for t in models.STRATEGIES.values()
-                 if set(t.axes) <= set(shape) and _effective(t, shape) == mine), None)  # fmt: skip
-    if same != strategy:
-        if not mine:
-            return "no parallelism: every device runs the whole single-device step"
-        unused = [a for a in s.axes if shape[a] == 1]
-        where = _mesh_text(tuple(shape), tuple(shape.values()))
-        return (f"same program as {same} {where} (the {', '.join(map(repr, unused))} axis it "
-                f"would split has size 1)")  # fmt: skip
-    if s.sp and not declared(model).sequence:
-        return "sp splits the sequence; this model has none"
-    n = math.prod(shape[a] for a in s.batch_axes)
-    if s.batch_axes and batch % n:
-        return (f"batch {batch} does not split over {' × '.join(s.batch_axes)} = {n}; use a "
-                f"multiple of {n}")  # fmt: skip
-    if s.sp:
-        tokens = model.context if seq is None else seq
-        if tokens % shape[s.tp]:
-            return f"sequence {tokens} does not split over {s.tp} = {shape[s.tp]} (sp splits it)"
-    return None
-
-
 def predict(model, strategy: str, mesh_shape, batch: int, *, seq=None, optimizer="adam",
-            precision=FLOAT32, hardware="h100-nvlink", memory_limit=None) -> Candidate:  # fmt: skip
+            precision=FLOAT32, hardware="h100-nvlink", memory_limit=None, microbatches: int = 1,
+            remat="none") -> Candidate:  # fmt: skip
     """The predicted costs of one candidate (it traces the step on an ``AbstractMesh``;
     compiles nothing, and needs no devices: any ``mesh_shape`` traces in this process).
-    ``mesh_shape``: axis sizes (a dict), or ``(data, model)``.
+    ``strategy``: a preset's name or a composite one (``"2d+1f1b"``, ``"fsdp_tp+ring"``,
+    ``"2d+ep"``: ``models.strategy_named``); ``mesh_shape``: axis sizes (a dict), or
+    ``(data, model)``; ``microbatches`` and ``remat`` as ``models.build`` takes them.
 
     Raises ``ValueError`` when the model does not split over the mesh (from ``models.build``)
     or its fsdp axes split no parameter and a preset runs that program (``dp`` for ``fsdp``)."""
@@ -459,9 +449,11 @@ def predict(model, strategy: str, mesh_shape, batch: int, *, seq=None, optimizer
     hw = hardware_named(hardware)
     shape = _shape(mesh_shape)
     mesh = abstract_mesh(shape)  # traced only: any number of devices, none of them simulated
-    setup = models.build(strategy, mesh, optimizer=_optimizer(optimizer), model=model,
-                         precision=precision)  # fmt: skip
-    _check_fsdp_splits(setup, models.STRATEGIES[strategy], shape)
+    s = models.strategy_named(strategy)
+    options = {"batch": batch, "seq": seq, "optimizer": optimizer, "precision": precision,
+               "microbatches": microbatches, "remat": remat}  # fmt: skip
+    setup = _setup(model, s, mesh, options)
+    check_fsdp_splits(setup, s, shape)
     budget = setup.collective_budget(batch, seq)
     args = setup.abstract_step_args(batch, seq)
     # The train step donates the state (argument 0): its buffers may be freed once read.
@@ -478,7 +470,6 @@ def predict(model, strategy: str, mesh_shape, batch: int, *, seq=None, optimizer
         comm[axes] = comm.get(axes, 0.0) + hw.latency * count
     compute = (cost.flops / hw.flops_for(_dtype_name(precision.compute_dtype))
                + cost.elementwise_bytes / hw.memory_bandwidth)  # fmt: skip
-    s = models.STRATEGIES[strategy]
     replicas = math.prod(n for a, n in shape.items() if a not in s.axes)  # axes it leaves unused
     state = _state_bytes_per_device(args[0])
     limit = hw.memory if memory_limit is None else memory_limit
@@ -488,48 +479,18 @@ def predict(model, strategy: str, mesh_shape, batch: int, *, seq=None, optimizer
         collectives=cost.collectives, comm_time=comm, flops=cost.flops,
         elementwise_bytes=cost.elementwise_bytes, compute_time=compute, state_bytes=state,
         peak_bytes=cost.peak_bytes, fits=cost.peak_bytes <= limit,
-        step_time=compute + sum(comm.values()), model=model,
-        options={"batch": batch, "seq": seq, "optimizer": optimizer, "precision": precision},
+        step_time=compute + sum(comm.values()), model=model, microbatches=microbatches, remat=remat,
+        options=options,
     )  # fmt: skip
 
 
-def _check_fsdp_splits(setup, strategy, shape: dict) -> None:
-    """A ``ValueError`` (the candidate is ruled out) when ``strategy``'s fsdp axes (of more than
-    one device) split no parameter and a preset runs that program: ``fsdp_spec`` keeps a leaf
-    with no dimension it can split replicated, so the step is the one with those axes under dp
-    (``fsdp`` → ``dp``, ``fsdp_tp`` → ``2d``). Without such a preset (``hsdp``: dp over replica
-    × data) the candidate stays listed."""
-    import jax
-    from jax.sharding import PartitionSpec
-
+def _setup(model, strategy, mesh, options: dict):
+    """``models.build`` of ``strategy`` on ``mesh`` with a candidate's ``options``."""
     import shardops_models as models
 
-    axes = tuple(a for a in strategy.fsdp or () if shape.get(a, 1) > 1)
-    if not axes:
-        return
-    specs = jax.tree.leaves(setup.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    used = {a for spec in specs for e in spec if e is not None
-            for a in (e if isinstance(e, tuple) else (e,))}  # fmt: skip
-    if used & set(axes):
-        return
-    as_dp = _effective(strategy, shape)
-    as_dp.pop("fsdp")
-    as_dp["dp"] = (*as_dp.get("dp", ()), *axes)
-    key = _ordered(as_dp, shape)
-    same = next((t.name for t in models.STRATEGIES.values()
-                 if set(t.axes) <= set(shape) and _ordered(_effective(t, shape), shape) == key),
-                None)  # fmt: skip
-    if same is not None:
-        n = math.prod(shape[a] for a in axes)
-        raise ValueError(f"same program as {same} {_mesh_text(tuple(shape), tuple(shape.values()))}: "
-                         f"no parameter has a dimension fsdp can split over {' × '.join(axes)} = "
-                         f"{n}, so every one stays replicated")  # fmt: skip
-
-
-def _ordered(kinds: dict, shape: dict) -> dict:
-    """``kinds`` (kind → axes) with each kind's axes in the mesh's order."""
-    order = list(shape)
-    return {kind: tuple(sorted(axes, key=order.index)) for kind, axes in kinds.items()}
+    return models.build(strategy, mesh, optimizer=_optimizer(options["optimizer"]), model=model,
+                        precision=options["precision"], remat=options.get("remat", "none"),
+                        microbatches=options.get("microbatches", 1))  # fmt: skip
 
 
 def _shape(mesh_shape) -> dict[str, int]:
@@ -565,8 +526,7 @@ def compiled_ledger(candidate: Candidate) -> CompiledLedger:
 
     o = candidate.options
     mesh = make_mesh(candidate.mesh_shape)
-    setup = models.build(candidate.strategy, mesh, optimizer=_optimizer(o["optimizer"]),
-                         model=candidate.model, precision=o["precision"])  # fmt: skip
+    setup = _setup(candidate.model, models.strategy_named(candidate.strategy), mesh, o)
     args = setup.abstract_step_args(o["batch"], o["seq"])
     start = time.perf_counter()
     lowered = setup.train_step.lower(*args)

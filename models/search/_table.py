@@ -6,8 +6,18 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING
 
+import shardops
+from shardops import DATA_AXIS, MODEL_AXIS
+
 if TYPE_CHECKING:
     from shardops_models.search._search import Search
+
+
+def _mesh_text(axes, sizes) -> str:
+    """``4×2`` on data × model; ``replica=2,data=2,model=2`` (``--mesh``'s spelling) on any
+    other axes."""
+    text = shardops.format_mesh(dict(zip(axes, sizes, strict=True)))
+    return text.replace("x", "×") if tuple(axes) == (DATA_AXIS, MODEL_AXIS) else text
 
 
 def _keyed(d: dict) -> dict:
@@ -45,13 +55,13 @@ def _table(p: Search):
         table.add_column(name, justify=justify)
     for lay in p.candidates:
         table.add_row(
-            str(lay.rank), lay.strategy, lay.mesh_text, str(lay.replicas),
+            str(lay.rank), lay.label, lay.mesh_text, str(lay.replicas),
             _per_axis(lay.ring_bytes, _mb), _per_axis(lay.collectives, str),
             _ms(sum(lay.comm_time.values())), _ms(lay.compute_time), _mb(lay.peak_bytes),
             "yes" if lay.fits else "no", _ms(lay.step_time),
         )  # fmt: skip
     for r in p.ruled_out:
-        table.add_row("-", r.strategy, r.mesh_text, "", f"ruled out: {r.reason}",
+        table.add_row("-", r.label, r.mesh_text, "", f"ruled out: {r.reason}",
                       "", "", "", "", "", "", style="dim")  # fmt: skip
     return table
 

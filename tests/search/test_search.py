@@ -41,11 +41,14 @@ SLOW_LINKS = shardops_models.search.Hardware(
 GPT_PEAK_GAP = 0.25
 
 
-def check_predictions_equal_the_ledger(planned, peak_gap: float = 0.0) -> None:
+def check_predictions_equal_the_ledger(planned, peak_gap: float = 0.0, loops=False) -> None:
+    """``loops``: the model scans its layers, and the lowered module lists a loop's collectives
+    once (the compiled one, by XLA's trip counts, once per iteration): only what the compiled
+    program runs is compared."""
     for lay in planned:
         c = lay.compiled
         assert c is not None, f"{lay.name} was not compiled"
-        assert c.requested == lay.budget, (
+        assert loops or c.requested == lay.budget, (
             f"{lay.name}: the compiled program asks for {c.requested}, the search predicted "
             f"{lay.budget}"
         )
@@ -297,3 +300,127 @@ def test_the_command_line_prints_the_ranked_table_and_the_compiled_ledger():
         args.update(dict([bad]))
         proc = run_cli(*[s for kv in args.items() for s in kv])
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+# --- pipeline, expert and context layouts (``_candidates``): a small Llama and its Mixtral
+LLAMA = models.Llama(vocab_size=64, d_model=32, num_layers=4, num_heads=4, num_kv_heads=4,
+                     d_ff=64, context=16)  # fmt: skip
+MIXTRAL = dataclasses.replace(LLAMA, experts=models.Experts(num_experts=4, k=2))
+COMPOSED = {
+    "pipe": (LLAMA, "pipe=2,data=2,model=2", ["2d+1f1b", "fsdp+gpipe", "ref+circular"]),
+    "expert": (MIXTRAL, "data=2,expert=2,model=2", ["2d+ep", "fsdp_tp+ep"]),
+    "context": (LLAMA, "data=2,context=2,model=2", ["2d+ring", "fsdp+allgather", "tp+ulysses"]),
+}
+
+
+@pytest.mark.parametrize("axis", sorted(COMPOSED))
+def test_pipeline_expert_and_context_predictions_equal_the_compiled_ledger(axis):
+    """Each kind a mesh's ``pipe``, ``expert`` or ``context`` axis names, composed with
+    presets: the bytes traced on an AbstractMesh equal the compiled program's on 8 devices
+    (pipelines at 2 microbatches: 1F1B's, GPipe's and circular's phases)."""
+    model, mesh, strategies = COMPOSED[axis]
+    planned = shardops_models.search.search(model, 8, 8, hardware="cpu-sim", meshes=[mesh],
+                                            strategies=strategies, microbatches=(2,),
+                                            compile_top=100)  # fmt: skip
+    assert sorted(lay.label for lay in planned) == sorted(
+        f"{s} M=2" if axis == "pipe" else s for s in strategies
+    ), planned.ruled_out
+    check_predictions_equal_the_ledger(planned, peak_gap=GPT_PEAK_GAP, loops=True)
+    if axis == "pipe":  # the microbatches reach the traced step: twice as many sends
+        two, four = (shardops_models.search.predict(model, "2d+1f1b", {"pipe": 2, "data": 2,
+                                                    "model": 2}, 8, microbatches=m)
+                     for m in (2, 4))  # fmt: skip
+        assert four.collectives[("pipe",)] > two.collectives[("pipe",)], (two, four)
+
+
+def test_pipeline_expert_and_context_layouts_compiled_on_64_devices_equal_their_predictions():
+    """A subprocess with 64 simulated devices compiles (never runs) 2d+1f1b, 2d+ep and 2d+ring
+    of the Mixtral (its load balance per group: a pipeline's microbatches refuse the global
+    one), each on a mesh of its own; every other pairing is ruled out for the axis it lacks."""
+    mixtral = dataclasses.replace(MIXTRAL, experts=models.Experts(num_experts=4, k=2,
+                                                                  load_balance="group"))  # fmt: skip
+    meshes = ["pipe=2,data=8,model=4", "data=8,expert=4,model=2", "data=8,context=4,model=2"]
+    planned = shardops_models.search.search(mixtral, 128, 64, hardware="cpu-sim", meshes=meshes,
+                                            strategies=["2d+1f1b", "2d+ep", "2d+ring"],
+                                            microbatches=(2,), compile_top=3, timeout=600)  # fmt: skip
+    assert sorted(lay.name for lay in planned) == [
+        "2d+1f1b M=2 pipe=2,data=8,model=4", "2d+ep data=8,expert=4,model=2",
+        "2d+ring data=8,context=4,model=2",
+    ]  # fmt: skip
+    assert {r.reason.split(" '")[0] for r in planned.ruled_out} == {"the mesh has no axis"}
+    check_predictions_equal_the_ledger(planned, peak_gap=GPT_PEAK_GAP, loops=True)
+
+
+def test_a_meshs_pipe_expert_and_context_axes_compose_with_every_preset():
+    """Without ``strategies``: every preset on the plain axes, each with every schedule at P,
+    2P and 4P microbatches (``pipe``), expert parallelism (``expert``) or every context
+    attention (``context``); ``ref`` composed alone on a mesh of ``pipe``; the axis always used."""
+    from shardops_models.search._candidates import strategy_meshes
+
+    def names(mesh, model=LLAMA):
+        return {(s, m) for s, _, m in strategy_meshes(model, 8, meshes=[mesh])}
+
+    presets = set(models.strategies_for(LLAMA, ("data", "model"))) - {"zero1", "zero1_tp"}
+    pipe = names("pipe=2,data=2,model=2")
+    assert pipe == {(f"{p}+{s}", m) for p in presets for s in ("gpipe", "1f1b", "circular")
+                    for m in (2, 4, 8)}  # fmt: skip
+    assert names("pipe=8") == {(f"ref+{s}", m) for s in ("gpipe", "1f1b", "circular")
+                               for m in (8, 16, 32)}  # fmt: skip
+    assert names("data=4,expert=2", MIXTRAL) == {("dp+ep", 1), ("fsdp+ep", 1), ("ref+ep", 1)}
+    assert names("data=4,context=2") == {(f"{p}+{c}", 1) for p in ("dp", "fsdp", "ref")
+                                         for c in ("allgather", "ring", "ulysses")}  # fmt: skip
+
+
+def test_composed_candidates_ruled_out_say_why():
+    from shardops_models.search._candidates import reason_ruled_out
+
+    mesh = {"pipe": 2, "data": 4, "model": 1}
+    assert reason_ruled_out(LLAMA, "2d+1f1b", mesh, 16, None, 2).startswith(
+        "same program as dp+1f1b pipe=2,data=4,model=1"
+    )
+    assert reason_ruled_out(LLAMA, "dp+1f1b", mesh, 16, None, 2) is None
+    assert reason_ruled_out(LLAMA, "dp+1f1b", mesh, 16, None, 8) == (
+        "a device's 4 rows do not split into 8 microbatches; use a batch that is a multiple of 32"
+    )
+    assert reason_ruled_out(LLAMA, "dp+1f1b", {"pipe": 1, "data": 8}, 16, None, 2) == (
+        "the 'pipe' axis it would pipeline has size 1"
+    )
+    assert reason_ruled_out(SEED, "dp+ring", {"data": 4, "context": 2}, 16, None) == (
+        "context parallelism splits the sequence; this model has none"
+    )
+    with pytest.raises(ValueError, match=r"ref\+circular M=8 pipe=8: .*layers"):
+        shardops_models.search.search(LLAMA, 8, 8, meshes=["pipe=8"],
+                                      strategies=["ref+circular"], microbatches=(8,))  # fmt: skip
+
+
+def test_remat_policies_predict_the_compiled_bytes_and_trade_flops_for_memory():
+    """Each remat policy traced: the bytes equal the compiled program's (tp's forward
+    all-reduces run again where their outputs are not saved), the peak falls and the FLOPs
+    grow from none to matmuls to full."""
+    planned = shardops_models.search.search(LLAMA, 16, 8, hardware="cpu-sim", strategies=["2d"],
+                                            meshes=["data=2,model=4"], compile_top=100,
+                                            remat=("none", "matmuls", "full"))  # fmt: skip
+    check_predictions_equal_the_ledger(planned, peak_gap=GPT_PEAK_GAP, loops=True)
+    by = {lay.remat: lay for lay in planned}
+    assert by["none"].peak_bytes > by["matmuls"].peak_bytes > by["full"].peak_bytes, by
+    assert by["none"].flops < by["matmuls"].flops < by["full"].flops, by
+    assert by["full"].label == "2d remat=full"
+
+
+def test_a_candidate_that_does_not_fit_is_traced_again_under_remat():
+    """By default a candidate over the memory limit is traced under "matmuls", then "full",
+    and listed under the first that fits; past both it is ruled out, naming the last."""
+    peaks = {policy: shardops_models.search.predict(LLAMA, "2d", {"data": 2, "model": 4}, 16,
+                                                    remat=policy).peak_bytes
+             for policy in ("none", "matmuls", "full")}  # fmt: skip
+
+    def listed(limit):
+        planned = shardops_models.search.search(LLAMA, 16, 8, strategies=["2d"],
+                                                meshes=["data=2,model=4"], memory_limit=limit)  # fmt: skip
+        return [lay.label for lay in planned]
+
+    assert listed(peaks["none"]) == ["2d"]
+    assert listed((peaks["none"] + peaks["matmuls"]) // 2) == ["2d remat=matmuls"]
+    assert listed((peaks["matmuls"] + peaks["full"]) // 2) == ["2d remat=full"]
+    with pytest.raises(ValueError, match=r"2d 2×4: needs .* GB per device under remat 'full'"):
+        listed(peaks["full"] - 1)
