@@ -8,7 +8,8 @@ axes (``models.strategy_named``):
 
 - ``pipe``: every pipeline schedule (``+gpipe``, ``+1f1b``, ``+circular``), each at every
   count of ``microbatches`` (default P, 2P and 4P on P stages);
-- ``expert``: expert parallelism (``+ep``; a model without experts is ruled out by its build);
+- ``expert``: expert parallelism (``+ep``, composed for every model; one without experts is
+  ruled out by its build);
 - ``context``: every context-parallel attention (``+allgather``, ``+ring``, ``+ulysses``).
 
 Such an axis is always used: a preset alone would leave it to replicas. On a mesh of ``pipe``
@@ -44,15 +45,21 @@ def strategy_meshes(model, devices: int, strategies=None, meshes=None,
     import shardops_models as models
 
     meshes = _meshes(devices, meshes)
+    if isinstance(microbatches, int):
+        microbatches = (microbatches,)
+    if microbatches is not None and (not microbatches or not all(
+            isinstance(m, int) and not isinstance(m, bool) and m > 0 for m in microbatches)):  # fmt: skip
+        raise ValueError(f"microbatches must be positive integers (or None: P, 2P and 4P on P "
+                         f"stages); got {microbatches!r}")  # fmt: skip
     for name in strategies or ():
         models.strategy_named(name)  # an unknown name raises, naming the choices
     out = []
     for shape in meshes:
         names = _names(model, shape) if strategies is None else list(strategies)
         for name in names:
-            pp = models.strategy_named(name).pp
-            stages = shape.get(pp, 1) if pp else 1
-            counts = (1,) if pp is None else microbatches or (stages, 2 * stages, 4 * stages)
+            stages = shape.get(models.strategy_named(name).pp, 1)
+            # No pipe axis (or one of size 1): one candidate, which is ruled out for it.
+            counts = (1,) if stages == 1 else microbatches or (stages, 2 * stages, 4 * stages)
             out += [(name, shape, m) for m in counts]
     return out
 
@@ -127,7 +134,7 @@ def reason_ruled_out(model, strategy: str, shape: dict, batch, seq, microbatches
             return f"the {axis!r} axis it would {WHAT[kind]} has size 1"
     mine = _effective(s, shape)
     same = _same_program(s, mine, shape)
-    if same != s.name:
+    if same is not None and same != s.name:  # (a Strategy of the user's own is no preset's)
         if not mine:
             return "no parallelism: every device runs the whole single-device step"
         unused = [a for a in s.axes if shape[a] == 1]

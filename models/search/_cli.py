@@ -26,6 +26,7 @@ from shardops_models.search._search import (
     search,
 )  # fmt: skip
 from shardops_models.search._table import _compiled_table
+from shardops_models.strategies.remat import POLICIES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -97,8 +98,10 @@ def _checked_meshes(p: argparse.ArgumentParser, args) -> list[dict[str, int]] | 
         p.error(f"--devices must be a positive integer; got {args.devices}")
     if args.batch < 1:
         p.error(f"--batch must be a positive integer; got {args.batch}")
-    if any(m < 1 for m in args.microbatches or ()):
-        p.error(f"--microbatches must be positive integers; got {args.microbatches}")
+    if args.microbatches is not None and not all(m > 0 for m in args.microbatches or [0]):
+        p.error(f"--microbatches needs positive integers; got {args.microbatches}")
+    if args.remat is not None and not all(r in POLICIES for r in args.remat or ["-"]):
+        p.error(f"--remat needs policies among {', '.join(POLICIES)}; got {args.remat}")
     if args.compile_top < 0:
         p.error(f"--compile-top must be ≥ 0; got {args.compile_top}")
     if args.hardware != "calibrate" and args.hardware not in HARDWARE:
@@ -116,8 +119,9 @@ def _print_result(result: Search, args) -> None:
     console.print(result.table())
     if args.compile_top:
         console.print(_compiled_table(result))
-    console.print(f"searched in {result.seconds:.1f} s; bytes are what the program asks for "
-                  f"(Ledger.totals(requested=True)); times use {result.hardware.source or result.hardware.name}")  # fmt: skip
+    console.print(f"searched in {result.seconds:.1f} s; bytes are the traced step's, a scanned "
+                  f"layer's collectives once per layer (Ledger.totals()); times use "
+                  f"{result.hardware.source or result.hardware.name}")  # fmt: skip
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result.as_dict(), indent=1))
         console.print(f"wrote {args.json}")

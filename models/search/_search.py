@@ -11,9 +11,11 @@ count, ranked by an analytic cost model, with the compiled ledger of the best on
 Per candidate, without compiling anything:
 
 - bytes V per (collective, mesh axes): ``Setup.collective_budget``, read from the traced step
-  (``shardops.inspect.traced_ledger``). These are the bytes the program *asks for* (the lowered module,
-  ``Ledger.totals(requested=True)``); under FLOAT32 they also equal what XLA:CPU runs
-  (``Ledger.totals()``), under bf16 policies XLA:CPU promotes bf16 collectives to f32.
+  (``shardops.inspect.traced_ledger``), a scanned layer's collectives once per layer. Under
+  FLOAT32 they equal what XLA:CPU runs (``Ledger.totals()``); for a model that does not scan
+  its layers, also what the lowered module asks for (``Ledger.totals(requested=True)``, which
+  lists a loop's collectives once). Under bf16 policies XLA:CPU promotes bf16 collectives to
+  f32.
 - ring bytes per device per axis: ``shardops.inspect.ring_bytes`` of those.
 - per device, from the jaxpr of the train step (``shardops_models.search._program_cost``): matmul FLOPs,
   bytes written by the other ops, the number of collectives per axis and the peak of live bytes.
@@ -123,8 +125,11 @@ class CompiledLedger:
     """Lower + compile time."""
 
     def matches(self, candidate: Candidate) -> bool:
-        """Whether the compiled program asks for exactly the bytes the search predicted."""
-        return self.requested == candidate.budget
+        """Whether the program asks for exactly the bytes the search predicted (the lowered
+        module's request), or runs them (the compiled program's: the lowered module lists a
+        scanned layer's collectives once, the compiled one once per iteration, by XLA's trip
+        counts)."""
+        return candidate.budget in (self.requested, self.totals)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,6 +353,7 @@ def search(
             compile_top=compile_top, recount=recount, timeout=timeout, meshes=meshes,
             microbatches=microbatches, remat=remat,
         )  # fmt: skip
+    remat = _remat_policies(remat)
     start = time.perf_counter()
     model = model_named(model)
     limit = hw.memory if memory_limit is None else memory_limit
@@ -373,6 +379,21 @@ def search(
     return Search(candidates, ruled_out, name, batch, devices, hw, time.perf_counter() - start)
 
 
+def _remat_policies(remat) -> tuple | None:
+    """``search``'s ``remat``: None (automatic), or a non-empty tuple of policies (one policy
+    alone is a tuple of it)."""
+    if remat is None:
+        return None
+    if isinstance(remat, (str, bool)) or callable(remat):
+        return (remat,)
+    remat = tuple(remat)
+    if not remat or any(policy is None for policy in remat):
+        raise ValueError(f"remat must be None (none, then matmuls and full where a candidate "
+                         f"does not fit), a policy, or policies (e.g. ('none', 'full')); got "
+                         f"{remat!r}")  # fmt: skip
+    return remat
+
+
 AUTO_REMAT = ("none", "matmuls", "full")
 """The policies ``search(remat=None)`` tries in turn until a candidate's peak fits."""
 
@@ -386,13 +407,16 @@ def _traced(model, strategy, mesh_shape, batch, m, policy, options) -> Candidate
         return reason
     for tried in (policy,) if policy is not None else AUTO_REMAT:
         try:
-            candidate = predict(model, strategy, mesh_shape, batch, microbatches=m,
-                                remat=tried, **options)  # fmt: skip
+            got = predict(model, strategy, mesh_shape, batch, microbatches=m,
+                          remat=tried, **options)  # fmt: skip
         except ValueError as e:  # the model does not split over this mesh
-            return str(e)
+            if tried in (policy, AUTO_REMAT[0]):
+                return str(e)
+            break  # the last policy that traced says how much it needs
+        candidate = got
         if candidate.fits:
             return candidate
-    limit = options["memory_limit"]
+    limit, tried = options["memory_limit"], candidate.remat
     return (f"needs {candidate.peak_bytes / 1e9:.3g} GB per device"
             f"{' under remat ' + repr(tried) if tried != 'none' else ''}, more than the "
             f"{limit / 1e9:.3g} GB limit")  # fmt: skip

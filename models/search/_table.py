@@ -88,7 +88,7 @@ def _compiled_table(p: Search):
                 _mb(lay.peak_bytes) if first else "",
                 (_mb(c.peak_bytes) if c.peak_bytes is not None else "?") if first else "",
                 f"{c.seconds:.2f}" if first else "",
-                style=None if lay.budget.get(key, 0) == c.requested.get(key, 0) else "bold red",
+                style=None if c.matches(lay) else "bold red",
             )  # fmt: skip
     return table
 

@@ -34,10 +34,11 @@ def fingerprints(state: TrainState) -> dict[str, str]:
     Each element's bits (widened to uint32; two words for a 64-bit type) are mixed with its
     flat index through an integer hash and the results summed mod 2^32, under each of two
     seeds: integer arithmetic, so the sums are exact, and a changed, moved or swapped element
-    changes them (but for a chance of 2^-64). A split leaf's blocks are summed on their
-    devices by one jitted program per shape, dtype and layout, with no collective (programs in
-    flight with collectives can deadlock XLA:CPU's simulated devices); a leaf that is whole on
-    each device holding it is summed on one of them. The block sums (one per replica group)
+    changes them (but for a chance of 2^-64). A leaf split by a ``NamedSharding`` has its
+    blocks summed on their devices by one jitted program per shape, dtype and layout, with no
+    collective (programs in flight with collectives can deadlock XLA:CPU's simulated devices);
+    a leaf that is whole on each device holding it is summed on one of them; a leaf split by
+    another kind of sharding, block by block. The block sums (one per replica group)
     are added on the host and, in a multi-process run, over the processes (every process must
     call it), so every process and every layout of a leaf get the same fingerprint.
     """
@@ -48,14 +49,16 @@ def fingerprints(state: TrainState) -> dict[str, str]:
         leaf = jnp.asarray(leaf)
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             leaf = jax.random.key_data(leaf)
-        split = _split(leaf.sharding.spec) if isinstance(leaf.sharding, NamedSharding) else ()
-        if split:
+        if isinstance(leaf.sharding, NamedSharding) and not leaf.sharding.is_fully_replicated:
             program = _sharded_sums(leaf.sharding.mesh, leaf.sharding.spec, leaf.shape)
             blocks.append((n, program(leaf)))
-        else:  # whole on every device that holds it: summed on the first replica's alone
-            for shard in leaf.addressable_shards:
-                if shard.replica_id == 0:
-                    blocks.append((n, _single(shard.data)))
+            continue
+        # Whole on every device that holds it (summed on the first replica's alone), or split
+        # by another kind of sharding (each block summed on its device, from its index).
+        for shard in leaf.addressable_shards:
+            if shard.replica_id == 0:
+                offsets = np.array([i.start or 0 for i in shard.index], np.uint32)
+                blocks.append((n, _block_sums(shard.data, offsets, shape=leaf.shape)))
     sums = np.zeros((len(leaves), len(SEEDS)), np.uint32)
     for n, block in blocks:
         for shard in block.addressable_shards:
@@ -67,7 +70,7 @@ def fingerprints(state: TrainState) -> dict[str, str]:
             for (path, _), (a, b) in zip(leaves, sums.tolist(), strict=True)}  # fmt: skip
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)
 def _sharded_sums(mesh, spec: P, shape: tuple[int, ...]):
     """A jitted ``leaf → uint32[blocks, 2]``: the sums (``_sums``) of each block of a leaf of
     ``shape`` laid out as ``spec`` on ``mesh``, on the devices that hold it (replicated over
@@ -97,10 +100,11 @@ def _split(spec: P) -> tuple[str, ...]:
     return tuple(axis for entry in spec for axis in _axes(entry))
 
 
-@jax.jit
-def _single(leaf: jax.Array) -> jax.Array:
-    """uint32[1, 2]: the sums (``_sums``) of a leaf on one device."""
-    return _sums(leaf, [0] * leaf.ndim, leaf.shape)[None]
+@functools.partial(jax.jit, static_argnames="shape")
+def _block_sums(block: jax.Array, offsets: jax.Array, *, shape: tuple[int, ...]) -> jax.Array:
+    """uint32[1, 2]: the sums (``_sums``) of one block on its device, ``offsets`` its start in
+    the leaf of ``shape``."""
+    return _sums(block, list(offsets), shape)[None]
 
 
 def _sums(block: jax.Array, offsets, shape: tuple[int, ...]) -> jax.Array:

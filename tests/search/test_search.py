@@ -424,3 +424,22 @@ def test_a_candidate_that_does_not_fit_is_traced_again_under_remat():
     assert listed((peaks["matmuls"] + peaks["full"]) // 2) == ["2d remat=full"]
     with pytest.raises(ValueError, match=r"2d 2×4: needs .* GB per device under remat 'full'"):
         listed(peaks["full"] - 1)
+
+
+def test_microbatches_and_remat_are_checked(capsys):
+    """A bad count or policy list is one clear error, not every candidate ruled out; one
+    policy alone is a policy, not its letters."""
+    for microbatches in ([0], [], [2.0]):
+        with pytest.raises(ValueError, match="microbatches must be positive integers"):
+            shardops_models.search.search(LLAMA, 8, 8, meshes=["pipe=8"],
+                                          microbatches=microbatches)  # fmt: skip
+    for remat in ([], ["full", None]):
+        with pytest.raises(ValueError, match="remat must be None"):
+            shardops_models.search.search(SEED, 64, 8, strategies=["dp"], remat=remat)
+    (lay,) = shardops_models.search.search(SEED, 64, 8, strategies=["dp"], meshes=["8x1"],
+                                           remat="full")  # fmt: skip
+    assert lay.label == "dp remat=full"
+    for flag in (["--remat", "fulll"], ["--remat"], ["--microbatches", "0"]):
+        with pytest.raises(SystemExit):
+            shardops_models.search.main(["--batch", "64", "--devices", "8", *flag])
+        assert "needs" in capsys.readouterr().err

@@ -457,7 +457,8 @@ STRIDE = "        index = index + element * jnp.uint32(stride) * jnp.uint32(w)\n
 OFFSET = "            offsets.append(jnp.uint32(index) * jnp.uint32(local.shape[d]))\n"
 MAJOR = "            for axis in axes:\n"
 ONCE = "            if shard.replica_id == 0:  # each block once over every process\n"
-FIRST_REPLICA = "                if shard.replica_id == 0:\n"
+FIRST_REPLICA = "            if shard.replica_id == 0:\n"
+BLOCK_START = "                offsets = np.array([i.start or 0 for i in shard.index], np.uint32)\n"
 OWN_STEP = '        if record["step"] != step:\n'
 CREATE = (
     "                create=False,  # ``save`` creates the folder: reading one creates nothing\n"
@@ -578,7 +579,13 @@ MUTANTS = {
     # A whole leaf summed on every device that holds it.
     "fingerprint_of_a_whole_leaf_on_every_replica": (
         FIRST_REPLICA,
-        "                if True:\n",
+        "            if True:\n",
+        fingerprints_on_every_layout,
+    ),
+    # A block of a leaf split by another kind of sharding indexed from its own start.
+    "fingerprint_of_another_sharding_ignores_the_block_offset": (
+        BLOCK_START,
+        BLOCK_START.replace("i.start or 0", "0"),
         fingerprints_on_every_layout,
     ),
 }

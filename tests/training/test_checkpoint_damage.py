@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from jax._src.sharding_impls import GSPMDSharding
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -414,9 +415,9 @@ def numpy_fingerprint(x: np.ndarray) -> str:
 
 
 def check_fingerprints_on_every_layout(module=checkpoint) -> None:
-    """A leaf of each dtype on one device and in 5 layouts of a 4×2 mesh (replicated ones, and
-    one dimension split over both axes, included): the numpy definition's fingerprint each time; one element changed, or two
-    swapped, changes it."""
+    """A leaf of each dtype on one device and in 6 layouts of a 4×2 mesh (replicated ones, one
+    dimension split over both axes, and a split by XLA's own sharding included): the numpy
+    definition's fingerprint each time; one element changed, or two swapped, changes it."""
     mesh = shardops.make_mesh({"data": 4, "model": 2})
     rng = np.random.default_rng(0)
     for dtype in (np.float32, jax.numpy.bfloat16, np.int32, np.int8, np.bool_):
@@ -432,6 +433,10 @@ def check_fingerprints_on_every_layout(module=checkpoint) -> None:
                 P(("model", "data")),
             )
         ]
+        # Split by a sharding of another kind (XLA's own, as some compiled outputs carry).
+        named = NamedSharding(mesh, P("model", "data"))
+        gspmd = GSPMDSharding(tuple(mesh.devices.flat), named._to_xla_hlo_sharding(2))
+        leaves.append(jax.device_put(x, gspmd))
         for leaf in leaves:
             got = module.fingerprints(models.TrainState({"x": leaf}, ()))
             assert got == {"params['x']": want}, (dtype, leaf.sharding, got, want)
