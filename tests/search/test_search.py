@@ -3,6 +3,7 @@ candidate it lists, on this process's 8 devices and on 64 simulated ones; it rul
 run, with the reason; it ranks by the predicted step time; the command line prints a table."""
 
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -436,9 +437,11 @@ def test_microbatches_and_remat_are_checked(capsys):
     for remat in ([], ["full", None]):
         with pytest.raises(ValueError, match="remat must be None"):
             shardops_models.search.search(SEED, 64, 8, strategies=["dp"], remat=remat)
-    (lay,) = shardops_models.search.search(SEED, 64, 8, strategies=["dp"], meshes=["8x1"],
+    result = shardops_models.search.search(SEED, 64, 8, strategies=["dp"], meshes=["8x1"],
                                            remat="full")  # fmt: skip
-    assert lay.label == "dp remat=full"
+    assert [lay.label for lay in result] == ["dp remat=full"]
+    written = json.loads(json.dumps(result.as_dict()))["candidates"][0]  # --json's content
+    assert (written["remat"], written["microbatches"]) == ("full", 1), written
     for flag in (["--remat", "fulll"], ["--remat"], ["--microbatches", "0"]):
         with pytest.raises(SystemExit):
             shardops_models.search.main(["--batch", "64", "--devices", "8", *flag])
