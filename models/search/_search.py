@@ -327,8 +327,8 @@ def search(
         microbatches: the microbatch counts each pipeline candidate is traced at (default P,
             2P and 4P on P stages).
         remat: the activation-checkpoint policies (``models.build``'s ``remat``: ``"none"``,
-            ``"full"``, ``"matmuls"``, ``"offload"``, names) each candidate is traced under,
-            each listed; default: without remat, and a candidate whose peak exceeds the memory
+            ``"full"``, ``"matmuls"``, ``"offload"``, a ``Remat``; a tuple of activation names
+            is one policy, so pass it inside a list) each candidate is traced under, each listed; default: without remat, and a candidate whose peak exceeds the memory
             limit again under ``"matmuls"``, then ``"full"``, listed under the first that fits.
         compile_top: compile the best this many candidates (``compiled_ledger``), never run them.
         recount: re-time the compiled candidates with the number of collectives the compiled
@@ -382,9 +382,11 @@ def search(
 def _remat_policies(remat) -> tuple | None:
     """``search``'s ``remat``: None (automatic), or a non-empty tuple of policies (one policy
     alone is a tuple of it)."""
+    from shardops_models.strategies.remat import Remat
+
     if remat is None:
         return None
-    if isinstance(remat, (str, bool)) or callable(remat):
+    if isinstance(remat, (str, bool, Remat)) or callable(remat):
         return (remat,)
     remat = tuple(remat)
     if not remat or any(policy is None for policy in remat):
