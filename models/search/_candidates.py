@@ -26,6 +26,7 @@ from shardops.layers import CONTEXT_METHODS
 from shardops.pipeline import SCHEDULES
 from shardops_models.networks.contract import declared
 from shardops_models.search._table import _mesh_text
+from shardops_models.strategies.kind import axes_of
 from shardops_models.strategies.layout import EXPERT_AXIS
 
 # The axes that name a kind composed with the presets, with the name parts each adds.
@@ -170,8 +171,7 @@ def check_fsdp_splits(setup, strategy, shape: dict) -> None:
     if not axes:
         return
     specs = jax.tree.leaves(setup.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    used = {a for spec in specs for e in spec if e is not None
-            for a in (e if isinstance(e, tuple) else (e,))}  # fmt: skip
+    used = {a for spec in specs for e in spec for a in axes_of(e, "a PartitionSpec entry")}
     if used & set(axes):
         return
     as_dp = _effective(strategy, shape)

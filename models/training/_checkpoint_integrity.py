@@ -17,6 +17,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardops_models.strategies.kind import axes_of
 from shardops_models.training._checkpoint_record import SHOWN, _key, _leaves
 from shardops_models.training._state import TrainState
 
@@ -75,7 +76,7 @@ def _sharded_sums(mesh, spec: P, shape: tuple[int, ...]):
     """A jitted ``leaf → uint32[blocks, 2]``: the sums (``_sums``) of each block of a leaf of
     ``shape`` laid out as ``spec`` on ``mesh``, on the devices that hold it (replicated over
     the axes it is not split on)."""
-    entries = [_axes(e) for e in spec] + [()] * (len(shape) - len(spec))
+    entries = [axes_of(e, "a PartitionSpec entry") for e in spec] + [()] * (len(shape) - len(spec))
 
     def block(local):
         offsets = []
@@ -87,17 +88,12 @@ def _sharded_sums(mesh, spec: P, shape: tuple[int, ...]):
         return _sums(local, offsets, shape)[None]
 
     out = P(_split(spec))  # a row a block
-    return jax.jit(jax.shard_map(block, mesh=mesh, in_specs=spec, out_specs=out, check_vma=False))
-
-
-def _axes(entry) -> tuple[str, ...]:
-    """The mesh axes one entry of a ``PartitionSpec`` splits its dimension over."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return jax.jit(jax.shard_map(block, mesh=mesh, in_specs=spec, out_specs=out))
 
 
 def _split(spec: P) -> tuple[str, ...]:
     """Every mesh axis ``spec`` splits a dimension over, in its order."""
-    return tuple(axis for entry in spec for axis in _axes(entry))
+    return tuple(axis for entry in spec for axis in axes_of(entry, "a PartitionSpec entry"))
 
 
 @functools.partial(jax.jit, static_argnames="shape")
